@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Set up ubep on a fresh machine: Open MPI (for the bench's MPI row), a virtual
+# environment with torch (CPU build) and ubep with its test tools.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+if ! command -v mpicc >/dev/null 2>&1; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+        echo "setup: installing Open MPI from Debian's packages"
+        apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openmpi-bin libopenmpi-dev >/dev/null
+    else
+        echo "setup: Open MPI not found and cannot be installed here; 'ubep bench' will skip its mpi row"
+    fi
+fi
+python3 -m venv .venv
+.venv/bin/pip install -q --upgrade pip
+.venv/bin/pip install -q torch==2.13.0
+extras="dev"
+command -v mpicc >/dev/null 2>&1 && extras="dev,mpi"
+.venv/bin/pip install -q -e ".[$extras]"
+echo "setup: done ($(.venv/bin/python -c 'import torch; print("torch", torch.__version__)'))"

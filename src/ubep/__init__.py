@@ -1,0 +1,34 @@
+"""ubep: Unified-Bus Expert Parallelism for PyTorch.
+
+MoE dispatch and combine with DeepEP's semantics, run by an asynchronous,
+data-as-flag protocol over a shared address space (shared memory among the
+ranks of a host) or over torch.distributed between hosts.
+"""
+
+from ubep.buffer import Buffer
+from ubep.errors import CommTimeoutError, ConfigMismatchError, PeerDataError, UbepError
+from ubep.launcher import LocalLaunch, RankFailedError
+from ubep.layout import DispatchLayout, ExpertPlacement
+from ubep.overlap import EventOverlap
+from ubep.results import CombineResult, DispatchHandle, DispatchResult, LayoutResult
+from ubep.waiting import PeerAbortedError
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Buffer",
+    "CombineResult",
+    "CommTimeoutError",
+    "ConfigMismatchError",
+    "DispatchHandle",
+    "DispatchLayout",
+    "DispatchResult",
+    "EventOverlap",
+    "ExpertPlacement",
+    "LayoutResult",
+    "LocalLaunch",
+    "PeerAbortedError",
+    "PeerDataError",
+    "RankFailedError",
+    "UbepError",
+]

@@ -1,0 +1,3 @@
+from ubep.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,320 @@
+"""`Buffer`: the public entry point, with DeepEP's normal-mode semantics.
+
+It validates at the boundary, derives the layout, hands the exchange to the
+protocol chosen at construction, and packs results into NamedTuples. It keeps
+only what lives as long as the Buffer (the exchange and its buffers, the call
+counter); everything about one call travels in the returned handle.
+
+Legend: see `ubep.layout`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+
+from ubep import validate
+from ubep.errors import ConfigMismatchError
+from ubep.group import GroupInfo, choose_transport, join_group
+from ubep.layout import ExpertPlacement, dispatch_layout, expert_counts
+from ubep.overlap import EventOverlap
+from ubep.protocols.base import CallCounter, CallId, Exchange, SendPlan, ShmPeers, Sizing
+from ubep.protocols.bsp_dist import BspDist
+from ubep.protocols.bsp_shm import BspShm, bsp_layout
+from ubep.protocols.local import LocalExchange
+from ubep.protocols.ubep_shm import UbepShm, ubep_layout
+from ubep.results import CombineResult, DispatchHandle, DispatchResult, LayoutResult
+
+VERSION = "0.1.0"
+PROTOCOLS = ("ubep", "bsp")
+
+
+class Buffer:
+    """Dispatch/combine for one EP group; construct it on every rank with the same sizing.
+
+    Args:
+        group: the torch.distributed group (None: the default group, or a group
+            of one when torch.distributed is not initialised and not under torchrun).
+        hidden: H, the hidden size of every token.
+        num_experts: E, experts in the group; E % R == 0.
+        max_tokens_per_rank: T, the most tokens any rank passes to one call.
+        transport: "auto" (shared memory within a host, torch.distributed across
+            hosts), "shm" or "dist". `explain()` says what was chosen and why.
+        protocol: "ubep" (asynchronous, data as flag) or "bsp" (the barrier baseline).
+        timeout_s: deadline of every wait on a peer.
+        max_topk: the largest K a call may use (sizes the routing buffers).
+        expert_placement: optional list of E owner ranks (default: contiguous blocks).
+    """
+
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None = None,
+        *,
+        hidden: int,
+        num_experts: int,
+        max_tokens_per_rank: int,
+        transport: str = "auto",
+        protocol: str = "ubep",
+        timeout_s: float = 30.0,
+        max_topk: int = 16,
+        expert_placement: list[int] | torch.Tensor | None = None,
+    ):
+        validate.positive("hidden", hidden)
+        validate.positive("num_experts", num_experts)
+        validate.positive("max_tokens_per_rank", max_tokens_per_rank)
+        validate.positive("max_topk", max_topk)
+        if protocol not in PROTOCOLS:
+            raise ValueError(f"protocol must be one of {PROTOCOLS}, got {protocol!r}")
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        self._info: GroupInfo = join_group(group)
+        R = self._info.world_size
+        placement = (
+            ExpertPlacement.contiguous(num_experts, R)
+            if expert_placement is None
+            else ExpertPlacement.from_ranks(expert_placement, R)
+        )
+        if placement.num_experts != num_experts:
+            raise ValueError(
+                f"expert_placement lists {placement.num_experts} experts, num_experts is {num_experts}"
+            )
+        self.sizing = Sizing(
+            hidden=hidden, capacity=max_tokens_per_rank, max_topk=max_topk, placement=placement
+        )
+        self.protocol = protocol
+        self.timeout_s = float(timeout_s)
+        self.transport, self._transport_reason = choose_transport(transport, self._info)
+        self._handshake(transport)
+        self._calls = CallCounter()
+        self._exchange: Exchange | None = self._build_exchange()
+
+    # -- construction -----------------------------------------------------------------------------
+
+    def _handshake(self, requested_transport: str) -> None:
+        """Every rank checks that every rank built the same Buffer; a mismatch raises everywhere."""
+        if self._info.world_size == 1:
+            return
+        mine = {
+            "version": VERSION,
+            "hidden": self.sizing.hidden,
+            "num_experts": self.sizing.placement.num_experts,
+            "max_tokens_per_rank": self.sizing.capacity,
+            "max_topk": self.sizing.max_topk,
+            "protocol": self.protocol,
+            "transport": requested_transport,
+            "expert_placement": self.sizing.placement.rank_of_expert_E.tolist(),
+        }
+        everyone: list[dict] = [{}] * self._info.world_size
+        dist.all_gather_object(everyone, mine, group=self._info.group)
+        for field in mine:
+            values = [cfg[field] for cfg in everyone]
+            if any(v != values[0] for v in values):
+                groups: dict[str, list[int]] = {}
+                for rank, value in enumerate(values):
+                    groups.setdefault(repr(value)[:60], []).append(rank)
+                detail = "; ".join(f"ranks {ranks}: {value}" for value, ranks in groups.items())
+                raise ConfigMismatchError(f"Buffer: ranks disagree on {field} ({detail})")
+
+    def _build_exchange(self) -> Exchange:
+        info, sizing = self._info, self.sizing
+        if self.transport == "local":
+            return LocalExchange(sizing)
+        if self.transport == "dist":
+            return BspDist(info.group, info.rank, sizing)
+        layout = ubep_layout(sizing) if self.protocol == "ubep" else bsp_layout(sizing)
+        peers = ShmPeers(layout, info.group, info.rank, sizing, self.timeout_s)
+        return UbepShm(peers) if self.protocol == "ubep" else BspShm(peers)
+
+    def explain(self) -> str:
+        """Which transport and protocol run here, and why."""
+        return (
+            f"rank {self._info.rank}/{self._info.world_size}: protocol {self._exchange_name()} "
+            f"on transport {self.transport} ({self._transport_reason})"
+        )
+
+    def _exchange_name(self) -> str:
+        if self.transport == "dist" and self.protocol == "ubep":
+            return "bsp (collectives are bulk-synchronous; ubep's protocol needs the shared heap)"
+        return self.protocol if self.transport != "local" else "local"
+
+    @property
+    def rank(self) -> int:
+        return self._info.rank
+
+    @property
+    def num_ranks(self) -> int:
+        return self._info.world_size
+
+    @property
+    def num_experts(self) -> int:
+        return self.sizing.placement.num_experts
+
+    # -- normal mode ------------------------------------------------------------------------------
+
+    def get_dispatch_layout(
+        self,
+        topk_idx: torch.Tensor,
+        num_experts: int,
+        previous_event: EventOverlap | None = None,
+        async_finish: bool = False,
+        allocate_on_comm_stream: bool = False,
+    ) -> LayoutResult:
+        """Counts per rank and expert and the token-to-rank membership of one rank's routing."""
+        if num_experts != self.num_experts:
+            raise ValueError(f"num_experts is {num_experts}, the Buffer was built for {self.num_experts}")
+        idx = validate.topk_idx(topk_idx, _rows(topk_idx), self.num_experts, self.sizing.max_topk)
+        layout = dispatch_layout(idx, self.sizing.placement)
+        return LayoutResult(
+            layout.num_tokens_per_rank_R,
+            self._tokens_per_node(layout.is_token_in_rank_NR),
+            layout.num_tokens_per_expert_E,
+            layout.is_token_in_rank_NR,
+            EventOverlap(),
+        )
+
+    def _tokens_per_node(self, is_token_in_rank_NR: torch.Tensor) -> torch.Tensor | None:
+        """int32 [nodes]: tokens with >= 1 expert on each node; None on one node."""
+        if self._info.num_nodes == 1:
+            return None
+        node_R = torch.tensor(self._info.node_of_rank)
+        per_node = [is_token_in_rank_NR[:, node_R == n].any(dim=1) for n in range(self._info.num_nodes)]
+        return torch.stack(per_node, dim=1).sum(dim=0, dtype=torch.int32)
+
+    def dispatch(
+        self,
+        x: torch.Tensor,
+        handle: DispatchHandle | None = None,
+        num_tokens_per_rank: torch.Tensor | None = None,
+        num_tokens_per_rdma_rank: torch.Tensor | None = None,
+        is_token_in_rank: torch.Tensor | None = None,
+        num_tokens_per_expert: torch.Tensor | None = None,
+        topk_idx: torch.Tensor | None = None,
+        topk_weights: torch.Tensor | None = None,
+        expert_alignment: int = 1,
+        config=None,
+        previous_event: EventOverlap | None = None,
+        async_finish: bool = False,
+        allocate_on_comm_stream: bool = False,
+    ) -> DispatchResult:
+        """Send each token once to every rank that owns one of its experts.
+
+        With `handle` (cached dispatch), repeat that dispatch's routing for new x;
+        recv_topk_idx and recv_topk_weights are then None.
+        """
+        call = self._calls.next("dispatch")
+        with self._aborting(call):
+            plan = self._send_plan(x, handle, num_tokens_per_rank, is_token_in_rank, topk_idx, topk_weights)
+            validate.positive("expert_alignment", expert_alignment)
+        got = self._live().dispatch(call, plan, handle)
+        if handle is None:
+            counts = expert_counts(
+                got.recv_topk_idx_MK, self.sizing.placement.num_local_experts, expert_alignment
+            )
+            handle = DispatchHandle(
+                num_tokens=plan.x_NH.shape[0],
+                is_token_in_rank_NR=plan.is_token_in_rank_NR,
+                send_counts_R=plan.send_counts_R,
+                recv_src_rank_M=_src_ranks(got.recv_prefix_R1),
+                recv_src_token_M=got.recv_src_token_M,
+                recv_prefix_R1=got.recv_prefix_R1,
+                num_recv_tokens_per_expert_list=counts,
+            )
+        return DispatchResult(
+            got.recv_x_MH,
+            got.recv_topk_idx_MK,
+            got.recv_topk_weights_MK,
+            list(handle.num_recv_tokens_per_expert_list),
+            handle,
+            EventOverlap(),
+        )
+
+    def _send_plan(
+        self, x, handle, num_tokens_per_rank, is_token_in_rank, topk_idx, topk_weights
+    ) -> SendPlan:
+        s = self.sizing
+        if handle is not None:
+            if not isinstance(handle, DispatchHandle):
+                raise TypeError(f"handle must come from Buffer.dispatch, got {type(handle).__name__}")
+            if handle.num_ranks != self.num_ranks:
+                raise ValueError(f"handle is for {handle.num_ranks} ranks, this Buffer has {self.num_ranks}")
+            x = validate.payload("x", x, s.hidden, s.capacity, rows=handle.num_tokens)
+            return SendPlan(x, None, None, handle.is_token_in_rank_NR, handle.send_counts_R)
+        if topk_idx is None or topk_weights is None:
+            raise ValueError("dispatch needs topk_idx and topk_weights unless a handle is given")
+        x = validate.payload("x", x, s.hidden, s.capacity)
+        idx = validate.topk_idx(topk_idx, x.shape[0], self.num_experts, s.max_topk)
+        w = validate.topk_weights(topk_weights, tuple(idx.shape))
+        layout = dispatch_layout(idx, s.placement)
+        validate.layout_args(num_tokens_per_rank, is_token_in_rank, layout.is_token_in_rank_NR)
+        counts_R = layout.num_tokens_per_rank_R.to(torch.int64)
+        return SendPlan(x, idx, w, layout.is_token_in_rank_NR, counts_R)
+
+    def combine(
+        self,
+        x: torch.Tensor,
+        handle: DispatchHandle,
+        topk_weights: torch.Tensor | None = None,
+        config=None,
+        previous_event: EventOverlap | None = None,
+        async_finish: bool = False,
+        allocate_on_comm_stream: bool = False,
+    ) -> CombineResult:
+        """Send expert outputs home; each token gets the plain float32 sum of its rows."""
+        call = self._calls.next("combine")
+        with self._aborting(call):
+            if not isinstance(handle, DispatchHandle):
+                raise TypeError(f"handle must come from Buffer.dispatch, got {type(handle).__name__}")
+            M = handle.num_recv_tokens
+            x = validate.payload(
+                "x", x, self.sizing.hidden, max(M, self.sizing.capacity * self.num_ranks), rows=M
+            )
+            if topk_weights is not None:
+                topk_weights = validate.topk_weights(topk_weights, (M, _cols(topk_weights)))
+        combined, weights = self._live().combine(call, x, handle, topk_weights)
+        return CombineResult(combined, weights, EventOverlap())
+
+    # -- lifetime ---------------------------------------------------------------------------------
+
+    @contextmanager
+    def _aborting(self, call: CallId) -> Iterator[None]:
+        """Around input checks: on failure, tell the peers this call is off, then re-raise."""
+        try:
+            yield
+        except BaseException:
+            if self._exchange is not None:
+                self._exchange.abort(call)
+            raise
+
+    def _live(self) -> Exchange:
+        if self._exchange is None:
+            raise RuntimeError("this Buffer is closed")
+        return self._exchange
+
+    def close(self) -> None:
+        """Release every shared resource; idempotent."""
+        exchange, self._exchange = self._exchange, None
+        if exchange is not None:
+            exchange.close()
+
+    def __enter__(self) -> Buffer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _rows(t) -> int:
+    return t.shape[0] if isinstance(t, torch.Tensor) and t.dim() >= 1 else 0
+
+
+def _cols(t) -> int:
+    return t.shape[1] if isinstance(t, torch.Tensor) and t.dim() == 2 else -1
+
+
+def _src_ranks(prefix_R1: torch.Tensor) -> torch.Tensor:
+    """int64 [M]: the source rank of each received row, from per-source boundaries."""
+    counts_R = prefix_R1[1:] - prefix_R1[:-1]
+    return torch.repeat_interleave(torch.arange(counts_R.numel()), counts_R)

@@ -1,0 +1,45 @@
+"""Exceptions raised by ubep.
+
+Every failure a user can hit names what went wrong and where: the argument and
+rule for bad input, the peers and the phase for a stalled exchange.
+"""
+
+from __future__ import annotations
+
+
+class UbepError(RuntimeError):
+    """Base class for ubep's runtime failures (not for bad arguments)."""
+
+
+class CommTimeoutError(UbepError, TimeoutError):
+    """A wait passed its deadline; `peers` lists the ranks that never signalled.
+
+    `dead_peers` lists those among them whose process is known to have exited,
+    which is detected before the deadline where the peer runs on this host.
+    """
+
+    def __init__(self, phase: str, peers: list[int], timeout_s: float, dead_peers: list[int]):
+        self.phase = phase
+        self.peers = list(peers)
+        self.timeout_s = timeout_s
+        self.dead_peers = list(dead_peers)
+        if dead_peers:
+            why = f"rank(s) {_ranks(dead_peers)} died (process exited)"
+            alive = [p for p in peers if p not in dead_peers]
+            if alive:
+                why += f"; no signal from rank(s) {_ranks(alive)} either"
+            super().__init__(f"{phase}: {why}")
+        else:
+            super().__init__(f"{phase}: no signal from rank(s) {_ranks(peers)} after {timeout_s:g} s")
+
+
+class ConfigMismatchError(UbepError):
+    """Ranks constructed a Buffer with different settings."""
+
+
+class PeerDataError(UbepError):
+    """A peer published a value that fails the receiver's bounds checks."""
+
+
+def _ranks(ranks: list[int]) -> str:
+    return ", ".join(str(r) for r in sorted(ranks))

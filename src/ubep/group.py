@@ -1,0 +1,81 @@
+"""The EP group as ubep sees it: ranks, which node each lives on, and the choice
+of transport, with the reason for it.
+
+Node membership follows torchrun: `GROUP_RANK` (the node's index) when set,
+else the host name. This is the one place that reads the environment.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import socket
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+TRANSPORTS = ("auto", "shm", "dist")
+SHM_ARCHES = ("x86_64", "amd64")
+
+
+@dataclass(frozen=True, slots=True)
+class GroupInfo:
+    group: dist.ProcessGroup | None
+    rank: int
+    world_size: int
+    node_of_rank: tuple[int, ...]  # node index of each rank, numbered by first appearance
+
+    @property
+    def num_nodes(self) -> int:
+        return len(set(self.node_of_rank))
+
+
+def join_group(group: dist.ProcessGroup | None) -> GroupInfo:
+    """Resolve `group`; under torchrun with no group initialised yet, join torchrun's."""
+    if group is None and not dist.is_initialized():
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            dist.init_process_group("gloo")
+        else:
+            return GroupInfo(None, 0, 1, (0,))
+    group = group or dist.group.WORLD
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    keys: list[str] = [""] * world
+    dist.all_gather_object(keys, node_key(), group=group)
+    order = {k: i for i, k in enumerate(dict.fromkeys(keys))}
+    return GroupInfo(group, rank, world, tuple(order[k] for k in keys))
+
+
+def node_key() -> str:
+    """What identifies this process's node: torchrun's GROUP_RANK, else the host name."""
+    group_rank = os.environ.get("GROUP_RANK")
+    return f"node-{group_rank}" if group_rank is not None else f"host-{socket.gethostname()}"
+
+
+def shm_supported() -> tuple[bool, str]:
+    """Whether the shared-memory transport's memory-ordering argument holds here."""
+    if not os.path.isdir("/dev/shm"):
+        return False, "no /dev/shm on this host"
+    arch = platform.machine().lower()
+    if arch not in SHM_ARCHES:
+        return False, f"{arch} is not x86-64: its weakly ordered stores need fences Python cannot issue"
+    return True, "x86-64 keeps stores in order (TSO)"
+
+
+def choose_transport(requested: str, info: GroupInfo) -> tuple[str, str]:
+    """(transport, reason): 'local' for one rank, 'shm' within a host, 'dist' otherwise."""
+    if requested not in TRANSPORTS:
+        raise ValueError(f"transport must be one of {TRANSPORTS}, got {requested!r}")
+    if info.world_size == 1:
+        return "local", "a group of one rank needs no transport"
+    ok, why = shm_supported()
+    if requested == "dist":
+        return "dist", "requested: torch.distributed collectives"
+    if info.num_nodes > 1:
+        if requested == "shm":
+            raise ValueError(f"transport='shm' needs one host; the group spans {info.num_nodes} nodes")
+        return "dist", f"the group spans {info.num_nodes} nodes: torch.distributed carries the traffic"
+    if not ok:
+        if requested == "shm":
+            raise ValueError(f"transport='shm' is not available: {why}")
+        return "dist", f"shared memory unavailable ({why})"
+    return "shm", f"all {info.world_size} ranks share this host and {why}"

@@ -1,0 +1,177 @@
+"""Start N rank processes on this host with torch.distributed (gloo) initialised.
+
+For tests, benchmarks and users without torchrun: `LocalLaunch(world_size=8).run(fn, *args)`
+calls `fn(*args)` on every rank and returns the results in rank order. A rank
+that raises has its traceback re-raised here with its rank named, and the other
+ranks are killed; a deadline bounds the whole run. One rank runs inline.
+
+Each rank sees torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK,
+LOCAL_WORLD_SIZE, GROUP_RANK), so `ranks_per_node` can emulate several nodes.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import signal
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ubep.shm import sweep_stale_segments
+
+
+class RankFailedError(RuntimeError):
+    """A rank raised, died or missed the deadline; the message carries its traceback."""
+
+    def __init__(self, rank: int | None, message: str):
+        self.rank = rank
+        super().__init__(message)
+
+
+@dataclass(frozen=True, slots=True)
+class RankOutcome:
+    """How one rank ended: a result, an error (its traceback), or an exit without either."""
+
+    rank: int
+    ok: bool
+    result: Any = None
+    error: str | None = None  # traceback text, or why the rank produced nothing
+    exit_code: int | None = None
+    cause: str = "ok"  # "ok", "raised", "died", "deadline", or "stopped" (killed after another failed)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LocalLaunch:
+    """Spawn `world_size` ranks on this host, each running one function."""
+
+    world_size: int
+    timeout_s: float = 300.0
+    ranks_per_node: int | None = None  # emulated node size; None: one node
+    threads_per_rank: int = 1  # torch intra-op threads in each rank
+    start_method: str = "fork"
+
+    def run(self, fn: Callable[..., Any], *args: Any) -> list[Any]:
+        """Every rank's `fn(*args)`, in rank order; raises RankFailedError on any failure."""
+        if self.world_size == 1:
+            return [fn(*args)]
+        outcomes = self._launch(fn, args, stop_on_error=True)
+        failed = [o for o in outcomes if not o.ok]
+        if failed:
+            first = min(failed, key=lambda o: (o.cause == "stopped", o.rank))
+            raise RankFailedError(first.rank, f"rank {first.rank} failed:\n{first.error}")
+        return [o.result for o in outcomes]
+
+    def outcomes(self, fn: Callable[..., Any], *args: Any) -> list[RankOutcome]:
+        """Every rank's outcome, failures included (for fault-injection tests)."""
+        return self._launch(fn, args, stop_on_error=False)
+
+    def _launch(self, fn, args, stop_on_error: bool) -> list[RankOutcome]:
+        if self.world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {self.world_size}")
+        ctx = mp.get_context(self.start_method)
+        store = dist.TCPStore(
+            "127.0.0.1", 0, None, True, timedelta(seconds=self.timeout_s), wait_for_workers=False
+        )
+        results: mp.Queue = ctx.Queue()
+        procs = [
+            ctx.Process(target=_rank_main, args=(self, rank, store.port, fn, args, results), daemon=True)
+            for rank in range(self.world_size)
+        ]
+        for p in procs:
+            p.start()
+        try:
+            return self._collect(procs, results, stop_on_error)
+        finally:
+            for p in procs:
+                if p.is_alive():
+                    os.kill(p.pid, signal.SIGKILL)
+            for p in procs:
+                p.join(timeout=10)
+            sweep_stale_segments({p.pid for p in procs})
+            del store
+
+    def _collect(self, procs, results: mp.Queue, stop_on_error: bool) -> list[RankOutcome]:
+        deadline = time.monotonic() + self.timeout_s
+        done: dict[int, RankOutcome] = {}
+        while len(done) < len(procs):
+            try:
+                outcome = results.get(timeout=0.05)
+                done[outcome.rank] = outcome
+                if stop_on_error and not outcome.ok:
+                    break
+                continue
+            except queue.Empty:
+                pass
+            exited = [r for r, p in enumerate(procs) if r not in done and p.exitcode is not None]
+            if exited:
+                _drain(results, done)  # a rank may exit right after reporting
+            for rank in exited:
+                if rank not in done:
+                    code = procs[rank].exitcode
+                    done[rank] = RankOutcome(
+                        rank,
+                        False,
+                        error=f"exited with code {code} and no result",
+                        exit_code=code,
+                        cause="died",
+                    )
+            if stop_on_error and any(not o.ok for o in done.values()):
+                break
+            if time.monotonic() > deadline:
+                missing = sorted(set(range(len(procs))) - set(done))
+                for rank in missing:
+                    done[rank] = RankOutcome(
+                        rank, False, error=f"still running after {self.timeout_s:g} s", cause="deadline"
+                    )
+                if stop_on_error:
+                    raise RankFailedError(
+                        missing[0], f"rank(s) {missing} still running after {self.timeout_s:g} s"
+                    )
+        for rank in range(len(procs)):
+            done.setdefault(
+                rank, RankOutcome(rank, False, error="stopped after another rank failed", cause="stopped")
+            )
+        return [done[r] for r in range(len(procs))]
+
+
+def _drain(results: mp.Queue, done: dict[int, RankOutcome]) -> None:
+    """Take every result still in the pipe."""
+    while True:
+        try:
+            outcome = results.get(timeout=0.05)
+        except queue.Empty:
+            return
+        done[outcome.rank] = outcome
+
+
+def _rank_main(launch: LocalLaunch, rank: int, port: int, fn, args, results: mp.Queue) -> None:
+    per_node = launch.ranks_per_node or launch.world_size
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(launch.world_size),
+        LOCAL_RANK=str(rank % per_node),
+        LOCAL_WORLD_SIZE=str(per_node),
+        GROUP_RANK=str(rank // per_node),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
+    torch.set_num_threads(launch.threads_per_rank)
+    try:
+        timeout = timedelta(seconds=launch.timeout_s)
+        store = dist.TCPStore("127.0.0.1", port, None, False, timeout)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=launch.world_size, timeout=timeout)
+        outcome = RankOutcome(rank, True, result=fn(*args))
+    except BaseException:
+        outcome = RankOutcome(rank, False, error=traceback.format_exc(), cause="raised")
+    results.put(outcome)
+    results.close()
+    results.join_thread()
+    os._exit(0)  # skip process-group teardown, which waits on peers that may be gone

@@ -1,0 +1,137 @@
+"""Routing -> layout: everything dispatch derives from `topk_idx`, as pure torch ops.
+
+Shape legend used across ubep:
+    N  tokens on this rank            H  hidden size
+    K  top-k (experts per token)      E  experts in the EP group
+    R  ranks in the EP group          L  local experts per rank (E // R)
+    M  rows received by this rank     T  capacity: max tokens per rank and call
+
+A name's suffix gives its shape: `topk_idx_NK` is [N, K], `counts_R` is [R].
+No function here loops over tokens in Python.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True, slots=True)
+class ExpertPlacement:
+    """Which rank owns each expert, and its index among that rank's experts.
+
+    The default (`contiguous`) puts expert e on rank e // L as local expert e % L.
+    """
+
+    num_ranks: int
+    rank_of_expert_E: torch.Tensor  # int64 [E]
+    local_index_E: torch.Tensor  # int64 [E]
+
+    @property
+    def num_experts(self) -> int:
+        return self.rank_of_expert_E.numel()
+
+    @property
+    def num_local_experts(self) -> int:
+        return self.num_experts // self.num_ranks
+
+    @classmethod
+    def contiguous(cls, num_experts: int, num_ranks: int) -> ExpertPlacement:
+        if num_experts % num_ranks:
+            raise ValueError(
+                f"num_experts ({num_experts}) must be a multiple of the group size ({num_ranks})"
+            )
+        experts_E = torch.arange(num_experts, dtype=torch.int64)
+        local = num_experts // num_ranks
+        return cls(num_ranks, experts_E // local, experts_E % local)
+
+    @classmethod
+    def from_ranks(cls, rank_of_expert: list[int] | torch.Tensor, num_ranks: int) -> ExpertPlacement:
+        """An explicit placement: rank_of_expert[e] owns expert e; every rank owns E // R."""
+        rank_E = torch.as_tensor(rank_of_expert, dtype=torch.int64).flatten()
+        num_experts = rank_E.numel()
+        if num_experts % num_ranks:
+            raise ValueError(f"expert_placement: {num_experts} experts do not split over {num_ranks} ranks")
+        if rank_E.min() < 0 or rank_E.max() >= num_ranks:
+            raise ValueError(f"expert_placement: rank ids must lie in [0, {num_ranks})")
+        per_rank_R = torch.bincount(rank_E, minlength=num_ranks)
+        if (per_rank_R != num_experts // num_ranks).any():
+            raise ValueError(
+                f"expert_placement: every rank must own {num_experts // num_ranks} experts, "
+                f"got {per_rank_R.tolist()}"
+            )
+        # Local index = rank of the expert among its owner's experts, in expert-id order.
+        order_E = torch.argsort(rank_E * num_experts + torch.arange(num_experts), stable=True)
+        local_E = torch.empty_like(rank_E)
+        local_E[order_E] = torch.arange(num_experts) % (num_experts // num_ranks)
+        return cls(num_ranks, rank_E, local_E)
+
+
+@dataclass(frozen=True, slots=True)
+class DispatchLayout:
+    """Per-call routing summary of one rank's tokens (DeepEP's get_dispatch_layout)."""
+
+    num_tokens_per_rank_R: torch.Tensor  # int32 [R]: tokens with >= 1 expert on rank r
+    num_tokens_per_expert_E: torch.Tensor  # int32 [E]
+    is_token_in_rank_NR: torch.Tensor  # bool [N, R]
+
+
+def rank_mask(topk_idx_NK: torch.Tensor, placement: ExpertPlacement) -> torch.Tensor:
+    """bool [N, K, R]: whether slot k of token n selects an expert on rank r."""
+    valid_NK = topk_idx_NK >= 0
+    rank_NK = placement.rank_of_expert_E[topk_idx_NK.clamp(min=0)]
+    ranks_R = torch.arange(placement.num_ranks)
+    return (rank_NK.unsqueeze(-1) == ranks_R) & valid_NK.unsqueeze(-1)
+
+
+def dispatch_layout(topk_idx_NK: torch.Tensor, placement: ExpertPlacement) -> DispatchLayout:
+    """Counts and membership for one rank's routing."""
+    is_token_in_rank_NR = rank_mask(topk_idx_NK, placement).any(dim=1)
+    valid = topk_idx_NK[topk_idx_NK >= 0]
+    per_expert_E = torch.bincount(valid, minlength=placement.num_experts)
+    return DispatchLayout(
+        num_tokens_per_rank_R=is_token_in_rank_NR.sum(dim=0, dtype=torch.int32),
+        num_tokens_per_expert_E=per_expert_E.to(torch.int32),
+        is_token_in_rank_NR=is_token_in_rank_NR,
+    )
+
+
+def tokens_for_rank(is_token_in_rank_NR: torch.Tensor, rank: int) -> torch.Tensor:
+    """int64 [n]: ascending indices of the tokens sent to `rank`."""
+    return torch.nonzero(is_token_in_rank_NR[:, rank]).flatten()
+
+
+def localize_topk(
+    topk_idx_nK: torch.Tensor,
+    topk_weights_nK: torch.Tensor | None,
+    placement: ExpertPlacement,
+    rank: int,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The receiver's view of routing rows: local expert ids on `rank`, -1 elsewhere.
+
+    Weights keep their value where the expert is local and become 0 elsewhere.
+    Example (L=2, rank 1 owns experts 2,3): [3, 0, -1] -> [1, -1, -1].
+    """
+    mine_nK = (topk_idx_nK >= 0) & (placement.rank_of_expert_E[topk_idx_nK.clamp(min=0)] == rank)
+    local_nK = placement.local_index_E[topk_idx_nK.clamp(min=0)]
+    local_nK = torch.where(mine_nK, local_nK, torch.full_like(local_nK, -1))
+    if topk_weights_nK is None:
+        return local_nK, None
+    return local_nK, torch.where(mine_nK, topk_weights_nK, torch.zeros_like(topk_weights_nK))
+
+
+def expert_counts(local_idx_MK: torch.Tensor, num_local_experts: int, alignment: int) -> list[int]:
+    """Rows per local expert, each rounded up to `alignment` (a Python list of L ints)."""
+    valid = local_idx_MK[local_idx_MK >= 0]
+    counts_L = torch.bincount(valid, minlength=num_local_experts)
+    if alignment > 1:
+        counts_L = (counts_L + alignment - 1) // alignment * alignment
+    return counts_L.tolist()
+
+
+def prefix_offsets(counts_R: torch.Tensor) -> torch.Tensor:
+    """int64 [R + 1]: exclusive prefix sum, so block r is rows [off[r], off[r+1])."""
+    offsets = torch.zeros(counts_R.numel() + 1, dtype=torch.int64)
+    torch.cumsum(counts_R, dim=0, out=offsets[1:])
+    return offsets

@@ -1,0 +1,179 @@
+"""What every protocol shares: the call identity, the exchange interface, and the
+control block each rank keeps in its shared segment (pid, abort word, barrier).
+
+Legend: see `ubep.layout`.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+
+from ubep.layout import ExpertPlacement
+from ubep.results import DispatchHandle
+from ubep.shm import SegmentLayout, SymmetricHeap
+from ubep.waiting import Waiter
+
+# Wire codes for the dtypes a payload may carry (stored next to the data).
+DTYPE_CODES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3, torch.float8_e4m3fn: 4}
+CODE_DTYPES = {code: dtype for dtype, code in DTYPE_CODES.items()}
+MAX_ITEMSIZE = 4  # bytes per element of the widest payload dtype (float32)
+
+# Control block words (int64) at the start of every rank's segment.
+CTL_PID, CTL_ABORT_SEQ, CTL_BARRIER, CTL_WORDS = 0, 1, 2, 4
+
+
+@dataclass(frozen=True, slots=True)
+class CallId:
+    """Identity of one collective call: `seq` counts every call, `epoch` this kind's calls.
+
+    All ranks make the same sequence of calls, so both agree across the group.
+    `epoch` stamps flags (so buffers never need clearing); `epoch % 2` picks the
+    half of a double-buffered region.
+    """
+
+    seq: int
+    epoch: int
+
+    @property
+    def parity(self) -> int:
+        return self.epoch % 2
+
+
+@dataclass(slots=True)
+class CallCounter:
+    """Per-Buffer call numbering; a rejected call consumes its number like any other."""
+
+    seq: int = 0
+    epochs: dict[str, int] = field(default_factory=dict)
+
+    def next(self, kind: str) -> CallId:
+        self.seq += 1
+        self.epochs[kind] = self.epochs.get(kind, 0) + 1
+        return CallId(self.seq, self.epochs[kind])
+
+
+@dataclass(frozen=True, slots=True)
+class SendPlan:
+    """The sender's side of one dispatch, from the layout."""
+
+    x_NH: torch.Tensor
+    topk_idx_NK: torch.Tensor | None  # None: cached dispatch (routing from the handle)
+    topk_weights_NK: torch.Tensor | None
+    is_token_in_rank_NR: torch.Tensor
+    send_counts_R: torch.Tensor  # int64 [R]
+
+
+@dataclass(frozen=True, slots=True)
+class Received:
+    """The receiver's side of one dispatch; rows in source-rank-then-token order."""
+
+    recv_x_MH: torch.Tensor
+    recv_topk_idx_MK: torch.Tensor | None
+    recv_topk_weights_MK: torch.Tensor | None
+    recv_src_token_M: torch.Tensor  # int64
+    recv_prefix_R1: torch.Tensor  # int64 [R + 1]
+
+
+class Exchange(Protocol):
+    """A protocol bound to a transport: the two halves of an EP layer's traffic."""
+
+    name: str
+
+    def dispatch(self, call: CallId, plan: SendPlan, handle: DispatchHandle | None) -> Received: ...
+
+    def combine(
+        self, call: CallId, x_MH: torch.Tensor, handle: DispatchHandle, topk_weights_MK: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]: ...
+
+    def abort(self, call: CallId) -> None: ...
+
+    def close(self) -> None: ...
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Sizing:
+    """Shapes every rank agreed on at construction."""
+
+    hidden: int
+    capacity: int  # T: most tokens a rank passes to one call
+    max_topk: int
+    placement: ExpertPlacement
+
+    @property
+    def num_ranks(self) -> int:
+        return self.placement.num_ranks
+
+    @property
+    def row_bytes(self) -> int:
+        return self.hidden * MAX_ITEMSIZE
+
+
+def new_layout() -> SegmentLayout:
+    """A segment layout that starts with the control block every protocol needs."""
+    layout = SegmentLayout()
+    layout.add("ctl", (CTL_WORDS,), torch.int64)
+    return layout
+
+
+class ShmPeers:
+    """The symmetric heap plus the control block: liveness, aborts and barriers."""
+
+    def __init__(
+        self, layout: SegmentLayout, group: dist.ProcessGroup, rank: int, sizing: Sizing, timeout_s: float
+    ):
+        if "ctl" not in layout.regions:
+            raise ValueError("segment layouts must come from new_layout() (they need a control block)")
+        self.rank = rank
+        self.num_ranks = sizing.num_ranks
+        self.sizing = sizing
+        self.timeout_s = timeout_s
+        self.heap = SymmetricHeap(layout, group, rank, self.num_ranks)
+        self._ctl = [self.heap.words(r, "ctl") for r in range(self.num_ranks)]
+        self._ctl[rank][CTL_PID] = os.getpid()
+        dist.barrier(group=group)  # every pid is visible before the first wait
+        self._pids = [int(c[CTL_PID]) for c in self._ctl]
+        self._current_seq = 0
+        self._barrier_count = 0
+
+    def waiter(self, phase: str, call: CallId) -> Waiter:
+        self._current_seq = call.seq
+        return Waiter(phase, self.timeout_s, self._pids.__getitem__, self._aborted)
+
+    def _aborted(self, peer: int) -> str | None:
+        if int(self._ctl[peer][CTL_ABORT_SEQ]) == self._current_seq:
+            return "it rejected its input or failed; see that rank's error"
+        return None
+
+    def abort(self, call: CallId) -> None:
+        """Tell peers waiting on `call` that this rank will not take part."""
+        self._ctl[self.rank][CTL_ABORT_SEQ] = call.seq
+
+    def barrier(self, phase: str, call: CallId) -> None:
+        """A global barrier over shared memory: each rank bumps its counter, waits for all."""
+        self._barrier_count += 1
+        target = self._barrier_count
+        self._ctl[self.rank][CTL_BARRIER] = target
+        waiter = self.waiter(phase, call)
+        pending = [r for r in range(self.num_ranks) if r != self.rank]
+        while pending:
+            pending = [r for r in pending if self._ctl[r][CTL_BARRIER] < target]
+            if pending:
+                waiter.pause(pending)
+
+    def wait_words(self, phase: str, call: CallId, flags: list, value: int, peers: list[int]) -> None:
+        """Wait until flags[p][()] == value for every p in `peers` (flags: per-peer 0-d views)."""
+        waiter = self.waiter(phase, call)
+        pending = list(peers)
+        while pending:
+            pending = [p for p in pending if flags[p][()] != value]
+            if pending:
+                waiter.pause(pending)
+
+    def close(self) -> None:
+        self._ctl = []
+        self.heap.close()

@@ -1,0 +1,94 @@
+"""The collective transport: the Megatron-style pipeline over torch.distributed.
+
+Dispatch: count all-to-all -> permute (tokens sorted by destination) ->
+`all_to_all_single` of rows, then of routing metadata. Combine runs the row
+all-to-all backwards and reduces. This is the path for traffic that leaves a
+host (gloo on CPU, NCCL on GPU) and the textbook baseline. Payloads travel as
+bytes so every dtype works on every backend.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from ubep.layout import prefix_offsets
+from ubep.protocols.base import CallId, Received, SendPlan, Sizing
+from ubep.results import DispatchHandle
+
+
+def _as_bytes(t_nX: torch.Tensor) -> torch.Tensor:
+    """[n, X] of any dtype -> uint8 [n, X * itemsize] sharing storage (n may be 0)."""
+    row_bytes = math.prod(t_nX.shape[1:]) * t_nX.element_size()
+    return t_nX.contiguous().view(torch.uint8).view(t_nX.shape[0], row_bytes)
+
+
+class BspDist:
+    """Dispatch/combine as all-to-all collectives on a process group."""
+
+    name = "bsp"
+
+    def __init__(self, group: dist.ProcessGroup, rank: int, sizing: Sizing):
+        self.group = group
+        self.me = rank
+        self.R = sizing.num_ranks
+        self.sizing = sizing
+
+    def _all_to_all(
+        self, send_nX: torch.Tensor, send_counts: list[int], recv_counts: list[int]
+    ) -> torch.Tensor:
+        recv = send_nX.new_empty((sum(recv_counts), *send_nX.shape[1:]))
+        dist.all_to_all_single(recv, send_nX, recv_counts, send_counts, group=self.group)
+        return recv
+
+    def dispatch(self, call: CallId, plan: SendPlan, handle: DispatchHandle | None) -> Received:
+        send_counts_R = plan.send_counts_R.to(torch.int64)
+        recv_counts_R = torch.empty_like(send_counts_R)
+        dist.all_to_all_single(recv_counts_R, send_counts_R, group=self.group)  # count exchange
+        send, recv = send_counts_R.tolist(), recv_counts_R.tolist()
+        dest_R, tokens = torch.nonzero(plan.is_token_in_rank_NR.T, as_tuple=True)  # destination-major
+        x_bytes = self._all_to_all(_as_bytes(plan.x_NH[tokens]), send, recv)
+        recv_x = x_bytes.view(plan.x_NH.dtype).view(-1, plan.x_NH.shape[1])
+        meta = [tokens.unsqueeze(1)]
+        if plan.topk_idx_NK is not None:
+            local, w = self._localize_per_destination(plan, tokens, dest_R)
+            meta += [local, w.view(torch.int32).to(torch.int64)]
+        meta_recv = self._all_to_all(torch.cat(meta, dim=1), send, recv)
+        recv_idx = recv_w = None
+        if plan.topk_idx_NK is not None:
+            K = plan.topk_idx_NK.shape[1]
+            recv_idx = meta_recv[:, 1 : 1 + K].contiguous()
+            recv_w = meta_recv[:, 1 + K :].to(torch.int32).view(torch.float32).contiguous()
+        return Received(recv_x, recv_idx, recv_w, meta_recv[:, 0].contiguous(), prefix_offsets(recv_counts_R))
+
+    def _localize_per_destination(self, plan: SendPlan, tokens: torch.Tensor, dest_R: torch.Tensor):
+        """Each sent row's top-k as its destination sees it (local ids, masked weights)."""
+        idx = plan.topk_idx_NK[tokens]
+        w = plan.topk_weights_NK[tokens]
+        placement = self.sizing.placement
+        owner = placement.rank_of_expert_E[idx.clamp(min=0)]
+        mine = (idx >= 0) & (owner == dest_R.unsqueeze(1))
+        local = torch.where(mine, placement.local_index_E[idx.clamp(min=0)], -1)
+        return local, torch.where(mine, w, 0.0)
+
+    def combine(self, call: CallId, x_MH, handle: DispatchHandle, topk_weights_MK):
+        recv = handle.recv_counts().tolist()
+        send = handle.send_counts_R.tolist()
+        back = self._all_to_all(_as_bytes(x_MH), recv, send).view(x_MH.dtype).view(-1, x_MH.shape[1])
+        _, tokens = torch.nonzero(handle.is_token_in_rank_NR.T, as_tuple=True)  # destination-major
+        out_NH = torch.zeros(handle.num_tokens, x_MH.shape[1], dtype=torch.float32)
+        out_NH.index_add_(0, tokens, back.float())  # rows arrive rank-ascending: sums stay in order
+        out_w = None
+        if topk_weights_MK is not None:
+            w_back = self._all_to_all(topk_weights_MK.contiguous(), recv, send)
+            out_w = torch.zeros(handle.num_tokens, topk_weights_MK.shape[1], dtype=torch.float32)
+            out_w.index_add_(0, tokens, w_back)
+        return out_NH.to(x_MH.dtype), out_w
+
+    def abort(self, call: CallId) -> None:
+        """Collectives cannot be told; peers time out through the process group."""
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,146 @@
+"""The BSP baseline on the shared-memory heap: the same work as UBEP, in phases
+separated by global barriers, as vendor EP libraries and Megatron structure it.
+
+Dispatch: layout -> count exchange -> barrier -> token send (push into the
+receiver's per-source staging slot) -> barrier -> flag verification -> prefix
+sums -> barrier -> reorder (staging slots -> recv_x).
+Combine: barrier -> push rows into the home rank's slot -> barrier -> reduce.
+
+It is meant to be an honest baseline: vectorised packing fused into the put,
+one copy per row per hop, barriers over shared memory rather than sockets.
+What it lacks, by design, is UBEP's overlap: every rank waits at each barrier
+for the slowest rank's slowest phase.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ubep.errors import PeerDataError
+from ubep.layout import localize_topk, prefix_offsets
+from ubep.protocols.base import CallId, Received, SendPlan, ShmPeers, Sizing, new_layout
+from ubep.protocols.ubep_shm import rows_view
+from ubep.results import DispatchHandle
+from ubep.shm import SegmentLayout
+
+
+def bsp_layout(s: Sizing) -> SegmentLayout:
+    layout = new_layout()
+    R, T, K = s.num_ranks, s.capacity, s.max_topk
+    layout.add("counts", (R,), torch.int64)  # this rank's tokens for each destination
+    layout.add("flags", (R,), torch.int64)  # per-source "your slot is written" stamps
+    layout.add("d.x", (R, T * s.row_bytes), torch.uint8)  # staging slot per source
+    layout.add("d.topk", (R, T * K), torch.int64)
+    layout.add("d.w", (R, T * K), torch.float32)
+    layout.add("d.src", (R, T), torch.int64)
+    layout.add("c.x", (R, T * s.row_bytes), torch.uint8)  # slot per expert rank
+    layout.add("c.w", (R, T * K), torch.float32)
+    return layout
+
+
+class BspShm:
+    """Barrier-separated dispatch/combine among the ranks of one host."""
+
+    name = "bsp"
+
+    def __init__(self, peers: ShmPeers):
+        self.peers = peers
+        self.sizing: Sizing = peers.sizing
+        self.me = peers.rank
+        self.R = peers.num_ranks
+
+    def dispatch(self, call: CallId, plan: SendPlan, handle: DispatchHandle | None) -> Received:
+        heap, peers = self.peers.heap, self.peers
+        heap.words(self.me, "counts")[:] = plan.send_counts_R.numpy()
+        peers.barrier("dispatch (count exchange)", call)
+        self._send_tokens(call, plan)
+        peers.barrier("dispatch (token send)", call)
+        recv_counts_R = self._verify_and_count(call)
+        prefix_R1 = prefix_offsets(recv_counts_R)
+        peers.barrier("dispatch (prefix sums)", call)
+        return self._reorder(plan, prefix_R1, cached=handle is not None)
+
+    def _send_tokens(self, call: CallId, plan: SendPlan) -> None:
+        heap, H = self.peers.heap, plan.x_NH.shape[1]
+        for i in range(self.R):
+            dst = (self.me + i) % self.R
+            tokens = torch.nonzero(plan.is_token_in_rank_NR[:, dst]).flatten()
+            n = tokens.numel()
+            torch.index_select(
+                plan.x_NH, 0, tokens, out=rows_view(heap.tensor(dst, "d.x")[self.me], n, H, plan.x_NH.dtype)
+            )
+            heap.tensor(dst, "d.src")[self.me][:n].copy_(tokens)
+            if plan.topk_idx_NK is not None:
+                K = plan.topk_idx_NK.shape[1]
+                local, w = localize_topk(
+                    plan.topk_idx_NK[tokens], plan.topk_weights_NK[tokens], self.sizing.placement, dst
+                )
+                heap.tensor(dst, "d.topk")[self.me][: n * K].copy_(local.flatten())
+                heap.tensor(dst, "d.w")[self.me][: n * K].copy_(w.flatten())
+            heap.words(dst, "flags")[self.me] = call.epoch
+
+    def _verify_and_count(self, call: CallId) -> torch.Tensor:
+        heap = self.peers.heap
+        flags = heap.words(self.me, "flags")
+        missing = [s for s in range(self.R) if flags[s] != call.epoch]
+        if missing:
+            raise PeerDataError(f"dispatch (flag verification): no tokens from rank(s) {missing}")
+        counts = [int(heap.words(s, "counts")[self.me]) for s in range(self.R)]
+        bad = [s for s, c in enumerate(counts) if not 0 <= c <= self.sizing.capacity]
+        if bad:
+            raise PeerDataError(
+                f"dispatch: rank(s) {bad} announced counts beyond capacity {self.sizing.capacity}"
+            )
+        return torch.tensor(counts, dtype=torch.int64)
+
+    def _reorder(self, plan: SendPlan, prefix_R1: torch.Tensor, cached: bool) -> Received:
+        heap, H = self.peers.heap, plan.x_NH.shape[1]
+        M = int(prefix_R1[-1])
+        K = None if cached else plan.topk_idx_NK.shape[1]
+        recv_x = torch.empty(M, H, dtype=plan.x_NH.dtype)
+        recv_idx = None if cached else torch.empty(M, K, dtype=torch.int64)
+        recv_w = None if cached else torch.empty(M, K, dtype=torch.float32)
+        src_token = torch.empty(M, dtype=torch.int64)
+        for src in range(self.R):
+            a, b = int(prefix_R1[src]), int(prefix_R1[src + 1])
+            recv_x[a:b] = rows_view(heap.tensor(self.me, "d.x")[src], b - a, H, plan.x_NH.dtype)
+            src_token[a:b] = heap.tensor(self.me, "d.src")[src][: b - a]
+            if not cached:
+                recv_idx[a:b] = heap.tensor(self.me, "d.topk")[src][: (b - a) * K].view(-1, K)
+                recv_w[a:b] = heap.tensor(self.me, "d.w")[src][: (b - a) * K].view(-1, K)
+        return Received(recv_x, recv_idx, recv_w, src_token, prefix_R1)
+
+    def combine(self, call: CallId, x_MH, handle: DispatchHandle, topk_weights_MK):
+        heap, H = self.peers.heap, x_MH.shape[1]
+        prefix = handle.recv_prefix_R1.tolist()
+        self.peers.barrier("combine (start)", call)
+        for i in range(self.R):
+            home = (self.me + i) % self.R
+            a, b = prefix[home], prefix[home + 1]
+            rows_view(heap.tensor(home, "c.x")[self.me], b - a, H, x_MH.dtype).copy_(x_MH[a:b])
+            if topk_weights_MK is not None:
+                K = topk_weights_MK.shape[1]
+                heap.tensor(home, "c.w")[self.me][: (b - a) * K].copy_(topk_weights_MK[a:b].flatten())
+        self.peers.barrier("combine (token send)", call)
+        return self._reduce(x_MH, handle, topk_weights_MK)
+
+    def _reduce(self, x_MH, handle: DispatchHandle, topk_weights_MK):
+        heap, H, N = self.peers.heap, x_MH.shape[1], handle.num_tokens
+        out_NH = torch.zeros(N, H, dtype=torch.float32)
+        K = None if topk_weights_MK is None else topk_weights_MK.shape[1]
+        out_w_NK = None if K is None else torch.zeros(N, K, dtype=torch.float32)
+        for src in range(self.R):
+            tokens = handle.send_tokens(src)
+            n = tokens.numel()
+            out_NH.index_add_(
+                0, tokens, rows_view(heap.tensor(self.me, "c.x")[src], n, H, x_MH.dtype).float()
+            )
+            if K is not None:
+                out_w_NK.index_add_(0, tokens, heap.tensor(self.me, "c.w")[src][: n * K].view(n, K))
+        return out_NH.to(x_MH.dtype), out_w_NK
+
+    def abort(self, call: CallId) -> None:
+        self.peers.abort(call)
+
+    def close(self) -> None:
+        self.peers.close()

@@ -1,0 +1,237 @@
+"""The UBEP protocol on the shared-memory heap: no global barrier, data as flag.
+
+Dispatch, on rank `me` for call epoch e (buffers double-buffered by e % 2):
+  1. routing role: write own topk rows, token count and dtype into own segment,
+     then stamp META = e. The counts travel with the routing: no count round.
+  2. token role: copy own x into own segment once, then stamp DATA = e.
+  3. as each peer's META lands: derive from its routing which of its tokens
+     come here (vectorised over all sources), their offsets and local expert ids.
+  4. as each peer's DATA lands (in any order): gather its rows straight from
+     its segment into their final place in recv_x. No source waits for another.
+
+Combine mirrors it with puts: each rank writes the rows it holds for source s
+into s's slot for it, then stamps that slot; s reduces slot by slot in
+ascending rank order (so sums are deterministic), starting as soon as the
+next slot in order has landed.
+
+Why get (pull) for dispatch and put (push) for combine: a dispatched token goes
+to ~5 ranks on average, and pulling lets each rank write its tokens once and
+each receiver write each row once, into its final place (N + M row copies per
+rank, against 2M for pushing into staging slots and then reordering). Combine
+rows are consumed by a reduction, so a put into the home rank is already minimal.
+
+Why no barrier is needed between calls: a rank starts call e+2 (which reuses
+e's half) only after finishing call e+1, which needed every peer's e+1 stamp,
+which every peer writes only after finishing call e. See docs/design.md.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ubep.errors import PeerDataError
+from ubep.layout import localize_topk, prefix_offsets
+from ubep.protocols.base import (
+    CODE_DTYPES,
+    DTYPE_CODES,
+    CallId,
+    Received,
+    SendPlan,
+    ShmPeers,
+    Sizing,
+    new_layout,
+)
+from ubep.results import DispatchHandle
+from ubep.shm import SegmentLayout
+
+# Dispatch header words.
+META, DATA, NUM_TOKENS, DTYPE, TOPK, HDR_WORDS = 0, 1, 2, 3, 4, 8
+# Combine slot header words (one row per expert rank writing into this segment).
+SLOT_FLAG, SLOT_DTYPE, SLOT_COUNT = 0, 1, 2
+
+
+def ubep_layout(s: Sizing) -> SegmentLayout:
+    layout = new_layout()
+    R, T, K = s.num_ranks, s.capacity, s.max_topk
+    for p in (0, 1):
+        layout.add(f"d{p}.hdr", (HDR_WORDS,), torch.int64)
+        layout.add(f"d{p}.topk", (T * K,), torch.int64)
+        layout.add(f"d{p}.w", (T * K,), torch.float32)
+        layout.add(f"d{p}.x", (T * s.row_bytes,), torch.uint8)
+        layout.add(f"c{p}.hdr", (R, 4), torch.int64)
+        layout.add(f"c{p}.x", (R, T * s.row_bytes), torch.uint8)
+        layout.add(f"c{p}.w", (R, T * K), torch.float32)
+    return layout
+
+
+def rows_view(raw: torch.Tensor, rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor:
+    """The first rows x cols elements of a byte region, as a [rows, cols] tensor."""
+    return raw[: rows * cols * dtype.itemsize].view(dtype).view(rows, cols)
+
+
+class UbepShm:
+    """UBEP dispatch/combine among the ranks of one host."""
+
+    name = "ubep"
+
+    def __init__(self, peers: ShmPeers):
+        self.peers = peers
+        self.sizing: Sizing = peers.sizing
+        self.me = peers.rank
+        self.R = peers.num_ranks
+
+    # -- dispatch ---------------------------------------------------------------------------------
+
+    def dispatch(self, call: CallId, plan: SendPlan, handle: DispatchHandle | None) -> Received:
+        self._publish(call, plan)
+        if handle is None:
+            routing = self._gather_routing(call, plan)
+        else:
+            routing = (None, None, handle.recv_src_token_M, handle.recv_prefix_R1)
+        recv_topk_idx, recv_topk_w, src_token_M, prefix_R1 = routing
+        x_NH = plan.x_NH
+        recv_x_MH = torch.empty(int(prefix_R1[-1]), x_NH.shape[1], dtype=x_NH.dtype)
+        self._gather_rows(call, x_NH, recv_x_MH, src_token_M, prefix_R1)
+        return Received(recv_x_MH, recv_topk_idx, recv_topk_w, src_token_M, prefix_R1)
+
+    def _publish(self, call: CallId, plan: SendPlan) -> None:
+        heap, p = self.peers.heap, call.parity
+        hdr = heap.words(self.me, f"d{p}.hdr")
+        N, H = plan.x_NH.shape
+        if plan.topk_idx_NK is not None:
+            K = plan.topk_idx_NK.shape[1]
+            heap.tensor(self.me, f"d{p}.topk")[: N * K].copy_(plan.topk_idx_NK.flatten())
+            heap.tensor(self.me, f"d{p}.w")[: N * K].copy_(plan.topk_weights_NK.flatten())
+            hdr[TOPK] = K
+        hdr[NUM_TOKENS] = N
+        hdr[DTYPE] = DTYPE_CODES[plan.x_NH.dtype]
+        hdr[META] = call.epoch  # routing and counts are visible from here on
+        rows_view(heap.tensor(self.me, f"d{p}.x"), N, H, plan.x_NH.dtype).copy_(plan.x_NH)
+        hdr[DATA] = call.epoch  # the payload is visible from here on
+
+    def _source_header(self, call: CallId, src: int, x_NH: torch.Tensor) -> tuple[int, int]:
+        """A landed source's (token count, top-k), checked against this rank's bounds."""
+        hdr = self.peers.heap.words(src, f"d{call.parity}.hdr")
+        n, k, code = int(hdr[NUM_TOKENS]), int(hdr[TOPK]), int(hdr[DTYPE])
+        if not 0 <= n <= self.sizing.capacity:
+            raise PeerDataError(
+                f"dispatch: rank {src} announced {n} tokens, capacity is {self.sizing.capacity}"
+            )
+        if CODE_DTYPES.get(code) != x_NH.dtype:
+            raise PeerDataError(f"dispatch: rank {src} sent {CODE_DTYPES.get(code)}, this rank {x_NH.dtype}")
+        return n, k
+
+    def _gather_routing(self, call: CallId, plan: SendPlan):
+        """Wait for every source's routing; derive what comes here, in final order."""
+        heap, p, K = self.peers.heap, call.parity, plan.topk_idx_NK.shape[1]
+        metas = [heap.words(s, f"d{p}.hdr")[META : META + 1].reshape(()) for s in range(self.R)]
+        self.peers.wait_words("dispatch (routing)", call, metas, call.epoch, range(self.R))
+        idx_rows, w_rows, counts = [], [], []
+        for src in range(self.R):
+            n, k = self._source_header(call, src, plan.x_NH)
+            if k != K:
+                raise PeerDataError(f"dispatch: rank {src} routed with top-k {k}, this rank with {K}")
+            idx_rows.append(heap.tensor(src, f"d{p}.topk")[: n * K].view(n, K))
+            w_rows.append(heap.tensor(src, f"d{p}.w")[: n * K].view(n, K))
+            counts.append(n)
+        idx_SK = torch.cat(idx_rows)  # S = all sources' tokens, source-major
+        if idx_SK.numel() and (idx_SK.min() < -1 or idx_SK.max() >= self.sizing.placement.num_experts):
+            raise PeerDataError("dispatch: a peer's routing holds expert ids out of range")
+        local_SK, w_SK = localize_topk(idx_SK, torch.cat(w_rows), self.sizing.placement, self.me)
+        here_S = (local_SK >= 0).any(dim=1)
+        counts_R = torch.tensor(counts, dtype=torch.int64)
+        starts_R = prefix_offsets(counts_R)[:-1]
+        src_S = torch.repeat_interleave(torch.arange(self.R), counts_R)
+        rows_M = torch.nonzero(here_S).flatten()
+        src_token_M = rows_M - starts_R[src_S[rows_M]]
+        prefix_R1 = prefix_offsets(torch.bincount(src_S[rows_M], minlength=self.R))
+        return local_SK[rows_M], w_SK[rows_M], src_token_M, prefix_R1
+
+    def _gather_rows(self, call, x_NH, recv_x_MH, src_token_M, prefix_R1) -> None:
+        """Copy each source's rows from its segment as soon as its payload lands."""
+        heap, p, H = self.peers.heap, call.parity, x_NH.shape[1]
+        datas = [heap.words(s, f"d{p}.hdr")[DATA : DATA + 1].reshape(()) for s in range(self.R)]
+        waiter = self.peers.waiter("dispatch (tokens)", call)
+        pending = [(self.me + i) % self.R for i in range(self.R)]  # start with own rows
+        while pending:
+            landed = [s for s in pending if datas[s][()] == call.epoch]
+            for src in landed:
+                a, b = int(prefix_R1[src]), int(prefix_R1[src + 1])
+                if a == b:
+                    continue
+                n, _ = self._source_header(call, src, x_NH)
+                rows = src_token_M[a:b]
+                if int(rows[-1]) >= n:
+                    raise PeerDataError(f"dispatch: rank {src} sent {n} tokens, fewer than routed here")
+                source_NH = rows_view(heap.tensor(src, f"d{p}.x"), n, H, x_NH.dtype)
+                torch.index_select(source_NH, 0, rows, out=recv_x_MH[a:b])
+            pending = [s for s in pending if s not in landed]
+            if pending and not landed:
+                waiter.pause(pending)
+
+    # -- combine ----------------------------------------------------------------------------------
+
+    def combine(self, call: CallId, x_MH, handle: DispatchHandle, topk_weights_MK):
+        heap, p, H = self.peers.heap, call.parity, x_MH.shape[1]
+        prefix = handle.recv_prefix_R1.tolist()
+        code = DTYPE_CODES[x_MH.dtype]
+        for i in range(1, self.R):  # put: rows held for source s go into s's slot for me
+            src = (self.me + i) % self.R
+            a, b = prefix[src], prefix[src + 1]
+            rows_view(heap.tensor(src, f"c{p}.x")[self.me], b - a, H, x_MH.dtype).copy_(x_MH[a:b])
+            if topk_weights_MK is not None:
+                K = topk_weights_MK.shape[1]
+                heap.tensor(src, f"c{p}.w")[self.me][: (b - a) * K].copy_(topk_weights_MK[a:b].flatten())
+            slot = heap.words(src, f"c{p}.hdr")[self.me]
+            slot[SLOT_DTYPE] = code
+            slot[SLOT_COUNT] = b - a
+            slot[SLOT_FLAG] = call.epoch
+        return self._reduce(call, x_MH, handle, topk_weights_MK)
+
+    def _reduce(self, call, x_MH, handle, topk_weights_MK):
+        """Sum the slots in ascending rank order, each as soon as it has landed."""
+        heap, p, H = self.peers.heap, call.parity, x_MH.shape[1]
+        N = handle.num_tokens
+        out_NH = torch.zeros(N, H, dtype=torch.float32)
+        K = None if topk_weights_MK is None else topk_weights_MK.shape[1]
+        out_w_NK = None if K is None else torch.zeros(N, K, dtype=torch.float32)
+        hdr = heap.words(self.me, f"c{p}.hdr")
+        own = handle.recv_prefix_R1[self.me : self.me + 2].tolist()
+        for src in range(self.R):
+            tokens = handle.send_tokens(src)
+            if src == self.me:
+                rows_nH = x_MH[own[0] : own[1]]
+                w_nK = None if K is None else topk_weights_MK[own[0] : own[1]]
+            else:
+                self.peers.wait_words(
+                    "combine", call, {src: hdr[src, SLOT_FLAG : SLOT_FLAG + 1].reshape(())}, call.epoch, [src]
+                )
+                self._check_slot(src, hdr[src], tokens.numel(), x_MH.dtype)
+                rows_nH = rows_view(heap.tensor(self.me, f"c{p}.x")[src], tokens.numel(), H, x_MH.dtype)
+                w_nK = (
+                    None
+                    if K is None
+                    else heap.tensor(self.me, f"c{p}.w")[src][: tokens.numel() * K].view(-1, K)
+                )
+            out_NH.index_add_(0, tokens, rows_nH.float())
+            if K is not None:
+                out_w_NK.index_add_(0, tokens, w_nK)
+        return out_NH.to(x_MH.dtype), out_w_NK
+
+    @staticmethod
+    def _check_slot(src: int, slot, expected: int, dtype: torch.dtype) -> None:
+        if int(slot[SLOT_COUNT]) != expected:
+            raise PeerDataError(
+                f"combine: rank {src} returned {int(slot[SLOT_COUNT])} rows, expected {expected}"
+            )
+        if CODE_DTYPES.get(int(slot[SLOT_DTYPE])) != dtype:
+            raise PeerDataError(
+                f"combine: rank {src} returned {CODE_DTYPES.get(int(slot[SLOT_DTYPE]))}, "
+                f"this rank holds {dtype}"
+            )
+
+    def abort(self, call: CallId) -> None:
+        self.peers.abort(call)
+
+    def close(self) -> None:
+        self.peers.close()

@@ -1,0 +1,75 @@
+"""What dispatch and combine return: NamedTuples (they unpack like DeepEP's tuples)
+and the frozen handle that carries one dispatch's routing to its combine.
+
+Legend: see `ubep.layout`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+from ubep.overlap import EventOverlap
+
+
+@dataclass(frozen=True, slots=True)
+class DispatchHandle:
+    """Routing of one normal-mode dispatch, enough to combine it or to repeat it.
+
+    Send side (this rank as token owner):
+      is_token_in_rank_NR: which ranks each local token was sent to.
+      send_counts_R:       tokens sent to each rank (int64).
+    Receive side (this rank as expert owner), rows in source-rank-then-token order:
+      recv_src_rank_M:     source rank of each received row (int64).
+      recv_src_token_M:    that row's token index on its source (int64).
+      recv_prefix_R1:      rows from source s are [prefix[s], prefix[s+1]) (int64, R + 1).
+    """
+
+    num_tokens: int
+    is_token_in_rank_NR: torch.Tensor
+    send_counts_R: torch.Tensor
+    recv_src_rank_M: torch.Tensor
+    recv_src_token_M: torch.Tensor
+    recv_prefix_R1: torch.Tensor
+    num_recv_tokens_per_expert_list: list[int]
+
+    @property
+    def num_recv_tokens(self) -> int:
+        return int(self.recv_prefix_R1[-1])
+
+    @property
+    def num_ranks(self) -> int:
+        return self.send_counts_R.numel()
+
+    def recv_counts(self) -> torch.Tensor:
+        """int64 [R]: rows received from each source rank."""
+        return self.recv_prefix_R1[1:] - self.recv_prefix_R1[:-1]
+
+    def send_tokens(self, rank: int) -> torch.Tensor:
+        """int64 [n]: ascending indices of the local tokens sent to `rank`."""
+        return torch.nonzero(self.is_token_in_rank_NR[:, rank]).flatten()
+
+
+class LayoutResult(NamedTuple):
+    num_tokens_per_rank: torch.Tensor  # int32 [R]
+    num_tokens_per_rdma_rank: torch.Tensor | None  # int32 [nodes]; None on one node
+    num_tokens_per_expert: torch.Tensor  # int32 [E]
+    is_token_in_rank: torch.Tensor  # bool [N, R]
+    event: EventOverlap
+
+
+class DispatchResult(NamedTuple):
+    recv_x: torch.Tensor  # [M, H]
+    recv_topk_idx: torch.Tensor | None  # int64 [M, K]; None for a cached dispatch
+    recv_topk_weights: torch.Tensor | None  # float32 [M, K]; None for a cached dispatch
+    num_recv_tokens_per_expert_list: list[int]
+    handle: DispatchHandle
+    event: EventOverlap
+
+
+class CombineResult(NamedTuple):
+    combined_x: torch.Tensor  # [N, H]
+    combined_topk_weights: torch.Tensor | None  # float32 [N, K]
+    event: EventOverlap
