@@ -16,7 +16,7 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 
-from ubep import validate
+from ubep import fp8, validate
 from ubep.errors import ConfigMismatchError
 from ubep.group import GroupInfo, choose_transport, join_group
 from ubep.layout import ExpertPlacement, dispatch_layout, expert_counts
@@ -24,9 +24,21 @@ from ubep.overlap import EventOverlap
 from ubep.protocols.base import CallCounter, CallId, Exchange, SendPlan, ShmPeers, Sizing
 from ubep.protocols.bsp_dist import BspDist
 from ubep.protocols.bsp_shm import BspShm, bsp_layout
+from ubep.protocols.ll_base import LowLatencyExchange, combine_plan, dispatch_outputs, dispatch_plan
+from ubep.protocols.ll_dist import LLDist
+from ubep.protocols.ll_local import LLLocal
+from ubep.protocols.ll_shm import LLShm, add_ll_regions
 from ubep.protocols.local import LocalExchange
 from ubep.protocols.ubep_shm import UbepShm, ubep_layout
-from ubep.results import CombineResult, DispatchHandle, DispatchResult, LayoutResult
+from ubep.results import (
+    CombineResult,
+    DispatchHandle,
+    DispatchResult,
+    LayoutResult,
+    LowLatencyCombineResult,
+    LowLatencyDispatchResult,
+    LowLatencyHandle,
+)
 
 VERSION = "0.1.0"
 PROTOCOLS = ("ubep", "bsp")
@@ -47,6 +59,8 @@ class Buffer:
         timeout_s: deadline of every wait on a peer.
         max_topk: the largest K a call may use (sizes the routing buffers).
         expert_placement: optional list of E owner ranks (default: contiguous blocks).
+        low_latency: reserve the low-latency slots (shared-memory pages are only
+            touched when used); False saves address space for normal-mode-only use.
     """
 
     def __init__(
@@ -61,6 +75,7 @@ class Buffer:
         timeout_s: float = 30.0,
         max_topk: int = 16,
         expert_placement: list[int] | torch.Tensor | None = None,
+        low_latency: bool = True,
     ):
         validate.positive("hidden", hidden)
         validate.positive("num_experts", num_experts)
@@ -86,10 +101,12 @@ class Buffer:
         )
         self.protocol = protocol
         self.timeout_s = float(timeout_s)
+        self.low_latency = bool(low_latency)
         self.transport, self._transport_reason = choose_transport(transport, self._info)
         self._handshake(transport)
         self._calls = CallCounter()
         self._exchange: Exchange | None = self._build_exchange()
+        self._ll: LowLatencyExchange | None = self._build_ll_exchange()
 
     # -- construction -----------------------------------------------------------------------------
 
@@ -106,6 +123,7 @@ class Buffer:
             "protocol": self.protocol,
             "transport": requested_transport,
             "expert_placement": self.sizing.placement.rank_of_expert_E.tolist(),
+            "low_latency": self.low_latency,
         }
         everyone: list[dict] = [{}] * self._info.world_size
         dist.all_gather_object(everyone, mine, group=self._info.group)
@@ -125,8 +143,20 @@ class Buffer:
         if self.transport == "dist":
             return BspDist(info.group, info.rank, sizing)
         layout = ubep_layout(sizing) if self.protocol == "ubep" else bsp_layout(sizing)
+        if self.low_latency:
+            add_ll_regions(layout, sizing)
         peers = ShmPeers(layout, info.group, info.rank, sizing, self.timeout_s)
         return UbepShm(peers) if self.protocol == "ubep" else BspShm(peers)
+
+    def _build_ll_exchange(self) -> LowLatencyExchange | None:
+        """Low-latency mode runs the ubep protocol on the shared heap whatever `protocol` says."""
+        if not self.low_latency:
+            return None
+        if self.transport == "local":
+            return LLLocal()
+        if self.transport == "dist":
+            return LLDist(self._info.group, self._info.rank, self.sizing)
+        return LLShm(self._exchange.peers)
 
     def explain(self) -> str:
         """Which transport and protocol run here, and why."""
@@ -185,7 +215,7 @@ class Buffer:
 
     def dispatch(
         self,
-        x: torch.Tensor,
+        x: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
         handle: DispatchHandle | None = None,
         num_tokens_per_rank: torch.Tensor | None = None,
         num_tokens_per_rdma_rank: torch.Tensor | None = None,
@@ -202,13 +232,15 @@ class Buffer:
         """Send each token once to every rank that owns one of its experts.
 
         With `handle` (cached dispatch), repeat that dispatch's routing for new x;
-        recv_topk_idx and recv_topk_weights are then None.
+        recv_topk_idx and recv_topk_weights are then None. x may be an FP8 pair
+        `(values e4m3 [N, H], scales float32 [N, H // 128])`; recv_x is then a pair too.
         """
         call = self._calls.next("dispatch")
         with self._aborting(call):
             plan = self._send_plan(x, handle, num_tokens_per_rank, is_token_in_rank, topk_idx, topk_weights)
             validate.positive("expert_alignment", expert_alignment)
         got = self._live().dispatch(call, plan, handle)
+        recv_x = fp8.from_rows(got.recv_x_MH, self.sizing.hidden) if fp8.is_pair(x) else got.recv_x_MH
         if handle is None:
             counts = expert_counts(
                 got.recv_topk_idx_MK, self.sizing.placement.num_local_experts, expert_alignment
@@ -223,7 +255,7 @@ class Buffer:
                 num_recv_tokens_per_expert_list=counts,
             )
         return DispatchResult(
-            got.recv_x_MH,
+            recv_x,
             got.recv_topk_idx_MK,
             got.recv_topk_weights_MK,
             list(handle.num_recv_tokens_per_expert_list),
@@ -240,17 +272,24 @@ class Buffer:
                 raise TypeError(f"handle must come from Buffer.dispatch, got {type(handle).__name__}")
             if handle.num_ranks != self.num_ranks:
                 raise ValueError(f"handle is for {handle.num_ranks} ranks, this Buffer has {self.num_ranks}")
-            x = validate.payload("x", x, s.hidden, s.capacity, rows=handle.num_tokens)
+            x = self._payload(x, rows=handle.num_tokens)
             return SendPlan(x, None, None, handle.is_token_in_rank_NR, handle.send_counts_R)
         if topk_idx is None or topk_weights is None:
             raise ValueError("dispatch needs topk_idx and topk_weights unless a handle is given")
-        x = validate.payload("x", x, s.hidden, s.capacity)
+        x = self._payload(x)
         idx = validate.topk_idx(topk_idx, x.shape[0], self.num_experts, s.max_topk)
         w = validate.topk_weights(topk_weights, tuple(idx.shape))
         layout = dispatch_layout(idx, s.placement)
         validate.layout_args(num_tokens_per_rank, is_token_in_rank, layout.is_token_in_rank_NR)
         counts_R = layout.num_tokens_per_rank_R.to(torch.int64)
         return SendPlan(x, idx, w, layout.is_token_in_rank_NR, counts_R)
+
+    def _payload(self, x, rows: int | None = None) -> torch.Tensor:
+        """x as the protocols carry it: the tensor, or an FP8 pair packed into byte rows."""
+        s = self.sizing
+        if fp8.is_pair(x):
+            return fp8.to_rows(*validate.fp8_pair("x", x, s.hidden, s.capacity, rows=rows))
+        return validate.payload("x", x, s.hidden, s.capacity, rows=rows)
 
     def combine(
         self,
@@ -276,6 +315,103 @@ class Buffer:
         combined, weights = self._live().combine(call, x, handle, topk_weights)
         return CombineResult(combined, weights, EventOverlap())
 
+    # -- low-latency mode -------------------------------------------------------------------------
+
+    def low_latency_dispatch(
+        self,
+        x: torch.Tensor,
+        topk_idx: torch.Tensor,
+        num_max_dispatch_tokens_per_rank: int,
+        num_experts: int,
+        use_fp8: bool = False,
+        async_finish: bool = False,
+        return_recv_hook: bool = False,
+    ) -> LowLatencyDispatchResult:
+        """Send one row per (token, selected expert) pair; receive them expert-major, fixed shape.
+
+        recv_x is [L, R * T, H] (T = num_max_dispatch_tokens_per_rank; with use_fp8, a pair
+        (values e4m3, scales float32 [L, R * T, H // 128])); rows [0, recv_count[j]) of local
+        expert j are valid, by source rank, then source token. With `return_recv_hook`
+        only the send half runs now and `hook()` runs the receive half, filling recv_x,
+        recv_count and the handle in place; with `async_finish`, `event.wait()` does.
+        At most two calls may await their receive half. N > T raises ValueError before
+        anything is sent.
+        """
+        call = self._calls.next("ll_dispatch")
+        with self._ll_aborting(call, "dispatch"):
+            s, ll = self.sizing, self._live_ll()
+            if num_experts != self.num_experts:
+                raise ValueError(f"num_experts is {num_experts}, the Buffer was built for {self.num_experts}")
+            x = validate.low_latency_x(x, s.hidden, num_max_dispatch_tokens_per_rank, s.capacity, use_fp8)
+            idx = validate.topk_idx(topk_idx, x.shape[0], self.num_experts, s.max_topk)
+            plan = dispatch_plan(x, idx, s.placement, num_max_dispatch_tokens_per_rank, use_fp8)
+            out = dispatch_outputs(plan, s.hidden, self.num_ranks, idx, self.num_experts)
+        receive = ll.dispatch_send(call, plan, out)  # a failing send half tells its peers itself
+        event, hook = _halves(receive, async_finish, return_recv_hook)
+        return LowLatencyDispatchResult(out.recv_x, out.handle.recv_count_L, out.handle, event, hook)
+
+    def low_latency_combine(
+        self,
+        x: torch.Tensor,
+        topk_idx: torch.Tensor,
+        topk_weights: torch.Tensor,
+        handle: LowLatencyHandle,
+        async_finish: bool = False,
+        return_recv_hook: bool = False,
+        out: torch.Tensor | None = None,
+    ) -> LowLatencyCombineResult:
+        """Send expert outputs home; combined_x[t] = sum_k topk_weights[t, k] * y(t, k) (float32 sums).
+
+        x is [L, R * T, H] (bf16 or fp32), row for row what the dispatch delivered;
+        topk_idx and topk_weights are the home rank's routing, as dispatched. The
+        result has x's dtype; `out` [N, H] receives it in place when given.
+        """
+        call = self._calls.next("ll_combine")
+        with self._ll_aborting(call, "combine"):
+            ll = self._live_ll()
+            x, w = self._ll_combine_inputs(x, topk_idx, topk_weights, handle)
+            N = handle.num_tokens
+            if out is None:
+                out = torch.empty(N, self.sizing.hidden, dtype=x.dtype)
+            else:
+                out = validate.tensor("out", out, x.dtype, 2)
+                if tuple(out.shape) != (N, self.sizing.hidden) or not out.is_contiguous():
+                    raise ValueError(f"out must be a contiguous [{N}, {self.sizing.hidden}] tensor")
+            plan = combine_plan(x, w, handle, self.sizing.placement)
+        receive = ll.combine_send(call, plan, out)
+        event, hook = _halves(receive, async_finish, return_recv_hook)
+        return LowLatencyCombineResult(out, event, hook)
+
+    def _ll_combine_inputs(self, x, topk_idx, topk_weights, handle) -> tuple[torch.Tensor, torch.Tensor]:
+        if not isinstance(handle, LowLatencyHandle):
+            raise TypeError(f"handle must come from Buffer.low_latency_dispatch, got {type(handle).__name__}")
+        if handle.num_ranks != self.num_ranks or handle.num_experts != self.num_experts:
+            raise ValueError("handle comes from a Buffer with another group size or expert count")
+        if not handle.received:
+            raise ValueError("handle: its dispatch was not received yet; call its hook or event.wait() first")
+        M = self.num_ranks * handle.num_max_dispatch_tokens_per_rank
+        x = validate.expert_output(x, (handle.num_local_experts, M, self.sizing.hidden))
+        idx = validate.topk_idx(topk_idx, handle.num_tokens, self.num_experts, self.sizing.max_topk)
+        if not torch.equal(idx, handle.topk_idx_NK):
+            raise ValueError("topk_idx must be the one passed to the low_latency_dispatch that made handle")
+        return x, validate.topk_weights(topk_weights, tuple(idx.shape))
+
+    @contextmanager
+    def _ll_aborting(self, call: CallId, kind: str) -> Iterator[None]:
+        """`_aborting` for low-latency input checks (their slots and headers are separate)."""
+        try:
+            yield
+        except BaseException:
+            if self._ll is not None:
+                self._ll.abort(call, kind)
+            raise
+
+    def _live_ll(self) -> LowLatencyExchange:
+        self._live()
+        if self._ll is None:
+            raise ValueError("this Buffer was built with low_latency=False")
+        return self._ll
+
     # -- lifetime ---------------------------------------------------------------------------------
 
     @contextmanager
@@ -295,6 +431,7 @@ class Buffer:
 
     def close(self) -> None:
         """Release every shared resource; idempotent."""
+        self._ll = None
         exchange, self._exchange = self._exchange, None
         if exchange is not None:
             exchange.close()
@@ -318,3 +455,16 @@ def _src_ranks(prefix_R1: torch.Tensor) -> torch.Tensor:
     """int64 [M]: the source rank of each received row, from per-source boundaries."""
     counts_R = prefix_R1[1:] - prefix_R1[:-1]
     return torch.repeat_interleave(torch.arange(counts_R.numel()), counts_R)
+
+
+def _no_hook() -> None:
+    """The hook of a call that already received."""
+
+
+def _halves(receive, async_finish: bool, return_recv_hook: bool) -> tuple[EventOverlap, object]:
+    """(event, hook) for a receive half: run it now, or hand it to the event and/or the hook."""
+    pending = EventOverlap(receive)
+    if not (async_finish or return_recv_hook):
+        pending.wait()
+        return pending, _no_hook
+    return (pending if async_finish else EventOverlap()), (pending.wait if return_recv_hook else _no_hook)

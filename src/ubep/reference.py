@@ -106,3 +106,97 @@ def combine(
             rows = got.src_rank_M == home
             outs[home].index_add_(0, got.src_token_M[rows], ys[expert_rank][rows].float())
     return [out.to(ys[0].dtype) for out in outs]
+
+
+# -- low-latency mode ---------------------------------------------------------------------------------
+
+
+class RefLowLatency(NamedTuple):
+    """What one rank receives from a low-latency dispatch; invalid rows are zero / -1.
+
+    Rows of local expert j are [0, recv_count_L[j]), source rank ascending, then
+    source token ascending. X is whatever row width the inputs had (H, or H // 128 for scales).
+    """
+
+    recv_x_LMX: torch.Tensor  # [L, R * T, X]
+    recv_count_L: torch.Tensor  # int32
+    src_token_LM: torch.Tensor  # int64, -1 where invalid
+    src_rank_LM: torch.Tensor  # int64, -1 where invalid
+    src_k_LM: torch.Tensor  # int64, -1 where invalid
+    layout_range_LR2: torch.Tensor  # int64 (begin, count) per (local expert, source rank)
+
+
+def low_latency_dispatch(
+    xs: list[torch.Tensor],
+    topk_idxs: list[torch.Tensor],
+    num_experts: int,
+    num_max_tokens: int,
+    rank_of_expert=None,
+) -> list[RefLowLatency]:
+    """Every rank's low-latency dispatch result: one row per (token, selected expert) pair."""
+    R, T = len(xs), num_max_tokens
+    L = num_experts // R
+    experts = torch.arange(num_experts)
+    owners = owner_of(experts, num_experts, R, rank_of_expert)
+    local_ids = local_id_of(experts, num_experts, R, rank_of_expert)
+    results = []
+    for dst in range(R):
+        recv = torch.zeros(L, R * T, xs[0].shape[1], dtype=xs[0].dtype)
+        info = torch.full((3, L, R * T), -1, dtype=torch.int64)  # token, rank, k
+        ranges = torch.zeros(L, R, 2, dtype=torch.int64)
+        counts = torch.zeros(L, dtype=torch.int32)
+        for j in range(L):
+            expert = int(experts[(owners == dst) & (local_ids == j)][0])
+            row = 0
+            for src in range(R):
+                hits = topk_idxs[src] == expert  # [n, K]; at most one hit per row
+                tokens = torch.nonzero(hits.any(dim=1)).flatten()
+                c = tokens.numel()
+                recv[j, row : row + c] = xs[src][tokens]
+                info[0, j, row : row + c] = tokens
+                info[1, j, row : row + c] = src
+                info[2, j, row : row + c] = hits[tokens].int().argmax(dim=1)
+                ranges[j, src] = torch.tensor([row, c])
+                row += c
+            counts[j] = row
+        results.append(RefLowLatency(recv, counts, info[0], info[1], info[2], ranges))
+    return results
+
+
+def weighted_sum(y_NKH: torch.Tensor, w_NK: torch.Tensor, valid_NK: torch.Tensor) -> torch.Tensor:
+    """float32 [N, H]: sum over k ascending of w[n, k] * y[n, k] where valid (others add nothing).
+
+    The one formula every transport's low-latency combine uses, so sums agree bit for bit.
+    """
+    N, K, H = y_NKH.shape
+    acc_NH = torch.zeros(N, H, dtype=torch.float32)
+    for k in range(K):
+        term_NH = w_NK[:, k, None] * y_NKH[:, k].float()
+        acc_NH = acc_NH + torch.where(valid_NK[:, k, None], term_NH, 0.0)
+    return acc_NH
+
+
+def low_latency_combine(
+    ys: list[torch.Tensor],
+    dispatched: list[RefLowLatency],
+    topk_idxs: list[torch.Tensor],
+    topk_weights: list[torch.Tensor],
+) -> list[torch.Tensor]:
+    """Every rank's combined output: sum_k topk_weights[t, k] * y(t, k), in float32, cast to ys' dtype.
+
+    `ys[r]` is rank r's expert output [L, R * T, H], row for row what it received.
+    """
+    R = len(ys)
+    L, _, H = ys[0].shape
+    outs = []
+    for home in range(R):
+        N, K = topk_idxs[home].shape
+        y_NKH = torch.zeros(N, K, H, dtype=ys[0].dtype)
+        for expert_rank in range(R):
+            got = dispatched[expert_rank]
+            for j in range(L):
+                mine = got.src_rank_LM[j] == home
+                y_NKH[got.src_token_LM[j][mine], got.src_k_LM[j][mine]] = ys[expert_rank][j][mine]
+        acc = weighted_sum(y_NKH, topk_weights[home], topk_idxs[home] >= 0)
+        outs.append(acc.to(ys[0].dtype))
+    return outs

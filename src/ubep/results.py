@@ -6,6 +6,7 @@ Legend: see `ubep.layout`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -73,3 +74,58 @@ class CombineResult(NamedTuple):
     combined_x: torch.Tensor  # [N, H]
     combined_topk_weights: torch.Tensor | None  # float32 [N, K]
     event: EventOverlap
+
+
+@dataclass(frozen=True, slots=True)
+class LowLatencyHandle:
+    """Routing of one low-latency dispatch, what its combine needs.
+
+    Send side (this rank as token owner):
+      num_tokens, topk_idx_NK: the routing dispatched (combine must pass the same).
+    Receive side (this rank as expert owner), filled in place by the receive half
+    (the hook, event.wait(), or the call itself); rows of local expert j are
+    `[0, recv_count_L[j])`, grouped by source rank ascending, then source token ascending:
+      recv_count_L:        int32 [L], valid rows per local expert (-1 until received).
+      recv_src_token_LM:   int64 [L, R * T], source token index of each row (-1: invalid row).
+      recv_src_rank_LM:    int64 [L, R * T], source rank of each row (-1: invalid row).
+      recv_src_k_LM:       int64 [L, R * T], which top-k slot of its token the row serves.
+      layout_range_LR2:    int64 [L, R, 2], (begin, count) of the rows from each source rank.
+    """
+
+    num_tokens: int
+    num_max_dispatch_tokens_per_rank: int
+    hidden: int
+    num_experts: int
+    topk_idx_NK: torch.Tensor
+    recv_count_L: torch.Tensor
+    recv_src_token_LM: torch.Tensor
+    recv_src_rank_LM: torch.Tensor
+    recv_src_k_LM: torch.Tensor
+    layout_range_LR2: torch.Tensor
+
+    @property
+    def num_local_experts(self) -> int:
+        return self.recv_count_L.numel()
+
+    @property
+    def num_ranks(self) -> int:
+        return self.layout_range_LR2.shape[1]
+
+    @property
+    def received(self) -> bool:
+        """Whether the receive half has filled the receive-side fields."""
+        return bool((self.recv_count_L >= 0).all())
+
+
+class LowLatencyDispatchResult(NamedTuple):
+    recv_x: torch.Tensor | tuple[torch.Tensor, torch.Tensor]  # [L, R * T, H]; FP8: (values, scales)
+    recv_count: torch.Tensor  # int32 [L]
+    handle: LowLatencyHandle
+    event: EventOverlap
+    hook: Callable[[], None]
+
+
+class LowLatencyCombineResult(NamedTuple):
+    combined_x: torch.Tensor  # [N, H]
+    event: EventOverlap
+    hook: Callable[[], None]

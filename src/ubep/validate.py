@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from ubep import fp8
+
 PAYLOAD_DTYPES = (torch.bfloat16, torch.float32)
 
 
@@ -88,3 +90,50 @@ def positive(name: str, value, minimum: int = 1) -> int:
     if value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
     return value
+
+
+def fp8_pair(name: str, value, hidden: int, capacity: int, rows: int | None = None):
+    """(values float8_e4m3fn [N, H], scales float32 [N, H // 128]): the FP8 form of x."""
+    values = tensor(f"{name}[0]", value[0], fp8.VALUE_DTYPE, 2)
+    scales = tensor(f"{name}[1]", value[1], fp8.SCALE_DTYPE, 2)
+    n, h = values.shape
+    if h != hidden:
+        raise ValueError(f"{name}[0] has hidden size {h}, the Buffer was built for {hidden}")
+    if h % fp8.BLOCK or tuple(scales.shape) != (n, h // fp8.BLOCK):
+        raise ValueError(
+            f"{name}[1] (scales) must have shape [N, H // {fp8.BLOCK}] = {(n, h // fp8.BLOCK)}, "
+            f"got {tuple(scales.shape)} (H must be a multiple of {fp8.BLOCK})"
+        )
+    if rows is not None and n != rows:
+        raise ValueError(f"{name} has {n} rows, expected {rows}")
+    if n > capacity:
+        raise ValueError(f"{name} has {n} tokens, more than max_tokens_per_rank={capacity}")
+    return values.contiguous(), scales.contiguous()
+
+
+def low_latency_x(x, hidden: int, max_tokens: int, capacity: int, use_fp8: bool) -> torch.Tensor:
+    """x [N, H] for low-latency dispatch: N <= T <= the Buffer's max_tokens_per_rank."""
+    positive("num_max_dispatch_tokens_per_rank", max_tokens)
+    if max_tokens > capacity:
+        raise ValueError(
+            f"num_max_dispatch_tokens_per_rank ({max_tokens}) exceeds the Buffer's "
+            f"max_tokens_per_rank ({capacity})"
+        )
+    if isinstance(x, tuple | list):
+        raise TypeError("low_latency_dispatch takes x as a tensor; pass use_fp8=True to send FP8")
+    x = tensor("x", x, PAYLOAD_DTYPES, 2)
+    if x.shape[0] > max_tokens:
+        raise ValueError(
+            f"x has {x.shape[0]} tokens, more than num_max_dispatch_tokens_per_rank={max_tokens}"
+        )
+    if use_fp8 and hidden % 128:
+        raise ValueError(f"use_fp8 needs a hidden size that is a multiple of 128, got {hidden}")
+    return payload("x", x, hidden, max_tokens)
+
+
+def expert_output(x, shape: tuple[int, int, int]) -> torch.Tensor:
+    """The expert outputs for low-latency combine: bf16 or fp32 [L, R * T, H]."""
+    x = tensor("x", x, PAYLOAD_DTYPES, 3)
+    if tuple(x.shape) != tuple(shape):
+        raise ValueError(f"x must have shape [L, R * T, H] = {tuple(shape)}, got {tuple(x.shape)}")
+    return x.contiguous()

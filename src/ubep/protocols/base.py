@@ -19,7 +19,7 @@ from ubep.shm import SegmentLayout, SymmetricHeap
 from ubep.waiting import Waiter
 
 # Wire codes for the dtypes a payload may carry (stored next to the data).
-DTYPE_CODES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3, torch.float8_e4m3fn: 4}
+DTYPE_CODES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3, torch.float8_e4m3fn: 4, torch.uint8: 5}
 CODE_DTYPES = {code: dtype for dtype, code in DTYPE_CODES.items()}
 MAX_ITEMSIZE = 4  # bytes per element of the widest payload dtype (float32)
 

@@ -1,0 +1,272 @@
+"""Low-latency mode, shared by every transport: plans, output tensors, row placement.
+
+Low-latency dispatch sends one row per (token, selected expert) pair, and the
+receiver keeps them expert-major in fixed-shape tensors `[L, R * T, ...]`.
+Everything here is pure torch over this rank's own data; transports only move
+the rows. Rows travel as bytes (`uint8 [n, B]`), so bf16, fp32 and FP8 pairs
+(values then scales, see `ubep.fp8`) all take the same path.
+
+Legend: see `ubep.layout` (N tokens, H hidden, K top-k, R ranks, E experts,
+L local experts, T capacity); P counts (token, expert) pairs, Q rows sent back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from ubep import fp8, reference
+from ubep.layout import ExpertPlacement, prefix_offsets
+from ubep.protocols.base import DTYPE_CODES, CallId
+from ubep.results import LowLatencyHandle
+
+Payload = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
+
+
+@dataclass(frozen=True, slots=True)
+class LLDispatchPlan:
+    """The sender's side of one low-latency dispatch; pairs sorted by (destination, local expert, token)."""
+
+    max_tokens: int  # T of this call
+    code: int  # wire dtype code (float8 for FP8 pairs)
+    rows_NB: torch.Tensor  # uint8 [N, B]: this rank's tokens in wire form
+    pair_token_P: torch.Tensor  # int64
+    pair_k_P: torch.Tensor  # int64: which top-k slot selected the expert
+    pair_local_P: torch.Tensor  # int64: local expert id on the destination
+    counts_RL: torch.Tensor  # int64 [R, L]: pairs per (destination, local expert)
+
+    def to(self, dst: int) -> slice:
+        """The pairs bound for rank `dst`, as a slice of the pair arrays."""
+        offsets = prefix_offsets(self.counts_RL.sum(dim=1))
+        return slice(int(offsets[dst]), int(offsets[dst + 1]))
+
+
+def dispatch_plan(
+    x: Payload, topk_idx_NK: torch.Tensor, placement: ExpertPlacement, max_tokens: int, use_fp8: bool
+) -> LLDispatchPlan:
+    """Pack x into wire rows (quantising when asked) and order the (token, expert) pairs."""
+    if use_fp8:
+        x = fp8.quantize(x)
+    if fp8.is_pair(x):
+        rows_NB, code = fp8.to_rows(*x), DTYPE_CODES[fp8.VALUE_DTYPE]
+    else:
+        rows_NB, code = x.contiguous().view(torch.uint8), DTYPE_CODES[x.dtype]
+    N = topk_idx_NK.shape[0]
+    R, L = placement.num_ranks, placement.num_local_experts
+    token_P, k_P = torch.nonzero(topk_idx_NK >= 0, as_tuple=True)
+    expert_P = topk_idx_NK[token_P, k_P]
+    bucket_P = placement.rank_of_expert_E[expert_P] * L + placement.local_index_E[expert_P]
+    order_P = torch.argsort(bucket_P * max(N, 1) + token_P, stable=True)
+    counts_RL = torch.bincount(bucket_P, minlength=R * L).view(R, L)
+    return LLDispatchPlan(
+        max_tokens,
+        code,
+        rows_NB,
+        token_P[order_P],
+        k_P[order_P],
+        placement.local_index_E[expert_P[order_P]],
+        counts_RL,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class LLDispatchOut:
+    """The receiver's output tensors, filled in place by the receive half."""
+
+    code: int  # wire dtype code the rows must carry
+    recv_x: Payload  # [L, R * T, H] or (values, scales)
+    planes: tuple[tuple[torch.Tensor, int, int], ...]  # (uint8 view [L, R * T, b], lo, hi) per tensor
+    handle: LowLatencyHandle
+
+    @property
+    def row_width(self) -> int:
+        return self.planes[-1][2]
+
+
+def dispatch_outputs(
+    plan: LLDispatchPlan, hidden: int, num_ranks: int, topk_idx_NK: torch.Tensor, num_experts: int
+) -> LLDispatchOut:
+    """Allocate recv_x (rows uninitialised), the handle (-1 until received) and byte views of recv_x."""
+    L, M = num_experts // num_ranks, num_ranks * plan.max_tokens
+    if plan.code == DTYPE_CODES[fp8.VALUE_DTYPE]:
+        values = torch.empty(L, M, hidden, dtype=fp8.VALUE_DTYPE)
+        scales = torch.empty(L, M, hidden // fp8.BLOCK, dtype=fp8.SCALE_DTYPE)
+        recv_x: Payload = (values, scales)
+        tensors = (values, scales)
+    else:
+        recv_x = torch.empty(L, M, hidden, dtype=_dtype_of(plan.code))
+        tensors = (recv_x,)
+    planes, lo = [], 0
+    for t in tensors:
+        plane = t.view(torch.uint8)  # [L, M, bytes per row]
+        planes.append((plane, lo, lo + plane.shape[2]))
+        lo += plane.shape[2]
+    info = torch.full((3, L, M), -1, dtype=torch.int64)
+    handle = LowLatencyHandle(
+        num_tokens=topk_idx_NK.shape[0],
+        num_max_dispatch_tokens_per_rank=plan.max_tokens,
+        hidden=hidden,
+        num_experts=num_experts,
+        topk_idx_NK=topk_idx_NK,
+        recv_count_L=torch.full((L,), -1, dtype=torch.int32),
+        recv_src_token_LM=info[0],
+        recv_src_rank_LM=info[1],
+        recv_src_k_LM=info[2],
+        layout_range_LR2=torch.zeros(L, num_ranks, 2, dtype=torch.int64),
+    )
+    return LLDispatchOut(plan.code, recv_x, tuple(planes), handle)
+
+
+def _dtype_of(code: int) -> torch.dtype:
+    return next(d for d, c in DTYPE_CODES.items() if c == code)
+
+
+def slot_positions(counts_L: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """For rows ordered by local expert: (local expert, index within that expert's run) of each.
+
+    Example: counts [2, 0, 1] -> local [0, 0, 2], index [0, 1, 0].
+    """
+    local_n = torch.repeat_interleave(torch.arange(counts_L.numel()), counts_L)
+    index_n = torch.arange(local_n.numel()) - prefix_offsets(counts_L)[:-1][local_n]
+    return local_n, index_n
+
+
+def place_source(
+    out: LLDispatchOut,
+    src: int,
+    begin_L: torch.Tensor,
+    counts_L: torch.Tensor,
+    rows_nB: torch.Tensor,
+    token_n: torch.Tensor,
+    k_n: torch.Tensor,
+) -> None:
+    """Write source `src`'s rows (ordered by local expert, then token) into their final places.
+
+    Example (L=2, counts [2, 1], begin [3, 0]): rows go to (0, 3), (0, 4), (1, 0).
+    """
+    local_n, index_n = slot_positions(counts_L)
+    pos_n = begin_L[local_n] + index_n
+    for plane, lo, hi in out.planes:
+        plane[local_n, pos_n] = rows_nB[:, lo:hi]
+    h = out.handle
+    h.recv_src_token_LM[local_n, pos_n] = token_n
+    h.recv_src_rank_LM[local_n, pos_n] = src
+    h.recv_src_k_LM[local_n, pos_n] = k_n
+    h.layout_range_LR2[:, src, 0] = begin_L
+    h.layout_range_LR2[:, src, 1] = counts_L
+
+
+def place_all(
+    out: LLDispatchOut,
+    counts_SL: torch.Tensor,
+    rows_MB: torch.Tensor,
+    token_M: torch.Tensor,
+    k_M: torch.Tensor,
+) -> None:
+    """Place rows that arrived source-major (then local expert, then token), and set recv_count."""
+    begin_L = torch.zeros(counts_SL.shape[1], dtype=torch.int64)
+    offsets = prefix_offsets(counts_SL.sum(dim=1))
+    for src in range(counts_SL.shape[0]):
+        a, b = int(offsets[src]), int(offsets[src + 1])
+        place_source(out, src, begin_L, counts_SL[src], rows_MB[a:b], token_M[a:b], k_M[a:b])
+        begin_L = begin_L + counts_SL[src]
+    out.handle.recv_count_L.copy_(begin_L)
+
+
+@dataclass(frozen=True, slots=True)
+class LLCombinePlan:
+    """Both sides of one low-latency combine.
+
+    Expert side: the rows to send back, ordered by (home rank, local expert, row).
+    Home side: the routing to reduce with, and how many rows each expert rank returns.
+    """
+
+    code: int
+    x_LMB: torch.Tensor  # uint8 view of the expert outputs
+    home_Q: torch.Tensor  # int64: home rank of each row sent back
+    local_Q: torch.Tensor
+    row_Q: torch.Tensor
+    token_Q: torch.Tensor  # token index on the home rank
+    k_Q: torch.Tensor  # its top-k slot there
+    topk_weights_NK: torch.Tensor
+    valid_NK: torch.Tensor
+    owner_NK: torch.Tensor  # rank owning each selected expert (-1 where none)
+    local_NK: torch.Tensor  # its local id there (-1 where none)
+
+    send_counts_R: torch.Tensor  # int64 [R]: rows sent back to each home
+
+    def to(self, home: int) -> slice:
+        """The rows bound for rank `home`, as a slice of the row arrays."""
+        offsets = prefix_offsets(self.send_counts_R)
+        return slice(int(offsets[home]), int(offsets[home + 1]))
+
+    def expected_from(self, expert_rank: int) -> int:
+        """Rows this rank (as home) gets back from `expert_rank`."""
+        return int((self.owner_NK == expert_rank).sum())
+
+
+def combine_plan(
+    x_LMH: torch.Tensor, topk_weights_NK: torch.Tensor, handle: LowLatencyHandle, placement: ExpertPlacement
+) -> LLCombinePlan:
+    """Which received rows go back where, and the home side's view of its own routing."""
+    M = x_LMH.shape[1]
+    valid_LM = torch.arange(M) < handle.recv_count_L.long().unsqueeze(1)
+    local_Q, row_Q = torch.nonzero(valid_LM, as_tuple=True)  # sorted by (local expert, row)
+    home_Q = handle.recv_src_rank_LM[local_Q, row_Q]
+    order_Q = torch.argsort(home_Q, stable=True)
+    local_Q, row_Q = local_Q[order_Q], row_Q[order_Q]
+    idx_NK = handle.topk_idx_NK
+    valid_NK = idx_NK >= 0
+    safe_NK = idx_NK.clamp(min=0)
+    return LLCombinePlan(
+        code=DTYPE_CODES[x_LMH.dtype],
+        x_LMB=x_LMH.contiguous().view(torch.uint8),
+        home_Q=home_Q[order_Q],
+        local_Q=local_Q,
+        row_Q=row_Q,
+        token_Q=handle.recv_src_token_LM[local_Q, row_Q],
+        k_Q=handle.recv_src_k_LM[local_Q, row_Q],
+        topk_weights_NK=topk_weights_NK,
+        valid_NK=valid_NK,
+        owner_NK=torch.where(valid_NK, placement.rank_of_expert_E[safe_NK], -1),
+        local_NK=torch.where(valid_NK, placement.local_index_E[safe_NK], -1),
+        send_counts_R=torch.bincount(home_Q, minlength=handle.num_ranks),
+    )
+
+
+def home_order(plan: LLCombinePlan) -> tuple[torch.Tensor, torch.Tensor]:
+    """The home's (token, k) pairs in the order rows come back: expert rank, local expert, token."""
+    token_P, k_P = torch.nonzero(plan.valid_NK, as_tuple=True)
+    N = plan.valid_NK.shape[0]
+    L = int(plan.local_NK.max()) + 1 if token_P.numel() else 1
+    key_P = (plan.owner_NK[token_P, k_P] * L + plan.local_NK[token_P, k_P]) * max(N, 1) + token_P
+    order_P = torch.argsort(key_P)
+    return token_P[order_P], k_P[order_P]
+
+
+def reduce_returned(plan: LLCombinePlan, rows_PB: torch.Tensor, out_NH: torch.Tensor) -> None:
+    """Reduce rows that came back in `home_order`."""
+    N, K = plan.valid_NK.shape
+    token_P, k_P = home_order(plan)
+    y_NKB = torch.zeros(N * K, plan.x_LMB.shape[2], dtype=torch.uint8)
+    y_NKB[token_P * K + k_P] = rows_PB
+    reduce_rows(plan, y_NKB.view(N, K, y_NKB.shape[1]), out_NH)
+
+
+def reduce_rows(plan: LLCombinePlan, y_NKB: torch.Tensor, out_NH: torch.Tensor) -> None:
+    """out = sum_k w[t, k] * y(t, k) over valid k (float32, k ascending), cast into out's dtype."""
+    y_NKH = y_NKB.view(_dtype_of(plan.code))  # [N, K, H]
+    out_NH.copy_(reference.weighted_sum(y_NKH, plan.topk_weights_NK, plan.valid_NK))
+
+
+class LowLatencyExchange(Protocol):
+    """A transport's low-latency halves: each `*_send` sends now and returns the receive half."""
+
+    def dispatch_send(self, call: CallId, plan: LLDispatchPlan, out: LLDispatchOut) -> Callable[[], None]: ...
+
+    def combine_send(self, call: CallId, plan: LLCombinePlan, out_NH: torch.Tensor) -> Callable[[], None]: ...
+
+    def abort(self, call: CallId, kind: str) -> None: ...

@@ -1,0 +1,34 @@
+"""Low-latency mode on a group of one: the rows go from this rank to itself.
+
+The send half takes the copy (so later writes to x do not leak in, as with a
+real transport); the receive half places it, exactly as the other transports do.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from ubep.protocols.base import CallId
+from ubep.protocols.ll_base import LLCombinePlan, LLDispatchOut, LLDispatchPlan, place_all, reduce_returned
+
+
+class LLLocal:
+    name = "local-ll"
+
+    def dispatch_send(self, call: CallId, plan: LLDispatchPlan, out: LLDispatchOut) -> Callable[[], None]:
+        rows_PB = plan.rows_NB[plan.pair_token_P]
+        counts_SL = plan.counts_RL
+
+        def receive() -> None:
+            place_all(out, counts_SL, rows_PB, plan.pair_token_P, plan.pair_k_P)
+
+        return receive
+
+    def combine_send(self, call: CallId, plan: LLCombinePlan, out_NH: torch.Tensor) -> Callable[[], None]:
+        rows_PB = plan.x_LMB[plan.local_Q, plan.row_Q]
+        return lambda: reduce_returned(plan, rows_PB, out_NH)
+
+    def abort(self, call: CallId, kind: str) -> None:
+        pass
