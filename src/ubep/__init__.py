@@ -5,12 +5,21 @@ data-as-flag protocol over a shared address space (shared memory among the
 ranks of a host) or over torch.distributed between hosts.
 """
 
+from ubep import fp8
 from ubep.buffer import Buffer
 from ubep.errors import CommTimeoutError, ConfigMismatchError, PeerDataError, UbepError
 from ubep.launcher import LocalLaunch, RankFailedError
 from ubep.layout import DispatchLayout, ExpertPlacement
 from ubep.overlap import EventOverlap
-from ubep.results import CombineResult, DispatchHandle, DispatchResult, LayoutResult
+from ubep.results import (
+    CombineResult,
+    DispatchHandle,
+    DispatchResult,
+    LayoutResult,
+    LowLatencyCombineResult,
+    LowLatencyDispatchResult,
+    LowLatencyHandle,
+)
 from ubep.waiting import PeerAbortedError
 
 __version__ = "0.1.0"
@@ -27,8 +36,12 @@ __all__ = [
     "ExpertPlacement",
     "LayoutResult",
     "LocalLaunch",
+    "LowLatencyCombineResult",
+    "LowLatencyDispatchResult",
+    "LowLatencyHandle",
     "PeerAbortedError",
     "PeerDataError",
     "RankFailedError",
     "UbepError",
+    "fp8",
 ]

@@ -169,10 +169,12 @@ def weighted_sum(y_NKH: torch.Tensor, w_NK: torch.Tensor, valid_NK: torch.Tensor
     The one formula every transport's low-latency combine uses, so sums agree bit for bit.
     """
     N, K, H = y_NKH.shape
+    y_NKH = y_NKH.to(torch.float32, copy=True)  # the caller's rows are never written
+    y_NKH[~valid_NK] = 0.0  # invalid slots may hold anything, NaN included
+    w_NK = torch.where(valid_NK, w_NK, 0.0)
     acc_NH = torch.zeros(N, H, dtype=torch.float32)
     for k in range(K):
-        term_NH = w_NK[:, k, None] * y_NKH[:, k].float()
-        acc_NH = acc_NH + torch.where(valid_NK[:, k, None], term_NH, 0.0)
+        acc_NH += w_NK[:, k, None] * y_NKH[:, k]  # product rounded, then sum rounded: same everywhere
     return acc_NH
 
 

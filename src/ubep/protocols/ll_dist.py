@@ -24,7 +24,15 @@ import torch.distributed as dist
 
 from ubep.errors import PeerDataError
 from ubep.protocols.base import CallId, Sizing
-from ubep.protocols.ll_base import LLCombinePlan, LLDispatchOut, LLDispatchPlan, place_all, reduce_returned
+from ubep.protocols.ll_base import (
+    LLCombinePlan,
+    LLDispatchOut,
+    LLDispatchPlan,
+    gather_rows,
+    place_all,
+    reduce_returned,
+    returned_rows,
+)
 from ubep.waiting import PeerAbortedError
 
 H_STATUS, H_DTYPE, H_WIDTH, H_T, H_COUNTS = 0, 1, 2, 3, 4
@@ -54,7 +62,7 @@ class LLDist:
         self._check_headers(recv_RW, fixed)
         counts_SL = recv_RW[:, H_COUNTS:]
         send, recv = plan.counts_RL.sum(dim=1).tolist(), counts_SL.sum(dim=1).tolist()
-        rows_PB = plan.rows_NB[plan.pair_token_P]
+        rows_PB = gather_rows(plan.rows_NB, plan.pair_token_P)
         meta_P2 = torch.stack([plan.pair_token_P, plan.pair_k_P], dim=1)
         rows_MB = rows_PB.new_empty((sum(recv), width))
         meta_M2 = meta_P2.new_empty((sum(recv), 2))
@@ -84,7 +92,7 @@ class LLDist:
             )
 
     def combine_send(self, call: CallId, plan: LLCombinePlan, out_NH: torch.Tensor) -> Callable[[], None]:
-        rows_QB = plan.x_LMB[plan.local_Q, plan.row_Q]  # ordered by home rank
+        rows_QB = returned_rows(plan)  # ordered by home rank
         send = plan.send_counts_R.tolist()
         recv = [plan.expected_from(r) for r in range(self.R)]
         rows_PB = rows_QB.new_empty((sum(recv), rows_QB.shape[1]))

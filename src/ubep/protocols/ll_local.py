@@ -11,14 +11,22 @@ from collections.abc import Callable
 import torch
 
 from ubep.protocols.base import CallId
-from ubep.protocols.ll_base import LLCombinePlan, LLDispatchOut, LLDispatchPlan, place_all, reduce_returned
+from ubep.protocols.ll_base import (
+    LLCombinePlan,
+    LLDispatchOut,
+    LLDispatchPlan,
+    gather_rows,
+    place_all,
+    reduce_returned,
+    returned_rows,
+)
 
 
 class LLLocal:
     name = "local-ll"
 
     def dispatch_send(self, call: CallId, plan: LLDispatchPlan, out: LLDispatchOut) -> Callable[[], None]:
-        rows_PB = plan.rows_NB[plan.pair_token_P]
+        rows_PB = gather_rows(plan.rows_NB, plan.pair_token_P)
         counts_SL = plan.counts_RL
 
         def receive() -> None:
@@ -27,7 +35,7 @@ class LLLocal:
         return receive
 
     def combine_send(self, call: CallId, plan: LLCombinePlan, out_NH: torch.Tensor) -> Callable[[], None]:
-        rows_PB = plan.x_LMB[plan.local_Q, plan.row_Q]
+        rows_PB = returned_rows(plan)
         return lambda: reduce_returned(plan, rows_PB, out_NH)
 
     def abort(self, call: CallId, kind: str) -> None:

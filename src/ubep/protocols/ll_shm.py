@@ -40,8 +40,11 @@ from ubep.protocols.ll_base import (
     LLCombinePlan,
     LLDispatchOut,
     LLDispatchPlan,
+    as_words,
+    gather_rows,
     place_source,
     reduce_rows,
+    returned_rows,
     slot_positions,
 )
 from ubep.shm import SegmentLayout
@@ -158,8 +161,9 @@ class LLShm:
         counts_L = plan.counts_RL[dst]
         local_n, index_n = slot_positions(counts_L)
         token_n = plan.pair_token_P[pairs]
-        slots = self.heap.tensor(dst, f"ll.d{p}.x")[:, self.me]  # [L, T, row bytes]
-        slots[local_n, index_n, :B] = plan.rows_NB[token_n]
+        slots = self.heap.tensor(dst, f"ll.d{p}.x")[:, self.me, :, :B]  # [L, T, B]
+        (slots_w,) = as_words(slots)
+        slots_w[local_n, index_n] = gather_rows(plan.rows_NB, token_n).view(slots_w.dtype)
         src = self.heap.tensor(dst, f"ll.d{p}.src")[:, self.me]
         src[local_n, index_n] = token_n * self.sizing.max_topk + plan.pair_k_P[pairs]
         hdr = self.heap.words(dst, f"ll.d{p}.hdr")[self.me]
@@ -179,7 +183,8 @@ class LLShm:
                 self._wait("low-latency dispatch (tokens)", call, DISPATCH, landed, [src])
                 counts_L = self._check_tokens(src, hdrs[src], out)
                 local_n, index_n = slot_positions(counts_L)
-                rows_nB = slots[:, src][local_n, index_n, : out.row_width]
+                (slots_w,) = as_words(slots[:, src, :, : out.row_width])
+                rows_nB = slots_w[local_n, index_n].view(torch.uint8)
                 info_n = srcs[:, src][local_n, index_n]
                 place_source(out, src, begin_L, counts_L, rows_nB, info_n // K, info_n % K)
                 begin_L = begin_L + counts_L
@@ -217,8 +222,8 @@ class LLShm:
     def _put_rows(self, call: CallId, plan: LLCombinePlan, home: int) -> None:
         p, rows, B = call.parity, plan.to(home), plan.x_LMB.shape[2]
         target_Q = plan.token_Q[rows] * self.sizing.max_topk + plan.k_Q[rows]
-        slots = self.heap.tensor(home, f"ll.c{p}.x")  # [T * max_topk, row bytes]
-        slots[target_Q, :B] = plan.x_LMB[plan.local_Q[rows], plan.row_Q[rows]]
+        (slots_w,) = as_words(self.heap.tensor(home, f"ll.c{p}.x")[:, :B])  # [T * max_topk, B]
+        slots_w[target_Q] = returned_rows(plan, rows).view(slots_w.dtype)
         hdr = self.heap.words(home, f"ll.c{p}.hdr")[self.me]
         hdr[C_DTYPE], hdr[C_COUNT] = plan.code, rows.stop - rows.start
         hdr[C_FLAG] = call.epoch
@@ -234,7 +239,7 @@ class LLShm:
             for r in senders:
                 self._check_rows(r, hdrs[r], expected[r], plan.code)
             slot_NK = (torch.arange(N).unsqueeze(1) * self.sizing.max_topk + torch.arange(K)).flatten()
-            y_NKB = self.heap.tensor(self.me, f"ll.c{p}.x")[slot_NK, :B].view(N, K, B)
+            y_NKB = gather_rows(self.heap.tensor(self.me, f"ll.c{p}.x")[:, :B], slot_NK).view(N, K, B)
             reduce_rows(plan, y_NKB, out_NH)
         finally:
             self._consumed(call, COMBINE)
