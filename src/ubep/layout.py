@@ -121,6 +121,25 @@ def localize_topk(
     return local_nK, torch.where(mine_nK, topk_weights_nK, torch.zeros_like(topk_weights_nK))
 
 
+def localize_for_destinations(
+    topk_idx_nK: torch.Tensor, topk_weights_nK: torch.Tensor, dest_n: torch.Tensor, placement: ExpertPlacement
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`localize_topk` for rows bound to different ranks: row i as rank dest_n[i] sees it."""
+    safe_nK = topk_idx_nK.clamp(min=0)
+    mine_nK = (topk_idx_nK >= 0) & (placement.rank_of_expert_E[safe_nK] == dest_n.unsqueeze(1))
+    local_nK = torch.where(mine_nK, placement.local_index_E[safe_nK], -1)
+    return local_nK, torch.where(mine_nK, topk_weights_nK, 0.0)
+
+
+def destination_major(is_token_in_rank_NR: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dest_n, token_n): every (token, destination) pair, sorted by destination then token.
+
+    This is the send order of an all-to-all: rows for rank 0 first, each block ascending.
+    """
+    dest_n, token_n = torch.nonzero(is_token_in_rank_NR.T, as_tuple=True)
+    return dest_n, token_n
+
+
 def expert_counts(local_idx_MK: torch.Tensor, num_local_experts: int, alignment: int) -> list[int]:
     """Rows per local expert, each rounded up to `alignment` (a Python list of L ints)."""
     valid = local_idx_MK[local_idx_MK >= 0]

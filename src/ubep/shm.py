@@ -14,6 +14,7 @@ docs/design.md for the memory-ordering argument.
 
 from __future__ import annotations
 
+import math
 import mmap
 import os
 import secrets
@@ -34,10 +35,7 @@ class Region:
     offset: int
     shape: tuple[int, ...]
     dtype: torch.dtype
-
-    @property
-    def nbytes(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+    nbytes: int
 
 
 @dataclass(slots=True)
@@ -49,7 +47,8 @@ class SegmentLayout:
 
     def add(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> None:
         offset = -(-self.nbytes // ALIGN) * ALIGN
-        region = Region(offset, tuple(int(s) for s in shape), dtype)
+        shape = tuple(int(s) for s in shape)
+        region = Region(offset, shape, dtype, math.prod(shape) * dtype.itemsize)
         self.regions[name] = region
         self.nbytes = offset + region.nbytes
 
@@ -136,6 +135,7 @@ class SymmetricHeap:
         self._unlink(own)
         self._words = [np.frombuffer(m, dtype=np.int64) for m in self._maps]
         self._bytes = [torch.frombuffer(m, dtype=torch.uint8) for m in self._maps]
+        self._views: dict[tuple[int, str], torch.Tensor] = {}
 
     @staticmethod
     def _unlink(name: str) -> None:
@@ -146,9 +146,12 @@ class SymmetricHeap:
 
     def tensor(self, rank: int, name: str) -> torch.Tensor:
         """Region `name` of `rank`'s segment as a tensor of its declared shape and dtype."""
-        region = self.layout.regions[name]
-        raw = self._bytes[rank][region.offset : region.offset + region.nbytes]
-        return raw.view(region.dtype).view(region.shape)
+        view = self._views.get((rank, name))
+        if view is None:
+            region = self.layout.regions[name]
+            raw = self._bytes[rank][region.offset : region.offset + region.nbytes]
+            view = self._views[(rank, name)] = raw.view(region.dtype).view(region.shape)
+        return view
 
     def words(self, rank: int, name: str) -> np.ndarray:
         """An int64 region of `rank`'s segment as a numpy array, for flags and counts.
@@ -166,6 +169,7 @@ class SymmetricHeap:
         """Drop every mapping; idempotent. Views handed out must not be used afterwards."""
         self._words = []
         self._bytes = []
+        self._views = {}
         maps, self._maps = self._maps, []
         for m in maps:
             try:

@@ -77,6 +77,7 @@ class Received:
     recv_topk_weights_MK: torch.Tensor | None
     recv_src_token_M: torch.Tensor  # int64
     recv_prefix_R1: torch.Tensor  # int64 [R + 1]
+    recv_home_offset_R: torch.Tensor | None = None  # see DispatchHandle
 
 
 class Exchange(Protocol):
