@@ -77,17 +77,22 @@ class DispatchLayout:
     is_token_in_rank_NR: torch.Tensor  # bool [N, R]
 
 
-def rank_mask(topk_idx_NK: torch.Tensor, placement: ExpertPlacement) -> torch.Tensor:
-    """bool [N, K, R]: whether slot k of token n selects an expert on rank r."""
-    valid_NK = topk_idx_NK >= 0
-    rank_NK = placement.rank_of_expert_E[topk_idx_NK.clamp(min=0)]
-    ranks_R = torch.arange(placement.num_ranks)
-    return (rank_NK.unsqueeze(-1) == ranks_R) & valid_NK.unsqueeze(-1)
+def token_in_rank(topk_idx_NK: torch.Tensor, placement: ExpertPlacement) -> torch.Tensor:
+    """bool [N, R]: whether token n selects at least one expert on rank r.
+
+    Scatters each slot's owner rank into a row of R + 1 columns; "no expert"
+    (-1) lands in the extra column, which is dropped.
+    """
+    R = placement.num_ranks
+    owner_NK = placement.rank_of_expert_E[topk_idx_NK.clamp(min=0)]
+    owner_NK = torch.where(topk_idx_NK >= 0, owner_NK, R)
+    hit_NR1 = torch.zeros(topk_idx_NK.shape[0], R + 1, dtype=torch.bool)
+    return hit_NR1.scatter_(1, owner_NK, True)[:, :R]
 
 
 def dispatch_layout(topk_idx_NK: torch.Tensor, placement: ExpertPlacement) -> DispatchLayout:
     """Counts and membership for one rank's routing."""
-    is_token_in_rank_NR = rank_mask(topk_idx_NK, placement).any(dim=1)
+    is_token_in_rank_NR = token_in_rank(topk_idx_NK, placement)
     valid = topk_idx_NK[topk_idx_NK >= 0]
     per_expert_E = torch.bincount(valid, minlength=placement.num_experts)
     return DispatchLayout(

@@ -32,7 +32,7 @@ from __future__ import annotations
 import torch
 
 from ubep.errors import PeerDataError
-from ubep.layout import localize_topk, prefix_offsets, rank_mask
+from ubep.layout import localize_topk, prefix_offsets, token_in_rank
 from ubep.protocols.base import (
     CODE_DTYPES,
     DTYPE_CODES,
@@ -144,7 +144,7 @@ class UbepShm:
         src_token_M = rows_M - starts_R[src_S[rows_M]]
         prefix_R1 = prefix_offsets(torch.bincount(src_S[rows_M], minlength=self.R))
         # Rows each source sent to ranks below this one: where this rank's block goes back.
-        to_lower_S = rank_mask(idx_SK, self.sizing.placement)[:, :, : self.me].any(dim=1).sum(dim=1)
+        to_lower_S = token_in_rank(idx_SK, self.sizing.placement)[:, : self.me].sum(dim=1)
         home_offset_R = torch.bincount(src_S, weights=to_lower_S.double(), minlength=self.R).long()
         return local_SK[rows_M], w_SK[rows_M], src_token_M, prefix_R1, home_offset_R
 
