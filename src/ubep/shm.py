@@ -133,6 +133,7 @@ class SymmetricHeap:
             self.close()
             raise
         self._unlink(own)
+        self.names = names  # every rank's segment name (unlinked by now; unique and unguessable)
         self._words = [np.frombuffer(m, dtype=np.int64) for m in self._maps]
         self._bytes = [torch.frombuffer(m, dtype=torch.uint8) for m in self._maps]
         self._views: dict[tuple[int, str], torch.Tensor] = {}

@@ -104,8 +104,10 @@ class UbepShm:
         hdr[NUM_TOKENS] = N
         hdr[DTYPE] = DTYPE_CODES[plan.x_NH.dtype]
         hdr[META] = call.epoch  # routing and counts are visible from here on
+        self.peers.ring_all()
         rows_view(heap.tensor(self.me, f"d{p}.x"), N, H, plan.x_NH.dtype).copy_(plan.x_NH)
         hdr[DATA] = call.epoch  # the payload is visible from here on
+        self.peers.ring_all()
 
     def _source_header(self, call: CallId, src: int, x_NH: torch.Tensor) -> tuple[int, int]:
         """A landed source's (token count, top-k), checked against this rank's bounds."""
@@ -188,6 +190,7 @@ class UbepShm:
             slot[SLOT_DTYPE] = DTYPE_CODES[x_MH.dtype]
             slot[SLOT_COUNT] = b - a
             slot[SLOT_FLAG] = call.epoch  # this block is visible from here on
+            self.peers.ring(home)
         return self._reduce(call, x_MH.dtype, H, handle, K)
 
     def _reduce(self, call: CallId, dtype: torch.dtype, H: int, handle: DispatchHandle, K: int | None):
