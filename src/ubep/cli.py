@@ -57,6 +57,7 @@ def add_bench(subparsers) -> None:
     p.add_argument("--timeout", type=float, default=d.timeout_s, help="per-wait deadline in seconds")
     p.add_argument("--json", metavar="PATH", help="write results as JSON")
     p.add_argument("--plot", metavar="PATH.png", help="plot latency against tokens per rank")
+    p.add_argument("--profile", action="store_true", help="instead: where ubep's CPU time goes, per category")
     p.set_defaults(func=run_bench)
 
 
@@ -84,6 +85,11 @@ def run_bench(args: argparse.Namespace) -> int:
         seed=args.seed,
         timeout_s=args.timeout,
     )
+    if args.profile:
+        from ubep.bench.profile import run_profile
+
+        run_profile(cfg, cfg.tokens[0])
+        return 0
     rows, notes = run(cfg)
     title = (
         f"{cfg.mode} mode, {cfg.ranks} ranks on {os.cpu_count()} cores, hidden {cfg.hidden}, "

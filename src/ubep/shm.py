@@ -137,6 +137,7 @@ class SymmetricHeap:
         self._words = [np.frombuffer(m, dtype=np.int64) for m in self._maps]
         self._bytes = [torch.frombuffer(m, dtype=torch.uint8) for m in self._maps]
         self._views: dict[tuple[int, str], torch.Tensor] = {}
+        self._word_views: dict[tuple[int, str], np.ndarray] = {}
 
     @staticmethod
     def _unlink(name: str) -> None:
@@ -159,18 +160,22 @@ class SymmetricHeap:
 
         Single-element loads and stores through numpy are plain 8-byte moves.
         """
-        region = self.layout.regions[name]
-        if region.dtype != torch.int64:
-            raise TypeError(f"region {name} holds {region.dtype}, not int64 words")
-        start = region.offset // 8
-        count = region.nbytes // 8
-        return self._words[rank][start : start + count].reshape(region.shape)
+        words = self._word_views.get((rank, name))
+        if words is None:
+            region = self.layout.regions[name]
+            if region.dtype != torch.int64:
+                raise TypeError(f"region {name} holds {region.dtype}, not int64 words")
+            start, count = region.offset // 8, region.nbytes // 8
+            words = self._words[rank][start : start + count].reshape(region.shape)
+            self._word_views[(rank, name)] = words
+        return words
 
     def close(self) -> None:
         """Drop every mapping; idempotent. Views handed out must not be used afterwards."""
         self._words = []
         self._bytes = []
         self._views = {}
+        self._word_views = {}
         maps, self._maps = self._maps, []
         for m in maps:
             try:

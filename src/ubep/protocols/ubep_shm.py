@@ -104,10 +104,9 @@ class UbepShm:
         hdr[NUM_TOKENS] = N
         hdr[DTYPE] = DTYPE_CODES[plan.x_NH.dtype]
         hdr[META] = call.epoch  # routing and counts are visible from here on
-        self.peers.ring_all()
         rows_view(heap.tensor(self.me, f"d{p}.x"), N, H, plan.x_NH.dtype).copy_(plan.x_NH)
         hdr[DATA] = call.epoch  # the payload is visible from here on
-        self.peers.ring_all()
+        self.peers.ring_all()  # one ring for both stamps: a blocked reader needs both
 
     def _source_header(self, call: CallId, src: int, x_NH: torch.Tensor) -> tuple[int, int]:
         """A landed source's (token count, top-k), checked against this rank's bounds."""
@@ -153,18 +152,19 @@ class UbepShm:
     def _gather_rows(self, call, x_NH, recv_x_MH, src_token_M, prefix_R1) -> None:
         """Copy each source's rows from its segment as soon as its payload lands."""
         heap, p, H = self.peers.heap, call.parity, x_NH.shape[1]
-        datas = [heap.words(s, f"d{p}.hdr")[DATA : DATA + 1].reshape(()) for s in range(self.R)]
+        hdrs = [heap.words(s, f"d{p}.hdr") for s in range(self.R)]
+        prefix = prefix_R1.tolist()
         waiter = self.peers.waiter("dispatch (tokens)", call)
         pending = [(self.me + i) % self.R for i in range(self.R)]  # start with own rows
         while pending:
-            landed = [s for s in pending if datas[s][()] == call.epoch]
+            landed = [s for s in pending if hdrs[s][DATA] == call.epoch]
             for src in landed:
-                a, b = int(prefix_R1[src]), int(prefix_R1[src + 1])
+                a, b = prefix[src], prefix[src + 1]
                 if a == b:
                     continue
                 n, _ = self._source_header(call, src, x_NH)
                 rows = src_token_M[a:b]
-                if int(rows[-1]) >= n:
+                if rows[-1] >= n:  # rows ascend: the last is the largest
                     raise PeerDataError(f"dispatch: rank {src} sent {n} tokens, fewer than routed here")
                 source_NH = rows_view(heap.tensor(src, f"d{p}.x"), n, H, x_NH.dtype)
                 torch.index_select(source_NH, 0, rows, out=recv_x_MH[a:b])
