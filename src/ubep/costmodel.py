@@ -52,8 +52,13 @@ class CostParams:
 
 
 def port_gbps_C(topo: Topology, params: CostParams) -> np.ndarray:
-    """float [C]: achievable bandwidth of the port each distance class uses."""
-    return params.link_efficiency * topo.port_gbps_C()
+    """float [C]: achievable bandwidth of the port each distance class uses.
+
+    Class 0 (a rank writing into its own device) is a local copy, not a fabric transfer.
+    """
+    gbps_C = params.link_efficiency * topo.port_gbps_C()
+    gbps_C[0] = topo.local_copy_gbps
+    return gbps_C
 
 
 def worker_gbps_C(topo: Topology, params: CostParams) -> np.ndarray:
