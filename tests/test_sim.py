@@ -89,8 +89,8 @@ def test_fifo_matches_a_plain_loop():
     tail, svc = head + rng.random(50), rng.random(50)
     start, out = engine.fifo(key, order, head, tail, svc)
     for k in range(3):
-        free = -np.inf
+        done = -np.inf
         for i in sorted(np.flatnonzero(key == k), key=lambda i: order[i]):
-            assert start[i] == pytest.approx(max(head[i], free))
-            free = max(tail[i], max(head[i], free) + svc[i])
-            assert out[i] == pytest.approx(free)
+            assert start[i] == pytest.approx(max(head[i], done))
+            done = max(head[i], done) + svc[i]
+            assert out[i] == pytest.approx(max(tail[i], done))

@@ -10,11 +10,12 @@ Each message passes, in order:
   latency     lat[c], added to head and tail
   eject       the destination device's port (incast queues here)
 
-Each stage is a FIFO server in cut-through mode: a message starts when its head
-arrives and the server is free, and its tail leaves no earlier than the tail
-left the previous stage and no earlier than start + b / rate. That recurrence
-(tail_m = max(a_m, tail_{m-1} + s_m)) is Lindley's, solved per queue with one
-cumulative sum and one running maximum: no Python loop over messages.
+Each stage is a server in cut-through mode: it works through the messages'
+bytes in FIFO order as their heads arrive (done_m = max(head_m + s_m,
+done_{m-1} + s_m), Lindley's recurrence, solved per queue with one cumulative
+sum and one running maximum: no Python loop over messages), and a tail leaves
+at max(its upstream tail, done_m). So a port shared by many slow worker flows
+still moves bytes at its full rate, and no message beats its own upstream.
 
 Times in us, sizes in bytes, rates in GB/s (1e3 B/us). M messages.
 """
@@ -57,24 +58,27 @@ class Timing:
 
 
 def fifo(key: np.ndarray, order: np.ndarray, head: np.ndarray, tail: np.ndarray, svc: np.ndarray):
-    """One stage of FIFO servers (one per `key`), served in `order`; returns (start, tail_out).
+    """One stage of servers (one per `key`), taking work in `order`; returns (start, tail_out).
 
-    start = max(head, previous tail_out in the queue); tail_out = max(tail, start + svc).
+    The server's work is the messages' service times, available from their heads:
+    done_m = max(head_m + svc_m, done_{m-1} + svc_m) (Lindley, FIFO), and a tail
+    leaves at max(tail_m, done_m): the stage keeps its rate while one slow upstream
+    flow trickles in (a port multiplexes flows), and never lets a tail overtake
+    its own upstream. start_m = max(head_m, done_{m-1}).
     """
     idx = np.lexsort((order, key))
-    k, s = key[idx], svc[idx]
-    a = np.maximum(tail[idx], head[idx] + s)  # the tail if the server were free
+    k, s, h = key[idx], svc[idx], head[idx]
     new = np.r_[True, k[1:] != k[:-1]]
     seg = np.cumsum(new) - 1
     total = np.cumsum(s)
     s_local = total - (total - s)[new][seg]  # inclusive sum of svc within the queue
-    y = a - s_local
+    y = h + s - s_local
     lift = (y.max() - y.min() + 1.0) * seg if y.size else y  # keeps the running max inside a queue
-    x = s_local + np.maximum.accumulate(y + lift) - lift  # Lindley: max(a_m, x_{m-1} + s_m)
-    prev = np.r_[-np.inf, x[:-1]]
+    done = s_local + np.maximum.accumulate(y + lift) - lift  # max(h_m + s_m, done_{m-1} + s_m)
+    prev = np.r_[-np.inf, done[:-1]]
     prev[new] = -np.inf
-    start, tail_out = np.empty_like(x), np.empty_like(x)
-    start[idx], tail_out[idx] = np.maximum(head[idx], prev), x
+    start, tail_out = np.empty_like(done), np.empty_like(done)
+    start[idx], tail_out[idx] = np.maximum(h, prev), np.maximum(tail[idx], done)
     return start, tail_out
 
 
