@@ -26,12 +26,13 @@ import numpy as np
 from ubep.topology import Topology
 
 # Fitted on DeepEP's low-latency EP8/EP64 numbers (PAPER.md table), see ubep.sim.calibrate.
-FIT_MSG_OVERHEAD_US = 0.3
-FIT_LINK_EFFICIENCY = 0.8
-# Fitted on UBEP's EP64 reductions on CloudMatrix384 (PAPER.md), see ubep.sim.calibrate.
+FIT_MSG_OVERHEAD_US = 0.7
+FIT_LINK_EFFICIENCY = 1.0  # DeepEP counts bytes such that RDMA reaches its nominal 50 GB/s
+FIT_CALL_US = 23.7  # fixed cost of one dispatch or combine call (kernel start, setup)
+# Fitted on UBEP's EP64 reductions on CloudMatrix384 (batch 8 and 128, PAPER.md), ubep.sim.calibrate.
 FIT_BARRIER_FANIN = 8
+WINDOW_BYTES = 128 * 1024  # one worker's bytes in flight (the grid's top value: see docs/simulation.md)
 # Assumed (no published figure to fit against).
-WINDOW_BYTES = 16 * 1024  # one worker's bytes in flight (a few 512 B-4 KiB writes outstanding)
 POLL_US = 0.05  # checking one flag word in local memory
 PREFIX_US = 1.0  # the per-expert prefix-sum kernel
 FLAG_BYTES = 64  # a flag or count write, rounded up to one cache line
@@ -45,6 +46,7 @@ class CostParams:
     msg_overhead_us: float = FIT_MSG_OVERHEAD_US
     link_efficiency: float = FIT_LINK_EFFICIENCY
     barrier_fanin: int = FIT_BARRIER_FANIN
+    call_us: float = FIT_CALL_US
     window_bytes: float = WINDOW_BYTES
     poll_us: float = POLL_US
     prefix_us: float = PREFIX_US

@@ -257,7 +257,7 @@ def deepep_ll(wl: Workload, topo: Topology, params: CostParams, workers: int, co
     sig_home, sig_e = np.divmod(np.arange(R * E), E)
     sig_src, sig_dst = (wl.owner_E[sig_e], sig_home) if combine else (sig_home, wl.owner_E[sig_e])
     ready = last_issue
-    sig = _msgs(sig_src, sig_dst, sig_e % workers, N * K + sig_e, params.flag_bytes, ready)
+    sig = _msgs(sig_src, sig_dst, (sig_home + sig_e) % workers, N * K + sig_e, params.flag_bytes, ready)
     t = engine.simulate(_cat([data, sig]), topo, params, workers)
     counted = _rank_max(sig_dst, t.arrived_M[data.size :], R)
     rows_R = np.bincount(dst, minlength=R)

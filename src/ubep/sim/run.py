@@ -1,7 +1,7 @@
 """User-facing simulation: a configuration in, dispatch and combine times out.
 
-`simulate(config, protocol)` builds the workload (synthetic routing from
-`ubep.routing`, seeded), runs the protocol's message pattern on the topology
+`simulate(config, protocol)` builds the workload (seeded synthetic routing with
+`ubep.routing`'s distributions), runs the protocol's message pattern on the topology
 and returns a `SimResult`. `simulate_host` does the same for this machine with
 measured copy bandwidth and per-message overhead (to compare with `ubep bench`).
 """
@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, field, replace
 import numpy as np
 import torch
 
-from ubep import routing, topology
+from ubep import topology
 from ubep.costmodel import CostParams
 from ubep.layout import ExpertPlacement
 from ubep.sim import protocols
@@ -86,21 +86,45 @@ def workload(cfg: SimConfig) -> protocols.Workload:
     """Every rank's seeded routing, with experts placed contiguously over the ranks."""
     if cfg.ranks > cfg.topology.num_ranks:
         raise ValueError(f"ranks ({cfg.ranks}) exceeds the topology's {cfg.topology.num_ranks}")
-    gen = torch.Generator().manual_seed(cfg.seed)
-    topk = [_route(cfg, gen) for _ in range(cfg.ranks)]
     placement = ExpertPlacement.contiguous(cfg.experts, cfg.ranks)
     return protocols.Workload(
-        topk_SNK=torch.stack(topk).numpy(),
+        topk_SNK=route_all(cfg).reshape(cfg.ranks, cfg.tokens, cfg.topk).numpy(),
         owner_E=placement.rank_of_expert_E.numpy(),
         dispatch_row_bytes=row_bytes(cfg.hidden, cfg.dispatch_dtype),
         combine_row_bytes=row_bytes(cfg.hidden, "bf16"),
     )
 
 
-def _route(cfg: SimConfig, gen: torch.Generator) -> torch.Tensor:
-    if cfg.hot_experts > 0:
-        return routing.hot(cfg.tokens, cfg.experts, cfg.topk, cfg.hot_experts, cfg.hot_share, gen)
-    return routing.make(cfg.routing, cfg.tokens, cfg.experts, cfg.topk, gen)
+def _gumbel_topk(logits_XE: torch.Tensor, k: int, gen: torch.Generator) -> torch.Tensor:
+    """k distinct columns per row, drawn without replacement with probability ~ exp(logits).
+
+    The same distribution as `ubep.routing`'s successive multinomial draws, for all ranks
+    at once (the Gumbel-top-k trick), so 384 ranks take milliseconds, not seconds.
+    """
+    u = torch.rand(logits_XE.shape, generator=gen).clamp_(1e-12, 1 - 1e-12)
+    return torch.topk(logits_XE - torch.log(-torch.log(u)), k, dim=1).indices
+
+
+def route_all(cfg: SimConfig) -> torch.Tensor:
+    """int64 [R * N, K]: every rank's top-k, by `cfg.routing` (or `hot_experts`)."""
+    gen = torch.Generator().manual_seed(cfg.seed)
+    X, E = cfg.ranks * cfg.tokens, cfg.experts
+    weights_E = torch.ones(E, dtype=torch.float64)
+    if cfg.hot_experts > 0:  # the first `hot_experts` experts share `hot_share` of the mass
+        hot = min(cfg.hot_experts, E)
+        weights_E.fill_((1 - cfg.hot_share) / max(E - hot, 1))
+        weights_E[:hot] = cfg.hot_share / hot
+    elif cfg.routing == "zipf":
+        weights_E = 1.0 / torch.arange(1, E + 1, dtype=torch.float64)
+        weights_E = weights_E[torch.randperm(E, generator=gen)]
+    elif cfg.routing == "deepseek-groups":  # 8 groups, each token reaches 4 of them
+        groups = _gumbel_topk(torch.zeros(X, 8), 4, gen)
+        allowed_XG = torch.zeros(X, 8, dtype=torch.bool).scatter_(1, groups, True)
+        logits = torch.where(allowed_XG.repeat_interleave(E // 8, dim=1), 0.0, -torch.inf)
+        return _gumbel_topk(logits, cfg.topk, gen)
+    elif cfg.routing != "uniform":
+        raise ValueError(f"routing must be uniform, zipf or deepseek-groups, got {cfg.routing!r}")
+    return _gumbel_topk(weights_E.log().float().expand(X, E), cfg.topk, gen)
 
 
 def simulate(cfg: SimConfig, protocol: str, wl: protocols.Workload | None = None) -> SimResult:
@@ -125,8 +149,8 @@ def simulate(cfg: SimConfig, protocol: str, wl: protocols.Workload | None = None
         tokens_per_rank=cfg.tokens,
         policy=cfg.policy if protocol == "ubep" else protocol,
         workers=W,
-        dispatch_us=d.latency_us,
-        combine_us=c.latency_us,
+        dispatch_us=d.latency_us + p.call_us,
+        combine_us=c.latency_us + p.call_us,
         dispatch_worker_us=d.worker_us,
         combine_worker_us=c.worker_us,
         dispatch_bytes_per_rank=float(sent),
