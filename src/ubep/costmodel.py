@@ -26,9 +26,9 @@ import numpy as np
 from ubep.topology import Topology
 
 # Fitted on DeepEP's low-latency EP8/EP64 numbers (PAPER.md table), see ubep.sim.calibrate.
-FIT_MSG_OVERHEAD_US = 0.7
+FIT_MSG_OVERHEAD_US = 0.4
 FIT_LINK_EFFICIENCY = 1.0  # DeepEP counts bytes such that RDMA reaches its nominal 50 GB/s
-FIT_CALL_US = 23.7  # fixed cost of one dispatch or combine call (kernel start, setup)
+FIT_CALL_US = 24.0  # fixed cost of one dispatch or combine call (kernel start, setup)
 # Fitted on UBEP's EP64 reductions on CloudMatrix384 (batch 8 and 128, PAPER.md), ubep.sim.calibrate.
 FIT_BARRIER_FANIN = 8
 WINDOW_BYTES = 128 * 1024  # one worker's bytes in flight (the grid's top value: see docs/simulation.md)

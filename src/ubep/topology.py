@@ -9,7 +9,7 @@ also cap the bandwidth leaving one of its domains (an oversubscribed uplink).
 
 Legend: R ranks, D devices, C distance classes (= number of levels).
 Units: microseconds (us), GB/s (= 1e3 bytes per us), bytes.
-All figures come from /docs/topology.md's table, which cites PAPER.md.
+Every figure carries its source here and in docs/topology.md.
 """
 
 from __future__ import annotations

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from dataclasses import replace
 
 from ubep import routing, schedule, topology
@@ -148,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     """Stand-alone entry (`python -m ubep.sim.cli ...`) until the main CLI wires `add_parser`."""
     parser = argparse.ArgumentParser(prog="ubep")
     add_parser(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(["simulate", *(argv or [])] if argv is not None else None)
+    args = parser.parse_args(["simulate", *(sys.argv[1:] if argv is None else argv)])
     return args.func(args)
 
 
