@@ -165,7 +165,9 @@ def _count_workers(workers: int) -> int:
     return max(1, workers // 16) if workers > 1 else 0
 
 
-def ubep_dispatch(wl: Workload, topo: Topology, params: CostParams, workers: int, policy: str = "ubep"):
+def ubep_dispatch(
+    wl: Workload, topo: Topology, params: CostParams, workers: int, policy: str = "ubep"
+) -> PhaseTime:
     R, counts = wl.num_ranks, wl.counts_RR()
     cw = _count_workers(workers)
     sched = schedule.plan(
@@ -188,7 +190,9 @@ def ubep_dispatch(wl: Workload, topo: Topology, params: CostParams, workers: int
     return PhaseTime(done_R=done, worker_us=float(t.injected_M[R * R :].max(initial=0.0)))
 
 
-def ubep_combine(wl: Workload, topo: Topology, params: CostParams, workers: int, policy: str = "ubep"):
+def ubep_combine(
+    wl: Workload, topo: Topology, params: CostParams, workers: int, policy: str = "ubep"
+) -> PhaseTime:
     R, back = wl.num_ranks, wl.counts_RR().T
     sched = schedule.plan(
         back, topo, workers=workers, row_bytes=_tff(wl.combine_row_bytes), policy=policy, params=params
@@ -216,7 +220,9 @@ def _bsp_send(counts: np.ndarray, ready_R, row_bytes: int, topo: Topology, param
     return end_R, float((t.injected_M[:n] - data.ready_M).max(initial=0.0))
 
 
-def bsp_dispatch(wl: Workload, topo: Topology, params: CostParams, workers: int, policy: str = "bsp"):
+def bsp_dispatch(
+    wl: Workload, topo: Topology, params: CostParams, workers: int, policy: str = "bsp"
+) -> PhaseTime:
     R, counts = wl.num_ranks, wl.counts_RR()
     src, rot = np.divmod(np.arange(R * (R - 1)), R - 1)
     dst = (src + 1 + rot) % R
@@ -231,7 +237,9 @@ def bsp_dispatch(wl: Workload, topo: Topology, params: CostParams, workers: int,
     return PhaseTime(done_R=done, worker_us=worker_us)
 
 
-def bsp_combine(wl: Workload, topo: Topology, params: CostParams, workers: int, policy: str = "bsp"):
+def bsp_combine(
+    wl: Workload, topo: Topology, params: CostParams, workers: int, policy: str = "bsp"
+) -> PhaseTime:
     R, back = wl.num_ranks, wl.counts_RR().T
     b0 = barrier(np.zeros(R), topo, params)
     sent, worker_us = _bsp_send(back, b0, wl.combine_row_bytes, topo, params, workers)
