@@ -1,4 +1,5 @@
-"""The `ubep` command line: `ubep bench` compares ubep with the alternatives on this host."""
+"""The `ubep` command line: `ubep bench` compares ubep with the alternatives on this host;
+`ubep simulate` runs the same plans on a model of a superpod."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import os
 
 from ubep.bench.workload import DTYPES, SYSTEMS, BenchConfig
 from ubep.routing import ROUTINGS
+from ubep.sim.cli import add_parser as add_simulate
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -111,5 +113,6 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="ubep", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     add_bench(sub)
+    add_simulate(sub)
     args = parser.parse_args(argv)
     return args.func(args)
