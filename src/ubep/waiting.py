@@ -1,8 +1,9 @@
 """Waiting on peers: yield the CPU, keep a deadline, notice dead or aborted peers.
 
 Tests run 8 ranks on 2 cores, so a wait never spins without yielding: it
-starts with `sched_yield` (cheap when a core is free) and backs off to short
-sleeps. Every wait has a deadline; on expiry it raises `CommTimeoutError` naming
+starts with `sched_yield` (cheap when a core is free), then blocks on its
+doorbell until a peer rings (see `ubep.doorbell`), or backs off to short
+sleeps where there is no doorbell. Every wait has a deadline; on expiry it raises `CommTimeoutError` naming
 the ranks that never signalled and the phase it was in.
 """
 
@@ -38,7 +39,9 @@ class Waiter:
     """One wait of one phase: call `pause(pending)` while peers in `pending` are not ready.
 
     `peer_pid(r)` gives a local peer's process id (None if unknown: no liveness
-    check); `peer_abort(r)` returns a reason when peer r has aborted this call.
+    check); `peer_abort(r)` returns a reason when peer r has aborted this call;
+    `block(timeout_s)`, when given, sleeps until a peer signals (a doorbell)
+    instead of sleeping for a fixed interval.
     """
 
     def __init__(
@@ -47,11 +50,13 @@ class Waiter:
         timeout_s: float,
         peer_pid: Callable[[int], int | None],
         peer_abort: Callable[[int], str | None],
+        block: Callable[[float], None] | None = None,
     ):
         self.phase = phase
         self.timeout_s = timeout_s
         self._peer_pid = peer_pid
         self._peer_abort = peer_abort
+        self._block = block
         self._start = time.monotonic()
         self._next_check = self._start + LIVENESS_PERIOD_S
         self._polls = 0
@@ -66,7 +71,10 @@ class Waiter:
         if now >= self._next_check:
             self._next_check = now + LIVENESS_PERIOD_S
             self._check(list(pending), now)
-        time.sleep(min(MAX_SLEEP_S, MIN_SLEEP_S * 2 ** min(self._polls - YIELD_POLLS, 6)))
+        if self._block is not None:
+            self._block(self._next_check - now)
+        else:
+            time.sleep(min(MAX_SLEEP_S, MIN_SLEEP_S * 2 ** min(self._polls - YIELD_POLLS, 6)))
 
     def _check(self, pending: list[int], now: float) -> None:
         for peer in pending:

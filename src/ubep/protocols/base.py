@@ -13,6 +13,7 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
+from ubep.doorbell import Doorbell
 from ubep.layout import ExpertPlacement
 from ubep.results import DispatchHandle
 from ubep.shm import SegmentLayout, SymmetricHeap
@@ -77,6 +78,7 @@ class Received:
     recv_topk_weights_MK: torch.Tensor | None
     recv_src_token_M: torch.Tensor  # int64
     recv_prefix_R1: torch.Tensor  # int64 [R + 1]
+    recv_home_offset_R: torch.Tensor | None = None  # see DispatchHandle
 
 
 class Exchange(Protocol):
@@ -133,16 +135,18 @@ class ShmPeers:
         self.sizing = sizing
         self.timeout_s = timeout_s
         self.heap = SymmetricHeap(layout, group, rank, self.num_ranks)
+        self.doorbell = Doorbell(self.heap.names[rank])
+        self.doorbell.connect(self.heap.names)
         self._ctl = [self.heap.words(r, "ctl") for r in range(self.num_ranks)]
         self._ctl[rank][CTL_PID] = os.getpid()
-        dist.barrier(group=group)  # every pid is visible before the first wait
+        dist.barrier(group=group)  # every pid and doorbell is ready before the first wait
         self._pids = [int(c[CTL_PID]) for c in self._ctl]
         self._current_seq = 0
         self._barrier_count = 0
 
     def waiter(self, phase: str, call: CallId) -> Waiter:
         self._current_seq = call.seq
-        return Waiter(phase, self.timeout_s, self._pids.__getitem__, self._aborted)
+        return Waiter(phase, self.timeout_s, self._pids.__getitem__, self._aborted, self.doorbell.wait)
 
     def _aborted(self, peer: int) -> str | None:
         if int(self._ctl[peer][CTL_ABORT_SEQ]) == self._current_seq:
@@ -152,12 +156,14 @@ class ShmPeers:
     def abort(self, call: CallId) -> None:
         """Tell peers waiting on `call` that this rank will not take part."""
         self._ctl[self.rank][CTL_ABORT_SEQ] = call.seq
+        self.doorbell.ring_all(self.rank)
 
     def barrier(self, phase: str, call: CallId) -> None:
         """A global barrier over shared memory: each rank bumps its counter, waits for all."""
         self._barrier_count += 1
         target = self._barrier_count
         self._ctl[self.rank][CTL_BARRIER] = target
+        self.doorbell.ring_all(self.rank)
         waiter = self.waiter(phase, call)
         pending = [r for r in range(self.num_ranks) if r != self.rank]
         while pending:
@@ -174,6 +180,14 @@ class ShmPeers:
             if pending:
                 waiter.pause(pending)
 
+    def ring(self, peer: int) -> None:
+        """Wake `peer` if it waits: call after writing a stamp it may be waiting for."""
+        self.doorbell.ring(peer)
+
+    def ring_all(self) -> None:
+        self.doorbell.ring_all(self.rank)
+
     def close(self) -> None:
         self._ctl = []
+        self.doorbell.close()
         self.heap.close()
