@@ -127,6 +127,7 @@ class LLShm:
         """This rank read its last byte of the call's half: peers may reuse it."""
         done = self.heap.words(self.me, "ll.done")[kind, call.parity]
         done[CONSUMED] = max(call.epoch, int(done[SKIPPED]))
+        self.peers.ring_all()  # a peer may wait to reuse this half
 
     def abort(self, call: CallId, kind: str) -> None:
         """Tell peers this call is off; release its half now, or when the older call holding it is done.
@@ -135,7 +136,6 @@ class LLShm:
         block's single abort word, which this rank's next rejection would overwrite
         before a peer's pending receive half got to read it.
         """
-        self.peers.abort(call)
         rejected = self.heap.words(self.me, "ll.rejected")
         rejected[KINDS[kind]] = max(int(rejected[KINDS[kind]]), call.epoch)
         done = self.heap.words(self.me, "ll.done")[KINDS[kind], call.parity]
@@ -143,6 +143,7 @@ class LLShm:
             done[CONSUMED] = call.epoch
         else:
             done[SKIPPED] = call.epoch
+        self.peers.abort(call)  # last: it rings every peer, who then sees all of the above
 
     # -- dispatch ---------------------------------------------------------------------------------
 
@@ -170,6 +171,7 @@ class LLShm:
         hdr[D_COUNTS:] = counts_L.numpy()
         hdr[D_DTYPE], hdr[D_T], hdr[D_WIDTH] = plan.code, plan.max_tokens, B
         hdr[D_FLAG] = call.epoch  # the rows above are visible from here on
+        self.peers.ring(dst)
 
     def _receive_tokens(self, call: CallId, out: LLDispatchOut) -> None:
         p, K = call.parity, self.sizing.max_topk
@@ -227,6 +229,7 @@ class LLShm:
         hdr = self.heap.words(home, f"ll.c{p}.hdr")[self.me]
         hdr[C_DTYPE], hdr[C_COUNT] = plan.code, rows.stop - rows.start
         hdr[C_FLAG] = call.epoch
+        self.peers.ring(home)
 
     def _reduce(self, call: CallId, plan: LLCombinePlan, out_NH: torch.Tensor) -> None:
         p, (N, K), B = call.parity, plan.valid_NK.shape, plan.x_LMB.shape[2]
