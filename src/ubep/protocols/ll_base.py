@@ -217,6 +217,7 @@ class LLCombinePlan:
     valid_NK: torch.Tensor
     owner_NK: torch.Tensor  # rank owning each selected expert (-1 where none)
     local_NK: torch.Tensor  # its local id there (-1 where none)
+    num_local_experts: int
 
     send_counts_R: torch.Tensor  # int64 [R]: rows sent back to each home
 
@@ -256,14 +257,14 @@ def combine_plan(
         owner_NK=torch.where(valid_NK, placement.rank_of_expert_E[safe_NK], -1),
         local_NK=torch.where(valid_NK, placement.local_index_E[safe_NK], -1),
         send_counts_R=torch.bincount(home_Q, minlength=handle.num_ranks),
+        num_local_experts=handle.num_local_experts,
     )
 
 
 def home_order(plan: LLCombinePlan) -> tuple[torch.Tensor, torch.Tensor]:
     """The home's (token, k) pairs in the order rows come back: expert rank, local expert, token."""
     token_P, k_P = torch.nonzero(plan.valid_NK, as_tuple=True)
-    N = plan.valid_NK.shape[0]
-    L = int(plan.local_NK.max()) + 1 if token_P.numel() else 1
+    N, L = plan.valid_NK.shape[0], plan.num_local_experts
     key_P = (plan.owner_NK[token_P, k_P] * L + plan.local_NK[token_P, k_P]) * max(N, 1) + token_P
     order_P = torch.argsort(key_P)
     return token_P[order_P], k_P[order_P]
