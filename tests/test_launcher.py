@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import pickle
 import signal
 import time
 
@@ -60,14 +61,23 @@ def test_deadline_kills_hung_ranks():
     assert time.monotonic() - start < 15
 
 
+def test_nested_function_is_refused_with_a_reason():
+    def nested() -> int:
+        return 1
+
+    with pytest.raises((AttributeError, TypeError, pickle.PicklingError), match=r"nested|local"):
+        LocalLaunch(world_size=2, timeout_s=30).run(nested)
+
+
 def test_one_rank_runs_inline():
     assert LocalLaunch(world_size=1).run(os.getpid) == [os.getpid()]
 
 
-def test_buffer_joins_the_launched_group():
-    def explain() -> str:
-        with ubep.Buffer(hidden=8, num_experts=4, max_tokens_per_rank=4) as buf:
-            return buf.explain()
+def explain() -> str:
+    with ubep.Buffer(hidden=8, num_experts=4, max_tokens_per_rank=4) as buf:
+        return buf.explain()
 
+
+def test_buffer_joins_the_launched_group():
     lines = LocalLaunch(world_size=2, timeout_s=60).run(explain)
     assert "transport shm" in lines[0] and "rank 1/2" in lines[1]

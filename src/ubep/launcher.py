@@ -4,6 +4,8 @@ For tests, benchmarks and users without torchrun: `LocalLaunch(world_size=8).run
 calls `fn(*args)` on every rank and returns the results in rank order. A rank
 that raises has its traceback re-raised here with its rank named, and the other
 ranks are killed; a deadline bounds the whole run. One rank runs inline.
+`fn` and `args` travel to the ranks by pickling: `fn` must be a module-level
+function (not a lambda or a nested function).
 
 Each rank sees torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK,
 LOCAL_WORLD_SIZE, GROUP_RANK), so `ranks_per_node` can emulate several nodes.
@@ -56,7 +58,7 @@ class LocalLaunch:
     timeout_s: float = 300.0
     ranks_per_node: int | None = None  # emulated node size; None: one node
     threads_per_rank: int = 1  # torch intra-op threads in each rank
-    start_method: str = "fork"
+    start_method: str = "forkserver"  # see _context: plain fork is unsafe in a threaded parent
 
     def run(self, fn: Callable[..., Any], *args: Any) -> list[Any]:
         """Every rank's `fn(*args)`, in rank order; raises RankFailedError on any failure."""
@@ -76,7 +78,7 @@ class LocalLaunch:
     def _launch(self, fn, args, stop_on_error: bool) -> list[RankOutcome]:
         if self.world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {self.world_size}")
-        ctx = mp.get_context(self.start_method)
+        ctx = _context(self.start_method)
         store = dist.TCPStore(
             "127.0.0.1", 0, None, True, timedelta(seconds=self.timeout_s), wait_for_workers=False
         )
@@ -85,17 +87,18 @@ class LocalLaunch:
             ctx.Process(target=_rank_main, args=(self, rank, store.port, fn, args, results), daemon=True)
             for rank in range(self.world_size)
         ]
-        for p in procs:
-            p.start()
         try:
+            for p in procs:
+                p.start()
             return self._collect(procs, results, stop_on_error)
         finally:
-            for p in procs:
+            started = [p for p in procs if p.pid is not None]
+            for p in started:
                 if p.is_alive():
                     os.kill(p.pid, signal.SIGKILL)
-            for p in procs:
+            for p in started:
                 p.join(timeout=10)
-            sweep_stale_segments({p.pid for p in procs})
+            sweep_stale_segments({p.pid for p in started})
             del store
 
     def _collect(self, procs, results: mp.Queue, stop_on_error: bool) -> list[RankOutcome]:
@@ -140,6 +143,20 @@ class LocalLaunch:
                 rank, RankOutcome(rank, False, error="stopped after another rank failed", cause="stopped")
             )
         return [done[r] for r in range(len(procs))]
+
+
+def _context(start_method: str):
+    """The multiprocessing context; a fork server preloads torch so each rank starts fast.
+
+    Forking the caller directly would copy a process that runs threads (torch's
+    thread pools, the rendezvous store's server): a lock held by one of them at
+    fork time stays locked forever in the child. The fork server is a clean,
+    single-threaded process that imported torch once.
+    """
+    ctx = mp.get_context(start_method)
+    if start_method == "forkserver":
+        ctx.set_forkserver_preload(["torch", "torch.distributed", "ubep"])
+    return ctx
 
 
 def _drain(results: mp.Queue, done: dict[int, RankOutcome]) -> None:
