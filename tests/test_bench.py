@@ -51,6 +51,37 @@ def test_bench_small_sweep_writes_json_and_plot(tmp_path):
     assert data["config"]["ranks"] == 2 and png.stat().st_size > 0
 
 
+def test_bench_low_latency_mode(tmp_path):
+    out = tmp_path / "ll.json"
+    code = main(
+        [
+            "bench",
+            "--mode",
+            "ll",
+            "--ranks",
+            "2",
+            "--tokens",
+            "8",
+            "--hidden",
+            "256",
+            "--experts",
+            "8",
+            "--topk",
+            "2",
+            "--iters",
+            "2",
+            "--warmup",
+            "1",
+            "--json",
+            str(out),
+        ]
+    )
+    assert code == 0
+    rows = json.loads(out.read_text())["results"]
+    assert {r["system"] for r in rows} == {"ubep", "bsp-gloo", "memcpy-floor"}
+    assert all(r["mode"] == "ll" for r in rows)
+
+
 def test_stats_take_the_slowest_rank_from_the_common_start():
     starts = [10.0, 20.0, 30.0]
     finishes = [[10.001, 20.004, 30.002], [10.003, 20.001, 30.002]]  # rank 0, rank 1

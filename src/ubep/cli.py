@@ -50,7 +50,12 @@ def add_bench(subparsers) -> None:
     )
     p.add_argument("--routing", choices=ROUTINGS, default=d.routing, help="routing distribution")
     p.add_argument("--skew", type=float, default=d.skew, help="zipf exponent, or hot share for 'hot'")
-    p.add_argument("--mode", choices=("normal",), default=d.mode, help="normal (high-throughput) mode")
+    p.add_argument(
+        "--mode",
+        choices=("normal", "ll"),
+        default=d.mode,
+        help="normal (high-throughput) or ll (low-latency: expert-major, weighted combine)",
+    )
     p.add_argument(
         "--dtype", choices=tuple(DTYPES), default=d.dtype, help="token dtype (default %(default)s)"
     )

@@ -91,6 +91,8 @@ def table(rows: list[Row], title: str) -> Table:
 
 def print_table(rows: list[Row], title: str, notes: list[str]) -> None:
     console = Console()
+    if not console.is_terminal:
+        console = Console(width=140)  # a log or a pipe: don't squeeze the columns to 80
     console.print(table(rows, title))
     for note in notes:
         console.print(f"[dim]{note}[/dim]")

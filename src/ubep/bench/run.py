@@ -20,6 +20,14 @@ def run(cfg: BenchConfig) -> tuple[list[report.Row], list[str]]:
     """Measure every system at every batch size; returns rows (with ratios) and notes."""
     notes = []
     systems = list(cfg.systems)
+    if cfg.mode == "ll":
+        unsupported = [s for s in systems if s in ("bsp-shm", "mpi")]
+        systems = [s for s in systems if s not in unsupported]
+        if unsupported:
+            notes.append(
+                f"ll mode: no {', '.join(unsupported)} row (low-latency mode is ubep's protocol on "
+                "shared memory, or the collective path, shown as bsp-gloo)"
+            )
     if "mpi" in systems:
         ok, why = mpi_system.available()
         if not ok:
@@ -30,7 +38,7 @@ def run(cfg: BenchConfig) -> tuple[list[report.Row], list[str]]:
     with Progress(transient=True) as progress:
         task = progress.add_task("benchmarking", total=len(cfg.tokens) * len(systems))
         for tokens in cfg.tokens:
-            nbytes = build(cfg, tokens).bytes_per_rank()
+            nbytes = build(cfg, tokens).bytes_per_rank(cfg.mode)
             progress.update(task, description=f"{tokens} tokens/rank: {', '.join(in_launcher)}")
             per_rank = LocalLaunch(world_size=cfg.ranks, timeout_s=cfg.timeout_s * 4).run(
                 measure_rank, cfg, tokens, in_launcher

@@ -14,10 +14,13 @@ import torch
 import torch.distributed as dist
 
 import ubep
+from ubep import reference
 from ubep.bench.timing import LEAD_S, timed
 from ubep.bench.workload import BenchConfig, Workload, build, expected_combine
 
 BUFFER_SYSTEMS = {"ubep": ("ubep", "shm"), "bsp-shm": ("bsp", "shm"), "bsp-gloo": ("bsp", "dist")}
+# Low-latency mode exists as the ubep protocol on shared memory and as the collective path.
+LL_SYSTEMS = {"ubep": "shm", "bsp-gloo": "dist"}
 
 
 def common_start() -> float:
@@ -69,12 +72,50 @@ def measure_buffer(name: str, cfg: BenchConfig, work: Workload, tokens: int) -> 
     return {"dispatch": dispatch, "combine": combine}
 
 
+def measure_ll(name: str, cfg: BenchConfig, work: Workload, tokens: int) -> dict:
+    """Low-latency dispatch and (weighted) combine, checked against the reference, then timed."""
+    me = dist.get_rank()
+    x, idx, w = work.xs[me], work.topk_idx[me], work.topk_weights[me]
+    T = max(tokens, 1)
+    with ubep.Buffer(
+        hidden=cfg.hidden,
+        num_experts=cfg.experts,
+        max_tokens_per_rank=T,
+        max_topk=cfg.topk,
+        transport=LL_SYSTEMS[name],
+        timeout_s=cfg.timeout_s,
+    ) as buf:
+        got = buf.low_latency_dispatch(x, idx, T, cfg.experts)
+        combined = buf.low_latency_combine(got.recv_x, idx, w, got.handle).combined_x
+        verify_ll(name, got, combined, work, T, me)
+        dispatch = time_op(lambda: buf.low_latency_dispatch(x, idx, T, cfg.experts), cfg.iters, cfg.warmup)
+        combine = time_op(
+            lambda: buf.low_latency_combine(got.recv_x, idx, w, got.handle), cfg.iters, cfg.warmup
+        )
+    return {"dispatch": dispatch, "combine": combine}
+
+
+def verify_ll(name: str, got, combined: torch.Tensor, work: Workload, T: int, me: int) -> None:
+    ref = reference.low_latency_dispatch(work.xs, work.topk_idx, work.num_experts, T)
+    if not torch.equal(got.recv_count, ref[me].recv_count_L):
+        raise AssertionError(f"{name}: low-latency counts on rank {me} differ from the reference")
+    for j, count in enumerate(ref[me].recv_count_L.tolist()):
+        if not torch.equal(got.recv_x[j, :count], ref[me].recv_x_LMX[j, :count]):
+            raise AssertionError(
+                f"{name}: low-latency rows of expert {j} on rank {me} differ from the reference"
+            )
+    ys = [r.recv_x_LMX for r in ref]
+    want = reference.low_latency_combine(ys, ref, work.topk_idx, work.topk_weights)[me]
+    if not torch.equal(combined, want):
+        raise AssertionError(f"{name}: low-latency combine on rank {me} differs from the reference")
+
+
 def measure_floor(cfg: BenchConfig, work: Workload) -> dict:
     """Every rank copies the bytes it must write, all at once: the physical limit here."""
     me = dist.get_rank()
     row_bytes = cfg.hidden * work.xs[0].element_size()
-    recv_bytes = work.recv_rows[me] * row_bytes
-    send_bytes = int(sum((e.src_rank_M == me).sum() for e in work.expected)) * row_bytes
+    recv_bytes = work.recv_rows(cfg.mode)[me] * row_bytes
+    send_bytes = work.sent_rows(me, cfg.mode) * row_bytes
     result = {}
     for op, nbytes in (("dispatch", recv_bytes), ("combine", send_bytes)):
         src = torch.ones(nbytes, dtype=torch.uint8)

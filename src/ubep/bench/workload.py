@@ -47,15 +47,32 @@ class Workload:
     topk_idx: list[torch.Tensor]  # int64 [N, K] per rank
     topk_weights: list[torch.Tensor]  # float32 [N, K] per rank
     expected: list[reference.RefDispatch]
+    num_experts: int
 
-    @property
-    def recv_rows(self) -> list[int]:
+    def recv_rows(self, mode: str) -> list[int]:
+        """Rows each rank receives: one per (token, rank) in normal mode, per (token, expert) in ll."""
+        if mode == "ll":
+            return [self.ll_rows_for(r) for r in range(len(self.xs))]
         return [e.recv_x_MH.shape[0] for e in self.expected]
 
-    def bytes_per_rank(self) -> float:
+    def ll_rows_for(self, rank: int) -> int:
+        """(token, expert) pairs whose expert lives on `rank` (contiguous placement)."""
+        per_rank = self.num_experts // len(self.xs)
+        return sum(
+            int(((idx >= rank * per_rank) & (idx < (rank + 1) * per_rank)).sum()) for idx in self.topk_idx
+        )
+
+    def sent_rows(self, rank: int, mode: str) -> int:
+        """Rows `rank` gets back in combine: per (token, rank) in normal mode, per valid slot in ll."""
+        if mode == "ll":
+            return int((self.topk_idx[rank] >= 0).sum())
+        return int(sum((e.src_rank_M == rank).sum() for e in self.expected))
+
+    def bytes_per_rank(self, mode: str = "normal") -> float:
         """Mean bytes of token data each rank must receive in a dispatch (= send back in combine)."""
         row_bytes = self.xs[0].shape[1] * self.xs[0].element_size()
-        return sum(self.recv_rows) / len(self.recv_rows) * row_bytes
+        rows = self.recv_rows(mode)
+        return sum(rows) / len(rows) * row_bytes
 
 
 def build(cfg: BenchConfig, tokens: int) -> Workload:
@@ -65,7 +82,7 @@ def build(cfg: BenchConfig, tokens: int) -> Workload:
         idxs.append(routing.make(cfg.routing, tokens, cfg.experts, cfg.topk, gen, skew=cfg.skew))
         ws.append(routing.weights(tokens, cfg.topk, gen))
         xs.append(torch.randn(tokens, cfg.hidden, generator=gen).to(DTYPES[cfg.dtype]))
-    return Workload(xs, idxs, ws, reference.dispatch(xs, idxs, ws, cfg.experts))
+    return Workload(xs, idxs, ws, reference.dispatch(xs, idxs, ws, cfg.experts), cfg.experts)
 
 
 def expected_combine(work: Workload, rank: int) -> torch.Tensor:
