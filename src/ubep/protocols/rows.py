@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from ubep.layout import destination_major
-from ubep.reduce import sum_rows_by_token, sum_weights_by_token
+from ubep.reduce import padded_rows, sum_rows_by_token, sum_weights_by_token
 from ubep.results import DispatchHandle
 from ubep.shm import SymmetricHeap
 
@@ -44,8 +44,10 @@ def reduce_back(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Sum this rank's combine buffer per token: (combined [N, H], weights [N, K] or None)."""
     _, token_M = destination_major(handle.is_token_in_rank_NR)
-    rows_MH = rows_view(heap.tensor(me, f"{region}.x"), token_M.numel(), H, dtype)
-    out_NH = sum_rows_by_token(rows_MH, token_M, handle.num_tokens)
+    region_x, M = heap.tensor(me, f"{region}.x"), token_M.numel()
+    P = padded_rows(M, region_x.numel() // (H * dtype.itemsize))
+    rows_view(region_x, P - M, H, dtype, first_row=M).zero_()  # the padding must add nothing
+    out_NH = sum_rows_by_token(rows_view(region_x, P, H, dtype), token_M, handle.num_tokens)
     if K is None:
         return out_NH, None
     w_MK = heap.tensor(me, f"{region}.w")[: token_M.numel() * K].view(-1, K)
