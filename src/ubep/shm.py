@@ -90,7 +90,7 @@ def sweep_stale_segments(pids: set[int] | None = None) -> list[str]:
 
 
 def _create(name: str, nbytes: int) -> mmap.mmap:
-    fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     try:
         os.ftruncate(fd, max(nbytes, 1))
         return mmap.mmap(fd, max(nbytes, 1), mmap.MAP_SHARED)
@@ -99,7 +99,7 @@ def _create(name: str, nbytes: int) -> mmap.mmap:
 
 
 def _attach(name: str, nbytes: int) -> mmap.mmap:
-    fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR)
+    fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR | os.O_NOFOLLOW)
     try:
         info = os.fstat(fd)
         if info.st_uid != os.getuid() or stat.S_IMODE(info.st_mode) & 0o077:
@@ -132,6 +132,7 @@ class SymmetricHeap:
         except BaseException:
             self._unlink(own)
             self.close()
+            sweep_stale_segments()  # a peer that died here leaves its name behind
             raise
         self._unlink(own)
         self._words = [np.frombuffer(m, dtype=np.int64) for m in self._maps]

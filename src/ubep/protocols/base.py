@@ -13,10 +13,12 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
+from ubep.errors import CommTimeoutError, UbepError
+from ubep.faults import NO_FAULTS, FaultPoints
 from ubep.layout import ExpertPlacement
 from ubep.results import DispatchHandle
 from ubep.shm import SegmentLayout, SymmetricHeap
-from ubep.waiting import Waiter
+from ubep.waiting import AbortNotice, PeerAbortedError, Waiter
 
 # Wire codes for the dtypes a payload may carry (stored next to the data).
 DTYPE_CODES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3, torch.float8_e4m3fn: 4}
@@ -24,7 +26,10 @@ CODE_DTYPES = {code: dtype for dtype, code in DTYPE_CODES.items()}
 MAX_ITEMSIZE = 4  # bytes per element of the widest payload dtype (float32)
 
 # Control block words (int64) at the start of every rank's segment.
-CTL_PID, CTL_ABORT_SEQ, CTL_BARRIER, CTL_WORDS = 0, 1, 2, 4
+CTL_PID, CTL_ABORT_SEQ, CTL_BARRIER, CTL_ABORT_CAUSE, CTL_ABORT_CULPRIT, CTL_WORDS = 0, 1, 2, 3, 4, 8
+# Why a rank aborted a call (CTL_ABORT_CAUSE); the culprit word names the rank it blames.
+CAUSE_OWN, CAUSE_DEAD, CAUSE_SILENT = 0, 1, 2
+BARRIERS_PER_CALL = 16  # barrier targets are call.seq * this + step: ranks agree even after an abort
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,6 +43,7 @@ class CallId:
 
     seq: int
     epoch: int
+    kind: str = ""  # "dispatch", "combine", ...: what the peers are doing in this call
 
     @property
     def parity(self) -> int:
@@ -54,7 +60,7 @@ class CallCounter:
     def next(self, kind: str) -> CallId:
         self.seq += 1
         self.epochs[kind] = self.epochs.get(kind, 0) + 1
-        return CallId(self.seq, self.epochs[kind])
+        return CallId(self.seq, self.epochs[kind], kind)
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,7 +130,13 @@ class ShmPeers:
     """The symmetric heap plus the control block: liveness, aborts and barriers."""
 
     def __init__(
-        self, layout: SegmentLayout, group: dist.ProcessGroup, rank: int, sizing: Sizing, timeout_s: float
+        self,
+        layout: SegmentLayout,
+        group: dist.ProcessGroup,
+        rank: int,
+        sizing: Sizing,
+        timeout_s: float,
+        faults: FaultPoints = NO_FAULTS,
     ):
         if "ctl" not in layout.regions:
             raise ValueError("segment layouts must come from new_layout() (they need a control block)")
@@ -132,31 +144,64 @@ class ShmPeers:
         self.num_ranks = sizing.num_ranks
         self.sizing = sizing
         self.timeout_s = timeout_s
+        self.faults = faults
         self.heap = SymmetricHeap(layout, group, rank, self.num_ranks)
         self._ctl = [self.heap.words(r, "ctl") for r in range(self.num_ranks)]
         self._ctl[rank][CTL_PID] = os.getpid()
         dist.barrier(group=group)  # every pid is visible before the first wait
         self._pids = [int(c[CTL_PID]) for c in self._ctl]
         self._current_seq = 0
-        self._barrier_count = 0
+        self._barrier_seq = 0
+        self._barrier_step = 0
 
     def waiter(self, phase: str, call: CallId) -> Waiter:
         self._current_seq = call.seq
-        return Waiter(phase, self.timeout_s, self._pids.__getitem__, self._aborted)
+        return Waiter(
+            phase, self.timeout_s, self._pids.__getitem__, self._aborted, lambda e: self._gave_up(call, e)
+        )
 
-    def _aborted(self, peer: int) -> str | None:
-        if int(self._ctl[peer][CTL_ABORT_SEQ]) == self._current_seq:
-            return "it rejected its input or failed; see that rank's error"
-        return None
+    def _aborted(self, peer: int) -> AbortNotice | None:
+        """Peer's notice if it aborted the current call (words read from a peer: checked)."""
+        ctl = self._ctl[peer]
+        if int(ctl[CTL_ABORT_SEQ]) != self._current_seq:
+            return None
+        cause, culprit = int(ctl[CTL_ABORT_CAUSE]), int(ctl[CTL_ABORT_CULPRIT])
+        if cause == CAUSE_OWN or not 0 <= culprit < self.num_ranks:
+            return AbortNotice("it rejected its input or failed; see that rank's error")
+        what = "died" if cause == CAUSE_DEAD else "sent nothing before the deadline"
+        return AbortNotice(f"it gave up because rank {culprit} {what}", culprit, cause == CAUSE_DEAD)
 
-    def abort(self, call: CallId) -> None:
-        """Tell peers waiting on `call` that this rank will not take part."""
-        self._ctl[self.rank][CTL_ABORT_SEQ] = call.seq
+    def _gave_up(self, call: CallId, error: UbepError) -> None:
+        """A wait of ours failed: pass the blame on, so peers waiting on us fail fast too."""
+        if isinstance(error, CommTimeoutError):
+            blamed = error.dead_peers or error.peers
+            self.abort(call, CAUSE_DEAD if error.dead_peers else CAUSE_SILENT, blamed[0])
+        elif isinstance(error, PeerAbortedError) and error.culprit is not None:
+            self.abort(call, CAUSE_DEAD if error.notice.culprit_died else CAUSE_SILENT, error.culprit)
+        else:
+            self.abort(call)
+
+    def abort(self, call: CallId, cause: int = CAUSE_OWN, culprit: int = -1) -> None:
+        """Tell peers waiting on `call` that this rank will not take part (first cause wins)."""
+        ctl = self._ctl[self.rank]
+        if int(ctl[CTL_ABORT_SEQ]) == call.seq:
+            return
+        ctl[CTL_ABORT_CAUSE] = cause
+        ctl[CTL_ABORT_CULPRIT] = culprit
+        ctl[CTL_ABORT_SEQ] = call.seq  # last: the notice is complete once this is visible
 
     def barrier(self, phase: str, call: CallId) -> None:
-        """A global barrier over shared memory: each rank bumps its counter, waits for all."""
-        self._barrier_count += 1
-        target = self._barrier_count
+        """A global barrier over shared memory: each rank raises its counter, waits for all.
+
+        The target derives from the call and the barrier's place in it, not from
+        a running count, so a call that some ranks abandoned cannot shift later barriers.
+        """
+        if call.seq != self._barrier_seq:
+            self._barrier_seq, self._barrier_step = call.seq, 0
+        self._barrier_step += 1
+        if self._barrier_step >= BARRIERS_PER_CALL:
+            raise RuntimeError(f"{phase}: more than {BARRIERS_PER_CALL - 1} barriers in one call")
+        target = call.seq * BARRIERS_PER_CALL + self._barrier_step
         self._ctl[self.rank][CTL_BARRIER] = target
         waiter = self.waiter(phase, call)
         pending = [r for r in range(self.num_ranks) if r != self.rank]

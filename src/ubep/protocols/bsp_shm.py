@@ -51,9 +51,11 @@ class BspShm:
 
     def dispatch(self, call: CallId, plan: SendPlan, handle: DispatchHandle | None) -> Received:
         heap, peers = self.peers.heap, self.peers
-        heap.words(self.me, "counts")[:] = plan.send_counts_R.numpy()
+        counts_R = peers.faults.count("dispatch.count", call, plan.send_counts_R.numpy())
+        heap.words(self.me, "counts")[:] = counts_R
         peers.barrier("dispatch (count exchange)", call)
         self._send_tokens(call, plan)
+        peers.faults.at("dispatch.sent", call)
         peers.barrier("dispatch (token send)", call)
         recv_counts_R = self._verify_and_count(call)
         prefix_R1 = prefix_offsets(recv_counts_R)
@@ -108,7 +110,17 @@ class BspShm:
             if not cached:
                 recv_idx[a:b] = heap.tensor(self.me, "d.topk")[src][: (b - a) * K].view(-1, K)
                 recv_w[a:b] = heap.tensor(self.me, "d.w")[src][: (b - a) * K].view(-1, K)
+        self._check_received(src_token, recv_idx)
         return Received(recv_x, recv_idx, recv_w, src_token, prefix_R1)
+
+    def _check_received(self, src_token_M: torch.Tensor, recv_idx_MK: torch.Tensor | None) -> None:
+        """Token indices and local expert ids written by peers must be in range before use."""
+        T, L = self.sizing.capacity, self.sizing.placement.num_local_experts
+        if src_token_M.numel() and (src_token_M.min() < 0 or src_token_M.max() >= T):
+            raise PeerDataError(f"dispatch: a peer sent source token indices outside [0, {T})")
+        if recv_idx_MK is not None and recv_idx_MK.numel():
+            if recv_idx_MK.min() < -1 or recv_idx_MK.max() >= L:
+                raise PeerDataError(f"dispatch: a peer sent local expert ids outside [-1, {L})")
 
     def combine(self, call: CallId, x_MH, handle: DispatchHandle, topk_weights_MK):
         heap, H = self.peers.heap, x_MH.shape[1]
@@ -121,6 +133,8 @@ class BspShm:
             if topk_weights_MK is not None:
                 K = topk_weights_MK.shape[1]
                 heap.tensor(home, "c.w")[self.me][: (b - a) * K].copy_(topk_weights_MK[a:b].flatten())
+            if i == 1:
+                self.peers.faults.at("combine.mid", call)
         self.peers.barrier("combine (token send)", call)
         return self._reduce(x_MH, handle, topk_weights_MK)
 

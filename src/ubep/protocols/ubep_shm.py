@@ -84,6 +84,7 @@ class UbepShm:
 
     def dispatch(self, call: CallId, plan: SendPlan, handle: DispatchHandle | None) -> Received:
         self._publish(call, plan)
+        self.peers.faults.at("dispatch.sent", call)
         if handle is None:
             routing = self._gather_routing(call, plan)
         else:
@@ -103,7 +104,7 @@ class UbepShm:
             heap.tensor(self.me, f"d{p}.topk")[: N * K].copy_(plan.topk_idx_NK.flatten())
             heap.tensor(self.me, f"d{p}.w")[: N * K].copy_(plan.topk_weights_NK.flatten())
             hdr[TOPK] = K
-        hdr[NUM_TOKENS] = N
+        hdr[NUM_TOKENS] = self.peers.faults.count("dispatch.count", call, N)
         hdr[DTYPE] = DTYPE_CODES[plan.x_NH.dtype]
         hdr[META] = call.epoch  # routing and counts are visible from here on
         rows_view(heap.tensor(self.me, f"d{p}.x"), N, H, plan.x_NH.dtype).copy_(plan.x_NH)
@@ -186,6 +187,8 @@ class UbepShm:
             slot[SLOT_DTYPE] = code
             slot[SLOT_COUNT] = b - a
             slot[SLOT_FLAG] = call.epoch
+            if i == 1:
+                self.peers.faults.at("combine.mid", call)
         return self._reduce(call, x_MH, handle, topk_weights_MK)
 
     def _reduce(self, call, x_MH, handle, topk_weights_MK):
