@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -28,6 +29,8 @@ import torch.distributed as dist
 
 from ubep.errors import CommTimeoutError, UbepError
 from ubep.waiting import process_alive
+
+DEATH_GRACE_S = 0.5  # how long a failed collective looks for a dead local peer
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +50,14 @@ class PeerPids:
 
     def dead(self) -> list[int]:
         return [r for r, pid in enumerate(self.pids) if pid is not None and not process_alive(pid)]
+
+    def dead_after_grace(self) -> list[int]:
+        """Dead peers, looking again for a moment: a killed peer's sockets close (and
+        gloo reports it) a little before its process shows as exited."""
+        deadline = time.monotonic() + DEATH_GRACE_S
+        while not (dead := self.dead()) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return dead
 
 
 def _gloo(group: dist.ProcessGroup | None):
@@ -91,7 +102,8 @@ def _timeout_error(group, timeout_s: float, phase: str, peers: PeerPids | None, 
     said = str(error).strip().splitlines()[0][:160] if str(error).strip() else type(error).__name__
     me = peers.rank if peers is not None else (dist.get_rank(group) if group is not None else 0)
     world = dist.get_world_size(group) if group is not None else 1
-    dead = peers.dead() if peers is not None else []
+    timed_out = "timed out" in said.lower()  # a deadline, not a broken connection: no grace
+    dead = [] if peers is None else peers.dead() if timed_out else peers.dead_after_grace()
     if dead:
         return CommTimeoutError(phase, dead, timeout_s, dead, f"torch.distributed: {said}")
     others = [r for r in range(world) if r != me]

@@ -23,11 +23,12 @@ LIVENESS_PERIOD_S = 0.05  # how often a long wait checks that its peers still ru
 
 @dataclass(frozen=True, slots=True)
 class AbortNotice:
-    """Why a peer gave up on a call; `culprit` is the rank it blames (None: itself)."""
+    """Why a peer gave up on a call; `culprit` is the rank it blames (None: itself),
+    `cause` the transport's code for what the culprit did (passed on unchanged)."""
 
     reason: str
     culprit: int | None = None
-    culprit_died: bool = False
+    cause: int = 0
 
 
 class PeerAbortedError(UbepError):

@@ -13,7 +13,7 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
-from ubep.errors import CommTimeoutError, UbepError
+from ubep.errors import CommTimeoutError, PeerDataError, UbepError
 from ubep.faults import NO_FAULTS, FaultPoints
 from ubep.layout import ExpertPlacement
 from ubep.results import DispatchHandle
@@ -25,11 +25,28 @@ DTYPE_CODES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3, torch.floa
 CODE_DTYPES = {code: dtype for dtype, code in DTYPE_CODES.items()}
 MAX_ITEMSIZE = 4  # bytes per element of the widest payload dtype (float32)
 
-# Control block words (int64) at the start of every rank's segment.
-CTL_PID, CTL_ABORT_SEQ, CTL_BARRIER, CTL_ABORT_CAUSE, CTL_ABORT_CULPRIT, CTL_WORDS = 0, 1, 2, 3, 4, 8
-# Why a rank aborted a call (CTL_ABORT_CAUSE); the culprit word names the rank it blames.
-CAUSE_OWN, CAUSE_DEAD, CAUSE_SILENT = 0, 1, 2
+# Control block words (int64) at the start of every rank's segment: the pid, the
+# barrier word, and a ring of abort notices, one per call (slot seq % ABORT_RING),
+# so a notice outlives the rank's next calls: a slow peer still finds it there.
+CTL_PID, CTL_BARRIER, CTL_ABORTS, ABORT_RING = 0, 2, 8, 16
+CTL_WORDS = CTL_ABORTS + ABORT_RING
+# Why a rank aborted a call; a notice packs (seq, cause, culprit + 1) into one word.
+CAUSE_OWN, CAUSE_DEAD, CAUSE_SILENT, CAUSE_BAD_DATA = 0, 1, 2, 3
+BLAME = {
+    CAUSE_DEAD: "died",
+    CAUSE_SILENT: "sent nothing before the deadline",
+    CAUSE_BAD_DATA: "published data that failed its checks",
+}
 BARRIERS_PER_CALL = 16  # barrier targets are call.seq * this + step: ranks agree even after an abort
+
+
+def pack_notice(seq: int, cause: int, culprit: int) -> int:
+    return (seq << 24) | (cause << 16) | (culprit + 1)
+
+
+def unpack_notice(word: int) -> tuple[int, int, int]:
+    """(seq, cause, culprit) of a packed abort notice; culprit -1: none."""
+    return word >> 24, (word >> 16) & 0xFF, (word & 0xFFFF) - 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,16 +177,20 @@ class ShmPeers:
             phase, self.timeout_s, self._pids.__getitem__, self._aborted, lambda e: self._gave_up(call, e)
         )
 
+    def _notice(self, peer: int, seq: int) -> tuple[int, int] | None:
+        """(cause, culprit) if `peer` aborted call `seq`, else None."""
+        got_seq, cause, culprit = unpack_notice(int(self._ctl[peer][CTL_ABORTS + seq % ABORT_RING]))
+        return (cause, culprit) if got_seq == seq else None
+
     def _aborted(self, peer: int) -> AbortNotice | None:
         """Peer's notice if it aborted the current call (words read from a peer: checked)."""
-        ctl = self._ctl[peer]
-        if int(ctl[CTL_ABORT_SEQ]) != self._current_seq:
+        found = self._notice(peer, self._current_seq)
+        if found is None:
             return None
-        cause, culprit = int(ctl[CTL_ABORT_CAUSE]), int(ctl[CTL_ABORT_CULPRIT])
-        if cause == CAUSE_OWN or not 0 <= culprit < self.num_ranks:
+        cause, culprit = found
+        if cause not in BLAME or not 0 <= culprit < self.num_ranks:
             return AbortNotice("it rejected its input or failed; see that rank's error")
-        what = "died" if cause == CAUSE_DEAD else "sent nothing before the deadline"
-        return AbortNotice(f"it gave up because rank {culprit} {what}", culprit, cause == CAUSE_DEAD)
+        return AbortNotice(f"it gave up because rank {culprit} {BLAME[cause]}", culprit, cause)
 
     def _gave_up(self, call: CallId, error: UbepError) -> None:
         """A wait of ours failed: pass the blame on, so peers waiting on us fail fast too."""
@@ -177,24 +198,27 @@ class ShmPeers:
             blamed = error.dead_peers or error.peers
             self.abort(call, CAUSE_DEAD if error.dead_peers else CAUSE_SILENT, blamed[0])
         elif isinstance(error, PeerAbortedError) and error.culprit is not None:
-            self.abort(call, CAUSE_DEAD if error.notice.culprit_died else CAUSE_SILENT, error.culprit)
+            self.abort(call, error.notice.cause, error.culprit)
         else:
             self.abort(call)
 
+    def bad_data(self, call: CallId, culprit: int, message: str) -> PeerDataError:
+        """Blame `culprit` for a value that failed a bounds check (peers learn it); the error to raise."""
+        self.abort(call, CAUSE_BAD_DATA, culprit)
+        return PeerDataError(message)
+
     def abort(self, call: CallId, cause: int = CAUSE_OWN, culprit: int = -1) -> None:
         """Tell peers waiting on `call` that this rank will not take part (first cause wins)."""
-        ctl = self._ctl[self.rank]
-        if int(ctl[CTL_ABORT_SEQ]) == call.seq:
-            return
-        ctl[CTL_ABORT_CAUSE] = cause
-        ctl[CTL_ABORT_CULPRIT] = culprit
-        ctl[CTL_ABORT_SEQ] = call.seq  # last: the notice is complete once this is visible
+        if self._notice(self.rank, call.seq) is None:
+            self._ctl[self.rank][CTL_ABORTS + call.seq % ABORT_RING] = pack_notice(call.seq, cause, culprit)
 
     def barrier(self, phase: str, call: CallId) -> None:
         """A global barrier over shared memory: each rank raises its counter, waits for all.
 
         The target derives from the call and the barrier's place in it, not from
         a running count, so a call that some ranks abandoned cannot shift later barriers.
+        A peer that abandoned this call and went on to later barriers has passed the
+        target without arriving: its abort notice keeps it pending (the waiter raises).
         """
         if call.seq != self._barrier_seq:
             self._barrier_seq, self._barrier_step = call.seq, 0
@@ -206,7 +230,7 @@ class ShmPeers:
         waiter = self.waiter(phase, call)
         pending = [r for r in range(self.num_ranks) if r != self.rank]
         while pending:
-            pending = [r for r in pending if self._ctl[r][CTL_BARRIER] < target]
+            pending = [r for r in pending if self._ctl[r][CTL_BARRIER] < target or self._notice(r, call.seq)]
             if pending:
                 waiter.pause(pending)
 

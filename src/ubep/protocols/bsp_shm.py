@@ -88,11 +88,13 @@ class BspShm:
         if missing:
             raise PeerDataError(f"dispatch (flag verification): no tokens from rank(s) {missing}")
         counts = [int(heap.words(s, "counts")[self.me]) for s in range(self.R)]
-        bad = [s for s, c in enumerate(counts) if not 0 <= c <= self.sizing.capacity]
-        if bad:
-            raise PeerDataError(
-                f"dispatch: rank(s) {bad} announced counts beyond capacity {self.sizing.capacity}"
-            )
+        for src, count in enumerate(counts):
+            if not 0 <= count <= self.sizing.capacity:
+                raise self.peers.bad_data(
+                    call,
+                    src,
+                    f"dispatch: rank {src} announced {count} tokens, capacity is {self.sizing.capacity}",
+                )
         return torch.tensor(counts, dtype=torch.int64)
 
     def _reorder(self, plan: SendPlan, prefix_R1: torch.Tensor, cached: bool) -> Received:

@@ -115,11 +115,12 @@ class UbepShm:
         hdr = self.peers.heap.words(src, f"d{call.parity}.hdr")
         n, k, code = int(hdr[NUM_TOKENS]), int(hdr[TOPK]), int(hdr[DTYPE])
         if not 0 <= n <= self.sizing.capacity:
-            raise PeerDataError(
-                f"dispatch: rank {src} announced {n} tokens, capacity is {self.sizing.capacity}"
+            raise self.peers.bad_data(
+                call, src, f"dispatch: rank {src} announced {n} tokens, capacity is {self.sizing.capacity}"
             )
         if CODE_DTYPES.get(code) != x_NH.dtype:
-            raise PeerDataError(f"dispatch: rank {src} sent {CODE_DTYPES.get(code)}, this rank {x_NH.dtype}")
+            message = f"dispatch: rank {src} sent {CODE_DTYPES.get(code)}, this rank {x_NH.dtype}"
+            raise self.peers.bad_data(call, src, message)
         return n, k
 
     def _gather_routing(self, call: CallId, plan: SendPlan):
@@ -163,7 +164,8 @@ class UbepShm:
                 n, _ = self._source_header(call, src, x_NH)
                 rows = src_token_M[a:b]
                 if int(rows[-1]) >= n:
-                    raise PeerDataError(f"dispatch: rank {src} sent {n} tokens, fewer than routed here")
+                    message = f"dispatch: rank {src} sent {n} tokens, fewer than routed here"
+                    raise self.peers.bad_data(call, src, message)
                 source_NH = rows_view(heap.tensor(src, f"d{p}.x"), n, H, x_NH.dtype)
                 torch.index_select(source_NH, 0, rows, out=recv_x_MH[a:b])
             pending = [s for s in pending if s not in landed]
