@@ -24,6 +24,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from ubep.waiting import AbortNotice, PeerAbortedError
+
 SHM_DIR = "/dev/shm"
 NAME_PREFIX = "ubep-"
 ALIGN = 64  # bytes; regions start on cache-line boundaries
@@ -111,6 +113,15 @@ def _attach(name: str, nbytes: int) -> mmap.mmap:
         os.close(fd)
 
 
+def _attach_peer(rank: int, name: str, nbytes: int) -> mmap.mmap:
+    """Map peer `rank`'s segment; if its name is gone, that peer gave up during construction."""
+    try:
+        return _attach(name, nbytes)
+    except FileNotFoundError:
+        notice = AbortNotice("its shared segment was gone before this rank mapped it; see that rank's error")
+        raise PeerAbortedError("Buffer construction (mapping segments)", rank, notice) from None
+
+
 class SymmetricHeap:
     """Every rank's segment, mapped here; built collectively over `group`."""
 
@@ -126,7 +137,7 @@ class SymmetricHeap:
             self._own_map = _create(own, layout.nbytes)
             dist.all_gather_object(names, own, group=group)
             self._maps = [
-                self._own_map if r == rank else _attach(n, layout.nbytes) for r, n in enumerate(names)
+                self._own_map if r == rank else _attach_peer(r, n, layout.nbytes) for r, n in enumerate(names)
             ]
             dist.barrier(group=group)  # everyone mapped everything: names can go
         except BaseException:
