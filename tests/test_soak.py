@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import sys
 
 import pytest
 
@@ -14,6 +15,7 @@ SCRIPT = os.path.join(os.path.dirname(__file__), "..", "scripts", "soak.py")
 def load_soak():
     spec = importlib.util.spec_from_file_location("soak", SCRIPT)
     module = importlib.util.module_from_spec(spec)
+    sys.modules["soak"] = module  # dataclasses and the results' pickles look the module up by name
     spec.loader.exec_module(module)
     return module
 
