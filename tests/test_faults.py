@@ -56,7 +56,8 @@ def test_killed_rank_is_named_by_every_survivor(protocol, transport, point, call
     outcomes = ubep.LocalLaunch(world_size=WORLD, timeout_s=60).outcomes(
         killed_case, protocol, transport, plan, timeout_s
     )
-    assert outcomes[VICTIM].cause == "died" and outcomes[VICTIM].exit_code == -signal.SIGKILL
+    victim = outcomes[VICTIM]
+    assert victim.cause == "died" and victim.exit_code == -signal.SIGKILL, (victim, outcomes)
     for o in outcomes:
         if o.rank == VICTIM:
             continue

@@ -235,6 +235,7 @@ class Buffer:
                 recv_src_token_M=got.recv_src_token_M,
                 recv_prefix_R1=got.recv_prefix_R1,
                 num_recv_tokens_per_expert_list=counts,
+                recv_home_offset_R=got.recv_home_offset_R,
             )
         return DispatchResult(
             got.recv_x_MH,

@@ -1,12 +1,118 @@
-"""The `ubep` command line."""
+"""The `ubep` command line: `ubep bench` compares ubep with the alternatives on this host;
+`ubep simulate` runs the same plans on a model of a superpod."""
 
 from __future__ import annotations
 
 import argparse
+import os
+
+from ubep.bench.workload import DTYPES, SYSTEMS, BenchConfig
+from ubep.routing import ROUTINGS
+from ubep.sim.cli import add_parser as add_simulate
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(v) for v in text.split(",") if v)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a comma list of integers, got {text!r}") from None
+    if not values or min(values) < 0:
+        raise argparse.ArgumentTypeError(f"expected non-negative integers, got {text!r}")
+    return values
+
+
+def _systems(text: str) -> tuple[str, ...]:
+    names = tuple(v for v in text.split(",") if v)
+    unknown = [n for n in names if n not in SYSTEMS]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown system(s) {unknown}; choose from {', '.join(SYSTEMS)}")
+    return names
+
+
+def add_bench(subparsers) -> None:
+    d = BenchConfig()
+    p = subparsers.add_parser(
+        "bench",
+        help="measure dispatch/combine of ubep and its peers on this host",
+        description="Measure EP dispatch and combine on local ranks: ubep beside a BSP "
+        "baseline, torch.distributed (gloo), MPI and the memcpy floor.",
+    )
+    p.add_argument("--ranks", type=int, default=d.ranks, help="local rank processes (default %(default)s)")
+    p.add_argument(
+        "--tokens", type=_ints, default=d.tokens, help="tokens per rank; a comma list sweeps (128)"
+    )
+    p.add_argument("--hidden", type=int, default=d.hidden, help="hidden size (default %(default)s)")
+    p.add_argument("--experts", type=int, default=d.experts, help="routed experts (default %(default)s)")
+    p.add_argument("--topk", type=int, default=d.topk, help="experts per token (default %(default)s)")
+    p.add_argument("--iters", type=int, default=d.iters, help="timed iterations (default %(default)s)")
+    p.add_argument(
+        "--warmup", type=int, default=d.warmup, help="untimed iterations first (default %(default)s)"
+    )
+    p.add_argument("--routing", choices=ROUTINGS, default=d.routing, help="routing distribution")
+    p.add_argument("--skew", type=float, default=d.skew, help="zipf exponent, or hot share for 'hot'")
+    p.add_argument("--mode", choices=("normal",), default=d.mode, help="normal (high-throughput) mode")
+    p.add_argument(
+        "--dtype", choices=tuple(DTYPES), default=d.dtype, help="token dtype (default %(default)s)"
+    )
+    p.add_argument("--systems", type=_systems, default=d.systems, help=f"comma list of {', '.join(SYSTEMS)}")
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--timeout", type=float, default=d.timeout_s, help="per-wait deadline in seconds")
+    p.add_argument("--json", metavar="PATH", help="write results as JSON")
+    p.add_argument("--plot", metavar="PATH.png", help="plot latency against tokens per rank")
+    p.add_argument("--profile", action="store_true", help="instead: where ubep's CPU time goes, per category")
+    p.set_defaults(func=run_bench)
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    from ubep.bench import report
+    from ubep.bench.run import run
+
+    if args.experts % args.ranks:
+        raise SystemExit(
+            f"ubep bench: --experts ({args.experts}) must be a multiple of --ranks ({args.ranks})"
+        )
+    cfg = BenchConfig(
+        ranks=args.ranks,
+        tokens=args.tokens,
+        hidden=args.hidden,
+        experts=args.experts,
+        topk=args.topk,
+        iters=args.iters,
+        warmup=args.warmup,
+        routing=args.routing,
+        skew=args.skew,
+        mode=args.mode,
+        dtype=args.dtype,
+        systems=args.systems,
+        seed=args.seed,
+        timeout_s=args.timeout,
+    )
+    if args.profile:
+        from ubep.bench.profile import run_profile
+
+        run_profile(cfg, cfg.tokens[0])
+        return 0
+    rows, notes = run(cfg)
+    title = (
+        f"{cfg.mode} mode, {cfg.ranks} ranks on {os.cpu_count()} cores, hidden {cfg.hidden}, "
+        f"{cfg.experts} experts, top-{cfg.topk}, {cfg.dtype}, {cfg.routing} routing"
+    )
+    notes.append(
+        "latency: median over iterations of the slowest rank, from a common start instant; "
+        "GB/s: token bytes each rank receives / latency; x ubep: (dispatch+combine) / ubep's"
+    )
+    report.print_table(rows, title, notes)
+    if args.json:
+        report.write_json(args.json, cfg.as_dict(), rows, notes)
+    if args.plot:
+        report.plot(args.plot, rows, title)
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="ubep", description=__doc__)
-    parser.add_subparsers(dest="command", required=True)
-    parser.parse_args(argv)
-    return 0
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_bench(sub)
+    add_simulate(sub)
+    args = parser.parse_args(argv)
+    return args.func(args)

@@ -77,17 +77,22 @@ class DispatchLayout:
     is_token_in_rank_NR: torch.Tensor  # bool [N, R]
 
 
-def rank_mask(topk_idx_NK: torch.Tensor, placement: ExpertPlacement) -> torch.Tensor:
-    """bool [N, K, R]: whether slot k of token n selects an expert on rank r."""
-    valid_NK = topk_idx_NK >= 0
-    rank_NK = placement.rank_of_expert_E[topk_idx_NK.clamp(min=0)]
-    ranks_R = torch.arange(placement.num_ranks)
-    return (rank_NK.unsqueeze(-1) == ranks_R) & valid_NK.unsqueeze(-1)
+def token_in_rank(topk_idx_NK: torch.Tensor, placement: ExpertPlacement) -> torch.Tensor:
+    """bool [N, R]: whether token n selects at least one expert on rank r.
+
+    Scatters each slot's owner rank into a row of R + 1 columns; "no expert"
+    (-1) lands in the extra column, which is dropped.
+    """
+    R = placement.num_ranks
+    owner_NK = placement.rank_of_expert_E[topk_idx_NK.clamp(min=0)]
+    owner_NK = torch.where(topk_idx_NK >= 0, owner_NK, R)
+    hit_NR1 = torch.zeros(topk_idx_NK.shape[0], R + 1, dtype=torch.bool)
+    return hit_NR1.scatter_(1, owner_NK, True)[:, :R]
 
 
 def dispatch_layout(topk_idx_NK: torch.Tensor, placement: ExpertPlacement) -> DispatchLayout:
     """Counts and membership for one rank's routing."""
-    is_token_in_rank_NR = rank_mask(topk_idx_NK, placement).any(dim=1)
+    is_token_in_rank_NR = token_in_rank(topk_idx_NK, placement)
     valid = topk_idx_NK[topk_idx_NK >= 0]
     per_expert_E = torch.bincount(valid, minlength=placement.num_experts)
     return DispatchLayout(
@@ -119,6 +124,25 @@ def localize_topk(
     if topk_weights_nK is None:
         return local_nK, None
     return local_nK, torch.where(mine_nK, topk_weights_nK, torch.zeros_like(topk_weights_nK))
+
+
+def localize_for_destinations(
+    topk_idx_nK: torch.Tensor, topk_weights_nK: torch.Tensor, dest_n: torch.Tensor, placement: ExpertPlacement
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`localize_topk` for rows bound to different ranks: row i as rank dest_n[i] sees it."""
+    safe_nK = topk_idx_nK.clamp(min=0)
+    mine_nK = (topk_idx_nK >= 0) & (placement.rank_of_expert_E[safe_nK] == dest_n.unsqueeze(1))
+    local_nK = torch.where(mine_nK, placement.local_index_E[safe_nK], -1)
+    return local_nK, torch.where(mine_nK, topk_weights_nK, 0.0)
+
+
+def destination_major(is_token_in_rank_NR: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dest_n, token_n): every (token, destination) pair, sorted by destination then token.
+
+    This is the send order of an all-to-all: rows for rank 0 first, each block ascending.
+    """
+    dest_n, token_n = torch.nonzero(is_token_in_rank_NR.T, as_tuple=True)
+    return dest_n, token_n
 
 
 def expert_counts(local_idx_MK: torch.Tensor, num_local_experts: int, alignment: int) -> list[int]:

@@ -14,6 +14,7 @@ docs/design.md for the memory-ordering argument.
 
 from __future__ import annotations
 
+import math
 import mmap
 import os
 import secrets
@@ -36,10 +37,7 @@ class Region:
     offset: int
     shape: tuple[int, ...]
     dtype: torch.dtype
-
-    @property
-    def nbytes(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+    nbytes: int
 
 
 @dataclass(slots=True)
@@ -51,7 +49,8 @@ class SegmentLayout:
 
     def add(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> None:
         offset = -(-self.nbytes // ALIGN) * ALIGN
-        region = Region(offset, tuple(int(s) for s in shape), dtype)
+        shape = tuple(int(s) for s in shape)
+        region = Region(offset, shape, dtype, math.prod(shape) * dtype.itemsize)
         self.regions[name] = region
         self.nbytes = offset + region.nbytes
 
@@ -146,8 +145,11 @@ class SymmetricHeap:
             sweep_stale_segments()  # a peer that died here leaves its name behind
             raise
         self._unlink(own)
+        self.names = names  # every rank's segment name (unlinked by now; unique and unguessable)
         self._words = [np.frombuffer(m, dtype=np.int64) for m in self._maps]
         self._bytes = [torch.frombuffer(m, dtype=torch.uint8) for m in self._maps]
+        self._views: dict[tuple[int, str], torch.Tensor] = {}
+        self._word_views: dict[tuple[int, str], np.ndarray] = {}
 
     @staticmethod
     def _unlink(name: str) -> None:
@@ -158,26 +160,34 @@ class SymmetricHeap:
 
     def tensor(self, rank: int, name: str) -> torch.Tensor:
         """Region `name` of `rank`'s segment as a tensor of its declared shape and dtype."""
-        region = self.layout.regions[name]
-        raw = self._bytes[rank][region.offset : region.offset + region.nbytes]
-        return raw.view(region.dtype).view(region.shape)
+        view = self._views.get((rank, name))
+        if view is None:
+            region = self.layout.regions[name]
+            raw = self._bytes[rank][region.offset : region.offset + region.nbytes]
+            view = self._views[(rank, name)] = raw.view(region.dtype).view(region.shape)
+        return view
 
     def words(self, rank: int, name: str) -> np.ndarray:
         """An int64 region of `rank`'s segment as a numpy array, for flags and counts.
 
         Single-element loads and stores through numpy are plain 8-byte moves.
         """
-        region = self.layout.regions[name]
-        if region.dtype != torch.int64:
-            raise TypeError(f"region {name} holds {region.dtype}, not int64 words")
-        start = region.offset // 8
-        count = region.nbytes // 8
-        return self._words[rank][start : start + count].reshape(region.shape)
+        words = self._word_views.get((rank, name))
+        if words is None:
+            region = self.layout.regions[name]
+            if region.dtype != torch.int64:
+                raise TypeError(f"region {name} holds {region.dtype}, not int64 words")
+            start, count = region.offset // 8, region.nbytes // 8
+            words = self._words[rank][start : start + count].reshape(region.shape)
+            self._word_views[(rank, name)] = words
+        return words
 
     def close(self) -> None:
         """Drop every mapping; idempotent. Views handed out must not be used afterwards."""
         self._words = []
         self._bytes = []
+        self._views = {}
+        self._word_views = {}
         maps, self._maps = self._maps, []
         for m in maps:
             try:

@@ -1,8 +1,9 @@
 """Waiting on peers: yield the CPU, keep a deadline, notice dead or aborted peers.
 
 Tests run 8 ranks on 2 cores, so a wait never spins without yielding: it
-starts with `sched_yield` (cheap when a core is free) and backs off to short
-sleeps. Every wait has a deadline; on expiry it raises `CommTimeoutError` naming
+starts with `sched_yield` (cheap when a core is free), then blocks on its
+doorbell until a peer rings (see `ubep.doorbell`), or backs off to short
+sleeps where there is no doorbell. Every wait has a deadline; on expiry it raises `CommTimeoutError` naming
 the ranks that never signalled and the phase it was in.
 """
 
@@ -58,7 +59,9 @@ class Waiter:
 
     `peer_pid(r)` gives a local peer's process id (None if unknown: no liveness
     check); `peer_abort(r)` returns a notice when peer r has aborted this call;
-    `on_fail(error)` runs just before the wait raises (to tell the other peers).
+    `block(timeout_s)`, when given, sleeps until a peer signals (a doorbell)
+    instead of sleeping for a fixed interval; `on_fail(error)` runs just before
+    the wait raises (to tell the other peers).
     """
 
     def __init__(
@@ -67,12 +70,14 @@ class Waiter:
         timeout_s: float,
         peer_pid: Callable[[int], int | None],
         peer_abort: Callable[[int], AbortNotice | None],
+        block: Callable[[float], None] | None = None,
         on_fail: Callable[[UbepError], None] | None = None,
     ):
         self.phase = phase
         self.timeout_s = timeout_s
         self._peer_pid = peer_pid
         self._peer_abort = peer_abort
+        self._block = block
         self._on_fail = on_fail
         self._start = time.monotonic()
         self._next_check = self._start + LIVENESS_PERIOD_S
@@ -88,7 +93,10 @@ class Waiter:
         if now >= self._next_check:
             self._next_check = now + LIVENESS_PERIOD_S
             self._check(list(pending), now)
-        time.sleep(min(MAX_SLEEP_S, MIN_SLEEP_S * 2 ** min(self._polls - YIELD_POLLS, 6)))
+        if self._block is not None:
+            self._block(self._next_check - now)
+        else:
+            time.sleep(min(MAX_SLEEP_S, MIN_SLEEP_S * 2 ** min(self._polls - YIELD_POLLS, 6)))
 
     def _check(self, pending: list[int], now: float) -> None:
         error: UbepError | None = None

@@ -13,6 +13,7 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
+from ubep.doorbell import Doorbell
 from ubep.errors import CommTimeoutError, PeerDataError, UbepError
 from ubep.faults import NO_FAULTS, FaultPoints
 from ubep.layout import ExpertPlacement
@@ -100,6 +101,7 @@ class Received:
     recv_topk_weights_MK: torch.Tensor | None
     recv_src_token_M: torch.Tensor  # int64
     recv_prefix_R1: torch.Tensor  # int64 [R + 1]
+    recv_home_offset_R: torch.Tensor | None = None  # see DispatchHandle
 
 
 class Exchange(Protocol):
@@ -163,9 +165,11 @@ class ShmPeers:
         self.timeout_s = timeout_s
         self.faults = faults
         self.heap = SymmetricHeap(layout, group, rank, self.num_ranks)
+        self.doorbell = Doorbell(self.heap.names[rank])
+        self.doorbell.connect(self.heap.names)
         self._ctl = [self.heap.words(r, "ctl") for r in range(self.num_ranks)]
         self._ctl[rank][CTL_PID] = os.getpid()
-        dist.barrier(group=group)  # every pid is visible before the first wait
+        dist.barrier(group=group)  # every pid and doorbell is ready before the first wait
         self._pids = [int(c[CTL_PID]) for c in self._ctl]
         self._current_seq = 0
         self._barrier_seq = 0
@@ -174,7 +178,12 @@ class ShmPeers:
     def waiter(self, phase: str, call: CallId) -> Waiter:
         self._current_seq = call.seq
         return Waiter(
-            phase, self.timeout_s, self._pids.__getitem__, self._aborted, lambda e: self._gave_up(call, e)
+            phase,
+            self.timeout_s,
+            self._pids.__getitem__,
+            self._aborted,
+            self.doorbell.wait,
+            lambda error: self._gave_up(call, error),
         )
 
     def _notice(self, peer: int, seq: int) -> tuple[int, int] | None:
@@ -211,6 +220,7 @@ class ShmPeers:
         """Tell peers waiting on `call` that this rank will not take part (first cause wins)."""
         if self._notice(self.rank, call.seq) is None:
             self._ctl[self.rank][CTL_ABORTS + call.seq % ABORT_RING] = pack_notice(call.seq, cause, culprit)
+            self.doorbell.ring_all(self.rank)
 
     def barrier(self, phase: str, call: CallId) -> None:
         """A global barrier over shared memory: each rank raises its counter, waits for all.
@@ -227,6 +237,7 @@ class ShmPeers:
             raise RuntimeError(f"{phase}: more than {BARRIERS_PER_CALL - 1} barriers in one call")
         target = call.seq * BARRIERS_PER_CALL + self._barrier_step
         self._ctl[self.rank][CTL_BARRIER] = target
+        self.doorbell.ring_all(self.rank)
         waiter = self.waiter(phase, call)
         pending = [r for r in range(self.num_ranks) if r != self.rank]
         while pending:
@@ -243,6 +254,14 @@ class ShmPeers:
             if pending:
                 waiter.pause(pending)
 
+    def ring(self, peer: int) -> None:
+        """Wake `peer` if it waits: call after writing a stamp it may be waiting for."""
+        self.doorbell.ring(peer)
+
+    def ring_all(self) -> None:
+        self.doorbell.ring_all(self.rank)
+
     def close(self) -> None:
         self._ctl = []
+        self.doorbell.close()
         self.heap.close()

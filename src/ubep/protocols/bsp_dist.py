@@ -22,7 +22,7 @@ import torch.distributed as dist
 from ubep.deadlines import PeerPids, collective_deadline
 from ubep.errors import PeerDataError
 from ubep.faults import NO_FAULTS, FaultPoints
-from ubep.layout import prefix_offsets
+from ubep.layout import destination_major, localize_for_destinations, prefix_offsets
 from ubep.protocols.base import CallId, Received, SendPlan, Sizing
 from ubep.results import DispatchHandle
 from ubep.waiting import AbortNotice, PeerAbortedError
@@ -91,13 +91,15 @@ class BspDist:
         send_counts_R = torch.as_tensor(counts, dtype=torch.int64).expand(self.R).contiguous()
         recv_counts_R = self._exchange_counts(call, send_counts_R)
         send, recv = send_counts_R.tolist(), recv_counts_R.tolist()
-        dest_R, tokens = torch.nonzero(plan.is_token_in_rank_NR.T, as_tuple=True)  # destination-major
+        dest_R, tokens = destination_major(plan.is_token_in_rank_NR)
         x_bytes = self._all_to_all("dispatch (tokens)", _as_bytes(plan.x_NH[tokens]), send, recv)
         self.faults.at("dispatch.sent", call)
         recv_x = x_bytes.view(plan.x_NH.dtype).view(-1, plan.x_NH.shape[1])
         meta = [tokens.unsqueeze(1)]
         if plan.topk_idx_NK is not None:
-            local, w = self._localize_per_destination(plan, tokens, dest_R)
+            local, w = localize_for_destinations(
+                plan.topk_idx_NK[tokens], plan.topk_weights_NK[tokens], dest_R, self.sizing.placement
+            )
             meta += [local, w.view(torch.int32).to(torch.int64)]
         meta_recv = self._all_to_all("dispatch (routing)", torch.cat(meta, dim=1), send, recv)
         recv_idx = recv_w = None
@@ -107,23 +109,13 @@ class BspDist:
             recv_w = meta_recv[:, 1 + K :].to(torch.int32).view(torch.float32).contiguous()
         return Received(recv_x, recv_idx, recv_w, meta_recv[:, 0].contiguous(), prefix_offsets(recv_counts_R))
 
-    def _localize_per_destination(self, plan: SendPlan, tokens: torch.Tensor, dest_R: torch.Tensor):
-        """Each sent row's top-k as its destination sees it (local ids, masked weights)."""
-        idx = plan.topk_idx_NK[tokens]
-        w = plan.topk_weights_NK[tokens]
-        placement = self.sizing.placement
-        owner = placement.rank_of_expert_E[idx.clamp(min=0)]
-        mine = (idx >= 0) & (owner == dest_R.unsqueeze(1))
-        local = torch.where(mine, placement.local_index_E[idx.clamp(min=0)], -1)
-        return local, torch.where(mine, w, 0.0)
-
     def combine(self, call: CallId, x_MH, handle: DispatchHandle, topk_weights_MK):
         recv = handle.recv_counts().tolist()
         send = handle.send_counts_R.tolist()
         self._entered_seq = call.seq
         back = self._all_to_all("combine (tokens)", _as_bytes(x_MH), recv, send)
         back = back.view(x_MH.dtype).view(-1, x_MH.shape[1])
-        _, tokens = torch.nonzero(handle.is_token_in_rank_NR.T, as_tuple=True)  # destination-major
+        _, tokens = destination_major(handle.is_token_in_rank_NR)
         out_NH = torch.zeros(handle.num_tokens, x_MH.shape[1], dtype=torch.float32)
         out_NH.index_add_(0, tokens, back.float())  # rows arrive rank-ascending: sums stay in order
         out_w = None

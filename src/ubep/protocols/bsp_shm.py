@@ -4,7 +4,8 @@ separated by global barriers, as vendor EP libraries and Megatron structure it.
 Dispatch: layout -> count exchange -> barrier -> token send (push into the
 receiver's per-source staging slot) -> barrier -> flag verification -> prefix
 sums -> barrier -> reorder (staging slots -> recv_x).
-Combine: barrier -> push rows into the home rank's slot -> barrier -> reduce.
+Combine: barrier -> push rows into their place in the home rank's combine
+buffer -> barrier -> reduce (the same buffer layout and reduction as UBEP).
 
 It is meant to be an honest baseline: vectorised packing fused into the put,
 one copy per row per hop, barriers over shared memory rather than sockets.
@@ -19,7 +20,7 @@ import torch
 from ubep.errors import PeerDataError
 from ubep.layout import localize_topk, prefix_offsets
 from ubep.protocols.base import CallId, Received, SendPlan, ShmPeers, Sizing, new_layout
-from ubep.protocols.ubep_shm import rows_view
+from ubep.protocols.rows import put_back, reduce_back, rows_view
 from ubep.results import DispatchHandle
 from ubep.shm import SegmentLayout
 
@@ -33,8 +34,8 @@ def bsp_layout(s: Sizing) -> SegmentLayout:
     layout.add("d.topk", (R, T * K), torch.int64)
     layout.add("d.w", (R, T * K), torch.float32)
     layout.add("d.src", (R, T), torch.int64)
-    layout.add("c.x", (R, T * s.row_bytes), torch.uint8)  # slot per expert rank
-    layout.add("c.w", (R, T * K), torch.float32)
+    layout.add("c.x", (R * T * s.row_bytes,), torch.uint8)  # rows back, destination-major
+    layout.add("c.w", (R * T * K,), torch.float32)
     return layout
 
 
@@ -57,10 +58,11 @@ class BspShm:
         self._send_tokens(call, plan)
         peers.faults.at("dispatch.sent", call)
         peers.barrier("dispatch (token send)", call)
-        recv_counts_R = self._verify_and_count(call)
-        prefix_R1 = prefix_offsets(recv_counts_R)
+        counts_RR = self._verify_and_count(call)
+        prefix_R1 = prefix_offsets(counts_RR[:, self.me])
+        home_offset_R = counts_RR[:, : self.me].sum(dim=1)  # rows each source sent to lower ranks
         peers.barrier("dispatch (prefix sums)", call)
-        return self._reorder(plan, prefix_R1, cached=handle is not None)
+        return self._reorder(plan, prefix_R1, home_offset_R, cached=handle is not None)
 
     def _send_tokens(self, call: CallId, plan: SendPlan) -> None:
         heap, H = self.peers.heap, plan.x_NH.shape[1]
@@ -82,22 +84,22 @@ class BspShm:
             heap.words(dst, "flags")[self.me] = call.epoch
 
     def _verify_and_count(self, call: CallId) -> torch.Tensor:
+        """The count matrix [R, R] (row s: what source s sends to each rank), checked."""
         heap = self.peers.heap
         flags = heap.words(self.me, "flags")
         missing = [s for s in range(self.R) if flags[s] != call.epoch]
         if missing:
             raise PeerDataError(f"dispatch (flag verification): no tokens from rank(s) {missing}")
-        counts = [int(heap.words(s, "counts")[self.me]) for s in range(self.R)]
-        for src, count in enumerate(counts):
-            if not 0 <= count <= self.sizing.capacity:
-                raise self.peers.bad_data(
-                    call,
-                    src,
-                    f"dispatch: rank {src} announced {count} tokens, capacity is {self.sizing.capacity}",
-                )
-        return torch.tensor(counts, dtype=torch.int64)
+        counts_RR = torch.stack([torch.from_numpy(heap.words(s, "counts").copy()) for s in range(self.R)])
+        bad_RR = (counts_RR < 0) | (counts_RR > self.sizing.capacity)
+        if bad_RR.any():
+            src, dst = (int(i) for i in torch.nonzero(bad_RR)[0])
+            count, capacity = int(counts_RR[src, dst]), self.sizing.capacity
+            message = f"dispatch: rank {src} announced {count} tokens, capacity is {capacity}"
+            raise self.peers.bad_data(call, src, message)
+        return counts_RR
 
-    def _reorder(self, plan: SendPlan, prefix_R1: torch.Tensor, cached: bool) -> Received:
+    def _reorder(self, plan: SendPlan, prefix_R1, home_offset_R, cached: bool) -> Received:
         heap, H = self.peers.heap, plan.x_NH.shape[1]
         M = int(prefix_R1[-1])
         K = None if cached else plan.topk_idx_NK.shape[1]
@@ -113,7 +115,7 @@ class BspShm:
                 recv_idx[a:b] = heap.tensor(self.me, "d.topk")[src][: (b - a) * K].view(-1, K)
                 recv_w[a:b] = heap.tensor(self.me, "d.w")[src][: (b - a) * K].view(-1, K)
         self._check_received(src_token, recv_idx)
-        return Received(recv_x, recv_idx, recv_w, src_token, prefix_R1)
+        return Received(recv_x, recv_idx, recv_w, src_token, prefix_R1, home_offset_R)
 
     def _check_received(self, src_token_M: torch.Tensor, recv_idx_MK: torch.Tensor | None) -> None:
         """Token indices and local expert ids written by peers must be in range before use."""
@@ -125,35 +127,18 @@ class BspShm:
                 raise PeerDataError(f"dispatch: a peer sent local expert ids outside [-1, {L})")
 
     def combine(self, call: CallId, x_MH, handle: DispatchHandle, topk_weights_MK):
-        heap, H = self.peers.heap, x_MH.shape[1]
-        prefix = handle.recv_prefix_R1.tolist()
+        prefix, home_offset = handle.recv_prefix_R1.tolist(), handle.recv_home_offset_R.tolist()
+        K = None if topk_weights_MK is None else topk_weights_MK.shape[1]
         self.peers.barrier("combine (start)", call)
         for i in range(self.R):
             home = (self.me + i) % self.R
             a, b = prefix[home], prefix[home + 1]
-            rows_view(heap.tensor(home, "c.x")[self.me], b - a, H, x_MH.dtype).copy_(x_MH[a:b])
-            if topk_weights_MK is not None:
-                K = topk_weights_MK.shape[1]
-                heap.tensor(home, "c.w")[self.me][: (b - a) * K].copy_(topk_weights_MK[a:b].flatten())
+            w = None if K is None else topk_weights_MK[a:b]
+            put_back(self.peers.heap, "c", home, home_offset[home], x_MH[a:b], w)
             if i == 1:
                 self.peers.faults.at("combine.mid", call)
         self.peers.barrier("combine (token send)", call)
-        return self._reduce(x_MH, handle, topk_weights_MK)
-
-    def _reduce(self, x_MH, handle: DispatchHandle, topk_weights_MK):
-        heap, H, N = self.peers.heap, x_MH.shape[1], handle.num_tokens
-        out_NH = torch.zeros(N, H, dtype=torch.float32)
-        K = None if topk_weights_MK is None else topk_weights_MK.shape[1]
-        out_w_NK = None if K is None else torch.zeros(N, K, dtype=torch.float32)
-        for src in range(self.R):
-            tokens = handle.send_tokens(src)
-            n = tokens.numel()
-            out_NH.index_add_(
-                0, tokens, rows_view(heap.tensor(self.me, "c.x")[src], n, H, x_MH.dtype).float()
-            )
-            if K is not None:
-                out_w_NK.index_add_(0, tokens, heap.tensor(self.me, "c.w")[src][: n * K].view(n, K))
-        return out_NH.to(x_MH.dtype), out_w_NK
+        return reduce_back(self.peers.heap, self.me, "c", x_MH.dtype, x_MH.shape[1], handle, K)
 
     def abort(self, call: CallId) -> None:
         self.peers.abort(call)

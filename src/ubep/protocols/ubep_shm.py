@@ -10,9 +10,11 @@ Dispatch, on rank `me` for call epoch e (buffers double-buffered by e % 2):
      its segment into their final place in recv_x. No source waits for another.
 
 Combine mirrors it with puts: each rank writes the rows it holds for source s
-into s's slot for it, then stamps that slot; s reduces slot by slot in
-ascending rank order (so sums are deterministic), starting as soon as the
-next slot in order has landed.
+straight into their final place in s's combine buffer (s's rows come back
+destination-major, so the block from rank d starts after the rows s sent to
+ranks below d, an offset known from s's routing), then stamps its header row
+there. s waits for every stamp, in any order, and reduces all rows in one pass
+(`ubep.reduce`).
 
 Why get (pull) for dispatch and put (push) for combine: a dispatched token goes
 to ~5 ranks on average, and pulling lets each rank write its tokens once and
@@ -30,7 +32,7 @@ from __future__ import annotations
 import torch
 
 from ubep.errors import PeerDataError
-from ubep.layout import localize_topk, prefix_offsets
+from ubep.layout import localize_topk, prefix_offsets, token_in_rank
 from ubep.protocols.base import (
     CODE_DTYPES,
     DTYPE_CODES,
@@ -41,6 +43,7 @@ from ubep.protocols.base import (
     Sizing,
     new_layout,
 )
+from ubep.protocols.rows import reduce_back, rows_view
 from ubep.results import DispatchHandle
 from ubep.shm import SegmentLayout
 
@@ -58,15 +61,10 @@ def ubep_layout(s: Sizing) -> SegmentLayout:
         layout.add(f"d{p}.topk", (T * K,), torch.int64)
         layout.add(f"d{p}.w", (T * K,), torch.float32)
         layout.add(f"d{p}.x", (T * s.row_bytes,), torch.uint8)
-        layout.add(f"c{p}.hdr", (R, 4), torch.int64)
-        layout.add(f"c{p}.x", (R, T * s.row_bytes), torch.uint8)
-        layout.add(f"c{p}.w", (R, T * K), torch.float32)
+        layout.add(f"c{p}.hdr", (R, 4), torch.int64)  # one row per expert rank writing here
+        layout.add(f"c{p}.x", (R * T * s.row_bytes,), torch.uint8)  # rows back, destination-major
+        layout.add(f"c{p}.w", (R * T * K,), torch.float32)
     return layout
-
-
-def rows_view(raw: torch.Tensor, rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor:
-    """The first rows x cols elements of a byte region, as a [rows, cols] tensor."""
-    return raw[: rows * cols * dtype.itemsize].view(dtype).view(rows, cols)
 
 
 class UbepShm:
@@ -88,12 +86,12 @@ class UbepShm:
         if handle is None:
             routing = self._gather_routing(call, plan)
         else:
-            routing = (None, None, handle.recv_src_token_M, handle.recv_prefix_R1)
-        recv_topk_idx, recv_topk_w, src_token_M, prefix_R1 = routing
+            routing = (None, None, handle.recv_src_token_M, handle.recv_prefix_R1, handle.recv_home_offset_R)
+        recv_topk_idx, recv_topk_w, src_token_M, prefix_R1, home_offset_R = routing
         x_NH = plan.x_NH
         recv_x_MH = torch.empty(int(prefix_R1[-1]), x_NH.shape[1], dtype=x_NH.dtype)
         self._gather_rows(call, x_NH, recv_x_MH, src_token_M, prefix_R1)
-        return Received(recv_x_MH, recv_topk_idx, recv_topk_w, src_token_M, prefix_R1)
+        return Received(recv_x_MH, recv_topk_idx, recv_topk_w, src_token_M, prefix_R1, home_offset_R)
 
     def _publish(self, call: CallId, plan: SendPlan) -> None:
         heap, p = self.peers.heap, call.parity
@@ -109,6 +107,7 @@ class UbepShm:
         hdr[META] = call.epoch  # routing and counts are visible from here on
         rows_view(heap.tensor(self.me, f"d{p}.x"), N, H, plan.x_NH.dtype).copy_(plan.x_NH)
         hdr[DATA] = call.epoch  # the payload is visible from here on
+        self.peers.ring_all()  # one ring for both stamps: a blocked reader needs both
 
     def _source_header(self, call: CallId, src: int, x_NH: torch.Tensor) -> tuple[int, int]:
         """A landed source's (token count, top-k), checked against this rank's bounds."""
@@ -147,23 +146,27 @@ class UbepShm:
         rows_M = torch.nonzero(here_S).flatten()
         src_token_M = rows_M - starts_R[src_S[rows_M]]
         prefix_R1 = prefix_offsets(torch.bincount(src_S[rows_M], minlength=self.R))
-        return local_SK[rows_M], w_SK[rows_M], src_token_M, prefix_R1
+        # Rows each source sent to ranks below this one: where this rank's block goes back.
+        to_lower_S = token_in_rank(idx_SK, self.sizing.placement)[:, : self.me].sum(dim=1)
+        home_offset_R = torch.bincount(src_S, weights=to_lower_S.double(), minlength=self.R).long()
+        return local_SK[rows_M], w_SK[rows_M], src_token_M, prefix_R1, home_offset_R
 
     def _gather_rows(self, call, x_NH, recv_x_MH, src_token_M, prefix_R1) -> None:
         """Copy each source's rows from its segment as soon as its payload lands."""
         heap, p, H = self.peers.heap, call.parity, x_NH.shape[1]
-        datas = [heap.words(s, f"d{p}.hdr")[DATA : DATA + 1].reshape(()) for s in range(self.R)]
+        hdrs = [heap.words(s, f"d{p}.hdr") for s in range(self.R)]
+        prefix = prefix_R1.tolist()
         waiter = self.peers.waiter("dispatch (tokens)", call)
         pending = [(self.me + i) % self.R for i in range(self.R)]  # start with own rows
         while pending:
-            landed = [s for s in pending if datas[s][()] == call.epoch]
+            landed = [s for s in pending if hdrs[s][DATA] == call.epoch]
             for src in landed:
-                a, b = int(prefix_R1[src]), int(prefix_R1[src + 1])
+                a, b = prefix[src], prefix[src + 1]
                 if a == b:
                     continue
                 n, _ = self._source_header(call, src, x_NH)
                 rows = src_token_M[a:b]
-                if int(rows[-1]) >= n:
+                if rows[-1] >= n:  # rows ascend: the last is the largest
                     message = f"dispatch: rank {src} sent {n} tokens, fewer than routed here"
                     raise self.peers.bad_data(call, src, message)
                 source_NH = rows_view(heap.tensor(src, f"d{p}.x"), n, H, x_NH.dtype)
@@ -176,52 +179,35 @@ class UbepShm:
 
     def combine(self, call: CallId, x_MH, handle: DispatchHandle, topk_weights_MK):
         heap, p, H = self.peers.heap, call.parity, x_MH.shape[1]
-        prefix = handle.recv_prefix_R1.tolist()
-        code = DTYPE_CODES[x_MH.dtype]
-        for i in range(1, self.R):  # put: rows held for source s go into s's slot for me
-            src = (self.me + i) % self.R
-            a, b = prefix[src], prefix[src + 1]
-            rows_view(heap.tensor(src, f"c{p}.x")[self.me], b - a, H, x_MH.dtype).copy_(x_MH[a:b])
-            if topk_weights_MK is not None:
-                K = topk_weights_MK.shape[1]
-                heap.tensor(src, f"c{p}.w")[self.me][: (b - a) * K].copy_(topk_weights_MK[a:b].flatten())
-            slot = heap.words(src, f"c{p}.hdr")[self.me]
-            slot[SLOT_DTYPE] = code
+        prefix, home_offset = handle.recv_prefix_R1.tolist(), handle.recv_home_offset_R.tolist()
+        K = None if topk_weights_MK is None else topk_weights_MK.shape[1]
+        for i in range(self.R):  # put: the rows held for `home` go to their final place there
+            home = (self.me + i) % self.R
+            a, b, at = prefix[home], prefix[home + 1], home_offset[home]
+            rows_view(
+                heap.tensor(home, f"c{p}.x")[at * H * x_MH.element_size() :], b - a, H, x_MH.dtype
+            ).copy_(x_MH[a:b])
+            if K is not None:
+                heap.tensor(home, f"c{p}.w")[at * K : (at + b - a) * K].copy_(topk_weights_MK[a:b].flatten())
+            slot = heap.words(home, f"c{p}.hdr")[self.me]
+            slot[SLOT_DTYPE] = DTYPE_CODES[x_MH.dtype]
             slot[SLOT_COUNT] = b - a
-            slot[SLOT_FLAG] = call.epoch
+            slot[SLOT_FLAG] = call.epoch  # this block is visible from here on
+            self.peers.ring(home)
             if i == 1:
                 self.peers.faults.at("combine.mid", call)
-        return self._reduce(call, x_MH, handle, topk_weights_MK)
+        return self._reduce(call, x_MH.dtype, H, handle, K)
 
-    def _reduce(self, call, x_MH, handle, topk_weights_MK):
-        """Sum the slots in ascending rank order, each as soon as it has landed."""
-        heap, p, H = self.peers.heap, call.parity, x_MH.shape[1]
-        N = handle.num_tokens
-        out_NH = torch.zeros(N, H, dtype=torch.float32)
-        K = None if topk_weights_MK is None else topk_weights_MK.shape[1]
-        out_w_NK = None if K is None else torch.zeros(N, K, dtype=torch.float32)
+    def _reduce(self, call: CallId, dtype: torch.dtype, H: int, handle: DispatchHandle, K: int | None):
+        """Once every expert rank's block has landed, sum each token's rows in float32."""
+        heap, p = self.peers.heap, call.parity
         hdr = heap.words(self.me, f"c{p}.hdr")
-        own = handle.recv_prefix_R1[self.me : self.me + 2].tolist()
+        flags = [hdr[d, SLOT_FLAG : SLOT_FLAG + 1].reshape(()) for d in range(self.R)]
+        self.peers.wait_words("combine", call, flags, call.epoch, range(self.R))
+        sent_R = handle.send_counts_R.tolist()
         for src in range(self.R):
-            tokens = handle.send_tokens(src)
-            if src == self.me:
-                rows_nH = x_MH[own[0] : own[1]]
-                w_nK = None if K is None else topk_weights_MK[own[0] : own[1]]
-            else:
-                self.peers.wait_words(
-                    "combine", call, {src: hdr[src, SLOT_FLAG : SLOT_FLAG + 1].reshape(())}, call.epoch, [src]
-                )
-                self._check_slot(src, hdr[src], tokens.numel(), x_MH.dtype)
-                rows_nH = rows_view(heap.tensor(self.me, f"c{p}.x")[src], tokens.numel(), H, x_MH.dtype)
-                w_nK = (
-                    None
-                    if K is None
-                    else heap.tensor(self.me, f"c{p}.w")[src][: tokens.numel() * K].view(-1, K)
-                )
-            out_NH.index_add_(0, tokens, rows_nH.float())
-            if K is not None:
-                out_w_NK.index_add_(0, tokens, w_nK)
-        return out_NH.to(x_MH.dtype), out_w_NK
+            self._check_slot(src, hdr[src], sent_R[src], dtype)
+        return reduce_back(heap, self.me, f"c{p}", dtype, H, handle, K)
 
     @staticmethod
     def _check_slot(src: int, slot, expected: int, dtype: torch.dtype) -> None:
@@ -230,10 +216,8 @@ class UbepShm:
                 f"combine: rank {src} returned {int(slot[SLOT_COUNT])} rows, expected {expected}"
             )
         if CODE_DTYPES.get(int(slot[SLOT_DTYPE])) != dtype:
-            raise PeerDataError(
-                f"combine: rank {src} returned {CODE_DTYPES.get(int(slot[SLOT_DTYPE]))}, "
-                f"this rank holds {dtype}"
-            )
+            sent = CODE_DTYPES.get(int(slot[SLOT_DTYPE]))
+            raise PeerDataError(f"combine: rank {src} returned {sent}, this rank holds {dtype}")
 
     def abort(self, call: CallId) -> None:
         self.peers.abort(call)

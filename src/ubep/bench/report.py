@@ -1,0 +1,131 @@
+"""Turning timings into rows, a terminal table, JSON and a plot."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+
+from rich.console import Console
+from rich.table import Table
+
+from ubep.bench.timing import Stats
+
+
+@dataclass(frozen=True, slots=True)
+class Row:
+    """One system at one batch size: latencies in microseconds, bandwidth in GB/s."""
+
+    system: str
+    mode: str
+    tokens_per_rank: int
+    dispatch_us: float
+    combine_us: float
+    dispatch_p99_us: float
+    combine_p99_us: float
+    bytes_per_rank: float
+    dispatch_gbps: float
+    combine_gbps: float
+    vs_ubep: float | None = None  # (dispatch + combine) time of this system / ubep's
+    floor_fraction: float | None = None  # floor time / this system's time
+
+    @classmethod
+    def build(cls, system: str, mode: str, tokens: int, nbytes: float, d: Stats, c: Stats) -> Row:
+        return cls(
+            system,
+            mode,
+            tokens,
+            d.median_us,
+            c.median_us,
+            d.p99_us,
+            c.p99_us,
+            nbytes,
+            nbytes / d.median_us / 1e3,
+            nbytes / c.median_us / 1e3,
+        )
+
+    @property
+    def total_us(self) -> float:
+        return self.dispatch_us + self.combine_us
+
+
+def with_ratios(rows: list[Row]) -> list[Row]:
+    """Fill in the ratio to ubep and the fraction of the floor, per batch size."""
+    out = []
+    for row in rows:
+        peers = {r.system: r for r in rows if r.tokens_per_rank == row.tokens_per_rank and r.mode == row.mode}
+        ubep, floor = peers.get("ubep"), peers.get("memcpy-floor")
+        vs = row.total_us / ubep.total_us if ubep else None
+        frac = floor.total_us / row.total_us if floor else None
+        out.append(Row(**{**asdict(row), "vs_ubep": vs, "floor_fraction": frac}))
+    return out
+
+
+def table(rows: list[Row], title: str) -> Table:
+    t = Table(title=title)
+    for col in (
+        "system",
+        "tokens",
+        "dispatch us",
+        "p99",
+        "combine us",
+        "p99",
+        "GB/s d/c",
+        "x ubep",
+        "of floor",
+    ):
+        t.add_column(col, justify="left" if col == "system" else "right")
+    for r in rows:
+        t.add_row(
+            r.system,
+            str(r.tokens_per_rank),
+            f"{r.dispatch_us:,.0f}",
+            f"{r.dispatch_p99_us:,.0f}",
+            f"{r.combine_us:,.0f}",
+            f"{r.combine_p99_us:,.0f}",
+            f"{r.dispatch_gbps:.2f}/{r.combine_gbps:.2f}",
+            "-" if r.vs_ubep is None else f"{r.vs_ubep:.2f}",
+            "-" if r.floor_fraction is None else f"{r.floor_fraction:.0%}",
+        )
+    return t
+
+
+def print_table(rows: list[Row], title: str, notes: list[str]) -> None:
+    console = Console()
+    console.print(table(rows, title))
+    for note in notes:
+        console.print(f"[dim]{note}[/dim]")
+
+
+def write_json(path: str, config: dict, rows: list[Row], notes: list[str]) -> None:
+    with open(path, "w") as f:
+        json.dump({"config": config, "results": [asdict(r) for r in rows], "notes": notes}, f, indent=2)
+
+
+def plot(path: str, rows: list[Row], title: str) -> None:
+    """Latency against tokens per rank, one line per system, dispatch and combine side by side."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
+    for ax, op in zip(axes, ("dispatch", "combine"), strict=True):
+        for system in dict.fromkeys(r.system for r in rows):
+            mine = sorted((r for r in rows if r.system == system), key=lambda r: r.tokens_per_rank)
+            ax.plot(
+                [r.tokens_per_rank for r in mine],
+                [getattr(r, f"{op}_us") for r in mine],
+                marker="o",
+                label=system,
+            )
+        ax.set_title(op)
+        ax.set_xlabel("tokens per rank")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0].set_ylabel("latency (us, median, slowest rank)")
+    axes[1].legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

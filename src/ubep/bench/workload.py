@@ -1,0 +1,74 @@
+"""What the benchmark sends: the configuration and every rank's inputs.
+
+Every rank (and the MPI workers) rebuilds every rank's inputs from the seed, so
+each can check its own results against the reference before timing anything.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+
+from ubep import reference, routing
+
+SYSTEMS = ("ubep", "bsp-shm", "bsp-gloo", "mpi", "memcpy-floor")
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class BenchConfig:
+    """One benchmark run; the defaults are DeepSeek-V3 decode on 8 local ranks."""
+
+    ranks: int = 8
+    tokens: tuple[int, ...] = (128,)
+    hidden: int = 7168
+    experts: int = 256
+    topk: int = 8
+    iters: int = 20
+    warmup: int = 3
+    routing: str = "uniform"
+    skew: float = 1.0
+    mode: str = "normal"
+    dtype: str = "bf16"
+    systems: tuple[str, ...] = SYSTEMS
+    seed: int = 0
+    timeout_s: float = 120.0
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True, slots=True)
+class Workload:
+    """Every rank's inputs for one token count, and what each rank must receive."""
+
+    xs: list[torch.Tensor]  # [N, H] per rank
+    topk_idx: list[torch.Tensor]  # int64 [N, K] per rank
+    topk_weights: list[torch.Tensor]  # float32 [N, K] per rank
+    expected: list[reference.RefDispatch]
+
+    @property
+    def recv_rows(self) -> list[int]:
+        return [e.recv_x_MH.shape[0] for e in self.expected]
+
+    def bytes_per_rank(self) -> float:
+        """Mean bytes of token data each rank must receive in a dispatch (= send back in combine)."""
+        row_bytes = self.xs[0].shape[1] * self.xs[0].element_size()
+        return sum(self.recv_rows) / len(self.recv_rows) * row_bytes
+
+
+def build(cfg: BenchConfig, tokens: int) -> Workload:
+    gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + tokens)
+    xs, idxs, ws = [], [], []
+    for _ in range(cfg.ranks):
+        idxs.append(routing.make(cfg.routing, tokens, cfg.experts, cfg.topk, gen, skew=cfg.skew))
+        ws.append(routing.weights(tokens, cfg.topk, gen))
+        xs.append(torch.randn(tokens, cfg.hidden, generator=gen).to(DTYPES[cfg.dtype]))
+    return Workload(xs, idxs, ws, reference.dispatch(xs, idxs, ws, cfg.experts))
+
+
+def expected_combine(work: Workload, rank: int) -> torch.Tensor:
+    """What rank `rank` must get back when every expert returns its input rows unchanged."""
+    ys = [e.recv_x_MH for e in work.expected]
+    return reference.combine(ys, work.expected, [x.shape[0] for x in work.xs])[rank]

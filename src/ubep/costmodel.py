@@ -1,0 +1,80 @@
+"""The one cost model that the scheduler and the simulator share.
+
+A message of `b` bytes at distance class c, sent by one worker on an idle fabric, costs
+
+    message_us = o + lat[c] + b / worker_rate[c]
+    worker_rate[c] = min(eta * port_gbps[c], window / lat[c])          (GB/s = 1e3 B/us)
+
+o: per-message issue overhead on the worker; lat: one-way latency of class c;
+eta: achievable fraction of a port's nominal bandwidth; window: bytes one worker
+keeps in flight, so by Little's law it cannot stream faster than window / lat.
+The window term is why distance matters even on a fabric with uniform bandwidth:
+a worker whose messages all go two hops away streams at a third of the rate of a
+worker sending one hop away. On a loaded fabric the simulator adds queueing at
+each shared port and uplink; the scheduler only needs the idle-fabric cost, to
+order each worker's transfers slowest first.
+
+Fitted values come from `ubep.sim.calibrate` (see docs/simulation.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ubep.topology import Topology
+
+# Fitted on DeepEP's low-latency EP8/EP64 numbers (PAPER.md table), see ubep.sim.calibrate.
+FIT_MSG_OVERHEAD_US = 0.4
+FIT_LINK_EFFICIENCY = 1.0  # DeepEP counts bytes such that RDMA reaches its nominal 50 GB/s
+FIT_CALL_US = 24.0  # fixed cost of one dispatch or combine call (kernel start, setup)
+# Fitted on UBEP's EP64 reductions on CloudMatrix384 (batch 8 and 128, PAPER.md), ubep.sim.calibrate.
+FIT_BARRIER_FANIN = 8
+WINDOW_BYTES = 128 * 1024  # one worker's bytes in flight (the grid's top value: see docs/simulation.md)
+# Assumed (no published figure to fit against).
+POLL_US = 0.05  # checking one flag word in local memory
+PREFIX_US = 1.0  # the per-expert prefix-sum kernel
+FLAG_BYTES = 64  # a flag or count write, rounded up to one cache line
+TFF_PAYLOAD_FRACTION = 480 / 512  # Data-as-Flag TFF: 32 B flag + 480 B payload per 512 B write (PAPER.md)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CostParams:
+    """The free and assumed constants of the model (defaults: the fitted/assumed values above)."""
+
+    msg_overhead_us: float = FIT_MSG_OVERHEAD_US
+    link_efficiency: float = FIT_LINK_EFFICIENCY
+    barrier_fanin: int = FIT_BARRIER_FANIN
+    call_us: float = FIT_CALL_US
+    window_bytes: float = WINDOW_BYTES
+    poll_us: float = POLL_US
+    prefix_us: float = PREFIX_US
+    flag_bytes: int = FLAG_BYTES
+
+
+def port_gbps_C(topo: Topology, params: CostParams) -> np.ndarray:
+    """float [C]: achievable bandwidth of the port each distance class uses.
+
+    Class 0 (a rank writing into its own device) is a local copy, not a fabric transfer.
+    """
+    gbps_C = params.link_efficiency * topo.port_gbps_C()
+    gbps_C[0] = topo.local_copy_gbps
+    return gbps_C
+
+
+def worker_gbps_C(topo: Topology, params: CostParams) -> np.ndarray:
+    """float [C]: the most one worker can stream to a destination of each class."""
+    return np.minimum(port_gbps_C(topo, params), params.window_bytes / 1e3 / topo.latency_C())
+
+
+def message_us(topo: Topology, params: CostParams, cls: np.ndarray, nbytes: np.ndarray) -> np.ndarray:
+    """Idle-fabric time of messages (broadcast over class and byte arrays), in us."""
+    cls = np.asarray(cls)
+    rate = worker_gbps_C(topo, params)[cls] * 1e3  # bytes per us
+    return params.msg_overhead_us + topo.latency_C()[cls] + np.asarray(nbytes) / rate
+
+
+def copy_us(topo: Topology, nbytes: np.ndarray | float) -> np.ndarray:
+    """Device-local copy (reorder, reduce) of `nbytes`, in us."""
+    return np.asarray(nbytes, dtype=float) / (topo.local_copy_gbps * 1e3)

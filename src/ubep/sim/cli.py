@@ -1,0 +1,157 @@
+"""`ubep simulate`: run the protocols' plans on a superpod model, print/save the results."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import replace
+
+from ubep import routing, schedule, topology
+from ubep.sim import protocols
+from ubep.sim.run import MODELS, SimConfig, SimResult, simulate, workload
+
+
+def _ints(text: str) -> list[int]:
+    return [int(v) for v in text.split(",") if v]
+
+
+def _names(choices: tuple[str, ...]):
+    def parse(text: str) -> list[str]:
+        names = [v for v in text.split(",") if v]
+        if bad := [n for n in names if n not in choices]:
+            raise argparse.ArgumentTypeError(f"unknown {bad}; choose from {', '.join(choices)}")
+        return names
+
+    return parse
+
+
+def add_parser(subparsers) -> None:
+    """Add the `simulate` subcommand (func=run) to an argparse subparsers object."""
+    p = subparsers.add_parser("simulate", help="simulate dispatch/combine on a superpod model")
+    p.add_argument("--topology", default="cm384", help=f"{', '.join(topology.PRESETS)} or a JSON file")
+    p.add_argument("--ranks", type=_ints, default=[64], help="comma list of EP sizes")
+    p.add_argument("--tokens", type=_ints, default=[8, 16, 32, 64, 128], help="tokens per rank (comma list)")
+    p.add_argument("--protocol", type=_names(protocols.PROTOCOLS), default=["ubep", "bsp"])
+    p.add_argument(
+        "--policy", type=_names(schedule.POLICIES), default=["ubep"], help="ubep's scheduler policies"
+    )
+    p.add_argument("--model", choices=sorted(MODELS), default="deepseek-v3")
+    p.add_argument("--hidden", type=int)
+    p.add_argument("--experts", type=int)
+    p.add_argument("--topk", type=int)
+    p.add_argument("--dispatch-dtype", choices=("bf16", "fp8"), default="bf16")
+    p.add_argument("--routing", choices=[r for r in routing.ROUTINGS if r != "hot"], default="uniform")
+    p.add_argument("--hot-experts", type=int, default=0, help="N hot experts (overrides --routing)")
+    p.add_argument("--hot-share", type=float, default=0.6, help="share of picks the hot experts get")
+    p.add_argument("--workers", type=int, help="sender workers per device (default: per topology)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", help="write results as JSON to this path")
+    p.add_argument("--plot", help="write a dispatch-latency plot (PNG) to this path")
+    p.set_defaults(func=run)
+
+
+def _configs(args) -> list[SimConfig]:
+    hidden, experts, topk = MODELS[args.model]
+    topo = topology.load(args.topology)
+    base = SimConfig(
+        topology=topo,
+        hidden=args.hidden or hidden,
+        experts=args.experts or experts,
+        topk=args.topk or topk,
+        dispatch_dtype=args.dispatch_dtype,
+        routing=args.routing,
+        hot_experts=args.hot_experts,
+        hot_share=args.hot_share,
+        workers=args.workers,
+        seed=args.seed,
+    )
+    return [replace(base, ranks=r, tokens=t) for r in args.ranks for t in args.tokens]
+
+
+def _runs(cfg: SimConfig, protocol_names: list[str], policies: list[str]) -> list[SimResult]:
+    wl = workload(cfg)
+    out = []
+    for proto in protocol_names:
+        for policy in policies if proto == "ubep" else [proto]:
+            out.append(simulate(replace(cfg, policy=policy if proto == "ubep" else "ubep"), proto, wl))
+    return out
+
+
+def _table(ranks: int, results: list[SimResult]):
+    from rich.table import Table
+
+    table = Table(title=f"EP{ranks} on {results[0].topology} ({results[0].workers} workers/device)")
+    for col in ("tokens", "protocol", "dispatch us", "combine us", "slowest worker us", "ubep vs bsp"):
+        table.add_column(col, justify="right")
+    for r in results:
+        bsp = next(
+            (b for b in results if b.protocol == "bsp" and b.tokens_per_rank == r.tokens_per_rank), None
+        )
+        gain = (
+            f"{(bsp.dispatch_us - r.dispatch_us) / bsp.dispatch_us:+.1%}".replace("+", "-", 1)
+            if bsp and r.protocol == "ubep"
+            else ""
+        )
+        name = r.protocol if r.protocol != "ubep" or r.policy == "ubep" else f"ubep/{r.policy}"
+        table.add_row(str(r.tokens_per_rank), name, f"{r.dispatch_us:.1f}", f"{r.combine_us:.1f}",
+                      f"{r.dispatch_worker_us:.1f}", gain)  # fmt: skip
+    return table
+
+
+def _plot(results: list[SimResult], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    keys = sorted({(r.ranks, r.protocol, r.policy) for r in results})
+    for ranks, proto, policy in keys:
+        rs = [r for r in results if (r.ranks, r.protocol, r.policy) == (ranks, proto, policy)]
+        label = f"{proto}{'' if policy in (proto, 'ubep') else '/' + policy} EP{ranks}"
+        ax.plot([r.tokens_per_rank for r in rs], [r.dispatch_us for r in rs], marker="o", label=label)
+    ax.set_xlabel("tokens per rank")
+    ax.set_ylabel("dispatch latency (us, simulated)")
+    ax.set_xscale("log", base=2)
+    ax.set_title(f"{results[0].topology}: simulated dispatch")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def run(args) -> int:
+    """Simulate every (ranks, tokens, protocol, policy) combination; print, then save."""
+    from rich.console import Console
+
+    configs = _configs(args)
+    results = [r for cfg in configs for r in _runs(cfg, args.protocol, args.policy)]
+    console = Console()
+    for ranks in args.ranks:
+        console.print(_table(ranks, [r for r in results if r.ranks == ranks]))
+    if args.json:
+        cfg = configs[0]
+        config = {
+            "topology": cfg.topology.name, "model": args.model, "hidden": cfg.hidden, "experts": cfg.experts,
+            "topk": cfg.topk, "dispatch_dtype": cfg.dispatch_dtype, "routing": cfg.routing,
+            "hot_experts": cfg.hot_experts, "hot_share": cfg.hot_share, "workers": cfg.num_workers,
+            "seed": cfg.seed, "params": {f: getattr(cfg.params, f) for f in cfg.params.__slots__},
+        }  # fmt: skip
+        with open(args.json, "w") as f:
+            json.dump({"config": config, "results": [r.as_dict() for r in results]}, f, indent=1)
+    if args.plot:
+        _plot(results, args.plot)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Stand-alone entry (`python -m ubep.sim.cli ...`) until the main CLI wires `add_parser`."""
+    parser = argparse.ArgumentParser(prog="ubep")
+    add_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["simulate", *(sys.argv[1:] if argv is None else argv)])
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

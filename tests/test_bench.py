@@ -1,0 +1,58 @@
+"""`ubep bench` end to end at a tiny shape: every system verified and timed, JSON and plot written."""
+
+from __future__ import annotations
+
+import json
+
+from ubep.bench import mpi_system
+from ubep.bench.timing import Stats
+from ubep.cli import main
+
+
+def test_bench_small_sweep_writes_json_and_plot(tmp_path):
+    out, png = tmp_path / "bench.json", tmp_path / "bench.png"
+    code = main(
+        [
+            "bench",
+            "--ranks",
+            "2",
+            "--tokens",
+            "4,16",
+            "--hidden",
+            "256",
+            "--experts",
+            "8",
+            "--topk",
+            "2",
+            "--iters",
+            "3",
+            "--warmup",
+            "1",
+            "--routing",
+            "zipf",
+            "--json",
+            str(out),
+            "--plot",
+            str(png),
+        ]
+    )
+    assert code == 0
+    data = json.loads(out.read_text())
+    systems = {r["system"] for r in data["results"]}
+    expected = {"ubep", "bsp-shm", "bsp-gloo", "memcpy-floor"} | (
+        {"mpi"} if mpi_system.available()[0] else set()
+    )
+    assert systems == expected
+    assert sorted({r["tokens_per_rank"] for r in data["results"]}) == [4, 16]
+    for row in data["results"]:
+        assert row["dispatch_us"] > 0 and row["combine_p99_us"] >= row["combine_us"]
+        if row["system"] == "ubep":
+            assert row["vs_ubep"] == 1.0
+    assert data["config"]["ranks"] == 2 and png.stat().st_size > 0
+
+
+def test_stats_take_the_slowest_rank_from_the_common_start():
+    starts = [10.0, 20.0, 30.0]
+    finishes = [[10.001, 20.004, 30.002], [10.003, 20.001, 30.002]]  # rank 0, rank 1
+    stats = Stats.of(starts, finishes)
+    assert round(stats.median_us) == 3000 and round(stats.p99_us) == 4000
