@@ -31,6 +31,9 @@ from ubep.protocols.ubep_shm import UbepShm, ubep_layout
 from ubep.results import CombineResult, DispatchHandle, DispatchResult, LayoutResult
 
 VERSION = "0.1.0"
+# Construction waits at least this long: ranks reach it at different times (imports,
+# model loading), which says nothing about a stalled exchange.
+CONSTRUCTION_MIN_TIMEOUT_S = 10.0
 PROTOCOLS = ("ubep", "bsp")
 
 
@@ -46,7 +49,8 @@ class Buffer:
         transport: "auto" (shared memory within a host, torch.distributed across
             hosts), "shm" or "dist". `explain()` says what was chosen and why.
         protocol: "ubep" (asynchronous, data as flag) or "bsp" (the barrier baseline).
-        timeout_s: deadline of every wait on a peer, construction's collectives included.
+        timeout_s: deadline of every wait on a peer; construction's collectives wait
+            max(timeout_s, CONSTRUCTION_MIN_TIMEOUT_S).
         max_topk: the largest K a call may use (sizes the routing buffers).
         expert_placement: optional list of E owner ranks (default: contiguous blocks).
         faults: a `ubep.faults.FaultPlan` to inject a fault (tests only; default none).
@@ -75,7 +79,8 @@ class Buffer:
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         self.timeout_s = float(timeout_s)
-        with collective_deadline(_resolve(group), self.timeout_s, "Buffer construction (joining the group)"):
+        construct_s = max(self.timeout_s, CONSTRUCTION_MIN_TIMEOUT_S)
+        with collective_deadline(_resolve(group), construct_s, "Buffer construction (joining the group)"):
             self._info: GroupInfo = join_group(group)
         self._faults = FaultPoints(faults, self._info.rank)
         R = self._info.world_size
@@ -93,7 +98,7 @@ class Buffer:
         )
         self.protocol = protocol
         self.transport, self._transport_reason = choose_transport(transport, self._info)
-        with collective_deadline(self._info.group, self.timeout_s, "Buffer construction"):
+        with collective_deadline(self._info.group, construct_s, "Buffer construction"):
             self._handshake(transport)
             self._exchange: Exchange | None = self._build_exchange()
         self._calls = CallCounter()
