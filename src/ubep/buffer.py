@@ -17,7 +17,9 @@ import torch
 import torch.distributed as dist
 
 from ubep import fp8, validate
+from ubep.deadlines import collective_deadline
 from ubep.errors import ConfigMismatchError
+from ubep.faults import FaultPlan, FaultPoints
 from ubep.group import GroupInfo, choose_transport, join_group
 from ubep.layout import ExpertPlacement, dispatch_layout, expert_counts
 from ubep.overlap import EventOverlap
@@ -41,6 +43,9 @@ from ubep.results import (
 )
 
 VERSION = "0.1.0"
+# Construction waits at least this long: ranks reach it at different times (imports,
+# model loading), which says nothing about a stalled exchange.
+CONSTRUCTION_MIN_TIMEOUT_S = 10.0
 PROTOCOLS = ("ubep", "bsp")
 
 
@@ -56,11 +61,13 @@ class Buffer:
         transport: "auto" (shared memory within a host, torch.distributed across
             hosts), "shm" or "dist". `explain()` says what was chosen and why.
         protocol: "ubep" (asynchronous, data as flag) or "bsp" (the barrier baseline).
-        timeout_s: deadline of every wait on a peer.
+        timeout_s: deadline of every wait on a peer; construction's collectives wait
+            max(timeout_s, CONSTRUCTION_MIN_TIMEOUT_S).
         max_topk: the largest K a call may use (sizes the routing buffers).
         expert_placement: optional list of E owner ranks (default: contiguous blocks).
         low_latency: reserve the low-latency slots (shared-memory pages are only
             touched when used); False saves address space for normal-mode-only use.
+        faults: a `ubep.faults.FaultPlan` to inject a fault (tests only; default none).
     """
 
     def __init__(
@@ -76,6 +83,7 @@ class Buffer:
         max_topk: int = 16,
         expert_placement: list[int] | torch.Tensor | None = None,
         low_latency: bool = True,
+        faults: FaultPlan | None = None,
     ):
         validate.positive("hidden", hidden)
         validate.positive("num_experts", num_experts)
@@ -85,7 +93,11 @@ class Buffer:
             raise ValueError(f"protocol must be one of {PROTOCOLS}, got {protocol!r}")
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
-        self._info: GroupInfo = join_group(group)
+        self.timeout_s = float(timeout_s)
+        construct_s = max(self.timeout_s, CONSTRUCTION_MIN_TIMEOUT_S)
+        with collective_deadline(_resolve(group), construct_s, "Buffer construction (joining the group)"):
+            self._info: GroupInfo = join_group(group)
+        self._faults = FaultPoints(faults, self._info.rank)
         R = self._info.world_size
         placement = (
             ExpertPlacement.contiguous(num_experts, R)
@@ -100,13 +112,13 @@ class Buffer:
             hidden=hidden, capacity=max_tokens_per_rank, max_topk=max_topk, placement=placement
         )
         self.protocol = protocol
-        self.timeout_s = float(timeout_s)
         self.low_latency = bool(low_latency)
         self.transport, self._transport_reason = choose_transport(transport, self._info)
-        self._handshake(transport)
+        with collective_deadline(self._info.group, construct_s, "Buffer construction"):
+            self._handshake(transport)
+            self._exchange: Exchange | None = self._build_exchange()
+            self._ll: LowLatencyExchange | None = self._build_ll_exchange()
         self._calls = CallCounter()
-        self._exchange: Exchange | None = self._build_exchange()
-        self._ll: LowLatencyExchange | None = self._build_ll_exchange()
 
     # -- construction -----------------------------------------------------------------------------
 
@@ -127,25 +139,30 @@ class Buffer:
         }
         everyone: list[dict] = [{}] * self._info.world_size
         dist.all_gather_object(everyone, mine, group=self._info.group)
+        disagreements = []
         for field in mine:
-            values = [cfg[field] for cfg in everyone]
+            values = [cfg.get(field) for cfg in everyone]
             if any(v != values[0] for v in values):
                 groups: dict[str, list[int]] = {}
                 for rank, value in enumerate(values):
                     groups.setdefault(repr(value)[:60], []).append(rank)
-                detail = "; ".join(f"ranks {ranks}: {value}" for value, ranks in groups.items())
-                raise ConfigMismatchError(f"Buffer: ranks disagree on {field} ({detail})")
+                detail = "; ".join(f"rank(s) {_listed(ranks)}: {value}" for value, ranks in groups.items())
+                disagreements.append(f"{field} ({detail})")
+        if disagreements:
+            raise ConfigMismatchError(
+                f"Buffer on rank {self._info.rank}: ranks disagree on " + ", and on ".join(disagreements)
+            )
 
     def _build_exchange(self) -> Exchange:
         info, sizing = self._info, self.sizing
         if self.transport == "local":
             return LocalExchange(sizing)
         if self.transport == "dist":
-            return BspDist(info.group, info.rank, sizing)
+            return BspDist(info.group, info.rank, sizing, self.timeout_s, self._faults)
         layout = ubep_layout(sizing) if self.protocol == "ubep" else bsp_layout(sizing)
         if self.low_latency:
             add_ll_regions(layout, sizing)
-        peers = ShmPeers(layout, info.group, info.rank, sizing, self.timeout_s)
+        peers = ShmPeers(layout, info.group, info.rank, sizing, self.timeout_s, self._faults)
         return UbepShm(peers) if self.protocol == "ubep" else BspShm(peers)
 
     def _build_ll_exchange(self) -> LowLatencyExchange | None:
@@ -239,7 +256,9 @@ class Buffer:
         with self._aborting(call):
             plan = self._send_plan(x, handle, num_tokens_per_rank, is_token_in_rank, topk_idx, topk_weights)
             validate.positive("expert_alignment", expert_alignment)
-        got = self._live().dispatch(call, plan, handle)
+            self._faults.at("dispatch.start", call)
+            got = self._live().dispatch(call, plan, handle)
+        self._faults.at("dispatch.end", call)
         recv_x = fp8.from_rows(got.recv_x_MH, self.sizing.hidden) if fp8.is_pair(x) else got.recv_x_MH
         if handle is None:
             counts = expert_counts(
@@ -313,7 +332,8 @@ class Buffer:
             )
             if topk_weights is not None:
                 topk_weights = validate.topk_weights(topk_weights, (M, _cols(topk_weights)))
-        combined, weights = self._live().combine(call, x, handle, topk_weights)
+            self._faults.at("combine.start", call)
+            combined, weights = self._live().combine(call, x, handle, topk_weights)
         return CombineResult(combined, weights, EventOverlap())
 
     # -- low-latency mode -------------------------------------------------------------------------
@@ -417,7 +437,8 @@ class Buffer:
 
     @contextmanager
     def _aborting(self, call: CallId) -> Iterator[None]:
-        """Around input checks: on failure, tell the peers this call is off, then re-raise."""
+        """Around a call: on any failure (bad input, a failed wait), tell the peers
+        this call is off, so they fail at once instead of at their deadline; re-raise."""
         try:
             yield
         except BaseException:
@@ -442,6 +463,17 @@ class Buffer:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _resolve(group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
+    """The group construction will use, where it exists already (for its deadline)."""
+    if group is not None or not dist.is_initialized():
+        return group
+    return dist.group.WORLD
+
+
+def _listed(ranks: list[int]) -> str:
+    return ", ".join(str(r) for r in ranks)
 
 
 def _rows(t) -> int:

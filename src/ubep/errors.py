@@ -18,19 +18,22 @@ class CommTimeoutError(UbepError, TimeoutError):
     which is detected before the deadline where the peer runs on this host.
     """
 
-    def __init__(self, phase: str, peers: list[int], timeout_s: float, dead_peers: list[int]):
+    def __init__(
+        self, phase: str, peers: list[int], timeout_s: float, dead_peers: list[int], detail: str = ""
+    ):
         self.phase = phase
         self.peers = list(peers)
         self.timeout_s = timeout_s
         self.dead_peers = list(dead_peers)
         if dead_peers:
-            why = f"rank(s) {_ranks(dead_peers)} died (process exited)"
+            ranks = _ranks(dead_peers)
+            why = f"rank(s) {ranks} died (process exited; seen before the {timeout_s:g} s deadline)"
             alive = [p for p in peers if p not in dead_peers]
             if alive:
                 why += f"; no signal from rank(s) {_ranks(alive)} either"
-            super().__init__(f"{phase}: {why}")
         else:
-            super().__init__(f"{phase}: no signal from rank(s) {_ranks(peers)} after {timeout_s:g} s")
+            why = f"no signal from rank(s) {_ranks(peers)} after {timeout_s:g} s"
+        super().__init__(f"{phase}: {why}" + (f" ({detail})" if detail else ""))
 
 
 class ConfigMismatchError(UbepError):

@@ -25,6 +25,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from ubep.waiting import AbortNotice, PeerAbortedError
+
 SHM_DIR = "/dev/shm"
 NAME_PREFIX = "ubep-"
 ALIGN = 64  # bytes; regions start on cache-line boundaries
@@ -89,7 +91,7 @@ def sweep_stale_segments(pids: set[int] | None = None) -> list[str]:
 
 
 def _create(name: str, nbytes: int) -> mmap.mmap:
-    fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     try:
         os.ftruncate(fd, max(nbytes, 1))
         return mmap.mmap(fd, max(nbytes, 1), mmap.MAP_SHARED)
@@ -98,7 +100,7 @@ def _create(name: str, nbytes: int) -> mmap.mmap:
 
 
 def _attach(name: str, nbytes: int) -> mmap.mmap:
-    fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR)
+    fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR | os.O_NOFOLLOW)
     try:
         info = os.fstat(fd)
         if info.st_uid != os.getuid() or stat.S_IMODE(info.st_mode) & 0o077:
@@ -108,6 +110,15 @@ def _attach(name: str, nbytes: int) -> mmap.mmap:
         return mmap.mmap(fd, max(nbytes, 1), mmap.MAP_SHARED)
     finally:
         os.close(fd)
+
+
+def _attach_peer(rank: int, name: str, nbytes: int) -> mmap.mmap:
+    """Map peer `rank`'s segment; if its name is gone, that peer gave up during construction."""
+    try:
+        return _attach(name, nbytes)
+    except FileNotFoundError:
+        notice = AbortNotice("its shared segment was gone before this rank mapped it; see that rank's error")
+        raise PeerAbortedError("Buffer construction (mapping segments)", rank, notice) from None
 
 
 class SymmetricHeap:
@@ -125,12 +136,13 @@ class SymmetricHeap:
             self._own_map = _create(own, layout.nbytes)
             dist.all_gather_object(names, own, group=group)
             self._maps = [
-                self._own_map if r == rank else _attach(n, layout.nbytes) for r, n in enumerate(names)
+                self._own_map if r == rank else _attach_peer(r, n, layout.nbytes) for r, n in enumerate(names)
             ]
             dist.barrier(group=group)  # everyone mapped everything: names can go
         except BaseException:
             self._unlink(own)
             self.close()
+            sweep_stale_segments()  # a peer that died here leaves its name behind
             raise
         self._unlink(own)
         self.names = names  # every rank's segment name (unlinked by now; unique and unguessable)

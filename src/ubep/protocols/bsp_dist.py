@@ -5,6 +5,11 @@ Dispatch: count all-to-all -> permute (tokens sorted by destination) ->
 all-to-all backwards and reduces. This is the path for traffic that leaves a
 host (gloo on CPU, NCCL on GPU) and the textbook baseline. Payloads travel as
 bytes so every dtype works on every backend.
+
+Every collective runs under the Buffer's deadline (`ubep.deadlines`). A rank
+that rejects its dispatch input still joins the count exchange, with counts of
+-1 (`ABORT_COUNT`), so its peers fail at once and the group stays in step; a
+rank that rejects its combine input cannot warn them: they time out.
 """
 
 from __future__ import annotations
@@ -14,9 +19,15 @@ import math
 import torch
 import torch.distributed as dist
 
+from ubep.deadlines import PeerPids, collective_deadline
+from ubep.errors import PeerDataError
+from ubep.faults import NO_FAULTS, FaultPoints
 from ubep.layout import destination_major, localize_for_destinations, prefix_offsets
 from ubep.protocols.base import CallId, Received, SendPlan, Sizing
 from ubep.results import DispatchHandle
+from ubep.waiting import AbortNotice, PeerAbortedError
+
+ABORT_COUNT = -1  # a count no real dispatch sends: "this rank gave up on the call"
 
 
 def _as_bytes(t_nX: torch.Tensor) -> torch.Tensor:
@@ -30,26 +41,59 @@ class BspDist:
 
     name = "bsp"
 
-    def __init__(self, group: dist.ProcessGroup, rank: int, sizing: Sizing):
+    def __init__(
+        self,
+        group: dist.ProcessGroup,
+        rank: int,
+        sizing: Sizing,
+        timeout_s: float = 30.0,
+        faults: FaultPoints = NO_FAULTS,
+    ):
         self.group = group
         self.me = rank
         self.R = sizing.num_ranks
         self.sizing = sizing
+        self.timeout_s = timeout_s
+        self.faults = faults
+        with collective_deadline(group, timeout_s, "Buffer construction (pid exchange)"):
+            self._pids = PeerPids.gather(group, rank, self.R)
+        self._entered_seq = 0  # the last call whose collectives this rank has started
+
+    def _deadline(self, phase: str):
+        return collective_deadline(self.group, self.timeout_s, phase, self._pids)
 
     def _all_to_all(
-        self, send_nX: torch.Tensor, send_counts: list[int], recv_counts: list[int]
+        self, phase: str, send_nX: torch.Tensor, send_counts: list[int], recv_counts: list[int]
     ) -> torch.Tensor:
         recv = send_nX.new_empty((sum(recv_counts), *send_nX.shape[1:]))
-        dist.all_to_all_single(recv, send_nX, recv_counts, send_counts, group=self.group)
+        with self._deadline(phase):
+            dist.all_to_all_single(recv, send_nX, recv_counts, send_counts, group=self.group)
         return recv
 
-    def dispatch(self, call: CallId, plan: SendPlan, handle: DispatchHandle | None) -> Received:
-        send_counts_R = plan.send_counts_R.to(torch.int64)
+    def _exchange_counts(self, call: CallId, send_counts_R: torch.Tensor) -> torch.Tensor:
+        """int64 [R]: rows each source will send here, checked before any buffer is sized by them."""
+        self._entered_seq = call.seq
         recv_counts_R = torch.empty_like(send_counts_R)
-        dist.all_to_all_single(recv_counts_R, send_counts_R, group=self.group)  # count exchange
+        with self._deadline("dispatch (count exchange)"):
+            dist.all_to_all_single(recv_counts_R, send_counts_R, group=self.group)
+        for src, count in enumerate(recv_counts_R.tolist()):
+            if count == ABORT_COUNT:
+                notice = AbortNotice("it rejected its input or failed; see that rank's error")
+                raise PeerAbortedError("dispatch (count exchange)", src, notice)
+            if not 0 <= count <= self.sizing.capacity:
+                raise PeerDataError(
+                    f"dispatch: rank {src} announced {count} tokens, capacity is {self.sizing.capacity}"
+                )
+        return recv_counts_R
+
+    def dispatch(self, call: CallId, plan: SendPlan, handle: DispatchHandle | None) -> Received:
+        counts = self.faults.count("dispatch.count", call, plan.send_counts_R.to(torch.int64))
+        send_counts_R = torch.as_tensor(counts, dtype=torch.int64).expand(self.R).contiguous()
+        recv_counts_R = self._exchange_counts(call, send_counts_R)
         send, recv = send_counts_R.tolist(), recv_counts_R.tolist()
         dest_R, tokens = destination_major(plan.is_token_in_rank_NR)
-        x_bytes = self._all_to_all(_as_bytes(plan.x_NH[tokens]), send, recv)
+        x_bytes = self._all_to_all("dispatch (tokens)", _as_bytes(plan.x_NH[tokens]), send, recv)
+        self.faults.at("dispatch.sent", call)
         recv_x = x_bytes.view(plan.x_NH.dtype).view(-1, plan.x_NH.shape[1])
         meta = [tokens.unsqueeze(1)]
         if plan.topk_idx_NK is not None:
@@ -57,7 +101,7 @@ class BspDist:
                 plan.topk_idx_NK[tokens], plan.topk_weights_NK[tokens], dest_R, self.sizing.placement
             )
             meta += [local, w.view(torch.int32).to(torch.int64)]
-        meta_recv = self._all_to_all(torch.cat(meta, dim=1), send, recv)
+        meta_recv = self._all_to_all("dispatch (routing)", torch.cat(meta, dim=1), send, recv)
         recv_idx = recv_w = None
         if plan.topk_idx_NK is not None:
             K = plan.topk_idx_NK.shape[1]
@@ -68,19 +112,33 @@ class BspDist:
     def combine(self, call: CallId, x_MH, handle: DispatchHandle, topk_weights_MK):
         recv = handle.recv_counts().tolist()
         send = handle.send_counts_R.tolist()
-        back = self._all_to_all(_as_bytes(x_MH), recv, send).view(x_MH.dtype).view(-1, x_MH.shape[1])
+        self._entered_seq = call.seq
+        back = self._all_to_all("combine (tokens)", _as_bytes(x_MH), recv, send)
+        back = back.view(x_MH.dtype).view(-1, x_MH.shape[1])
         _, tokens = destination_major(handle.is_token_in_rank_NR)
         out_NH = torch.zeros(handle.num_tokens, x_MH.shape[1], dtype=torch.float32)
         out_NH.index_add_(0, tokens, back.float())  # rows arrive rank-ascending: sums stay in order
         out_w = None
         if topk_weights_MK is not None:
-            w_back = self._all_to_all(topk_weights_MK.contiguous(), recv, send)
+            w_back = self._all_to_all("combine (weights)", topk_weights_MK.contiguous(), recv, send)
             out_w = torch.zeros(handle.num_tokens, topk_weights_MK.shape[1], dtype=torch.float32)
             out_w.index_add_(0, tokens, w_back)
         return out_NH.to(x_MH.dtype), out_w
 
     def abort(self, call: CallId) -> None:
-        """Collectives cannot be told; peers time out through the process group."""
+        """Before a dispatch's first collective: join the count exchange with ABORT_COUNT.
+
+        Later, or in combine, peers cannot be told and time out at the deadline.
+        """
+        if call.kind != "dispatch" or self._entered_seq == call.seq:
+            return
+        self._entered_seq = call.seq
+        poison_R = torch.full((self.R,), ABORT_COUNT, dtype=torch.int64)
+        try:
+            with self._deadline("dispatch (abort notice)"):
+                dist.all_to_all_single(torch.empty_like(poison_R), poison_R, group=self.group)
+        except Exception:
+            pass  # the caller is already raising the reason this rank gave up
 
     def close(self) -> None:
         pass

@@ -52,9 +52,11 @@ class BspShm:
 
     def dispatch(self, call: CallId, plan: SendPlan, handle: DispatchHandle | None) -> Received:
         heap, peers = self.peers.heap, self.peers
-        heap.words(self.me, "counts")[:] = plan.send_counts_R.numpy()
+        counts_R = peers.faults.count("dispatch.count", call, plan.send_counts_R.numpy())
+        heap.words(self.me, "counts")[:] = counts_R
         peers.barrier("dispatch (count exchange)", call)
         self._send_tokens(call, plan)
+        peers.faults.at("dispatch.sent", call)
         peers.barrier("dispatch (token send)", call)
         counts_RR = self._verify_and_count(call)
         prefix_R1 = prefix_offsets(counts_RR[:, self.me])
@@ -89,15 +91,12 @@ class BspShm:
         if missing:
             raise PeerDataError(f"dispatch (flag verification): no tokens from rank(s) {missing}")
         counts_RR = torch.stack([torch.from_numpy(heap.words(s, "counts").copy()) for s in range(self.R)])
-        bad = (
-            torch.nonzero(((counts_RR < 0) | (counts_RR > self.sizing.capacity)).any(dim=1))
-            .flatten()
-            .tolist()
-        )
-        if bad:
-            raise PeerDataError(
-                f"dispatch: rank(s) {bad} announced counts beyond capacity {self.sizing.capacity}"
-            )
+        bad_RR = (counts_RR < 0) | (counts_RR > self.sizing.capacity)
+        if bad_RR.any():
+            src, dst = (int(i) for i in torch.nonzero(bad_RR)[0])
+            count, capacity = int(counts_RR[src, dst]), self.sizing.capacity
+            message = f"dispatch: rank {src} announced {count} tokens, capacity is {capacity}"
+            raise self.peers.bad_data(call, src, message)
         return counts_RR
 
     def _reorder(self, plan: SendPlan, prefix_R1, home_offset_R, cached: bool) -> Received:
@@ -115,7 +114,17 @@ class BspShm:
             if not cached:
                 recv_idx[a:b] = heap.tensor(self.me, "d.topk")[src][: (b - a) * K].view(-1, K)
                 recv_w[a:b] = heap.tensor(self.me, "d.w")[src][: (b - a) * K].view(-1, K)
+        self._check_received(src_token, recv_idx)
         return Received(recv_x, recv_idx, recv_w, src_token, prefix_R1, home_offset_R)
+
+    def _check_received(self, src_token_M: torch.Tensor, recv_idx_MK: torch.Tensor | None) -> None:
+        """Token indices and local expert ids written by peers must be in range before use."""
+        T, L = self.sizing.capacity, self.sizing.placement.num_local_experts
+        if src_token_M.numel() and (src_token_M.min() < 0 or src_token_M.max() >= T):
+            raise PeerDataError(f"dispatch: a peer sent source token indices outside [0, {T})")
+        if recv_idx_MK is not None and recv_idx_MK.numel():
+            if recv_idx_MK.min() < -1 or recv_idx_MK.max() >= L:
+                raise PeerDataError(f"dispatch: a peer sent local expert ids outside [-1, {L})")
 
     def combine(self, call: CallId, x_MH, handle: DispatchHandle, topk_weights_MK):
         prefix, home_offset = handle.recv_prefix_R1.tolist(), handle.recv_home_offset_R.tolist()
@@ -126,6 +135,8 @@ class BspShm:
             a, b = prefix[home], prefix[home + 1]
             w = None if K is None else topk_weights_MK[a:b]
             put_back(self.peers.heap, "c", home, home_offset[home], x_MH[a:b], w)
+            if i == 1:
+                self.peers.faults.at("combine.mid", call)
         self.peers.barrier("combine (token send)", call)
         return reduce_back(self.peers.heap, self.me, "c", x_MH.dtype, x_MH.shape[1], handle, K)
 

@@ -82,6 +82,7 @@ class UbepShm:
 
     def dispatch(self, call: CallId, plan: SendPlan, handle: DispatchHandle | None) -> Received:
         self._publish(call, plan)
+        self.peers.faults.at("dispatch.sent", call)
         if handle is None:
             routing = self._gather_routing(call, plan)
         else:
@@ -101,7 +102,7 @@ class UbepShm:
             heap.tensor(self.me, f"d{p}.topk")[: N * K].copy_(plan.topk_idx_NK.flatten())
             heap.tensor(self.me, f"d{p}.w")[: N * K].copy_(plan.topk_weights_NK.flatten())
             hdr[TOPK] = K
-        hdr[NUM_TOKENS] = N
+        hdr[NUM_TOKENS] = self.peers.faults.count("dispatch.count", call, N)
         hdr[DTYPE] = DTYPE_CODES[plan.x_NH.dtype]
         hdr[META] = call.epoch  # routing and counts are visible from here on
         rows_view(heap.tensor(self.me, f"d{p}.x"), N, H, plan.x_NH.dtype).copy_(plan.x_NH)
@@ -113,11 +114,12 @@ class UbepShm:
         hdr = self.peers.heap.words(src, f"d{call.parity}.hdr")
         n, k, code = int(hdr[NUM_TOKENS]), int(hdr[TOPK]), int(hdr[DTYPE])
         if not 0 <= n <= self.sizing.capacity:
-            raise PeerDataError(
-                f"dispatch: rank {src} announced {n} tokens, capacity is {self.sizing.capacity}"
+            raise self.peers.bad_data(
+                call, src, f"dispatch: rank {src} announced {n} tokens, capacity is {self.sizing.capacity}"
             )
         if CODE_DTYPES.get(code) != x_NH.dtype:
-            raise PeerDataError(f"dispatch: rank {src} sent {CODE_DTYPES.get(code)}, this rank {x_NH.dtype}")
+            message = f"dispatch: rank {src} sent {CODE_DTYPES.get(code)}, this rank {x_NH.dtype}"
+            raise self.peers.bad_data(call, src, message)
         return n, k
 
     def _gather_routing(self, call: CallId, plan: SendPlan):
@@ -165,7 +167,8 @@ class UbepShm:
                 n, _ = self._source_header(call, src, x_NH)
                 rows = src_token_M[a:b]
                 if rows[-1] >= n:  # rows ascend: the last is the largest
-                    raise PeerDataError(f"dispatch: rank {src} sent {n} tokens, fewer than routed here")
+                    message = f"dispatch: rank {src} sent {n} tokens, fewer than routed here"
+                    raise self.peers.bad_data(call, src, message)
                 source_NH = rows_view(heap.tensor(src, f"d{p}.x"), n, H, x_NH.dtype)
                 torch.index_select(source_NH, 0, rows, out=recv_x_MH[a:b])
             pending = [s for s in pending if s not in landed]
@@ -191,6 +194,8 @@ class UbepShm:
             slot[SLOT_COUNT] = b - a
             slot[SLOT_FLAG] = call.epoch  # this block is visible from here on
             self.peers.ring(home)
+            if i == 1:
+                self.peers.faults.at("combine.mid", call)
         return self._reduce(call, x_MH.dtype, H, handle, K)
 
     def _reduce(self, call: CallId, dtype: torch.dtype, H: int, handle: DispatchHandle, K: int | None):
