@@ -33,7 +33,7 @@ from ubep.protocols.ll_base import (
     reduce_returned,
     returned_rows,
 )
-from ubep.waiting import PeerAbortedError
+from ubep.waiting import AbortNotice, PeerAbortedError
 
 H_STATUS, H_DTYPE, H_WIDTH, H_T, H_COUNTS = 0, 1, 2, 3, 4
 OK, REJECTED = 1, 2
@@ -82,9 +82,8 @@ class LLDist:
         """Every rank sees every header, so every rank reaches the same verdict."""
         rejected = torch.nonzero(recv_RW[:, H_STATUS] != OK).flatten().tolist()
         if rejected:
-            raise PeerAbortedError(
-                f"low-latency dispatch: rank(s) {rejected} rejected their input; see their error"
-            )
+            notice = AbortNotice(f"rank(s) {rejected} rejected their input; see their error")
+            raise PeerAbortedError("low-latency dispatch", rejected[0], notice)
         if not torch.equal(recv_RW[:, :H_COUNTS], fixed.expand(self.R, -1)):
             raise PeerDataError(
                 "low-latency dispatch: ranks disagree on T, dtype or use_fp8 "

@@ -48,7 +48,7 @@ from ubep.protocols.ll_base import (
     slot_positions,
 )
 from ubep.shm import SegmentLayout
-from ubep.waiting import PeerAbortedError
+from ubep.waiting import AbortNotice, PeerAbortedError
 
 # Dispatch header words (one row per source rank, in the receiver's segment).
 D_FLAG, D_DTYPE, D_T, D_WIDTH, D_COUNTS = 0, 1, 2, 3, 4
@@ -119,7 +119,8 @@ class LLShm:
             pending = [r for r in pending if not ready(r)]
             gone = [r for r in pending if rejected[r][kind] >= call.epoch]
             if gone:
-                raise PeerAbortedError(f"{phase}: rank(s) {gone} rejected their input for this call")
+                notice = AbortNotice("it rejected its input for this call; see that rank's error")
+                raise PeerAbortedError(phase, gone[0], notice)
             if pending:
                 waiter.pause(pending)
 
