@@ -24,6 +24,7 @@ from ubep.overlap import EventOverlap
 from ubep.protocols.base import CallCounter, CallId, Exchange, SendPlan, ShmPeers, Sizing
 from ubep.protocols.bsp_dist import BspDist
 from ubep.protocols.bsp_shm import BspShm, bsp_layout
+from ubep.protocols.hier import HierExchange
 from ubep.protocols.local import LocalExchange
 from ubep.protocols.ubep_shm import UbepShm, ubep_layout
 from ubep.results import CombineResult, DispatchHandle, DispatchResult, LayoutResult
@@ -41,8 +42,10 @@ class Buffer:
         hidden: H, the hidden size of every token.
         num_experts: E, experts in the group; E % R == 0.
         max_tokens_per_rank: T, the most tokens any rank passes to one call.
-        transport: "auto" (shared memory within a host, torch.distributed across
-            hosts), "shm" or "dist". `explain()` says what was chosen and why.
+        transport: "auto" (shared memory within a host; across hosts "hier":
+            shared memory within each, torch.distributed between them, each token
+            crossing to a node once), "shm", "hier" or "dist" (flat collectives).
+            `explain()` says what was chosen and why.
         protocol: "ubep" (asynchronous, data as flag) or "bsp" (the barrier baseline).
         timeout_s: deadline of every wait on a peer.
         max_topk: the largest K a call may use (sizes the routing buffers).
@@ -124,6 +127,8 @@ class Buffer:
             return LocalExchange(sizing)
         if self.transport == "dist":
             return BspDist(info.group, info.rank, sizing)
+        if self.transport == "hier":
+            return HierExchange(info, sizing, self.timeout_s)
         layout = ubep_layout(sizing) if self.protocol == "ubep" else bsp_layout(sizing)
         peers = ShmPeers(layout, info.group, info.rank, sizing, self.timeout_s)
         return UbepShm(peers) if self.protocol == "ubep" else BspShm(peers)
@@ -138,6 +143,8 @@ class Buffer:
     def _exchange_name(self) -> str:
         if self.transport == "dist" and self.protocol == "ubep":
             return "bsp (collectives are bulk-synchronous; ubep's protocol needs the shared heap)"
+        if self.transport == "hier":
+            return "hier (rail all-to-all across nodes, pull/put on shared memory within a node)"
         return self.protocol if self.transport != "local" else "local"
 
     @property
@@ -222,6 +229,7 @@ class Buffer:
                 recv_prefix_R1=got.recv_prefix_R1,
                 num_recv_tokens_per_expert_list=counts,
                 recv_home_offset_R=got.recv_home_offset_R,
+                route=got.route,
             )
         return DispatchResult(
             got.recv_x_MH,

@@ -1,0 +1,476 @@
+"""Dispatch/combine across nodes with per-node deduplication (DeepEP's internode scheme).
+
+Ranks pair up across nodes in rails (`ubep.nodes`): traffic between two nodes
+runs only between the two ranks of one rail, over torch.distributed; inside a
+node it runs over a shared-memory heap, as in `ubep_shm`.
+
+Dispatch, on rank `me` (node n, local index l), call epoch e:
+  1. across: for each other node, the tokens that need any rank there cross
+     once, to me's rail peer on that node (one all-to-all over the rail group;
+     each row carries x, the source token index, global top-k ids and weights).
+  2. relay: me's *forward set* is its own tokens that need a rank of node n
+     plus the rows its rail peers sent, ordered by source rank then token.
+     It publishes the set in its shared segment and stamps META/DATA = e.
+  3. fan out: every rank of node n reads every forward set's routing, picks
+     the rows owned here, orders them by (source rank, token) as the contract
+     says (the source is the token's home, not the forwarder), and pulls them.
+Combine mirrors it: each expert rank puts its rows into their forwarder's
+combine buffer (destination-major, as in `ubep_shm`); the forwarder sums each
+forwarded row over its node in float32 and sends one float32 partial per
+(token, node) back along the rail; the home sums the partials of every node
+in float32, in rail order, and casts to x's dtype.
+
+Why float32 partials: the contract accumulates in float32; a partial rounded
+to bf16 before crossing would add a rounding step no flat exchange has. It
+costs 2x the bytes of a bf16 row on the way back (see `boundary_bytes`).
+
+Legend: see `ubep.layout` and `ubep.nodes` (G nodes, P ranks per node); also
+F rows in a forward set, S rows crossing, O own tokens kept in the node,
+Q (row, node rank) pairs in a combine buffer, C columns of a partial (H or H + K).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from datetime import timedelta
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from ubep.errors import CommTimeoutError, PeerDataError, UbepError
+from ubep.group import GroupInfo
+from ubep.layout import (
+    ExpertPlacement,
+    destination_major,
+    localize_topk,
+    prefix_offsets,
+    token_in_rank,
+)
+from ubep.nodes import NodeMap, tokens_per_slot
+from ubep.protocols.base import (
+    CODE_DTYPES,
+    DTYPE_CODES,
+    CallId,
+    Received,
+    SendPlan,
+    ShmPeers,
+    Sizing,
+    new_layout,
+)
+from ubep.protocols.rows import rows_view
+from ubep.results import DispatchHandle
+from ubep.shm import SegmentLayout
+
+# Forward-set header words.
+META, DATA, COUNT, DTYPE, TOPK, HDR_WORDS = 0, 1, 2, 3, 4, 8
+# Combine slot header words (one row per node rank writing into this segment).
+SLOT_FLAG, SLOT_DTYPE, SLOT_COUNT = 0, 1, 2
+
+
+@dataclass(frozen=True, slots=True)
+class HierRoute:
+    """One dispatch's relay tables, kept in the handle (`DispatchHandle.route`).
+
+    Home side (this rank's tokens), per rail slot g:
+      send_token_S:   tokens sent across, slot-major, ascending in each block (int64 [S])
+      send_counts_G:  rows sent to each slot (0 at this rank's own slot)
+      own_token_O:    own tokens that need a rank of this node (int64 [O])
+    Forwarder side (this rank's forward set, F rows):
+      fwd_counts_G:   rows from each slot (own tokens at the own slot)
+      fwd_in_node_FP: bool [F, P], the node ranks each forwarded row went to
+    Expert side (rows received, M):
+      recv_fwd_M:     node-local index of the forwarder each row came through
+      recv_fwd_row_M: that row's index in its forwarder's set
+      fwd_offset_P:   where this rank's rows start in each forwarder's combine buffer
+    """
+
+    send_token_S: torch.Tensor
+    send_counts_G: torch.Tensor
+    own_token_O: torch.Tensor
+    fwd_counts_G: torch.Tensor
+    fwd_in_node_FP: torch.Tensor
+    recv_fwd_M: torch.Tensor
+    recv_fwd_row_M: torch.Tensor
+    fwd_offset_P: torch.Tensor
+
+
+@dataclass(frozen=True, slots=True)
+class Forward:
+    """A forward set: rows this rank relays in its node, by source rank, then token."""
+
+    counts_G: torch.Tensor  # int64 [G]: rows from each rail slot
+    x_FH: torch.Tensor
+    ids_F2: torch.Tensor | None  # int64 (source rank, source token); None for a cached dispatch
+    topk_FK: torch.Tensor | None  # global expert ids
+    weights_FK: torch.Tensor | None
+
+
+class Routed(NamedTuple):
+    """What fan-out derives from every forward set's routing, for this rank."""
+
+    topk_MK: torch.Tensor  # local expert ids
+    weights_MK: torch.Tensor
+    src_rank_M: torch.Tensor
+    src_token_M: torch.Tensor
+    fwd_M: torch.Tensor
+    fwd_row_M: torch.Tensor
+    fwd_offset_P: torch.Tensor
+    fwd_in_node_FP: torch.Tensor  # this rank's own forward set
+
+
+def dispatch_row_bytes(hidden: int, itemsize: int, topk: int) -> int:
+    """Bytes of one crossing dispatch row: x, source token (int64), top-k ids (int64), weights (fp32)."""
+    return hidden * itemsize + 8 + topk * (8 + 4)
+
+
+def partial_row_bytes(hidden: int, topk: int) -> int:
+    """Bytes of one crossing combine partial: float32 [H], plus float32 [K] weights when combined."""
+    return 4 * (hidden + topk)
+
+
+def hier_layout(s: Sizing, num_nodes: int, per_node: int) -> SegmentLayout:
+    """Shared regions of one rank: its forward set and its combine buffer, double-buffered."""
+    layout = new_layout()
+    F, K = s.capacity * num_nodes, s.max_topk  # own tokens plus one block per other node
+    for p in (0, 1):
+        layout.add(f"f{p}.hdr", (HDR_WORDS,), torch.int64)
+        layout.add(f"f{p}.ids", (F, 2), torch.int64)
+        layout.add(f"f{p}.topk", (F * K,), torch.int64)
+        layout.add(f"f{p}.w", (F * K,), torch.float32)
+        layout.add(f"f{p}.x", (F * s.row_bytes,), torch.uint8)
+        layout.add(f"c{p}.hdr", (per_node, 4), torch.int64)
+        layout.add(f"c{p}.x", (F * per_node * s.row_bytes,), torch.uint8)
+        layout.add(f"c{p}.w", (F * per_node * K,), torch.float32)
+    return layout
+
+
+def subgroups(nodes: NodeMap, rank: int, timeout_s: float) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+    """(rail group, node group) of `rank`. Every rank creates every group, in the same order
+    (torch's rule for `new_group`); gloo, because the payloads are CPU tensors."""
+    timeout = timedelta(seconds=timeout_s)
+    rails = [nodes.rail(local) for local in range(nodes.ranks_per_node)]
+    members = rails + [nodes.node_ranks(n) for n in range(nodes.num_nodes)]
+    mine = []
+    for ranks in members:
+        group = dist.new_group(list(ranks), timeout=timeout, backend="gloo")
+        if rank in ranks:
+            mine.append(group)
+    return mine[0], mine[1]
+
+
+def as_bytes(t_nX: torch.Tensor) -> torch.Tensor:
+    """[n, X] of any dtype -> uint8 [n, X * itemsize]."""
+    row_bytes = math.prod(t_nX.shape[1:]) * t_nX.element_size()
+    return t_nX.contiguous().view(torch.uint8).view(t_nX.shape[0], row_bytes)
+
+
+def columns(rows_SB: torch.Tensor, widths: list[tuple[torch.dtype, int]]) -> list[torch.Tensor]:
+    """Split packed byte rows into typed column blocks: widths are (dtype, columns)."""
+    out, at = [], 0
+    for dtype, cols in widths:
+        nbytes = cols * dtype.itemsize
+        out.append(rows_SB[:, at : at + nbytes].contiguous().view(dtype).view(rows_SB.shape[0], cols))
+        at += nbytes
+    return out
+
+
+def splice(received_S: torch.Tensor, own_O: torch.Tensor, at: int) -> torch.Tensor:
+    """Insert the own block among the received ones, at row `at` (its rail slot)."""
+    return torch.cat([received_S[:at], own_O, received_S[at:]])
+
+
+class HierExchange:
+    """Hierarchical dispatch/combine for a group spanning several nodes of equal size."""
+
+    name = "hier"
+
+    def __init__(self, info: GroupInfo, sizing: Sizing, timeout_s: float):
+        nodes = NodeMap(info.node_of_rank)
+        ok, why = nodes.uniform()
+        if not ok:
+            raise ValueError(f"transport='hier': {why}")
+        self.sizing, self.me = sizing, info.rank
+        self.G, self.P = nodes.num_nodes, nodes.ranks_per_node
+        self.local = nodes.local_index(info.rank)
+        self.rail = nodes.rail(self.local)
+        self.slot = self.rail.index(info.rank)
+        self.slot_ranks_GP = nodes.slot_ranks(self.local)
+        self.node_ranks = list(nodes.node_ranks(info.node_of_rank[info.rank]))
+        self.groups = subgroups(nodes, info.rank, timeout_s)
+        self.timeout_s = timeout_s
+        # ShmPeers reads only the group size from its sizing: the node's P ranks.
+        node_sizing = replace(sizing, placement=ExpertPlacement.contiguous(self.P, self.P))
+        layout = hier_layout(sizing, self.G, self.P)
+        self.peers = ShmPeers(layout, self.groups[1], self.local, node_sizing, timeout_s)
+
+    def _phase(self, what: str) -> str:
+        return f"{what} (peers named by node-local index of ranks {self.node_ranks})"
+
+    # -- across nodes -----------------------------------------------------------------------------
+
+    def _rail_all_to_all(
+        self, phase: str, call: CallId, send_SX: torch.Tensor, send_G: torch.Tensor, recv_G: torch.Tensor
+    ) -> torch.Tensor:
+        """all_to_all_single over the rail group; a failure tells the node peers and names the rail."""
+        recv = send_SX.new_empty((int(recv_G.sum()), *send_SX.shape[1:]))
+        try:
+            dist.all_to_all_single(recv, send_SX, recv_G.tolist(), send_G.tolist(), group=self.groups[0])
+        except RuntimeError as err:
+            self.peers.abort(call)  # node peers waiting on this rank give up at once
+            others = [r for r in self.rail if r != self.me]
+            if "timed out" in str(err).lower() or "timeout" in str(err).lower():
+                raise CommTimeoutError(phase, others, self.timeout_s, []) from err
+            raise UbepError(f"{phase}: torch.distributed failed with rail peer(s) {others}: {err}") from err
+        return recv
+
+    def _cross_with_routing(self, call: CallId, plan: SendPlan) -> tuple[Forward, tuple]:
+        """Stage 1: send each other node, once, the tokens that need it; build the forward set."""
+        x, idx, w = plan.x_NH, plan.topk_idx_NK, plan.topk_weights_NK
+        in_slot_NG = tokens_per_slot(plan.is_token_in_rank_NR, self.slot_ranks_GP)
+        own_O = torch.nonzero(in_slot_NG[:, self.slot]).flatten()
+        in_slot_NG[:, self.slot] = False  # own tokens stay in the node
+        slot_S, token_S = destination_major(in_slot_NG)
+        send_G = torch.bincount(slot_S, minlength=self.G)
+        ones_G = torch.ones(self.G, dtype=torch.int64)
+        recv_G = self._rail_all_to_all("dispatch (counts across nodes)", call, send_G, ones_G, ones_G)
+        parts = (x[token_S], token_S[:, None], idx[token_S], w[token_S])
+        rows_SB = torch.cat([as_bytes(part) for part in parts], dim=1)
+        got = self._rail_all_to_all("dispatch (across nodes)", call, rows_SB, send_G, recv_G)
+        K, H = idx.shape[1], x.shape[1]
+        widths = [(x.dtype, H), (torch.int64, 1), (torch.int64, K), (torch.float32, K)]
+        x_in, token_in, idx_in, w_in = columns(got, widths)
+        counts_G = recv_G.clone()
+        counts_G[self.slot] = own_O.numel()
+        at = int(recv_G[: self.slot].sum())
+        src_F = torch.repeat_interleave(torch.tensor(self.rail), counts_G)
+        ids_F2 = torch.stack([src_F, splice(token_in.flatten(), own_O, at)], dim=1)
+        fwd = Forward(
+            counts_G,
+            splice(x_in, x[own_O], at),
+            ids_F2,
+            splice(idx_in, idx[own_O], at),
+            splice(w_in, w[own_O], at),
+        )
+        return fwd, (token_S, send_G, own_O)
+
+    def _cross_cached(self, call: CallId, x_NH: torch.Tensor, route: HierRoute) -> Forward:
+        """Stage 1 of a cached dispatch: the same rows cross again, x only."""
+        recv_G = route.fwd_counts_G.clone()
+        recv_G[self.slot] = 0
+        rows_SB = as_bytes(x_NH[route.send_token_S])
+        got = self._rail_all_to_all("dispatch (across nodes)", call, rows_SB, route.send_counts_G, recv_G)
+        x_in = got.view(x_NH.dtype).view(got.shape[0], x_NH.shape[1])
+        at = int(recv_G[: self.slot].sum())
+        return Forward(route.fwd_counts_G, splice(x_in, x_NH[route.own_token_O], at), None, None, None)
+
+    # -- inside the node: dispatch ----------------------------------------------------------------
+
+    def dispatch(self, call: CallId, plan: SendPlan, handle: DispatchHandle | None) -> Received:
+        if handle is None:
+            fwd, (send_token_S, send_G, own_O) = self._cross_with_routing(call, plan)
+            self._publish(call, fwd)
+            got = self._gather_routing(call, plan.x_NH.dtype, plan.topk_idx_NK.shape[1])
+            route = HierRoute(
+                send_token_S,
+                send_G,
+                own_O,
+                fwd.counts_G,
+                got.fwd_in_node_FP,
+                got.fwd_M,
+                got.fwd_row_M,
+                got.fwd_offset_P,
+            )
+            src_token_M, topk_MK, weights_MK = got.src_token_M, got.topk_MK, got.weights_MK
+            prefix_R1 = prefix_offsets(torch.bincount(got.src_rank_M, minlength=self.sizing.num_ranks))
+        else:
+            route = handle.route
+            self._publish(call, self._cross_cached(call, plan.x_NH, route))
+            src_token_M, topk_MK, weights_MK = handle.recv_src_token_M, None, None
+            prefix_R1 = handle.recv_prefix_R1
+        recv_x_MH = plan.x_NH.new_empty((route.recv_fwd_M.numel(), plan.x_NH.shape[1]))
+        self._gather_rows(call, recv_x_MH, route)
+        return Received(recv_x_MH, topk_MK, weights_MK, src_token_M, prefix_R1, route=route)
+
+    def _publish(self, call: CallId, fwd: Forward) -> None:
+        """Stage 2, relay role: write the forward set's routing, stamp META, its rows, stamp DATA."""
+        heap, p, me = self.peers.heap, call.parity, self.local
+        hdr = heap.words(me, f"f{p}.hdr")
+        F, H = fwd.x_FH.shape
+        if fwd.topk_FK is not None:
+            K = fwd.topk_FK.shape[1]
+            heap.tensor(me, f"f{p}.ids")[:F].copy_(fwd.ids_F2)
+            heap.tensor(me, f"f{p}.topk")[: F * K].copy_(fwd.topk_FK.flatten())
+            heap.tensor(me, f"f{p}.w")[: F * K].copy_(fwd.weights_FK.flatten())
+            hdr[TOPK] = K
+        hdr[COUNT] = F
+        hdr[DTYPE] = DTYPE_CODES[fwd.x_FH.dtype]
+        hdr[META] = call.epoch  # routing visible from here on
+        self.peers.ring_all()
+        rows_view(heap.tensor(me, f"f{p}.x"), F, H, fwd.x_FH.dtype).copy_(fwd.x_FH)
+        hdr[DATA] = call.epoch  # rows visible from here on
+        self.peers.ring_all()
+
+    def _forward_header(self, call: CallId, f: int, dtype: torch.dtype) -> tuple[int, int]:
+        """A landed forward set's (row count, top-k), checked against this rank's bounds."""
+        hdr = self.peers.heap.words(f, f"f{call.parity}.hdr")
+        n, k, code = int(hdr[COUNT]), int(hdr[TOPK]), int(hdr[DTYPE])
+        if not 0 <= n <= self.sizing.capacity * self.G:
+            raise PeerDataError(f"dispatch: rank {self.node_ranks[f]} announced {n} forwarded rows")
+        if CODE_DTYPES.get(code) != dtype:
+            raise PeerDataError(
+                f"dispatch: rank {self.node_ranks[f]} sent {CODE_DTYPES.get(code)}, not {dtype}"
+            )
+        return n, k
+
+    def _read_routing(self, call: CallId, dtype: torch.dtype, K: int):
+        """Every forward set's (ids [S, 2], topk [S, K], weights [S, K], rows per forwarder [P])."""
+        heap, p = self.peers.heap, call.parity
+        ids, topk, weights, counts = [], [], [], []
+        for f in range(self.P):
+            n, k = self._forward_header(call, f, dtype)
+            if k != K:
+                raise PeerDataError(f"dispatch: rank {self.node_ranks[f]} relays top-k {k}, this rank {K}")
+            ids.append(heap.tensor(f, f"f{p}.ids")[:n])
+            topk.append(heap.tensor(f, f"f{p}.topk")[: n * K].view(n, K))
+            weights.append(heap.tensor(f, f"f{p}.w")[: n * K].view(n, K))
+            counts.append(n)
+        ids_S2, topk_SK = torch.cat(ids), torch.cat(topk)
+        bad_ids = (ids_S2 < 0).any() or (ids_S2[:, 0] >= self.sizing.num_ranks).any()
+        bad_topk = topk_SK.numel() and (
+            topk_SK.min() < -1 or topk_SK.max() >= self.sizing.placement.num_experts
+        )
+        if bad_ids or (ids_S2[:, 1] >= self.sizing.capacity).any() or bad_topk:
+            raise PeerDataError("dispatch: a forward set holds source ids or expert ids out of range")
+        return ids_S2, topk_SK, torch.cat(weights), torch.tensor(counts, dtype=torch.int64)
+
+    def _gather_routing(self, call: CallId, dtype: torch.dtype, K: int) -> Routed:
+        """Stage 2, fan-out: from every forward set's routing, the rows owned here, in final order."""
+        heap, p, placement = self.peers.heap, call.parity, self.sizing.placement
+        metas = [heap.words(f, f"f{p}.hdr")[META : META + 1].reshape(()) for f in range(self.P)]
+        self.peers.wait_words(self._phase("dispatch (routing)"), call, metas, call.epoch, range(self.P))
+        ids_S2, topk_SK, w_SK, counts_P = self._read_routing(call, dtype, K)
+        fwd_S = torch.repeat_interleave(torch.arange(self.P), counts_P)
+        row_S = torch.arange(fwd_S.numel()) - prefix_offsets(counts_P)[:-1][fwd_S]
+        local_SK, local_w_SK = localize_topk(topk_SK, w_SK, placement, self.me)
+        here = torch.nonzero((local_SK >= 0).any(dim=1)).flatten()
+        m = here[torch.argsort(ids_S2[here, 0] * self.sizing.capacity + ids_S2[here, 1])]  # (source, token)
+        in_node_SP = token_in_rank(topk_SK, placement)[:, self.node_ranks]
+        to_lower_S = in_node_SP[:, : self.local].sum(dim=1)  # pairs ahead of this rank's block
+        offset_P = torch.bincount(fwd_S, weights=to_lower_S.double(), minlength=self.P).long()
+        return Routed(
+            local_SK[m],
+            local_w_SK[m],
+            ids_S2[m, 0],
+            ids_S2[m, 1],
+            fwd_S[m],
+            row_S[m],
+            offset_P,
+            in_node_SP[fwd_S == self.local],
+        )
+
+    def _gather_rows(self, call: CallId, recv_x_MH: torch.Tensor, route: HierRoute) -> None:
+        """Pull each forwarder's rows as soon as its DATA stamp lands, in any order."""
+        heap, p = self.peers.heap, call.parity
+        datas = [heap.words(f, f"f{p}.hdr")[DATA : DATA + 1].reshape(()) for f in range(self.P)]
+        waiter = self.peers.waiter(self._phase("dispatch (tokens in node)"), call)
+        pending = [(self.local + i) % self.P for i in range(self.P)]  # own forward set first
+        while pending:
+            landed = [f for f in pending if datas[f][()] == call.epoch]
+            for f in landed:
+                self._pull(call, f, recv_x_MH, route)
+            pending = [f for f in pending if f not in landed]
+            if pending and not landed:
+                waiter.pause(pending)
+
+    def _pull(self, call: CallId, f: int, recv_x_MH: torch.Tensor, route: HierRoute) -> None:
+        pos = torch.nonzero(route.recv_fwd_M == f).flatten()
+        if not pos.numel():
+            return
+        n, _ = self._forward_header(call, f, recv_x_MH.dtype)
+        rows = route.recv_fwd_row_M[pos]
+        if int(rows.max()) >= n:
+            raise PeerDataError(
+                f"dispatch: rank {self.node_ranks[f]} relays {n} rows, fewer than routed here"
+            )
+        source_FH = rows_view(
+            self.peers.heap.tensor(f, f"f{call.parity}.x"), n, recv_x_MH.shape[1], recv_x_MH.dtype
+        )
+        recv_x_MH.index_copy_(0, pos, source_FH.index_select(0, rows))
+
+    # -- combine ----------------------------------------------------------------------------------
+
+    def combine(self, call: CallId, x_MH, handle: DispatchHandle, topk_weights_MK):
+        route: HierRoute = handle.route
+        K = 0 if topk_weights_MK is None else topk_weights_MK.shape[1]
+        self._put_to_forwarders(call, x_MH, topk_weights_MK, route)
+        partial_FC = self._reduce_in_node(call, x_MH.dtype, x_MH.shape[1], K, route)
+        at = int(route.fwd_counts_G[: self.slot].sum())
+        own = slice(at, at + route.own_token_O.numel())
+        send_G = route.fwd_counts_G.clone()
+        send_G[self.slot] = 0
+        crossing = torch.cat([partial_FC[: own.start], partial_FC[own.stop :]])
+        back_SC = self._rail_all_to_all("combine (across nodes)", call, crossing, send_G, route.send_counts_G)
+        b = int(route.send_counts_G[: self.slot].sum())
+        rows_C = splice(back_SC, partial_FC[own], b)  # every node's partials, in rail order
+        tokens = splice(route.send_token_S, route.own_token_O, b)
+        out_NC = torch.zeros(handle.num_tokens, partial_FC.shape[1], dtype=torch.float32)
+        out_NC.index_add_(0, tokens, rows_C)
+        H = x_MH.shape[1]
+        return out_NC[:, :H].to(x_MH.dtype), (out_NC[:, H:].contiguous() if K else None)
+
+    def _put_to_forwarders(self, call: CallId, x_MH, w_MK, route: HierRoute) -> None:
+        """Each forwarder's rows go to their final place in its combine buffer; then a stamp."""
+        heap, p, H = self.peers.heap, call.parity, x_MH.shape[1]
+        offsets = route.fwd_offset_P.tolist()
+        for i in range(self.P):
+            f = (self.local + i) % self.P
+            pos = torch.nonzero(route.recv_fwd_M == f).flatten()
+            n, at = pos.numel(), offsets[f]
+            out = rows_view(heap.tensor(f, f"c{p}.x"), n, H, x_MH.dtype, first_row=at)
+            torch.index_select(x_MH, 0, pos, out=out)
+            if w_MK is not None:
+                K = w_MK.shape[1]
+                torch.index_select(
+                    w_MK, 0, pos, out=heap.tensor(f, f"c{p}.w")[at * K : (at + n) * K].view(n, K)
+                )
+            slot = heap.words(f, f"c{p}.hdr")[self.local]
+            slot[SLOT_DTYPE] = DTYPE_CODES[x_MH.dtype]
+            slot[SLOT_COUNT] = n
+            slot[SLOT_FLAG] = call.epoch  # this block is visible from here on
+            self.peers.ring(f)
+
+    def _reduce_in_node(self, call: CallId, dtype, H: int, K: int, route: HierRoute) -> torch.Tensor:
+        """float32 [F, H + K]: each forwarded row summed over the node ranks it went to."""
+        heap, p = self.peers.heap, call.parity
+        hdr = heap.words(self.local, f"c{p}.hdr")
+        flags = [hdr[d, SLOT_FLAG : SLOT_FLAG + 1].reshape(()) for d in range(self.P)]
+        self.peers.wait_words(self._phase("combine (in node)"), call, flags, call.epoch, range(self.P))
+        expected_P = route.fwd_in_node_FP.sum(dim=0).tolist()
+        for d in range(self.P):
+            got, code = int(hdr[d, SLOT_COUNT]), int(hdr[d, SLOT_DTYPE])
+            if got != expected_P[d] or CODE_DTYPES.get(code) != dtype:
+                raise PeerDataError(
+                    f"combine: rank {self.node_ranks[d]} returned {got} rows of {CODE_DTYPES.get(code)}, "
+                    f"expected {expected_P[d]} of {dtype}"
+                )
+        _, row_Q = destination_major(route.fwd_in_node_FP)
+        partial_FC = torch.zeros(route.fwd_in_node_FP.shape[0], H + K, dtype=torch.float32)
+        partial_FC[:, :H].index_add_(
+            0, row_Q, rows_view(heap.tensor(self.local, f"c{p}.x"), row_Q.numel(), H, dtype).float()
+        )
+        if K:
+            partial_FC[:, H:].index_add_(
+                0, row_Q, heap.tensor(self.local, f"c{p}.w")[: row_Q.numel() * K].view(-1, K)
+            )
+        return partial_FC
+
+    def abort(self, call: CallId) -> None:
+        """Node peers learn at once; rail peers time out through the process group."""
+        self.peers.abort(call)
+
+    def close(self) -> None:
+        self.peers.close()
+        for group in self.groups:
+            dist.destroy_process_group(group)
