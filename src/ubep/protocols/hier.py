@@ -474,3 +474,51 @@ class HierExchange:
         self.peers.close()
         for group in self.groups:
             dist.destroy_process_group(group)
+
+
+def boundary_bytes(
+    topk_idxs: list[torch.Tensor],
+    placement: ExpertPlacement,
+    node_of_rank: tuple[int, ...] | list[int],
+    hidden: int,
+    dtype: torch.dtype,
+    combine_weights: bool = False,
+) -> dict[str, list[int]]:
+    """Bytes of each rank's tokens that cross the node boundary, flat ("dist") and deduplicated ("hier").
+
+    Per home rank r, counting its tokens out (dispatch) and back (combine):
+      dispatch_rows_flat / _dedup: (token, remote rank) / (token, remote node) pairs
+      dispatch_bytes_flat / _dedup: those rows at their wire size, routing included
+      combine_bytes_flat / _dedup: the rows back (x's dtype flat, float32 partials dedup),
+                                   plus the top-k weights when `combine_weights`
+    The per-call count exchange (a few int64 words per peer) is left out of both.
+    Example: 2 nodes of 2 ranks, a token for ranks {0, 2, 3} on rank 0 crosses
+    twice flat (to ranks 2 and 3) and once deduplicated (to node 1).
+    """
+    H, K, item = hidden, topk_idxs[0].shape[1] if topk_idxs else 0, dtype.itemsize
+    node_R = torch.tensor(node_of_rank)
+    flat_row = H * item + 8 * (1 + 2 * K)  # bsp_dist: x, then int64 token, local ids, weights
+    out: dict[str, list[int]] = {key: [] for key in _BOUNDARY_KEYS}
+    for rank, idx_NK in enumerate(topk_idxs):
+        is_NR = token_in_rank(idx_NK, placement)
+        remote_R = node_R != node_R[rank]
+        remote_nodes = sorted(set(node_R[remote_R].tolist()))
+        flat = int(is_NR[:, remote_R].sum())
+        dedup = sum(int(is_NR[:, node_R == n].any(dim=1).sum()) for n in remote_nodes)
+        out["dispatch_rows_flat"].append(flat)
+        out["dispatch_rows_dedup"].append(dedup)
+        out["dispatch_bytes_flat"].append(flat * flat_row)
+        out["dispatch_bytes_dedup"].append(dedup * dispatch_row_bytes(H, item, K))
+        out["combine_bytes_flat"].append(flat * (H * item + 4 * K * combine_weights))
+        out["combine_bytes_dedup"].append(dedup * partial_row_bytes(H, K * combine_weights))
+    return out
+
+
+_BOUNDARY_KEYS = (
+    "dispatch_rows_flat",
+    "dispatch_rows_dedup",
+    "dispatch_bytes_flat",
+    "dispatch_bytes_dedup",
+    "combine_bytes_flat",
+    "combine_bytes_dedup",
+)
