@@ -36,6 +36,7 @@ from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import NamedTuple
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -77,8 +78,8 @@ class HierRoute:
       send_token_S:   tokens sent across, slot-major, ascending in each block (int64 [S])
       send_counts_G:  rows sent to each slot (0 at this rank's own slot)
       own_token_O:    own tokens that need a rank of this node (int64 [O])
-    Forwarder side (this rank's forward set, F rows):
-      fwd_counts_G:   rows from each slot (own tokens at the own slot)
+    Forwarder side (this rank's forward set: S rows from other nodes, then its O own rows):
+      relay_counts_G: rows received from each slot (0 at the own slot)
       fwd_in_node_FP: bool [F, P], the node ranks each forwarded row went to
     Expert side (rows received, M):
       recv_fwd_M:     node-local index of the forwarder each row came through
@@ -89,22 +90,11 @@ class HierRoute:
     send_token_S: torch.Tensor
     send_counts_G: torch.Tensor
     own_token_O: torch.Tensor
-    fwd_counts_G: torch.Tensor
+    relay_counts_G: torch.Tensor
     fwd_in_node_FP: torch.Tensor
     recv_fwd_M: torch.Tensor
     recv_fwd_row_M: torch.Tensor
     fwd_offset_P: torch.Tensor
-
-
-@dataclass(frozen=True, slots=True)
-class Forward:
-    """A forward set: rows this rank relays in its node, by source rank, then token."""
-
-    counts_G: torch.Tensor  # int64 [G]: rows from each rail slot
-    x_FH: torch.Tensor
-    ids_F2: torch.Tensor | None  # int64 (source rank, source token); None for a cached dispatch
-    topk_FK: torch.Tensor | None  # global expert ids
-    weights_FK: torch.Tensor | None
 
 
 class Routed(NamedTuple):
@@ -176,11 +166,6 @@ def columns(rows_SB: torch.Tensor, widths: list[tuple[torch.dtype, int]]) -> lis
     return out
 
 
-def splice(received_S: torch.Tensor, own_O: torch.Tensor, at: int) -> torch.Tensor:
-    """Insert the own block among the received ones, at row `at` (its rail slot)."""
-    return torch.cat([received_S[:at], own_O, received_S[at:]])
-
-
 class HierExchange:
     """Hierarchical dispatch/combine for a group spanning several nodes of equal size."""
 
@@ -211,72 +196,101 @@ class HierExchange:
     # -- across nodes -----------------------------------------------------------------------------
 
     def _rail_all_to_all(
-        self, phase: str, call: CallId, send_SX: torch.Tensor, send_G: torch.Tensor, recv_G: torch.Tensor
+        self,
+        phase: str,
+        call: CallId,
+        send_SX: torch.Tensor,
+        send_G: torch.Tensor,
+        recv_G: torch.Tensor,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """all_to_all_single over the rail group; a failure tells the node peers and names the rail."""
-        recv = send_SX.new_empty((int(recv_G.sum()), *send_SX.shape[1:]))
+        """all_to_all_single over the rail group (into `out` if given); a failure tells the
+        node peers at once and names the rail peers."""
+        if out is None:
+            out = send_SX.new_empty((int(recv_G.sum()), *send_SX.shape[1:]))
         try:
-            dist.all_to_all_single(recv, send_SX, recv_G.tolist(), send_G.tolist(), group=self.groups[0])
+            dist.all_to_all_single(out, send_SX, recv_G.tolist(), send_G.tolist(), group=self.groups[0])
         except RuntimeError as err:
-            self.peers.abort(call)  # node peers waiting on this rank give up at once
+            self.peers.abort(call)
             others = [r for r in self.rail if r != self.me]
             if "timed out" in str(err).lower() or "timeout" in str(err).lower():
                 raise CommTimeoutError(phase, others, self.timeout_s, []) from err
             raise UbepError(f"{phase}: torch.distributed failed with rail peer(s) {others}: {err}") from err
-        return recv
+        return out
 
-    def _cross_with_routing(self, call: CallId, plan: SendPlan) -> tuple[Forward, tuple]:
-        """Stage 1: send each other node, once, the tokens that need it; build the forward set."""
-        x, idx, w = plan.x_NH, plan.topk_idx_NK, plan.topk_weights_NK
-        in_slot_NG = tokens_per_slot(plan.is_token_in_rank_NR, self.slot_ranks_GP)
+    def _home_plan(
+        self, is_token_in_rank_NR: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(send_token_S, send_counts_G, own_token_O): which tokens cross to which node, once."""
+        in_slot_NG = tokens_per_slot(is_token_in_rank_NR, self.slot_ranks_GP)
         own_O = torch.nonzero(in_slot_NG[:, self.slot]).flatten()
         in_slot_NG[:, self.slot] = False  # own tokens stay in the node
         slot_S, token_S = destination_major(in_slot_NG)
-        send_G = torch.bincount(slot_S, minlength=self.G)
-        ones_G = torch.ones(self.G, dtype=torch.int64)
-        recv_G = self._rail_all_to_all("dispatch (counts across nodes)", call, send_G, ones_G, ones_G)
-        parts = (x[token_S], token_S[:, None], idx[token_S], w[token_S])
-        rows_SB = torch.cat([as_bytes(part) for part in parts], dim=1)
-        got = self._rail_all_to_all("dispatch (across nodes)", call, rows_SB, send_G, recv_G)
-        K, H = idx.shape[1], x.shape[1]
-        widths = [(x.dtype, H), (torch.int64, 1), (torch.int64, K), (torch.float32, K)]
-        x_in, token_in, idx_in, w_in = columns(got, widths)
-        counts_G = recv_G.clone()
-        counts_G[self.slot] = own_O.numel()
-        at = int(recv_G[: self.slot].sum())
-        src_F = torch.repeat_interleave(torch.tensor(self.rail), counts_G)
-        ids_F2 = torch.stack([src_F, splice(token_in.flatten(), own_O, at)], dim=1)
-        fwd = Forward(
-            counts_G,
-            splice(x_in, x[own_O], at),
-            ids_F2,
-            splice(idx_in, idx[own_O], at),
-            splice(w_in, w[own_O], at),
-        )
-        return fwd, (token_S, send_G, own_O)
+        return token_S, torch.bincount(slot_S, minlength=self.G), own_O
 
-    def _cross_cached(self, call: CallId, x_NH: torch.Tensor, route: HierRoute) -> Forward:
-        """Stage 1 of a cached dispatch: the same rows cross again, x only."""
-        recv_G = route.fwd_counts_G.clone()
-        recv_G[self.slot] = 0
-        rows_SB = as_bytes(x_NH[route.send_token_S])
-        got = self._rail_all_to_all("dispatch (across nodes)", call, rows_SB, route.send_counts_G, recv_G)
-        x_in = got.view(x_NH.dtype).view(got.shape[0], x_NH.shape[1])
-        at = int(recv_G[: self.slot].sum())
-        return Forward(route.fwd_counts_G, splice(x_in, x_NH[route.own_token_O], at), None, None, None)
+    def _header(self, call: CallId, rows: int, dtype: torch.dtype) -> np.ndarray:
+        """This rank's forward-set header, with its row count and dtype written."""
+        hdr = self.peers.heap.words(self.local, f"f{call.parity}.hdr")
+        hdr[COUNT], hdr[DTYPE] = rows, DTYPE_CODES[dtype]
+        return hdr
+
+    def _relay_routing(self, call: CallId, plan: SendPlan, send_token_S, send_G, own_O) -> torch.Tensor:
+        """Stage 1 and 2 for routing: send each other node (once) the routing of the tokens
+        it needs; publish the forward set's routing and stamp META. Returns rows per slot."""
+        heap, p, me, idx, w = self.peers.heap, call.parity, self.local, plan.topk_idx_NK, plan.topk_weights_NK
+        ones_G = torch.ones(self.G, dtype=torch.int64)
+        relay_G = self._rail_all_to_all("dispatch (counts across nodes)", call, send_G, ones_G, ones_G)
+        parts = (send_token_S[:, None], idx[send_token_S], w[send_token_S])
+        meta_SB = torch.cat([as_bytes(part) for part in parts], dim=1)
+        got = self._rail_all_to_all("dispatch (routing across nodes)", call, meta_SB, send_G, relay_G)
+        K = idx.shape[1]
+        token_in, idx_in, w_in = columns(got, [(torch.int64, 1), (torch.int64, K), (torch.float32, K)])
+        src_F = torch.cat([torch.repeat_interleave(torch.tensor(self.rail), relay_G), own_O * 0 + self.me])
+        F = src_F.numel()
+        heap.tensor(me, f"f{p}.ids")[:F].copy_(torch.stack([src_F, torch.cat([token_in[:, 0], own_O])], 1))
+        heap.tensor(me, f"f{p}.topk")[: F * K].copy_(torch.cat([idx_in, idx[own_O]]).flatten())
+        heap.tensor(me, f"f{p}.w")[: F * K].copy_(torch.cat([w_in, w[own_O]]).flatten())
+        hdr = self._header(call, F, plan.x_NH.dtype)
+        hdr[TOPK] = K
+        hdr[META] = call.epoch  # routing visible from here on
+        self.peers.ring_all()
+        return relay_G
+
+    def _relay_rows(self, call: CallId, x_NH: torch.Tensor, send_token_S, send_G, relay_G, own_O) -> None:
+        """Stage 1 and 2 for rows: crossing rows land straight in this rank's forward set,
+        followed by its own rows for its node; then stamp DATA."""
+        S, F, H = int(relay_G.sum()), int(relay_G.sum()) + own_O.numel(), x_NH.shape[1]
+        fwd_FH = rows_view(self.peers.heap.tensor(self.local, f"f{call.parity}.x"), F, H, x_NH.dtype)
+        crossing = as_bytes(x_NH[send_token_S])
+        self._rail_all_to_all(
+            "dispatch (across nodes)", call, crossing, send_G, relay_G, out=as_bytes(fwd_FH[:S])
+        )
+        torch.index_select(x_NH, 0, own_O, out=fwd_FH[S:])
+        self._header(call, F, x_NH.dtype)[DATA] = call.epoch  # rows visible from here on
+        self.peers.ring_all()
 
     # -- inside the node: dispatch ----------------------------------------------------------------
 
     def dispatch(self, call: CallId, plan: SendPlan, handle: DispatchHandle | None) -> Received:
         if handle is None:
-            fwd, (send_token_S, send_G, own_O) = self._cross_with_routing(call, plan)
-            self._publish(call, fwd)
+            send_token_S, send_G, own_O = self._home_plan(plan.is_token_in_rank_NR)
+            relay_G = self._relay_routing(call, plan, send_token_S, send_G, own_O)
+        else:
+            route = handle.route
+            send_token_S, send_G, own_O, relay_G = (
+                route.send_token_S,
+                route.send_counts_G,
+                route.own_token_O,
+                route.relay_counts_G,
+            )
+        self._relay_rows(call, plan.x_NH, send_token_S, send_G, relay_G, own_O)
+        if handle is None:
             got = self._gather_routing(call, plan.x_NH.dtype, plan.topk_idx_NK.shape[1])
             route = HierRoute(
                 send_token_S,
                 send_G,
                 own_O,
-                fwd.counts_G,
+                relay_G,
                 got.fwd_in_node_FP,
                 got.fwd_M,
                 got.fwd_row_M,
@@ -285,32 +299,11 @@ class HierExchange:
             src_token_M, topk_MK, weights_MK = got.src_token_M, got.topk_MK, got.weights_MK
             prefix_R1 = prefix_offsets(torch.bincount(got.src_rank_M, minlength=self.sizing.num_ranks))
         else:
-            route = handle.route
-            self._publish(call, self._cross_cached(call, plan.x_NH, route))
             src_token_M, topk_MK, weights_MK = handle.recv_src_token_M, None, None
             prefix_R1 = handle.recv_prefix_R1
         recv_x_MH = plan.x_NH.new_empty((route.recv_fwd_M.numel(), plan.x_NH.shape[1]))
         self._gather_rows(call, recv_x_MH, route)
         return Received(recv_x_MH, topk_MK, weights_MK, src_token_M, prefix_R1, route=route)
-
-    def _publish(self, call: CallId, fwd: Forward) -> None:
-        """Stage 2, relay role: write the forward set's routing, stamp META, its rows, stamp DATA."""
-        heap, p, me = self.peers.heap, call.parity, self.local
-        hdr = heap.words(me, f"f{p}.hdr")
-        F, H = fwd.x_FH.shape
-        if fwd.topk_FK is not None:
-            K = fwd.topk_FK.shape[1]
-            heap.tensor(me, f"f{p}.ids")[:F].copy_(fwd.ids_F2)
-            heap.tensor(me, f"f{p}.topk")[: F * K].copy_(fwd.topk_FK.flatten())
-            heap.tensor(me, f"f{p}.w")[: F * K].copy_(fwd.weights_FK.flatten())
-            hdr[TOPK] = K
-        hdr[COUNT] = F
-        hdr[DTYPE] = DTYPE_CODES[fwd.x_FH.dtype]
-        hdr[META] = call.epoch  # routing visible from here on
-        self.peers.ring_all()
-        rows_view(heap.tensor(me, f"f{p}.x"), F, H, fwd.x_FH.dtype).copy_(fwd.x_FH)
-        hdr[DATA] = call.epoch  # rows visible from here on
-        self.peers.ring_all()
 
     def _forward_header(self, call: CallId, f: int, dtype: torch.dtype) -> tuple[int, int]:
         """A landed forward set's (row count, top-k), checked against this rank's bounds."""
@@ -406,17 +399,16 @@ class HierExchange:
         K = 0 if topk_weights_MK is None else topk_weights_MK.shape[1]
         self._put_to_forwarders(call, x_MH, topk_weights_MK, route)
         partial_FC = self._reduce_in_node(call, x_MH.dtype, x_MH.shape[1], K, route)
-        at = int(route.fwd_counts_G[: self.slot].sum())
-        own = slice(at, at + route.own_token_O.numel())
-        send_G = route.fwd_counts_G.clone()
-        send_G[self.slot] = 0
-        crossing = torch.cat([partial_FC[: own.start], partial_FC[own.stop :]])
-        back_SC = self._rail_all_to_all("combine (across nodes)", call, crossing, send_G, route.send_counts_G)
-        b = int(route.send_counts_G[: self.slot].sum())
-        rows_C = splice(back_SC, partial_FC[own], b)  # every node's partials, in rail order
-        tokens = splice(route.send_token_S, route.own_token_O, b)
+        S = int(route.relay_counts_G.sum())  # partials of other nodes' tokens; own ones follow
+        back_SC = self._rail_all_to_all(
+            "combine (across nodes)", call, partial_FC[:S], route.relay_counts_G, route.send_counts_G
+        )
+        # Every node's partials, added in rail order (this node's at this rank's slot).
+        b, token_S = int(route.send_counts_G[: self.slot].sum()), route.send_token_S
         out_NC = torch.zeros(handle.num_tokens, partial_FC.shape[1], dtype=torch.float32)
-        out_NC.index_add_(0, tokens, rows_C)
+        out_NC.index_add_(0, token_S[:b], back_SC[:b])
+        out_NC.index_add_(0, route.own_token_O, partial_FC[S:])
+        out_NC.index_add_(0, token_S[b:], back_SC[b:])
         H = x_MH.shape[1]
         return out_NC[:, :H].to(x_MH.dtype), (out_NC[:, H:].contiguous() if K else None)
 
@@ -427,6 +419,7 @@ class HierExchange:
         for i in range(self.P):
             f = (self.local + i) % self.P
             pos = torch.nonzero(route.recv_fwd_M == f).flatten()
+            pos = pos[torch.argsort(route.recv_fwd_row_M[pos])]  # in the forwarder's row order
             n, at = pos.numel(), offsets[f]
             out = rows_view(heap.tensor(f, f"c{p}.x"), n, H, x_MH.dtype, first_row=at)
             torch.index_select(x_MH, 0, pos, out=out)
