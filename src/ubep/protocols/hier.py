@@ -183,6 +183,8 @@ class HierExchange:
         self.slot = self.rail.index(info.rank)
         self.slot_ranks_GP = nodes.slot_ranks(self.local)
         self.node_ranks = list(nodes.node_ranks(info.node_of_rank[info.rank]))
+        # Sources whose rows reach this node through node rank f: those with local index f.
+        self.sources_via = [nodes.rail(f) for f in range(self.P)]
         self.groups = subgroups(nodes, info.rank, timeout_s)
         self.timeout_s = timeout_s
         # ShmPeers reads only the group size from its sizing: the node's P ranks.
@@ -302,7 +304,7 @@ class HierExchange:
             src_token_M, topk_MK, weights_MK = handle.recv_src_token_M, None, None
             prefix_R1 = handle.recv_prefix_R1
         recv_x_MH = plan.x_NH.new_empty((route.recv_fwd_M.numel(), plan.x_NH.shape[1]))
-        self._gather_rows(call, recv_x_MH, route)
+        self._gather_rows(call, recv_x_MH, route, prefix_R1)
         return Received(recv_x_MH, topk_MK, weights_MK, src_token_M, prefix_R1, route=route)
 
     def _forward_header(self, call: CallId, f: int, dtype: torch.dtype) -> tuple[int, int]:
@@ -363,7 +365,7 @@ class HierExchange:
             in_node_SP[fwd_S == self.local],
         )
 
-    def _gather_rows(self, call: CallId, recv_x_MH: torch.Tensor, route: HierRoute) -> None:
+    def _gather_rows(self, call: CallId, recv_x_MH: torch.Tensor, route: HierRoute, prefix_R1) -> None:
         """Pull each forwarder's rows as soon as its DATA stamp lands, in any order."""
         heap, p = self.peers.heap, call.parity
         datas = [heap.words(f, f"f{p}.hdr")[DATA : DATA + 1].reshape(()) for f in range(self.P)]
@@ -372,17 +374,18 @@ class HierExchange:
         while pending:
             landed = [f for f in pending if datas[f][()] == call.epoch]
             for f in landed:
-                self._pull(call, f, recv_x_MH, route)
+                self._pull(call, f, recv_x_MH, route, prefix_R1)
             pending = [f for f in pending if f not in landed]
             if pending and not landed:
                 waiter.pause(pending)
 
-    def _pull(self, call: CallId, f: int, recv_x_MH: torch.Tensor, route: HierRoute) -> None:
-        pos = torch.nonzero(route.recv_fwd_M == f).flatten()
-        if not pos.numel():
+    def _pull(self, call: CallId, f: int, recv_x_MH: torch.Tensor, route: HierRoute, prefix_R1) -> None:
+        """Copy forwarder f's rows into place. Every source's rows come through one forwarder
+        (the node rank with the source's local index), so each source block is one gather."""
+        rows = route.recv_fwd_row_M[route.recv_fwd_M == f]
+        if not rows.numel():
             return
         n, _ = self._forward_header(call, f, recv_x_MH.dtype)
-        rows = route.recv_fwd_row_M[pos]
         if int(rows.max()) >= n:
             raise PeerDataError(
                 f"dispatch: rank {self.node_ranks[f]} relays {n} rows, fewer than routed here"
@@ -390,7 +393,9 @@ class HierExchange:
         source_FH = rows_view(
             self.peers.heap.tensor(f, f"f{call.parity}.x"), n, recv_x_MH.shape[1], recv_x_MH.dtype
         )
-        recv_x_MH.index_copy_(0, pos, source_FH.index_select(0, rows))
+        for src in self.sources_via[f]:
+            a, b = int(prefix_R1[src]), int(prefix_R1[src + 1])
+            torch.index_select(source_FH, 0, route.recv_fwd_row_M[a:b], out=recv_x_MH[a:b])
 
     # -- combine ----------------------------------------------------------------------------------
 
