@@ -77,16 +77,21 @@ class LocalLaunch:
         if self.world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {self.world_size}")
         ctx = mp.get_context(self.start_method)
-        store = dist.TCPStore(
-            "127.0.0.1", 0, None, True, timedelta(seconds=self.timeout_s), wait_for_workers=False
-        )
         results: mp.Queue = ctx.Queue()
+        go, port = ctx.Event(), ctx.Value("i", 0)
         procs = [
-            ctx.Process(target=_rank_main, args=(self, rank, store.port, fn, args, results), daemon=True)
+            ctx.Process(target=_rank_main, args=(self, rank, port, fn, args, results, go), daemon=True)
             for rank in range(self.world_size)
         ]
         for p in procs:
             p.start()
+        # The store starts after the last fork: its server thread resolves peer names, and a
+        # fork while it holds the resolver's lock leaves that lock held forever in the child.
+        store = dist.TCPStore(
+            "127.0.0.1", 0, None, True, timedelta(seconds=self.timeout_s), wait_for_workers=False
+        )
+        port.value = store.port
+        go.set()
         try:
             return self._collect(procs, results, stop_on_error)
         finally:
@@ -152,7 +157,10 @@ def _drain(results: mp.Queue, done: dict[int, RankOutcome]) -> None:
         done[outcome.rank] = outcome
 
 
-def _rank_main(launch: LocalLaunch, rank: int, port: int, fn, args, results: mp.Queue) -> None:
+def _rank_main(launch: LocalLaunch, rank: int, port_box, fn, args, results: mp.Queue, go) -> None:
+    if not go.wait(launch.timeout_s):  # the parent starts the store once every rank is forked
+        os._exit(1)
+    port = port_box.value
     per_node = launch.ranks_per_node or launch.world_size
     os.environ.update(
         RANK=str(rank),
