@@ -6,11 +6,12 @@ node it runs over a shared-memory heap, as in `ubep_shm`.
 
 Dispatch, on rank `me` (node n, local index l), call epoch e:
   1. across: for each other node, the tokens that need any rank there cross
-     once, to me's rail peer on that node (one all-to-all over the rail group;
-     each row carries x, the source token index, global top-k ids and weights).
-  2. relay: me's *forward set* is its own tokens that need a rank of node n
-     plus the rows its rail peers sent, ordered by source rank then token.
-     It publishes the set in its shared segment and stamps META/DATA = e.
+     once, to me's rail peer on that node: all-to-alls over the rail group of
+     the counts, the routing (source token, global top-k ids, weights) and x.
+  2. relay: me's *forward set* is the rows its rail peers sent (by slot, each
+     block ascending) followed by its own tokens that need a rank of node n.
+     The routing goes into me's shared segment (stamp META = e) and x lands
+     there straight from the all-to-all (stamp DATA = e).
   3. fan out: every rank of node n reads every forward set's routing, picks
      the rows owned here, orders them by (source rank, token) as the contract
      says (the source is the token's home, not the forwarder), and pulls them.
