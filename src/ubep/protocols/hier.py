@@ -248,7 +248,9 @@ class HierExchange:
         got = self._rail_all_to_all("dispatch (routing across nodes)", call, meta_SB, send_G, relay_G)
         K = idx.shape[1]
         token_in, idx_in, w_in = columns(got, [(torch.int64, 1), (torch.int64, K), (torch.float32, K)])
-        src_F = torch.cat([torch.repeat_interleave(torch.tensor(self.rail), relay_G), own_O * 0 + self.me])
+        src_F = torch.cat(
+            [torch.repeat_interleave(torch.tensor(self.rail), relay_G), torch.full_like(own_O, self.me)]
+        )
         F = src_F.numel()
         heap.tensor(me, f"f{p}.ids")[:F].copy_(torch.stack([src_F, torch.cat([token_in[:, 0], own_O])], 1))
         heap.tensor(me, f"f{p}.topk")[: F * K].copy_(torch.cat([idx_in, idx[own_O]]).flatten())
@@ -275,38 +277,32 @@ class HierExchange:
     # -- inside the node: dispatch ----------------------------------------------------------------
 
     def dispatch(self, call: CallId, plan: SendPlan, handle: DispatchHandle | None) -> Received:
-        if handle is None:
-            send_token_S, send_G, own_O = self._home_plan(plan.is_token_in_rank_NR)
-            relay_G = self._relay_routing(call, plan, send_token_S, send_G, own_O)
-        else:
-            route = handle.route
-            send_token_S, send_G, own_O, relay_G = (
-                route.send_token_S,
-                route.send_counts_G,
-                route.own_token_O,
-                route.relay_counts_G,
-            )
+        if handle is not None:
+            return self._dispatch_cached(call, plan.x_NH, handle)
+        send_token_S, send_G, own_O = self._home_plan(plan.is_token_in_rank_NR)
+        relay_G = self._relay_routing(call, plan, send_token_S, send_G, own_O)
         self._relay_rows(call, plan.x_NH, send_token_S, send_G, relay_G, own_O)
-        if handle is None:
-            got = self._gather_routing(call, plan.x_NH.dtype, plan.topk_idx_NK.shape[1])
-            route = HierRoute(
-                send_token_S,
-                send_G,
-                own_O,
-                relay_G,
-                got.fwd_in_node_FP,
-                got.fwd_M,
-                got.fwd_row_M,
-                got.fwd_offset_P,
-            )
-            src_token_M, topk_MK, weights_MK = got.src_token_M, got.topk_MK, got.weights_MK
-            prefix_R1 = prefix_offsets(torch.bincount(got.src_rank_M, minlength=self.sizing.num_ranks))
-        else:
-            src_token_M, topk_MK, weights_MK = handle.recv_src_token_M, None, None
-            prefix_R1 = handle.recv_prefix_R1
-        recv_x_MH = plan.x_NH.new_empty((route.recv_fwd_M.numel(), plan.x_NH.shape[1]))
-        self._gather_rows(call, recv_x_MH, route, prefix_R1)
-        return Received(recv_x_MH, topk_MK, weights_MK, src_token_M, prefix_R1, route=route)
+        got = self._gather_routing(call, plan.x_NH.dtype, plan.topk_idx_NK.shape[1])
+        route = HierRoute(
+            send_token_S,
+            send_G,
+            own_O,
+            relay_G,
+            got.fwd_in_node_FP,
+            got.fwd_M,
+            got.fwd_row_M,
+            got.fwd_offset_P,
+        )
+        prefix_R1 = prefix_offsets(torch.bincount(got.src_rank_M, minlength=self.sizing.num_ranks))
+        recv_x_MH = self._gather_rows(call, plan.x_NH, route, prefix_R1)
+        return Received(recv_x_MH, got.topk_MK, got.weights_MK, got.src_token_M, prefix_R1, route=route)
+
+    def _dispatch_cached(self, call: CallId, x_NH: torch.Tensor, handle: DispatchHandle) -> Received:
+        """The same rows cross and fan out again, x only: the routing is in the handle."""
+        r: HierRoute = handle.route
+        self._relay_rows(call, x_NH, r.send_token_S, r.send_counts_G, r.relay_counts_G, r.own_token_O)
+        recv_x_MH = self._gather_rows(call, x_NH, r, handle.recv_prefix_R1)
+        return Received(recv_x_MH, None, None, handle.recv_src_token_M, handle.recv_prefix_R1, route=r)
 
     def _forward_header(self, call: CallId, f: int, dtype: torch.dtype) -> tuple[int, int]:
         """A landed forward set's (row count, top-k), checked against this rank's bounds."""
@@ -366,8 +362,9 @@ class HierExchange:
             in_node_SP[fwd_S == self.local],
         )
 
-    def _gather_rows(self, call: CallId, recv_x_MH: torch.Tensor, route: HierRoute, prefix_R1) -> None:
-        """Pull each forwarder's rows as soon as its DATA stamp lands, in any order."""
+    def _gather_rows(self, call: CallId, x_NH: torch.Tensor, route: HierRoute, prefix_R1) -> torch.Tensor:
+        """recv_x [M, H]: each forwarder's rows, pulled as soon as its DATA stamp lands, in any order."""
+        recv_x_MH = x_NH.new_empty((route.recv_fwd_M.numel(), x_NH.shape[1]))
         heap, p = self.peers.heap, call.parity
         datas = [heap.words(f, f"f{p}.hdr")[DATA : DATA + 1].reshape(()) for f in range(self.P)]
         waiter = self.peers.waiter(self._phase("dispatch (tokens in node)"), call)
@@ -379,6 +376,7 @@ class HierExchange:
             pending = [f for f in pending if f not in landed]
             if pending and not landed:
                 waiter.pause(pending)
+        return recv_x_MH
 
     def _pull(self, call: CallId, f: int, recv_x_MH: torch.Tensor, route: HierRoute, prefix_R1) -> None:
         """Copy forwarder f's rows into place. Every source's rows come through one forwarder
@@ -494,30 +492,24 @@ def boundary_bytes(
     Example: 2 nodes of 2 ranks, a token for ranks {0, 2, 3} on rank 0 crosses
     twice flat (to ranks 2 and 3) and once deduplicated (to node 1).
     """
-    H, K, item = hidden, topk_idxs[0].shape[1] if topk_idxs else 0, dtype.itemsize
+    item, K = dtype.itemsize, (topk_idxs[0].shape[1] if topk_idxs else 0)
+    returned_K = K if combine_weights else 0
+    flat_row = hidden * item + 8 * (1 + 2 * K)  # bsp_dist's rows: x, then int64 token, local ids, weights
     node_R = torch.tensor(node_of_rank)
-    flat_row = H * item + 8 * (1 + 2 * K)  # bsp_dist: x, then int64 token, local ids, weights
-    out: dict[str, list[int]] = {key: [] for key in _BOUNDARY_KEYS}
+    out: dict[str, list[int]] = {}
     for rank, idx_NK in enumerate(topk_idxs):
         is_NR = token_in_rank(idx_NK, placement)
         remote_R = node_R != node_R[rank]
-        remote_nodes = sorted(set(node_R[remote_R].tolist()))
         flat = int(is_NR[:, remote_R].sum())
-        dedup = sum(int(is_NR[:, node_R == n].any(dim=1).sum()) for n in remote_nodes)
-        out["dispatch_rows_flat"].append(flat)
-        out["dispatch_rows_dedup"].append(dedup)
-        out["dispatch_bytes_flat"].append(flat * flat_row)
-        out["dispatch_bytes_dedup"].append(dedup * dispatch_row_bytes(H, item, K))
-        out["combine_bytes_flat"].append(flat * (H * item + 4 * K * combine_weights))
-        out["combine_bytes_dedup"].append(dedup * partial_row_bytes(H, K * combine_weights))
+        dedup = sum(int(is_NR[:, node_R == n].any(dim=1).sum()) for n in set(node_R[remote_R].tolist()))
+        counts = {
+            "dispatch_rows_flat": flat,
+            "dispatch_rows_dedup": dedup,
+            "dispatch_bytes_flat": flat * flat_row,
+            "dispatch_bytes_dedup": dedup * dispatch_row_bytes(hidden, item, K),
+            "combine_bytes_flat": flat * (hidden * item + 4 * returned_K),
+            "combine_bytes_dedup": dedup * partial_row_bytes(hidden, returned_K),
+        }
+        for key, value in counts.items():
+            out.setdefault(key, []).append(value)
     return out
-
-
-_BOUNDARY_KEYS = (
-    "dispatch_rows_flat",
-    "dispatch_rows_dedup",
-    "dispatch_bytes_flat",
-    "dispatch_bytes_dedup",
-    "combine_bytes_flat",
-    "combine_bytes_dedup",
-)
