@@ -26,6 +26,7 @@ from ubep.overlap import EventOverlap
 from ubep.protocols.base import CallCounter, CallId, Exchange, SendPlan, ShmPeers, Sizing
 from ubep.protocols.bsp_dist import BspDist
 from ubep.protocols.bsp_shm import BspShm, bsp_layout
+from ubep.protocols.hier import HierExchange
 from ubep.protocols.ll_base import LowLatencyExchange, combine_plan, dispatch_outputs, dispatch_plan
 from ubep.protocols.ll_dist import LLDist
 from ubep.protocols.ll_local import LLLocal
@@ -58,8 +59,10 @@ class Buffer:
         hidden: H, the hidden size of every token.
         num_experts: E, experts in the group; E % R == 0.
         max_tokens_per_rank: T, the most tokens any rank passes to one call.
-        transport: "auto" (shared memory within a host, torch.distributed across
-            hosts), "shm" or "dist". `explain()` says what was chosen and why.
+        transport: "auto" (shared memory within a host; across hosts "hier":
+            shared memory within each, torch.distributed between them, each token
+            crossing to a node once), "shm", "hier" or "dist" (flat collectives).
+            `explain()` says what was chosen and why.
         protocol: "ubep" (asynchronous, data as flag) or "bsp" (the barrier baseline).
         timeout_s: deadline of every wait on a peer; construction's collectives wait
             max(timeout_s, CONSTRUCTION_MIN_TIMEOUT_S).
@@ -159,6 +162,8 @@ class Buffer:
             return LocalExchange(sizing)
         if self.transport == "dist":
             return BspDist(info.group, info.rank, sizing, self.timeout_s, self._faults)
+        if self.transport == "hier":
+            return HierExchange(info, sizing, self.timeout_s)
         layout = ubep_layout(sizing) if self.protocol == "ubep" else bsp_layout(sizing)
         if self.low_latency:
             add_ll_regions(layout, sizing)
@@ -171,7 +176,7 @@ class Buffer:
             return None
         if self.transport == "local":
             return LLLocal()
-        if self.transport == "dist":
+        if self.transport in ("dist", "hier"):  # across nodes: the collective low-latency path
             return LLDist(self._info.group, self._info.rank, self.sizing)
         return LLShm(self._exchange.peers)
 
@@ -185,6 +190,8 @@ class Buffer:
     def _exchange_name(self) -> str:
         if self.transport == "dist" and self.protocol == "ubep":
             return "bsp (collectives are bulk-synchronous; ubep's protocol needs the shared heap)"
+        if self.transport == "hier":
+            return "hier (rail all-to-all across nodes, pull/put on shared memory within a node)"
         return self.protocol if self.transport != "local" else "local"
 
     @property
@@ -273,6 +280,7 @@ class Buffer:
                 recv_prefix_R1=got.recv_prefix_R1,
                 num_recv_tokens_per_expert_list=counts,
                 recv_home_offset_R=got.recv_home_offset_R,
+                route=got.route,
             )
         return DispatchResult(
             recv_x,

@@ -14,7 +14,9 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-TRANSPORTS = ("auto", "shm", "dist")
+from ubep.nodes import NodeMap
+
+TRANSPORTS = ("auto", "shm", "dist", "hier")
 SHM_ARCHES = ("x86_64", "amd64")
 
 
@@ -61,8 +63,22 @@ def shm_supported() -> tuple[bool, str]:
     return True, "x86-64 keeps stores in order (TSO)"
 
 
+def hier_supported(info: GroupInfo) -> tuple[bool, str]:
+    """Whether the hierarchical exchange can run: equal nodes, the whole world, shared memory."""
+    ok, why = NodeMap(info.node_of_rank).uniform()
+    if not ok:
+        return False, why
+    if dist.is_initialized() and dist.get_world_size() != info.world_size:
+        return False, "the EP group is a subgroup, and its rail and node groups are made from the whole world"
+    shm_ok, shm_why = shm_supported()
+    if not shm_ok:
+        return False, f"shared memory unavailable ({shm_why})"
+    return True, f"{why}: shared memory within a node, one crossing per token and node between them"
+
+
 def choose_transport(requested: str, info: GroupInfo) -> tuple[str, str]:
-    """(transport, reason): 'local' for one rank, 'shm' within a host, 'dist' otherwise."""
+    """(transport, reason): 'local' for one rank, 'shm' within a host, 'hier' across hosts,
+    'dist' (flat collectives) where neither fits or when asked for."""
     if requested not in TRANSPORTS:
         raise ValueError(f"transport must be one of {TRANSPORTS}, got {requested!r}")
     if info.world_size == 1:
@@ -70,6 +86,13 @@ def choose_transport(requested: str, info: GroupInfo) -> tuple[str, str]:
     ok, why = shm_supported()
     if requested == "dist":
         return "dist", "requested: torch.distributed collectives"
+    if requested == "hier" or (requested == "auto" and info.num_nodes > 1):
+        hier_ok, hier_why = hier_supported(info)
+        if hier_ok:
+            return "hier", hier_why
+        if requested == "hier":
+            raise ValueError(f"transport='hier' is not available: {hier_why}")
+        return "dist", f"the group spans {info.num_nodes} nodes and hier is unavailable ({hier_why})"
     if info.num_nodes > 1:
         if requested == "shm":
             raise ValueError(f"transport='shm' needs one host; the group spans {info.num_nodes} nodes")

@@ -29,6 +29,8 @@ class DispatchHandle:
       recv_home_offset_R:  where the rows of source s go back in s's combine buffer: the
                            number of rows s sent to lower ranks (int64 [R]; None where the
                            transport does not address remote buffers).
+      route:               protocol-specific relay tables (the hierarchical exchange's
+                           `HierRoute`); None for the other protocols.
     """
 
     num_tokens: int
@@ -39,6 +41,7 @@ class DispatchHandle:
     recv_prefix_R1: torch.Tensor
     num_recv_tokens_per_expert_list: list[int]
     recv_home_offset_R: torch.Tensor | None = None
+    route: object | None = None
 
     @property
     def num_recv_tokens(self) -> int:

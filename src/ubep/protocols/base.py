@@ -102,6 +102,7 @@ class Received:
     recv_src_token_M: torch.Tensor  # int64
     recv_prefix_R1: torch.Tensor  # int64 [R + 1]
     recv_home_offset_R: torch.Tensor | None = None  # see DispatchHandle
+    route: object | None = None  # see DispatchHandle
 
 
 class Exchange(Protocol):

@@ -1,0 +1,515 @@
+"""Dispatch/combine across nodes with per-node deduplication (DeepEP's internode scheme).
+
+Ranks pair up across nodes in rails (`ubep.nodes`): traffic between two nodes
+runs only between the two ranks of one rail, over torch.distributed; inside a
+node it runs over a shared-memory heap, as in `ubep_shm`.
+
+Dispatch, on rank `me` (node n, local index l), call epoch e:
+  1. across: for each other node, the tokens that need any rank there cross
+     once, to me's rail peer on that node: all-to-alls over the rail group of
+     the counts, the routing (source token, global top-k ids, weights) and x.
+  2. relay: me's *forward set* is the rows its rail peers sent (by slot, each
+     block ascending) followed by its own tokens that need a rank of node n.
+     The routing goes into me's shared segment (stamp META = e) and x lands
+     there straight from the all-to-all (stamp DATA = e).
+  3. fan out: every rank of node n reads every forward set's routing, picks
+     the rows owned here, orders them by (source rank, token) as the contract
+     says (the source is the token's home, not the forwarder), and pulls them.
+Combine mirrors it: each expert rank puts its rows into their forwarder's
+combine buffer (destination-major, as in `ubep_shm`); the forwarder sums each
+forwarded row over its node in float32 and sends one float32 partial per
+(token, node) back along the rail; the home sums the partials of every node
+in float32, in rail order, and casts to x's dtype.
+
+Why float32 partials: the contract accumulates in float32; a partial rounded
+to bf16 before crossing would add a rounding step no flat exchange has. It
+costs 2x the bytes of a bf16 row on the way back (see `boundary_bytes`).
+
+Legend: see `ubep.layout` and `ubep.nodes` (G nodes, P ranks per node); also
+F rows in a forward set, S rows crossing, O own tokens kept in the node,
+Q (row, node rank) pairs in a combine buffer, C columns of a partial (H or H + K).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from datetime import timedelta
+from typing import NamedTuple
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from ubep.errors import CommTimeoutError, PeerDataError, UbepError
+from ubep.group import GroupInfo
+from ubep.layout import (
+    ExpertPlacement,
+    destination_major,
+    localize_topk,
+    prefix_offsets,
+    token_in_rank,
+)
+from ubep.nodes import NodeMap, tokens_per_slot
+from ubep.protocols.base import (
+    CODE_DTYPES,
+    DTYPE_CODES,
+    CallId,
+    Received,
+    SendPlan,
+    ShmPeers,
+    Sizing,
+    new_layout,
+)
+from ubep.protocols.rows import rows_view
+from ubep.results import DispatchHandle
+from ubep.shm import SegmentLayout
+
+# Forward-set header words.
+META, DATA, COUNT, DTYPE, TOPK, HDR_WORDS = 0, 1, 2, 3, 4, 8
+# Combine slot header words (one row per node rank writing into this segment).
+SLOT_FLAG, SLOT_DTYPE, SLOT_COUNT = 0, 1, 2
+
+
+@dataclass(frozen=True, slots=True)
+class HierRoute:
+    """One dispatch's relay tables, kept in the handle (`DispatchHandle.route`).
+
+    Home side (this rank's tokens), per rail slot g:
+      send_token_S:   tokens sent across, slot-major, ascending in each block (int64 [S])
+      send_counts_G:  rows sent to each slot (0 at this rank's own slot)
+      own_token_O:    own tokens that need a rank of this node (int64 [O])
+    Forwarder side (this rank's forward set: S rows from other nodes, then its O own rows):
+      relay_counts_G: rows received from each slot (0 at the own slot)
+      fwd_in_node_FP: bool [F, P], the node ranks each forwarded row went to
+    Expert side (rows received, M):
+      recv_fwd_M:     node-local index of the forwarder each row came through
+      recv_fwd_row_M: that row's index in its forwarder's set
+      fwd_offset_P:   where this rank's rows start in each forwarder's combine buffer
+    """
+
+    send_token_S: torch.Tensor
+    send_counts_G: torch.Tensor
+    own_token_O: torch.Tensor
+    relay_counts_G: torch.Tensor
+    fwd_in_node_FP: torch.Tensor
+    recv_fwd_M: torch.Tensor
+    recv_fwd_row_M: torch.Tensor
+    fwd_offset_P: torch.Tensor
+
+
+class Routed(NamedTuple):
+    """What fan-out derives from every forward set's routing, for this rank."""
+
+    topk_MK: torch.Tensor  # local expert ids
+    weights_MK: torch.Tensor
+    src_rank_M: torch.Tensor
+    src_token_M: torch.Tensor
+    fwd_M: torch.Tensor
+    fwd_row_M: torch.Tensor
+    fwd_offset_P: torch.Tensor
+    fwd_in_node_FP: torch.Tensor  # this rank's own forward set
+
+
+def dispatch_row_bytes(hidden: int, itemsize: int, topk: int) -> int:
+    """Bytes of one crossing dispatch row: x, source token (int64), top-k ids (int64), weights (fp32)."""
+    return hidden * itemsize + 8 + topk * (8 + 4)
+
+
+def partial_row_bytes(hidden: int, topk: int) -> int:
+    """Bytes of one crossing combine partial: float32 [H], plus float32 [K] weights when combined."""
+    return 4 * (hidden + topk)
+
+
+def hier_layout(s: Sizing, num_nodes: int, per_node: int) -> SegmentLayout:
+    """Shared regions of one rank: its forward set and its combine buffer, double-buffered."""
+    layout = new_layout()
+    F, K = s.capacity * num_nodes, s.max_topk  # own tokens plus one block per other node
+    for p in (0, 1):
+        layout.add(f"f{p}.hdr", (HDR_WORDS,), torch.int64)
+        layout.add(f"f{p}.ids", (F, 2), torch.int64)
+        layout.add(f"f{p}.topk", (F * K,), torch.int64)
+        layout.add(f"f{p}.w", (F * K,), torch.float32)
+        layout.add(f"f{p}.x", (F * s.row_bytes,), torch.uint8)
+        layout.add(f"c{p}.hdr", (per_node, 4), torch.int64)
+        layout.add(f"c{p}.x", (F * per_node * s.row_bytes,), torch.uint8)
+        layout.add(f"c{p}.w", (F * per_node * K,), torch.float32)
+    return layout
+
+
+def subgroups(nodes: NodeMap, rank: int, timeout_s: float) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+    """(rail group, node group) of `rank`. Every rank creates every group, in the same order
+    (torch's rule for `new_group`); gloo, because the payloads are CPU tensors."""
+    timeout = timedelta(seconds=timeout_s)
+    rails = [nodes.rail(local) for local in range(nodes.ranks_per_node)]
+    members = rails + [nodes.node_ranks(n) for n in range(nodes.num_nodes)]
+    mine = []
+    for ranks in members:
+        group = dist.new_group(list(ranks), timeout=timeout, backend="gloo")
+        if rank in ranks:
+            mine.append(group)
+    return mine[0], mine[1]
+
+
+def as_bytes(t_nX: torch.Tensor) -> torch.Tensor:
+    """[n, X] of any dtype -> uint8 [n, X * itemsize]."""
+    row_bytes = math.prod(t_nX.shape[1:]) * t_nX.element_size()
+    return t_nX.contiguous().view(torch.uint8).view(t_nX.shape[0], row_bytes)
+
+
+def columns(rows_SB: torch.Tensor, widths: list[tuple[torch.dtype, int]]) -> list[torch.Tensor]:
+    """Split packed byte rows into typed column blocks: widths are (dtype, columns)."""
+    out, at = [], 0
+    for dtype, cols in widths:
+        nbytes = cols * dtype.itemsize
+        out.append(rows_SB[:, at : at + nbytes].contiguous().view(dtype).view(rows_SB.shape[0], cols))
+        at += nbytes
+    return out
+
+
+class HierExchange:
+    """Hierarchical dispatch/combine for a group spanning several nodes of equal size."""
+
+    name = "hier"
+
+    def __init__(self, info: GroupInfo, sizing: Sizing, timeout_s: float):
+        nodes = NodeMap(info.node_of_rank)
+        ok, why = nodes.uniform()
+        if not ok:
+            raise ValueError(f"transport='hier': {why}")
+        self.sizing, self.me = sizing, info.rank
+        self.G, self.P = nodes.num_nodes, nodes.ranks_per_node
+        self.local = nodes.local_index(info.rank)
+        self.rail = nodes.rail(self.local)
+        self.slot = self.rail.index(info.rank)
+        self.slot_ranks_GP = nodes.slot_ranks(self.local)
+        self.node_ranks = list(nodes.node_ranks(info.node_of_rank[info.rank]))
+        # Sources whose rows reach this node through node rank f: those with local index f.
+        self.sources_via = [nodes.rail(f) for f in range(self.P)]
+        self.groups = subgroups(nodes, info.rank, timeout_s)
+        self.timeout_s = timeout_s
+        # ShmPeers reads only the group size from its sizing: the node's P ranks.
+        node_sizing = replace(sizing, placement=ExpertPlacement.contiguous(self.P, self.P))
+        layout = hier_layout(sizing, self.G, self.P)
+        self.peers = ShmPeers(layout, self.groups[1], self.local, node_sizing, timeout_s)
+
+    def _phase(self, what: str) -> str:
+        return f"{what} (peers named by node-local index of ranks {self.node_ranks})"
+
+    # -- across nodes -----------------------------------------------------------------------------
+
+    def _rail_all_to_all(
+        self,
+        phase: str,
+        call: CallId,
+        send_SX: torch.Tensor,
+        send_G: torch.Tensor,
+        recv_G: torch.Tensor,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """all_to_all_single over the rail group (into `out` if given); a failure tells the
+        node peers at once and names the rail peers."""
+        if out is None:
+            out = send_SX.new_empty((int(recv_G.sum()), *send_SX.shape[1:]))
+        try:
+            dist.all_to_all_single(out, send_SX, recv_G.tolist(), send_G.tolist(), group=self.groups[0])
+        except RuntimeError as err:
+            self.peers.abort(call)
+            others = [r for r in self.rail if r != self.me]
+            if "timed out" in str(err).lower() or "timeout" in str(err).lower():
+                raise CommTimeoutError(phase, others, self.timeout_s, []) from err
+            raise UbepError(f"{phase}: torch.distributed failed with rail peer(s) {others}: {err}") from err
+        return out
+
+    def _home_plan(
+        self, is_token_in_rank_NR: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(send_token_S, send_counts_G, own_token_O): which tokens cross to which node, once."""
+        in_slot_NG = tokens_per_slot(is_token_in_rank_NR, self.slot_ranks_GP)
+        own_O = torch.nonzero(in_slot_NG[:, self.slot]).flatten()
+        in_slot_NG[:, self.slot] = False  # own tokens stay in the node
+        slot_S, token_S = destination_major(in_slot_NG)
+        return token_S, torch.bincount(slot_S, minlength=self.G), own_O
+
+    def _header(self, call: CallId, rows: int, dtype: torch.dtype) -> np.ndarray:
+        """This rank's forward-set header, with its row count and dtype written."""
+        hdr = self.peers.heap.words(self.local, f"f{call.parity}.hdr")
+        hdr[COUNT], hdr[DTYPE] = rows, DTYPE_CODES[dtype]
+        return hdr
+
+    def _relay_routing(self, call: CallId, plan: SendPlan, send_token_S, send_G, own_O) -> torch.Tensor:
+        """Stage 1 and 2 for routing: send each other node (once) the routing of the tokens
+        it needs; publish the forward set's routing and stamp META. Returns rows per slot."""
+        heap, p, me, idx, w = self.peers.heap, call.parity, self.local, plan.topk_idx_NK, plan.topk_weights_NK
+        ones_G = torch.ones(self.G, dtype=torch.int64)
+        relay_G = self._rail_all_to_all("dispatch (counts across nodes)", call, send_G, ones_G, ones_G)
+        parts = (send_token_S[:, None], idx[send_token_S], w[send_token_S])
+        meta_SB = torch.cat([as_bytes(part) for part in parts], dim=1)
+        got = self._rail_all_to_all("dispatch (routing across nodes)", call, meta_SB, send_G, relay_G)
+        K = idx.shape[1]
+        token_in, idx_in, w_in = columns(got, [(torch.int64, 1), (torch.int64, K), (torch.float32, K)])
+        src_F = torch.cat(
+            [torch.repeat_interleave(torch.tensor(self.rail), relay_G), torch.full_like(own_O, self.me)]
+        )
+        F = src_F.numel()
+        heap.tensor(me, f"f{p}.ids")[:F].copy_(torch.stack([src_F, torch.cat([token_in[:, 0], own_O])], 1))
+        heap.tensor(me, f"f{p}.topk")[: F * K].copy_(torch.cat([idx_in, idx[own_O]]).flatten())
+        heap.tensor(me, f"f{p}.w")[: F * K].copy_(torch.cat([w_in, w[own_O]]).flatten())
+        hdr = self._header(call, F, plan.x_NH.dtype)
+        hdr[TOPK] = K
+        hdr[META] = call.epoch  # routing visible from here on
+        self.peers.ring_all()
+        return relay_G
+
+    def _relay_rows(self, call: CallId, x_NH: torch.Tensor, send_token_S, send_G, relay_G, own_O) -> None:
+        """Stage 1 and 2 for rows: crossing rows land straight in this rank's forward set,
+        followed by its own rows for its node; then stamp DATA."""
+        S, F, H = int(relay_G.sum()), int(relay_G.sum()) + own_O.numel(), x_NH.shape[1]
+        fwd_FH = rows_view(self.peers.heap.tensor(self.local, f"f{call.parity}.x"), F, H, x_NH.dtype)
+        crossing = as_bytes(x_NH[send_token_S])
+        self._rail_all_to_all(
+            "dispatch (across nodes)", call, crossing, send_G, relay_G, out=as_bytes(fwd_FH[:S])
+        )
+        torch.index_select(x_NH, 0, own_O, out=fwd_FH[S:])
+        self._header(call, F, x_NH.dtype)[DATA] = call.epoch  # rows visible from here on
+        self.peers.ring_all()
+
+    # -- inside the node: dispatch ----------------------------------------------------------------
+
+    def dispatch(self, call: CallId, plan: SendPlan, handle: DispatchHandle | None) -> Received:
+        if handle is not None:
+            return self._dispatch_cached(call, plan.x_NH, handle)
+        send_token_S, send_G, own_O = self._home_plan(plan.is_token_in_rank_NR)
+        relay_G = self._relay_routing(call, plan, send_token_S, send_G, own_O)
+        self._relay_rows(call, plan.x_NH, send_token_S, send_G, relay_G, own_O)
+        got = self._gather_routing(call, plan.x_NH.dtype, plan.topk_idx_NK.shape[1])
+        route = HierRoute(
+            send_token_S,
+            send_G,
+            own_O,
+            relay_G,
+            got.fwd_in_node_FP,
+            got.fwd_M,
+            got.fwd_row_M,
+            got.fwd_offset_P,
+        )
+        prefix_R1 = prefix_offsets(torch.bincount(got.src_rank_M, minlength=self.sizing.num_ranks))
+        recv_x_MH = self._gather_rows(call, plan.x_NH, route, prefix_R1)
+        return Received(recv_x_MH, got.topk_MK, got.weights_MK, got.src_token_M, prefix_R1, route=route)
+
+    def _dispatch_cached(self, call: CallId, x_NH: torch.Tensor, handle: DispatchHandle) -> Received:
+        """The same rows cross and fan out again, x only: the routing is in the handle."""
+        r: HierRoute = handle.route
+        self._relay_rows(call, x_NH, r.send_token_S, r.send_counts_G, r.relay_counts_G, r.own_token_O)
+        recv_x_MH = self._gather_rows(call, x_NH, r, handle.recv_prefix_R1)
+        return Received(recv_x_MH, None, None, handle.recv_src_token_M, handle.recv_prefix_R1, route=r)
+
+    def _forward_header(self, call: CallId, f: int, dtype: torch.dtype) -> tuple[int, int]:
+        """A landed forward set's (row count, top-k), checked against this rank's bounds."""
+        hdr = self.peers.heap.words(f, f"f{call.parity}.hdr")
+        n, k, code = int(hdr[COUNT]), int(hdr[TOPK]), int(hdr[DTYPE])
+        if not 0 <= n <= self.sizing.capacity * self.G:
+            raise PeerDataError(f"dispatch: rank {self.node_ranks[f]} announced {n} forwarded rows")
+        if CODE_DTYPES.get(code) != dtype:
+            raise PeerDataError(
+                f"dispatch: rank {self.node_ranks[f]} sent {CODE_DTYPES.get(code)}, not {dtype}"
+            )
+        return n, k
+
+    def _read_routing(self, call: CallId, dtype: torch.dtype, K: int):
+        """Every forward set's (ids [S, 2], topk [S, K], weights [S, K], rows per forwarder [P])."""
+        heap, p = self.peers.heap, call.parity
+        ids, topk, weights, counts = [], [], [], []
+        for f in range(self.P):
+            n, k = self._forward_header(call, f, dtype)
+            if k != K:
+                raise PeerDataError(f"dispatch: rank {self.node_ranks[f]} relays top-k {k}, this rank {K}")
+            ids.append(heap.tensor(f, f"f{p}.ids")[:n])
+            topk.append(heap.tensor(f, f"f{p}.topk")[: n * K].view(n, K))
+            weights.append(heap.tensor(f, f"f{p}.w")[: n * K].view(n, K))
+            counts.append(n)
+        ids_S2, topk_SK = torch.cat(ids), torch.cat(topk)
+        bad_ids = (ids_S2 < 0).any() or (ids_S2[:, 0] >= self.sizing.num_ranks).any()
+        bad_topk = topk_SK.numel() and (
+            topk_SK.min() < -1 or topk_SK.max() >= self.sizing.placement.num_experts
+        )
+        if bad_ids or (ids_S2[:, 1] >= self.sizing.capacity).any() or bad_topk:
+            raise PeerDataError("dispatch: a forward set holds source ids or expert ids out of range")
+        return ids_S2, topk_SK, torch.cat(weights), torch.tensor(counts, dtype=torch.int64)
+
+    def _gather_routing(self, call: CallId, dtype: torch.dtype, K: int) -> Routed:
+        """Stage 2, fan-out: from every forward set's routing, the rows owned here, in final order."""
+        heap, p, placement = self.peers.heap, call.parity, self.sizing.placement
+        metas = [heap.words(f, f"f{p}.hdr")[META : META + 1].reshape(()) for f in range(self.P)]
+        self.peers.wait_words(self._phase("dispatch (routing)"), call, metas, call.epoch, range(self.P))
+        ids_S2, topk_SK, w_SK, counts_P = self._read_routing(call, dtype, K)
+        fwd_S = torch.repeat_interleave(torch.arange(self.P), counts_P)
+        row_S = torch.arange(fwd_S.numel()) - prefix_offsets(counts_P)[:-1][fwd_S]
+        local_SK, local_w_SK = localize_topk(topk_SK, w_SK, placement, self.me)
+        here = torch.nonzero((local_SK >= 0).any(dim=1)).flatten()
+        m = here[torch.argsort(ids_S2[here, 0] * self.sizing.capacity + ids_S2[here, 1])]  # (source, token)
+        in_node_SP = token_in_rank(topk_SK, placement)[:, self.node_ranks]
+        to_lower_S = in_node_SP[:, : self.local].sum(dim=1)  # pairs ahead of this rank's block
+        offset_P = torch.bincount(fwd_S, weights=to_lower_S.double(), minlength=self.P).long()
+        return Routed(
+            local_SK[m],
+            local_w_SK[m],
+            ids_S2[m, 0],
+            ids_S2[m, 1],
+            fwd_S[m],
+            row_S[m],
+            offset_P,
+            in_node_SP[fwd_S == self.local],
+        )
+
+    def _gather_rows(self, call: CallId, x_NH: torch.Tensor, route: HierRoute, prefix_R1) -> torch.Tensor:
+        """recv_x [M, H]: each forwarder's rows, pulled as soon as its DATA stamp lands, in any order."""
+        recv_x_MH = x_NH.new_empty((route.recv_fwd_M.numel(), x_NH.shape[1]))
+        heap, p = self.peers.heap, call.parity
+        datas = [heap.words(f, f"f{p}.hdr")[DATA : DATA + 1].reshape(()) for f in range(self.P)]
+        waiter = self.peers.waiter(self._phase("dispatch (tokens in node)"), call)
+        pending = [(self.local + i) % self.P for i in range(self.P)]  # own forward set first
+        while pending:
+            landed = [f for f in pending if datas[f][()] == call.epoch]
+            for f in landed:
+                self._pull(call, f, recv_x_MH, route, prefix_R1)
+            pending = [f for f in pending if f not in landed]
+            if pending and not landed:
+                waiter.pause(pending)
+        return recv_x_MH
+
+    def _pull(self, call: CallId, f: int, recv_x_MH: torch.Tensor, route: HierRoute, prefix_R1) -> None:
+        """Copy forwarder f's rows into place. Every source's rows come through one forwarder
+        (the node rank with the source's local index), so each source block is one gather."""
+        rows = route.recv_fwd_row_M[route.recv_fwd_M == f]
+        if not rows.numel():
+            return
+        n, _ = self._forward_header(call, f, recv_x_MH.dtype)
+        if int(rows.max()) >= n:
+            raise PeerDataError(
+                f"dispatch: rank {self.node_ranks[f]} relays {n} rows, fewer than routed here"
+            )
+        source_FH = rows_view(
+            self.peers.heap.tensor(f, f"f{call.parity}.x"), n, recv_x_MH.shape[1], recv_x_MH.dtype
+        )
+        for src in self.sources_via[f]:
+            a, b = int(prefix_R1[src]), int(prefix_R1[src + 1])
+            torch.index_select(source_FH, 0, route.recv_fwd_row_M[a:b], out=recv_x_MH[a:b])
+
+    # -- combine ----------------------------------------------------------------------------------
+
+    def combine(self, call: CallId, x_MH, handle: DispatchHandle, topk_weights_MK):
+        route: HierRoute = handle.route
+        K = 0 if topk_weights_MK is None else topk_weights_MK.shape[1]
+        self._put_to_forwarders(call, x_MH, topk_weights_MK, route)
+        partial_FC = self._reduce_in_node(call, x_MH.dtype, x_MH.shape[1], K, route)
+        S = int(route.relay_counts_G.sum())  # partials of other nodes' tokens; own ones follow
+        back_SC = self._rail_all_to_all(
+            "combine (across nodes)", call, partial_FC[:S], route.relay_counts_G, route.send_counts_G
+        )
+        # Every node's partials, added in rail order (this node's at this rank's slot).
+        b, token_S = int(route.send_counts_G[: self.slot].sum()), route.send_token_S
+        out_NC = torch.zeros(handle.num_tokens, partial_FC.shape[1], dtype=torch.float32)
+        out_NC.index_add_(0, token_S[:b], back_SC[:b])
+        out_NC.index_add_(0, route.own_token_O, partial_FC[S:])
+        out_NC.index_add_(0, token_S[b:], back_SC[b:])
+        H = x_MH.shape[1]
+        return out_NC[:, :H].to(x_MH.dtype), (out_NC[:, H:].contiguous() if K else None)
+
+    def _put_to_forwarders(self, call: CallId, x_MH, w_MK, route: HierRoute) -> None:
+        """Each forwarder's rows go to their final place in its combine buffer; then a stamp."""
+        heap, p, H = self.peers.heap, call.parity, x_MH.shape[1]
+        offsets = route.fwd_offset_P.tolist()
+        for i in range(self.P):
+            f = (self.local + i) % self.P
+            pos = torch.nonzero(route.recv_fwd_M == f).flatten()
+            pos = pos[torch.argsort(route.recv_fwd_row_M[pos])]  # in the forwarder's row order
+            n, at = pos.numel(), offsets[f]
+            out = rows_view(heap.tensor(f, f"c{p}.x"), n, H, x_MH.dtype, first_row=at)
+            torch.index_select(x_MH, 0, pos, out=out)
+            if w_MK is not None:
+                K = w_MK.shape[1]
+                torch.index_select(
+                    w_MK, 0, pos, out=heap.tensor(f, f"c{p}.w")[at * K : (at + n) * K].view(n, K)
+                )
+            slot = heap.words(f, f"c{p}.hdr")[self.local]
+            slot[SLOT_DTYPE] = DTYPE_CODES[x_MH.dtype]
+            slot[SLOT_COUNT] = n
+            slot[SLOT_FLAG] = call.epoch  # this block is visible from here on
+            self.peers.ring(f)
+
+    def _reduce_in_node(self, call: CallId, dtype, H: int, K: int, route: HierRoute) -> torch.Tensor:
+        """float32 [F, H + K]: each forwarded row summed over the node ranks it went to."""
+        heap, p = self.peers.heap, call.parity
+        hdr = heap.words(self.local, f"c{p}.hdr")
+        flags = [hdr[d, SLOT_FLAG : SLOT_FLAG + 1].reshape(()) for d in range(self.P)]
+        self.peers.wait_words(self._phase("combine (in node)"), call, flags, call.epoch, range(self.P))
+        expected_P = route.fwd_in_node_FP.sum(dim=0).tolist()
+        for d in range(self.P):
+            got, code = int(hdr[d, SLOT_COUNT]), int(hdr[d, SLOT_DTYPE])
+            if got != expected_P[d] or CODE_DTYPES.get(code) != dtype:
+                raise PeerDataError(
+                    f"combine: rank {self.node_ranks[d]} returned {got} rows of {CODE_DTYPES.get(code)}, "
+                    f"expected {expected_P[d]} of {dtype}"
+                )
+        _, row_Q = destination_major(route.fwd_in_node_FP)
+        partial_FC = torch.zeros(route.fwd_in_node_FP.shape[0], H + K, dtype=torch.float32)
+        partial_FC[:, :H].index_add_(
+            0, row_Q, rows_view(heap.tensor(self.local, f"c{p}.x"), row_Q.numel(), H, dtype).float()
+        )
+        if K:
+            partial_FC[:, H:].index_add_(
+                0, row_Q, heap.tensor(self.local, f"c{p}.w")[: row_Q.numel() * K].view(-1, K)
+            )
+        return partial_FC
+
+    def abort(self, call: CallId) -> None:
+        """Node peers learn at once; rail peers time out through the process group."""
+        self.peers.abort(call)
+
+    def close(self) -> None:
+        self.peers.close()
+        for group in self.groups:
+            dist.destroy_process_group(group)
+
+
+def boundary_bytes(
+    topk_idxs: list[torch.Tensor],
+    placement: ExpertPlacement,
+    node_of_rank: tuple[int, ...] | list[int],
+    hidden: int,
+    dtype: torch.dtype,
+    combine_weights: bool = False,
+) -> dict[str, list[int]]:
+    """Bytes of each rank's tokens that cross the node boundary, flat ("dist") and deduplicated ("hier").
+
+    Per home rank r, counting its tokens out (dispatch) and back (combine):
+      dispatch_rows_flat / _dedup: (token, remote rank) / (token, remote node) pairs
+      dispatch_bytes_flat / _dedup: those rows at their wire size, routing included
+      combine_bytes_flat / _dedup: the rows back (x's dtype flat, float32 partials dedup),
+                                   plus the top-k weights when `combine_weights`
+    The per-call count exchange (a few int64 words per peer) is left out of both.
+    Example: 2 nodes of 2 ranks, a token for ranks {0, 2, 3} on rank 0 crosses
+    twice flat (to ranks 2 and 3) and once deduplicated (to node 1).
+    """
+    item, K = dtype.itemsize, (topk_idxs[0].shape[1] if topk_idxs else 0)
+    returned_K = K if combine_weights else 0
+    flat_row = hidden * item + 8 * (1 + 2 * K)  # bsp_dist's rows: x, then int64 token, local ids, weights
+    node_R = torch.tensor(node_of_rank)
+    out: dict[str, list[int]] = {}
+    for rank, idx_NK in enumerate(topk_idxs):
+        is_NR = token_in_rank(idx_NK, placement)
+        remote_R = node_R != node_R[rank]
+        flat = int(is_NR[:, remote_R].sum())
+        dedup = sum(int(is_NR[:, node_R == n].any(dim=1).sum()) for n in set(node_R[remote_R].tolist()))
+        counts = {
+            "dispatch_rows_flat": flat,
+            "dispatch_rows_dedup": dedup,
+            "dispatch_bytes_flat": flat * flat_row,
+            "dispatch_bytes_dedup": dedup * dispatch_row_bytes(hidden, item, K),
+            "combine_bytes_flat": flat * (hidden * item + 4 * returned_K),
+            "combine_bytes_dedup": dedup * partial_row_bytes(hidden, returned_K),
+        }
+        for key, value in counts.items():
+            out.setdefault(key, []).append(value)
+    return out
