@@ -24,7 +24,7 @@ def test_joins_torchrun_group_on_one_node():
     assert out.count("ok=True") == 2 and "transport shm" in out
 
 
-def test_two_torchrun_nodes_use_torch_distributed():
+def test_two_torchrun_nodes_use_the_hierarchical_transport():
     # Two torchrun agents on this host emulate two nodes (--nnodes=2): GROUP_RANK differs.
     port = 29400 + os.getpid() % 1000
     rdzv = ["--nnodes=2", "--nproc-per-node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}"]
@@ -32,4 +32,4 @@ def test_two_torchrun_nodes_use_torch_distributed():
     outs = [a.communicate(timeout=180) for a in agents]
     assert all(a.returncode == 0 for a in agents), "\n".join(err[-2000:] for _, err in outs)
     text = "".join(out for out, _ in outs)
-    assert text.count("ok=True") == 2 and "transport dist" in text
+    assert text.count("ok=True") == 2 and "transport hier" in text
