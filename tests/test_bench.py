@@ -82,6 +82,38 @@ def test_bench_low_latency_mode(tmp_path):
     assert all(r["mode"] == "ll" for r in rows)
 
 
+def test_bench_emulated_nodes_report_bytes_across(tmp_path):
+    out = tmp_path / "nodes.json"
+    code = main(
+        [
+            "bench",
+            "--ranks",
+            "4",
+            "--nodes",
+            "2",
+            "--tokens",
+            "8",
+            "--hidden",
+            "256",
+            "--experts",
+            "8",
+            "--topk",
+            "4",
+            "--iters",
+            "2",
+            "--warmup",
+            "1",
+            "--json",
+            str(out),
+        ]
+    )
+    assert code == 0
+    rows = {r["system"]: r for r in json.loads(out.read_text())["results"]}
+    assert set(rows) == {"ubep", "bsp-gloo", "memcpy-floor"}
+    # The hierarchical transport sends a token once per remote node: never more bytes than flat.
+    assert 0 < rows["ubep"]["boundary_bytes"] <= rows["bsp-gloo"]["boundary_bytes"]
+
+
 def test_stats_take_the_slowest_rank_from_the_common_start():
     starts = [10.0, 20.0, 30.0]
     finishes = [[10.001, 20.004, 30.002], [10.003, 20.001, 30.002]]  # rank 0, rank 1

@@ -60,6 +60,12 @@ def add_bench(subparsers) -> None:
         "--dtype", choices=tuple(DTYPES), default=d.dtype, help="token dtype (default %(default)s)"
     )
     p.add_argument("--systems", type=_systems, default=d.systems, help=f"comma list of {', '.join(SYSTEMS)}")
+    p.add_argument(
+        "--nodes",
+        type=int,
+        default=d.nodes,
+        help="emulate this many nodes (ranks split evenly; torch.distributed between them)",
+    )
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--timeout", type=float, default=d.timeout_s, help="per-wait deadline in seconds")
     p.add_argument("--json", metavar="PATH", help="write results as JSON")
@@ -72,6 +78,8 @@ def run_bench(args: argparse.Namespace) -> int:
     from ubep.bench import report
     from ubep.bench.run import run
 
+    if args.nodes < 1 or args.ranks % args.nodes:
+        raise SystemExit(f"ubep bench: --ranks ({args.ranks}) must split evenly into --nodes ({args.nodes})")
     if args.experts % args.ranks:
         raise SystemExit(
             f"ubep bench: --experts ({args.experts}) must be a multiple of --ranks ({args.ranks})"
@@ -90,6 +98,7 @@ def run_bench(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         systems=args.systems,
         seed=args.seed,
+        nodes=args.nodes,
         timeout_s=args.timeout,
     )
     if args.profile:
@@ -101,6 +110,7 @@ def run_bench(args: argparse.Namespace) -> int:
     title = (
         f"{cfg.mode} mode, {cfg.ranks} ranks on {os.cpu_count()} cores, hidden {cfg.hidden}, "
         f"{cfg.experts} experts, top-{cfg.topk}, {cfg.dtype}, {cfg.routing} routing"
+        + (f", {cfg.nodes} emulated nodes" if cfg.nodes > 1 else "")
     )
     notes.append(
         "latency: median over iterations of the slowest rank, from a common start instant; "

@@ -27,6 +27,7 @@ class Row:
     combine_gbps: float
     vs_ubep: float | None = None  # (dispatch + combine) time of this system / ubep's
     floor_fraction: float | None = None  # floor time / this system's time
+    boundary_bytes: float | None = None  # per rank and call, dispatch + combine, across emulated nodes
 
     @classmethod
     def build(cls, system: str, mode: str, tokens: int, nbytes: float, d: Stats, c: Stats) -> Row:
@@ -62,17 +63,9 @@ def with_ratios(rows: list[Row]) -> list[Row]:
 
 def table(rows: list[Row], title: str) -> Table:
     t = Table(title=title)
-    for col in (
-        "system",
-        "tokens",
-        "dispatch us",
-        "p99",
-        "combine us",
-        "p99",
-        "GB/s d/c",
-        "x ubep",
-        "of floor",
-    ):
+    crossing = any(r.boundary_bytes is not None for r in rows)
+    cols = ["system", "tokens", "dispatch us", "p99", "combine us", "p99", "GB/s d/c", "x ubep", "of floor"]
+    for col in cols + (["MB across nodes"] if crossing else []):
         t.add_column(col, justify="left" if col == "system" else "right")
     for r in rows:
         t.add_row(
@@ -85,6 +78,7 @@ def table(rows: list[Row], title: str) -> Table:
             f"{r.dispatch_gbps:.2f}/{r.combine_gbps:.2f}",
             "-" if r.vs_ubep is None else f"{r.vs_ubep:.2f}",
             "-" if r.floor_fraction is None else f"{r.floor_fraction:.0%}",
+            *([] if not crossing else ["-" if r.boundary_bytes is None else f"{r.boundary_bytes / 1e6:.2f}"]),
         )
     return t
 

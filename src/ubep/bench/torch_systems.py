@@ -55,6 +55,8 @@ def verify(name: str, got: ubep.DispatchResult, combined: torch.Tensor, work: Wo
 def measure_buffer(name: str, cfg: BenchConfig, work: Workload, tokens: int) -> dict:
     me = dist.get_rank()
     protocol, transport = BUFFER_SYSTEMS[name]
+    if cfg.nodes > 1 and name == "ubep":
+        transport = "hier"  # across emulated nodes: shared memory inside, one crossing per token and node
     x, idx, w = work.xs[me], work.topk_idx[me], work.topk_weights[me]
     with ubep.Buffer(
         hidden=cfg.hidden,

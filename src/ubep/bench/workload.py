@@ -34,6 +34,7 @@ class BenchConfig:
     systems: tuple[str, ...] = SYSTEMS
     seed: int = 0
     timeout_s: float = 120.0
+    nodes: int = 1  # emulated nodes: ranks are split evenly; traffic between them uses torch.distributed
 
     def as_dict(self) -> dict:
         return asdict(self)
