@@ -11,10 +11,13 @@ if ! command -v mpicc >/dev/null 2>&1; then
         echo "setup: Open MPI not found and cannot be installed here; 'ubep bench' will skip its mpi row"
     fi
 fi
+quiet_pip() {  # pip, minus the notices about index locations this machine's pip config names
+    .venv/bin/pip "$@" 2>&1 | { grep -v "^WARNING: Location" || true; }
+}
 python3 -m venv .venv
-.venv/bin/pip install -q --upgrade pip
-.venv/bin/pip install -q torch==2.13.0
+quiet_pip install -q --upgrade pip
+quiet_pip install -q torch==2.13.0
 extras="dev"
 command -v mpicc >/dev/null 2>&1 && extras="dev,mpi"
-.venv/bin/pip install -q -e ".[$extras]"
+quiet_pip install -q -e ".[$extras]"
 echo "setup: done ($(.venv/bin/python -c 'import torch; print("torch", torch.__version__)'))"
