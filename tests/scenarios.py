@@ -50,6 +50,16 @@ class Scenario:
         return xs, idxs, ws, reference.dispatch(xs, idxs, ws, self.num_experts)
 
 
+def assert_dispatch_matches(got, mine: reference.RefDispatch, where: str) -> None:
+    """A normal-mode dispatch result equals the reference's, bit for bit, handle included."""
+    assert torch.equal(got.recv_x, mine.recv_x_MH), where
+    assert torch.equal(got.recv_topk_idx, mine.recv_topk_idx_MK), where
+    assert torch.equal(got.recv_topk_weights, mine.recv_topk_weights_MK), where
+    assert got.num_recv_tokens_per_expert_list == mine.num_recv_tokens_per_expert, where
+    assert torch.equal(got.handle.recv_src_rank_M, mine.src_rank_M), where
+    assert torch.equal(got.handle.recv_src_token_M, mine.src_token_M), where
+
+
 def expert_output(recv_x: torch.Tensor, rank: int) -> torch.Tensor:
     """A deterministic stand-in for the experts: scale rows by a rank-dependent factor."""
     return (recv_x.float() * (0.5 + rank) - 1.0).to(recv_x.dtype)

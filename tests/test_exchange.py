@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from scenarios import Scenario, expert_output, scenarios_for
+from scenarios import Scenario, assert_dispatch_matches, expert_output, scenarios_for
 
 import ubep
 from ubep import reference
@@ -25,12 +25,7 @@ def check_scenario(buf: ubep.Buffer, sc: Scenario, me: int) -> None:
         is_token_in_rank=layout.is_token_in_rank,
     )
     where = f"{sc.name} rank {me}"
-    assert torch.equal(got.recv_x, mine.recv_x_MH), where
-    assert torch.equal(got.recv_topk_idx, mine.recv_topk_idx_MK), where
-    assert torch.equal(got.recv_topk_weights, mine.recv_topk_weights_MK), where
-    assert got.num_recv_tokens_per_expert_list == mine.num_recv_tokens_per_expert, where
-    assert torch.equal(got.handle.recv_src_rank_M, mine.src_rank_M), where
-    assert torch.equal(got.handle.recv_src_token_M, mine.src_token_M), where
+    assert_dispatch_matches(got, mine, where)
 
     ys = [expert_output(ref[r].recv_x_MH, r) for r in range(sc.num_ranks)]
     want = reference.combine(ys, ref, [x.shape[0] for x in xs])[me]

@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-from scenarios import Scenario, expert_output, scenarios_for
+from scenarios import Scenario, assert_dispatch_matches, expert_output, scenarios_for
 
 import ubep
 from ubep import reference
@@ -76,12 +76,7 @@ def check_hier(buf: ubep.Buffer, sc: Scenario, me: int) -> None:
     xs, idxs, ws, ref = sc.expected()
     mine, where = ref[me], f"{sc.name} rank {me}"
     got = buf.dispatch(xs[me], topk_idx=idxs[me], topk_weights=ws[me])
-    assert torch.equal(got.recv_x, mine.recv_x_MH), where
-    assert torch.equal(got.recv_topk_idx, mine.recv_topk_idx_MK), where
-    assert torch.equal(got.recv_topk_weights, mine.recv_topk_weights_MK), where
-    assert got.num_recv_tokens_per_expert_list == mine.num_recv_tokens_per_expert, where
-    assert torch.equal(got.handle.recv_src_rank_M, mine.src_rank_M), where
-    assert torch.equal(got.handle.recv_src_token_M, mine.src_token_M), where
+    assert_dispatch_matches(got, mine, where)
 
     ys = [expert_output(ref[r].recv_x_MH, r) for r in range(sc.num_ranks)]
     want = reference.combine(ys, ref, [x.shape[0] for x in xs])[me]
