@@ -83,3 +83,36 @@ def alignment_case(alignment: int) -> list[int]:
 def test_expert_alignment_rounds_up():
     lists = ubep.LocalLaunch(world_size=2, timeout_s=60).run(alignment_case, 16)
     assert all(c % 16 == 0 for counts in lists for c in counts)
+
+
+def scheduled_workers(workers: int, policy: str) -> int:
+    """Combine with several put workers following the token scheduler, checked every call."""
+    me, R = dist.get_rank(), dist.get_world_size()
+    checked = 0
+    with ubep.Buffer(
+        hidden=64, num_experts=4 * R, max_tokens_per_rank=24, workers=workers, schedule=policy, timeout_s=20
+    ) as buf:
+        for seed in range(4):
+            sc = Scenario(
+                name=f"workers-{workers}-{policy}-{seed}",
+                num_ranks=R,
+                num_experts=4 * R,
+                kind="hot",
+                skew=0.7,
+                drop=0.1,
+                seed=40 + seed,
+            )
+            xs, idxs, ws, ref = sc.expected()
+            got = buf.dispatch(xs[me], topk_idx=idxs[me], topk_weights=ws[me])
+            ys = [expert_output(ref[r].recv_x_MH, r) for r in range(R)]
+            want = reference.combine(ys, ref, [x.shape[0] for x in xs])[me]
+            out = buf.combine(expert_output(got.recv_x, me), got.handle, topk_weights=got.recv_topk_weights)
+            assert torch.equal(out.combined_x, want), sc.name
+            assert torch.equal(out.combined_topk_weights, torch.where(idxs[me] >= 0, ws[me], 0.0)), sc.name
+            checked += 1
+    return checked
+
+
+@pytest.mark.parametrize("workers,policy", [(3, "ubep"), (2, "balanced"), (2, "bsp")])
+def test_scheduled_put_workers_match_reference(workers, policy):
+    assert ubep.LocalLaunch(world_size=4, timeout_s=120).run(scheduled_workers, workers, policy) == [4] * 4

@@ -42,6 +42,7 @@ from ubep.results import (
     LowLatencyDispatchResult,
     LowLatencyHandle,
 )
+from ubep.schedule import POLICIES
 
 VERSION = "0.1.0"
 # Construction waits at least this long: ranks reach it at different times (imports,
@@ -71,6 +72,9 @@ class Buffer:
         low_latency: reserve the low-latency slots (shared-memory pages are only
             touched when used); False saves address space for normal-mode-only use.
         faults: a `ubep.faults.FaultPlan` to inject a fault (tests only; default none).
+        workers: threads per rank that put combine rows on the shared heap, following the
+            token scheduler (`ubep.schedule`); 1 is right when ranks outnumber cores.
+        schedule: the scheduler's policy for several workers ("ubep", "balanced", "bsp", ...).
     """
 
     def __init__(
@@ -87,6 +91,8 @@ class Buffer:
         expert_placement: list[int] | torch.Tensor | None = None,
         low_latency: bool = True,
         faults: FaultPlan | None = None,
+        workers: int = 1,
+        schedule: str = "ubep",
     ):
         validate.positive("hidden", hidden)
         validate.positive("num_experts", num_experts)
@@ -94,6 +100,9 @@ class Buffer:
         validate.positive("max_topk", max_topk)
         if protocol not in PROTOCOLS:
             raise ValueError(f"protocol must be one of {PROTOCOLS}, got {protocol!r}")
+        validate.positive("workers", workers)
+        if schedule not in POLICIES:
+            raise ValueError(f"schedule must be one of {POLICIES}, got {schedule!r}")
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         self.timeout_s = float(timeout_s)
@@ -116,6 +125,7 @@ class Buffer:
         )
         self.protocol = protocol
         self.low_latency = bool(low_latency)
+        self.workers, self.schedule = workers, schedule
         self.transport, self._transport_reason = choose_transport(transport, self._info)
         with collective_deadline(self._info.group, construct_s, "Buffer construction"):
             self._handshake(transport)
@@ -168,7 +178,9 @@ class Buffer:
         if self.low_latency:
             add_ll_regions(layout, sizing)
         peers = ShmPeers(layout, info.group, info.rank, sizing, self.timeout_s, self._faults)
-        return UbepShm(peers) if self.protocol == "ubep" else BspShm(peers)
+        if self.protocol == "ubep":
+            return UbepShm(peers, workers=self.workers, policy=self.schedule)
+        return BspShm(peers)
 
     def _build_ll_exchange(self) -> LowLatencyExchange | None:
         """Low-latency mode runs the ubep protocol on the shared heap whatever `protocol` says."""

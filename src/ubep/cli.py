@@ -8,6 +8,7 @@ import os
 
 from ubep.bench.workload import DTYPES, SYSTEMS, BenchConfig
 from ubep.routing import ROUTINGS
+from ubep.schedule import POLICIES
 from ubep.sim.cli import add_parser as add_simulate
 
 
@@ -66,6 +67,18 @@ def add_bench(subparsers) -> None:
         default=d.nodes,
         help="emulate this many nodes (ranks split evenly; torch.distributed between them)",
     )
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=d.workers,
+        help="put workers per rank for the ubep row, following the token scheduler (1)",
+    )
+    p.add_argument(
+        "--schedule",
+        choices=POLICIES,
+        default=d.schedule,
+        help="the scheduler's policy with several workers (ubep, balanced, bsp, ...)",
+    )
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--timeout", type=float, default=d.timeout_s, help="per-wait deadline in seconds")
     p.add_argument("--json", metavar="PATH", help="write results as JSON")
@@ -99,6 +112,8 @@ def run_bench(args: argparse.Namespace) -> int:
         systems=args.systems,
         seed=args.seed,
         nodes=args.nodes,
+        workers=args.workers,
+        schedule=args.schedule,
         timeout_s=args.timeout,
     )
     if args.profile:

@@ -57,6 +57,9 @@ def measure_buffer(name: str, cfg: BenchConfig, work: Workload, tokens: int) -> 
     protocol, transport = BUFFER_SYSTEMS[name]
     if cfg.nodes > 1 and name == "ubep":
         transport = "hier"  # across emulated nodes: shared memory inside, one crossing per token and node
+    scheduling = (
+        {"workers": cfg.workers, "schedule": cfg.schedule} if transport == "shm" and name == "ubep" else {}
+    )
     x, idx, w = work.xs[me], work.topk_idx[me], work.topk_weights[me]
     with ubep.Buffer(
         hidden=cfg.hidden,
@@ -66,6 +69,7 @@ def measure_buffer(name: str, cfg: BenchConfig, work: Workload, tokens: int) -> 
         protocol=protocol,
         transport=transport,
         timeout_s=cfg.timeout_s,
+        **scheduling,
     ) as buf:
         got = buf.dispatch(x, topk_idx=idx, topk_weights=w)
         verify(name, got, buf.combine(got.recv_x, got.handle).combined_x, work, me)

@@ -34,6 +34,8 @@ class BenchConfig:
     systems: tuple[str, ...] = SYSTEMS
     seed: int = 0
     timeout_s: float = 120.0
+    workers: int = 1  # put workers per rank for the ubep row (see ubep.schedule)
+    schedule: str = "ubep"  # the scheduler's policy when workers > 1
     nodes: int = 1  # emulated nodes: ranks are split evenly; traffic between them uses torch.distributed
 
     def as_dict(self) -> dict:

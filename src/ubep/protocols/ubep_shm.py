@@ -29,8 +29,12 @@ which every peer writes only after finishing call e. See docs/design.md.
 
 from __future__ import annotations
 
+import os
+from concurrent.futures import ThreadPoolExecutor
+
 import torch
 
+from ubep import schedule, topology
 from ubep.errors import PeerDataError
 from ubep.layout import localize_topk, prefix_offsets, token_in_rank
 from ubep.protocols.base import (
@@ -43,7 +47,7 @@ from ubep.protocols.base import (
     Sizing,
     new_layout,
 )
-from ubep.protocols.rows import reduce_back, rows_view
+from ubep.protocols.rows import put_back, reduce_back, rows_view
 from ubep.results import DispatchHandle
 from ubep.shm import SegmentLayout
 
@@ -72,11 +76,15 @@ class UbepShm:
 
     name = "ubep"
 
-    def __init__(self, peers: ShmPeers):
+    def __init__(self, peers: ShmPeers, workers: int = 1, policy: str = "ubep"):
         self.peers = peers
         self.sizing: Sizing = peers.sizing
         self.me = peers.rank
         self.R = peers.num_ranks
+        self.workers = workers
+        self.policy = policy
+        self.topology = topology.host(cores=max(self.R, os.cpu_count() or 1)) if workers > 1 else None
+        self._pool = ThreadPoolExecutor(workers, thread_name_prefix="ubep-put") if workers > 1 else None
 
     # -- dispatch ---------------------------------------------------------------------------------
 
@@ -181,22 +189,45 @@ class UbepShm:
         heap, p, H = self.peers.heap, call.parity, x_MH.shape[1]
         prefix, home_offset = handle.recv_prefix_R1.tolist(), handle.recv_home_offset_R.tolist()
         K = None if topk_weights_MK is None else topk_weights_MK.shape[1]
-        for i in range(self.R):  # put: the rows held for `home` go to their final place there
+
+        def put(pieces: list[tuple[int, int, int]]) -> None:
+            """Rows [begin, end) of those held for `home` go to their final place there."""
+            for home, begin, end in pieces:
+                a, b = prefix[home] + begin, prefix[home] + end
+                w = None if K is None else topk_weights_MK[a:b]
+                put_back(heap, f"c{p}", home, home_offset[home] + begin, x_MH[a:b], w)
+
+        per_worker = self._put_pieces(handle, H * x_MH.element_size())
+        if self._pool is None:
+            put(per_worker[0])
+        else:
+            list(self._pool.map(put, per_worker))  # torch's copies release the GIL
+        for i in range(self.R):  # every block is in place: stamp each home's header row
             home = (self.me + i) % self.R
-            a, b, at = prefix[home], prefix[home + 1], home_offset[home]
-            rows_view(
-                heap.tensor(home, f"c{p}.x")[at * H * x_MH.element_size() :], b - a, H, x_MH.dtype
-            ).copy_(x_MH[a:b])
-            if K is not None:
-                heap.tensor(home, f"c{p}.w")[at * K : (at + b - a) * K].copy_(topk_weights_MK[a:b].flatten())
             slot = heap.words(home, f"c{p}.hdr")[self.me]
             slot[SLOT_DTYPE] = DTYPE_CODES[x_MH.dtype]
-            slot[SLOT_COUNT] = b - a
+            slot[SLOT_COUNT] = prefix[home + 1] - prefix[home]
             slot[SLOT_FLAG] = call.epoch  # this block is visible from here on
             self.peers.ring(home)
             if i == 1:
                 self.peers.faults.at("combine.mid", call)
         return self._reduce(call, x_MH.dtype, H, handle, K)
+
+    def _put_pieces(self, handle: DispatchHandle, row_bytes: int) -> list[list[tuple[int, int, int]]]:
+        """Per worker, its (home, begin, end) row slices in order, from the token scheduler.
+
+        One worker puts whole blocks in rotation order (me+1, me+2, ...), which is what
+        the scheduler's plan reduces to on one host; with several, `schedule.plan_rank`
+        cuts the blocks into equal token slices, slowest first within each worker.
+        """
+        counts = handle.recv_counts().tolist()
+        if self.workers == 1:
+            rotation = [(self.me + i) % self.R for i in range(1, self.R + 1)]
+            return [[(home, 0, counts[home]) for home in rotation]]
+        plan = schedule.plan_rank(
+            counts, self.me, self.topology, workers=self.workers, row_bytes=row_bytes, policy=self.policy
+        )
+        return [[(d, sl.start, sl.stop) for d, sl, _ in plan.pieces(w)] for w in range(self.workers)]
 
     def _reduce(self, call: CallId, dtype: torch.dtype, H: int, handle: DispatchHandle, K: int | None):
         """Once every expert rank's block has landed, sum each token's rows in float32."""
@@ -223,4 +254,6 @@ class UbepShm:
         self.peers.abort(call)
 
     def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown()
         self.peers.close()
