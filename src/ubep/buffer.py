@@ -21,7 +21,7 @@ from ubep.deadlines import collective_deadline
 from ubep.errors import ConfigMismatchError
 from ubep.faults import FaultPlan, FaultPoints
 from ubep.group import GroupInfo, choose_transport, join_group
-from ubep.layout import ExpertPlacement, dispatch_layout, expert_counts
+from ubep.layout import ExpertPlacement, dispatch_layout, expert_counts, token_in_rank
 from ubep.overlap import EventOverlap
 from ubep.protocols.base import CallCounter, CallId, Exchange, SendPlan, ShmPeers, Sizing
 from ubep.protocols.bsp_dist import BspDist
@@ -319,10 +319,9 @@ class Buffer:
         x = self._payload(x)
         idx = validate.topk_idx(topk_idx, x.shape[0], self.num_experts, s.max_topk)
         w = validate.topk_weights(topk_weights, tuple(idx.shape))
-        layout = dispatch_layout(idx, s.placement)
-        validate.layout_args(num_tokens_per_rank, is_token_in_rank, layout.is_token_in_rank_NR)
-        counts_R = layout.num_tokens_per_rank_R.to(torch.int64)
-        return SendPlan(x, idx, w, layout.is_token_in_rank_NR, counts_R)
+        is_token_in_rank_NR = token_in_rank(idx, s.placement)  # dispatch needs no per-expert counts
+        validate.layout_args(num_tokens_per_rank, is_token_in_rank, is_token_in_rank_NR)
+        return SendPlan(x, idx, w, is_token_in_rank_NR, is_token_in_rank_NR.sum(dim=0))
 
     def _payload(self, x, rows: int | None = None) -> torch.Tensor:
         """x as the protocols carry it: the tensor, or an FP8 pair packed into byte rows."""

@@ -55,10 +55,6 @@ class DispatchHandle:
         """int64 [R]: rows received from each source rank."""
         return self.recv_prefix_R1[1:] - self.recv_prefix_R1[:-1]
 
-    def send_tokens(self, rank: int) -> torch.Tensor:
-        """int64 [n]: ascending indices of the local tokens sent to `rank`."""
-        return torch.nonzero(self.is_token_in_rank_NR[:, rank]).flatten()
-
 
 class LayoutResult(NamedTuple):
     num_tokens_per_rank: torch.Tensor  # int32 [R]

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from ubep.errors import PeerDataError
-from ubep.layout import localize_topk, prefix_offsets
+from ubep.layout import localize_topk, prefix_offsets, tokens_for_rank
 from ubep.protocols.base import CallId, Received, SendPlan, ShmPeers, Sizing, new_layout
 from ubep.protocols.rows import put_back, reduce_back, rows_view
 from ubep.results import DispatchHandle
@@ -68,7 +68,7 @@ class BspShm:
         heap, H = self.peers.heap, plan.x_NH.shape[1]
         for i in range(self.R):
             dst = (self.me + i) % self.R
-            tokens = torch.nonzero(plan.is_token_in_rank_NR[:, dst]).flatten()
+            tokens = tokens_for_rank(plan.is_token_in_rank_NR, dst)
             n = tokens.numel()
             torch.index_select(
                 plan.x_NH, 0, tokens, out=rows_view(heap.tensor(dst, "d.x")[self.me], n, H, plan.x_NH.dtype)
