@@ -17,13 +17,14 @@ import torch
 import torch.distributed as dist
 
 from ubep import fp8, validate
+from ubep.calls import CallCounter, CallId
 from ubep.deadlines import collective_deadline
 from ubep.errors import ConfigMismatchError
 from ubep.faults import FaultPlan, FaultPoints
 from ubep.group import GroupInfo, choose_transport, join_group
 from ubep.layout import ExpertPlacement, dispatch_layout, expert_counts, token_in_rank
 from ubep.overlap import EventOverlap
-from ubep.protocols.base import CallCounter, CallId, Exchange, SendPlan, ShmPeers, Sizing
+from ubep.protocols.base import Exchange, SendPlan, ShmPeers, Sizing
 from ubep.protocols.bsp_dist import BspDist
 from ubep.protocols.bsp_shm import BspShm, bsp_layout
 from ubep.protocols.hier import HierExchange

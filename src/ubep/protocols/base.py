@@ -7,12 +7,13 @@ Legend: see `ubep.layout`.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 import torch.distributed as dist
 
+from ubep.calls import CallId
 from ubep.doorbell import Doorbell
 from ubep.errors import CommTimeoutError, PeerDataError, UbepError
 from ubep.faults import NO_FAULTS, FaultPoints
@@ -48,37 +49,6 @@ def pack_notice(seq: int, cause: int, culprit: int) -> int:
 def unpack_notice(word: int) -> tuple[int, int, int]:
     """(seq, cause, culprit) of a packed abort notice; culprit -1: none."""
     return word >> 24, (word >> 16) & 0xFF, (word & 0xFFFF) - 1
-
-
-@dataclass(frozen=True, slots=True)
-class CallId:
-    """Identity of one collective call: `seq` counts every call, `epoch` this kind's calls.
-
-    All ranks make the same sequence of calls, so both agree across the group.
-    `epoch` stamps flags (so buffers never need clearing); `epoch % 2` picks the
-    half of a double-buffered region.
-    """
-
-    seq: int
-    epoch: int
-    kind: str = ""  # "dispatch", "combine", ...: what the peers are doing in this call
-
-    @property
-    def parity(self) -> int:
-        return self.epoch % 2
-
-
-@dataclass(slots=True)
-class CallCounter:
-    """Per-Buffer call numbering; a rejected call consumes its number like any other."""
-
-    seq: int = 0
-    epochs: dict[str, int] = field(default_factory=dict)
-
-    def next(self, kind: str) -> CallId:
-        self.seq += 1
-        self.epochs[kind] = self.epochs.get(kind, 0) + 1
-        return CallId(self.seq, self.epochs[kind], kind)
 
 
 @dataclass(frozen=True, slots=True)
