@@ -19,21 +19,15 @@ import torch.distributed as dist
 from ubep import fp8, validate
 from ubep.calls import CallCounter, CallId
 from ubep.deadlines import collective_deadline
+from ubep.engine import choose_engine
 from ubep.errors import ConfigMismatchError
+from ubep.factory import Options, build
 from ubep.faults import FaultPlan, FaultPoints
-from ubep.group import GroupInfo, choose_transport, join_group
+from ubep.group import GroupInfo, all_gather_object, choose_transport, join_group
 from ubep.layout import ExpertPlacement, dispatch_layout, expert_counts, token_in_rank
 from ubep.overlap import EventOverlap
-from ubep.protocols.base import Exchange, SendPlan, ShmPeers, Sizing
-from ubep.protocols.bsp_dist import BspDist
-from ubep.protocols.bsp_shm import BspShm, bsp_layout
-from ubep.protocols.hier import HierExchange
+from ubep.protocols.base import Exchange, SendPlan, Sizing
 from ubep.protocols.ll_base import LowLatencyExchange, combine_plan, dispatch_outputs, dispatch_plan
-from ubep.protocols.ll_dist import LLDist
-from ubep.protocols.ll_local import LLLocal
-from ubep.protocols.ll_shm import LLShm, add_ll_regions
-from ubep.protocols.local import LocalExchange
-from ubep.protocols.ubep_shm import UbepShm, ubep_layout
 from ubep.results import (
     CombineResult,
     DispatchHandle,
@@ -44,6 +38,7 @@ from ubep.results import (
     LowLatencyHandle,
 )
 from ubep.schedule import POLICIES
+from ubep.transport.virtual import VirtualRank
 
 VERSION = "0.1.0"
 # Construction waits at least this long: ranks reach it at different times (imports,
@@ -76,6 +71,8 @@ class Buffer:
         workers: threads per rank that put combine rows on the shared heap, following the
             token scheduler (`ubep.schedule`); 1 is right when ranks outnumber cores.
         schedule: the scheduler's policy for several workers ("ubep", "balanced", "bsp", ...).
+        engine: the kernels that move and reduce rows: "auto" (the fastest that loads here),
+            "torch", "numba" or "triton"; `explain()` says which runs and why.
     """
 
     def __init__(
@@ -94,6 +91,7 @@ class Buffer:
         faults: FaultPlan | None = None,
         workers: int = 1,
         schedule: str = "ubep",
+        engine: str = "auto",
     ):
         validate.positive("hidden", hidden)
         validate.positive("num_experts", num_experts)
@@ -127,11 +125,21 @@ class Buffer:
         self.protocol = protocol
         self.low_latency = bool(low_latency)
         self.workers, self.schedule = workers, schedule
+        self.engine, self._engine_reason = choose_engine(engine)
         self.transport, self._transport_reason = choose_transport(transport, self._info)
-        with collective_deadline(self._info.group, construct_s, "Buffer construction"):
+        with collective_deadline(_resolve(self._info.group), construct_s, "Buffer construction"):
             self._handshake(transport)
-            self._exchange: Exchange | None = self._build_exchange()
-            self._ll: LowLatencyExchange | None = self._build_ll_exchange()
+            options = Options(
+                transport=self.transport,
+                protocol=self.protocol,
+                low_latency=self.low_latency,
+                timeout_s=self.timeout_s,
+                workers=workers,
+                schedule=schedule,
+            )
+            exchanges = build(self._info, self.sizing, options, self.engine, self._faults)
+            self._exchange: Exchange | None = exchanges[0]
+            self._ll: LowLatencyExchange | None = exchanges[1]
         self._calls = CallCounter()
 
     # -- construction -----------------------------------------------------------------------------
@@ -151,8 +159,7 @@ class Buffer:
             "expert_placement": self.sizing.placement.rank_of_expert_E.tolist(),
             "low_latency": self.low_latency,
         }
-        everyone: list[dict] = [{}] * self._info.world_size
-        dist.all_gather_object(everyone, mine, group=self._info.group)
+        everyone = all_gather_object(self._info, mine)
         disagreements = []
         for field in mine:
             values = [cfg.get(field) for cfg in everyone]
@@ -167,37 +174,12 @@ class Buffer:
                 f"Buffer on rank {self._info.rank}: ranks disagree on " + ", and on ".join(disagreements)
             )
 
-    def _build_exchange(self) -> Exchange:
-        info, sizing = self._info, self.sizing
-        if self.transport == "local":
-            return LocalExchange(sizing)
-        if self.transport == "dist":
-            return BspDist(info.group, info.rank, sizing, self.timeout_s, self._faults)
-        if self.transport == "hier":
-            return HierExchange(info, sizing, self.timeout_s)
-        layout = ubep_layout(sizing) if self.protocol == "ubep" else bsp_layout(sizing)
-        if self.low_latency:
-            add_ll_regions(layout, sizing)
-        peers = ShmPeers(layout, info.group, info.rank, sizing, self.timeout_s, self._faults)
-        if self.protocol == "ubep":
-            return UbepShm(peers, workers=self.workers, policy=self.schedule)
-        return BspShm(peers)
-
-    def _build_ll_exchange(self) -> LowLatencyExchange | None:
-        """Low-latency mode runs the ubep protocol on the shared heap whatever `protocol` says."""
-        if not self.low_latency:
-            return None
-        if self.transport == "local":
-            return LLLocal()
-        if self.transport in ("dist", "hier"):  # across nodes: the collective low-latency path
-            return LLDist(self._info.group, self._info.rank, self.sizing)
-        return LLShm(self._exchange.peers)
-
     def explain(self) -> str:
         """Which transport and protocol run here, and why."""
         return (
             f"rank {self._info.rank}/{self._info.world_size}: protocol {self._exchange_name()} "
-            f"on transport {self.transport} ({self._transport_reason})"
+            f"on transport {self.transport} ({self._transport_reason}), "
+            f"engine {self.engine.name} ({self._engine_reason})"
         )
 
     def _exchange_name(self) -> str:
@@ -292,7 +274,6 @@ class Buffer:
                 recv_src_token_M=got.recv_src_token_M,
                 recv_prefix_R1=got.recv_prefix_R1,
                 num_recv_tokens_per_expert_list=counts,
-                recv_home_offset_R=got.recv_home_offset_R,
                 route=got.route,
             )
         return DispatchResult(
@@ -485,8 +466,10 @@ class Buffer:
         self.close()
 
 
-def _resolve(group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
-    """The group construction will use, where it exists already (for its deadline)."""
+def _resolve(group) -> dist.ProcessGroup | None:
+    """The process group construction will use, where it exists already (for its deadline)."""
+    if isinstance(group, VirtualRank):
+        return None
     if group is not None or not dist.is_initialized():
         return group
     return dist.group.WORLD

@@ -64,7 +64,7 @@ class TorchEngine:
         local_nK = torch.where(idx_nK >= 0, local_of_expert_E[idx_nK.clamp(min=0)], -1)
         out_idx_nK.copy_(local_nK)
         if out_weights_nK is not None:
-            torch.where(local_nK >= 0, weights_XK[rows_n], 0.0, out=out_weights_nK)
+            out_weights_nK.copy_(torch.where(local_nK >= 0, weights_XK[rows_n], 0.0))
 
     def accumulate_rows(
         self,

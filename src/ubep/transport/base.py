@@ -109,6 +109,9 @@ class Transport(Protocol):
         For an inbox, peer p's record is row p in this rank's memory.
         """
 
+    def stamped(self, header: Header, call: CallId, peer: int) -> bool:
+        """Whether `peer`'s header for `call` has landed (no wait)."""
+
     def read(self, header: Header, call: CallId, peer: int) -> Record:
         """A landed header's fields, each bounds-checked (PeerDataError blames `peer`)."""
 
