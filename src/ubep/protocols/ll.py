@@ -64,8 +64,8 @@ class LLBlocks:
     """The memory low-latency mode declares (double-buffered slots, headers stamped per writer)."""
 
     sent: Header  # inbox, dispatch: per source, its per-expert counts, dtype, T and row width
-    slots: Region  # uint8 [L, R, T, row bytes]: rows from each source, per local expert
-    slot_info: Region  # int64 [L, R, T]: token * max_topk + k of each row
+    slots: Region  # uint8 [R, L, T, row bytes]: rows from each source, per local expert
+    slot_info: Region  # int64 [R, L, T]: token * max_topk + k of each row
     returned: Header  # inbox, combine: per expert rank, dtype and row count
     back_slots: Region  # uint8 [T * max_topk, row bytes]: y(t, k) at t * max_topk + k
     done: Region  # int64 [2, 2, 2]: see CONSUMED / SKIPPED
@@ -81,8 +81,8 @@ class LLBlocks:
                 (dtype, Field("T", hi=T), Field("width", hi=B), Field("counts", length=L, hi=T)),
                 inbox=True,
             ),
-            slots=Region("ll.slots", (L, R, T, B), torch.uint8, double=True),
-            slot_info=Region("ll.slot_info", (L, R, T), torch.int64, double=True),
+            slots=Region("ll.slots", (R, L, T, B), torch.uint8, double=True),
+            slot_info=Region("ll.slot_info", (R, L, T), torch.int64, double=True),
             returned=Header("ll.returned", (dtype, Field("count", hi=T * K)), inbox=True),
             back_slots=Region("ll.back_slots", (T * K, B), torch.uint8, double=True),
             done=Region("ll.done", (2, 2, 2), torch.int64),
@@ -185,10 +185,12 @@ class LLExchange:
         counts_L = plan.counts_RL[dst]
         local_n, index_n = slot_positions(counts_L)
         token_n = plan.pair_token_P[pairs]
-        slots_LTB = t.view(b.slots, dst, call)[:, self.me, :, :B]
-        T = slots_LTB.shape[1]
-        self.engine.copy_rows(plan.rows_NB, token_n, slots_LTB.reshape(-1, B), local_n * T + index_n)
-        info_LT = t.view(b.slot_info, dst, call)[:, self.me]
+        slots_LTB = t.view(b.slots, dst, call)[self.me]  # this rank's slots in dst, contiguous
+        L, T, width = slots_LTB.shape
+        self.engine.copy_rows(
+            plan.rows_NB, token_n, slots_LTB.view(L * T, width)[:, :B], local_n * T + index_n
+        )
+        info_LT = t.view(b.slot_info, dst, call)[self.me]
         info_LT[local_n, index_n] = token_n * self.sizing.max_topk + plan.pair_k_P[pairs]
         values = {"dtype": plan.code, "T": plan.max_tokens, "width": B, "counts": counts_L.tolist()}
         t.publish(b.sent, call, values, to=dst)  # the rows above are visible from here on
@@ -203,7 +205,7 @@ class LLExchange:
                 self._landed("low-latency dispatch (tokens)", call, DISPATCH, b.sent, [src])
                 counts_L = self._check_tokens(call, src, out)
                 local_n, index_n = slot_positions(counts_L)
-                info_n = infos[:, src][local_n, index_n]
+                info_n = infos[src][local_n, index_n]
                 token_n, k_n = info_n // K, info_n % K
                 if info_n.numel() and (
                     info_n.min() < 0 or token_n.max() >= out.handle.num_max_dispatch_tokens_per_rank
@@ -211,7 +213,7 @@ class LLExchange:
                     raise t.bad_data(
                         call, src, f"low-latency dispatch: rank {src} sent token indices out of range"
                     )
-                rows_nB = slots[:, src, :, : out.row_width][local_n, index_n]
+                rows_nB = slots[src, :, :, : out.row_width][local_n, index_n]
                 place_source(self.engine, out, src, begin_L, counts_L, rows_nB, token_n, k_n)
                 begin_L = begin_L + counts_L
             out.handle.recv_count_L.copy_(begin_L)
