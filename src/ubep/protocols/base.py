@@ -93,9 +93,15 @@ def send_tokens(is_token_in_rank_NR: torch.Tensor, send_counts_R: torch.Tensor) 
     return torch.split(token_n, send_counts_R.tolist())
 
 
-def rows(region_XB: torch.Tensor, n: int, dtype: torch.dtype, width: int) -> torch.Tensor:
-    """The first n rows of a byte-row region [X, B] as [n, width] rows of `dtype`."""
-    return region_XB[:n, : width * dtype.itemsize].view(dtype)
+def rows(region_XB: torch.Tensor, n: int, dtype: torch.dtype, width: int, first: int = 0) -> torch.Tensor:
+    """Rows [first, first + n) of a byte region holding packed [*, width] rows of `dtype`.
+
+    The region's declared row size B is the widest dtype's; narrower rows are
+    packed (row i at byte i * width * itemsize), so every view is contiguous.
+    """
+    row_bytes = width * dtype.itemsize
+    flat = region_XB.view(-1)
+    return flat[first * row_bytes : (first + n) * row_bytes].view(dtype).view(n, width)
 
 
 def in_rank_order(landed: Iterable[int]) -> Iterator[int]:
@@ -183,7 +189,7 @@ def reduce_home(
             raise t.bad_data(call, r, message)
         if a == z:
             continue
-        engine.accumulate_rows(acc_NH, rows(t.view(blocks.y, r, call)[a:z], z - a, dtype, H), tokens[r])
+        engine.accumulate_rows(acc_NH, rows(t.view(blocks.y, r, call), z - a, dtype, H, first=a), tokens[r])
         if acc_NK is not None:
             engine.accumulate_rows(acc_NK, t.view(blocks.y_weights, r, call)[a:z, :K], tokens[r])
     return acc_NH.to(dtype), acc_NK

@@ -59,7 +59,12 @@ class BspBlocks:
     def of(cls, s: Sizing) -> BspBlocks:
         R, T, K = s.num_ranks, s.capacity, s.max_topk
         return cls(
-            counts=Header("bsp.counts", (Field("counts", length=R, hi=T),), double=False),
+            counts=Header(
+                "bsp.counts",
+                (Field("counts", length=R, hi=T, says="announced {value} tokens, capacity is {hi}"),),
+                double=False,
+                phase="dispatch",
+            ),
             staged=Header(
                 "bsp.staged",
                 (Field("dtype", lo=CODE_RANGE[0], hi=CODE_RANGE[1]), Field("topk", hi=K)),
@@ -104,7 +109,8 @@ class BspExchange:
 
     def dispatch(self, call: CallId, plan: SendPlan, handle: DispatchHandle | None) -> Received:
         b, t = self.blocks, self.t
-        counts = self.faults.count("dispatch.count", call, plan.send_counts_R.numpy()).tolist()
+        corrupted = self.faults.count("dispatch.count", call, plan.send_counts_R)
+        counts = torch.as_tensor(corrupted, dtype=torch.int64).expand(self.R).tolist()
         t.publish(b.counts, call, {"counts": counts})
         t.barrier("dispatch (count exchange)", call)
         self._send_tokens(call, plan)

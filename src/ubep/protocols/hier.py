@@ -114,7 +114,7 @@ class HierBlocks:
     """The node-local memory: each rank's forward set, and its combine buffer, double-buffered."""
 
     route: Header  # own: the forward set's rows, dtype and top-k
-    data: Header  # own: its rows have landed
+    data: Header  # own: its rows (count, dtype) have landed; a cached dispatch publishes only this
     ids: Region  # int64 [F, 2]: (source rank, source token) of each forwarded row
     topk: Region  # int64 [F, max_topk]: global expert ids
     weights: Region  # float32 [F, max_topk]
@@ -129,7 +129,7 @@ class HierBlocks:
         dtype = Field("dtype", lo=CODE_RANGE[0], hi=CODE_RANGE[1])
         return cls(
             route=Header("hier.route", (Field("count", hi=F), dtype, Field("topk", hi=K))),
-            data=Header("hier.data"),
+            data=Header("hier.data", (Field("count", hi=F), dtype)),
             ids=Region("hier.ids", (F, 2), torch.int64, double=True),
             topk=Region("hier.topk", (F, K), torch.int64, double=True),
             weights=Region("hier.weights", (F, K), torch.float32, double=True),
@@ -226,7 +226,7 @@ class HierExchange:
         if out is None:
             out = send_SX.new_empty((int(recv_G.sum()), *send_SX.shape[1:]))
         try:
-            with collective_deadline(self.groups[0], self.timeout_s, f"{phase} (rail ranks {self.rail})"):
+            with collective_deadline(self.groups[0], self.timeout_s, phase, names=tuple(self.rail)):
                 dist.all_to_all_single(out, send_SX, recv_G.tolist(), send_G.tolist(), group=self.groups[0])
         except BaseException:
             self.t.abort(call)  # node peers learn at once
@@ -274,7 +274,7 @@ class HierExchange:
             "dispatch (across nodes)", call, crossing, send_G, relay_G, out=as_bytes(fwd_FH[:S])
         )
         self.engine.copy_rows(x_NH, own_O, fwd_FH[S:], None)
-        self.t.publish(self.blocks.data, call, {})  # rows visible from here on
+        self.t.publish(self.blocks.data, call, {"count": F, "dtype": DTYPE_CODES[x_NH.dtype]})  # rows visible
 
     # -- inside the node: dispatch ----------------------------------------------------------------
 
@@ -306,20 +306,20 @@ class HierExchange:
         recv_x_MH = self._gather_rows(call, x_NH, r, handle.recv_prefix_R1)
         return Received(recv_x_MH, None, None, handle.recv_src_token_M, handle.recv_prefix_R1, route=r)
 
-    def _forward_header(self, call: CallId, f: int, dtype: torch.dtype) -> tuple[int, int]:
-        """A landed forward set's (row count, top-k), checked against this rank's call."""
-        got = self.t.read(self.blocks.route, call, f)
+    def _forward_header(self, call: CallId, f: int, dtype: torch.dtype, header: Header) -> tuple[int, int]:
+        """A landed forward set's (row count, top-k or 0), checked against this rank's call."""
+        got = self.t.read(header, call, f)
         if CODE_DTYPES.get(got["dtype"]) != dtype:
             message = f"dispatch: rank {self.node_ranks[f]} sent {CODE_DTYPES.get(got['dtype'])}, not {dtype}"
             raise self.t.bad_data(call, f, message)
-        return got["count"], got["topk"]
+        return got["count"], got.get("topk", 0)
 
     def _read_routing(self, call: CallId, dtype: torch.dtype, K: int):
         """Every forward set's (ids [S, 2], topk [S, K], weights [S, K], rows per forwarder [P])."""
         b, t = self.blocks, self.t
         ids, topk, weights, counts = [], [], [], []
         for f in range(self.P):
-            n, k = self._forward_header(call, f, dtype)
+            n, k = self._forward_header(call, f, dtype, b.route)
             if k != K:
                 raise PeerDataError(f"dispatch: rank {self.node_ranks[f]} relays top-k {k}, this rank {K}")
             ids.append(t.view(b.ids, f, call)[:n])
@@ -374,7 +374,7 @@ class HierExchange:
         rows_here = route.recv_fwd_row_M[route.recv_fwd_M == f]
         if not rows_here.numel():
             return
-        n, _ = self._forward_header(call, f, recv_x_MH.dtype)
+        n, _ = self._forward_header(call, f, recv_x_MH.dtype, self.blocks.data)
         if int(rows_here.max()) >= n:
             message = f"dispatch: rank {self.node_ranks[f]} relays {n} rows, fewer than routed here"
             raise self.t.bad_data(call, f, message)
@@ -412,7 +412,9 @@ class HierExchange:
             pos = torch.nonzero(route.recv_fwd_M == f).flatten()
             pos = pos[torch.argsort(route.recv_fwd_row_M[pos])]  # in the forwarder's row order
             n, at = pos.numel(), offsets[f]
-            self.engine.copy_rows(x_MH, pos, rows(t.view(b.back_x, f, call)[at:], n, x_MH.dtype, H), None)
+            self.engine.copy_rows(
+                x_MH, pos, rows(t.view(b.back_x, f, call), n, x_MH.dtype, H, first=at), None
+            )
             if w_MK is not None:
                 self.engine.copy_rows(
                     w_MK, pos, t.view(b.back_w, f, call)[at : at + n, : w_MK.shape[1]], None

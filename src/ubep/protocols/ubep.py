@@ -72,11 +72,12 @@ class UbepBlocks:
             route=Header(
                 "ubep.route",
                 (
-                    Field("num_tokens", hi=T),
+                    Field("num_tokens", hi=T, says="announced {value} tokens, capacity is {hi}"),
                     Field("dtype", lo=codes[0], hi=codes[1]),
                     Field("topk", hi=K),
-                    Field("counts", length=R, hi=T),
+                    Field("counts", length=R, hi=T, says="announced {value} tokens, capacity is {hi}"),
                 ),
+                phase="dispatch",
             ),
             data=Header("ubep.data"),
             topk=Region("ubep.topk", (T, K), torch.int64, double=True),

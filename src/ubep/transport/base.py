@@ -58,6 +58,7 @@ class Field:
     length: int = 1
     lo: int = 0
     hi: int | None = None  # None: not checked
+    says: str = ""  # what a bad value means, e.g. "announced {value} tokens, capacity is {hi}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,6 +74,7 @@ class Header:
     fields: tuple[Field, ...] = ()
     inbox: bool = False
     double: bool = True
+    phase: str = ""  # the call phase errors name (default: the header's name)
 
     @property
     def words(self) -> int:

@@ -27,7 +27,7 @@ import torch
 
 from ubep.calls import CallId
 from ubep.errors import CommTimeoutError, PeerDataError, UbepError
-from ubep.transport.base import Header, Record, Region
+from ubep.transport.base import Field, Header, Record, Region
 from ubep.waiting import AbortNotice, PeerAbortedError, Waiter
 
 ALIGN = 64  # bytes; every block starts on a cache line
@@ -167,12 +167,9 @@ class Heap:
         for field in header.fields:
             value = record[at : at + field.length]
             hi = field.hi
-            if (value < field.lo).any() or (hi is not None and (value > hi).any()):
-                bad = int(value[(value < field.lo) | ((value > hi) if hi is not None else False)][0])
-                message = (
-                    f"{header.name}: rank {peer} published {field.name}={bad}, outside [{field.lo}, {hi}]"
-                )
-                raise self.bad_data(call, peer, message)
+            bad_n = (value < field.lo) | ((value > field.hi) if field.hi is not None else False)
+            if bad_n.any():
+                raise self.bad_data(call, peer, _complaint(header, field, peer, int(value[bad_n][0])))
             out[field.name] = int(value[0]) if field.length == 1 else value
             at += field.length
         return out
@@ -289,6 +286,12 @@ class Heap:
         self._ctl = []
         self._views, self._numpy = {}, {}
         self._memory.close()
+
+
+def _complaint(header: Header, field: Field, peer: int, value: int) -> str:
+    """What a bad header value means, in the words of the protocol that declared it."""
+    said = field.says or f"published {field.name}={{value}}, outside [{{lo}}, {{hi}}]"
+    return f"{header.phase or header.name}: rank {peer} " + said.format(value=value, lo=field.lo, hi=field.hi)
 
 
 def _half(double: bool, call: CallId | None) -> int:
