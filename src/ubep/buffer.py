@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from importlib.metadata import version
 
 import torch
 import torch.distributed as dist
@@ -20,10 +21,9 @@ from ubep import fp8, validate
 from ubep.calls import CallCounter, CallId
 from ubep.deadlines import collective_deadline
 from ubep.engine import choose_engine
-from ubep.errors import ConfigMismatchError
 from ubep.factory import Options, build
 from ubep.faults import FaultPlan, FaultPoints
-from ubep.group import GroupInfo, all_gather_object, choose_transport, join_group
+from ubep.group import GroupInfo, check_agreement, choose_transport, join_group
 from ubep.layout import ExpertPlacement, dispatch_layout, expert_counts, token_in_rank
 from ubep.overlap import EventOverlap
 from ubep.protocols.base import Exchange, SendPlan, Sizing
@@ -40,7 +40,7 @@ from ubep.results import (
 from ubep.schedule import POLICIES
 from ubep.transport.virtual import VirtualRank
 
-VERSION = "0.1.0"
+VERSION = version("ubep")  # from the package metadata (pyproject.toml): ranks must run the same
 # Construction waits at least this long: ranks reach it at different times (imports,
 # model loading), which says nothing about a stalled exchange.
 CONSTRUCTION_MIN_TIMEOUT_S = 10.0
@@ -68,8 +68,9 @@ class Buffer:
         low_latency: reserve the low-latency slots (shared-memory pages are only
             touched when used); False saves address space for normal-mode-only use.
         faults: a `ubep.faults.FaultPlan` to inject a fault (tests only; default none).
-        workers: threads per rank that put combine rows on the shared heap, following the
-            token scheduler (`ubep.schedule`); 1 is right when ranks outnumber cores.
+        workers: threads per rank that move dispatch rows while the calling thread waits for
+            the next source, following the token scheduler's slices (`ubep.schedule`); 1 is
+            right when ranks outnumber cores.
         schedule: the scheduler's policy for several workers ("ubep", "balanced", "bsp", ...).
         engine: the kernels that move and reduce rows: "auto" (the fastest that loads here),
             "torch", "numba" or "triton"; `explain()` says which runs and why.
@@ -146,8 +147,6 @@ class Buffer:
 
     def _handshake(self, requested_transport: str) -> None:
         """Every rank checks that every rank built the same Buffer; a mismatch raises everywhere."""
-        if self._info.world_size == 1:
-            return
         mine = {
             "version": VERSION,
             "hidden": self.sizing.hidden,
@@ -159,20 +158,7 @@ class Buffer:
             "expert_placement": self.sizing.placement.rank_of_expert_E.tolist(),
             "low_latency": self.low_latency,
         }
-        everyone = all_gather_object(self._info, mine)
-        disagreements = []
-        for field in mine:
-            values = [cfg.get(field) for cfg in everyone]
-            if any(v != values[0] for v in values):
-                groups: dict[str, list[int]] = {}
-                for rank, value in enumerate(values):
-                    groups.setdefault(repr(value)[:60], []).append(rank)
-                detail = "; ".join(f"rank(s) {_listed(ranks)}: {value}" for value, ranks in groups.items())
-                disagreements.append(f"{field} ({detail})")
-        if disagreements:
-            raise ConfigMismatchError(
-                f"Buffer on rank {self._info.rank}: ranks disagree on " + ", and on ".join(disagreements)
-            )
+        check_agreement(self._info, mine, "Buffer")
 
     def explain(self) -> str:
         """Which transport and protocol run here, and why."""
@@ -473,10 +459,6 @@ def _resolve(group) -> dist.ProcessGroup | None:
     if group is not None or not dist.is_initialized():
         return group
     return dist.group.WORLD
-
-
-def _listed(ranks: list[int]) -> str:
-    return ", ".join(str(r) for r in ranks)
 
 
 def _rows(t) -> int:

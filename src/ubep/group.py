@@ -15,6 +15,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from ubep.errors import ConfigMismatchError
 from ubep.nodes import NodeMap
 from ubep.transport.virtual import VirtualRank
 
@@ -61,6 +62,31 @@ def all_gather_object(info: GroupInfo, obj: Any) -> list[Any]:
     everyone: list[Any] = [None] * info.world_size
     dist.all_gather_object(everyone, obj, group=info.group)
     return everyone
+
+
+def check_agreement(info: GroupInfo, mine: dict[str, Any], what: str) -> None:
+    """Collective: raise ConfigMismatchError on every rank unless all ranks passed equal `mine`.
+
+    The error names each disagreeing field and which ranks hold which value.
+    """
+    if info.world_size == 1:
+        return
+    everyone = all_gather_object(info, mine)
+    disagreements = []
+    for field in mine:
+        values = [cfg.get(field) for cfg in everyone]
+        if any(v != values[0] for v in values):
+            groups: dict[str, list[int]] = {}
+            for rank, value in enumerate(values):
+                groups.setdefault(repr(value)[:60], []).append(rank)
+            detail = "; ".join(
+                f"rank(s) {', '.join(map(str, ranks))}: {value}" for value, ranks in groups.items()
+            )
+            disagreements.append(f"{field} ({detail})")
+    if disagreements:
+        raise ConfigMismatchError(
+            f"{what} on rank {info.rank}: ranks disagree on " + ", and on ".join(disagreements)
+        )
 
 
 def node_key() -> str:

@@ -265,8 +265,8 @@ class LLExchange:
                 got = self.t.read(b.returned, call, r)
                 if got["count"] != expected[r] or got["dtype"] != plan.code:
                     raise PeerDataError(
-                        f"low-latency combine: rank {r} returned {got['count']} rows (dtype code {got['dtype']}), "
-                        f"expected {expected[r]} (code {plan.code})"
+                        f"low-latency combine: rank {r} returned {got['count']} rows (dtype code "
+                        f"{got['dtype']}), expected {expected[r]} (code {plan.code})"
                     )
             slot_NK = (torch.arange(N).unsqueeze(1) * self.sizing.max_topk + torch.arange(K)).flatten()
             y_NKB = torch.empty(N * K, B, dtype=torch.uint8)

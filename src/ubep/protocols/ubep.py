@@ -205,30 +205,35 @@ class UbepExchange:
         return torch.tensor(counts, dtype=torch.int64), recv_idx_MK, recv_w_MK, src_token_M
 
     def _gather_tokens(self, call, x_NH, recv_x_MH, src_token_M, prefix: list[int]) -> None:
-        """Copy each source's rows from its memory as soon as its payload lands."""
+        """Copy each source's rows from its memory as soon as its payload lands.
+
+        With several workers this thread keeps the waiting role and hands each
+        landed source's slices to the movers, which copy (GIL released) while it
+        waits for the next source.
+        """
         b, t, H = self.blocks, self.t, x_NH.shape[1]
         own_first = [(self.me + i) % self.R for i in range(self.R)]
-        pieces = self._pieces(prefix)
-        for src in t.landed(b.data, call, own_first, "dispatch (tokens)"):
-            a, z = prefix[src], prefix[src + 1]
-            if a == z:
-                continue
-            n = self._source(call, src, x_NH.dtype)["num_tokens"]
-            if src_token_M[z - 1] >= n:  # rows ascend: the last is the largest
-                raise t.bad_data(call, src, f"dispatch: rank {src} sent {n} tokens, fewer than routed here")
-            source_XH = rows(t.view(b.x, src, call), n, x_NH.dtype, H)
-            if self._pool is None:
-                self.engine.copy_rows(source_XH, src_token_M[a:z], recv_x_MH[a:z], None)
-                continue
-            moves = [(a + lo, a + hi) for lo, hi in pieces[src] if hi > lo]
-            list(
-                self._pool.map(
-                    lambda ab: self.engine.copy_rows(
-                        source_XH, src_token_M[ab[0] : ab[1]], recv_x_MH[ab[0] : ab[1]], None
-                    ),
-                    moves,
-                )
-            )
+        pieces, moving = self._pieces(prefix), []
+        try:
+            for src in t.landed(b.data, call, own_first, "dispatch (tokens)"):
+                a, z = prefix[src], prefix[src + 1]
+                if a == z:
+                    continue
+                n = self._source(call, src, x_NH.dtype)["num_tokens"]
+                if src_token_M[z - 1] >= n:  # rows ascend: the last is the largest
+                    raise t.bad_data(
+                        call, src, f"dispatch: rank {src} sent {n} tokens, fewer than routed here"
+                    )
+                source_XH = rows(t.view(b.x, src, call), n, x_NH.dtype, H)
+                if self._pool is None:
+                    self.engine.copy_rows(source_XH, src_token_M[a:z], recv_x_MH[a:z], None)
+                    continue
+                for lo, hi in pieces[src]:
+                    rows_n, out = src_token_M[a + lo : a + hi], recv_x_MH[a + lo : a + hi]
+                    moving.append(self._pool.submit(self.engine.copy_rows, source_XH, rows_n, out, None))
+        finally:
+            for move in moving:
+                move.result()
 
     def _pieces(self, prefix: list[int]) -> list[list[tuple[int, int]]]:
         """Per source, its row slices (within the source's block), one per worker's share.
@@ -250,7 +255,8 @@ class UbepExchange:
         per_source: list[list[tuple[int, int]]] = [[] for _ in range(self.R)]
         for w in range(self.workers):
             for peer, sl, _ in plan.pieces(w):
-                per_source[peer].append((sl.start, sl.stop))
+                if sl.stop > sl.start:
+                    per_source[peer].append((sl.start, sl.stop))
         return per_source
 
     # -- combine ----------------------------------------------------------------------------------

@@ -166,7 +166,6 @@ class Heap:
         at = 1
         for field in header.fields:
             value = record[at : at + field.length]
-            hi = field.hi
             bad_n = (value < field.lo) | ((value > field.hi) if field.hi is not None else False)
             if bad_n.any():
                 raise self.bad_data(call, peer, _complaint(header, field, peer, int(value[bad_n][0])))
@@ -275,7 +274,7 @@ class Heap:
     # -- lifetime ---------------------------------------------------------------------------------
 
     def announce(self, pid: int) -> None:
-        """Publish this rank's pid (0: threads, no liveness check); then all ranks meet, then `learn_peers`."""
+        """Publish this rank's pid (0: threads, no liveness check); all ranks meet, then `learn_peers`."""
         self._ctl[self.rank][CTL_PID] = pid
 
     def learn_peers(self) -> None:
