@@ -1,10 +1,18 @@
 """Routing -> layout: everything dispatch derives from `topk_idx`, as pure torch ops.
 
-Shape legend used across ubep:
+Shape legend, one for all of ubep (each letter means one thing):
     N  tokens on this rank            H  hidden size
     K  top-k (experts per token)      E  experts in the EP group
     R  ranks in the EP group          L  local experts per rank (E // R)
     M  rows received by this rank     T  capacity: max tokens per rank and call
+    B  bytes of a row                 X  rows of a source region (any count)
+    P  (token, expert) pairs          Q  rows sent back to their home
+    G  nodes                          V  ranks per node
+    F  rows of a forward set          S  rows crossing between nodes
+    O  own tokens kept in the node    Y  columns of a partial sum (H or H + K)
+    W  workers of a rank              I  pieces of a schedule
+    D  destinations (or devices)      C  distance classes of a fabric
+    Z  messages of a simulated plan   n  rows of one call's slice (lower case)
 
 A name's suffix gives its shape: `topk_idx_NK` is [N, K], `counts_R` is [R].
 No function here loops over tokens in Python.

@@ -25,9 +25,8 @@ Why float32 partials: the contract accumulates in float32; a partial rounded
 to bf16 before crossing would add a rounding step no flat exchange has. It
 costs 2x the bytes of a bf16 row on the way back (see `boundary_bytes`).
 
-Legend: see `ubep.layout` and `ubep.nodes` (G nodes, P ranks per node); also
-F rows in a forward set, S rows crossing, O own tokens kept in the node,
-Q (row, node rank) pairs in a combine buffer, C columns of a partial (H or H + K).
+Legend: see `ubep.layout` (G nodes, V ranks per node, F rows in a forward set,
+S rows crossing, O own tokens kept in the node, Y columns of a partial: H or H + K).
 """
 
 from __future__ import annotations
@@ -69,21 +68,21 @@ class HierRoute:
       own_token_O:    own tokens that need a rank of this node (int64 [O])
     Forwarder side (this rank's forward set: S rows from other nodes, then its O own rows):
       relay_counts_G: rows received from each slot (0 at the own slot)
-      fwd_in_node_FP: bool [F, P], the node ranks each forwarded row went to
+      fwd_in_node_FV: bool [F, P], the node ranks each forwarded row went to
     Expert side (rows received, M):
       recv_fwd_M:     node-local index of the forwarder each row came through
       recv_fwd_row_M: that row's index in its forwarder's set
-      fwd_offset_P:   where this rank's rows start in each forwarder's combine buffer
+      fwd_offset_V:   where this rank's rows start in each forwarder's combine buffer
     """
 
     send_token_S: torch.Tensor
     send_counts_G: torch.Tensor
     own_token_O: torch.Tensor
     relay_counts_G: torch.Tensor
-    fwd_in_node_FP: torch.Tensor
+    fwd_in_node_FV: torch.Tensor
     recv_fwd_M: torch.Tensor
     recv_fwd_row_M: torch.Tensor
-    fwd_offset_P: torch.Tensor
+    fwd_offset_V: torch.Tensor
 
 
 class Routed(NamedTuple):
@@ -95,8 +94,8 @@ class Routed(NamedTuple):
     src_token_M: torch.Tensor
     fwd_M: torch.Tensor
     fwd_row_M: torch.Tensor
-    fwd_offset_P: torch.Tensor
-    fwd_in_node_FP: torch.Tensor  # this rank's own forward set
+    fwd_offset_V: torch.Tensor
+    fwd_in_node_FV: torch.Tensor  # this rank's own forward set
 
 
 def dispatch_row_bytes(hidden: int, itemsize: int, topk: int) -> int:
@@ -198,7 +197,7 @@ class HierExchange:
         self.local = nodes.local_index(info.rank)
         self.rail = nodes.rail(self.local)
         self.slot = self.rail.index(info.rank)
-        self.slot_ranks_GP = nodes.slot_ranks(self.local)
+        self.slot_ranks_GV = nodes.slot_ranks(self.local)
         self.node_ranks = list(nodes.node_ranks(info.node_of_rank[info.rank]))
         # Sources whose rows reach this node through node rank f: those with local index f.
         self.sources_via = [nodes.rail(f) for f in range(self.P)]
@@ -237,7 +236,7 @@ class HierExchange:
         self, is_token_in_rank_NR: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(send_token_S, send_counts_G, own_token_O): which tokens cross to which node, once."""
-        in_slot_NG = tokens_per_slot(is_token_in_rank_NR, self.slot_ranks_GP)
+        in_slot_NG = tokens_per_slot(is_token_in_rank_NR, self.slot_ranks_GV)
         own_O = torch.nonzero(in_slot_NG[:, self.slot]).flatten()
         in_slot_NG[:, self.slot] = False  # own tokens stay in the node
         slot_S, token_S = destination_major(in_slot_NG)
@@ -290,10 +289,10 @@ class HierExchange:
             send_G,
             own_O,
             relay_G,
-            got.fwd_in_node_FP,
+            got.fwd_in_node_FV,
             got.fwd_M,
             got.fwd_row_M,
-            got.fwd_offset_P,
+            got.fwd_offset_V,
         )
         prefix_R1 = prefix_offsets(torch.bincount(got.src_rank_M, minlength=self.sizing.num_ranks))
         recv_x_MH = self._gather_rows(call, plan.x_NH, route, prefix_R1)
@@ -340,15 +339,15 @@ class HierExchange:
         placement = self.sizing.placement
         for _ in self.t.landed(self.blocks.route, call, range(self.P), self._phase("dispatch (routing)")):
             pass
-        ids_S2, topk_SK, w_SK, counts_P = self._read_routing(call, dtype, K)
-        fwd_S = torch.repeat_interleave(torch.arange(self.P), counts_P)
-        row_S = torch.arange(fwd_S.numel()) - prefix_offsets(counts_P)[:-1][fwd_S]
+        ids_S2, topk_SK, w_SK, counts_V = self._read_routing(call, dtype, K)
+        fwd_S = torch.repeat_interleave(torch.arange(self.P), counts_V)
+        row_S = torch.arange(fwd_S.numel()) - prefix_offsets(counts_V)[:-1][fwd_S]
         local_SK, local_w_SK = localize_topk(topk_SK, w_SK, placement, self.me)
         here = torch.nonzero((local_SK >= 0).any(dim=1)).flatten()
         m = here[torch.argsort(ids_S2[here, 0] * self.sizing.capacity + ids_S2[here, 1])]  # (source, token)
-        in_node_SP = token_in_rank(topk_SK, placement)[:, self.node_ranks]
-        to_lower_S = in_node_SP[:, : self.local].sum(dim=1)  # pairs ahead of this rank's block
-        offset_P = torch.bincount(fwd_S, weights=to_lower_S.double(), minlength=self.P).long()
+        in_node_SV = token_in_rank(topk_SK, placement)[:, self.node_ranks]
+        to_lower_S = in_node_SV[:, : self.local].sum(dim=1)  # pairs ahead of this rank's block
+        offset_V = torch.bincount(fwd_S, weights=to_lower_S.double(), minlength=self.P).long()
         return Routed(
             local_SK[m],
             local_w_SK[m],
@@ -356,8 +355,8 @@ class HierExchange:
             ids_S2[m, 1],
             fwd_S[m],
             row_S[m],
-            offset_P,
-            in_node_SP[fwd_S == self.local],
+            offset_V,
+            in_node_SV[fwd_S == self.local],
         )
 
     def _gather_rows(self, call: CallId, x_NH: torch.Tensor, route: HierRoute, prefix_R1) -> torch.Tensor:
@@ -389,24 +388,24 @@ class HierExchange:
         route: HierRoute = handle.route
         K = 0 if topk_weights_MK is None else topk_weights_MK.shape[1]
         self._put_to_forwarders(call, x_MH, topk_weights_MK, route)
-        partial_FC = self._reduce_in_node(call, x_MH.dtype, x_MH.shape[1], K, route)
+        partial_FY = self._reduce_in_node(call, x_MH.dtype, x_MH.shape[1], K, route)
         S = int(route.relay_counts_G.sum())  # partials of other nodes' tokens; own ones follow
-        back_SC = self._rail_all_to_all(
-            "combine (across nodes)", call, partial_FC[:S], route.relay_counts_G, route.send_counts_G
+        back_SY = self._rail_all_to_all(
+            "combine (across nodes)", call, partial_FY[:S], route.relay_counts_G, route.send_counts_G
         )
         # Every node's partials, added in rail order (this node's at this rank's slot).
         b, token_S = int(route.send_counts_G[: self.slot].sum()), route.send_token_S
-        out_NC = torch.zeros(handle.num_tokens, partial_FC.shape[1], dtype=torch.float32)
-        out_NC.index_add_(0, token_S[:b], back_SC[:b])
-        out_NC.index_add_(0, route.own_token_O, partial_FC[S:])
-        out_NC.index_add_(0, token_S[b:], back_SC[b:])
+        out_NY = torch.zeros(handle.num_tokens, partial_FY.shape[1], dtype=torch.float32)
+        out_NY.index_add_(0, token_S[:b], back_SY[:b])
+        out_NY.index_add_(0, route.own_token_O, partial_FY[S:])
+        out_NY.index_add_(0, token_S[b:], back_SY[b:])
         H = x_MH.shape[1]
-        return out_NC[:, :H].to(x_MH.dtype), (out_NC[:, H:].contiguous() if K else None)
+        return out_NY[:, :H].to(x_MH.dtype), (out_NY[:, H:].contiguous() if K else None)
 
     def _put_to_forwarders(self, call: CallId, x_MH, w_MK, route: HierRoute) -> None:
         """Each forwarder's rows go to their final place in its combine buffer; then a stamp."""
         b, t, H = self.blocks, self.t, x_MH.shape[1]
-        offsets = route.fwd_offset_P.tolist()
+        offsets = route.fwd_offset_V.tolist()
         for i in range(self.P):
             f = (self.local + i) % self.P
             pos = torch.nonzero(route.recv_fwd_M == f).flatten()
@@ -426,16 +425,16 @@ class HierExchange:
         b, t = self.blocks, self.t
         for _ in t.landed(b.slot, call, range(self.P), self._phase("combine (in node)")):
             pass
-        expected_P = route.fwd_in_node_FP.sum(dim=0).tolist()
+        expected_V = route.fwd_in_node_FV.sum(dim=0).tolist()
         for d in range(self.P):
             got = t.read(b.slot, call, d)
-            if got["count"] != expected_P[d] or CODE_DTYPES.get(got["dtype"]) != dtype:
+            if got["count"] != expected_V[d] or CODE_DTYPES.get(got["dtype"]) != dtype:
                 raise PeerDataError(
                     f"combine: rank {self.node_ranks[d]} returned {got['count']} rows of "
-                    f"{CODE_DTYPES.get(got['dtype'])}, expected {expected_P[d]} of {dtype}"
+                    f"{CODE_DTYPES.get(got['dtype'])}, expected {expected_V[d]} of {dtype}"
                 )
-        _, row_Q = destination_major(route.fwd_in_node_FP)
-        F, Q = route.fwd_in_node_FP.shape[0], row_Q.numel()
+        _, row_Q = destination_major(route.fwd_in_node_FV)
+        F, Q = route.fwd_in_node_FV.shape[0], row_Q.numel()
         partial_FH = torch.zeros(F, H, dtype=torch.float32)
         self.engine.accumulate_rows(partial_FH, rows(t.view(b.back_x, self.local, call), Q, dtype, H), row_Q)
         if not K:
