@@ -121,8 +121,9 @@ class UbepExchange:
         self._publish(call, plan)
         self.faults.at("dispatch.sent", call)
         x_NH = plan.x_NH
+        sources: dict[int, dict] = {}  # each source's route record, read and checked once
         if handle is None:
-            counts_R, recv_idx, recv_w, src_token_M = self._routing(call, plan)
+            counts_R, recv_idx, recv_w, src_token_M = self._routing(call, plan, sources)
         else:
             counts_R, recv_idx, recv_w, src_token_M = (
                 handle.recv_counts(),
@@ -132,7 +133,7 @@ class UbepExchange:
             )
         prefix_R1 = prefix_offsets(counts_R)
         recv_x_MH = torch.empty(int(prefix_R1[-1]), x_NH.shape[1], dtype=x_NH.dtype)
-        self._gather_tokens(call, x_NH, recv_x_MH, src_token_M, prefix_R1.tolist())
+        self._gather_tokens(call, x_NH, recv_x_MH, src_token_M, prefix_R1.tolist(), sources)
         return Received(recv_x_MH, recv_idx, recv_w, src_token_M, prefix_R1)
 
     def _publish(self, call: CallId, plan: SendPlan) -> None:
@@ -164,13 +165,11 @@ class UbepExchange:
             raise self.t.bad_data(call, src, message)
         return got
 
-    def _routing(self, call: CallId, plan: SendPlan):
+    def _routing(self, call: CallId, plan: SendPlan, sources: dict[int, dict]):
         """Every source's rows for this rank, their top-k as seen here, in source-rank order."""
         b, t, K = self.blocks, self.t, plan.topk_idx_NK.shape[1]
-        sources = {
-            src: self._source(call, src, plan.x_NH.dtype)
-            for src in t.landed(b.route, call, range(self.R), "dispatch (routing)")
-        }
+        for src in t.landed(b.route, call, range(self.R), "dispatch (routing)"):
+            sources[src] = self._source(call, src, plan.x_NH.dtype)
         counts = [sources[s]["counts"][self.me] for s in range(self.R)]
         M = sum(counts)
         recv_idx_MK = torch.empty(M, K, dtype=torch.int64)
@@ -204,7 +203,7 @@ class UbepExchange:
             )
         return torch.tensor(counts, dtype=torch.int64), recv_idx_MK, recv_w_MK, src_token_M
 
-    def _gather_tokens(self, call, x_NH, recv_x_MH, src_token_M, prefix: list[int]) -> None:
+    def _gather_tokens(self, call, x_NH, recv_x_MH, src_token_M, prefix: list[int], sources) -> None:
         """Copy each source's rows from its memory as soon as its payload lands.
 
         With several workers this thread keeps the waiting role and hands each
@@ -216,10 +215,17 @@ class UbepExchange:
         pieces, moving = self._pieces(prefix), []
         try:
             for src in t.landed(b.data, call, own_first, "dispatch (tokens)"):
+                got = sources.get(src) or self._source(call, src, x_NH.dtype)
                 a, z = prefix[src], prefix[src + 1]
+                if got["counts"][self.me] != z - a:  # a cached dispatch whose handles differ
+                    message = (
+                        f"dispatch: rank {src} sends {got['counts'][self.me]} rows here, this rank's "
+                        f"handle expects {z - a} (all ranks must pass handles of the same dispatch)"
+                    )
+                    raise t.bad_data(call, src, message)
                 if a == z:
                     continue
-                n = self._source(call, src, x_NH.dtype)["num_tokens"]
+                n = got["num_tokens"]
                 if src_token_M[z - 1] >= n:  # rows ascend: the last is the largest
                     raise t.bad_data(
                         call, src, f"dispatch: rank {src} sent {n} tokens, fewer than routed here"
