@@ -24,7 +24,7 @@ from ubep.engine import choose_engine
 from ubep.factory import Options, build
 from ubep.faults import FaultPlan, FaultPoints
 from ubep.group import GroupInfo, check_agreement, choose_transport, join_group
-from ubep.layout import ExpertPlacement, dispatch_layout, expert_counts, token_in_rank
+from ubep.layout import ExpertPlacement, dispatch_layout, expert_counts, token_in_rank, tokens_per_node
 from ubep.overlap import EventOverlap
 from ubep.protocols.base import Exchange, SendPlan, Sizing
 from ubep.protocols.ll_base import LowLatencyExchange, combine_plan, dispatch_outputs, dispatch_plan
@@ -204,19 +204,13 @@ class Buffer:
         layout = dispatch_layout(idx, self.sizing.placement)
         return LayoutResult(
             layout.num_tokens_per_rank_R,
-            self._tokens_per_node(layout.is_token_in_rank_NR),
+            None
+            if self._info.num_nodes == 1
+            else tokens_per_node(layout.is_token_in_rank_NR, self._info.node_of_rank),
             layout.num_tokens_per_expert_E,
             layout.is_token_in_rank_NR,
             EventOverlap(),
         )
-
-    def _tokens_per_node(self, is_token_in_rank_NR: torch.Tensor) -> torch.Tensor | None:
-        """int32 [nodes]: tokens with >= 1 expert on each node; None on one node."""
-        if self._info.num_nodes == 1:
-            return None
-        node_R = torch.tensor(self._info.node_of_rank)
-        per_node = [is_token_in_rank_NR[:, node_R == n].any(dim=1) for n in range(self._info.num_nodes)]
-        return torch.stack(per_node, dim=1).sum(dim=0, dtype=torch.int32)
 
     def dispatch(
         self,

@@ -98,6 +98,15 @@ def token_in_rank(topk_idx_NK: torch.Tensor, placement: ExpertPlacement) -> torc
     return hit_NR1.scatter_(1, owner_NK, True)[:, :R]
 
 
+def tokens_per_node(is_token_in_rank_NR: torch.Tensor, node_of_rank: tuple[int, ...]) -> torch.Tensor:
+    """int32 [G]: tokens with at least one expert on each node (DeepEP's num_tokens_per_rdma_rank)."""
+    node_R = torch.tensor(node_of_rank, dtype=torch.int64)
+    G = int(node_R.max()) + 1
+    hit_NG = torch.zeros(is_token_in_rank_NR.shape[0], G, dtype=torch.int32)
+    hit_NG.index_add_(1, node_R, is_token_in_rank_NR.to(torch.int32))
+    return (hit_NG > 0).sum(dim=0, dtype=torch.int32)
+
+
 def dispatch_layout(topk_idx_NK: torch.Tensor, placement: ExpertPlacement) -> DispatchLayout:
     """Counts and membership for one rank's routing."""
     is_token_in_rank_NR = token_in_rank(topk_idx_NK, placement)
