@@ -8,7 +8,7 @@ from scenarios import Scenario
 
 import ubep
 from ubep import reference
-from ubep.layout import ExpertPlacement, dispatch_layout, localize_topk, prefix_offsets
+from ubep.layout import ExpertPlacement, dispatch_layout, localize_topk, prefix_offsets, tokens_per_node
 
 
 def test_layout_matches_reference_counts():
@@ -75,4 +75,4 @@ def test_tokens_per_node_counts_each_token_once_per_node():
     in_rank_NR = torch.rand(40, 6, generator=gen) < 0.3
     node_of_rank = (0, 0, 1, 1, 2, 2)
     want = [sum(bool(in_rank_NR[n, 2 * g : 2 * g + 2].any()) for n in range(40)) for g in range(3)]
-    assert layout.tokens_per_node(in_rank_NR, node_of_rank).tolist() == want
+    assert tokens_per_node(in_rank_NR, node_of_rank).tolist() == want
