@@ -250,11 +250,8 @@ class Buffer:
                 num_tokens=plan.x_NH.shape[0],
                 is_token_in_rank_NR=plan.is_token_in_rank_NR,
                 send_counts_R=plan.send_counts_R,
-                recv_src_rank_M=_src_ranks(got.recv_prefix_R1),
-                recv_src_token_M=got.recv_src_token_M,
-                recv_prefix_R1=got.recv_prefix_R1,
+                recv=got.route,
                 num_recv_tokens_per_expert_list=counts,
-                route=got.route,
             )
         return DispatchResult(
             recv_x,
@@ -461,12 +458,6 @@ def _rows(t) -> int:
 
 def _cols(t) -> int:
     return t.shape[1] if isinstance(t, torch.Tensor) and t.dim() == 2 else -1
-
-
-def _src_ranks(prefix_R1: torch.Tensor) -> torch.Tensor:
-    """int64 [M]: the source rank of each received row, from per-source boundaries."""
-    counts_R = prefix_R1[1:] - prefix_R1[:-1]
-    return torch.repeat_interleave(torch.arange(counts_R.numel()), counts_R)
 
 
 def _no_hook() -> None:

@@ -16,7 +16,7 @@ import torch
 from ubep.calls import CallId
 from ubep.engine import Engine
 from ubep.layout import ExpertPlacement, destination_major
-from ubep.results import DispatchHandle
+from ubep.results import DispatchHandle, RecvRoute
 from ubep.transport.base import Field, Header, Region, Transport
 
 # Wire codes for the dtypes a payload may carry (stored next to the data).
@@ -48,9 +48,7 @@ class Received:
     recv_x_MH: torch.Tensor
     recv_topk_idx_MK: torch.Tensor | None
     recv_topk_weights_MK: torch.Tensor | None
-    recv_src_token_M: torch.Tensor  # int64
-    recv_prefix_R1: torch.Tensor  # int64 [R + 1]
-    route: object | None = None  # see DispatchHandle
+    route: RecvRoute
 
 
 class Exchange(Protocol):

@@ -39,7 +39,7 @@ from ubep.protocols.base import (
     reduce_home,
     rows,
 )
-from ubep.results import DispatchHandle
+from ubep.results import DispatchHandle, RecvRoute
 from ubep.transport.base import Field, Header, Region, Transport
 
 
@@ -179,7 +179,7 @@ class BspExchange:
                 recv_idx[a:z] = t.view(b.stage_topk, self.me)[src, : z - a, :K]
                 recv_w[a:z] = t.view(b.stage_weights, self.me)[src, : z - a, :K]
         self._check_received(call, src_token, recv_idx)
-        return Received(recv_x, recv_idx, recv_w, src_token, prefix_R1)
+        return Received(recv_x, recv_idx, recv_w, RecvRoute.of(src_token, prefix_R1))
 
     def _check_received(
         self, call: CallId, src_token_M: torch.Tensor, recv_idx_MK: torch.Tensor | None

@@ -24,7 +24,7 @@ from ubep.errors import PeerDataError
 from ubep.faults import NO_FAULTS, FaultPoints
 from ubep.layout import destination_major, localize_for_destinations, prefix_offsets
 from ubep.protocols.base import CallId, Received, SendPlan, Sizing
-from ubep.results import DispatchHandle
+from ubep.results import DispatchHandle, RecvRoute
 from ubep.waiting import AbortNotice, PeerAbortedError
 
 ABORT_COUNT = -1  # a count no real dispatch sends: "this rank gave up on the call"
@@ -107,7 +107,8 @@ class BspDist:
             K = plan.topk_idx_NK.shape[1]
             recv_idx = meta_recv[:, 1 : 1 + K].contiguous()
             recv_w = meta_recv[:, 1 + K :].to(torch.int32).view(torch.float32).contiguous()
-        return Received(recv_x, recv_idx, recv_w, meta_recv[:, 0].contiguous(), prefix_offsets(recv_counts_R))
+        route = RecvRoute.of(meta_recv[:, 0].contiguous(), prefix_offsets(recv_counts_R))
+        return Received(recv_x, recv_idx, recv_w, route)
 
     def combine(self, call: CallId, x_MH, handle: DispatchHandle, topk_weights_MK):
         recv = handle.recv_counts().tolist()

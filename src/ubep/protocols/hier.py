@@ -53,7 +53,7 @@ from ubep.layout import (
 )
 from ubep.nodes import NodeMap, tokens_per_slot
 from ubep.protocols.base import CODE_DTYPES, CODE_RANGE, DTYPE_CODES, Received, SendPlan, Sizing, rows
-from ubep.results import DispatchHandle
+from ubep.results import DispatchHandle, RecvRoute
 from ubep.transport.base import Field, Header, Region
 from ubep.transport.shm import shm_heap
 
@@ -296,14 +296,16 @@ class HierExchange:
         )
         prefix_R1 = prefix_offsets(torch.bincount(got.src_rank_M, minlength=self.sizing.num_ranks))
         recv_x_MH = self._gather_rows(call, plan.x_NH, route, prefix_R1)
-        return Received(recv_x_MH, got.topk_MK, got.weights_MK, got.src_token_M, prefix_R1, route=route)
+        return Received(
+            recv_x_MH, got.topk_MK, got.weights_MK, RecvRoute.of(got.src_token_M, prefix_R1, route)
+        )
 
     def _dispatch_cached(self, call: CallId, x_NH: torch.Tensor, handle: DispatchHandle) -> Received:
         """The same rows cross and fan out again, x only: the routing is in the handle."""
         r: HierRoute = handle.route
         self._relay_rows(call, x_NH, r.send_token_S, r.send_counts_G, r.relay_counts_G, r.own_token_O)
         recv_x_MH = self._gather_rows(call, x_NH, r, handle.recv_prefix_R1)
-        return Received(recv_x_MH, None, None, handle.recv_src_token_M, handle.recv_prefix_R1, route=r)
+        return Received(recv_x_MH, None, None, handle.recv)
 
     def _forward_header(self, call: CallId, f: int, dtype: torch.dtype, header: Header) -> tuple[int, int]:
         """A landed forward set's (row count, top-k or 0), checked against this rank's call."""

@@ -6,7 +6,7 @@ import torch
 
 from ubep import reference
 from ubep.protocols.base import CallId, Received, SendPlan, Sizing
-from ubep.results import DispatchHandle
+from ubep.results import DispatchHandle, RecvRoute
 
 
 class LocalExchange:
@@ -20,7 +20,7 @@ class LocalExchange:
     def dispatch(self, call: CallId, plan: SendPlan, handle: DispatchHandle | None) -> Received:
         if handle is not None:
             rows = handle.recv_src_token_M
-            return Received(plan.x_NH[rows], None, None, rows, handle.recv_prefix_R1)
+            return Received(plan.x_NH[rows], None, None, handle.recv)
         placement = self.sizing.placement
         got = reference.dispatch(
             [plan.x_NH],
@@ -30,9 +30,8 @@ class LocalExchange:
             rank_of_expert=placement.rank_of_expert_E,
         )[0]
         prefix = torch.tensor([0, got.src_token_M.numel()], dtype=torch.int64)
-        return Received(
-            got.recv_x_MH, got.recv_topk_idx_MK, got.recv_topk_weights_MK, got.src_token_M, prefix
-        )
+        route = RecvRoute.of(got.src_token_M, prefix)
+        return Received(got.recv_x_MH, got.recv_topk_idx_MK, got.recv_topk_weights_MK, route)
 
     def combine(self, call: CallId, x_MH, handle: DispatchHandle, topk_weights_MK):
         tokens = handle.recv_src_token_M

@@ -48,7 +48,7 @@ from ubep.protocols.base import (
     reduce_home,
     rows,
 )
-from ubep.results import DispatchHandle
+from ubep.results import DispatchHandle, RecvRoute
 from ubep.transport.base import Field, Header, Region, Transport
 
 
@@ -134,7 +134,8 @@ class UbepExchange:
         prefix_R1 = prefix_offsets(counts_R)
         recv_x_MH = torch.empty(int(prefix_R1[-1]), x_NH.shape[1], dtype=x_NH.dtype)
         self._gather_tokens(call, x_NH, recv_x_MH, src_token_M, prefix_R1.tolist(), sources)
-        return Received(recv_x_MH, recv_idx, recv_w, src_token_M, prefix_R1)
+        route = RecvRoute.of(src_token_M, prefix_R1) if handle is None else handle.recv
+        return Received(recv_x_MH, recv_idx, recv_w, route)
 
     def _publish(self, call: CallId, plan: SendPlan) -> None:
         b, t, me = self.blocks, self.t, self.me
