@@ -50,7 +50,7 @@ def test_published_record_reads_back_typed_and_a_bad_value_names_the_rank():
     assert got["n"] == 4 and got["c"].tolist() == [1, 2, 3]
     assert int(b.view(DATA, 0, CALL).sum()) == 7 * 32
     a.publish(ROUTE, CALL, {"n": 11, "c": [0, 0, 0]})
-    with pytest.raises(PeerDataError, match="t.route: rank 0 announced 11 rows, at most 10"):
+    with pytest.raises(PeerDataError, match=r"t\.route: rank 0 announced 11 rows, at most 10"):
         b.read(ROUTE, CALL, 0)
 
 
