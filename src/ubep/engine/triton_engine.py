@@ -88,6 +88,11 @@ class TritonEngine:
         self._k = triton_kernels
         self._interpreted = _interpreted(triton_kernels.copy_rows_kernel)
 
+    @staticmethod
+    def _run(kernel, grid: tuple[int, ...], *args, **consts) -> None:
+        """Launch with FMA contraction off, so every product and sum rounds as the torch engine's do."""
+        kernel[grid](*args, **consts, enable_fp_fusion=False)
+
     def _device(self, *tensors: torch.Tensor) -> None:
         """The interpreter reads host memory, compiled kernels device memory: say so instead of crashing."""
         for t in tensors:
@@ -169,12 +174,25 @@ class TritonEngine:
             BLOCK=min(COPY_BLOCK, _pow2(width)),
         )
         if flag is None:
-            self._k.copy_rows_kernel[grid](
-                src, src_peers, src_index, src_stride, dst, dst_peers, dst_index, dst_stride, width, **consts
+            self._run(
+                self._k.copy_rows_kernel,
+                grid,
+                src,
+                src_peers,
+                src_index,
+                src_stride,
+                dst,
+                dst_peers,
+                dst_index,
+                dst_stride,
+                width,
+                **consts,
             )
         else:
             flag_1, arrivals_1, epoch = flag
-            self._k.put_rows_flag_kernel[grid](
+            self._run(
+                self._k.put_rows_flag_kernel,
+                grid,
                 src,
                 src_peers,
                 src_index,
@@ -231,7 +249,7 @@ class TritonEngine:
         """flags[i] = epoch for every i, each with a system-scope release."""
         _check_flag(flags_n, "flags_n")
         self._device(flags_n)
-        self._k.flag_write_kernel[(flags_n.numel(),)](flags_n, epoch)
+        self._run(self._k.flag_write_kernel, (flags_n.numel(),), flags_n, epoch)
 
     def wait_flags(self, flags_n: torch.Tensor, epoch: int, max_spins: int) -> torch.Tensor:
         """bool [n]: whether flags[i] reached `epoch` within `max_spins` acquire reads (False: not landed)."""
@@ -240,7 +258,7 @@ class TritonEngine:
             raise ValueError(f"max_spins must be >= 0, got {max_spins}")
         self._device(flags_n)
         landed_n = torch.zeros(flags_n.numel(), dtype=torch.int32, device=flags_n.device)
-        self._k.flag_wait_kernel[(flags_n.numel(),)](flags_n, epoch, landed_n, max_spins)
+        self._run(self._k.flag_wait_kernel, (flags_n.numel(),), flags_n, epoch, landed_n, max_spins)
         return landed_n.bool()
 
     def pack_put(
@@ -264,7 +282,9 @@ class TritonEngine:
         src_index, src_indexed = _index(src_index_n, dst_YW)
         dst_index, dst_indexed = _index(dst_index_n, dst_YW)
         payload = src.view(torch.int32)
-        self._k.pack_put_kernel[(n, triton_cdiv(width, COPY_BLOCK))](
+        self._run(
+            self._k.pack_put_kernel,
+            (n, triton_cdiv(width, COPY_BLOCK)),
             payload,
             src_index,
             payload.stride(0),
@@ -302,7 +322,9 @@ class TritonEngine:
         src_index, src_indexed = _index(src_index_n, src_XW)
         dst_index, dst_indexed = _index(dst_index_n, src_XW)
         payload = dst.view(torch.int32)
-        self._k.unpack_wait_kernel[(n, triton_cdiv(width, COPY_BLOCK))](
+        self._run(
+            self._k.unpack_wait_kernel,
+            (n, triton_cdiv(width, COPY_BLOCK)),
             src_XW,
             src_index,
             src_XW.stride(0),
@@ -341,7 +363,9 @@ class TritonEngine:
         starts_N1 = torch.zeros(N + 1, dtype=torch.int64, device=acc_NH.device)
         torch.cumsum(counts_N, 0, out=starts_N1[1:])
         weights = weight_n.to(torch.float32) if weight_n is not None else order_n
-        self._k.accumulate_rows_kernel[(N, triton_cdiv(H, SUM_BLOCK))](
+        self._run(
+            self._k.accumulate_rows_kernel,
+            (N, triton_cdiv(H, SUM_BLOCK)),
             acc_NH,
             acc_NH.stride(0),
             rows_nH,
@@ -352,7 +376,6 @@ class TritonEngine:
             H,
             WEIGHTED=weight_n is not None,
             BLOCK=min(SUM_BLOCK, _pow2(H)),
-            enable_fp_fusion=False,
         )
 
     def weighted_sum(self, y_NKH: torch.Tensor, w_NK: torch.Tensor, valid_NK: torch.Tensor) -> torch.Tensor:
@@ -365,7 +388,9 @@ class TritonEngine:
         self._device(y_NKH, w_NK, valid_NK)
         w = w_NK.to(torch.float32).contiguous()
         valid = valid_NK.contiguous().view(torch.uint8)
-        self._k.weighted_sum_kernel[(N, triton_cdiv(H, SUM_BLOCK))](
+        self._run(
+            self._k.weighted_sum_kernel,
+            (N, triton_cdiv(H, SUM_BLOCK)),
             y_NKH,
             y_NKH.stride(0),
             y_NKH.stride(1),
@@ -375,7 +400,6 @@ class TritonEngine:
             out_NH,
             H,
             BLOCK=min(SUM_BLOCK, _pow2(H)),
-            enable_fp_fusion=False,
         )
         return out_NH
 
@@ -401,7 +425,9 @@ class TritonEngine:
         weighted = out_weights_nK is not None
         weights = weights_XK if weighted else topk_XK
         block = 256
-        self._k.localize_rows_kernel[(triton_cdiv(count, block),)](
+        self._run(
+            self._k.localize_rows_kernel,
+            (triton_cdiv(count, block),),
             topk_XK,
             topk_XK.stride(0),
             weights,
@@ -435,7 +461,9 @@ class TritonEngine:
         src_index, src_indexed = _index(src_index_n, scales_YB)
         dst_index, dst_indexed = _index(dst_index_n, scales_YB)
         values = values_YH.view(torch.uint8)
-        self._k.quantize_rows_kernel[(n, triton_cdiv(nb, FP8_GROUP))](
+        self._run(
+            self._k.quantize_rows_kernel,
+            (n, triton_cdiv(nb, FP8_GROUP)),
             x_XH,
             x_XH.stride(0),
             src_index,
@@ -448,7 +476,6 @@ class TritonEngine:
             SRC_INDEXED=src_indexed,
             DST_INDEXED=dst_indexed,
             BB=FP8_GROUP,
-            enable_fp_fusion=False,
         )
 
     def dequantize_rows(
@@ -472,7 +499,9 @@ class TritonEngine:
         values = values_XH.view(torch.uint8)
         bf16 = out_YH.dtype == torch.bfloat16
         out = out_YH.view(torch.int16) if bf16 else out_YH
-        self._k.dequantize_rows_kernel[(n, triton_cdiv(nb, FP8_GROUP))](
+        self._run(
+            self._k.dequantize_rows_kernel,
+            (n, triton_cdiv(nb, FP8_GROUP)),
             values,
             values.stride(0),
             scales_XB,
@@ -486,7 +515,6 @@ class TritonEngine:
             SRC_INDEXED=src_indexed,
             DST_INDEXED=dst_indexed,
             BB=FP8_GROUP,
-            enable_fp_fusion=False,
         )
 
 
