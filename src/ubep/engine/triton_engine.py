@@ -212,8 +212,8 @@ class TritonEngine:
     def _place(self, tensors: Sequence[torch.Tensor], name: str) -> tuple[torch.Tensor, int]:
         """(the tensor, or a table of the tensors' addresses when several peers are meant; row stride)."""
         strides = {t.stride(0) for t in tensors}
-        if len(strides) != 1 or len({tuple(t.shape) for t in tensors}) != 1:
-            raise ValueError(f"{name}: every peer's region must have one shape and row stride")
+        if len(strides) != 1 or len({t.shape[1] for t in tensors}) != 1:
+            raise ValueError(f"{name}: every peer's rows must have one width and row stride")
         if len(tensors) == 1:
             return tensors[0], strides.pop()
         table_P = torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64, device=tensors[0].device)
@@ -306,17 +306,18 @@ class TritonEngine:
         dst_index_n: torch.Tensor | None,
         epoch: int,
         max_spins: int,
-    ) -> int:
-        """Data as flag, receiver: rows of epoch-stamped words -> payload rows; the count of words not landed.
+    ) -> torch.Tensor:
+        """Data as flag, receiver: epoch-stamped words -> payload rows; int32 [1]: the words not landed.
 
-        Each row block is consumed as soon as its words carry `epoch`; 0 means
-        every row arrived, otherwise the rows are incomplete after `max_spins` polls.
+        Each row block is consumed as soon as its words carry `epoch`; a count of
+        0 means every row arrived, otherwise rows are incomplete after `max_spins`
+        polls. The count is a device tensor: reading it waits for the kernel.
         """
         dst = _rows(dst_YB, "dst")
         width = _payload_words(dst, src_XW, epoch)
         n = src_XW.shape[0] if src_index_n is None else src_index_n.shape[0]
         if n == 0:
-            return 0
+            return torch.zeros(1, dtype=torch.int32, device=dst.device)
         self._device(src_XW, dst)
         missing_1 = torch.zeros(1, dtype=torch.int32, device=dst.device)
         src_index, src_indexed = _index(src_index_n, src_XW)
@@ -339,7 +340,7 @@ class TritonEngine:
             DST_INDEXED=dst_indexed,
             BLOCK=min(COPY_BLOCK, _pow2(width)),
         )
-        return int(missing_1.item())
+        return missing_1
 
     # --- reductions --------------------------------------------------------------------------------------
 
