@@ -303,12 +303,14 @@ def accumulate_rows_kernel(
     if last > first:
         acc_ptrs = acc + t.to(tl.int64) * acc_stride + cols
         total = tl.load(acc_ptrs, mask=mask)
-        for j in range(first, last):
+        j = first
+        while j < last:  # not range(first, last): Triton 3.6's interpreter cannot index with loaded scalars
             i = tl.load(order_n + j).to(tl.int64)
             row = tl.load(rows + i * rows_stride + cols, mask=mask).to(tl.float32)
             if WEIGHTED:
                 row = row * tl.load(weight_n + i)
             total = total + row
+            j += 1
         tl.store(acc_ptrs, total, mask=mask)
 
 
@@ -322,12 +324,14 @@ def weighted_sum_kernel(y, y_stride_n, y_stride_k, w, valid, K, out, H, BLOCK: t
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < H
     total = tl.zeros([BLOCK], dtype=tl.float32)
-    for k in range(K):
+    k = 0
+    while k < K:  # as in accumulate_rows_kernel: a while loop runs on Triton 3.6's interpreter too
         ok = tl.load(valid + n * K + k) != 0
         weight = tl.where(ok, tl.load(w + n * K + k), 0.0)
         row = tl.load(y + n * y_stride_n + k * y_stride_k + cols, mask=mask).to(tl.float32)
         row = tl.where(ok, row, 0.0)
         total = total + weight * row
+        k += 1
     tl.store(out + n * H + cols, total, mask=mask)
 
 
