@@ -29,6 +29,7 @@ COPY_BLOCK = 1024  # words per program of a row copy
 SUM_BLOCK = 512  # float32 columns per program of a reduction
 FP8_GROUP = 8  # 128-channel blocks per program of an FP8 conversion
 FLAG_DTYPE = torch.int64
+TABLE_CACHE = 64  # pointer tables kept per engine (a Buffer uses a handful of regions)
 EPOCH_LIMIT = 2**32  # a data-as-flag word holds the epoch in 32 bits
 
 
@@ -87,6 +88,7 @@ class TritonEngine:
         self.reason = reason
         self._k = triton_kernels
         self._interpreted = _interpreted(triton_kernels.copy_rows_kernel)
+        self._tables: dict[tuple[int, ...], torch.Tensor] = {}  # pointer tables by their addresses
 
     @staticmethod
     def _run(kernel, grid: tuple[int, ...], *args, **consts) -> None:
@@ -216,7 +218,13 @@ class TritonEngine:
             raise ValueError(f"{name}: every peer's rows must have one width and row stride")
         if len(tensors) == 1:
             return tensors[0], strides.pop()
-        table_P = torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64, device=tensors[0].device)
+        addresses = tuple(t.data_ptr() for t in tensors)
+        table_P = self._tables.get(addresses)
+        if table_P is None:  # a table holds only addresses, so a cached one is never stale
+            if len(self._tables) >= TABLE_CACHE:
+                self._tables.clear()
+            table_P = torch.tensor(addresses, dtype=torch.int64, device=tensors[0].device)
+            self._tables[addresses] = table_P
         return table_P, strides.pop()
 
     # --- the two data-as-flag variants -------------------------------------------------------------------
