@@ -455,3 +455,56 @@ def test_concurrent_streams_on_the_device(engine, variant):
     else:
         assert missing.item() == 0
     assert_same(got, rows)
+
+
+# --- the protocols with engine="triton": every call of a Buffer goes through these kernels ------------------
+
+NORMAL = ("minus-one-and-nowhere", "zipf-float32")  # bf16 with -1 slots and a rank nobody sends to; fp32
+LOW_LATENCY = ("fp8", "float32")
+
+
+def buffer_calls(rank: object) -> int:
+    """A few normal-mode scenarios and low-latency cases (bf16, fp32, FP8) on engine="triton", each
+    checked against ubep.reference by the same helpers as every other transport's tests."""
+    from scenarios import scenarios_for
+    from test_exchange import check_scenario
+    from test_low_latency import CAPACITY, HIDDEN, cases, run_case
+
+    import ubep
+
+    virtual = not isinstance(rank, int)  # a VirtualRank, or a placeholder under LocalLaunch
+    group = rank if virtual else None
+    me = rank.rank if virtual else torch.distributed.get_rank()
+    R = rank.world_size if virtual else torch.distributed.get_world_size()
+    checked = 0
+    for sc in (s for s in scenarios_for(R) if s.name in NORMAL):
+        with ubep.Buffer(group, hidden=sc.hidden, num_experts=sc.num_experts, max_tokens_per_rank=sc.capacity,
+                         timeout_s=60, engine="triton") as buf:  # fmt: skip
+            assert buf.engine.name == "triton"
+            check_scenario(buf, sc, me)
+            checked += 1
+    E = 2 * R
+    with ubep.Buffer(group, hidden=HIDDEN, num_experts=E, max_tokens_per_rank=CAPACITY, timeout_s=60,
+                     engine="triton") as buf:  # fmt: skip
+        for case in (c for c in cases(R) if c.name in LOW_LATENCY):
+            run_case(buf, case, me, R, E)
+            checked += 1
+    return checked
+
+
+@pytest.mark.parametrize("num_ranks", [2, 4])
+def test_buffer_on_virtual_ranks_with_the_triton_engine(num_ranks):
+    if not INTERPRETED:
+        pytest.skip("runs in test_interpreter_suite")
+    from ubep.transport.virtual import VirtualWorld
+
+    assert VirtualWorld(num_ranks, timeout_s=120).run(buffer_calls) == [4] * num_ranks
+
+
+def test_buffer_on_shared_memory_with_the_triton_engine():
+    """Rank processes over the shared-memory heap (each inherits TRITON_INTERPRET=1)."""
+    if not INTERPRETED:
+        pytest.skip("runs in test_interpreter_suite")
+    import ubep
+
+    assert ubep.LocalLaunch(world_size=2, timeout_s=120).run(buffer_calls, 0) == [4, 4]

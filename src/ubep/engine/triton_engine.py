@@ -19,6 +19,7 @@ Legend: see `ubep.layout`; n rows moved by one call, X rows in a source, P peers
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 
 import torch
@@ -31,6 +32,7 @@ FP8_GROUP = 8  # 128-channel blocks per program of an FP8 conversion
 FLAG_DTYPE = torch.int64
 TABLE_CACHE = 64  # pointer tables kept per engine (a Buffer uses a handful of regions)
 EPOCH_LIMIT = 2**32  # a data-as-flag word holds the epoch in 32 bits
+INTERPRETER_LOCK = threading.Lock()  # guards triton's interpreter, whose grid state is module-global
 
 
 def triton_support() -> tuple[bool, str]:
@@ -90,10 +92,17 @@ class TritonEngine:
         self._interpreted = _interpreted(triton_kernels.copy_rows_kernel)
         self._tables: dict[tuple[int, ...], torch.Tensor] = {}  # pointer tables by their addresses
 
-    @staticmethod
-    def _run(kernel, grid: tuple[int, ...], *args, **consts) -> None:
-        """Launch with FMA contraction off, so every product and sum rounds as the torch engine's do."""
-        kernel[grid](*args, **consts, enable_fp_fusion=False)
+    def _run(self, kernel, grid: tuple[int, ...], *args, **consts) -> None:
+        """Launch with FMA contraction off, so every product and sum rounds as the torch engine's do.
+
+        The interpreter keeps the running grid in module state, so interpreted
+        launches from several threads (virtual ranks) take turns.
+        """
+        if self._interpreted:
+            with INTERPRETER_LOCK:
+                kernel[grid](*args, **consts, enable_fp_fusion=False)
+        else:
+            kernel[grid](*args, **consts, enable_fp_fusion=False)
 
     def _device(self, *tensors: torch.Tensor) -> None:
         """The interpreter reads host memory, compiled kernels device memory: say so instead of crashing."""
