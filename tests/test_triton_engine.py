@@ -113,6 +113,8 @@ def test_gather_and_scatter_through_a_pointer_table(engine, device):
     engine.gather_rows(peers, peer_n, index_n, got, None)
     want = torch.stack([peers[p][i] for p, i in zip(peer_n.tolist(), index_n.tolist(), strict=True)])
     assert_same(got, want)
+    engine.gather_rows(peers[1:2], torch.zeros_like(peer_n), index_n, got, None)  # a table of one peer
+    assert_same(got, peers[1][index_n])
 
     targets = [torch.zeros(5, 128, dtype=torch.bfloat16, device=device) for _ in range(3)]
     engine.scatter_rows(want, None, targets, peer_n, index_n)

@@ -152,22 +152,14 @@ class TritonEngine:
         self._move([src_w], None, src_index_n, dst_w, peer_n, dst_index_n)
 
     def _move(self, srcs, src_peer_n, src_index_n, dsts, dst_peer_n, dst_index_n, flag=None) -> None:
-        n = (
-            src_peer_n
-            if src_peer_n is not None
-            else dst_peer_n
-            if dst_peer_n is not None
-            else src_index_n
-            if src_index_n is not None
-            else dst_index_n
-            if dst_index_n is not None
-            else srcs[0]
-        ).shape[0]
+        given = [t.shape[0] for t in (src_peer_n, dst_peer_n, src_index_n, dst_index_n) if t is not None]
+        n = given[0] if given else srcs[0].shape[0]
         if n == 0:
             return
         self._device(srcs[0], dsts[0])
-        src, src_stride = self._place(srcs, "srcs")
-        dst, dst_stride = self._place(dsts, "dsts")
+        src_table, dst_table = src_peer_n is not None, dst_peer_n is not None
+        src, src_stride = self._place(srcs, "srcs", src_table)
+        dst, dst_stride = self._place(dsts, "dsts", dst_table)
         width = srcs[0].shape[1]
         if dsts[0].shape[1] != width:
             raise ValueError(f"rows differ in width: {srcs[0].shape[1]} and {dsts[0].shape[1]} words")
@@ -175,11 +167,11 @@ class TritonEngine:
         dst_index, dst_indexed = _index(dst_index_n, srcs[0])
         src_peers = src_peer_n if src_peer_n is not None else srcs[0]
         dst_peers = dst_peer_n if dst_peer_n is not None else srcs[0]
-        grid = (n, triton_cdiv(width, COPY_BLOCK))
+        grid = (n, _cdiv(width, COPY_BLOCK))
         consts = dict(
             WORD=_tl_dtype(srcs[0].dtype),
-            SRC_PEERS=len(srcs) > 1 or src_peer_n is not None,
-            DST_PEERS=len(dsts) > 1 or dst_peer_n is not None,
+            SRC_PEERS=src_table,
+            DST_PEERS=dst_table,
             SRC_INDEXED=src_indexed,
             DST_INDEXED=dst_indexed,
             BLOCK=min(COPY_BLOCK, _pow2(width)),
@@ -220,12 +212,12 @@ class TritonEngine:
                 **consts,
             )
 
-    def _place(self, tensors: Sequence[torch.Tensor], name: str) -> tuple[torch.Tensor, int]:
-        """(the tensor, or a table of the tensors' addresses when several peers are meant; row stride)."""
+    def _place(self, tensors: Sequence[torch.Tensor], name: str, table: bool) -> tuple[torch.Tensor, int]:
+        """(the one tensor, or with `table` a table of the tensors' addresses; their row stride)."""
         strides = {t.stride(0) for t in tensors}
         if len(strides) != 1 or len({t.shape[1] for t in tensors}) != 1:
             raise ValueError(f"{name}: every peer's rows must have one width and row stride")
-        if len(tensors) == 1:
+        if not table:
             return tensors[0], strides.pop()
         addresses = tuple(t.data_ptr() for t in tensors)
         table_P = self._tables.get(addresses)
@@ -301,7 +293,7 @@ class TritonEngine:
         payload = src.view(torch.int32)
         self._run(
             self._k.pack_put_kernel,
-            (n, triton_cdiv(width, COPY_BLOCK)),
+            (n, _cdiv(width, COPY_BLOCK)),
             payload,
             src_index,
             payload.stride(0),
@@ -342,7 +334,7 @@ class TritonEngine:
         payload = dst.view(torch.int32)
         self._run(
             self._k.unpack_wait_kernel,
-            (n, triton_cdiv(width, COPY_BLOCK)),
+            (n, _cdiv(width, COPY_BLOCK)),
             src_XW,
             src_index,
             src_XW.stride(0),
@@ -383,7 +375,7 @@ class TritonEngine:
         weights = weight_n.to(torch.float32) if weight_n is not None else order_n
         self._run(
             self._k.accumulate_rows_kernel,
-            (N, triton_cdiv(H, SUM_BLOCK)),
+            (N, _cdiv(H, SUM_BLOCK)),
             acc_NH,
             acc_NH.stride(0),
             rows_nH,
@@ -408,7 +400,7 @@ class TritonEngine:
         valid = valid_NK.contiguous().view(torch.uint8)
         self._run(
             self._k.weighted_sum_kernel,
-            (N, triton_cdiv(H, SUM_BLOCK)),
+            (N, _cdiv(H, SUM_BLOCK)),
             y_NKH,
             y_NKH.stride(0),
             y_NKH.stride(1),
@@ -445,7 +437,7 @@ class TritonEngine:
         block = 256
         self._run(
             self._k.localize_rows_kernel,
-            (triton_cdiv(count, block),),
+            (_cdiv(count, block),),
             topk_XK,
             topk_XK.stride(0),
             weights,
@@ -481,7 +473,7 @@ class TritonEngine:
         values = values_YH.view(torch.uint8)
         self._run(
             self._k.quantize_rows_kernel,
-            (n, triton_cdiv(nb, FP8_GROUP)),
+            (n, _cdiv(nb, FP8_GROUP)),
             x_XH,
             x_XH.stride(0),
             src_index,
@@ -519,7 +511,7 @@ class TritonEngine:
         out = out_YH.view(torch.int16) if bf16 else out_YH
         self._run(
             self._k.dequantize_rows_kernel,
-            (n, triton_cdiv(nb, FP8_GROUP)),
+            (n, _cdiv(nb, FP8_GROUP)),
             values,
             values.stride(0),
             scales_XB,
@@ -575,7 +567,7 @@ def _fp8_blocks(x_XH: torch.Tensor, values_XH: torch.Tensor, scales_XB: torch.Te
     return H // 128
 
 
-def triton_cdiv(a: int, b: int) -> int:
+def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
