@@ -115,7 +115,8 @@ assert torch.equal(eng.weighted_sum(y_NKH, w_NK, valid_NK), ref.weighted_sum(y_N
 timed(lambda: eng.weighted_sum(y_NKH, w_NK, valid_NK), y_NKH.numel() * 2 + R * T * H * 4,
       "low-latency sum (weighted_sum)")
 x_NH = x_RTH.view(R * T, H)
-values, scales = torch.empty(R * T, H, dtype=torch.float8_e4m3fn, device=dev), torch.empty(R * T, H // 128, device=dev)
+values = torch.empty(R * T, H, dtype=torch.float8_e4m3fn, device=dev)
+scales = torch.empty(R * T, H // 128, device=dev)
 timed(lambda: eng.quantize_rows(x_NH, None, values, scales, None), R * T * (2 * H + H + H // 32),
       "FP8 quantize (quantize_rows)")
 out = torch.empty(R * T, H, dtype=torch.bfloat16, device=dev)
@@ -133,6 +134,30 @@ eng.pack_put(x_NH, None, words, None, last)
 timed(lambda: eng.unpack_wait(words, None, out, None, last, 1000), R * T * (2 * row + row),
       "epoch words, receive (unpack_wait)")
 assert torch.equal(out, x_NH), "epoch words round trip differs"
+
+# the two variants head to head on a decode-sized message (one token per rank), on one stream: the
+# kernels' own cost per message (launches included), not the cross-GPU latency
+msg, got = x_NH[:R].contiguous(), torch.empty(R, H, dtype=torch.bfloat16, device=dev)
+slot = torch.empty(R, H, dtype=torch.bfloat16, device=dev)
+msg_words = torch.zeros(R, H // 2, dtype=torch.int64, device=dev)
+
+
+def flag_after_data():
+    e = next(epoch)
+    eng.put_rows_flag(msg, None, slot, None, flag, arrivals, e)
+    eng.wait_flags(flag, e, 1000)
+    eng.copy_rows(slot, None, got, None)
+
+
+def epoch_words():
+    e = next(epoch)
+    eng.pack_put(msg, None, msg_words, None, e)
+    eng.unpack_wait(msg_words, None, got, None, e, 1000)
+
+
+timed(flag_after_data, 4 * R * row, "decode message: flag after data")
+timed(epoch_words, 6 * R * row, "decode message: epoch words")
+assert torch.equal(got, msg), "decode message differs"
 print("bytes: every read and write the kernel makes once; peak is the device's memory bandwidth")
 EOF
 
