@@ -106,7 +106,8 @@ print(f"R={R} T={T} H={H} top-{K} of {E}: {M} rows dispatched ({M / (R * T):.2f}
       f"checked against the torch engine")
 
 row = H * 2
-timed(lambda: eng.gather_rows(regions, src_M, tok_M, recv_MH, None), 2 * M * row, "dispatch gather (copy_rows)")
+timed(lambda: eng.gather_rows(regions, src_M, tok_M, recv_MH, None), 2 * M * row,
+      "dispatch gather (copy_rows)")
 timed(lambda: eng.accumulate_rows(acc, rows_MH, token_M, w_M), M * row + 2 * R * T * H * 4,
       "combine sum (accumulate_rows)")
 y_NKH = torch.randn(R * T, K, H, generator=g).to(torch.bfloat16).to(dev)
