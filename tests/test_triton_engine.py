@@ -432,31 +432,43 @@ def test_two_processes_over_a_shared_mapping(variant, tmp_path):
 @pytest.mark.skipif(not CUDA, reason="no CUDA device")
 @pytest.mark.parametrize("variant", ["flag", "words"])
 def test_concurrent_streams_on_the_device(engine, variant):
+    """Epoch 1 runs in order (every kernel compiled and loaded: loading a module while a kernel spins
+    could wait for it); epoch 2's reader is launched first and must spin until the writer's data lands."""
     rows = _x(64, 7168, torch.bfloat16).cuda()
     reader, writer = torch.cuda.Stream(), torch.cuda.Stream()
-    got = torch.zeros_like(rows)
     flag = torch.zeros(1, dtype=torch.int64, device="cuda")
     arrivals = torch.zeros(1, dtype=torch.int64, device="cuda")
     region = torch.zeros(64, 7168 // 2, dtype=torch.int64, device="cuda")
-    torch.cuda.synchronize()
-    with torch.cuda.stream(reader):  # launched first: it must spin until the writer's data lands
+    slot = region.view(torch.bfloat16)[:, :7168]  # the flag variant's rows
+
+    def write(epoch: int) -> None:
         if variant == "flag":
-            landed = engine.wait_flags(flag, 1, 10**7)
-            engine.copy_rows(region.view(torch.bfloat16)[:, :7168], None, got, None)
+            engine.put_rows_flag(rows, None, slot, None, flag, arrivals, epoch)
         else:
-            missing = engine.unpack_wait(region, None, got, None, 1, 10**7)
-    with torch.cuda.stream(writer):
-        torch.cuda._sleep(10**6)
+            engine.pack_put(rows, None, region, None, epoch)
+
+    def read(epoch: int, got: torch.Tensor) -> torch.Tensor:
         if variant == "flag":
-            engine.put_rows_flag(rows, None, region.view(torch.bfloat16)[:, :7168], None, flag, arrivals, 1)
+            landed = engine.wait_flags(flag, epoch, 10**7)
+            engine.copy_rows(slot, None, got, None)
+            return landed.logical_not().int()
+        return engine.unpack_wait(region, None, got, None, epoch, 10**7)
+
+    for epoch in (1, 2):
+        got = torch.zeros_like(rows)
+        torch.cuda.synchronize()
+        if epoch == 1:
+            write(epoch)
+            missing = read(epoch, got)
         else:
-            engine.pack_put(rows, None, region, None, 1)
-    torch.cuda.synchronize()
-    if variant == "flag":
-        assert landed.item()
-    else:
-        assert missing.item() == 0
-    assert_same(got, rows)
+            with torch.cuda.stream(reader):
+                missing = read(epoch, got)
+            with torch.cuda.stream(writer):
+                torch.cuda._sleep(10**6)
+                write(epoch)
+        torch.cuda.synchronize()
+        assert int(missing.sum()) == 0, f"epoch {epoch}: the reader timed out"
+        assert_same(got, rows)
 
 
 # --- the protocols with engine="triton": every call of a Buffer goes through these kernels ------------------
