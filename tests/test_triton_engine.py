@@ -395,7 +395,7 @@ def test_two_processes_over_a_shared_mapping(variant, tmp_path):
     if not INTERPRETED:
         pytest.skip("runs in test_interpreter_suite")
     shm = "/dev/shm" if os.path.isdir("/dev/shm") else str(tmp_path)
-    path = os.path.join(shm, f"ubep-triton-test-{os.getpid()}-{variant}")
+    path = os.path.join(shm, f"triton-flag-test-{os.getpid()}-{variant}")
     with open(path, "wb") as f:
         f.write(bytes(64 + 6 * 128 * 4))
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=_ubep_path())
