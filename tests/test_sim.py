@@ -35,8 +35,8 @@ def test_a_worker_streams_no_faster_than_its_window_allows():
     params = CostParams(msg_overhead_us=0.2, link_efficiency=1.0, window_bytes=8192)
     n, b = 10, 50_000
     t = engine.simulate(_msgs([0] * n, [1] * n, b), topology.cm384(), params, workers=1)
-    rate = 8192 / 0.93  # bytes per us: window / one-hop latency, far below 392 GB/s
-    assert t.arrived_M.max() == pytest.approx(n * (0.2 + b / rate) + 0.93, rel=1e-9)
+    rate = 8192 / 0.929  # bytes per us: window / one-hop latency, far below 392 GB/s
+    assert t.arrived_M.max() == pytest.approx(n * (0.2 + b / rate) + 0.929, rel=1e-9)
 
 
 def test_all_to_all_on_a_non_blocking_switch():
@@ -82,6 +82,40 @@ def test_ready_times_and_holds_delay_the_worker():
     assert t.arrived_M.tolist() == [6.0, 8.0]
 
 
+def test_two_flows_on_one_port_each_get_half():
+    b = 1_000_000  # two workers of rank 0 start together, to two different ranks
+    t = engine.simulate(_msgs([0, 0], [1, 2], b, worker=[0, 1]), topology.nvl72(), BIG_WINDOW, workers=2)
+    assert t.injected_M.tolist() == pytest.approx([2 * b / 900e3] * 2, rel=1e-9)  # FIFO: b/B, then 2b/B
+    assert t.arrived_M.tolist() == pytest.approx([1.0 + 2 * b / 900e3] * 2, rel=1e-9)
+
+
+def test_a_capped_flow_keeps_its_cap_and_the_other_takes_the_rest():
+    b, rate = 1000.0, 100.0  # one port of 100 B/us; flow 0 arrives at 25 B/us (its upstream rate)
+    key, head = np.zeros(2, dtype=np.int64), np.zeros(2)
+    out = engine.fair_share(key, head, np.array([b / 25, 0.0]), np.full(2, b), np.full(2, rate))
+    assert out.tolist() == pytest.approx([b / 25, b / 75], rel=1e-9)  # max-min: 25 and 75 B/us
+
+
+def test_fair_share_matches_a_small_step_simulation():
+    rng = np.random.default_rng(1)
+    n, rate = 12, 50.0
+    head, nbytes = np.sort(rng.random(n) * 20), rng.random(n) * 300 + 1
+    cap = rng.choice([5.0, 20.0, np.inf], n)
+    tail = head + np.where(np.isinf(cap), 0.0, nbytes / np.where(np.isinf(cap), 1.0, cap))
+    out = engine.fair_share(np.zeros(n, dtype=np.int64), head, tail, nbytes, np.full(n, rate))
+    rem, done, dt, t = nbytes.copy(), np.full(n, np.nan), 1e-3, 0.0
+    while np.isnan(done).any():  # brute force: water-fill the rate among present flows every dt
+        live = np.flatnonzero((head <= t) & np.isnan(done))
+        share, left, order = np.zeros(n), rate, live[np.argsort(cap[live])]
+        for j, i in enumerate(order):
+            share[i] = min(cap[i], left / (order.size - j))
+            left -= share[i]
+        rem -= share * dt
+        t += dt
+        done[np.isnan(done) & (rem <= 0)] = t
+    assert out == pytest.approx(np.maximum(done, tail), abs=0.02)
+
+
 def test_fifo_matches_a_plain_loop():
     rng = np.random.default_rng(0)
     key, order = rng.integers(0, 3, 50), rng.random(50)
@@ -112,7 +146,7 @@ def test_barrier_on_two_ranks_is_one_flag_up_and_one_down():
     )
     topo = topology.cm_ablation()
     out = protocols.barrier(np.array([0.0, 3.0]), topo, params)
-    hop = 0.93 + 64 / (392 * 1e3)  # one-hop flag write: latency + bytes / bandwidth
+    hop = 0.929 + 64 / (392 * 1e3)  # one-hop flag write: latency + bytes / bandwidth
     assert out[0] == pytest.approx(3.0 + hop + 0.05)  # rank 0 leaves once rank 1's flag is seen
     assert out[1] == pytest.approx(3.0 + 2 * hop + 0.1)
 

@@ -36,7 +36,9 @@ WINDOW_BYTES = 128 * 1024  # one worker's bytes in flight (the grid's top value:
 POLL_US = 0.05  # checking one flag word in local memory
 PREFIX_US = 1.0  # the per-expert prefix-sum kernel
 FLAG_BYTES = 64  # a flag or count write, rounded up to one cache line
-TFF_PAYLOAD_FRACTION = 480 / 512  # Data-as-Flag TFF: 32 B flag + 480 B payload per 512 B write (PAPER.md)
+TFF_WRITE_BYTES, TFF_FLAG_BYTES = 512, 32  # Data-as-Flag TFF: 32 B flag + 480 B payload per write (PAPER.md)
+TFF_PAYLOAD_FRACTION = (TFF_WRITE_BYTES - TFF_FLAG_BYTES) / TFF_WRITE_BYTES
+SENTINEL_BYTES = 64  # Data-as-Flag SP: the sentinel line the receiver arms in each receive slot: assumed
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -47,7 +49,7 @@ class CostParams:
     link_efficiency: float = FIT_LINK_EFFICIENCY
     barrier_fanin: int = FIT_BARRIER_FANIN
     call_us: float = FIT_CALL_US
-    window_bytes: float = WINDOW_BYTES
+    window_bytes: float | tuple[float, ...] = WINDOW_BYTES  # one value, or one per distance class
     poll_us: float = POLL_US
     prefix_us: float = PREFIX_US
     flag_bytes: int = FLAG_BYTES
@@ -63,9 +65,19 @@ def port_gbps_C(topo: Topology, params: CostParams) -> np.ndarray:
     return gbps_C
 
 
+def window_C(topo: Topology, params: CostParams) -> np.ndarray:
+    """float [C]: bytes one worker may have in flight per distance class.
+
+    `window_bytes` is one value for every class, or a tuple indexed by class whose
+    last entry also covers any farther class (a per-class outstanding-request limit).
+    """
+    w = np.atleast_1d(np.asarray(params.window_bytes, dtype=float))
+    return w[np.minimum(np.arange(topo.num_classes), w.size - 1)]
+
+
 def worker_gbps_C(topo: Topology, params: CostParams) -> np.ndarray:
     """float [C]: the most one worker can stream to a destination of each class."""
-    return np.minimum(port_gbps_C(topo, params), params.window_bytes / 1e3 / topo.latency_C())
+    return np.minimum(port_gbps_C(topo, params), window_C(topo, params) / 1e3 / topo.latency_C())
 
 
 def message_us(topo: Topology, params: CostParams, cls: np.ndarray, nbytes: np.ndarray) -> np.ndarray:

@@ -8,7 +8,7 @@ import sys
 from dataclasses import replace
 
 from ubep import routing, schedule, topology
-from ubep.sim import protocols
+from ubep.sim import protocols, sync
 from ubep.sim.run import MODELS, SimConfig, SimResult, simulate, workload
 
 
@@ -36,6 +36,7 @@ def add_parser(subparsers) -> None:
     p.add_argument(
         "--policy", type=_names(schedule.POLICIES), default=["ubep"], help="ubep's scheduler policies"
     )
+    p.add_argument("--sync", type=_names(sync.SYNCS), default=["tff"], help="ubep's synchronization variants")
     p.add_argument("--model", choices=sorted(MODELS), default="deepseek-v3")
     p.add_argument("--hidden", type=int)
     p.add_argument("--experts", type=int)
@@ -69,12 +70,15 @@ def _configs(args) -> list[SimConfig]:
     return [replace(base, ranks=r, tokens=t) for r in args.ranks for t in args.tokens]
 
 
-def _runs(cfg: SimConfig, protocol_names: list[str], policies: list[str]) -> list[SimResult]:
+def _runs(cfg: SimConfig, protocols_: list[str], policies: list[str], syncs: list[str]) -> list[SimResult]:
     wl = workload(cfg)
     out = []
-    for proto in protocol_names:
-        for policy in policies if proto == "ubep" else [proto]:
-            out.append(simulate(replace(cfg, policy=policy if proto == "ubep" else "ubep"), proto, wl))
+    for proto in protocols_:
+        if proto != "ubep":
+            out.append(simulate(cfg, proto, wl))
+            continue
+        for policy in policies:
+            out.extend(simulate(replace(cfg, policy=policy, sync=s), proto, wl) for s in syncs)
     return out
 
 
@@ -94,6 +98,7 @@ def _table(ranks: int, results: list[SimResult]):
             else ""
         )
         name = r.protocol if r.protocol != "ubep" or r.policy == "ubep" else f"ubep/{r.policy}"
+        name += f"/{r.sync}" if r.protocol == "ubep" and r.sync != "tff" else ""
         table.add_row(str(r.tokens_per_rank), name, f"{r.dispatch_us:.1f}", f"{r.combine_us:.1f}",
                       f"{r.dispatch_worker_us:.1f}", gain)  # fmt: skip
     return table
@@ -106,10 +111,11 @@ def _plot(results: list[SimResult], path: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    keys = sorted({(r.ranks, r.protocol, r.policy) for r in results})
-    for ranks, proto, policy in keys:
-        rs = [r for r in results if (r.ranks, r.protocol, r.policy) == (ranks, proto, policy)]
-        label = f"{proto}{'' if policy in (proto, 'ubep') else '/' + policy} EP{ranks}"
+    keys = sorted({(r.ranks, r.protocol, r.policy, r.sync) for r in results})
+    for ranks, proto, policy, sy in keys:
+        rs = [r for r in results if (r.ranks, r.protocol, r.policy, r.sync) == (ranks, proto, policy, sy)]
+        label = f"{proto}{'' if policy in (proto, 'ubep') else '/' + policy}"
+        label += f"{'/' + sy if proto == 'ubep' and sy != 'tff' else ''} EP{ranks}"
         ax.plot([r.tokens_per_rank for r in rs], [r.dispatch_us for r in rs], marker="o", label=label)
     ax.set_xlabel("tokens per rank")
     ax.set_ylabel("dispatch latency (us, simulated)")
@@ -126,7 +132,7 @@ def run(args) -> int:
     from rich.console import Console
 
     configs = _configs(args)
-    results = [r for cfg in configs for r in _runs(cfg, args.protocol, args.policy)]
+    results = [r for cfg in configs for r in _runs(cfg, args.protocol, args.policy, args.sync)]
     console = Console()
     for ranks in args.ranks:
         console.print(_table(ranks, [r for r in results if r.ranks == ranks]))

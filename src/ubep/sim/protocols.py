@@ -28,10 +28,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
 from ubep import schedule
-from ubep.costmodel import TFF_PAYLOAD_FRACTION, CostParams, copy_us
+from ubep.costmodel import CostParams, copy_us
+from ubep.layout import ExpertPlacement, token_in_rank
 from ubep.sim import engine
+from ubep.sim import sync as sync_plans
 from ubep.sim.engine import Messages
 from ubep.topology import Topology
 
@@ -52,13 +55,16 @@ class Workload:
     def num_ranks(self) -> int:
         return self.topk_SNK.shape[0]
 
+    @property
+    def tokens(self) -> int:
+        return self.topk_SNK.shape[1]
+
     def counts_RR(self) -> np.ndarray:
         """int64 [R, R]: tokens rank s sends to rank d (once per destination rank)."""
-        R, N, _ = self.topk_SNK.shape
-        owner_SNK = np.where(self.topk_SNK >= 0, self.owner_E[self.topk_SNK.clip(min=0)], R)
-        hit_SNR = np.zeros((R, N, R + 1), dtype=bool)
-        np.put_along_axis(hit_SNR, owner_SNK, True, axis=2)
-        return hit_SNR[..., :R].sum(axis=1).astype(np.int64)
+        R, N, K = self.topk_SNK.shape
+        placement = ExpertPlacement.from_ranks(torch.from_numpy(self.owner_E), R)
+        hit_XR = token_in_rank(torch.from_numpy(self.topk_SNK).reshape(R * N, K), placement)
+        return hit_XR.reshape(R, N, R).sum(dim=1).numpy().astype(np.int64)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -71,13 +77,6 @@ class PhaseTime:
     @property
     def latency_us(self) -> float:
         return float(self.done_R.max())
-
-
-def _cat(parts: list[Messages]) -> Messages:
-    fields = [f for f in Messages.__slots__ if f != "hold_us_M"]
-    merged = {f: np.concatenate([getattr(p, f) for p in parts]) for f in fields}
-    holds = [p.hold_us_M if p.hold_us_M is not None else np.zeros(p.size) for p in parts]
-    return Messages(**merged, hold_us_M=np.concatenate(holds))
 
 
 def _msgs(src, dst, worker, seq, nbytes, ready, hold=None) -> Messages:
@@ -157,51 +156,61 @@ def _reorder(ready_SD: np.ndarray, rows_SD: np.ndarray, row_bytes: int, topo: To
     return _rank_max(dst.ravel(), end, R)
 
 
-def _tff(row_bytes: int) -> int:
-    return int(np.ceil(row_bytes / TFF_PAYLOAD_FRACTION))
-
-
 def _count_workers(workers: int) -> int:
     return max(1, workers // 16) if workers > 1 else 0
 
 
 def ubep_dispatch(
-    wl: Workload, topo: Topology, params: CostParams, workers: int, policy: str = "ubep"
+    wl: Workload, topo: Topology, params: CostParams, workers: int, policy: str = "ubep", sync: str = "tff"
 ) -> PhaseTime:
     R, counts = wl.num_ranks, wl.counts_RR()
     cw = _count_workers(workers)
     sched = schedule.plan(
-        counts,
-        topo,
-        workers=workers - cw,
-        row_bytes=_tff(wl.dispatch_row_bytes),
-        policy=policy,
-        params=params,
+        counts, topo, workers=workers - cw, row_bytes=wl.dispatch_row_bytes, policy=policy, params=params
     )
     data = _pieces(sched, np.zeros(R), worker_offset=cw)
     src, rot = np.divmod(np.arange(R * R), R)
     dst = (src + 1 + rot) % R  # headers in rotation order, dealt over the count workers
     hdr = _msgs(src, dst, rot % max(cw, 1), rot, params.flag_bytes + 8 * counts[src, dst], 0.0)
-    t = engine.simulate(_cat([hdr, data]), topo, params, workers)
-    hdr_arr = _pair_max(src, dst, t.arrived_M[: R * R], R)
-    data_arr = _pair_max(data.src_M, data.dst_M, t.arrived_M[R * R :], R)
-    ready_SD = np.maximum(data_arr, hdr_arr + params.prefix_us)
-    done = _reorder(ready_SD, counts, wl.dispatch_row_bytes, topo, by_rank=False)
-    return PhaseTime(done_R=done, worker_us=float(t.injected_M[R * R :].max(initial=0.0)))
+    d = sync_plans.deliver(
+        sync,
+        data,
+        hdr,
+        topo,
+        params,
+        workers,
+        num_ranks=R,
+        row_bytes=wl.dispatch_row_bytes,
+        capacity_rows=R * wl.tokens,
+    )
+    hdr_arr = _pair_max(src, dst, d.extra.arrived_M, R)
+    ready_SD = np.maximum(d.usable_SD, hdr_arr + params.prefix_us)
+    done = _reorder(ready_SD, counts, wl.dispatch_row_bytes * d.reorder_factor, topo, by_rank=False)
+    return PhaseTime(done_R=done, worker_us=float(d.data.injected_M.max(initial=0.0)))
 
 
 def ubep_combine(
-    wl: Workload, topo: Topology, params: CostParams, workers: int, policy: str = "ubep"
+    wl: Workload, topo: Topology, params: CostParams, workers: int, policy: str = "ubep", sync: str = "tff"
 ) -> PhaseTime:
     R, back = wl.num_ranks, wl.counts_RR().T
     sched = schedule.plan(
-        back, topo, workers=workers, row_bytes=_tff(wl.combine_row_bytes), policy=policy, params=params
+        back, topo, workers=workers, row_bytes=wl.combine_row_bytes, policy=policy, params=params
     )
     data = _pieces(sched, np.zeros(R), worker_offset=0)
-    t = engine.simulate(data, topo, params, workers)
-    arrived_SD = _pair_max(data.src_M, data.dst_M, t.arrived_M, R)
-    done = _reorder(arrived_SD, back, wl.combine_row_bytes, topo, by_rank=True)
-    return PhaseTime(done_R=done, worker_us=float(t.injected_M.max(initial=0.0)))
+    none = _msgs(np.zeros(0), np.zeros(0), 0, 0, 0, 0.0)
+    d = sync_plans.deliver(
+        sync,
+        data,
+        none,
+        topo,
+        params,
+        workers,
+        num_ranks=R,
+        row_bytes=wl.combine_row_bytes,
+        capacity_rows=R * wl.tokens,
+    )
+    done = _reorder(d.usable_SD, back, wl.combine_row_bytes * d.reorder_factor, topo, by_rank=True)
+    return PhaseTime(done_R=done, worker_us=float(d.data.injected_M.max(initial=0.0)))
 
 
 def _bsp_send(counts: np.ndarray, ready_R, row_bytes: int, topo: Topology, params: CostParams, workers: int):
@@ -213,7 +222,7 @@ def _bsp_send(counts: np.ndarray, ready_R, row_bytes: int, topo: Topology, param
     payload = Messages(**{**{f: getattr(data, f) for f in Messages.__slots__}, "seq_M": 2 * data.seq_M,
                           "hold_us_M": ack_us})  # fmt: skip
     flags = _msgs(data.src_M, data.dst_M, data.worker_M, 2 * data.seq_M + 1, params.flag_bytes, data.ready_M)
-    t = engine.simulate(_cat([payload, flags]), topo, params, workers)
+    t = engine.simulate(engine.concat([payload, flags]), topo, params, workers)
     n = data.size
     lat_back = topo.latency_C()[t.cls_M[n:]]
     end_R = _rank_max(flags.src_M, t.arrived_M[n:] + lat_back, R, ready_R)  # flags acknowledged
@@ -266,7 +275,7 @@ def deepep_ll(wl: Workload, topo: Topology, params: CostParams, workers: int, co
     sig_src, sig_dst = (wl.owner_E[sig_e], sig_home) if combine else (sig_home, wl.owner_E[sig_e])
     ready = last_issue
     sig = _msgs(sig_src, sig_dst, (sig_home + sig_e) % workers, N * K + sig_e, params.flag_bytes, ready)
-    t = engine.simulate(_cat([data, sig]), topo, params, workers)
+    t = engine.simulate(engine.concat([data, sig]), topo, params, workers)
     counted = _rank_max(sig_dst, t.arrived_M[data.size :], R)
     rows_R = np.bincount(dst, minlength=R)
     done = counted + params.poll_us + copy_us(topo, rows_R * row)

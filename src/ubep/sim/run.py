@@ -1,7 +1,7 @@
 """User-facing simulation: a configuration in, dispatch and combine times out.
 
-`simulate(config, protocol)` builds the workload (seeded synthetic routing with
-`ubep.routing`'s distributions), runs the protocol's message pattern on the topology
+`simulate(config, protocol)` builds the workload (seeded synthetic routing drawn by
+`ubep.routing`), runs the protocol's message pattern on the topology
 and returns a `SimResult`. `simulate_host` does the same for this machine with
 measured copy bandwidth and per-message overhead (to compare with `ubep bench`).
 """
@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, field, replace
 import numpy as np
 import torch
 
-from ubep import topology
+from ubep import routing, topology
 from ubep.costmodel import CostParams
 from ubep.layout import ExpertPlacement
 from ubep.sim import protocols
@@ -49,6 +49,7 @@ class SimConfig:
     seed: int = 0
     params: CostParams = field(default_factory=CostParams)
     policy: str = "ubep"  # the scheduler policy of the ubep protocol (ablation)
+    sync: str = "tff"  # how ubep's receivers learn that data landed (sim.sync.SYNCS)
 
     @property
     def num_workers(self) -> int:
@@ -62,6 +63,7 @@ class SimResult:
     ranks: int
     tokens_per_rank: int
     policy: str
+    sync: str
     workers: int
     dispatch_us: float
     combine_us: float
@@ -95,36 +97,15 @@ def workload(cfg: SimConfig) -> protocols.Workload:
     )
 
 
-def _gumbel_topk(logits_XE: torch.Tensor, k: int, gen: torch.Generator) -> torch.Tensor:
-    """k distinct columns per row, drawn without replacement with probability ~ exp(logits).
-
-    The same distribution as `ubep.routing`'s successive multinomial draws, for all ranks
-    at once (the Gumbel-top-k trick), so 384 ranks take milliseconds, not seconds.
-    """
-    u = torch.rand(logits_XE.shape, generator=gen).clamp_(1e-12, 1 - 1e-12)
-    return torch.topk(logits_XE - torch.log(-torch.log(u)), k, dim=1).indices
-
-
 def route_all(cfg: SimConfig) -> torch.Tensor:
-    """int64 [R * N, K]: every rank's top-k, by `cfg.routing` (or `hot_experts`)."""
+    """int64 [R * N, K]: every rank's top-k, drawn with `ubep.routing` (`cfg.routing` or `hot_experts`)."""
     gen = torch.Generator().manual_seed(cfg.seed)
-    X, E = cfg.ranks * cfg.tokens, cfg.experts
-    weights_E = torch.ones(E, dtype=torch.float64)
-    if cfg.hot_experts > 0:  # the first `hot_experts` experts share `hot_share` of the mass
-        hot = min(cfg.hot_experts, E)
-        weights_E.fill_((1 - cfg.hot_share) / max(E - hot, 1))
-        weights_E[:hot] = cfg.hot_share / hot
-    elif cfg.routing == "zipf":
-        weights_E = 1.0 / torch.arange(1, E + 1, dtype=torch.float64)
-        weights_E = weights_E[torch.randperm(E, generator=gen)]
-    elif cfg.routing == "deepseek-groups":  # 8 groups, each token reaches 4 of them
-        groups = _gumbel_topk(torch.zeros(X, 8), 4, gen)
-        allowed_XG = torch.zeros(X, 8, dtype=torch.bool).scatter_(1, groups, True)
-        logits = torch.where(allowed_XG.repeat_interleave(E // 8, dim=1), 0.0, -torch.inf)
-        return _gumbel_topk(logits, cfg.topk, gen)
-    elif cfg.routing != "uniform":
+    X, E, K = cfg.ranks * cfg.tokens, cfg.experts, cfg.topk
+    if cfg.hot_experts > 0:
+        return routing.hot(X, E, K, num_hot=cfg.hot_experts, hot_share=cfg.hot_share, gen=gen)
+    if cfg.routing not in ("uniform", "zipf", "deepseek-groups"):
         raise ValueError(f"routing must be uniform, zipf or deepseek-groups, got {cfg.routing!r}")
-    return _gumbel_topk(weights_E.log().float().expand(X, E), cfg.topk, gen)
+    return routing.make(cfg.routing, X, E, K, gen)
 
 
 def simulate(cfg: SimConfig, protocol: str, wl: protocols.Workload | None = None) -> SimResult:
@@ -140,7 +121,10 @@ def simulate(cfg: SimConfig, protocol: str, wl: protocols.Workload | None = None
         disp, comb = {"ubep": (protocols.ubep_dispatch, protocols.ubep_combine),
                       "bsp": (protocols.bsp_dispatch, protocols.bsp_combine)}[protocol]  # fmt: skip
         policy = cfg.policy if protocol == "ubep" else "bsp"
-        d, c = disp(wl, topo, p, W, policy), comb(wl, topo, p, W, policy)
+        if protocol == "ubep":
+            d, c = disp(wl, topo, p, W, policy, cfg.sync), comb(wl, topo, p, W, policy, cfg.sync)
+        else:
+            d, c = disp(wl, topo, p, W, policy), comb(wl, topo, p, W, policy)
         sent = wl.counts_RR().sum() / wl.num_ranks * wl.dispatch_row_bytes
     return SimResult(
         protocol=protocol,
@@ -148,6 +132,7 @@ def simulate(cfg: SimConfig, protocol: str, wl: protocols.Workload | None = None
         ranks=cfg.ranks,
         tokens_per_rank=cfg.tokens,
         policy=cfg.policy if protocol == "ubep" else protocol,
+        sync=cfg.sync if protocol == "ubep" else "stop-and-wait",
         workers=W,
         dispatch_us=d.latency_us + p.call_us,
         combine_us=c.latency_us + p.call_us,

@@ -1,0 +1,153 @@
+"""How a receiver learns that a block of data has landed: the synchronization variants as plans.
+
+A *block* is everything one sender puts to one receiver in one call (one or more
+pieces, possibly from several workers). Each variant is a message pattern with
+its own costs (PAPER.md, "Data-as-Flag"; constants in costmodel.py):
+
+  tff            flag fused into every 512 B write (32 B flag + 480 B payload): the
+                 payload travels 512/480 = 1.067x larger (the 6.25% tax), the receiver
+                 checks the last write's flag (one poll) and copies the wire bytes.
+  dc             plain payload; the sender folds the block into a checksum (one read
+                 pass over its bytes, on the worker, after the data) and, once the
+                 block's last piece is issued, writes one checksum word; the receiver
+                 polls it, then validates (one more read pass before the reorder copy).
+  sp             plain payload; the receiver first pre-fills a sentinel line in each of
+                 its receive slots (capacity rows x 64 B, at the local copy rate), data
+                 may land only after that; the receiver polls the last word of the block.
+  stop-and-wait  plain payload, then a fence: the worker waits for the write's
+                 acknowledgement (a round trip), then writes a flag that the receiver
+                 polls. The baseline: every row pays the round trip and a flag write
+                 (the same per-row readiness that TFF's per-write flags give for free);
+                 a piece of k rows is one message held k round trips plus k flags.
+
+`deliver` times a set of data pieces under one variant on the fabric model
+(sharing it with any `extra` messages, e.g. ubep's routing headers) and returns
+when each (sender, receiver) block becomes usable, and how many bytes per payload
+byte the receiver's reorder reads.
+
+Legend: R ranks, M messages, S senders, D receivers. Times in us.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from itertools import pairwise
+
+import numpy as np
+
+from ubep.costmodel import (
+    SENTINEL_BYTES,
+    TFF_FLAG_BYTES,
+    TFF_WRITE_BYTES,
+    CostParams,
+    copy_us,
+)
+from ubep.sim import engine
+from ubep.sim.engine import Messages
+from ubep.topology import Topology
+
+SYNCS = ("tff", "dc", "sp", "stop-and-wait")
+DATA_AS_FLAG = ("tff", "dc", "sp")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Delivery:
+    """When each block is usable by its receiver, and what the fabric did with every message."""
+
+    usable_SD: np.ndarray  # float [R, R]: receiver may consume sender s's block (0 where none)
+    extra: engine.Timing  # timing of the `extra` messages, in their order
+    data: engine.Timing  # timing of the payload messages, in their order
+    reorder_factor: float  # bytes the receiver's reorder reads per payload byte
+
+
+def wire_bytes(sync: str, nbytes: np.ndarray) -> np.ndarray:
+    """Bytes on the wire for payloads of `nbytes`: TFF packs 480 B of payload per 512 B write."""
+    if sync != "tff":
+        return np.asarray(nbytes, dtype=np.int64)
+    payload = TFF_WRITE_BYTES - TFF_FLAG_BYTES
+    return -(-np.asarray(nbytes, dtype=np.int64) // payload) * TFF_WRITE_BYTES
+
+
+def reorder_factor(sync: str) -> float:
+    """Read passes of the receiver per payload byte: TFF copies the wire bytes, DC validates first."""
+    return {"tff": TFF_WRITE_BYTES / (TFF_WRITE_BYTES - TFF_FLAG_BYTES), "dc": 2.0}.get(sync, 1.0)
+
+
+def _with(m: Messages, **fields) -> Messages:
+    return replace(m, **fields)
+
+
+def _flags(data: Messages, seq_M: np.ndarray, ready_M: np.ndarray, params: CostParams) -> Messages:
+    n = data.size
+    return Messages(src_M=data.src_M, dst_M=data.dst_M, worker_M=data.worker_M, seq_M=seq_M,
+                    bytes_M=np.full(n, params.flag_bytes, dtype=np.int64), ready_M=ready_M,
+                    hold_us_M=np.zeros(n))  # fmt: skip
+
+
+def _pair_max(src: np.ndarray, dst: np.ndarray, t: np.ndarray, R: int) -> np.ndarray:
+    out = np.zeros(R * R)
+    np.maximum.at(out, src * R + dst, t)
+    return out.reshape(R, R)
+
+
+def _run(parts: list[Messages], topo: Topology, params: CostParams, workers: int) -> list[engine.Timing]:
+    """Simulate the concatenation of `parts`; split the timing back per part."""
+    t = engine.simulate(engine.concat(parts), topo, params, workers)
+    cuts = np.cumsum([0] + [p.size for p in parts])
+    fields = ("cls_M", "issued_M", "injected_M", "arrived_M")
+    return [engine.Timing(**{f: getattr(t, f)[a:b] for f in fields}) for a, b in pairwise(cuts)]
+
+
+def _dc_trailers(data: Messages, issued_M: np.ndarray, R: int, params: CostParams) -> Messages:
+    """One checksum per (sender, receiver), from the worker of the block's last-issued piece."""
+    pair = data.src_M * R + data.dst_M
+    order = np.lexsort((issued_M, pair))
+    last = order[np.r_[pair[order][1:] != pair[order][:-1], True]]
+    n = last.size
+    return Messages(src_M=data.src_M[last], dst_M=data.dst_M[last], worker_M=data.worker_M[last],
+                    seq_M=np.full(n, np.inf), bytes_M=np.full(n, params.flag_bytes, dtype=np.int64),
+                    ready_M=issued_M[last], hold_us_M=np.zeros(n))  # fmt: skip
+
+
+def deliver(
+    sync: str,
+    data: Messages,
+    extra: Messages,
+    topo: Topology,
+    params: CostParams,
+    workers: int,
+    *,
+    num_ranks: int,
+    row_bytes: int,
+    capacity_rows: int,
+) -> Delivery:
+    """Time `data` (plain payload pieces, in worker order by `seq_M`) under `sync`, beside `extra`."""
+    if sync not in SYNCS:
+        raise ValueError(f"sync must be one of {SYNCS}, got {sync!r}")
+    R = num_ranks
+    payload = data.bytes_M
+    wire = _with(data, bytes_M=wire_bytes(sync, payload), seq_M=2 * np.asarray(data.seq_M, dtype=float))
+    lat_M = topo.latency_C()[topo.distance_class(data.src_M, data.dst_M)]
+    if sync == "stop-and-wait":  # per row: fence (the write's ack comes back), then the flag
+        rows_M = -(-payload // row_bytes)
+        wire = _with(wire, hold_us_M=rows_M * (2 * lat_M + params.msg_overhead_us))
+        flags = _with(_flags(data, wire.seq_M + 1, data.ready_M, params), bytes_M=rows_M * params.flag_bytes)
+        t_extra, t_data, t_flag = _run([extra, wire, flags], topo, params, workers)
+        ready_M = np.maximum(t_data.arrived_M, t_flag.arrived_M)
+    elif sync == "dc":  # checksum pass on the worker after the data, then one trailer per block
+        wire = _with(wire, hold_us_M=copy_us(topo, payload))
+        _, first = _run([extra, wire], topo, params, workers)
+        trailers = _dc_trailers(wire, first.issued_M, R, params)
+        t_extra, t_data, t_tail = _run([extra, wire, trailers], topo, params, workers)
+        tail_SD = _pair_max(trailers.src_M, trailers.dst_M, t_tail.arrived_M, R)
+        ready_M = np.maximum(t_data.arrived_M, tail_SD[data.src_M, data.dst_M])
+    elif sync == "sp":  # the sentinel is armed before any data may land
+        armed_R = np.full(R, float(copy_us(topo, capacity_rows * SENTINEL_BYTES)))
+        wire = _with(wire, ready_M=np.maximum(wire.ready_M, armed_R[data.dst_M] - lat_M))
+        t_extra, t_data = _run([extra, wire], topo, params, workers)
+        ready_M = t_data.arrived_M
+    else:
+        t_extra, t_data = _run([extra, wire], topo, params, workers)
+        ready_M = t_data.arrived_M
+    usable_SD = _pair_max(data.src_M, data.dst_M, ready_M + params.poll_us, R)
+    return Delivery(usable_SD=usable_SD, extra=t_extra, data=t_data, reorder_factor=reorder_factor(sync))
