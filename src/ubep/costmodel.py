@@ -6,8 +6,9 @@ A message of `b` bytes at distance class c, sent by one worker on an idle fabric
     worker_rate[c] = min(eta * port_gbps[c], window / lat[c])          (GB/s = 1e3 B/us)
 
 o: per-message issue overhead on the worker; lat: one-way latency of class c;
-eta: achievable fraction of a port's nominal bandwidth; window: bytes one worker
-keeps in flight, so by Little's law it cannot stream faster than window / lat.
+eta: achievable fraction of a port's nominal bandwidth; window[c]: bytes one worker
+keeps in flight to class c (outstanding requests x request size), so by Little's
+law it cannot stream faster than window / lat.
 The window term is why distance matters even on a fabric with uniform bandwidth:
 a worker whose messages all go two hops away streams at a third of the rate of a
 worker sending one hop away. On a loaded fabric the simulator adds queueing at
@@ -26,12 +27,14 @@ import numpy as np
 from ubep.topology import Topology
 
 # Fitted on DeepEP's low-latency EP8/EP64 numbers (PAPER.md table), see ubep.sim.calibrate.
-FIT_MSG_OVERHEAD_US = 0.4
+FIT_MSG_OVERHEAD_US = 0.2
 FIT_LINK_EFFICIENCY = 1.0  # DeepEP counts bytes such that RDMA reaches its nominal 50 GB/s
-FIT_CALL_US = 24.0  # fixed cost of one dispatch or combine call (kernel start, setup)
-# Fitted on UBEP's EP64 reductions on CloudMatrix384 (batch 8 and 128, PAPER.md), ubep.sim.calibrate.
-FIT_BARRIER_FANIN = 8
-WINDOW_BYTES = 128 * 1024  # one worker's bytes in flight (the grid's top value: see docs/simulation.md)
+FIT_CALL_US = 34.05  # fixed cost of one dispatch or combine call (kernel start, setup)
+# Fitted on UBEP's EP64 reductions (batch 8, 128) and the scheduling ablation's first step, on
+# CloudMatrix384 (PAPER.md), see ubep.sim.calibrate: outstanding write requests per worker.
+REQUEST_BYTES = 512  # one write request on the fabric (the UB's 512 B write, PAPER.md's TFF unit)
+FIT_OUTSTANDING_REQUESTS = 56
+WINDOW_BYTES = FIT_OUTSTANDING_REQUESTS * REQUEST_BYTES  # one worker's bytes in flight, every class
 # Assumed (no published figure to fit against).
 POLL_US = 0.05  # checking one flag word in local memory
 PREFIX_US = 1.0  # the per-expert prefix-sum kernel
@@ -47,7 +50,6 @@ class CostParams:
 
     msg_overhead_us: float = FIT_MSG_OVERHEAD_US
     link_efficiency: float = FIT_LINK_EFFICIENCY
-    barrier_fanin: int = FIT_BARRIER_FANIN
     call_us: float = FIT_CALL_US
     window_bytes: float | tuple[float, ...] = WINDOW_BYTES  # one value, or one per distance class
     poll_us: float = POLL_US

@@ -5,11 +5,12 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import replace
+from dataclasses import asdict, replace
 
 from ubep import routing, schedule, topology
-from ubep.sim import protocols, sync
-from ubep.sim.run import MODELS, SimConfig, SimResult, simulate, workload
+from ubep.costmodel import CostParams
+from ubep.sim import ablation, sync
+from ubep.sim.run import MODELS, PROTOCOLS, SimConfig, SimResult, simulate, workload
 
 
 def _ints(text: str) -> list[int]:
@@ -32,7 +33,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--topology", default="cm384", help=f"{', '.join(topology.PRESETS)} or a JSON file")
     p.add_argument("--ranks", type=_ints, default=[64], help="comma list of EP sizes")
     p.add_argument("--tokens", type=_ints, default=[8, 16, 32, 64, 128], help="tokens per rank (comma list)")
-    p.add_argument("--protocol", type=_names(protocols.PROTOCOLS), default=["ubep", "bsp"])
+    p.add_argument("--protocol", type=_names(PROTOCOLS), default=["ubep", "bsp"])
     p.add_argument(
         "--policy", type=_names(schedule.POLICIES), default=["ubep"], help="ubep's scheduler policies"
     )
@@ -47,6 +48,11 @@ def add_parser(subparsers) -> None:
     p.add_argument("--hot-share", type=float, default=0.6, help="share of picks the hot experts get")
     p.add_argument("--workers", type=int, help="sender workers per device (default: per topology)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--ablation",
+        choices=("scheduling", "sync", "headline"),
+        help="instead: the paper's ablation (or headline reductions) beside ours; --plot saves the bars",
+    )
     p.add_argument("--json", help="write results as JSON to this path")
     p.add_argument("--plot", help="write a dispatch-latency plot (PNG) to this path")
     p.set_defaults(func=run)
@@ -127,10 +133,48 @@ def _plot(results: list[SimResult], path: str) -> None:
     plt.close(fig)
 
 
+def _ablation_table(name: str, bars: list[ablation.Bar]):
+    from rich.table import Table
+
+    table = Table(title=f"{name}: simulated beside the paper (PAPER.md)")
+    for col in ("", "", "simulated", "paper"):
+        table.add_column(col, justify="right")
+    for b in bars:
+        pub = "" if b.published is None else f"{b.published:.1f}"
+        table.add_row(b.group, b.label, f"{b.simulated:.1f}", pub)
+    return table
+
+
+def run_ablation(args) -> int:
+    """`--ablation`: the paper's numbers beside the simulator's, as a table and (--plot) bars."""
+    from rich.console import Console
+
+    params = CostParams()
+    if args.ablation == "scheduling":
+        bars = ablation.scheduling(params, hot_share=args.hot_share)
+        title, band = "Scheduling ablation, cm-ablation, 8 hot experts (slowest worker)", None
+    elif args.ablation == "sync":
+        bars = ablation.sync(params, batches=args.tokens)
+        title = "Sync ablation, CM384 EP64: dispatch change vs stop-and-wait (%)"
+        band = ablation.PAPER_SYNC_RANGE
+    else:
+        bars = ablation.headline(params, batches=args.tokens, eps=args.ranks)
+        title, band = "ubep vs bsp, CM384, one expert per device: dispatch change (%)", None
+    Console().print(_ablation_table(args.ablation, bars))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"ablation": args.ablation, "bars": [asdict(b) for b in bars]}, f, indent=1)
+    if args.plot:
+        ablation.plot(bars, args.plot, title, band)
+    return 0
+
+
 def run(args) -> int:
     """Simulate every (ranks, tokens, protocol, policy) combination; print, then save."""
     from rich.console import Console
 
+    if args.ablation:
+        return run_ablation(args)
     configs = _configs(args)
     results = [r for cfg in configs for r in _runs(cfg, args.protocol, args.policy, args.sync)]
     console = Console()

@@ -16,7 +16,7 @@ import torch
 from ubep import routing, topology
 from ubep.costmodel import CostParams
 from ubep.layout import ExpertPlacement
-from ubep.sim import protocols
+from ubep.sim import hier, protocols
 from ubep.topology import Topology
 
 # hidden, routed experts, top-k (PAPER.md "MoE workloads")
@@ -27,6 +27,8 @@ MODELS = {
     "qwen3-30b": (2048, 128, 8),
     "mixtral": (4096, 8, 2),
 }
+PROTOCOLS = ("ubep", "ubep-hier", "bsp", "deepep-ll")  # ubep-hier: node-level dedup (sim.hier)
+OTHER_SYNC = {"ubep-hier": "tff", "bsp": "stop-and-wait", "deepep-ll": "count signals"}
 # Concurrent sender workers per device: Ascend 910 vector cores (the paper's 48), H800 SMs.
 DEFAULT_WORKERS = {"cm384": 48, "cm-ablation": 48, "nvl72": 132, "nvl576": 132, "hgx-h800-ib": 132}
 
@@ -110,8 +112,8 @@ def route_all(cfg: SimConfig) -> torch.Tensor:
 
 def simulate(cfg: SimConfig, protocol: str, wl: protocols.Workload | None = None) -> SimResult:
     """Dispatch and combine of one protocol on one configuration."""
-    if protocol not in protocols.PROTOCOLS:
-        raise ValueError(f"protocol must be one of {protocols.PROTOCOLS}, got {protocol!r}")
+    if protocol not in PROTOCOLS:
+        raise ValueError(f"protocol must be one of {PROTOCOLS}, got {protocol!r}")
     wl = wl or workload(cfg)
     topo, p, W = cfg.topology, cfg.params, cfg.num_workers
     if protocol == "deepep-ll":
@@ -119,20 +121,25 @@ def simulate(cfg: SimConfig, protocol: str, wl: protocols.Workload | None = None
         sent = (wl.topk_SNK >= 0).sum() / wl.num_ranks * wl.dispatch_row_bytes
     else:
         disp, comb = {"ubep": (protocols.ubep_dispatch, protocols.ubep_combine),
+                      "ubep-hier": (hier.hier_dispatch, hier.hier_combine),
                       "bsp": (protocols.bsp_dispatch, protocols.bsp_combine)}[protocol]  # fmt: skip
-        policy = cfg.policy if protocol == "ubep" else "bsp"
+        policy = protocols.BSP_SEND_POLICY if protocol == "bsp" else cfg.policy
         if protocol == "ubep":
             d, c = disp(wl, topo, p, W, policy, cfg.sync), comb(wl, topo, p, W, policy, cfg.sync)
         else:
             d, c = disp(wl, topo, p, W, policy), comb(wl, topo, p, W, policy)
         sent = wl.counts_RR().sum() / wl.num_ranks * wl.dispatch_row_bytes
+        if protocol == "ubep-hier":  # node peers directly, one row per remote node (to its relay)
+            local, relay_RR = hier.node_counts(wl, hier.ranks_per_node(topo))
+            sent = (hier.split(local, hier.ranks_per_node(topo))[0] + relay_RR).sum() / wl.num_ranks
+            sent *= wl.dispatch_row_bytes
     return SimResult(
         protocol=protocol,
         topology=topo.name,
         ranks=cfg.ranks,
         tokens_per_rank=cfg.tokens,
         policy=cfg.policy if protocol == "ubep" else protocol,
-        sync=cfg.sync if protocol == "ubep" else "stop-and-wait",
+        sync=cfg.sync if protocol == "ubep" else OTHER_SYNC[protocol],
         workers=W,
         dispatch_us=d.latency_us + p.call_us,
         combine_us=c.latency_us + p.call_us,

@@ -1,0 +1,114 @@
+"""Node-level dedup (the hierarchical transport) on the fabric model: protocol "ubep-hier".
+
+On a machine whose nodes are joined by a slower port (HGX + RDMA), a token bound
+for several ranks of one remote node crosses the network once: rank s sends it to
+its *relay* on that node (the rank with s's local index, as DeepEP's normal mode
+does), and the relay forwards it over the node's fast port to each destination
+rank there. Ranks of s's own node get it directly. Combine mirrors it: partial
+rows go to the relay over the fast port, the relay sums the rows of each token and
+sends one row per token home over the network.
+
+  dispatch  pass 1: s's pieces (ubep's scheduler over relays and node peers), TFF,
+            beside the routing headers; pass 2: the same plus one forward message
+            per (s, d) for each remote pair, relay -> d, ready when s's block landed
+            at the relay (pass 1), so both share the ports.
+  combine   pass 1: every (d, s) partial block, to s if d is s's node peer, else to
+            s's relay on d's node; pass 2: the same plus, per (relay, s), one summed
+            block home, ready when all of its partial blocks landed and were reduced.
+
+Legend: R ranks, G ranks per node, B nodes, X = R * N tokens. Times in us.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ubep import schedule
+from ubep.costmodel import CostParams, copy_us
+from ubep.layout import ExpertPlacement, token_in_rank
+from ubep.sim import engine, sync
+from ubep.sim.protocols import PhaseTime, Workload, count_workers, msgs, pair_max, pieces, reorder
+from ubep.topology import Topology
+
+
+def ranks_per_node(topo: Topology) -> int:
+    """G: ranks in one domain of the first level above a device (an HGX node)."""
+    return topo.levels[1].span * topo.ranks_per_device if topo.num_classes > 2 else topo.num_ranks
+
+
+def node_counts(wl: Workload, G: int) -> tuple[np.ndarray, np.ndarray]:
+    """(counts_RR, relay_RR): tokens s sends to d (once per rank), and to d as s's relay on d's node
+    (once per node, in the column of the relay: d = node * G + s % G; zero on s's own node)."""
+    R, N, K = wl.topk_SNK.shape
+    placement = ExpertPlacement.from_ranks(torch.from_numpy(wl.owner_E), R)
+    hit_SNR = token_in_rank(torch.from_numpy(wl.topk_SNK).reshape(R * N, K), placement).reshape(R, N, R)
+    counts_RR = hit_SNR.sum(dim=1).numpy().astype(np.int64)
+    per_node_RB = hit_SNR.reshape(R, N, R // G, G).any(dim=3).sum(dim=1).numpy().astype(np.int64)
+    relay_RR = np.zeros((R, R), dtype=np.int64)
+    s, b = np.meshgrid(np.arange(R), np.arange(R // G), indexing="ij")
+    remote = b != s // G
+    relay_RR[s[remote], (b * G + s % G)[remote]] = per_node_RB[remote]
+    return counts_RR, relay_RR
+
+
+def split(counts_RR: np.ndarray, G: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(local_RR, remote pair src, remote pair dst): the node-local part of counts and the remote pairs."""
+    R = counts_RR.shape[0]
+    same_RR = (np.arange(R)[:, None] // G) == (np.arange(R)[None, :] // G)
+    src, dst = np.nonzero(~same_RR & (counts_RR > 0))
+    return np.where(same_RR, counts_RR, 0), src, dst
+
+
+def hier_dispatch(wl: Workload, topo: Topology, params: CostParams, workers: int, policy: str = "ubep"):
+    R, G = wl.num_ranks, ranks_per_node(topo)
+    counts, relay_RR = node_counts(wl, G)
+    local, rs, rd = split(counts, G)
+    relay = rd // G * G + rs % G
+    cw, row = count_workers(workers), wl.dispatch_row_bytes
+    sched = schedule.plan(local + relay_RR, topo, workers=workers - cw, row_bytes=row, policy=policy,
+                          params=params)  # fmt: skip
+    first = pieces(sched, np.zeros(R), worker_offset=cw)
+    src, rot = np.divmod(np.arange(R * R), R)
+    dst = (src + 1 + rot) % R
+    hdr = msgs(src, dst, rot % max(cw, 1), rot, params.flag_bytes + 8 * counts[src, dst], 0.0)
+    args = dict(num_ranks=R, row_bytes=row, capacity_rows=R * wl.tokens)
+    landed_SD = sync.deliver("tff", first, hdr, topo, params, workers, **args).usable_SD
+    fwd = msgs(relay, rd, cw + rs % (workers - cw), rs, counts[rs, rd] * row, landed_SD[rs, relay])
+    d = sync.deliver("tff", engine.concat([first, fwd]), hdr, topo, params, workers, **args)
+    usable_M = d.data.arrived_M + params.poll_us
+    ready_SD = pair_max(first.src_M, first.dst_M, usable_M[: first.size], R) * (local > 0)
+    ready_SD[rs, rd] = usable_M[first.size :]
+    ready_SD = np.maximum(ready_SD, pair_max(src, dst, d.extra.arrived_M, R) + params.prefix_us)
+    done = reorder(ready_SD, counts, row * d.reorder_factor, topo, by_rank=False)
+    return PhaseTime(done_R=done, worker_us=float(d.data.injected_M[: first.size].max(initial=0.0)))
+
+
+def hier_combine(wl: Workload, topo: Topology, params: CostParams, workers: int, policy: str = "ubep"):
+    R, G = wl.num_ranks, ranks_per_node(topo)
+    counts, relay_RR = node_counts(wl, G)
+    local, rs, rd = split(counts, G)  # rows go back from rd (expert side) to rs (home)
+    relay = rd // G * G + rs % G
+    row = wl.combine_row_bytes
+    sched = schedule.plan(local.T, topo, workers=workers, row_bytes=row, policy=policy, params=params)
+    direct = pieces(sched, np.zeros(R), worker_offset=0)
+    partial = msgs(rd, relay, rs % workers, rs, counts[rs, rd] * row, 0.0)
+    none = msgs(np.zeros(0), np.zeros(0), 0, 0, 0, 0.0)
+    args = dict(num_ranks=R, row_bytes=row, capacity_rows=R * wl.tokens)
+    first = sync.deliver("tff", engine.concat([direct, partial]), none, topo, params, workers, **args)
+    part_at_M = first.data.arrived_M[direct.size :] + params.poll_us
+    reduced_SD = np.zeros((R, R))  # [relay, home]: every partial block summed
+    np.maximum.at(reduced_SD, (relay, rs), part_at_M)
+    hs, hr = np.nonzero(relay_RR.T > 0)  # relay hs sends home to hr
+    partial_rows_SD = np.zeros((R, R))
+    np.add.at(partial_rows_SD, (relay, rs), counts[rs, rd])
+    ready = reduced_SD[hs, hr] + copy_us(topo, partial_rows_SD[hs, hr] * row)  # read every partial row
+    home = msgs(hs, hr, hr % workers, R + hr, relay_RR[hr, hs] * row, ready)
+    d = sync.deliver("tff", engine.concat([direct, partial, home]), none, topo, params, workers, **args)
+    n_direct, n_part = direct.size, partial.size
+    usable_M = d.data.arrived_M + params.poll_us
+    ready_SD = pair_max(direct.src_M, direct.dst_M, usable_M[:n_direct], R)
+    ready_SD = np.maximum(ready_SD, pair_max(hs, hr, usable_M[n_direct + n_part :], R))
+    rows_SD = local.T + relay_RR.T
+    done = reorder(ready_SD, rows_SD, row * d.reorder_factor, topo, by_rank=True)
+    return PhaseTime(done_R=done, worker_us=float(d.data.injected_M.max(initial=0.0)))
