@@ -195,6 +195,41 @@ def run(args) -> int:
     return 0
 
 
+def add_plan_parser(subparsers) -> None:
+    """Add the `plan` subcommand (func=run_plan): advice for a user's own fabric."""
+    p = subparsers.add_parser("plan", help="advise workers, policy, protocol and sync for a fabric")
+    p.add_argument("--topology", default="cm384", help=f"{', '.join(topology.PRESETS)} or a JSON file")
+    p.add_argument("--model", choices=sorted(MODELS), default="deepseek-v3")
+    p.add_argument("--ranks", type=int, help="EP size (default: every rank of the topology)")
+    p.add_argument("--tokens", type=_ints, default=[8, 16, 32, 64, 128], help="batches per rank (comma list)")
+    p.add_argument("--dispatch-dtype", choices=("bf16", "fp8"), default="bf16")
+    p.set_defaults(func=run_plan)
+
+
+def run_plan(args) -> int:
+    """Print the advice, the reasons, and predicted dispatch/combine per batch with bottlenecks."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from ubep.sim.plan import plan
+
+    topo = topology.load(args.topology)
+    advice, preds = plan(topo, model=args.model, ranks=args.ranks, batches=tuple(args.tokens),
+                         dispatch_dtype=args.dispatch_dtype)  # fmt: skip
+    console = Console()
+    console.print(f"[bold]{topo.name}[/], {args.model}: protocol {advice.protocol}, sync {advice.sync}, "
+                  f"policy {advice.policy}, {advice.workers} workers per rank")  # fmt: skip
+    for line in advice.reasons:
+        console.print(f"  {line}")
+    table = Table(title="predicted (simulated)")
+    for col in ("tokens", "dispatch us", "combine us", "dispatch bottleneck"):
+        table.add_column(col, justify="right" if col != "dispatch bottleneck" else "left")
+    for p in preds:
+        table.add_row(str(p.tokens), f"{p.dispatch_us:.1f}", f"{p.combine_us:.1f}", p.bottleneck)
+    console.print(table)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """Stand-alone entry (`python -m ubep.sim.cli ...`) until the main CLI wires `add_parser`."""
     parser = argparse.ArgumentParser(prog="ubep")

@@ -11,7 +11,8 @@ sends one row per token home over the network.
   dispatch  pass 1: s's pieces (ubep's scheduler over relays and node peers), TFF,
             beside the routing headers; pass 2: the same plus one forward message
             per (s, d) for each remote pair, relay -> d, ready when s's block landed
-            at the relay (pass 1), so both share the ports.
+            at the relay (pass 1), so both share the ports. Forwards go on the
+            relay's W // 8 forwarder workers, which send nothing else.
   combine   pass 1: every (d, s) partial block, to s if d is s's node peer, else to
             s's relay on d's node; pass 2: the same plus, per (relay, s), one summed
             block home, ready when all of its partial blocks landed and were reduced.
@@ -30,6 +31,11 @@ from ubep.layout import ExpertPlacement, token_in_rank
 from ubep.sim import engine, sync
 from ubep.sim.protocols import PhaseTime, Workload, count_workers, msgs, pair_max, pieces, reorder
 from ubep.topology import Topology
+
+
+def forwarders(workers: int) -> int:
+    """Workers of each rank kept for relaying (DeepEP's normal mode also splits senders and forwarders)."""
+    return max(1, workers // 8)
 
 
 def ranks_per_node(topo: Topology) -> int:
@@ -65,16 +71,16 @@ def hier_dispatch(wl: Workload, topo: Topology, params: CostParams, workers: int
     counts, relay_RR = node_counts(wl, G)
     local, rs, rd = split(counts, G)
     relay = rd // G * G + rs % G
-    cw, row = count_workers(workers), wl.dispatch_row_bytes
-    sched = schedule.plan(local + relay_RR, topo, workers=workers - cw, row_bytes=row, policy=policy,
-                          params=params)  # fmt: skip
+    cw, fw, row = count_workers(workers), forwarders(workers), wl.dispatch_row_bytes
+    sched = schedule.plan(local + relay_RR, topo, workers=max(1, workers - cw - fw), row_bytes=row,
+                          policy=policy, params=params)  # fmt: skip
     first = pieces(sched, np.zeros(R), worker_offset=cw)
     src, rot = np.divmod(np.arange(R * R), R)
     dst = (src + 1 + rot) % R
     hdr = msgs(src, dst, rot % max(cw, 1), rot, params.flag_bytes + 8 * counts[src, dst], 0.0)
     args = dict(num_ranks=R, row_bytes=row, capacity_rows=R * wl.tokens)
     landed_SD = sync.deliver("tff", first, hdr, topo, params, workers, **args).usable_SD
-    fwd = msgs(relay, rd, cw + rs % (workers - cw), rs, counts[rs, rd] * row, landed_SD[rs, relay])
+    fwd = msgs(relay, rd, workers - fw + rs % fw, rs, counts[rs, rd] * row, landed_SD[rs, relay])
     d = sync.deliver("tff", engine.concat([first, fwd]), hdr, topo, params, workers, **args)
     usable_M = d.data.arrived_M + params.poll_us
     ready_SD = pair_max(first.src_M, first.dst_M, usable_M[: first.size], R) * (local > 0)
@@ -89,10 +95,11 @@ def hier_combine(wl: Workload, topo: Topology, params: CostParams, workers: int,
     counts, relay_RR = node_counts(wl, G)
     local, rs, rd = split(counts, G)  # rows go back from rd (expert side) to rs (home)
     relay = rd // G * G + rs % G
-    row = wl.combine_row_bytes
-    sched = schedule.plan(local.T, topo, workers=workers, row_bytes=row, policy=policy, params=params)
+    row, fw = wl.combine_row_bytes, forwarders(workers)
+    senders = max(1, workers - fw)
+    sched = schedule.plan(local.T, topo, workers=senders, row_bytes=row, policy=policy, params=params)
     direct = pieces(sched, np.zeros(R), worker_offset=0)
-    partial = msgs(rd, relay, rs % workers, rs, counts[rs, rd] * row, 0.0)
+    partial = msgs(rd, relay, rs % senders, R + rs, counts[rs, rd] * row, 0.0)
     none = msgs(np.zeros(0), np.zeros(0), 0, 0, 0, 0.0)
     args = dict(num_ranks=R, row_bytes=row, capacity_rows=R * wl.tokens)
     first = sync.deliver("tff", engine.concat([direct, partial]), none, topo, params, workers, **args)
@@ -103,7 +110,7 @@ def hier_combine(wl: Workload, topo: Topology, params: CostParams, workers: int,
     partial_rows_SD = np.zeros((R, R))
     np.add.at(partial_rows_SD, (relay, rs), counts[rs, rd])
     ready = reduced_SD[hs, hr] + copy_us(topo, partial_rows_SD[hs, hr] * row)  # read every partial row
-    home = msgs(hs, hr, hr % workers, R + hr, relay_RR[hr, hs] * row, ready)
+    home = msgs(hs, hr, workers - fw + hr % fw, hr, relay_RR[hr, hs] * row, ready)
     d = sync.deliver("tff", engine.concat([direct, partial, home]), none, topo, params, workers, **args)
     n_direct, n_part = direct.size, partial.size
     usable_M = d.data.arrived_M + params.poll_us
