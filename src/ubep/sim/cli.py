@@ -154,8 +154,8 @@ def run_ablation(args) -> int:
         bars = ablation.scheduling(params, hot_share=args.hot_share)
         title, band = "Scheduling ablation, cm-ablation, 8 hot experts (slowest worker)", None
     elif args.ablation == "sync":
-        bars = ablation.sync(params, batches=args.tokens)
-        title = "Sync ablation, CM384 EP64: dispatch change vs stop-and-wait (%)"
+        bars = ablation.sync(params, batches=args.tokens, ranks=args.ranks[0])
+        title = f"Sync ablation, CM384 EP{args.ranks[0]}: dispatch change vs stop-and-wait (%)"
         band = ablation.PAPER_SYNC_RANGE
     else:
         bars = ablation.headline(params, batches=args.tokens, eps=args.ranks)
