@@ -33,7 +33,7 @@ FIT_CALL_US = 34.05  # fixed cost of one dispatch or combine call (kernel start,
 # Fitted on UBEP's EP64 reductions (batch 8, 128) and the scheduling ablation's first step, on
 # CloudMatrix384 (PAPER.md), see ubep.sim.calibrate: outstanding write requests per worker.
 REQUEST_BYTES = 512  # one write request on the fabric (the UB's 512 B write, PAPER.md's TFF unit)
-FIT_OUTSTANDING_REQUESTS = 56
+FIT_OUTSTANDING_REQUESTS = 64
 WINDOW_BYTES = FIT_OUTSTANDING_REQUESTS * REQUEST_BYTES  # one worker's bytes in flight, every class
 # Assumed (no published figure to fit against).
 POLL_US = 0.05  # checking one flag word in local memory

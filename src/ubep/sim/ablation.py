@@ -30,6 +30,7 @@ PAPER_HEADLINE = {  # (EP, batch) -> % dispatch latency reduction of ubep agains
 PAPER_EP128_MEAN_8_64 = 46.4
 BATCHES = (8, 16, 32, 64, 128)
 ABLATION_HOT_EXPERTS = 8
+FIT_HOT_SHARE = 0.03  # the hot experts' share of picks, fitted on the first step (calibrate.py)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -45,7 +45,11 @@ def add_parser(subparsers) -> None:
     p.add_argument("--dispatch-dtype", choices=("bf16", "fp8"), default="bf16")
     p.add_argument("--routing", choices=[r for r in routing.ROUTINGS if r != "hot"], default="uniform")
     p.add_argument("--hot-experts", type=int, default=0, help="N hot experts (overrides --routing)")
-    p.add_argument("--hot-share", type=float, default=0.6, help="share of picks the hot experts get")
+    p.add_argument(
+        "--hot-share",
+        type=float,
+        help="share of picks the hot experts get (0.6; the fitted one with --ablation)",
+    )
     p.add_argument("--workers", type=int, help="sender workers per device (default: per topology)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
@@ -69,7 +73,7 @@ def _configs(args) -> list[SimConfig]:
         dispatch_dtype=args.dispatch_dtype,
         routing=args.routing,
         hot_experts=args.hot_experts,
-        hot_share=args.hot_share,
+        hot_share=0.6 if args.hot_share is None else args.hot_share,
         workers=args.workers,
         seed=args.seed,
     )
@@ -151,8 +155,9 @@ def run_ablation(args) -> int:
 
     params = CostParams()
     if args.ablation == "scheduling":
-        bars = ablation.scheduling(params, hot_share=args.hot_share)
-        title, band = "Scheduling ablation, cm-ablation, 8 hot experts (slowest worker)", None
+        hot = ablation.FIT_HOT_SHARE if args.hot_share is None else args.hot_share
+        bars = ablation.scheduling(params, hot_share=hot)
+        title, band = f"Scheduling ablation, cm-ablation, 8 hot experts at {hot:.0%} (slowest worker)", None
     elif args.ablation == "sync":
         bars = ablation.sync(params, batches=args.tokens, ranks=args.ranks[0])
         title = f"Sync ablation, CM384 EP{args.ranks[0]}: dispatch change vs stop-and-wait (%)"

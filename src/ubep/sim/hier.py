@@ -12,7 +12,8 @@ sends one row per token home over the network.
             beside the routing headers; pass 2: the same plus one forward message
             per (s, d) for each remote pair, relay -> d, ready when s's block landed
             at the relay (pass 1), so both share the ports. Forwards go on the
-            relay's W // 8 forwarder workers, which send nothing else.
+            relay's W // 8 forwarder workers (each block split among them), which
+            send nothing else.
   combine   pass 1: every (d, s) partial block, to s if d is s's node peer, else to
             s's relay on d's node; pass 2: the same plus, per (relay, s), one summed
             block home, ready when all of its partial blocks landed and were reduced.
@@ -36,6 +37,22 @@ from ubep.topology import Topology
 def forwarders(workers: int) -> int:
     """Workers of each rank kept for relaying (DeepEP's normal mode also splits senders and forwarders)."""
     return max(1, workers // 8)
+
+
+def spread(src, dst, nbytes, ready, first_worker: int, fw: int):
+    """Messages split into `fw` equal chunks, one per forwarder worker (rotated by destination),
+    so one relay's big block is not left to one window-bound worker. -> (Messages, index of the
+    original message of each chunk)."""
+    n = np.asarray(src).size
+    orig = np.repeat(np.arange(n), fw)
+    chunk = np.tile(np.arange(fw), n)
+    nb = np.asarray(nbytes, dtype=np.int64)[orig]
+    size = nb // fw + (chunk < nb % fw)
+    keep = size > 0
+    worker = first_worker + (chunk + np.asarray(dst)[orig]) % fw
+    m = msgs(np.asarray(src)[orig][keep], np.asarray(dst)[orig][keep], worker[keep], orig[keep],
+             size[keep], np.asarray(ready, dtype=float)[orig][keep])  # fmt: skip
+    return m, orig[keep]
 
 
 def ranks_per_node(topo: Topology) -> int:
@@ -80,11 +97,11 @@ def hier_dispatch(wl: Workload, topo: Topology, params: CostParams, workers: int
     hdr = msgs(src, dst, rot % max(cw, 1), rot, params.flag_bytes + 8 * counts[src, dst], 0.0)
     args = dict(num_ranks=R, row_bytes=row, capacity_rows=R * wl.tokens)
     landed_SD = sync.deliver("tff", first, hdr, topo, params, workers, **args).usable_SD
-    fwd = msgs(relay, rd, workers - fw + rs % fw, rs, counts[rs, rd] * row, landed_SD[rs, relay])
+    fwd, pair = spread(relay, rd, counts[rs, rd] * row, landed_SD[rs, relay], workers - fw, fw)
     d = sync.deliver("tff", engine.concat([first, fwd]), hdr, topo, params, workers, **args)
     usable_M = d.data.arrived_M + params.poll_us
     ready_SD = pair_max(first.src_M, first.dst_M, usable_M[: first.size], R) * (local > 0)
-    ready_SD[rs, rd] = usable_M[first.size :]
+    np.maximum.at(ready_SD, (rs[pair], rd[pair]), usable_M[first.size :])
     ready_SD = np.maximum(ready_SD, pair_max(src, dst, d.extra.arrived_M, R) + params.prefix_us)
     done = reorder(ready_SD, counts, row * d.reorder_factor, topo, by_rank=False)
     return PhaseTime(done_R=done, worker_us=float(d.data.injected_M[: first.size].max(initial=0.0)))
@@ -110,12 +127,12 @@ def hier_combine(wl: Workload, topo: Topology, params: CostParams, workers: int,
     partial_rows_SD = np.zeros((R, R))
     np.add.at(partial_rows_SD, (relay, rs), counts[rs, rd])
     ready = reduced_SD[hs, hr] + copy_us(topo, partial_rows_SD[hs, hr] * row)  # read every partial row
-    home = msgs(hs, hr, workers - fw + hr % fw, hr, relay_RR[hr, hs] * row, ready)
+    home, _ = spread(hs, hr, relay_RR[hr, hs] * row, ready, workers - fw, fw)
     d = sync.deliver("tff", engine.concat([direct, partial, home]), none, topo, params, workers, **args)
     n_direct, n_part = direct.size, partial.size
     usable_M = d.data.arrived_M + params.poll_us
     ready_SD = pair_max(direct.src_M, direct.dst_M, usable_M[:n_direct], R)
-    ready_SD = np.maximum(ready_SD, pair_max(hs, hr, usable_M[n_direct + n_part :], R))
+    ready_SD = np.maximum(ready_SD, pair_max(home.src_M, home.dst_M, usable_M[n_direct + n_part :], R))
     rows_SD = local.T + relay_RR.T
     done = reorder(ready_SD, rows_SD, row * d.reorder_factor, topo, by_rank=True)
     return PhaseTime(done_R=done, worker_us=float(d.data.injected_M.max(initial=0.0)))
