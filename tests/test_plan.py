@@ -22,8 +22,8 @@ def _fabric(net_gbps: float | None) -> topology.Topology:
 
 
 def test_a_slow_network_between_nodes_calls_for_node_level_dedup_and_is_named_the_bottleneck():
-    # 128 experts, top-8 over 8 ranks: a token reaches ~3.6 of the remote node's 4 ranks, so
-    # sending it once per node cuts the slow port's bytes by ~3.6x; nothing else comes close.
+    # 128 experts, top-8 over 8 ranks: a token reaches ~2.6 of the remote node's 4 ranks, so
+    # sending it once per node cuts the slow port's bytes by ~2.6x; nothing else comes close.
     advice, preds = plan(_fabric(5.0), model="qwen3-30b", batches=(8, 128))
     assert advice.protocol == "ubep-hier"
     assert "'net'" in preds[-1].bottleneck
