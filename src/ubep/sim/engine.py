@@ -65,6 +65,13 @@ def concat(parts: list[Messages]) -> Messages:
     return Messages(**merged, hold_us_M=np.concatenate(holds))
 
 
+def pair_max(src: np.ndarray, dst: np.ndarray, t: np.ndarray, R: int, floor: float = 0.0) -> np.ndarray:
+    """float [R, R]: the latest t for each (src, dst) pair (floor where there is none)."""
+    out = np.full(R * R, floor)
+    np.maximum.at(out, src * R + dst, t)
+    return out.reshape(R, R)
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Timing:
     """When each message's tail left its worker and its port, and reached the receiver."""

@@ -30,7 +30,8 @@ from ubep import schedule
 from ubep.costmodel import CostParams, copy_us
 from ubep.layout import ExpertPlacement, token_in_rank
 from ubep.sim import engine, sync
-from ubep.sim.protocols import PhaseTime, Workload, count_workers, msgs, pair_max, pieces, reorder
+from ubep.sim.engine import pair_max
+from ubep.sim.protocols import PhaseTime, Workload, count_workers, msgs, pieces, reorder
 from ubep.topology import Topology
 
 

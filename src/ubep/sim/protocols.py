@@ -36,7 +36,7 @@ from ubep.costmodel import CostParams, copy_us
 from ubep.layout import ExpertPlacement, token_in_rank
 from ubep.sim import engine
 from ubep.sim import sync as sync_plans
-from ubep.sim.engine import Messages
+from ubep.sim.engine import Messages, pair_max
 from ubep.topology import Topology
 
 PROTOCOLS = ("ubep", "bsp", "deepep-ll")
@@ -112,13 +112,6 @@ def pieces(sched: schedule.Schedule, ready_R: np.ndarray, worker_offset: int) ->
         np.concatenate([rp.bytes_P for rp in plans]),
         ready_R[src],
     )
-
-
-def pair_max(src: np.ndarray, dst: np.ndarray, t: np.ndarray, R: int, floor: float = 0.0) -> np.ndarray:
-    """float [R, R]: the latest t for each (src, dst) pair (floor where there is none)."""
-    out = np.full(R * R, floor)
-    np.maximum.at(out, src * R + dst, t)
-    return out.reshape(R, R)
 
 
 def rank_max(idx: np.ndarray, t: np.ndarray, R: int, floor: np.ndarray | float = 0.0) -> np.ndarray:

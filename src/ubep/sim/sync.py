@@ -43,7 +43,7 @@ from ubep.costmodel import (
     copy_us,
 )
 from ubep.sim import engine
-from ubep.sim.engine import Messages
+from ubep.sim.engine import Messages, pair_max
 from ubep.topology import Topology
 
 SYNCS = ("tff", "dc", "sp", "stop-and-wait")
@@ -73,21 +73,11 @@ def reorder_factor(sync: str) -> float:
     return {"tff": TFF_WRITE_BYTES / (TFF_WRITE_BYTES - TFF_FLAG_BYTES), "dc": 2.0}.get(sync, 1.0)
 
 
-def _with(m: Messages, **fields) -> Messages:
-    return replace(m, **fields)
-
-
 def _flags(data: Messages, seq_M: np.ndarray, ready_M: np.ndarray, params: CostParams) -> Messages:
     n = data.size
     return Messages(src_M=data.src_M, dst_M=data.dst_M, worker_M=data.worker_M, seq_M=seq_M,
                     bytes_M=np.full(n, params.flag_bytes, dtype=np.int64), ready_M=ready_M,
                     hold_us_M=np.zeros(n))  # fmt: skip
-
-
-def _pair_max(src: np.ndarray, dst: np.ndarray, t: np.ndarray, R: int) -> np.ndarray:
-    out = np.zeros(R * R)
-    np.maximum.at(out, src * R + dst, t)
-    return out.reshape(R, R)
 
 
 def _run(parts: list[Messages], topo: Topology, params: CostParams, workers: int) -> list[engine.Timing]:
@@ -126,28 +116,30 @@ def deliver(
         raise ValueError(f"sync must be one of {SYNCS}, got {sync!r}")
     R = num_ranks
     payload = data.bytes_M
-    wire = _with(data, bytes_M=wire_bytes(sync, payload), seq_M=2 * np.asarray(data.seq_M, dtype=float))
+    wire = replace(data, bytes_M=wire_bytes(sync, payload), seq_M=2 * np.asarray(data.seq_M, dtype=float))
     lat_M = topo.latency_C()[topo.distance_class(data.src_M, data.dst_M)]
     if sync == "stop-and-wait":  # per row: fence (the write's ack comes back), then the flag
         rows_M = -(-payload // row_bytes)
-        wire = _with(wire, hold_us_M=rows_M * (2 * lat_M + params.msg_overhead_us))
-        flags = _with(_flags(data, wire.seq_M + 1, data.ready_M, params), bytes_M=rows_M * params.flag_bytes)
+        wire = replace(wire, hold_us_M=rows_M * (2 * lat_M + params.msg_overhead_us))
+        flags = replace(
+            _flags(data, wire.seq_M + 1, data.ready_M, params), bytes_M=rows_M * params.flag_bytes
+        )
         t_extra, t_data, t_flag = _run([extra, wire, flags], topo, params, workers)
         ready_M = np.maximum(t_data.arrived_M, t_flag.arrived_M)
     elif sync == "dc":  # checksum pass on the worker after the data, then one trailer per block
-        wire = _with(wire, hold_us_M=copy_us(topo, payload))
+        wire = replace(wire, hold_us_M=copy_us(topo, payload))
         _, first = _run([extra, wire], topo, params, workers)
         trailers = _dc_trailers(wire, first.issued_M, R, params)
         t_extra, t_data, t_tail = _run([extra, wire, trailers], topo, params, workers)
-        tail_SD = _pair_max(trailers.src_M, trailers.dst_M, t_tail.arrived_M, R)
+        tail_SD = pair_max(trailers.src_M, trailers.dst_M, t_tail.arrived_M, R)
         ready_M = np.maximum(t_data.arrived_M, tail_SD[data.src_M, data.dst_M])
     elif sync == "sp":  # the sentinel is armed before any data may land
         armed_R = np.full(R, float(copy_us(topo, capacity_rows * SENTINEL_BYTES)))
-        wire = _with(wire, ready_M=np.maximum(wire.ready_M, armed_R[data.dst_M] - lat_M))
+        wire = replace(wire, ready_M=np.maximum(wire.ready_M, armed_R[data.dst_M] - lat_M))
         t_extra, t_data = _run([extra, wire], topo, params, workers)
         ready_M = t_data.arrived_M
     else:
         t_extra, t_data = _run([extra, wire], topo, params, workers)
         ready_M = t_data.arrived_M
-    usable_SD = _pair_max(data.src_M, data.dst_M, ready_M + params.poll_us, R)
+    usable_SD = pair_max(data.src_M, data.dst_M, ready_M + params.poll_us, R)
     return Delivery(usable_SD=usable_SD, extra=t_extra, data=t_data, reorder_factor=reorder_factor(sync))
