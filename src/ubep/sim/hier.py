@@ -31,7 +31,7 @@ from ubep.costmodel import CostParams, copy_us
 from ubep.layout import ExpertPlacement, token_in_rank
 from ubep.sim import engine, sync
 from ubep.sim.engine import pair_max
-from ubep.sim.protocols import PhaseTime, Workload, count_workers, msgs, pieces, reorder
+from ubep.sim.protocols import Workload, count_workers, msgs, phase, pieces, reorder
 from ubep.topology import Topology
 
 
@@ -105,7 +105,7 @@ def hier_dispatch(wl: Workload, topo: Topology, params: CostParams, workers: int
     np.maximum.at(ready_SD, (rs[pair], rd[pair]), usable_M[first.size :])
     ready_SD = np.maximum(ready_SD, pair_max(src, dst, d.extra.arrived_M, R) + params.prefix_us)
     done = reorder(ready_SD, counts, row * d.reorder_factor, topo, by_rank=False)
-    return PhaseTime(done_R=done, worker_us=float(d.data.injected_M[: first.size].max(initial=0.0)))
+    return phase(done, first, d.data.injected_M[: first.size], topo)
 
 
 def hier_combine(wl: Workload, topo: Topology, params: CostParams, workers: int, policy: str = "ubep"):
@@ -136,4 +136,4 @@ def hier_combine(wl: Workload, topo: Topology, params: CostParams, workers: int,
     ready_SD = np.maximum(ready_SD, pair_max(home.src_M, home.dst_M, usable_M[n_direct + n_part :], R))
     rows_SD = local.T + relay_RR.T
     done = reorder(ready_SD, rows_SD, row * d.reorder_factor, topo, by_rank=True)
-    return PhaseTime(done_R=done, worker_us=float(d.data.injected_M.max(initial=0.0)))
+    return phase(done, engine.concat([direct, partial, home]), d.data.injected_M, topo)

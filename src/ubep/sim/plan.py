@@ -10,7 +10,9 @@ the fastest (dispatch + combine, at the largest batch), in this order:
 
 then predicts dispatch and combine for every batch and names the bottleneck of
 each: the busiest port or uplink (its busy time against the phase's data time),
-or the slowest worker when it, not a port, sets the pace, or the fixed costs.
+or the slowest worker when it, not a port, sets the pace (which one, and how much
+of its traffic goes far), or, when nothing saturates, the chain of latencies,
+synchronization and the fixed call cost.
 
 Legend: R ranks, C distance classes. Times in us.
 """
@@ -132,11 +134,13 @@ def bottleneck(cfg: SimConfig, protocol: str, r: SimResult) -> str:
     if us >= BUSY * data_us:
         return f"{name} ({us:.1f} us busy of {data_us:.1f})"
     if r.dispatch_worker_us >= BUSY * data_us:
-        worker = r.dispatch_worker_us
-        return f"slowest worker ({worker:.1f} us of {data_us:.1f}; window-bound; ports <= {us:.1f} us busy)"
-    return (
-        f"fixed costs: call {cfg.params.call_us:.1f} us + synchronization and reorder (ports <= {us:.1f} us)"
-    )
+        rank, worker = r.dispatch_straggler
+        took, far = r.dispatch_worker_us, r.dispatch_straggler_far
+        return (f"worker {worker} of rank {rank} straggles ({took:.1f} us of {data_us:.1f}, {far:.0%} of "
+                f"its bytes to its farthest class; ports <= {us:.1f} us busy)")  # fmt: skip
+    worker, call = r.dispatch_worker_us, cfg.params.call_us
+    return (f"nothing saturates (ports <= {us:.1f} us, workers <= {worker:.1f} us busy of {data_us:.1f}): "
+            f"latencies, synchronization, reorder, and the {call:.1f} us call")  # fmt: skip
 
 
 def plan(

@@ -26,7 +26,7 @@ Legend: R ranks, N tokens per rank, K top-k, E experts, M messages. Times in us.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -79,10 +79,25 @@ class PhaseTime:
 
     done_R: np.ndarray  # float [R], us
     worker_us: float  # slowest token worker: its last byte out of the port, from its start
+    straggler: tuple[int, int] = (-1, -1)  # that worker: (rank, worker); -1 where not tracked
+    straggler_far: float = 0.0  # share of its bytes bound for the farthest class it reaches
 
     @property
     def latency_us(self) -> float:
         return float(self.done_R.max())
+
+
+def phase(done_R: np.ndarray, data: Messages, injected_M: np.ndarray, topo: Topology) -> PhaseTime:
+    """PhaseTime with the slowest worker of `data` (last byte out of its port, from its start)."""
+    if data.size == 0:
+        return PhaseTime(done_R=done_R, worker_us=0.0)
+    took_M = injected_M - data.ready_M
+    i = int(np.argmax(took_M))
+    mine = (data.src_M == data.src_M[i]) & (data.worker_M == data.worker_M[i])
+    cls = topo.distance_class(data.src_M[mine], data.dst_M[mine])
+    far = float(data.bytes_M[mine][cls == cls.max()].sum() / max(data.bytes_M[mine].sum(), 1))
+    return PhaseTime(done_R=done_R, worker_us=float(took_M[i]),
+                     straggler=(int(data.src_M[i]), int(data.worker_M[i])), straggler_far=far)  # fmt: skip
 
 
 def msgs(src, dst, worker, seq, nbytes, ready, hold=None) -> Messages:
@@ -177,7 +192,7 @@ def ubep_dispatch(
     hdr_arr = pair_max(src, dst, d.extra.arrived_M, R)
     ready_SD = np.maximum(d.usable_SD, hdr_arr + params.prefix_us)
     done = reorder(ready_SD, counts, wl.dispatch_row_bytes * d.reorder_factor, topo, by_rank=False)
-    return PhaseTime(done_R=done, worker_us=float(d.data.injected_M.max(initial=0.0)))
+    return phase(done, data, d.data.injected_M, topo)
 
 
 def ubep_combine(
@@ -201,24 +216,23 @@ def ubep_combine(
         capacity_rows=R * wl.tokens,
     )
     done = reorder(d.usable_SD, back, wl.combine_row_bytes * d.reorder_factor, topo, by_rank=True)
-    return PhaseTime(done_R=done, worker_us=float(d.data.injected_M.max(initial=0.0)))
+    return phase(done, data, d.data.injected_M, topo)
 
 
 def _bsp_send(counts: np.ndarray, ready_R, row_bytes: int, topo: Topology, params: CostParams, workers: int,
               policy: str):  # fmt: skip
-    """Each piece: payload, stop-and-wait ack, then its flag. -> (send end [R], slowest worker)"""
+    """Each piece: payload, stop-and-wait ack, then its flag. -> (send end [R], payload, its injection)"""
     R = counts.shape[0]
     sched = schedule.plan(counts, topo, workers=workers, row_bytes=row_bytes, policy=policy, params=params)
     data = pieces(sched, ready_R, worker_offset=0)
     ack_us = 2 * topo.latency_C()[topo.distance_class(data.src_M, data.dst_M)]
-    payload = Messages(**{**{f: getattr(data, f) for f in Messages.__slots__}, "seq_M": 2 * data.seq_M,
-                          "hold_us_M": ack_us})  # fmt: skip
+    payload = replace(data, seq_M=2 * data.seq_M, hold_us_M=ack_us)
     flags = msgs(data.src_M, data.dst_M, data.worker_M, 2 * data.seq_M + 1, params.flag_bytes, data.ready_M)
     t = engine.simulate(engine.concat([payload, flags]), topo, params, workers)
     n = data.size
     lat_back = topo.latency_C()[t.cls_M[n:]]
     end_R = rank_max(flags.src_M, t.arrived_M[n:] + lat_back, R, ready_R)  # flags acknowledged
-    return end_R, float((t.injected_M[:n] - data.ready_M).max(initial=0.0))
+    return end_R, data, t.injected_M[:n]
 
 
 def bsp_dispatch(
@@ -231,12 +245,12 @@ def bsp_dispatch(
     t = engine.simulate(cnt, topo, params, workers)
     counted = rank_max(src, t.arrived_M + topo.latency_C()[t.cls_M], R)
     b1 = barrier(counted, topo, params, workers)
-    sent, worker_us = _bsp_send(counts, b1, wl.dispatch_row_bytes, topo, params, workers, policy)
+    sent, data, injected = _bsp_send(counts, b1, wl.dispatch_row_bytes, topo, params, workers, policy)
     b2 = barrier(sent, topo, params, workers)
     verified = b2 + R * params.poll_us + params.prefix_us  # verify flags, prefix sums
     b3 = barrier(verified, topo, params, workers)
     done = b3 + copy_us(topo, counts.sum(axis=0) * wl.dispatch_row_bytes)
-    return PhaseTime(done_R=done, worker_us=worker_us)
+    return phase(done, data, injected, topo)
 
 
 def bsp_combine(
@@ -244,10 +258,10 @@ def bsp_combine(
 ) -> PhaseTime:
     R, back = wl.num_ranks, wl.counts_RR().T
     b0 = barrier(np.zeros(R), topo, params, workers)
-    sent, worker_us = _bsp_send(back, b0, wl.combine_row_bytes, topo, params, workers, policy)
+    sent, data, injected = _bsp_send(back, b0, wl.combine_row_bytes, topo, params, workers, policy)
     b1 = barrier(sent, topo, params, workers)
     done = b1 + copy_us(topo, back.sum(axis=0) * wl.combine_row_bytes)
-    return PhaseTime(done_R=done, worker_us=worker_us)
+    return phase(done, data, injected, topo)
 
 
 def deepep_ll(wl: Workload, topo: Topology, params: CostParams, workers: int, combine: bool) -> PhaseTime:

@@ -70,6 +70,8 @@ class SimResult:
     dispatch_us: float
     combine_us: float
     dispatch_worker_us: float  # slowest sender worker of dispatch
+    dispatch_straggler: tuple[int, int]  # that worker: (rank, worker); (-1, -1) where not tracked
+    dispatch_straggler_far: float  # share of its bytes bound for its farthest class
     combine_worker_us: float
     dispatch_bytes_per_rank: float  # mean payload bytes one rank sends (per DeepEP's accounting)
 
@@ -144,6 +146,8 @@ def simulate(cfg: SimConfig, protocol: str, wl: protocols.Workload | None = None
         dispatch_us=d.latency_us + p.call_us,
         combine_us=c.latency_us + p.call_us,
         dispatch_worker_us=d.worker_us,
+        dispatch_straggler=d.straggler,
+        dispatch_straggler_far=d.straggler_far,
         combine_worker_us=c.worker_us,
         dispatch_bytes_per_rank=float(sent),
     )
