@@ -31,7 +31,7 @@ from ubep.costmodel import CostParams, copy_us
 from ubep.layout import ExpertPlacement, token_in_rank
 from ubep.sim import engine, sync
 from ubep.sim.engine import pair_max
-from ubep.sim.protocols import Workload, count_workers, msgs, phase, pieces, reorder
+from ubep.sim.protocols import PhaseTime, Workload, count_workers, msgs, phase, pieces, reorder
 from ubep.topology import Topology
 
 
@@ -56,9 +56,14 @@ def spread(src, dst, nbytes, ready, first_worker: int, fw: int):
     return m, orig[keep]
 
 
-def ranks_per_node(topo: Topology) -> int:
-    """G: ranks in one domain of the first level above a device (an HGX node)."""
-    return topo.levels[1].span * topo.ranks_per_device if topo.num_classes > 2 else topo.num_ranks
+def ranks_per_node(topo: Topology, num_ranks: int) -> int:
+    """G: ranks in one domain of the first level above a device (an HGX node); on a one-tier
+    machine every rank is on one node and dedup reduces to ubep."""
+    G = topo.levels[1].span * topo.ranks_per_device if topo.num_classes > 2 else num_ranks
+    G = min(G, num_ranks)
+    if num_ranks % G:
+        raise ValueError(f"ubep-hier: ranks ({num_ranks}) must fill whole nodes of {G} ranks")
+    return G
 
 
 def node_counts(wl: Workload, G: int) -> tuple[np.ndarray, np.ndarray]:
@@ -84,8 +89,19 @@ def split(counts_RR: np.ndarray, G: int) -> tuple[np.ndarray, np.ndarray, np.nda
     return np.where(same_RR, counts_RR, 0), src, dst
 
 
-def hier_dispatch(wl: Workload, topo: Topology, params: CostParams, workers: int, policy: str = "ubep"):
-    R, G = wl.num_ranks, ranks_per_node(topo)
+def sent_counts(wl: Workload, topo: Topology) -> np.ndarray:
+    """int64 [R, R]: rows each rank puts on the wire to each rank: node peers and relays."""
+    G = ranks_per_node(topo, wl.num_ranks)
+    counts, relay_RR = node_counts(wl, G)
+    return split(counts, G)[0] + relay_RR
+
+
+def hier_dispatch(
+    wl: Workload, topo: Topology, params: CostParams, workers: int, policy: str = "ubep"
+) -> PhaseTime:
+    """Dispatch with node-level dedup: node peers directly, other nodes through relays."""
+    R = wl.num_ranks
+    G = ranks_per_node(topo, R)
     counts, relay_RR = node_counts(wl, G)
     local, rs, rd = split(counts, G)
     relay = rd // G * G + rs % G
@@ -108,8 +124,12 @@ def hier_dispatch(wl: Workload, topo: Topology, params: CostParams, workers: int
     return phase(done, first, d.data.injected_M[: first.size], topo)
 
 
-def hier_combine(wl: Workload, topo: Topology, params: CostParams, workers: int, policy: str = "ubep"):
-    R, G = wl.num_ranks, ranks_per_node(topo)
+def hier_combine(
+    wl: Workload, topo: Topology, params: CostParams, workers: int, policy: str = "ubep"
+) -> PhaseTime:
+    """Combine with node-level dedup: partial rows summed at the relay, one row per token home."""
+    R = wl.num_ranks
+    G = ranks_per_node(topo, R)
     counts, relay_RR = node_counts(wl, G)
     local, rs, rd = split(counts, G)  # rows go back from rd (expert side) to rs (home)
     relay = rd // G * G + rs % G

@@ -101,10 +101,7 @@ def port_busy_us(cfg: SimConfig, protocol: str) -> dict[str, float]:
     """
     topo, wl = cfg.topology, workload(cfg)
     R = wl.num_ranks
-    counts = wl.counts_RR()
-    if protocol == "ubep-hier":
-        local, relay = hier.node_counts(wl, hier.ranks_per_node(topo))
-        counts = hier.split(local, hier.ranks_per_node(topo))[0] + relay
+    counts = hier.sent_counts(wl, topo) if protocol == "ubep-hier" else wl.counts_RR()
     bytes_RR = counts * wl.dispatch_row_bytes * reorder_factor(cfg.sync if protocol == "ubep" else "tff")
     cls_RR = topo.class_matrix(R)
     rate_C = port_gbps_C(topo, cfg.params) * 1e3

@@ -132,9 +132,7 @@ def simulate(cfg: SimConfig, protocol: str, wl: protocols.Workload | None = None
             d, c = disp(wl, topo, p, W, policy), comb(wl, topo, p, W, policy)
         sent = wl.counts_RR().sum() / wl.num_ranks * wl.dispatch_row_bytes
         if protocol == "ubep-hier":  # node peers directly, one row per remote node (to its relay)
-            local, relay_RR = hier.node_counts(wl, hier.ranks_per_node(topo))
-            sent = (hier.split(local, hier.ranks_per_node(topo))[0] + relay_RR).sum() / wl.num_ranks
-            sent *= wl.dispatch_row_bytes
+            sent = hier.sent_counts(wl, topo).sum() / wl.num_ranks * wl.dispatch_row_bytes
     return SimResult(
         protocol=protocol,
         topology=topo.name,
