@@ -14,12 +14,12 @@ def _msgs(src, dst, nbytes, worker=None, seq=None, ready=None):
     src, dst = np.asarray(src), np.asarray(dst)
     n = src.size
     return engine.Messages(
-        src_M=src,
-        dst_M=dst,
-        worker_M=np.zeros(n, dtype=np.int64) if worker is None else np.asarray(worker),
-        seq_M=np.arange(n) if seq is None else np.asarray(seq),
-        bytes_M=np.full(n, nbytes),
-        ready_M=np.zeros(n) if ready is None else np.asarray(ready, dtype=float),
+        src_Z=src,
+        dst_Z=dst,
+        worker_Z=np.zeros(n, dtype=np.int64) if worker is None else np.asarray(worker),
+        seq_Z=np.arange(n) if seq is None else np.asarray(seq),
+        bytes_Z=np.full(n, nbytes),
+        ready_Z=np.zeros(n) if ready is None else np.asarray(ready, dtype=float),
     )
 
 
@@ -27,8 +27,8 @@ def test_one_message_costs_overhead_latency_and_bytes_over_bandwidth():
     params = CostParams(msg_overhead_us=0.5, link_efficiency=0.75, window_bytes=1e12)
     t = engine.simulate(_msgs([0], [100], 1_000_000), topology.cm384(), params, workers=1)
     expect = 0.5 + 2.5 + 1_000_000 / (0.75 * 392 * 1e3)  # o + two-hop latency + b / (eta * B)
-    assert t.arrived_M[0] == pytest.approx(expect, rel=1e-9)
-    assert t.cls_M[0] == 2
+    assert t.arrived_Z[0] == pytest.approx(expect, rel=1e-9)
+    assert t.cls_Z[0] == 2
 
 
 def test_a_worker_streams_no_faster_than_its_window_allows():
@@ -36,7 +36,7 @@ def test_a_worker_streams_no_faster_than_its_window_allows():
     n, b = 10, 50_000
     t = engine.simulate(_msgs([0] * n, [1] * n, b), topology.cm384(), params, workers=1)
     rate = 8192 / 0.929  # bytes per us: window / one-hop latency, far below 392 GB/s
-    assert t.arrived_M.max() == pytest.approx(n * (0.2 + b / rate) + 0.929, rel=1e-9)
+    assert t.arrived_Z.max() == pytest.approx(n * (0.2 + b / rate) + 0.929, rel=1e-9)
 
 
 def test_all_to_all_on_a_non_blocking_switch():
@@ -46,14 +46,14 @@ def test_all_to_all_on_a_non_blocking_switch():
         for i in range(1, R):  # rotation order, one worker per destination
             src.append(s), dst.append((s + i) % R), seq.append(i)
     t = engine.simulate(_msgs(src, dst, b, worker=seq, seq=seq), topology.nvl72(), BIG_WINDOW, workers=R)
-    assert t.arrived_M.max() == pytest.approx(1.0 + (R - 1) * b / 900e3, rel=1e-9)
+    assert t.arrived_Z.max() == pytest.approx(1.0 + (R - 1) * b / 900e3, rel=1e-9)
 
 
 def test_incast_is_limited_by_the_receivers_ejection_bandwidth():
     senders, b = 40, 100_000
     t = engine.simulate(_msgs(np.arange(1, senders + 1), [0] * senders, b), topology.nvl72(), BIG_WINDOW, 1)
-    assert t.arrived_M.max() == pytest.approx(1.0 + senders * b / 900e3, rel=1e-9)
-    assert t.injected_M.max() == pytest.approx(b / 900e3, rel=1e-9)  # senders are not the bottleneck
+    assert t.arrived_Z.max() == pytest.approx(1.0 + senders * b / 900e3, rel=1e-9)
+    assert t.injected_Z.max() == pytest.approx(b / 900e3, rel=1e-9)  # senders are not the bottleneck
 
 
 def test_a_capped_uplink_is_shared_by_the_whole_domain():
@@ -69,24 +69,24 @@ def test_a_capped_uplink_is_shared_by_the_whole_domain():
     )
     b = 1_000_000
     t = engine.simulate(_msgs([0, 1, 2, 3], [4, 5, 6, 7], b), topo, BIG_WINDOW, workers=1)
-    assert t.arrived_M.max() == pytest.approx(3.0 + 4 * b / 50e3, rel=1e-9)
+    assert t.arrived_Z.max() == pytest.approx(3.0 + 4 * b / 50e3, rel=1e-9)
     inside = engine.simulate(_msgs([0, 1, 2], [1, 2, 3], b), topo, BIG_WINDOW, workers=1)
-    assert inside.arrived_M.max() == pytest.approx(1.0 + b / 100e3, rel=1e-9)  # no uplink used
+    assert inside.arrived_Z.max() == pytest.approx(1.0 + b / 100e3, rel=1e-9)  # no uplink used
 
 
 def test_ready_times_and_holds_delay_the_worker():
     m = _msgs([0, 0], [1, 1], 0, ready=[5.0, 0.0])
-    m = engine.Messages(**{**{f: getattr(m, f) for f in m.__slots__}, "hold_us_M": np.array([2.0, 0.0])})
+    m = engine.Messages(**{**{f: getattr(m, f) for f in m.__slots__}, "hold_us_Z": np.array([2.0, 0.0])})
     t = engine.simulate(m, topology.nvl72(), BIG_WINDOW, workers=1)
-    assert t.issued_M.tolist() == [7.0, 7.0]  # second waits for the first's hold
-    assert t.arrived_M.tolist() == [6.0, 8.0]
+    assert t.issued_Z.tolist() == [7.0, 7.0]  # second waits for the first's hold
+    assert t.arrived_Z.tolist() == [6.0, 8.0]
 
 
 def test_two_flows_on_one_port_each_get_half():
     b = 1_000_000  # two workers of rank 0 start together, to two different ranks
     t = engine.simulate(_msgs([0, 0], [1, 2], b, worker=[0, 1]), topology.nvl72(), BIG_WINDOW, workers=2)
-    assert t.injected_M.tolist() == pytest.approx([2 * b / 900e3] * 2, rel=1e-9)  # FIFO: b/B, then 2b/B
-    assert t.arrived_M.tolist() == pytest.approx([1.0 + 2 * b / 900e3] * 2, rel=1e-9)
+    assert t.injected_Z.tolist() == pytest.approx([2 * b / 900e3] * 2, rel=1e-9)  # FIFO: b/B, then 2b/B
+    assert t.arrived_Z.tolist() == pytest.approx([1.0 + 2 * b / 900e3] * 2, rel=1e-9)
 
 
 def test_a_capped_flow_keeps_its_cap_and_the_other_takes_the_rest():
@@ -165,9 +165,9 @@ def test_scheduled_pieces_carry_every_token_byte_once():
     sched = protocols.schedule.plan(wl.counts_RR(), SMALL.topology, workers=7, row_bytes=100)
     msgs = protocols.pieces(sched, np.zeros(SMALL.ranks), worker_offset=1)
     sent_RR = np.zeros((SMALL.ranks, SMALL.ranks))
-    np.add.at(sent_RR, (msgs.src_M, msgs.dst_M), msgs.bytes_M)
+    np.add.at(sent_RR, (msgs.src_Z, msgs.dst_Z), msgs.bytes_Z)
     # Independent count: distinct owner ranks per token, from the raw routing.
-    owners = wl.owner_E[wl.topk_SNK]
+    owners = wl.owner_E[wl.topk_RNK]
     expect = np.zeros_like(sent_RR)
     for s in range(SMALL.ranks):
         for n in range(SMALL.tokens):

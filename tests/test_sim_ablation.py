@@ -27,10 +27,10 @@ def test_a_far_only_worker_straggles_behind_a_mixed_one():
     def slowest(dst, worker):
         n = len(dst)
         m = engine.Messages(
-            src_M=np.zeros(n, dtype=np.int64), dst_M=np.array(dst), worker_M=np.array(worker),
-            seq_M=np.arange(n, dtype=float), bytes_M=np.full(n, b), ready_M=np.zeros(n),
+            src_Z=np.zeros(n, dtype=np.int64), dst_Z=np.array(dst), worker_Z=np.array(worker),
+            seq_Z=np.arange(n, dtype=float), bytes_Z=np.full(n, b), ready_Z=np.zeros(n),
         )  # fmt: skip
-        return engine.simulate(m, topology.cm384(), params, workers=2).injected_M.max()
+        return engine.simulate(m, topology.cm384(), params, workers=2).injected_Z.max()
 
     near, far = 16384 / 0.929, 16384 / 2.5  # bytes per us: window / latency, far below the port
     balanced = slowest([1, 1, 100, 100], [0, 0, 1, 1])

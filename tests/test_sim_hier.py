@@ -21,8 +21,8 @@ TWO_NODES = topology.from_dict(
 )
 
 
-def _workload(topk_SNK) -> protocols.Workload:
-    return protocols.Workload(topk_SNK=np.asarray(topk_SNK), owner_E=np.arange(8),  # expert e on rank e
+def _workload(topk_RNK) -> protocols.Workload:
+    return protocols.Workload(topk_RNK=np.asarray(topk_RNK), owner_E=np.arange(8),  # expert e on rank e
                               dispatch_row_bytes=100, combine_row_bytes=100)  # fmt: skip
 
 
@@ -30,7 +30,7 @@ def test_a_token_crosses_to_a_remote_node_once_through_its_relay():
     topk = -np.ones((8, 1, 3), dtype=np.int64)
     topk[1, 0] = [4, 6, 7]  # rank 1's token: three ranks of node 1
     topk[5, 0] = [1, 4, -1]  # rank 5's token: one rank of node 0 and rank 4 (its own node)
-    counts, relay = hier.node_counts(_workload(topk), G=4)
+    counts, relay = hier.node_counts(_workload(topk), V=4)
     assert counts[1, [4, 6, 7]].tolist() == [1, 1, 1] and counts[5, [1, 4]].tolist() == [1, 1]
     expect = np.zeros((8, 8), dtype=np.int64)
     expect[1, 5] = 1  # relay of rank 1 on node 1: rank 4 + 1 % 4 = 5

@@ -26,7 +26,7 @@ order (`fifo`, cut-through): a receiver needs all of its bytes, and the time of
 its last byte does not depend on the order in which the port serves flows, while
 fair sharing among the thousands of flows of an incast would cost seconds per run.
 
-Times in us, sizes in bytes, rates in GB/s (1e3 B/us). M messages.
+Times in us, sizes in bytes, rates in GB/s (1e3 B/us). Z messages (of a simulated plan; legend in layout.py).
 """
 
 from __future__ import annotations
@@ -44,25 +44,25 @@ from ubep.topology import Topology
 class Messages:
     """What to send. Worker order is `seq` (ascending) within each (src, worker)."""
 
-    src_M: np.ndarray  # int64 sender rank
-    dst_M: np.ndarray  # int64 receiver rank
-    worker_M: np.ndarray  # int64 sending worker on the sender rank
-    seq_M: np.ndarray  # float or int: position in that worker's order
-    bytes_M: np.ndarray  # int64
-    ready_M: np.ndarray  # float: earliest start
-    hold_us_M: np.ndarray | None = None  # float: worker blocked after the data
+    src_Z: np.ndarray  # int64 sender rank
+    dst_Z: np.ndarray  # int64 receiver rank
+    worker_Z: np.ndarray  # int64 sending worker on the sender rank
+    seq_Z: np.ndarray  # float or int: position in that worker's order
+    bytes_Z: np.ndarray  # int64
+    ready_Z: np.ndarray  # float: earliest start
+    hold_us_Z: np.ndarray | None = None  # float: worker blocked after the data
 
     @property
     def size(self) -> int:
-        return self.src_M.size
+        return self.src_Z.size
 
 
 def concat(parts: list[Messages]) -> Messages:
     """One message set from several (holds default to zero)."""
-    fields = [f for f in Messages.__slots__ if f != "hold_us_M"]
+    fields = [f for f in Messages.__slots__ if f != "hold_us_Z"]
     merged = {f: np.concatenate([getattr(p, f) for p in parts]) for f in fields}
-    holds = [p.hold_us_M if p.hold_us_M is not None else np.zeros(p.size) for p in parts]
-    return Messages(**merged, hold_us_M=np.concatenate(holds))
+    holds = [p.hold_us_Z if p.hold_us_Z is not None else np.zeros(p.size) for p in parts]
+    return Messages(**merged, hold_us_Z=np.concatenate(holds))
 
 
 def pair_max(src: np.ndarray, dst: np.ndarray, t: np.ndarray, R: int, floor: float = 0.0) -> np.ndarray:
@@ -76,10 +76,10 @@ def pair_max(src: np.ndarray, dst: np.ndarray, t: np.ndarray, R: int, floor: flo
 class Timing:
     """When each message's tail left its worker and its port, and reached the receiver."""
 
-    cls_M: np.ndarray  # int64 distance class
-    issued_M: np.ndarray  # worker done with it (including any hold)
-    injected_M: np.ndarray  # tail left the source port
-    arrived_M: np.ndarray  # tail landed at the receiver
+    cls_Z: np.ndarray  # int64 distance class
+    issued_Z: np.ndarray  # worker done with it (including any hold)
+    injected_Z: np.ndarray  # tail left the source port
+    arrived_Z: np.ndarray  # tail landed at the receiver
 
 
 def fifo(key: np.ndarray, order: np.ndarray, head: np.ndarray, tail: np.ndarray, svc: np.ndarray):
@@ -188,23 +188,23 @@ def simulate(msgs: Messages, topo: Topology, params: CostParams, workers: int) -
     """Run messages through worker, port, uplink, latency and ejection stages."""
     if msgs.size == 0:
         empty = np.zeros(0)
-        return Timing(cls_M=empty.astype(np.int64), issued_M=empty, injected_M=empty, arrived_M=empty)
-    cls = topo.distance_class(msgs.src_M, msgs.dst_M)
-    b = msgs.bytes_M.astype(float)
-    hold = np.zeros_like(b) if msgs.hold_us_M is None else msgs.hold_us_M
+        return Timing(cls_Z=empty.astype(np.int64), issued_Z=empty, injected_Z=empty, arrived_Z=empty)
+    cls = topo.distance_class(msgs.src_Z, msgs.dst_Z)
+    b = msgs.bytes_Z.astype(float)
+    hold = np.zeros_like(b) if msgs.hold_us_Z is None else msgs.hold_us_Z
     data_us = b / (worker_gbps_C(topo, params)[cls] * 1e3)
     start, issued = fifo(
-        msgs.src_M * workers + msgs.worker_M,
-        msgs.seq_M,
-        msgs.ready_M,
-        msgs.ready_M,
+        msgs.src_Z * workers + msgs.worker_Z,
+        msgs.seq_Z,
+        msgs.ready_Z,
+        msgs.ready_Z,
         params.msg_overhead_us + data_us + hold,
     )
     head, tail = start + params.msg_overhead_us, issued - hold
     port_rate = port_gbps_C(topo, params)[cls] * 1e3  # bytes per us
     num_ports = len(topo.ports_gbps) + 1  # + the local copy path of class 0
     port = np.where(cls == 0, num_ports - 1, topo.port_of_class_C()[cls])
-    src_dev, dst_dev = topo.device_of(msgs.src_M), topo.device_of(msgs.dst_M)
+    src_dev, dst_dev = topo.device_of(msgs.src_Z), topo.device_of(msgs.dst_Z)
     injected = fair_share(src_dev * num_ports + port, head, tail, b, port_rate)
     tail = injected.copy()
     for lv, level in enumerate(topo.levels[1:], start=1):
@@ -216,4 +216,4 @@ def simulate(msgs: Messages, topo: Topology, params: CostParams, workers: int) -
             tail[out] = fair_share(dev // level.span, head[out], tail[out], b[out], up_rate)
     lat = topo.latency_C()[cls]
     _, arrived = fifo(dst_dev * num_ports + port, head + lat, head + lat, tail + lat, b / port_rate)
-    return Timing(cls_M=cls, issued_M=issued, injected_M=injected, arrived_M=arrived)
+    return Timing(cls_Z=cls, issued_Z=issued, injected_Z=injected, arrived_Z=arrived)

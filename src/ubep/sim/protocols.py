@@ -21,7 +21,7 @@ same stages, plus one `poll_us` after the last flag lands.
              all of its tokens for an expert it writes that expert's count; the
              receiver waits for every count, then unpacks. Combine mirrors it.
 
-Legend: R ranks, N tokens per rank, K top-k, E experts, M messages. Times in us.
+Legend: R ranks, N tokens per rank, K top-k, E experts, Z messages. Times in us.
 """
 
 from __future__ import annotations
@@ -52,24 +52,24 @@ LL_META_BYTES = 16  # DeepEP low-latency: source index and layout info per messa
 class Workload:
     """Every rank's routing and the bytes of one row in each direction."""
 
-    topk_SNK: np.ndarray  # int64 [R, N, K], -1 = no expert
+    topk_RNK: np.ndarray  # int64 [R, N, K], -1 = no expert
     owner_E: np.ndarray  # int64 [E]: the rank that holds each expert
     dispatch_row_bytes: int
     combine_row_bytes: int
 
     @property
     def num_ranks(self) -> int:
-        return self.topk_SNK.shape[0]
+        return self.topk_RNK.shape[0]
 
     @property
     def tokens(self) -> int:
-        return self.topk_SNK.shape[1]
+        return self.topk_RNK.shape[1]
 
     def counts_RR(self) -> np.ndarray:
         """int64 [R, R]: tokens rank s sends to rank d (once per destination rank)."""
-        R, N, K = self.topk_SNK.shape
+        R, N, K = self.topk_RNK.shape
         placement = ExpertPlacement.from_ranks(torch.from_numpy(self.owner_E), R)
-        hit_XR = token_in_rank(torch.from_numpy(self.topk_SNK).reshape(R * N, K), placement)
+        hit_XR = token_in_rank(torch.from_numpy(self.topk_RNK).reshape(R * N, K), placement)
         return hit_XR.reshape(R, N, R).sum(dim=1).numpy().astype(np.int64)
 
 
@@ -87,30 +87,30 @@ class PhaseTime:
         return float(self.done_R.max())
 
 
-def phase(done_R: np.ndarray, data: Messages, injected_M: np.ndarray, topo: Topology) -> PhaseTime:
+def phase(done_R: np.ndarray, data: Messages, injected_Z: np.ndarray, topo: Topology) -> PhaseTime:
     """PhaseTime with the slowest worker of `data` (last byte out of its port, from its start)."""
     if data.size == 0:
         return PhaseTime(done_R=done_R, worker_us=0.0)
-    took_M = injected_M - data.ready_M
-    i = int(np.argmax(took_M))
-    mine = (data.src_M == data.src_M[i]) & (data.worker_M == data.worker_M[i])
-    cls = topo.distance_class(data.src_M[mine], data.dst_M[mine])
-    far = float(data.bytes_M[mine][cls == cls.max()].sum() / max(data.bytes_M[mine].sum(), 1))
-    return PhaseTime(done_R=done_R, worker_us=float(took_M[i]),
-                     straggler=(int(data.src_M[i]), int(data.worker_M[i])), straggler_far=far)  # fmt: skip
+    took_Z = injected_Z - data.ready_Z
+    i = int(np.argmax(took_Z))
+    mine = (data.src_Z == data.src_Z[i]) & (data.worker_Z == data.worker_Z[i])
+    cls = topo.distance_class(data.src_Z[mine], data.dst_Z[mine])
+    far = float(data.bytes_Z[mine][cls == cls.max()].sum() / max(data.bytes_Z[mine].sum(), 1))
+    return PhaseTime(done_R=done_R, worker_us=float(took_Z[i]),
+                     straggler=(int(data.src_Z[i]), int(data.worker_Z[i])), straggler_far=far)  # fmt: skip
 
 
 def msgs(src, dst, worker, seq, nbytes, ready, hold=None) -> Messages:
     src = np.asarray(src, dtype=np.int64)
     shape = src.shape
     return Messages(
-        src_M=src,
-        dst_M=np.asarray(dst, dtype=np.int64),
-        worker_M=np.broadcast_to(worker, shape).astype(np.int64),
-        seq_M=np.broadcast_to(seq, shape).astype(float),
-        bytes_M=np.broadcast_to(nbytes, shape).astype(np.int64),
-        ready_M=np.broadcast_to(ready, shape).astype(float),
-        hold_us_M=None if hold is None else np.broadcast_to(hold, shape).astype(float),
+        src_Z=src,
+        dst_Z=np.asarray(dst, dtype=np.int64),
+        worker_Z=np.broadcast_to(worker, shape).astype(np.int64),
+        seq_Z=np.broadcast_to(seq, shape).astype(float),
+        bytes_Z=np.broadcast_to(nbytes, shape).astype(np.int64),
+        ready_Z=np.broadcast_to(ready, shape).astype(float),
+        hold_us_Z=None if hold is None else np.broadcast_to(hold, shape).astype(float),
     )
 
 
@@ -149,15 +149,15 @@ def barrier(enter_R: np.ndarray, topo: Topology, params: CostParams, workers: in
     dst = (src + 1 + rot) % R
     flags = msgs(src, dst, rot % workers, rot // workers, params.flag_bytes, enter_R[src])
     t = engine.simulate(flags, topo, params, workers)
-    return rank_max(dst, t.arrived_M, R, enter_R) + params.poll_us
+    return rank_max(dst, t.arrived_Z, R, enter_R) + params.poll_us
 
 
-def reorder(ready_SD: np.ndarray, rows_SD: np.ndarray, row_bytes: int, topo: Topology, by_rank: bool):
+def reorder(ready_RR: np.ndarray, rows_RR: np.ndarray, row_bytes: int, topo: Topology, by_rank: bool):
     """float [R]: each receiver copies source blocks in arrival (or rank) order once ready."""
-    R = ready_SD.shape[0]
+    R = ready_RR.shape[0]
     src, dst = np.meshgrid(np.arange(R), np.arange(R), indexing="ij")
-    order = src if by_rank else ready_SD
-    ready, svc = ready_SD.ravel(), copy_us(topo, rows_SD.ravel() * row_bytes)
+    order = src if by_rank else ready_RR
+    ready, svc = ready_RR.ravel(), copy_us(topo, rows_RR.ravel() * row_bytes)
     _, end = engine.fifo(dst.ravel(), order.ravel(), ready, ready, svc)
     return rank_max(dst.ravel(), end, R)
 
@@ -189,10 +189,10 @@ def ubep_dispatch(
         row_bytes=wl.dispatch_row_bytes,
         capacity_rows=R * wl.tokens,
     )
-    hdr_arr = pair_max(src, dst, d.extra.arrived_M, R)
-    ready_SD = np.maximum(d.usable_SD, hdr_arr + params.prefix_us)
-    done = reorder(ready_SD, counts, wl.dispatch_row_bytes * d.reorder_factor, topo, by_rank=False)
-    return phase(done, data, d.data.injected_M, topo)
+    hdr_arr = pair_max(src, dst, d.extra.arrived_Z, R)
+    ready_RR = np.maximum(d.usable_RR, hdr_arr + params.prefix_us)
+    done = reorder(ready_RR, counts, wl.dispatch_row_bytes * d.reorder_factor, topo, by_rank=False)
+    return phase(done, data, d.data.injected_Z, topo)
 
 
 def ubep_combine(
@@ -215,8 +215,8 @@ def ubep_combine(
         row_bytes=wl.combine_row_bytes,
         capacity_rows=R * wl.tokens,
     )
-    done = reorder(d.usable_SD, back, wl.combine_row_bytes * d.reorder_factor, topo, by_rank=True)
-    return phase(done, data, d.data.injected_M, topo)
+    done = reorder(d.usable_RR, back, wl.combine_row_bytes * d.reorder_factor, topo, by_rank=True)
+    return phase(done, data, d.data.injected_Z, topo)
 
 
 def _bsp_send(counts: np.ndarray, ready_R, row_bytes: int, topo: Topology, params: CostParams, workers: int,
@@ -225,14 +225,14 @@ def _bsp_send(counts: np.ndarray, ready_R, row_bytes: int, topo: Topology, param
     R = counts.shape[0]
     sched = schedule.plan(counts, topo, workers=workers, row_bytes=row_bytes, policy=policy, params=params)
     data = pieces(sched, ready_R, worker_offset=0)
-    ack_us = 2 * topo.latency_C()[topo.distance_class(data.src_M, data.dst_M)]
-    payload = replace(data, seq_M=2 * data.seq_M, hold_us_M=ack_us)
-    flags = msgs(data.src_M, data.dst_M, data.worker_M, 2 * data.seq_M + 1, params.flag_bytes, data.ready_M)
+    ack_us = 2 * topo.latency_C()[topo.distance_class(data.src_Z, data.dst_Z)]
+    payload = replace(data, seq_Z=2 * data.seq_Z, hold_us_Z=ack_us)
+    flags = msgs(data.src_Z, data.dst_Z, data.worker_Z, 2 * data.seq_Z + 1, params.flag_bytes, data.ready_Z)
     t = engine.simulate(engine.concat([payload, flags]), topo, params, workers)
     n = data.size
-    lat_back = topo.latency_C()[t.cls_M[n:]]
-    end_R = rank_max(flags.src_M, t.arrived_M[n:] + lat_back, R, ready_R)  # flags acknowledged
-    return end_R, data, t.injected_M[:n]
+    lat_back = topo.latency_C()[t.cls_Z[n:]]
+    end_R = rank_max(flags.src_Z, t.arrived_Z[n:] + lat_back, R, ready_R)  # flags acknowledged
+    return end_R, data, t.injected_Z[:n]
 
 
 def bsp_dispatch(
@@ -243,7 +243,7 @@ def bsp_dispatch(
     dst = (src + 1 + rot) % R
     cnt = msgs(src, dst, rot % workers, rot, max(params.flag_bytes, 4 * R), 0.0)
     t = engine.simulate(cnt, topo, params, workers)
-    counted = rank_max(src, t.arrived_M + topo.latency_C()[t.cls_M], R)
+    counted = rank_max(src, t.arrived_Z + topo.latency_C()[t.cls_Z], R)
     b1 = barrier(counted, topo, params, workers)
     sent, data, injected = _bsp_send(counts, b1, wl.dispatch_row_bytes, topo, params, workers, policy)
     b2 = barrier(sent, topo, params, workers)
@@ -266,24 +266,24 @@ def bsp_combine(
 
 def deepep_ll(wl: Workload, topo: Topology, params: CostParams, workers: int, combine: bool) -> PhaseTime:
     """DeepEP's low-latency dispatch (or combine): one message per (token, expert), count signals."""
-    R, N, K = wl.topk_SNK.shape
+    R, N, K = wl.topk_RNK.shape
     E = wl.owner_E.size
-    s, n, k = np.nonzero(wl.topk_SNK >= 0)
-    e = wl.topk_SNK[s, n, k]
+    s, n, k = np.nonzero(wl.topk_RNK >= 0)
+    e = wl.topk_RNK[s, n, k]
     home, expert_rank = s, wl.owner_E[e]
     src, dst = (expert_rank, home) if combine else (home, expert_rank)
     row = wl.combine_row_bytes if combine else wl.dispatch_row_bytes + LL_META_BYTES
     worker = (n + s) % workers if combine else n % workers
     data = msgs(src, dst, worker, n * K + k, row, 0.0)
     last_issue = np.zeros(R * E)  # [home rank * E + expert]: all of that pair's data issued
-    np.maximum.at(last_issue, home * E + e, engine.simulate(data, topo, params, workers).issued_M)
+    np.maximum.at(last_issue, home * E + e, engine.simulate(data, topo, params, workers).issued_Z)
     # One count per (home rank, expert): to each expert's owner (dispatch), or back home (combine).
     sig_home, sig_e = np.divmod(np.arange(R * E), E)
     sig_src, sig_dst = (wl.owner_E[sig_e], sig_home) if combine else (sig_home, wl.owner_E[sig_e])
     ready = last_issue
     sig = msgs(sig_src, sig_dst, (sig_home + sig_e) % workers, N * K + sig_e, params.flag_bytes, ready)
     t = engine.simulate(engine.concat([data, sig]), topo, params, workers)
-    counted = rank_max(sig_dst, t.arrived_M[data.size :], R)
+    counted = rank_max(sig_dst, t.arrived_Z[data.size :], R)
     rows_R = np.bincount(dst, minlength=R)
     done = counted + params.poll_us + copy_us(topo, rows_R * row)
-    return PhaseTime(done_R=done, worker_us=float(t.injected_M[: data.size].max(initial=0.0)))
+    return PhaseTime(done_R=done, worker_us=float(t.injected_Z[: data.size].max(initial=0.0)))

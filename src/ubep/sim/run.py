@@ -94,7 +94,7 @@ def workload(cfg: SimConfig) -> protocols.Workload:
         raise ValueError(f"ranks ({cfg.ranks}) exceeds the topology's {cfg.topology.num_ranks}")
     placement = ExpertPlacement.contiguous(cfg.experts, cfg.ranks)
     return protocols.Workload(
-        topk_SNK=route_all(cfg).reshape(cfg.ranks, cfg.tokens, cfg.topk).numpy(),
+        topk_RNK=route_all(cfg).reshape(cfg.ranks, cfg.tokens, cfg.topk).numpy(),
         owner_E=placement.rank_of_expert_E.numpy(),
         dispatch_row_bytes=row_bytes(cfg.hidden, cfg.dispatch_dtype),
         combine_row_bytes=row_bytes(cfg.hidden, "bf16"),
@@ -120,7 +120,7 @@ def simulate(cfg: SimConfig, protocol: str, wl: protocols.Workload | None = None
     topo, p, W = cfg.topology, cfg.params, cfg.num_workers
     if protocol == "deepep-ll":
         d, c = (protocols.deepep_ll(wl, topo, p, W, combine=flag) for flag in (False, True))
-        sent = (wl.topk_SNK >= 0).sum() / wl.num_ranks * wl.dispatch_row_bytes
+        sent = (wl.topk_RNK >= 0).sum() / wl.num_ranks * wl.dispatch_row_bytes
     else:
         disp, comb = {"ubep": (protocols.ubep_dispatch, protocols.ubep_combine),
                       "ubep-hier": (hier.hier_dispatch, hier.hier_combine),

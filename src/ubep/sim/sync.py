@@ -25,7 +25,7 @@ its own costs (PAPER.md, "Data-as-Flag"; constants in costmodel.py):
 when each (sender, receiver) block becomes usable, and how many bytes per payload
 byte the receiver's reorder reads.
 
-Legend: R ranks, M messages, S senders, D receivers. Times in us.
+Legend: R ranks, Z messages; an [R, R] array is sender x receiver. Times in us.
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ DATA_AS_FLAG = ("tff", "dc", "sp")
 class Delivery:
     """When each block is usable by its receiver, and what the fabric did with every message."""
 
-    usable_SD: np.ndarray  # float [R, R]: receiver may consume sender s's block (0 where none)
+    usable_RR: np.ndarray  # float [R, R]: receiver may consume sender s's block (0 where none)
     extra: engine.Timing  # timing of the `extra` messages, in their order
     data: engine.Timing  # timing of the payload messages, in their order
     reorder_factor: float  # bytes the receiver's reorder reads per payload byte
@@ -73,30 +73,30 @@ def reorder_factor(sync: str) -> float:
     return {"tff": TFF_WRITE_BYTES / (TFF_WRITE_BYTES - TFF_FLAG_BYTES), "dc": 2.0}.get(sync, 1.0)
 
 
-def _flags(data: Messages, seq_M: np.ndarray, ready_M: np.ndarray, params: CostParams) -> Messages:
+def _flags(data: Messages, seq_Z: np.ndarray, ready_Z: np.ndarray, params: CostParams) -> Messages:
     n = data.size
-    return Messages(src_M=data.src_M, dst_M=data.dst_M, worker_M=data.worker_M, seq_M=seq_M,
-                    bytes_M=np.full(n, params.flag_bytes, dtype=np.int64), ready_M=ready_M,
-                    hold_us_M=np.zeros(n))  # fmt: skip
+    return Messages(src_Z=data.src_Z, dst_Z=data.dst_Z, worker_Z=data.worker_Z, seq_Z=seq_Z,
+                    bytes_Z=np.full(n, params.flag_bytes, dtype=np.int64), ready_Z=ready_Z,
+                    hold_us_Z=np.zeros(n))  # fmt: skip
 
 
 def _run(parts: list[Messages], topo: Topology, params: CostParams, workers: int) -> list[engine.Timing]:
     """Simulate the concatenation of `parts`; split the timing back per part."""
     t = engine.simulate(engine.concat(parts), topo, params, workers)
     cuts = np.cumsum([0] + [p.size for p in parts])
-    fields = ("cls_M", "issued_M", "injected_M", "arrived_M")
+    fields = ("cls_Z", "issued_Z", "injected_Z", "arrived_Z")
     return [engine.Timing(**{f: getattr(t, f)[a:b] for f in fields}) for a, b in pairwise(cuts)]
 
 
-def _dc_trailers(data: Messages, issued_M: np.ndarray, R: int, params: CostParams) -> Messages:
+def _dc_trailers(data: Messages, issued_Z: np.ndarray, R: int, params: CostParams) -> Messages:
     """One checksum per (sender, receiver), from the worker of the block's last-issued piece."""
-    pair = data.src_M * R + data.dst_M
-    order = np.lexsort((issued_M, pair))
+    pair = data.src_Z * R + data.dst_Z
+    order = np.lexsort((issued_Z, pair))
     last = order[np.r_[pair[order][1:] != pair[order][:-1], True]]
     n = last.size
-    return Messages(src_M=data.src_M[last], dst_M=data.dst_M[last], worker_M=data.worker_M[last],
-                    seq_M=np.full(n, np.inf), bytes_M=np.full(n, params.flag_bytes, dtype=np.int64),
-                    ready_M=issued_M[last], hold_us_M=np.zeros(n))  # fmt: skip
+    return Messages(src_Z=data.src_Z[last], dst_Z=data.dst_Z[last], worker_Z=data.worker_Z[last],
+                    seq_Z=np.full(n, np.inf), bytes_Z=np.full(n, params.flag_bytes, dtype=np.int64),
+                    ready_Z=issued_Z[last], hold_us_Z=np.zeros(n))  # fmt: skip
 
 
 def deliver(
@@ -111,35 +111,35 @@ def deliver(
     row_bytes: int,
     capacity_rows: int,
 ) -> Delivery:
-    """Time `data` (plain payload pieces, in worker order by `seq_M`) under `sync`, beside `extra`."""
+    """Time `data` (plain payload pieces, in worker order by `seq_Z`) under `sync`, beside `extra`."""
     if sync not in SYNCS:
         raise ValueError(f"sync must be one of {SYNCS}, got {sync!r}")
     R = num_ranks
-    payload = data.bytes_M
-    wire = replace(data, bytes_M=wire_bytes(sync, payload), seq_M=2 * np.asarray(data.seq_M, dtype=float))
-    lat_M = topo.latency_C()[topo.distance_class(data.src_M, data.dst_M)]
+    payload = data.bytes_Z
+    wire = replace(data, bytes_Z=wire_bytes(sync, payload), seq_Z=2 * np.asarray(data.seq_Z, dtype=float))
+    lat_Z = topo.latency_C()[topo.distance_class(data.src_Z, data.dst_Z)]
     if sync == "stop-and-wait":  # per row: fence (the write's ack comes back), then the flag
-        rows_M = -(-payload // row_bytes)
-        wire = replace(wire, hold_us_M=rows_M * (2 * lat_M + params.msg_overhead_us))
+        rows_Z = -(-payload // row_bytes)
+        wire = replace(wire, hold_us_Z=rows_Z * (2 * lat_Z + params.msg_overhead_us))
         flags = replace(
-            _flags(data, wire.seq_M + 1, data.ready_M, params), bytes_M=rows_M * params.flag_bytes
+            _flags(data, wire.seq_Z + 1, data.ready_Z, params), bytes_Z=rows_Z * params.flag_bytes
         )
         t_extra, t_data, t_flag = _run([extra, wire, flags], topo, params, workers)
-        ready_M = np.maximum(t_data.arrived_M, t_flag.arrived_M)
+        ready_Z = np.maximum(t_data.arrived_Z, t_flag.arrived_Z)
     elif sync == "dc":  # checksum pass on the worker after the data, then one trailer per block
-        wire = replace(wire, hold_us_M=copy_us(topo, payload))
+        wire = replace(wire, hold_us_Z=copy_us(topo, payload))
         _, first = _run([extra, wire], topo, params, workers)
-        trailers = _dc_trailers(wire, first.issued_M, R, params)
+        trailers = _dc_trailers(wire, first.issued_Z, R, params)
         t_extra, t_data, t_tail = _run([extra, wire, trailers], topo, params, workers)
-        tail_SD = pair_max(trailers.src_M, trailers.dst_M, t_tail.arrived_M, R)
-        ready_M = np.maximum(t_data.arrived_M, tail_SD[data.src_M, data.dst_M])
+        tail_RR = pair_max(trailers.src_Z, trailers.dst_Z, t_tail.arrived_Z, R)
+        ready_Z = np.maximum(t_data.arrived_Z, tail_RR[data.src_Z, data.dst_Z])
     elif sync == "sp":  # the sentinel is armed before any data may land
         armed_R = np.full(R, float(copy_us(topo, capacity_rows * SENTINEL_BYTES)))
-        wire = replace(wire, ready_M=np.maximum(wire.ready_M, armed_R[data.dst_M] - lat_M))
+        wire = replace(wire, ready_Z=np.maximum(wire.ready_Z, armed_R[data.dst_Z] - lat_Z))
         t_extra, t_data = _run([extra, wire], topo, params, workers)
-        ready_M = t_data.arrived_M
+        ready_Z = t_data.arrived_Z
     else:
         t_extra, t_data = _run([extra, wire], topo, params, workers)
-        ready_M = t_data.arrived_M
-    usable_SD = pair_max(data.src_M, data.dst_M, ready_M + params.poll_us, R)
-    return Delivery(usable_SD=usable_SD, extra=t_extra, data=t_data, reorder_factor=reorder_factor(sync))
+        ready_Z = t_data.arrived_Z
+    usable_RR = pair_max(data.src_Z, data.dst_Z, ready_Z + params.poll_us, R)
+    return Delivery(usable_RR=usable_RR, extra=t_extra, data=t_data, reorder_factor=reorder_factor(sync))
