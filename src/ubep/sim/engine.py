@@ -108,23 +108,23 @@ def fifo(key: np.ndarray, order: np.ndarray, head: np.ndarray, tail: np.ndarray,
 
 
 @numba.njit(cache=True)
-def _water_fill(cap_A: np.ndarray, capacity: float, rate_A: np.ndarray) -> None:
-    """Max-min fair rates into rate_A: flows capped below an equal share keep their cap, the rest
+def _water_fill(cap_Z: np.ndarray, capacity: float, rate_Z: np.ndarray) -> None:
+    """Max-min fair rates into rate_Z: flows capped below an equal share keep their cap, the rest
     split what is left. Fast path: no cap below the equal share."""
-    n = cap_A.size
-    if cap_A.min() >= capacity / n:
-        rate_A[:n] = capacity / n
+    n = cap_Z.size
+    if cap_Z.min() >= capacity / n:
+        rate_Z[:n] = capacity / n
         return
     left = capacity
-    order = np.argsort(cap_A)
+    order = np.argsort(cap_Z)
     for j in range(n):
         share = left / (n - j)
-        if cap_A[order[j]] < share:
-            rate_A[order[j]] = cap_A[order[j]]
-            left -= cap_A[order[j]]
+        if cap_Z[order[j]] < share:
+            rate_Z[order[j]] = cap_Z[order[j]]
+            left -= cap_Z[order[j]]
         else:
             for jj in range(j, n):
-                rate_A[order[jj]] = share
+                rate_Z[order[jj]] = share
             break
 
 
@@ -135,7 +135,7 @@ def _fair_queues(starts, head, size, cap, rate, done) -> None:
         lo, n = starts[q], starts[q + 1] - starts[q]
         rem = size[lo : lo + n].copy()
         active = np.empty(n, dtype=np.int64)
-        cap_A, r = np.empty(n), np.empty(n)
+        cap_Z, r = np.empty(n), np.empty(n)
         na, i, t = 0, 0, head[lo]
         while i < n or na > 0:
             if na == 0 and t < head[lo + i]:
@@ -144,12 +144,12 @@ def _fair_queues(starts, head, size, cap, rate, done) -> None:
                 if rem[i] <= 0.0:
                     done[lo + i] = t
                 else:
-                    active[na], cap_A[na] = i, cap[lo + i]
+                    active[na], cap_Z[na] = i, cap[lo + i]
                     na += 1
                 i += 1
             if na == 0:
                 continue
-            _water_fill(cap_A[:na], rate[lo], r)
+            _water_fill(cap_Z[:na], rate[lo], r)
             dt = np.inf if i >= n else head[lo + i] - t
             for a in range(na):
                 dt = min(dt, rem[active[a]] / r[a])
@@ -161,7 +161,7 @@ def _fair_queues(starts, head, size, cap, rate, done) -> None:
                 if rem[j] <= 1e-9 * size[lo + j]:
                     done[lo + j] = t
                 else:
-                    active[keep], cap_A[keep] = j, cap_A[a]
+                    active[keep], cap_Z[keep] = j, cap_Z[a]
                     keep += 1
             na = keep
 
