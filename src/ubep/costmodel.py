@@ -26,7 +26,8 @@ import numpy as np
 
 from ubep.topology import Topology
 
-# Fitted on DeepEP's low-latency EP8/EP64 numbers (PAPER.md table), see ubep.sim.calibrate.
+# eta and call fitted on DeepEP's low-latency EP8/EP64 numbers (PAPER.md table); o, which those
+# barely see, chosen with them and the CloudMatrix384 points below. See ubep.sim.calibrate.
 FIT_MSG_OVERHEAD_US = 0.2
 FIT_LINK_EFFICIENCY = 1.0  # DeepEP counts bytes such that RDMA reaches its nominal 50 GB/s
 FIT_CALL_US = 34.05  # fixed cost of one dispatch or combine call (kernel start, setup)
@@ -40,7 +41,6 @@ POLL_US = 0.05  # checking one flag word in local memory
 PREFIX_US = 1.0  # the per-expert prefix-sum kernel
 FLAG_BYTES = 64  # a flag or count write, rounded up to one cache line
 TFF_WRITE_BYTES, TFF_FLAG_BYTES = 512, 32  # Data-as-Flag TFF: 32 B flag + 480 B payload per write (PAPER.md)
-TFF_PAYLOAD_FRACTION = (TFF_WRITE_BYTES - TFF_FLAG_BYTES) / TFF_WRITE_BYTES
 SENTINEL_BYTES = 64  # Data-as-Flag SP: the sentinel line the receiver arms in each receive slot: assumed
 
 
