@@ -205,7 +205,7 @@ def add_plan_parser(subparsers) -> None:
     p = subparsers.add_parser("plan", help="advise workers, policy, protocol and sync for a fabric")
     p.add_argument("--topology", default="cm384", help=f"{', '.join(topology.PRESETS)} or a JSON file")
     p.add_argument("--model", choices=sorted(MODELS), default="deepseek-v3")
-    p.add_argument("--ranks", type=int, help="EP size (default: every rank of the topology)")
+    p.add_argument("--ranks", type=int, help="EP size (default: the most ranks that divide the experts)")
     p.add_argument("--tokens", type=_ints, default=[8, 16, 32, 64, 128], help="batches per rank (comma list)")
     p.add_argument("--dispatch-dtype", choices=("bf16", "fp8"), default="bf16")
     p.set_defaults(func=run_plan)
@@ -218,9 +218,12 @@ def run_plan(args) -> int:
 
     from ubep.sim.plan import plan
 
-    topo = topology.load(args.topology)
-    advice, preds = plan(topo, model=args.model, ranks=args.ranks, batches=tuple(args.tokens),
-                         dispatch_dtype=args.dispatch_dtype)  # fmt: skip
+    try:
+        topo = topology.load(args.topology)
+        advice, preds = plan(topo, model=args.model, ranks=args.ranks, batches=tuple(args.tokens),
+                             dispatch_dtype=args.dispatch_dtype)  # fmt: skip
+    except ValueError as bad:
+        raise SystemExit(f"ubep plan: {bad}") from None
     console = Console()
     console.print(f"[bold]{topo.name}[/], {args.model}: protocol {advice.protocol}, sync {advice.sync}, "
                   f"policy {advice.policy}, {advice.workers} workers per rank")  # fmt: skip

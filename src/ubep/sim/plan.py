@@ -149,13 +149,16 @@ def plan(
     params: CostParams | None = None,
     dispatch_dtype: str = "bf16",
 ) -> tuple[Advice, list[Prediction]]:
-    """Advice at the largest batch, then predictions with bottlenecks for every batch."""
+    """Advice at the largest batch, then predictions with bottlenecks for every batch.
+
+    `ranks` defaults to the most ranks of the topology that divide the model's experts.
+    """
     if model not in MODELS:
         raise ValueError(f"model must be one of {sorted(MODELS)}, got {model!r}")
     hidden, experts, topk = MODELS[model]
-    R = ranks or topo.num_ranks
-    if experts % R:
-        raise ValueError(f"ranks ({R}) must divide the model's {experts} experts")
+    R = ranks or max(r for r in range(1, min(topo.num_ranks, experts) + 1) if experts % r == 0)
+    if experts % R or R > topo.num_ranks:
+        raise ValueError(f"ranks ({R}) must divide the model's {experts} experts and fit the topology")
     base = SimConfig(topology=topo, ranks=R, tokens=max(batches), hidden=hidden, experts=experts, topk=topk,
                      dispatch_dtype=dispatch_dtype, params=params or CostParams())  # fmt: skip
     advice = advise(base)
