@@ -117,14 +117,14 @@ def msgs(src, dst, worker, seq, nbytes, ready, hold=None) -> Messages:
 def pieces(sched: schedule.Schedule, ready_R: np.ndarray, worker_offset: int) -> Messages:
     """The scheduler's pieces as messages, each worker's in plan order."""
     plans = sched.ranks
-    src = np.concatenate([np.full(rp.dest_P.size, rp.rank) for rp in plans])
-    seq = np.concatenate([np.arange(rp.dest_P.size) for rp in plans])
+    src = np.concatenate([np.full(rp.dest_I.size, rp.rank) for rp in plans])
+    seq = np.concatenate([np.arange(rp.dest_I.size) for rp in plans])
     return msgs(
         src,
-        np.concatenate([rp.dest_P for rp in plans]),
-        np.concatenate([rp.worker_P for rp in plans]) + worker_offset,
+        np.concatenate([rp.dest_I for rp in plans]),
+        np.concatenate([rp.worker_I for rp in plans]) + worker_offset,
         seq,
-        np.concatenate([rp.bytes_P for rp in plans]),
+        np.concatenate([rp.bytes_I for rp in plans]),
         ready_R[src],
     )
 
