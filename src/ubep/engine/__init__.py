@@ -1,7 +1,8 @@
 """Engines: implementations of the kernel interface (`ubep.engine.base.Engine`).
 
 `choose_engine` picks one by name and says why, the way `ubep.group.choose_transport`
-does for transports: "auto" takes the fastest engine that loads on this host.
+does for transports: "auto" takes the compiled numba engine where numba imports
+and its kernels compile and check out on this host, else the portable torch engine.
 """
 
 from __future__ import annotations
@@ -9,11 +10,16 @@ from __future__ import annotations
 from ubep.engine.base import Engine
 from ubep.engine.torch_engine import TorchEngine
 
-ENGINES = ("auto", "torch", "triton")
+ENGINES = ("auto", "torch", "numba", "triton")
 
 
 def choose_engine(requested: str = "auto") -> tuple[Engine, str]:
-    """(engine, reason) for a requested name; ValueError names the choices."""
+    """(engine, reason) for a requested name; ValueError names the choices.
+
+    "numba" raises when numba is missing or its kernels fail; "auto" falls back
+    to torch and gives the reason. The first call in a process compiles the
+    numba kernels or loads them from numba's disk cache (see docs/benchmarks.md, "Engines").
+    """
     if requested not in ENGINES:
         raise ValueError(f"engine must be one of {ENGINES}, got {requested!r}")
     if requested == "triton":  # imported here: triton is optional, and on CPU needs TRITON_INTERPRET=1
@@ -21,7 +27,22 @@ def choose_engine(requested: str = "auto") -> tuple[Engine, str]:
 
         engine = TritonEngine()  # ValueError saying why where it cannot run
         return engine, f"requested: {engine.reason}"
-    return TorchEngine(), "the portable torch kernels" if requested == "auto" else "requested"
+    if requested == "torch":
+        return TorchEngine(), "requested"
+    try:
+        from ubep.engine.numba_engine import NumbaEngine
+    except ImportError as e:
+        if requested == "numba":
+            raise ImportError("engine='numba' needs numba (pip install 'ubep[fast]')") from e
+        return TorchEngine(), f"numba not installed ({e})"
+    engine = NumbaEngine()
+    try:
+        cached = engine.warm_up()
+    except Exception as e:  # a numba or LLVM failure on this host: any of them means "use torch"
+        if requested == "numba":
+            raise
+        return TorchEngine(), f"numba kernels failed to compile or check ({type(e).__name__}: {e})"
+    return engine, f"{'requested' if requested == 'numba' else 'compiled kernels'} ({cached})"
 
 
 __all__ = ["ENGINES", "Engine", "TorchEngine", "choose_engine"]

@@ -69,6 +69,35 @@ class NumbaEngine:
     def __init__(self) -> None:
         self.fallback = TorchEngine()
 
+    def warm_up(self) -> str:
+        """Compile (or load from disk) the common kernels and check them on the docstring examples.
+
+        Returns where the compiled code is cached; raises RuntimeError if a kernel
+        gives a wrong answer (numba's own errors pass through).
+        """
+        rows_X1 = torch.tensor([[1.0], [2.0], [3.0]])
+        for dtype in (torch.bfloat16, torch.float32):
+            gathered_n1 = torch.empty(2, 1, dtype=dtype)
+            self.copy_rows(rows_X1.to(dtype), torch.tensor([2, 0]), gathered_n1, None)
+            acc_N1 = torch.zeros(2, 1)
+            self.accumulate_rows(acc_N1, rows_X1.to(dtype), torch.tensor([1, 0, 1]), torch.ones(3))
+            y_NKH = rows_X1.to(dtype).view(1, 3, 1)
+            summed_N1 = self.weighted_sum(y_NKH, torch.tensor([[0.5, 2.0, 1.0]]), torch.tensor([[True] * 3]))
+            if gathered_n1.tolist() != [[3.0], [1.0]] or acc_N1.tolist() != [[2.0], [4.0]]:
+                raise RuntimeError(f"numba kernels: wrong copy or accumulate for {dtype}")
+            if summed_N1.tolist() != [[7.5]]:
+                raise RuntimeError(f"numba kernels: wrong weighted_sum for {dtype}")
+        local_nK = torch.empty(1, 3, dtype=torch.int64)
+        weights_nK = torch.empty(1, 3)
+        topk_XK, local_of_expert_E = torch.tensor([[3, 0, -1]]), torch.tensor([-1, -1, 0, 1])
+        self.localize_rows(
+            topk_XK, torch.ones(1, 3), torch.tensor([0]), local_of_expert_E, local_nK, weights_nK
+        )
+        if local_nK.tolist() != [[1, -1, -1]] or weights_nK.tolist() != [[1.0, 0.0, 0.0]]:
+            raise RuntimeError("numba kernels: wrong localize_rows")
+        where = kernels.cache_dir(kernels.copy_rows)
+        return f"cached in {where}" if where else "no writable cache directory: compiled in this process"
+
     def copy_rows(
         self,
         src_XB: torch.Tensor,

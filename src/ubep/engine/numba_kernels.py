@@ -34,6 +34,11 @@ def _jit(fn):
         return numba.njit(nogil=True)(fn)
 
 
+def cache_dir(kernel) -> str | None:
+    """Where numba keeps a kernel's compiled code on disk, or None when it compiles per process."""
+    return getattr(kernel._cache, "cache_path", None)
+
+
 @intrinsic
 def _bits_as_f32(typingctx, bits):
     """The float32 whose IEEE bits are the low 32 bits of integer `bits`, a register bitcast."""
