@@ -60,7 +60,7 @@ def widen(v):
     raise NotImplementedError("widen runs inside numba kernels only")
 
 
-@overload(widen, inline="always")
+@overload(widen)
 def _widen(v):
     if v == types.float32:
         return lambda v: v
