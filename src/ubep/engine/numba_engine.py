@@ -3,16 +3,20 @@
     protocol -> [engine: numba] -> transport
 
 Each method views its tensors as numpy arrays over the same memory (no copy;
-they may lie in a shared segment), checks the layout once, and runs one
-compiled kernel from `numba_kernels` with the GIL released. Results are bit
-for bit the torch engine's: the same float32 operations in the same order.
+they may lie in a shared segment) and runs one compiled kernel from
+`numba_kernels` with the GIL released. Results are bit for bit the torch
+engine's: the same float32 operations in the same order.
 
-A layout the kernels do not take (a non-unit stride along a row, overlapping
-destination rows, a dtype other than the contract's, a tensor off the CPU)
-goes to the torch engine, which either handles it or raises its own error.
+Whatever the kernels do not take goes to the torch engine, which either handles
+it or raises its own error: a dtype or shape outside the contract, a tensor
+numpy cannot view (off the CPU, requiring grad), a row that is not unit-stride,
+destination rows that overlap. The Python here is kept to a few microseconds a
+call: layouts are checked inside the kernels.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -20,43 +24,40 @@ import torch
 from ubep.engine import numba_kernels as kernels
 from ubep.engine.torch_engine import TorchEngine, as_words
 
-ROW_DTYPES = {torch.float32: torch.float32, torch.bfloat16: torch.uint16, torch.float16: torch.int16}
+BITS = {torch.bfloat16: torch.uint16, torch.float16: torch.int16}  # numba has no 16-bit floats
+ROW_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 INDEX_DTYPES = (torch.int64, torch.int32)
+NOT_VIEWABLE = (TypeError, RuntimeError)  # what `Tensor.numpy()` raises off the CPU or with grad
 NO_INDEX = np.empty(0, dtype=np.int64)  # "rows in order" for the copy kernel; never written
-NO_WEIGHT_n = np.empty(0, dtype=np.float32)  # placeholders where the kernel is told "no weights"
+NO_WEIGHT_n = np.empty(0, dtype=np.float32)  # placeholders where a kernel is told "no weights"
 NO_WEIGHTS_nK = np.empty((0, 0), dtype=np.float32)
 
 
-def flat_view(t: torch.Tensor) -> np.ndarray | None:
-    """The memory `t` spans as a 1-D numpy array (no copy), or None where it is not unit-stride along rows.
+def array(t: torch.Tensor) -> np.ndarray:
+    """t as a numpy array over the same memory (16-bit floats as their bits); NOT_VIEWABLE errors pass."""
+    bits = BITS.get(t.dtype)
+    return (t if bits is None else t.view(bits)).numpy()
 
-    Element (i, j) of a 2-D `t` is then flat[i * t.stride(0) + j] (likewise in 3-D).
-    16-bit floats come back as their bits (see `numba_kernels.widen`).
+
+def is_index(index_n: torch.Tensor | None) -> bool:
+    return index_n is None or (index_n.dtype in INDEX_DTYPES and index_n.dim() == 1)
+
+
+def launch(kernel: Callable[..., int], *args) -> int:
+    """Run a kernel on numpy views of its tensor arguments (others pass as they are; None: NO_INDEX).
+
+    UNSUPPORTED where numpy cannot view one of the tensors.
     """
-    if t.requires_grad or t.device.type != "cpu" or (t.shape[-1] > 1 and t.stride(-1) != 1):
-        return None
-    if any(s < 0 for s in t.stride()):
-        return None
-    span = 0 if t.numel() == 0 else 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True))
-    flat = t.as_strided((span,), (1,))
-    return flat.view(ROW_DTYPES.get(t.dtype, t.dtype)).numpy()
-
-
-def rows_disjoint(t_XB: torch.Tensor) -> bool:
-    """No two rows of a written matrix share memory."""
-    return t_XB.shape[0] <= 1 or t_XB.stride(0) >= t_XB.shape[1]
-
-
-def index_array(index_n: torch.Tensor) -> np.ndarray | None:
-    """An index tensor as numpy (no copy), or None for a dtype or device the kernels do not take."""
-    if index_n.dtype not in INDEX_DTYPES or index_n.device.type != "cpu" or index_n.dim() != 1:
-        return None
-    return index_n.numpy()
+    try:
+        views = [array(a) if isinstance(a, torch.Tensor) else NO_INDEX if a is None else a for a in args]
+    except NOT_VIEWABLE:
+        return kernels.UNSUPPORTED
+    return kernel(*views)
 
 
 def check(bad: int, n: int, first: str, second: str = "") -> None:
     """Raise a kernel's report: position `bad` < n of `first`, or bad - n of `second`, is out of range."""
-    if bad != kernels.OK:
+    if bad >= 0:
         what, pos = (first, bad) if bad < n else (second, bad - n)
         raise IndexError(f"{what}: the index at position {pos} is out of range")
 
@@ -107,24 +108,19 @@ class NumbaEngine:
     ) -> None:
         src_w, dst_w = as_words(src_XB, dst_YB)
         n = next((i.numel() for i in (src_index_n, dst_index_n) if i is not None), src_w.shape[0])
-        src = flat_view(src_w)
-        dst = flat_view(dst_w) if rows_disjoint(dst_w) else None
-        src_i = NO_INDEX if src_index_n is None else index_array(src_index_n)
-        dst_i = NO_INDEX if dst_index_n is None else index_array(dst_index_n)
         shapes_ok = (
-            src_w.shape[1] == dst_w.shape[1]
+            src_w.dim() == dst_w.dim() == 2
+            and src_w.shape[1] == dst_w.shape[1]
             and (src_index_n is not None or src_w.shape[0] == n)
             and (dst_index_n is not None or dst_w.shape[0] >= n)
             and (src_index_n is None or dst_index_n is None or dst_index_n.numel() == n)
         )
-        if src is None or dst is None or src_i is None or dst_i is None or not shapes_ok:
+        supported = shapes_ok and is_index(src_index_n) and is_index(dst_index_n)
+        bad = kernels.UNSUPPORTED
+        if supported:
+            bad = launch(kernels.copy_rows, src_w, src_index_n, dst_w, dst_index_n, n) if n else kernels.OK
+        if bad == kernels.UNSUPPORTED:
             return self.fallback.copy_rows(src_XB, src_index_n, dst_YB, dst_index_n)
-        if n == 0 or src_w.shape[1] == 0:
-            return None
-        src_rows, width = src_w.shape
-        bad = kernels.copy_rows(
-            src, src_w.stride(0), src_rows, src_i, dst, dst_w.stride(0), dst_w.shape[0], dst_i, n, width
-        )
         check(bad, n, "copy_rows: src_index", "copy_rows: dst_index")
 
     def localize_rows(
@@ -137,32 +133,23 @@ class NumbaEngine:
         out_weights_nK: torch.Tensor | None,
     ) -> None:
         with_weights = out_weights_nK is not None
-        ints = [topk_XK, rows_n, local_of_expert_E, out_idx_nK]
-        floats = [weights_XK, out_weights_nK] if with_weights else []
         supported = (
-            all(t.device.type == "cpu" and not t.requires_grad for t in ints + floats)
-            and all(t.dtype in INDEX_DTYPES for t in ints)
-            and all(t.dtype == torch.float32 for t in floats)
-            and rows_n.dim() == 1
+            all(t.dtype in INDEX_DTYPES for t in (topk_XK, local_of_expert_E, out_idx_nK))
+            and is_index(rows_n)
             and out_idx_nK.shape == (rows_n.numel(), topk_XK.shape[1])
-            and (not with_weights or weights_XK.shape == topk_XK.shape)
+            and (not with_weights or (weights_XK is not None and weights_XK.shape == topk_XK.shape))
             and (not with_weights or out_weights_nK.shape == out_idx_nK.shape)
+            and (not with_weights or weights_XK.dtype == out_weights_nK.dtype == torch.float32)
         )
-        if not supported:
+        bad = kernels.UNSUPPORTED
+        if supported:
+            weights = (weights_XK, out_weights_nK) if with_weights else (NO_WEIGHTS_nK, NO_WEIGHTS_nK)
+            bad = launch(kernels.localize_rows, topk_XK, rows_n, local_of_expert_E, out_idx_nK, *weights)
+        if bad == kernels.UNSUPPORTED:
             return self.fallback.localize_rows(
                 topk_XK, weights_XK, rows_n, local_of_expert_E, out_idx_nK, out_weights_nK
             )
-        bad = kernels.localize_rows(
-            topk_XK.numpy(),
-            rows_n.numpy(),
-            local_of_expert_E.numpy(),
-            out_idx_nK.numpy(),
-            weights_XK.numpy() if with_weights else NO_WEIGHTS_nK,
-            out_weights_nK.numpy() if with_weights else NO_WEIGHTS_nK,
-            with_weights,
-        )
-        n = rows_n.numel()
-        check(bad, n, "localize_rows: rows_n", "localize_rows: the expert id in topk_XK, for row")
+        check(bad, rows_n.numel(), "localize_rows: rows_n", "localize_rows: an expert id in topk_XK, row")
 
     def accumulate_rows(
         self,
@@ -172,38 +159,36 @@ class NumbaEngine:
         weight_n: torch.Tensor | None = None,
     ) -> None:
         n = token_n.numel()
-        acc = flat_view(acc_NH) if acc_NH.dtype == torch.float32 and rows_disjoint(acc_NH) else None
-        rows = flat_view(rows_nH) if rows_nH.dtype in ROW_DTYPES else None
-        token = index_array(token_n)
-        weight_ok = weight_n is None or (
-            weight_n.dtype == torch.float32 and weight_n.shape == (n,) and weight_n.device.type == "cpu"
+        supported = (
+            acc_NH.dtype == torch.float32
+            and rows_nH.dtype in ROW_DTYPES
+            and acc_NH.dim() == rows_nH.dim() == 2
+            and rows_nH.shape == (n, acc_NH.shape[1])
+            and (weight_n is None or (weight_n.dtype == torch.float32 and weight_n.shape == (n,)))
+            and is_index(token_n)
         )
-        shapes_ok = acc_NH.dim() == rows_nH.dim() == 2 and rows_nH.shape == (n, acc_NH.shape[1])
-        if acc is None or rows is None or token is None or not weight_ok or not shapes_ok:
+        weight = NO_WEIGHT_n if weight_n is None else weight_n
+        bad = (
+            launch(kernels.accumulate_rows, acc_NH, rows_nH, token_n, weight)
+            if supported
+            else kernels.UNSUPPORTED
+        )
+        if bad == kernels.UNSUPPORTED:
             return self.fallback.accumulate_rows(acc_NH, rows_nH, token_n, weight_n)
-        if n == 0:
-            return None
-        weight = NO_WEIGHT_n if weight_n is None else weight_n.detach().numpy()
-        bad = kernels.accumulate_rows(
-            acc, acc_NH.stride(0), acc_NH.shape[0], rows, rows_nH.stride(0), token, weight,
-            weight_n is not None, acc_NH.shape[1],
-        )  # fmt: skip
         check(bad, n, "accumulate_rows: token_n")
 
     def weighted_sum(self, y_NKH: torch.Tensor, w_NK: torch.Tensor, valid_NK: torch.Tensor) -> torch.Tensor:
-        y = flat_view(y_NKH) if y_NKH.dtype in ROW_DTYPES and y_NKH.dim() == 3 else None
-        N, K, H = y_NKH.shape if y_NKH.dim() == 3 else (0, 0, 0)
         supported = (
-            y is not None
+            y_NKH.dtype in ROW_DTYPES
+            and y_NKH.dim() == 3
             and w_NK.dtype == torch.float32
             and valid_NK.dtype == torch.bool
-            and w_NK.shape == valid_NK.shape == (N, K)
-            and not w_NK.requires_grad
+            and w_NK.shape == valid_NK.shape == y_NKH.shape[:2]
         )
-        if not supported:
+        out_NH = torch.empty(y_NKH.shape[0], y_NKH.shape[-1], dtype=torch.float32)
+        bad = (
+            launch(kernels.weighted_sum, y_NKH, w_NK, valid_NK, out_NH) if supported else kernels.UNSUPPORTED
+        )
+        if bad == kernels.UNSUPPORTED:
             return self.fallback.weighted_sum(y_NKH, w_NK, valid_NK)
-        out_NH = torch.empty(N, H, dtype=torch.float32)
-        kernels.weighted_sum(
-            y, y_NKH.stride(0), y_NKH.stride(1), w_NK.numpy(), valid_NK.numpy(), out_NH.numpy(), H
-        )
         return out_NH

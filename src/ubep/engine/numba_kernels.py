@@ -1,11 +1,14 @@
-"""The numba engine's compiled kernels, on flat numpy views of row-major memory.
+"""The numba engine's compiled kernels, in place on numpy views of the tensors' memory.
 
-Each kernel sees a matrix as a flat 1-D array plus a row stride (in elements),
-so rows of a larger buffer (a region inside a shared segment) need no copy and
-every inner loop runs over unit-stride memory that LLVM vectorizes. Kernels are
-single-threaded and release the GIL (`nogil`), so a protocol's worker threads
-run them side by side. Indices are checked before anything is written: a kernel
-returns -1 when all is well, else the position of the first bad index.
+Kernels take matrices as they come (2-D numpy views, rows possibly strided
+inside a larger buffer such as a shared segment) and turn each into a flat
+1-D view plus a row stride (`flat_rows`), so every inner loop runs over
+unit-stride memory that LLVM vectorizes. A layout they do not take (a row that
+is not unit-stride, written rows that overlap) makes them return UNSUPPORTED
+before touching anything; indices are checked before anything is written too.
+A kernel returns OK, UNSUPPORTED, or the position (>= 0) of the first bad index.
+Kernels are single-threaded and release the GIL (`nogil`), so a protocol's
+worker threads run them side by side.
 
 numba has no 16-bit float type, so 16-bit rows arrive as their bits: bf16 as
 uint16, fp16 as int16; `widen` turns one stored element into its exact float32
@@ -21,9 +24,12 @@ from __future__ import annotations
 import numba
 import numpy as np
 from numba.core import types
+from numba.core.imputils import impl_ret_borrowed
 from numba.extending import intrinsic, overload
+from numba.np.arrayobj import make_array, populate_array
 
-OK = -1  # what a kernel returns when every index was in range
+OK = -1  # every index was in range and the work is done
+UNSUPPORTED = -2  # a layout the kernel does not take: nothing was touched
 
 
 def _jit(fn):
@@ -84,6 +90,42 @@ def _fp16_to_f32(v):
     return -tiny if sign else tiny
 
 
+@intrinsic
+def _span(typingctx, arr, length):
+    """`length` elements of memory from arr's first element, as a 1-D contiguous view (no copy)."""
+    if not isinstance(arr, types.Array) or not isinstance(length, types.Integer):
+        return None
+    flat = types.Array(arr.dtype, 1, "C")
+
+    def codegen(context, builder, signature, args):
+        src = make_array(signature.args[0])(context, builder, args[0])
+        out = make_array(flat)(context, builder)
+        n = context.cast(builder, args[1], signature.args[1], types.intp)
+        populate_array(
+            out, data=src.data, shape=[n], strides=[src.itemsize], itemsize=src.itemsize,
+            meminfo=src.meminfo, parent=src.parent,
+        )  # fmt: skip
+        return impl_ret_borrowed(context, builder, flat, out._getvalue())
+
+    return flat(arr, length), codegen
+
+
+@_jit
+def unit_rows(a, written):
+    """Rows (the last axis) are unit-stride, and, for a written matrix, no two rows share memory."""
+    if a.shape[-1] > 1 and a.strides[-1] != a.itemsize:
+        return False
+    return not written or a.shape[0] <= 1 or a.strides[0] >= a.shape[1] * a.itemsize
+
+
+@_jit
+def flat_rows(a):
+    """(flat, row_stride) of a 2-D array with unit-stride rows: a[i, j] is flat[i * row_stride + j]."""
+    rows, width = a.shape
+    stride = a.strides[0] // a.itemsize
+    return _span(a, 0 if rows == 0 or width == 0 else (rows - 1) * stride + width), stride
+
+
 @_jit
 def _first_bad(index, limit):
     """Position of the first index outside [0, limit), or OK."""
@@ -94,36 +136,39 @@ def _first_bad(index, limit):
 
 
 @_jit
-def copy_rows(src, src_stride, src_rows, src_index, dst, dst_stride, dst_rows, dst_index, n, width):
-    """dst row dst_index[i] = src row src_index[i] for i < n, `width` words each.
+def copy_rows(src, src_index, dst, dst_index, n):
+    """dst[dst_index[i]] = src[src_index[i]] for i < n (rows of words).
 
     An index array of size 0 stands for "rows in order" (i itself). Returns OK,
-    or the position of the first bad index (source indices first).
+    UNSUPPORTED, or the position of the first bad index: i for src_index[i], n + i for dst_index[i].
     Example: src rows [a, b, c], src_index [2, 0], dst_index [] -> dst rows [c, a].
     """
-    by_src = src_index.size > 0
-    by_dst = dst_index.size > 0
-    bad = _first_bad(src_index, src_rows)
+    if not (unit_rows(src, False) and unit_rows(dst, True)):
+        return UNSUPPORTED
+    bad = _first_bad(src_index, src.shape[0])
     if bad != OK:
         return bad
-    bad = _first_bad(dst_index, dst_rows)
+    bad = _first_bad(dst_index, dst.shape[0])
     if bad != OK:
         return n + bad
+    (src_flat, src_stride), (dst_flat, dst_stride) = flat_rows(src), flat_rows(dst)
+    width = src.shape[1]
     for i in range(n):
-        s = (src_index[i] if by_src else i) * src_stride
-        d = (dst_index[i] if by_dst else i) * dst_stride
-        src_row, dst_row = src[s : s + width], dst[d : d + width]
-        for j in range(width):  # row views and a range index: no wraparound checks, so LLVM vectorizes
+        s = (src_index[i] if src_index.size else i) * src_stride
+        d = (dst_index[i] if dst_index.size else i) * dst_stride
+        src_row, dst_row = src_flat[s : s + width], dst_flat[d : d + width]
+        for j in range(width):  # contiguous row views and a range index: LLVM vectorizes this
             dst_row[j] = src_row[j]
     return OK
 
 
 @_jit
-def localize_rows(topk, rows, local_of_expert, out_idx, weights, out_weights, with_weights):
-    """out_idx[i, k] = local_of_expert[topk[rows[i], k]], -1 for slot -1; weights kept where local.
+def localize_rows(topk, rows, local_of_expert, out_idx, weights, out_weights):
+    """out_idx[i, k] = local_of_expert[topk[rows[i], k]] (-1 for a negative slot); weights kept where local.
 
+    Empty `out_weights` means "no weights".
     Returns OK, or the position of the first row index out of range; an expert
-    id outside [-1, E) is reported as n + i (its row's position).
+    id >= E is reported as n + i (its row's position).
     Example (local_of_expert [-1, -1, 0, 1]): topk row [3, 0, -1] -> [1, -1, -1].
     """
     n, K = out_idx.shape
@@ -133,31 +178,37 @@ def localize_rows(topk, rows, local_of_expert, out_idx, weights, out_weights, wi
         return bad
     for i in range(n):
         for k in range(K):
-            e = topk[rows[i], k]
-            if e < -1 or e >= num_experts:
+            if topk[rows[i], k] >= num_experts:
                 return n + i
+    for i in range(n):
+        for k in range(K):
+            e = topk[rows[i], k]
             local = local_of_expert[e] if e >= 0 else -1
             out_idx[i, k] = local
-            if with_weights:
+            if out_weights.size:
                 out_weights[i, k] = weights[rows[i], k] if local >= 0 else np.float32(0.0)
     return OK
 
 
 @_jit
-def accumulate_rows(acc, acc_stride, acc_rows, rows, rows_stride, token, weight, with_weight, width):
-    """acc row token[i] += row i (times weight[i]), float32, i ascending.
+def accumulate_rows(acc, rows, token, weight):
+    """acc[token[i]] += rows[i] (times weight[i] unless `weight` is empty), float32, i ascending.
 
     The weighted product is rounded to float32 before the add, as torch's
-    `rows * weight` then `index_add_` does. Returns OK or the first bad token position.
+    `rows * weight` then `index_add_` does. Returns OK, UNSUPPORTED or the first bad token position.
     Example: acc zeros, rows [a, b, c], token [1, 0, 1] -> acc rows [b, a + c].
     """
-    bad = _first_bad(token, acc_rows)
+    if not (unit_rows(acc, True) and unit_rows(rows, False)):
+        return UNSUPPORTED
+    bad = _first_bad(token, acc.shape[0])
     if bad != OK:
         return bad
+    (acc_flat, acc_stride), (rows_flat, rows_stride) = flat_rows(acc), flat_rows(rows)
+    width = acc.shape[1]
     for i in range(token.size):
-        a = token[i] * acc_stride
-        acc_row, row = acc[a : a + width], rows[i * rows_stride : i * rows_stride + width]
-        if with_weight:
+        a, r = token[i] * acc_stride, i * rows_stride
+        acc_row, row = acc_flat[a : a + width], rows_flat[r : r + width]
+        if weight.size:
             w = np.float32(weight[i])
             for j in range(width):
                 acc_row[j] += widen(row[j]) * w
@@ -168,14 +219,18 @@ def accumulate_rows(acc, acc_stride, acc_rows, rows, rows_stride, token, weight,
 
 
 @_jit
-def weighted_sum(y, y_stride_n, y_stride_k, w, valid, out, width):
-    """out[n] = sum over k ascending of w[n, k] * y[n, k] where valid[n, k]; out [N, H] C-contiguous.
+def weighted_sum(y, w, valid, out):
+    """out[n] = sum over k ascending of w[n, k] * y[n, k] where valid[n, k]; out [N, H] float32 C-contiguous.
 
     Starts from +0 and adds each rounded product, as `ubep.reference.weighted_sum`;
     skipping an invalid slot equals its adding +0 there (the sum never holds -0).
-    Example: w [[0.5, 2]], valid [[True, False]], y [[a, NaN]] -> out [0.5 * a].
+    Returns OK or UNSUPPORTED. Example: w [[0.5, 2]], valid [[True, False]], y [[a, NaN]] -> out [0.5 * a].
     """
-    N, K = w.shape
+    if not unit_rows(y, False):
+        return UNSUPPORTED
+    N, K, H = y.shape
+    stride_n, stride_k = y.strides[0] // y.itemsize, y.strides[1] // y.itemsize
+    y_flat = _span(y, 0 if y.size == 0 else (N - 1) * stride_n + (K - 1) * stride_k + H)
     for n in range(N):
         acc = out[n]
         acc[:] = np.float32(0.0)
@@ -183,8 +238,8 @@ def weighted_sum(y, y_stride_n, y_stride_k, w, valid, out, width):
             if not valid[n, k]:
                 continue
             wk = np.float32(w[n, k])
-            base = n * y_stride_n + k * y_stride_k
-            row = y[base : base + width]
-            for j in range(width):
+            base = n * stride_n + k * stride_k
+            row = y_flat[base : base + H]
+            for j in range(H):
                 acc[j] += widen(row[j]) * wk
     return OK
