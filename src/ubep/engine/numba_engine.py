@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from ubep.engine import numba_kernels as kernels
-from ubep.engine.torch_engine import TorchEngine, as_words
+from ubep.engine.torch_engine import TorchEngine
 
 BITS = {torch.bfloat16: torch.uint16, torch.float16: torch.int16}  # numba has no 16-bit floats
 ROW_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -106,19 +106,14 @@ class NumbaEngine:
         dst_YB: torch.Tensor,
         dst_index_n: torch.Tensor | None,
     ) -> None:
-        src_w, dst_w = as_words(src_XB, dst_YB)
-        n = next((i.numel() for i in (src_index_n, dst_index_n) if i is not None), src_w.shape[0])
-        shapes_ok = (
-            src_w.dim() == dst_w.dim() == 2
-            and src_w.shape[1] == dst_w.shape[1]
-            and (src_index_n is not None or src_w.shape[0] == n)
-            and (dst_index_n is not None or dst_w.shape[0] >= n)
-            and (src_index_n is None or dst_index_n is None or dst_index_n.numel() == n)
-        )
-        supported = shapes_ok and is_index(src_index_n) and is_index(dst_index_n)
+        n = next((i.numel() for i in (src_index_n, dst_index_n) if i is not None), src_XB.shape[0])
+        try:
+            src_XB, dst_YB = src_XB.view(torch.uint8), dst_YB.view(torch.uint8)  # rows as bytes
+        except RuntimeError:  # a row that is not unit-stride
+            return self.fallback.copy_rows(src_XB, src_index_n, dst_YB, dst_index_n)
         bad = kernels.UNSUPPORTED
-        if supported:
-            bad = launch(kernels.copy_rows, src_w, src_index_n, dst_w, dst_index_n, n) if n else kernels.OK
+        if src_XB.dim() == dst_YB.dim() == 2 and is_index(src_index_n) and is_index(dst_index_n):
+            bad = launch(kernels.copy_rows, src_XB, src_index_n, dst_YB, dst_index_n, n) if n else kernels.OK
         if bad == kernels.UNSUPPORTED:
             return self.fallback.copy_rows(src_XB, src_index_n, dst_YB, dst_index_n)
         check(bad, n, "copy_rows: src_index", "copy_rows: dst_index")

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import numba
 import numpy as np
-from numba.core import types
+from numba.core import cgutils, types
 from numba.core.imputils import impl_ret_borrowed
 from numba.extending import intrinsic, overload
 from numba.np.arrayobj import make_array, populate_array
@@ -135,15 +135,37 @@ def _first_bad(index, limit):
     return OK
 
 
+@intrinsic
+def _move(typingctx, dst_address, src_address, nbytes):
+    """memmove(dst, src, nbytes) on raw addresses: one row at the C library's copy speed."""
+    if not all(isinstance(a, types.Integer) for a in (dst_address, src_address, nbytes)):
+        return None
+
+    def codegen(context, builder, signature, args):
+        dst, src, n = (
+            context.cast(builder, a, t, types.intp) for a, t in zip(args, signature.args, strict=True)
+        )
+        cgutils.raw_memmove(
+            builder, builder.inttoptr(dst, cgutils.voidptr_t), builder.inttoptr(src, cgutils.voidptr_t), n, 1
+        )
+        return context.get_dummy_value()
+
+    return types.none(dst_address, src_address, nbytes), codegen
+
+
 @_jit
 def copy_rows(src, src_index, dst, dst_index, n):
-    """dst[dst_index[i]] = src[src_index[i]] for i < n (rows of words).
+    """dst[dst_index[i]] = src[src_index[i]] for i < n, rows of bytes (uint8 [X, B] and [Y, B]).
 
     An index array of size 0 stands for "rows in order" (i itself). Returns OK,
     UNSUPPORTED, or the position of the first bad index: i for src_index[i], n + i for dst_index[i].
     Example: src rows [a, b, c], src_index [2, 0], dst_index [] -> dst rows [c, a].
     """
-    if not (unit_rows(src, False) and unit_rows(dst, True)):
+    by_src, by_dst = src_index.size > 0, dst_index.size > 0
+    shapes_ok = (
+        src.shape[1] == dst.shape[1] and (by_src or src.shape[0] == n) and (by_dst or dst.shape[0] >= n)
+    )
+    if not (shapes_ok and unit_rows(src, False) and unit_rows(dst, True)):
         return UNSUPPORTED
     bad = _first_bad(src_index, src.shape[0])
     if bad != OK:
@@ -151,14 +173,11 @@ def copy_rows(src, src_index, dst, dst_index, n):
     bad = _first_bad(dst_index, dst.shape[0])
     if bad != OK:
         return n + bad
-    (src_flat, src_stride), (dst_flat, dst_stride) = flat_rows(src), flat_rows(dst)
-    width = src.shape[1]
+    src_at, dst_at = src.ctypes.data, dst.ctypes.data
     for i in range(n):
-        s = (src_index[i] if src_index.size else i) * src_stride
-        d = (dst_index[i] if dst_index.size else i) * dst_stride
-        src_row, dst_row = src_flat[s : s + width], dst_flat[d : d + width]
-        for j in range(width):  # contiguous row views and a range index: LLVM vectorizes this
-            dst_row[j] = src_row[j]
+        s = src_index[i] if by_src else i
+        d = dst_index[i] if by_dst else i
+        _move(dst_at + d * dst.strides[0], src_at + s * src.strides[0], src.shape[1])
     return OK
 
 
