@@ -115,6 +115,12 @@ def test_copy_rows_empty_scatter_index_changes_nothing(engine):
     assert_same_bits(dst_YW, want)
 
 
+def test_copy_rows_rejects_index_sizes_that_disagree(engine):
+    src_XW, dst_YW = random_rows(5, 4, torch.float32, seed=1), random_rows(5, 4, torch.float32, seed=2)
+    with pytest.raises((RuntimeError, IndexError)):
+        engine.copy_rows(src_XW, torch.tensor([0, 1, 2]), dst_YW, torch.tensor([4, 3]))
+
+
 def test_copy_rows_bytes_between_rows_untouched(engine):
     """Only the rows' own bytes change: the padding between strided rows keeps its bits."""
     big = random_rows(8, 10, torch.bfloat16, seed=2)

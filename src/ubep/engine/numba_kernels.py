@@ -162,9 +162,9 @@ def copy_rows(src, src_index, dst, dst_index, n):
     Example: src rows [a, b, c], src_index [2, 0], dst_index [] -> dst rows [c, a].
     """
     by_src, by_dst = src_index.size > 0, dst_index.size > 0
-    shapes_ok = (
-        src.shape[1] == dst.shape[1] and (by_src or src.shape[0] == n) and (by_dst or dst.shape[0] >= n)
-    )
+    src_ok = src_index.size == n if by_src else src.shape[0] == n
+    dst_ok = dst_index.size == n if by_dst else dst.shape[0] >= n
+    shapes_ok = src_ok and dst_ok and src.shape[1] == dst.shape[1]
     if not (shapes_ok and unit_rows(src, False) and unit_rows(dst, True)):
         return UNSUPPORTED
     bad = _first_bad(src_index, src.shape[0])
