@@ -20,7 +20,7 @@ ENGINE_NAMES = ["torch", "numba"]
 ROW_DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 # Row widths in bytes: odd sizes that force narrow words, and the bench's bf16 row of 7168.
 WIDTHS_BYTES = [6, 14, 7168 * 2]
-COPY_DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn, torch.int64]
+COPY_DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn, torch.uint8, torch.int64]
 
 
 def make_engine(name: str):
@@ -54,6 +54,8 @@ def random_rows(n: int, width: int, dtype: torch.dtype, seed: int) -> torch.Tens
     gen = torch.Generator().manual_seed(seed)
     if dtype == torch.int64:
         return torch.randint(-(2**62), 2**62, (n, width), generator=gen)
+    if dtype == torch.uint8:  # FP8 values and scales travel as raw bytes
+        return torch.randint(0, 256, (n, width), generator=gen, dtype=torch.uint8)
     values = torch.randn(n, width, generator=gen) * torch.exp2(
         torch.randint(-8, 8, (n, width), generator=gen)
     )
@@ -205,6 +207,20 @@ def test_accumulate_rows_inf_and_nan_stay_in_their_token(engine, dtype, weighted
     assert_same_bits(acc_NH, want)
     assert torch.isnan(acc_NH[1, 3]) and torch.isnan(acc_NH[2, 4])
     assert torch.isfinite(acc_NH[[0, 3, 5]]).all()
+
+
+def test_int32_indices_work_like_int64(engine):
+    src_XW, dst_YW = random_rows(6, 10, torch.bfloat16, seed=11), random_rows(4, 10, torch.bfloat16, seed=12)
+    want = dst_YW.clone()
+    want[3], want[0] = src_XW[5], src_XW[1]
+    engine.copy_rows(
+        src_XW, torch.tensor([5, 1], dtype=torch.int32), dst_YW, torch.tensor([3, 0], dtype=torch.int32)
+    )
+    assert_same_bits(dst_YW, want)
+    acc_NH, want_NH = torch.zeros(3, 10), torch.zeros(3, 10)
+    accumulate_one_by_one(want_NH, src_XW, torch.tensor([2, 0, 2, 1, 0, 2]))
+    engine.accumulate_rows(acc_NH, src_XW, torch.tensor([2, 0, 2, 1, 0, 2], dtype=torch.int32))
+    assert_same_bits(acc_NH, want_NH)
 
 
 def test_accumulate_rows_empty_index_changes_nothing(engine):
