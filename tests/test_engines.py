@@ -7,8 +7,10 @@ share no code with either engine. No rank processes: kernels only.
 
 from __future__ import annotations
 
+import itertools
 import sys
 import threading
+import time
 
 import pytest
 import torch
@@ -321,6 +323,34 @@ def test_numba_kernels_run_side_by_side_in_threads():
         t.join(timeout=60)
     for acc_NH, _, _, want in jobs:
         assert_same_bits(acc_NH, want)
+
+
+def test_numba_kernels_release_the_gil():
+    """While a thread runs a long kernel, this one keeps running Python (impossible were the GIL held)."""
+    engine = make_engine("numba")
+    n, H = 1_500_000, 2048  # about a second of work, so the Python around the kernel call is negligible
+    acc_NH = torch.zeros(1, H)
+    rows_nH = torch.ones(1, H, dtype=torch.bfloat16).expand(n, H)  # one row read n times: little memory
+    token_n = torch.zeros(n, dtype=torch.int64)
+    engine.accumulate_rows(acc_NH, rows_nH[:2], token_n[:2])  # compile or load first (same layout)
+    acc_NH.zero_()
+    span = {}
+
+    def work():
+        span["start"] = time.perf_counter()
+        engine.accumulate_rows(acc_NH, rows_nH, token_n)
+        span["end"] = time.perf_counter()
+
+    worker = threading.Thread(target=work)
+    ticks = []
+    worker.start()
+    while worker.is_alive():
+        ticks.append(time.perf_counter())
+    worker.join()
+    times = [span["start"], *(t for t in ticks if span["start"] < t < span["end"]), span["end"]]
+    longest_stall = max(b - a for a, b in itertools.pairwise(times))  # the whole kernel, were the GIL held
+    assert longest_stall < 0.5 * (span["end"] - span["start"])
+    assert torch.equal(acc_NH, torch.full((1, H), float(n)))
 
 
 # -- choosing an engine -----------------------------------------------------------------------------------
