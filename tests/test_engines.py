@@ -359,7 +359,7 @@ def test_numba_kernels_release_the_gil():
 def test_choose_engine_names_and_reasons(monkeypatch):
     with pytest.raises(ValueError, match="engine must be one of"):
         choose_engine("fastest")
-    assert set(ENGINES) == {"auto", "torch", "numba"}
+    assert {"auto", "torch", "numba"} <= set(ENGINES)
     engine, reason = choose_engine("torch")
     assert engine.name == "torch" and reason == "requested"
     monkeypatch.setitem(sys.modules, "ubep.engine.numba_engine", None)  # as if numba were not installed
