@@ -250,6 +250,23 @@ def test_weighted_sum_matches_reference(engine, dtype, width_bytes, layout):
     )
 
 
+def test_weighted_sum_of_no_tokens(engine):
+    got = engine.weighted_sum(
+        torch.zeros(0, 4, 16, dtype=torch.bfloat16), torch.zeros(0, 4), torch.zeros(0, 4) > 0
+    )
+    assert got.shape == (0, 16) and got.dtype == torch.float32
+
+
+def test_numba_takes_empty_tensors_itself():
+    """Empty inputs stay on the compiled path (numpy gives them zero strides)."""
+    engine = make_engine("numba")
+    engine.fallback = None  # any fallback call would fail
+    assert engine.weighted_sum(
+        torch.zeros(0, 4, 16, dtype=torch.bfloat16), torch.zeros(0, 4), torch.zeros(0, 4) > 0
+    ).shape == (0, 16)
+    engine.accumulate_rows(torch.zeros(3, 16), torch.zeros(0, 16), torch.zeros(0, dtype=torch.int64))
+
+
 @pytest.mark.parametrize("dtype", ROW_DTYPES)
 def test_weighted_sum_nan_in_invalid_slot_adds_nothing(engine, dtype):
     N, K, H = 5, 3, 16

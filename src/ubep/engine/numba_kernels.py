@@ -113,6 +113,8 @@ def _span(typingctx, arr, length):
 @_jit
 def unit_rows(a, written):
     """Rows (the last axis) are unit-stride, and, for a written matrix, no two rows share memory."""
+    if a.size == 0:  # numpy gives empty arrays zero strides; there is nothing to touch
+        return True
     if a.shape[-1] > 1 and a.strides[-1] != a.itemsize:
         return False
     return not written or a.shape[0] <= 1 or a.strides[0] >= a.shape[1] * a.itemsize
