@@ -62,6 +62,13 @@ def check(bad: int, n: int, first: str, second: str = "") -> None:
         raise IndexError(f"{what}: the index at position {pos} is out of range")
 
 
+class NoFallback:
+    """Stands in for the torch engine while warming up: the compiled path must take every example."""
+
+    def __getattr__(self, kernel: str):
+        raise RuntimeError(f"numba kernels: {kernel} did not take its warm-up example")
+
+
 class NumbaEngine:
     """Kernels compiled by numba; see `ubep.engine.base.Engine` for the contract of each."""
 
@@ -74,8 +81,16 @@ class NumbaEngine:
         """Compile (or load from disk) the common kernels and check them on the docstring examples.
 
         Returns where the compiled code is cached; raises RuntimeError if a kernel
-        gives a wrong answer (numba's own errors pass through).
+        gives a wrong answer or leaves an example to the torch engine (numba's own errors pass through).
         """
+        probe = NumbaEngine()
+        probe.fallback = NoFallback()
+        probe.check_examples()
+        where = kernels.cache_dir(kernels.copy_rows)
+        return f"cached in {where}" if where else "no writable cache directory: compiled in this process"
+
+    def check_examples(self) -> None:
+        """Run every kernel on its docstring example (bf16 and float32 rows); RuntimeError if wrong."""
         rows_X1 = torch.tensor([[1.0], [2.0], [3.0]])
         for dtype in (torch.bfloat16, torch.float32):
             gathered_n1 = torch.empty(2, 1, dtype=dtype)
@@ -96,8 +111,6 @@ class NumbaEngine:
         )
         if local_nK.tolist() != [[1, -1, -1]] or weights_nK.tolist() != [[1.0, 0.0, 0.0]]:
             raise RuntimeError("numba kernels: wrong localize_rows")
-        where = kernels.cache_dir(kernels.copy_rows)
-        return f"cached in {where}" if where else "no writable cache directory: compiled in this process"
 
     def copy_rows(
         self,

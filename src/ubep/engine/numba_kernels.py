@@ -1,9 +1,10 @@
 """The numba engine's compiled kernels, in place on numpy views of the tensors' memory.
 
 Kernels take matrices as they come (2-D numpy views, rows possibly strided
-inside a larger buffer such as a shared segment) and turn each into a flat
-1-D view plus a row stride (`flat_rows`), so every inner loop runs over
-unit-stride memory that LLVM vectorizes. A layout they do not take (a row that
+inside a larger buffer such as a shared segment). Copies move each row with
+one memmove; reductions turn each matrix into a flat 1-D view plus a row
+stride (`flat_rows`), so every inner loop runs over unit-stride memory that
+LLVM vectorizes. A layout they do not take (a row that
 is not unit-stride, written rows that overlap) makes them return UNSUPPORTED
 before touching anything; indices are checked before anything is written too.
 A kernel returns OK, UNSUPPORTED, or the position (>= 0) of the first bad index.
@@ -78,7 +79,7 @@ def _widen(v):
 
 
 def _fp16_to_f32(v):
-    """Exact float32 of fp16 bits. Example: 0x3C00 -> 1.0, 0x0001 -> 2**-24, 0xFC00 -> -inf."""
+    """Exact float32 of fp16 bits (compiled through `widen`). Example: 0x3C00 -> 1.0, 0x0001 -> 2**-24."""
     h = U32(v) & U32(0xFFFF)
     sign = (h & U32(0x8000)) << U32(16)
     rest = h & U32(0x7FFF)
