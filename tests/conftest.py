@@ -7,3 +7,11 @@ HERE = os.path.dirname(__file__)
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "examples"))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "scripts"))
+
+
+def pytest_sessionstart(session) -> None:
+    """Compile the numba kernels (or load them from numba's disk cache) once, in this process,
+    so that rank processes started later find them cached instead of each compiling them."""
+    from ubep.engine import choose_engine
+
+    choose_engine("auto")

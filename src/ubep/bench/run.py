@@ -10,6 +10,7 @@ from ubep.bench import mpi_system, report
 from ubep.bench.timing import Stats
 from ubep.bench.torch_systems import measure_rank
 from ubep.bench.workload import BenchConfig, build
+from ubep.engine import choose_engine
 from ubep.launcher import LocalLaunch
 from ubep.layout import ExpertPlacement
 from ubep.protocols.hier import boundary_bytes
@@ -37,7 +38,8 @@ def boundary_per_rank(cfg: BenchConfig, tokens: int) -> dict[str, float]:
 
 def run(cfg: BenchConfig) -> tuple[list[report.Row], list[str]]:
     """Measure every system at every batch size; returns rows (with ratios) and notes."""
-    notes = []
+    engine, why = choose_engine("auto")  # compiles (or loads) the kernels once, before the ranks start
+    notes = [f"engine: {engine.name} ({why})"]
     systems = list(cfg.systems)
     if cfg.nodes > 1:
         single_host = [s for s in systems if s in ("bsp-shm", "mpi")]
