@@ -19,6 +19,7 @@ source region.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Protocol
 
 import torch
@@ -72,6 +73,18 @@ class Engine(Protocol):
         acc is float32 [N, H]; rows are bf16, fp16 or fp32. Inf and NaN propagate
         as in float32 arithmetic (a NaN row poisons only its own token).
         Example: acc zeros [2, H], rows [a, b, c], token [1, 0, 1] -> acc [b, a + c].
+        """
+
+    def reduce_blocks(
+        self, blocks: Sequence[torch.Tensor], tokens: Sequence[torch.Tensor], out_NH: torch.Tensor
+    ) -> None:
+        """out[t] = the float32 sum, over s ascending, of the row of blocks[s] whose tokens[s] entry is t,
+        rounded once into out's dtype (zeros where no block holds t).
+
+        Each tokens[s] ascends (a token has at most one row per block); blocks may
+        live in different ranks' memory. Every row is read once and every output
+        row written once. Example: blocks [[a, b], [c]], tokens [[0, 2], [0]]
+        -> out [a + c, 0, b].
         """
 
     def weighted_sum(self, y_NKH: torch.Tensor, w_NK: torch.Tensor, valid_NK: torch.Tensor) -> torch.Tensor:

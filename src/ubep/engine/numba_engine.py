@@ -16,7 +16,7 @@ call: layouts are checked inside the kernels.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -184,6 +184,35 @@ class NumbaEngine:
         if bad == kernels.UNSUPPORTED:
             return self.fallback.accumulate_rows(acc_NH, rows_nH, token_n, weight_n)
         check(bad, n, "accumulate_rows: token_n")
+
+    def reduce_blocks(
+        self, blocks: Sequence[torch.Tensor], tokens: Sequence[torch.Tensor], out_NH: torch.Tensor
+    ) -> None:
+        dtype, H = out_NH.dtype, out_NH.shape[1]
+        supported = (
+            dtype in (torch.bfloat16, torch.float32)
+            and out_NH.dim() == 2
+            and out_NH.is_contiguous()
+            and len(blocks) == len(tokens)
+            and all(
+                b.dtype in ROW_DTYPES and b.dtype == blocks[0].dtype and b.dim() == 2 and b.shape[1] == H
+                and (b.shape[0] <= 1 or b.stride(1) == 1) and b.shape[0] == t.numel() and is_index(t)
+                for b, t in zip(blocks, tokens, strict=False)
+            )
+        )  # fmt: skip
+        if not supported or not blocks:
+            return self.fallback.reduce_blocks(blocks, tokens, out_NH)
+        address_S = np.array([b.data_ptr() for b in blocks], dtype=np.int64)
+        stride_S = np.array([b.stride(0) * b.element_size() for b in blocks], dtype=np.int64)
+        prefix_S1 = np.zeros(len(blocks) + 1, dtype=np.int64)
+        np.cumsum([t.numel() for t in tokens], out=prefix_S1[1:])
+        token_M = torch.cat([t.to(torch.int64) for t in tokens]).numpy()
+        like = np.empty(0, dtype=array(blocks[0][:0]).dtype)
+        bad = launch(kernels.reduce_blocks, like, address_S, stride_S, token_M, prefix_S1, out_NH)
+        if bad == kernels.UNSUPPORTED:
+            return self.fallback.reduce_blocks(blocks, tokens, out_NH)
+        if bad >= 0:
+            raise IndexError(f"reduce_blocks: token at position {bad} is out of range or out of order")
 
     def weighted_sum(self, y_NKH: torch.Tensor, w_NK: torch.Tensor, valid_NK: torch.Tensor) -> torch.Tensor:
         supported = (

@@ -111,6 +111,27 @@ def _span(typingctx, arr, length):
     return flat(arr, length), codegen
 
 
+@intrinsic
+def _elements_at(typingctx, like, address, length):
+    """`length` elements of like's dtype at a raw address, as a 1-D view (memory owned elsewhere)."""
+    if not isinstance(like, types.Array) or not all(isinstance(a, types.Integer) for a in (address, length)):
+        return None
+    flat = types.Array(like.dtype, 1, "C")
+
+    def codegen(context, builder, signature, args):
+        out = make_array(flat)(context, builder)
+        itemsize = context.get_constant(types.intp, context.get_abi_sizeof(context.get_data_type(like.dtype)))
+        data = builder.inttoptr(
+            context.cast(builder, args[1], signature.args[1], types.intp),
+            context.get_value_type(like.dtype).as_pointer(),
+        )
+        n = context.cast(builder, args[2], signature.args[2], types.intp)
+        populate_array(out, data=data, shape=[n], strides=[itemsize], itemsize=itemsize, meminfo=None)
+        return impl_ret_borrowed(context, builder, flat, out._getvalue())
+
+    return flat(like, address, length), codegen
+
+
 @_jit
 def unit_rows(a, written):
     """Rows (the last axis) are unit-stride, and, for a written matrix, no two rows share memory."""
@@ -237,6 +258,77 @@ def accumulate_rows(acc, rows, token, weight):
         else:
             for j in range(width):
                 acc_row[j] += widen(row[j])
+    return OK
+
+
+def store(out_row, j, v):
+    """out_row[j] = float32 v in out_row's element type (compiled only; see the overload below)."""
+    raise NotImplementedError("store runs inside numba kernels only")
+
+
+@overload(store)
+def _store(out_row, j, v):
+    if out_row.dtype == types.float32:
+
+        def exact(out_row, j, v):
+            out_row[j] = v
+
+        return exact
+    if out_row.dtype == types.uint16:  # bf16 bits, rounded to nearest even as torch rounds (NaN: 0x7FC0)
+
+        def to_bf16(out_row, j, v):
+            if v != v:
+                out_row[j] = np.uint16(0x7FC0)
+            else:
+                bits = _f32_bits(v)
+                out_row[j] = np.uint16((bits + U32(0x7FFF) + ((bits >> U32(16)) & U32(1))) >> U32(16))
+
+        return to_bf16
+    return None
+
+
+@intrinsic
+def _f32_bits(typingctx, v):
+    """The IEEE bits of a float32 as uint32, a register bitcast."""
+    if v != types.float32:
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], context.get_value_type(types.uint32))
+
+    return types.uint32(v), codegen
+
+
+@_jit
+def reduce_blocks(like, address_S, stride_S, token_M, prefix_S1, out):
+    """out[t] = float32 sum over s ascending of block s's row for token t, rounded once into out.
+
+    Block s has rows token_M[prefix[s] : prefix[s + 1]] (ascending), its row i at
+    address_S[s] + i * stride_S[s] bytes, elements of like's dtype. out is [N, H]
+    float32, or bf16 as uint16 bits. Returns OK or the position of the first
+    token outside [0, N) or out of ascending order.
+    Example: blocks [[a, b], [c]], tokens [0, 2 | 0] -> out [a + c, 0, b].
+    """
+    N, H = out.shape
+    S = address_S.size
+    for s in range(S):
+        for i in range(prefix_S1[s], prefix_S1[s + 1]):
+            if token_M[i] < 0 or token_M[i] >= N or (i > prefix_S1[s] and token_M[i] <= token_M[i - 1]):
+                return i
+    at_S = prefix_S1[:S].copy()  # each block's next unread row
+    acc = np.empty(H, dtype=np.float32)
+    for t in range(N):
+        acc[:] = np.float32(0.0)
+        for s in range(S):
+            i = at_S[s]
+            if i < prefix_S1[s + 1] and token_M[i] == t:
+                row = _elements_at(like, address_S[s] + (i - prefix_S1[s]) * stride_S[s], H)
+                for j in range(H):
+                    acc[j] += widen(row[j])
+                at_S[s] = i + 1
+        out_row = out[t]
+        for j in range(H):
+            store(out_row, j, acc[j])
     return OK
 
 

@@ -7,6 +7,8 @@ and temporaries, which the compiled engines avoid.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from ubep import reference
@@ -79,6 +81,15 @@ class TorchEngine:
         if weight_n is not None:
             rows = rows * weight_n.unsqueeze(1)
         acc_NH.index_add_(0, token_n, rows)
+
+    def reduce_blocks(
+        self, blocks: Sequence[torch.Tensor], tokens: Sequence[torch.Tensor], out_NH: torch.Tensor
+    ) -> None:
+        acc_NH = torch.zeros(out_NH.shape, dtype=torch.float32)
+        for rows_nH, token_n in zip(blocks, tokens, strict=True):
+            if token_n.numel():
+                acc_NH.index_add_(0, token_n, rows_nH.float())
+        out_NH.copy_(acc_NH)
 
     def weighted_sum(self, y_NKH: torch.Tensor, w_NK: torch.Tensor, valid_NK: torch.Tensor) -> torch.Tensor:
         return reference.weighted_sum(y_NKH, w_NK, valid_NK)

@@ -7,7 +7,7 @@ Legend: see `ubep.layout`.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -122,17 +122,6 @@ def rows(region_XB: torch.Tensor, n: int, dtype: torch.dtype, width: int, first:
     return flat[first * row_bytes : (first + n) * row_bytes].view(dtype).view(n, width)
 
 
-def in_rank_order(landed: Iterable[int]) -> Iterator[int]:
-    """Ranks in ascending order, each as soon as it and every lower rank has landed."""
-    seen: set[int] = set()
-    following = 0
-    for r in landed:
-        seen.add(r)
-        while following in seen:
-            yield following
-            following += 1
-
-
 @dataclass(frozen=True, slots=True)
 class BackBlocks:
     """Combine memory: each expert rank's output rows, in the order it received them, and a header
@@ -185,18 +174,18 @@ def reduce_home(
     topk_weights_MK: torch.Tensor | None,
     landed: Iterable[int],
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The home's half of combine: pull this rank's block from every expert rank as it lands, in
-    ascending rank order (the reference's), accumulating float32 per token; cast at the end.
+    """The home's half of combine: check each expert rank's block as it lands, then pull every
+    block once and sum each token's rows in float32, in ascending rank order (the reference's),
+    rounding once into x's dtype.
 
     Returns (combined [N, H] in x's dtype, summed weights float32 [N, K] or None).
     """
     dtype, H = x_MH.dtype, x_MH.shape[1]
     K = 0 if topk_weights_MK is None else topk_weights_MK.shape[1]
     N, me = handle.num_tokens, t.rank
-    acc_NH = torch.zeros(N, H, dtype=torch.float32)
-    acc_NK = torch.zeros(N, K, dtype=torch.float32) if K else None
     tokens = send_tokens(handle.is_token_in_rank_NR, handle.send_counts_R)
-    for r in in_rank_order(landed):
+    rows_at = [(0, 0)] * t.num_ranks
+    for r in landed:
         got = t.read(blocks.back, call, r)
         a, z = int(got["prefix"][me]), int(got["prefix"][me + 1])
         if z - a != tokens[r].numel() or CODE_DTYPES.get(got["dtype"]) != dtype or got["topk"] != K:
@@ -205,9 +194,13 @@ def reduce_home(
                 f"{got['topk']}), expected {tokens[r].numel()} of {dtype} (top-k {K})"
             )
             raise t.bad_data(call, r, message)
-        if a == z:
-            continue
-        engine.accumulate_rows(acc_NH, rows(t.view(blocks.y, r, call), z - a, dtype, H, first=a), tokens[r])
-        if acc_NK is not None:
-            engine.accumulate_rows(acc_NK, t.view(blocks.y_weights, r, call)[a:z, :K], tokens[r])
-    return acc_NH.to(dtype), acc_NK
+        rows_at[r] = (a, z)
+    out_NH = torch.empty(N, H, dtype=dtype)
+    x_blocks = [rows(t.view(blocks.y, r, call), z - a, dtype, H, first=a) for r, (a, z) in enumerate(rows_at)]
+    engine.reduce_blocks(x_blocks, tokens, out_NH)
+    if not K:
+        return out_NH, None
+    out_NK = torch.empty(N, K, dtype=torch.float32)
+    w_blocks = [t.view(blocks.y_weights, r, call)[a:z, :K] for r, (a, z) in enumerate(rows_at)]
+    engine.reduce_blocks(w_blocks, tokens, out_NK)
+    return out_NH, out_NK
