@@ -12,6 +12,8 @@ model first and names the setting to change when it does not fit:
                         fixed shapes; combine applies the routing weights.
     "ubep_fp8"          normal mode with the tokens sent as FP8 (per-128-channel scales),
                         dequantized before the experts: half the bytes, FP8's error.
+    "ubep_bsp"          normal mode with the barrier-phased baseline protocol on the same
+                        shared heap (for comparison: `ubep decode`).
 
 Every rank of the EP group holds its own batch (`fsdp_size == ep_size`, `tp_size == 1`).
 Each MoE layer gets its own ubep.Buffer, built on its first forward with room for
@@ -30,9 +32,9 @@ from ubep.buffer import Buffer
 
 DEFAULT_MAX_TOKENS = 256  # tokens per rank and forward: a decode batch, or a short prefill
 MAX_TOKENS_SETTING = "ubep_max_tokens_per_rank"
-IMPLEMENTATIONS = ("ubep", "ubep_low_latency", "ubep_fp8")
+IMPLEMENTATIONS = ("ubep", "ubep_low_latency", "ubep_fp8", "ubep_bsp")
 
-__all__ = ["IMPLEMENTATIONS", "UbepEP", "UbepFp8EP", "UbepLowLatencyEP", "distributed_config"]
+__all__ = ["IMPLEMENTATIONS", "UbepBspEP", "UbepEP", "UbepFp8EP", "UbepLowLatencyEP", "distributed_config"]
 
 
 def distributed_config(model_config, ep_size: int, mode: str = "ubep") -> DistributedConfig:
@@ -62,6 +64,7 @@ class UbepEP(EPImplementation):
     """Normal mode: dispatch, this rank's experts on the rows it got, combine (plain sums)."""
 
     use_fp8 = False
+    protocol = "ubep"
 
     def __init__(self, experts, ep_mesh, tp_mesh):
         super().__init__(experts, ep_mesh, tp_mesh)
@@ -79,9 +82,19 @@ class UbepEP(EPImplementation):
     def _buffer_for(self, hidden: int) -> Buffer:
         if self._buffer is None:
             self._buffer = Buffer(
-                self.group, hidden=hidden, num_experts=self.num_experts, max_tokens_per_rank=self.max_tokens
+                self.group,
+                hidden=hidden,
+                num_experts=self.num_experts,
+                max_tokens_per_rank=self.max_tokens,
+                protocol=self.protocol,
             )
         return self._buffer
+
+    def close(self) -> None:
+        """Release this layer's ubep Buffer (it is rebuilt on the next forward)."""
+        buffer, self._buffer = self._buffer, None
+        if buffer is not None:
+            buffer.close()
 
     def _check_batch(self, num_tokens: int, error: ValueError) -> None:
         if num_tokens > self.max_tokens:
@@ -121,6 +134,12 @@ class UbepFp8EP(UbepEP):
     use_fp8 = True
 
 
+class UbepBspEP(UbepEP):
+    """Normal mode with the barrier-phased baseline protocol (the comparison ubep is built to beat)."""
+
+    protocol = "bsp"
+
+
 class UbepLowLatencyEP(UbepEP):
     """Low-latency mode: expert-major rows, the experts run on the valid ones, weighted combine."""
 
@@ -148,3 +167,4 @@ class UbepLowLatencyEP(UbepEP):
 EPImplementationInterface.register("ubep", UbepEP)
 EPImplementationInterface.register("ubep_low_latency", UbepLowLatencyEP)
 EPImplementationInterface.register("ubep_fp8", UbepFp8EP)
+EPImplementationInterface.register("ubep_bsp", UbepBspEP)
