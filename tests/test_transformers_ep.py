@@ -66,7 +66,8 @@ def saved_models(tmp_path_factory) -> dict[str, str]:
 
 def ep_logits_error(paths: dict[str, str], modes: dict[str, tuple[str, ...]], tokens: int) -> dict:
     """Per (model, mode): the largest |logit difference| between the EP model and the one-process model,
-    on this rank's own batch."""
+    on this rank's own batch: a prefill, then one decode step from the cache (low-latency mode's T is the
+    decode batch, so the prefill takes normal mode and the step low-latency mode)."""
     import ubep.integrations.transformers as ubep_tf
 
     R, me = dist.get_world_size(), dist.get_rank()
@@ -74,19 +75,28 @@ def ep_logits_error(paths: dict[str, str], modes: dict[str, tuple[str, ...]], to
     errors = {}
     for name, path in paths.items():
         config = transformers.AutoConfig.from_pretrained(path)
+        config.ubep_low_latency_tokens_per_rank = 2  # the decode batch
         ids = torch.randint(0, config.vocab_size, (2, tokens + me), generator=gen)  # a batch of its own
+        step = torch.randint(0, config.vocab_size, (2, 1), generator=gen)
         single = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
         with torch.no_grad():
-            want = single(ids).logits
+            want = single(ids, use_cache=True)
+            want_step = single(step, cache=want.cache, use_cache=True).logits
         for mode in modes[name]:
             model = transformers.AutoModelForCausalLM.from_pretrained(
-                path, dtype=torch.float32, distributed_config=ubep_tf.distributed_config(config, R, mode)
+                path,
+                config=config,
+                dtype=torch.float32,
+                distributed_config=ubep_tf.distributed_config(config, R, mode),
             )
             experts = model.model.layers[-1].mlp.experts
             assert experts.num_experts * R == ubep_tf._num_experts(config)  # each rank holds its share
             with torch.no_grad():
-                got = model(ids).logits
-            errors[name, mode] = float((got - want).abs().max())
+                got = model(ids, use_cache=True)
+                got_step = model(step, cache=got.cache, use_cache=True).logits
+            errors[name, mode] = max(
+                float((got.logits - want.logits).abs().max()), float((got_step - want_step).abs().max())
+            )
     return errors
 
 

@@ -167,7 +167,7 @@ def _decode_once(path: str, system: str, cfg: DecodeConfig, mesh) -> dict:
             tokens.append(next_ids.flatten().tolist())
             dist.barrier()
             before, start = watch.exchange_s(), time.perf_counter()
-            out = model(next_ids, past_key_values=out.past_key_values, use_cache=True)
+            out = model(next_ids, cache=out.cache, use_cache=True)
             if step >= cfg.warmup:
                 steps_s.append(time.perf_counter() - start)
                 exchange_s.append(watch.exchange_s() - before)
@@ -229,6 +229,7 @@ def run(cfg: DecodeConfig) -> list[dict]:
     with tempfile.TemporaryDirectory(prefix="ubep-decode-") as path:
         config = model_config(cfg)
         config.ubep_max_tokens_per_rank = cfg.batch * cfg.prompt  # the prefill is the largest batch
+        config.ubep_low_latency_tokens_per_rank = cfg.batch  # a decode step: low-latency mode's T
         transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(path)
         per_rank = LocalLaunch(world_size=cfg.ranks, timeout_s=cfg.timeout_s).run(_rank_decode, path, cfg)
     return summarize(per_rank, cfg)

@@ -8,8 +8,10 @@ model first and names the setting to change when it does not fit:
 
     "ubep"              normal mode: each token sent once per rank, the rank's experts
                         run on its rows with their local weights, combine sums them home.
-    "ubep_low_latency"  low-latency mode: one row per (token, expert), expert-major,
-                        fixed shapes; combine applies the routing weights.
+    "ubep_low_latency"  low-latency mode for batches of up to
+                        `config.ubep_low_latency_tokens_per_rank` tokens (decode): one row per
+                        (token, expert), expert-major, fixed shapes, weighted combine; larger
+                        batches (prefill) take normal mode, as DeepEP's users do.
     "ubep_fp8"          normal mode with the tokens sent as FP8 (per-128-channel scales),
                         dequantized before the experts: half the bytes, FP8's error.
     "ubep_bsp"          normal mode with the barrier-phased baseline protocol on the same
@@ -32,6 +34,7 @@ from ubep.buffer import Buffer
 
 DEFAULT_MAX_TOKENS = 256  # tokens per rank and forward: a decode batch, or a short prefill
 MAX_TOKENS_SETTING = "ubep_max_tokens_per_rank"
+LOW_LATENCY_TOKENS_SETTING = "ubep_low_latency_tokens_per_rank"
 IMPLEMENTATIONS = ("ubep", "ubep_low_latency", "ubep_fp8", "ubep_bsp")
 
 __all__ = ["IMPLEMENTATIONS", "UbepBspEP", "UbepEP", "UbepFp8EP", "UbepLowLatencyEP", "distributed_config"]
@@ -75,8 +78,11 @@ class UbepEP(EPImplementation):
             )
         self.group, self.ep_size = ep_mesh.get_group(), ep_mesh.size()
         self.num_experts = self.num_local_experts * self.ep_size
-        configured = getattr(getattr(experts, "config", None), MAX_TOKENS_SETTING, None)
+        config = getattr(experts, "config", None)
+        configured = getattr(config, MAX_TOKENS_SETTING, None)
         self.max_tokens = int(configured) if configured is not None else DEFAULT_MAX_TOKENS
+        low_latency = getattr(config, LOW_LATENCY_TOKENS_SETTING, None)
+        self.low_latency_tokens = min(self.max_tokens, int(low_latency)) if low_latency else self.max_tokens
         self._buffer: Buffer | None = None  # built collectively on the first forward
 
     def _buffer_for(self, hidden: int) -> Buffer:
@@ -144,15 +150,13 @@ class UbepLowLatencyEP(UbepEP):
     """Low-latency mode: expert-major rows, the experts run on the valid ones, weighted combine."""
 
     def __call__(self, hidden_states, top_k_index, top_k_weights):
-        if torch.is_grad_enabled() and hidden_states.requires_grad:
-            return super().__call__(hidden_states, top_k_index, top_k_weights)  # raises the same way
+        grad = torch.is_grad_enabled() and hidden_states.requires_grad
+        if grad or hidden_states.shape[0] > self.low_latency_tokens:  # (grad: raises) prefill: normal mode
+            return super().__call__(hidden_states, top_k_index, top_k_weights)
         buffer = self._buffer_for(hidden_states.shape[-1])
-        T = self.max_tokens
-        try:
-            got = buffer.low_latency_dispatch(hidden_states, top_k_index, T, self.num_experts)
-        except ValueError as error:
-            self._check_batch(hidden_states.shape[0], error)
-            raise
+        got = buffer.low_latency_dispatch(
+            hidden_states, top_k_index, self.low_latency_tokens, self.num_experts
+        )
         recv_LMH = got.recv_x
         L, M, H = recv_LMH.shape
         valid_LM = torch.arange(M) < got.recv_count.unsqueeze(1)
