@@ -8,7 +8,7 @@ from scenarios import Scenario
 
 import ubep
 from ubep import reference
-from ubep.layout import ExpertPlacement, dispatch_layout, localize_topk, prefix_offsets
+from ubep.layout import ExpertPlacement, dispatch_layout, localize_topk, prefix_offsets, tokens_per_node
 
 
 def test_layout_matches_reference_counts():
@@ -68,3 +68,11 @@ def explicit_placement_run(owners: list[int]) -> bool:
 def test_explicit_placement_end_to_end():
     owners = [1, 0, 1, 0, 0, 1, 0, 1]  # interleaved, not contiguous
     assert ubep.LocalLaunch(world_size=2, timeout_s=60).run(explicit_placement_run, owners) == [True, True]
+
+
+def test_tokens_per_node_counts_each_token_once_per_node():
+    gen = torch.Generator().manual_seed(5)
+    in_rank_NR = torch.rand(40, 6, generator=gen) < 0.3
+    node_of_rank = (0, 0, 1, 1, 2, 2)
+    want = [sum(bool(in_rank_NR[n, 2 * g : 2 * g + 2].any()) for n in range(40)) for g in range(3)]
+    assert tokens_per_node(in_rank_NR, node_of_rank).tolist() == want

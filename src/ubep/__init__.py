@@ -5,6 +5,8 @@ data-as-flag protocol over a shared address space (shared memory among the
 ranks of a host) or over torch.distributed between hosts.
 """
 
+from importlib.metadata import version
+
 from ubep import fp8
 from ubep.buffer import Buffer
 from ubep.errors import CommTimeoutError, ConfigMismatchError, PeerDataError, UbepError
@@ -22,7 +24,7 @@ from ubep.results import (
 )
 from ubep.waiting import PeerAbortedError
 
-__version__ = "0.1.0"
+__version__ = version("ubep")
 
 __all__ = [
     "Buffer",

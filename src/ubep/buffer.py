@@ -12,27 +12,22 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from importlib.metadata import version
 
 import torch
 import torch.distributed as dist
 
 from ubep import fp8, validate
+from ubep.calls import CallCounter, CallId
 from ubep.deadlines import collective_deadline
-from ubep.errors import ConfigMismatchError
+from ubep.engine import choose_engine
+from ubep.factory import Options, build
 from ubep.faults import FaultPlan, FaultPoints
-from ubep.group import GroupInfo, choose_transport, join_group
-from ubep.layout import ExpertPlacement, dispatch_layout, expert_counts, token_in_rank
+from ubep.group import GroupInfo, check_agreement, choose_transport, join_group
+from ubep.layout import ExpertPlacement, dispatch_layout, expert_counts, token_in_rank, tokens_per_node
 from ubep.overlap import EventOverlap
-from ubep.protocols.base import CallCounter, CallId, Exchange, SendPlan, ShmPeers, Sizing
-from ubep.protocols.bsp_dist import BspDist
-from ubep.protocols.bsp_shm import BspShm, bsp_layout
-from ubep.protocols.hier import HierExchange
+from ubep.protocols.base import Exchange, SendPlan, Sizing
 from ubep.protocols.ll_base import LowLatencyExchange, combine_plan, dispatch_outputs, dispatch_plan
-from ubep.protocols.ll_dist import LLDist
-from ubep.protocols.ll_local import LLLocal
-from ubep.protocols.ll_shm import LLShm, add_ll_regions
-from ubep.protocols.local import LocalExchange
-from ubep.protocols.ubep_shm import UbepShm, ubep_layout
 from ubep.results import (
     CombineResult,
     DispatchHandle,
@@ -43,8 +38,9 @@ from ubep.results import (
     LowLatencyHandle,
 )
 from ubep.schedule import POLICIES
+from ubep.transport.virtual import VirtualRank
 
-VERSION = "0.1.0"
+VERSION = version("ubep")  # from the package metadata (pyproject.toml): ranks must run the same
 # Construction waits at least this long: ranks reach it at different times (imports,
 # model loading), which says nothing about a stalled exchange.
 CONSTRUCTION_MIN_TIMEOUT_S = 10.0
@@ -72,9 +68,12 @@ class Buffer:
         low_latency: reserve the low-latency slots (shared-memory pages are only
             touched when used); False saves address space for normal-mode-only use.
         faults: a `ubep.faults.FaultPlan` to inject a fault (tests only; default none).
-        workers: threads per rank that put combine rows on the shared heap, following the
-            token scheduler (`ubep.schedule`); 1 is right when ranks outnumber cores.
+        workers: threads per rank that move dispatch rows while the calling thread waits for
+            the next source, following the token scheduler's slices (`ubep.schedule`); 1 is
+            right when ranks outnumber cores.
         schedule: the scheduler's policy for several workers ("ubep", "balanced", "bsp", ...).
+        engine: the kernels that move and reduce rows: "auto" (the fastest that loads here),
+            "torch", "numba" or "triton"; `explain()` says which runs and why.
     """
 
     def __init__(
@@ -93,6 +92,7 @@ class Buffer:
         faults: FaultPlan | None = None,
         workers: int = 1,
         schedule: str = "ubep",
+        engine: str = "auto",
     ):
         validate.positive("hidden", hidden)
         validate.positive("num_experts", num_experts)
@@ -126,19 +126,27 @@ class Buffer:
         self.protocol = protocol
         self.low_latency = bool(low_latency)
         self.workers, self.schedule = workers, schedule
+        self.engine, self._engine_reason = choose_engine(engine)
         self.transport, self._transport_reason = choose_transport(transport, self._info)
-        with collective_deadline(self._info.group, construct_s, "Buffer construction"):
+        with collective_deadline(_resolve(self._info.group), construct_s, "Buffer construction"):
             self._handshake(transport)
-            self._exchange: Exchange | None = self._build_exchange()
-            self._ll: LowLatencyExchange | None = self._build_ll_exchange()
+            options = Options(
+                transport=self.transport,
+                protocol=self.protocol,
+                low_latency=self.low_latency,
+                timeout_s=self.timeout_s,
+                workers=workers,
+                schedule=schedule,
+            )
+            exchanges = build(self._info, self.sizing, options, self.engine, self._faults)
+            self._exchange: Exchange | None = exchanges[0]
+            self._ll: LowLatencyExchange | None = exchanges[1]
         self._calls = CallCounter()
 
     # -- construction -----------------------------------------------------------------------------
 
     def _handshake(self, requested_transport: str) -> None:
         """Every rank checks that every rank built the same Buffer; a mismatch raises everywhere."""
-        if self._info.world_size == 1:
-            return
         mine = {
             "version": VERSION,
             "hidden": self.sizing.hidden,
@@ -150,53 +158,14 @@ class Buffer:
             "expert_placement": self.sizing.placement.rank_of_expert_E.tolist(),
             "low_latency": self.low_latency,
         }
-        everyone: list[dict] = [{}] * self._info.world_size
-        dist.all_gather_object(everyone, mine, group=self._info.group)
-        disagreements = []
-        for field in mine:
-            values = [cfg.get(field) for cfg in everyone]
-            if any(v != values[0] for v in values):
-                groups: dict[str, list[int]] = {}
-                for rank, value in enumerate(values):
-                    groups.setdefault(repr(value)[:60], []).append(rank)
-                detail = "; ".join(f"rank(s) {_listed(ranks)}: {value}" for value, ranks in groups.items())
-                disagreements.append(f"{field} ({detail})")
-        if disagreements:
-            raise ConfigMismatchError(
-                f"Buffer on rank {self._info.rank}: ranks disagree on " + ", and on ".join(disagreements)
-            )
-
-    def _build_exchange(self) -> Exchange:
-        info, sizing = self._info, self.sizing
-        if self.transport == "local":
-            return LocalExchange(sizing)
-        if self.transport == "dist":
-            return BspDist(info.group, info.rank, sizing, self.timeout_s, self._faults)
-        if self.transport == "hier":
-            return HierExchange(info, sizing, self.timeout_s)
-        layout = ubep_layout(sizing) if self.protocol == "ubep" else bsp_layout(sizing)
-        if self.low_latency:
-            add_ll_regions(layout, sizing)
-        peers = ShmPeers(layout, info.group, info.rank, sizing, self.timeout_s, self._faults)
-        if self.protocol == "ubep":
-            return UbepShm(peers, workers=self.workers, policy=self.schedule)
-        return BspShm(peers)
-
-    def _build_ll_exchange(self) -> LowLatencyExchange | None:
-        """Low-latency mode runs the ubep protocol on the shared heap whatever `protocol` says."""
-        if not self.low_latency:
-            return None
-        if self.transport == "local":
-            return LLLocal()
-        if self.transport in ("dist", "hier"):  # across nodes: the collective low-latency path
-            return LLDist(self._info.group, self._info.rank, self.sizing)
-        return LLShm(self._exchange.peers)
+        check_agreement(self._info, mine, "Buffer")
 
     def explain(self) -> str:
         """Which transport and protocol run here, and why."""
         return (
             f"rank {self._info.rank}/{self._info.world_size}: protocol {self._exchange_name()} "
-            f"on transport {self.transport} ({self._transport_reason})"
+            f"on transport {self.transport} ({self._transport_reason}), "
+            f"engine {self.engine.name} ({self._engine_reason})"
         )
 
     def _exchange_name(self) -> str:
@@ -235,19 +204,13 @@ class Buffer:
         layout = dispatch_layout(idx, self.sizing.placement)
         return LayoutResult(
             layout.num_tokens_per_rank_R,
-            self._tokens_per_node(layout.is_token_in_rank_NR),
+            None
+            if self._info.num_nodes == 1
+            else tokens_per_node(layout.is_token_in_rank_NR, self._info.node_of_rank),
             layout.num_tokens_per_expert_E,
             layout.is_token_in_rank_NR,
             EventOverlap(),
         )
-
-    def _tokens_per_node(self, is_token_in_rank_NR: torch.Tensor) -> torch.Tensor | None:
-        """int32 [nodes]: tokens with >= 1 expert on each node; None on one node."""
-        if self._info.num_nodes == 1:
-            return None
-        node_R = torch.tensor(self._info.node_of_rank)
-        per_node = [is_token_in_rank_NR[:, node_R == n].any(dim=1) for n in range(self._info.num_nodes)]
-        return torch.stack(per_node, dim=1).sum(dim=0, dtype=torch.int32)
 
     def dispatch(
         self,
@@ -291,7 +254,6 @@ class Buffer:
                 recv_src_token_M=got.recv_src_token_M,
                 recv_prefix_R1=got.recv_prefix_R1,
                 num_recv_tokens_per_expert_list=counts,
-                recv_home_offset_R=got.recv_home_offset_R,
                 route=got.route,
             )
         return DispatchResult(
@@ -484,15 +446,13 @@ class Buffer:
         self.close()
 
 
-def _resolve(group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
-    """The group construction will use, where it exists already (for its deadline)."""
+def _resolve(group) -> dist.ProcessGroup | None:
+    """The process group construction will use, where it exists already (for its deadline)."""
+    if isinstance(group, VirtualRank):
+        return None
     if group is not None or not dist.is_initialized():
         return group
     return dist.group.WORLD
-
-
-def _listed(ranks: list[int]) -> str:
-    return ", ".join(str(r) for r in ranks)
 
 
 def _rows(t) -> int:

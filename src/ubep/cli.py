@@ -90,8 +90,11 @@ def add_bench(subparsers) -> None:
 
 
 def run_bench(args: argparse.Namespace) -> int:
-    from ubep.bench import report
-    from ubep.bench.run import run
+    try:
+        from ubep.bench import report
+        from ubep.bench.run import run
+    except ModuleNotFoundError as missing:  # rich and matplotlib come with the `bench` extra
+        raise SystemExit(f"ubep bench needs {missing.name}: pip install 'ubep[bench]'") from None
 
     if args.nodes < 1 or args.ranks % args.nodes:
         raise SystemExit(f"ubep bench: --ranks ({args.ranks}) must split evenly into --nodes ({args.nodes})")

@@ -80,9 +80,17 @@ def _from_backend(error: BaseException) -> bool:
 
 @contextmanager
 def collective_deadline(
-    group: dist.ProcessGroup | None, timeout_s: float, phase: str, peers: PeerPids | None = None
+    group: dist.ProcessGroup | None,
+    timeout_s: float,
+    phase: str,
+    peers: PeerPids | None = None,
+    names: tuple[int, ...] | None = None,
 ) -> Iterator[None]:
-    """Run the block's collectives under a `timeout_s` deadline; name the peers if one fails."""
+    """Run the block's collectives under a `timeout_s` deadline; name the peers if one fails.
+
+    `names[i]` is how errors name the group's rank i (default: i), e.g. its rank in
+    the EP group when `group` is a subgroup of it.
+    """
     backend = _gloo(group)
     previous = backend.options._timeout if backend is not None else None
     if backend is not None:
@@ -92,20 +100,24 @@ def collective_deadline(
     except BaseException as error:
         if not _from_backend(error):
             raise
-        raise _timeout_error(group, timeout_s, phase, peers, error) from error
+        raise _timeout_error(group, timeout_s, phase, peers, error, names) from error
     finally:
         if backend is not None:
             backend._set_default_timeout(previous)
 
 
-def _timeout_error(group, timeout_s: float, phase: str, peers: PeerPids | None, error) -> CommTimeoutError:
+def _timeout_error(
+    group, timeout_s: float, phase: str, peers: PeerPids | None, error, names: tuple[int, ...] | None
+) -> CommTimeoutError:
     said = str(error).strip().splitlines()[0][:160] if str(error).strip() else type(error).__name__
     me = peers.rank if peers is not None else (dist.get_rank(group) if group is not None else 0)
     world = dist.get_world_size(group) if group is not None else 1
     timed_out = "timed out" in said.lower()  # a deadline, not a broken connection: no grace
     dead = [] if peers is None else peers.dead() if timed_out else peers.dead_after_grace()
+    named = names or tuple(range(world))
     if dead:
+        dead = [named[r] for r in dead]
         return CommTimeoutError(phase, dead, timeout_s, dead, f"torch.distributed: {said}")
-    others = [r for r in range(world) if r != me]
+    others = [named[r] for r in range(world) if r != me]
     detail = f"torch.distributed does not say which of them; it reported: {said}"
     return CommTimeoutError(phase, others, timeout_s, [], detail)

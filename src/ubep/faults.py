@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
 
 if TYPE_CHECKING:
-    from ubep.protocols.base import CallId
+    from ubep.calls import CallId
 
 POINTS = ("dispatch.start", "dispatch.count", "dispatch.sent", "dispatch.end", "combine.start", "combine.mid")
 ACTIONS = ("kill", "delay", "corrupt")

@@ -11,18 +11,21 @@ import os
 import platform
 import socket
 from dataclasses import dataclass
+from typing import Any
 
 import torch.distributed as dist
 
+from ubep.errors import ConfigMismatchError
 from ubep.nodes import NodeMap
+from ubep.transport.virtual import VirtualRank
 
-TRANSPORTS = ("auto", "shm", "dist", "hier")
+TRANSPORTS = ("auto", "shm", "dist", "hier", "virtual")
 SHM_ARCHES = ("x86_64", "amd64")
 
 
 @dataclass(frozen=True, slots=True)
 class GroupInfo:
-    group: dist.ProcessGroup | None
+    group: dist.ProcessGroup | VirtualRank | None
     rank: int
     world_size: int
     node_of_rank: tuple[int, ...]  # node index of each rank, numbered by first appearance
@@ -32,8 +35,13 @@ class GroupInfo:
         return len(set(self.node_of_rank))
 
 
-def join_group(group: dist.ProcessGroup | None) -> GroupInfo:
-    """Resolve `group`; under torchrun with no group initialised yet, join torchrun's."""
+def join_group(group: dist.ProcessGroup | VirtualRank | None) -> GroupInfo:
+    """Resolve `group`; under torchrun with no group initialised yet, join torchrun's.
+
+    A `VirtualRank` is one rank of a virtual world: all its ranks share this process and host.
+    """
+    if isinstance(group, VirtualRank):
+        return GroupInfo(group, group.rank, group.world_size, (0,) * group.world_size)
     if group is None and not dist.is_initialized():
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:
             dist.init_process_group("gloo")
@@ -45,6 +53,40 @@ def join_group(group: dist.ProcessGroup | None) -> GroupInfo:
     dist.all_gather_object(keys, node_key(), group=group)
     order = {k: i for i, k in enumerate(dict.fromkeys(keys))}
     return GroupInfo(group, rank, world, tuple(order[k] for k in keys))
+
+
+def all_gather_object(info: GroupInfo, obj: Any) -> list[Any]:
+    """Every rank's `obj`, in rank order (collective over the group, whichever kind it is)."""
+    if isinstance(info.group, VirtualRank):
+        return info.group.world.all_gather(info.rank, obj)
+    everyone: list[Any] = [None] * info.world_size
+    dist.all_gather_object(everyone, obj, group=info.group)
+    return everyone
+
+
+def check_agreement(info: GroupInfo, mine: dict[str, Any], what: str) -> None:
+    """Collective: raise ConfigMismatchError on every rank unless all ranks passed equal `mine`.
+
+    The error names each disagreeing field and which ranks hold which value.
+    """
+    if info.world_size == 1:
+        return
+    everyone = all_gather_object(info, mine)
+    disagreements = []
+    for field in mine:
+        values = [cfg.get(field) for cfg in everyone]
+        if any(v != values[0] for v in values):
+            groups: dict[str, list[int]] = {}
+            for rank, value in enumerate(values):
+                groups.setdefault(repr(value)[:60], []).append(rank)
+            detail = "; ".join(
+                f"rank(s) {', '.join(map(str, ranks))}: {value}" for value, ranks in groups.items()
+            )
+            disagreements.append(f"{field} ({detail})")
+    if disagreements:
+        raise ConfigMismatchError(
+            f"{what} on rank {info.rank}: ranks disagree on " + ", and on ".join(disagreements)
+        )
 
 
 def node_key() -> str:
@@ -83,6 +125,12 @@ def choose_transport(requested: str, info: GroupInfo) -> tuple[str, str]:
         raise ValueError(f"transport must be one of {TRANSPORTS}, got {requested!r}")
     if info.world_size == 1:
         return "local", "a group of one rank needs no transport"
+    if isinstance(info.group, VirtualRank):
+        if requested not in ("auto", "virtual"):
+            raise ValueError(f"a virtual rank's group runs transport 'virtual', not {requested!r}")
+        return "virtual", f"{info.world_size} virtual ranks share this process's memory"
+    if requested == "virtual":
+        raise ValueError("transport='virtual' needs a VirtualRank as the group (see ubep.transport.virtual)")
     ok, why = shm_supported()
     if requested == "dist":
         return "dist", "requested: torch.distributed collectives"

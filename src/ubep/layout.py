@@ -1,10 +1,18 @@
 """Routing -> layout: everything dispatch derives from `topk_idx`, as pure torch ops.
 
-Shape legend used across ubep:
+Shape legend, one for all of ubep (each letter means one thing):
     N  tokens on this rank            H  hidden size
     K  top-k (experts per token)      E  experts in the EP group
     R  ranks in the EP group          L  local experts per rank (E // R)
     M  rows received by this rank     T  capacity: max tokens per rank and call
+    B  bytes of a row                 X  rows of a source region (any count)
+    P  (token, expert) pairs          Q  rows sent back to their home
+    G  nodes                          V  ranks per node
+    F  rows of a forward set          S  rows crossing between nodes
+    O  own tokens kept in the node    Y  columns of a partial sum (H or H + K)
+    W  workers of a rank              I  pieces of a schedule
+    D  destinations (or devices)      C  distance classes of a fabric
+    Z  messages of a simulated plan   n  rows of one call's slice (lower case)
 
 A name's suffix gives its shape: `topk_idx_NK` is [N, K], `counts_R` is [R].
 No function here loops over tokens in Python.
@@ -88,6 +96,15 @@ def token_in_rank(topk_idx_NK: torch.Tensor, placement: ExpertPlacement) -> torc
     owner_NK = torch.where(topk_idx_NK >= 0, owner_NK, R)
     hit_NR1 = torch.zeros(topk_idx_NK.shape[0], R + 1, dtype=torch.bool)
     return hit_NR1.scatter_(1, owner_NK, True)[:, :R]
+
+
+def tokens_per_node(is_token_in_rank_NR: torch.Tensor, node_of_rank: tuple[int, ...]) -> torch.Tensor:
+    """int32 [G]: tokens with at least one expert on each node (DeepEP's num_tokens_per_rdma_rank)."""
+    node_R = torch.tensor(node_of_rank, dtype=torch.int64)
+    G = int(node_R.max()) + 1
+    hit_NG = torch.zeros(is_token_in_rank_NR.shape[0], G, dtype=torch.int32)
+    hit_NG.index_add_(1, node_R, is_token_in_rank_NR.to(torch.int32))
+    return (hit_NG > 0).sum(dim=0, dtype=torch.int32)
 
 
 def dispatch_layout(topk_idx_NK: torch.Tensor, placement: ExpertPlacement) -> DispatchLayout:

@@ -7,7 +7,7 @@ global rank (that is the rank order of a torch.distributed group made of
 them). As in DeepEP, traffic between two nodes runs only between the two
 ranks of one rail, so a token crosses to a node once and fans out there.
 
-Legend: see `ubep.layout`; also G nodes (rail slots), P ranks per node.
+Legend: see `ubep.layout` (G nodes, which are rail slots; V ranks per node).
 Example, node_of_rank = (0, 0, 1, 1): node 0 holds ranks 0, 1; rail 1 is
 ranks (1, 3); rank 3 has local index 1 and sits in slot 1 of its rail.
 """
@@ -61,12 +61,12 @@ class NodeMap:
         return torch.tensor([self.node_ranks(self.node_of_rank[r]) for r in self.rail(local)])
 
 
-def tokens_per_slot(is_token_in_rank_NR: torch.Tensor, slot_ranks_GP: torch.Tensor) -> torch.Tensor:
+def tokens_per_slot(is_token_in_rank_NR: torch.Tensor, slot_ranks_GV: torch.Tensor) -> torch.Tensor:
     """bool [N, G]: whether token n needs any rank of the node in rail slot g.
 
     Example (slots hold ranks [[0, 1], [2, 3]]): a token for ranks {1, 3} -> [True, True];
     for ranks {2, 3} -> [False, True] (it crosses to that node once, not twice).
     """
-    G, P = slot_ranks_GP.shape
+    G, P = slot_ranks_GV.shape
     N = is_token_in_rank_NR.shape[0]
-    return is_token_in_rank_NR[:, slot_ranks_GP.flatten()].view(N, G, P).any(dim=2)
+    return is_token_in_rank_NR[:, slot_ranks_GV.flatten()].view(N, G, P).any(dim=2)

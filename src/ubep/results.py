@@ -26,9 +26,6 @@ class DispatchHandle:
       recv_src_rank_M:     source rank of each received row (int64).
       recv_src_token_M:    that row's token index on its source (int64).
       recv_prefix_R1:      rows from source s are [prefix[s], prefix[s+1]) (int64, R + 1).
-      recv_home_offset_R:  where the rows of source s go back in s's combine buffer: the
-                           number of rows s sent to lower ranks (int64 [R]; None where the
-                           transport does not address remote buffers).
       route:               protocol-specific relay tables (the hierarchical exchange's
                            `HierRoute`); None for the other protocols.
     """
@@ -40,7 +37,6 @@ class DispatchHandle:
     recv_src_token_M: torch.Tensor
     recv_prefix_R1: torch.Tensor
     num_recv_tokens_per_expert_list: list[int]
-    recv_home_offset_R: torch.Tensor | None = None
     route: object | None = None
 
     @property

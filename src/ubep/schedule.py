@@ -40,7 +40,7 @@ import numpy as np
 import torch
 
 from ubep.costmodel import CostParams, message_us
-from ubep.layout import ExpertPlacement
+from ubep.layout import ExpertPlacement, token_in_rank
 from ubep.topology import Topology
 
 POLICIES = ("ubep", "ubep-paper", "balanced", "bsp")
@@ -85,13 +85,8 @@ class Schedule:
 
 def send_counts(topk_idx: Sequence[torch.Tensor], placement: ExpertPlacement) -> np.ndarray:
     """int64 [R, R]: tokens rank s sends to rank d (each token once per destination rank)."""
-    topk_SNK = torch.stack(list(topk_idx))
-    S, N, _ = topk_SNK.shape
-    owner_SNK = placement.rank_of_expert_E[topk_SNK.clamp(min=0)]
-    owner_SNK = torch.where(topk_SNK >= 0, owner_SNK, placement.num_ranks)  # -1 -> a spare column
-    hit_SNR = torch.zeros(S, N, placement.num_ranks + 1, dtype=torch.bool)
-    hit_SNR.scatter_(2, owner_SNK, True)
-    return hit_SNR[..., :-1].sum(dim=1).numpy().astype(np.int64)
+    per_source = [token_in_rank(idx_NK, placement).sum(dim=0) for idx_NK in topk_idx]
+    return torch.stack(per_source).numpy().astype(np.int64)
 
 
 def transpose_order(

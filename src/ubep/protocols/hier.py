@@ -25,23 +25,24 @@ Why float32 partials: the contract accumulates in float32; a partial rounded
 to bf16 before crossing would add a rounding step no flat exchange has. It
 costs 2x the bytes of a bf16 row on the way back (see `boundary_bytes`).
 
-Legend: see `ubep.layout` and `ubep.nodes` (G nodes, P ranks per node); also
-F rows in a forward set, S rows crossing, O own tokens kept in the node,
-Q (row, node rank) pairs in a combine buffer, C columns of a partial (H or H + K).
+Legend: see `ubep.layout` (G nodes, V ranks per node, F rows in a forward set,
+S rows crossing, O own tokens kept in the node, Y columns of a partial: H or H + K).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import NamedTuple
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
-from ubep.errors import CommTimeoutError, PeerDataError, UbepError
+from ubep.calls import CallId
+from ubep.deadlines import collective_deadline
+from ubep.engine import Engine
+from ubep.errors import PeerDataError
 from ubep.group import GroupInfo
 from ubep.layout import (
     ExpertPlacement,
@@ -51,24 +52,10 @@ from ubep.layout import (
     token_in_rank,
 )
 from ubep.nodes import NodeMap, tokens_per_slot
-from ubep.protocols.base import (
-    CODE_DTYPES,
-    DTYPE_CODES,
-    CallId,
-    Received,
-    SendPlan,
-    ShmPeers,
-    Sizing,
-    new_layout,
-)
-from ubep.protocols.rows import rows_view
+from ubep.protocols.base import CODE_DTYPES, CODE_RANGE, DTYPE_CODES, Received, SendPlan, Sizing, rows
 from ubep.results import DispatchHandle
-from ubep.shm import SegmentLayout
-
-# Forward-set header words.
-META, DATA, COUNT, DTYPE, TOPK, HDR_WORDS = 0, 1, 2, 3, 4, 8
-# Combine slot header words (one row per node rank writing into this segment).
-SLOT_FLAG, SLOT_DTYPE, SLOT_COUNT = 0, 1, 2
+from ubep.transport.base import Field, Header, Region
+from ubep.transport.shm import shm_heap
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,21 +68,21 @@ class HierRoute:
       own_token_O:    own tokens that need a rank of this node (int64 [O])
     Forwarder side (this rank's forward set: S rows from other nodes, then its O own rows):
       relay_counts_G: rows received from each slot (0 at the own slot)
-      fwd_in_node_FP: bool [F, P], the node ranks each forwarded row went to
+      fwd_in_node_FV: bool [F, P], the node ranks each forwarded row went to
     Expert side (rows received, M):
       recv_fwd_M:     node-local index of the forwarder each row came through
       recv_fwd_row_M: that row's index in its forwarder's set
-      fwd_offset_P:   where this rank's rows start in each forwarder's combine buffer
+      fwd_offset_V:   where this rank's rows start in each forwarder's combine buffer
     """
 
     send_token_S: torch.Tensor
     send_counts_G: torch.Tensor
     own_token_O: torch.Tensor
     relay_counts_G: torch.Tensor
-    fwd_in_node_FP: torch.Tensor
+    fwd_in_node_FV: torch.Tensor
     recv_fwd_M: torch.Tensor
     recv_fwd_row_M: torch.Tensor
-    fwd_offset_P: torch.Tensor
+    fwd_offset_V: torch.Tensor
 
 
 class Routed(NamedTuple):
@@ -107,8 +94,8 @@ class Routed(NamedTuple):
     src_token_M: torch.Tensor
     fwd_M: torch.Tensor
     fwd_row_M: torch.Tensor
-    fwd_offset_P: torch.Tensor
-    fwd_in_node_FP: torch.Tensor  # this rank's own forward set
+    fwd_offset_V: torch.Tensor
+    fwd_in_node_FV: torch.Tensor  # this rank's own forward set
 
 
 def dispatch_row_bytes(hidden: int, itemsize: int, topk: int) -> int:
@@ -121,20 +108,48 @@ def partial_row_bytes(hidden: int, topk: int) -> int:
     return 4 * (hidden + topk)
 
 
-def hier_layout(s: Sizing, num_nodes: int, per_node: int) -> SegmentLayout:
-    """Shared regions of one rank: its forward set and its combine buffer, double-buffered."""
-    layout = new_layout()
-    F, K = s.capacity * num_nodes, s.max_topk  # own tokens plus one block per other node
-    for p in (0, 1):
-        layout.add(f"f{p}.hdr", (HDR_WORDS,), torch.int64)
-        layout.add(f"f{p}.ids", (F, 2), torch.int64)
-        layout.add(f"f{p}.topk", (F * K,), torch.int64)
-        layout.add(f"f{p}.w", (F * K,), torch.float32)
-        layout.add(f"f{p}.x", (F * s.row_bytes,), torch.uint8)
-        layout.add(f"c{p}.hdr", (per_node, 4), torch.int64)
-        layout.add(f"c{p}.x", (F * per_node * s.row_bytes,), torch.uint8)
-        layout.add(f"c{p}.w", (F * per_node * K,), torch.float32)
-    return layout
+@dataclass(frozen=True, slots=True)
+class HierBlocks:
+    """The node-local memory: each rank's forward set, and its combine buffer, double-buffered."""
+
+    route: Header  # own: the forward set's rows, dtype and top-k
+    data: Header  # own: its rows (count, dtype) have landed; a cached dispatch publishes only this
+    ids: Region  # int64 [F, 2]: (source rank, source token) of each forwarded row
+    topk: Region  # int64 [F, max_topk]: global expert ids
+    weights: Region  # float32 [F, max_topk]
+    x: Region  # uint8 [F, row bytes]
+    slot: Header  # inbox: per node rank, the rows it put into this rank's combine buffer
+    back_x: Region  # uint8 [F * P, row bytes]: rows back, node-rank-major
+    back_w: Region  # float32 [F * P, max_topk]
+
+    @classmethod
+    def of(cls, s: Sizing, num_nodes: int, per_node: int) -> HierBlocks:
+        F, K, B = s.capacity * num_nodes, s.max_topk, s.row_bytes  # own tokens plus one block per other node
+        dtype = Field("dtype", lo=CODE_RANGE[0], hi=CODE_RANGE[1])
+        return cls(
+            route=Header("hier.route", (Field("count", hi=F), dtype, Field("topk", hi=K))),
+            data=Header("hier.data", (Field("count", hi=F), dtype)),
+            ids=Region("hier.ids", (F, 2), torch.int64, double=True),
+            topk=Region("hier.topk", (F, K), torch.int64, double=True),
+            weights=Region("hier.weights", (F, K), torch.float32, double=True),
+            x=Region("hier.x", (F, B), torch.uint8, double=True),
+            slot=Header("hier.slot", (dtype, Field("count", hi=F)), inbox=True),
+            back_x=Region("hier.back_x", (F * per_node, B), torch.uint8, double=True),
+            back_w=Region("hier.back_w", (F * per_node, K), torch.float32, double=True),
+        )
+
+    def all(self) -> tuple[Region | Header, ...]:
+        return (
+            self.route,
+            self.data,
+            self.ids,
+            self.topk,
+            self.weights,
+            self.x,
+            self.slot,
+            self.back_x,
+            self.back_w,
+        )
 
 
 def subgroups(nodes: NodeMap, rank: int, timeout_s: float) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
@@ -172,7 +187,7 @@ class HierExchange:
 
     name = "hier"
 
-    def __init__(self, info: GroupInfo, sizing: Sizing, timeout_s: float):
+    def __init__(self, info: GroupInfo, sizing: Sizing, timeout_s: float, engine: Engine):
         nodes = NodeMap(info.node_of_rank)
         ok, why = nodes.uniform()
         if not ok:
@@ -182,16 +197,14 @@ class HierExchange:
         self.local = nodes.local_index(info.rank)
         self.rail = nodes.rail(self.local)
         self.slot = self.rail.index(info.rank)
-        self.slot_ranks_GP = nodes.slot_ranks(self.local)
+        self.slot_ranks_GV = nodes.slot_ranks(self.local)
         self.node_ranks = list(nodes.node_ranks(info.node_of_rank[info.rank]))
         # Sources whose rows reach this node through node rank f: those with local index f.
         self.sources_via = [nodes.rail(f) for f in range(self.P)]
         self.groups = subgroups(nodes, info.rank, timeout_s)
-        self.timeout_s = timeout_s
-        # ShmPeers reads only the group size from its sizing: the node's P ranks.
-        node_sizing = replace(sizing, placement=ExpertPlacement.contiguous(self.P, self.P))
-        layout = hier_layout(sizing, self.G, self.P)
-        self.peers = ShmPeers(layout, self.groups[1], self.local, node_sizing, timeout_s)
+        self.timeout_s, self.engine = timeout_s, engine
+        self.blocks = HierBlocks.of(sizing, self.G, self.P)
+        self.t = shm_heap(self.blocks.all(), self.groups[1], self.local, self.P, timeout_s)
 
     def _phase(self, what: str) -> str:
         return f"{what} (peers named by node-local index of ranks {self.node_ranks})"
@@ -212,35 +225,27 @@ class HierExchange:
         if out is None:
             out = send_SX.new_empty((int(recv_G.sum()), *send_SX.shape[1:]))
         try:
-            dist.all_to_all_single(out, send_SX, recv_G.tolist(), send_G.tolist(), group=self.groups[0])
-        except RuntimeError as err:
-            self.peers.abort(call)
-            others = [r for r in self.rail if r != self.me]
-            if "timed out" in str(err).lower() or "timeout" in str(err).lower():
-                raise CommTimeoutError(phase, others, self.timeout_s, []) from err
-            raise UbepError(f"{phase}: torch.distributed failed with rail peer(s) {others}: {err}") from err
+            with collective_deadline(self.groups[0], self.timeout_s, phase, names=tuple(self.rail)):
+                dist.all_to_all_single(out, send_SX, recv_G.tolist(), send_G.tolist(), group=self.groups[0])
+        except BaseException:
+            self.t.abort(call)  # node peers learn at once
+            raise
         return out
 
     def _home_plan(
         self, is_token_in_rank_NR: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(send_token_S, send_counts_G, own_token_O): which tokens cross to which node, once."""
-        in_slot_NG = tokens_per_slot(is_token_in_rank_NR, self.slot_ranks_GP)
+        in_slot_NG = tokens_per_slot(is_token_in_rank_NR, self.slot_ranks_GV)
         own_O = torch.nonzero(in_slot_NG[:, self.slot]).flatten()
         in_slot_NG[:, self.slot] = False  # own tokens stay in the node
         slot_S, token_S = destination_major(in_slot_NG)
         return token_S, torch.bincount(slot_S, minlength=self.G), own_O
 
-    def _header(self, call: CallId, rows: int, dtype: torch.dtype) -> np.ndarray:
-        """This rank's forward-set header, with its row count and dtype written."""
-        hdr = self.peers.heap.words(self.local, f"f{call.parity}.hdr")
-        hdr[COUNT], hdr[DTYPE] = rows, DTYPE_CODES[dtype]
-        return hdr
-
     def _relay_routing(self, call: CallId, plan: SendPlan, send_token_S, send_G, own_O) -> torch.Tensor:
         """Stage 1 and 2 for routing: send each other node (once) the routing of the tokens
         it needs; publish the forward set's routing and stamp META. Returns rows per slot."""
-        heap, p, me, idx, w = self.peers.heap, call.parity, self.local, plan.topk_idx_NK, plan.topk_weights_NK
+        b, t, me, idx, w = self.blocks, self.t, self.local, plan.topk_idx_NK, plan.topk_weights_NK
         ones_G = torch.ones(self.G, dtype=torch.int64)
         relay_G = self._rail_all_to_all("dispatch (counts across nodes)", call, send_G, ones_G, ones_G)
         parts = (send_token_S[:, None], idx[send_token_S], w[send_token_S])
@@ -252,27 +257,23 @@ class HierExchange:
             [torch.repeat_interleave(torch.tensor(self.rail), relay_G), torch.full_like(own_O, self.me)]
         )
         F = src_F.numel()
-        heap.tensor(me, f"f{p}.ids")[:F].copy_(torch.stack([src_F, torch.cat([token_in[:, 0], own_O])], 1))
-        heap.tensor(me, f"f{p}.topk")[: F * K].copy_(torch.cat([idx_in, idx[own_O]]).flatten())
-        heap.tensor(me, f"f{p}.w")[: F * K].copy_(torch.cat([w_in, w[own_O]]).flatten())
-        hdr = self._header(call, F, plan.x_NH.dtype)
-        hdr[TOPK] = K
-        hdr[META] = call.epoch  # routing visible from here on
-        self.peers.ring_all()
+        t.view(b.ids, me, call)[:F].copy_(torch.stack([src_F, torch.cat([token_in[:, 0], own_O])], 1))
+        t.view(b.topk, me, call)[:F, :K].copy_(torch.cat([idx_in, idx[own_O]]))
+        t.view(b.weights, me, call)[:F, :K].copy_(torch.cat([w_in, w[own_O]]))
+        t.publish(b.route, call, {"count": F, "dtype": DTYPE_CODES[plan.x_NH.dtype], "topk": K})
         return relay_G
 
     def _relay_rows(self, call: CallId, x_NH: torch.Tensor, send_token_S, send_G, relay_G, own_O) -> None:
         """Stage 1 and 2 for rows: crossing rows land straight in this rank's forward set,
         followed by its own rows for its node; then stamp DATA."""
         S, F, H = int(relay_G.sum()), int(relay_G.sum()) + own_O.numel(), x_NH.shape[1]
-        fwd_FH = rows_view(self.peers.heap.tensor(self.local, f"f{call.parity}.x"), F, H, x_NH.dtype)
+        fwd_FH = rows(self.t.view(self.blocks.x, self.local, call), F, x_NH.dtype, H)
         crossing = as_bytes(x_NH[send_token_S])
         self._rail_all_to_all(
             "dispatch (across nodes)", call, crossing, send_G, relay_G, out=as_bytes(fwd_FH[:S])
         )
-        torch.index_select(x_NH, 0, own_O, out=fwd_FH[S:])
-        self._header(call, F, x_NH.dtype)[DATA] = call.epoch  # rows visible from here on
-        self.peers.ring_all()
+        self.engine.copy_rows(x_NH, own_O, fwd_FH[S:], None)
+        self.t.publish(self.blocks.data, call, {"count": F, "dtype": DTYPE_CODES[x_NH.dtype]})  # rows visible
 
     # -- inside the node: dispatch ----------------------------------------------------------------
 
@@ -288,10 +289,10 @@ class HierExchange:
             send_G,
             own_O,
             relay_G,
-            got.fwd_in_node_FP,
+            got.fwd_in_node_FV,
             got.fwd_M,
             got.fwd_row_M,
-            got.fwd_offset_P,
+            got.fwd_offset_V,
         )
         prefix_R1 = prefix_offsets(torch.bincount(got.src_rank_M, minlength=self.sizing.num_ranks))
         recv_x_MH = self._gather_rows(call, plan.x_NH, route, prefix_R1)
@@ -304,29 +305,25 @@ class HierExchange:
         recv_x_MH = self._gather_rows(call, x_NH, r, handle.recv_prefix_R1)
         return Received(recv_x_MH, None, None, handle.recv_src_token_M, handle.recv_prefix_R1, route=r)
 
-    def _forward_header(self, call: CallId, f: int, dtype: torch.dtype) -> tuple[int, int]:
-        """A landed forward set's (row count, top-k), checked against this rank's bounds."""
-        hdr = self.peers.heap.words(f, f"f{call.parity}.hdr")
-        n, k, code = int(hdr[COUNT]), int(hdr[TOPK]), int(hdr[DTYPE])
-        if not 0 <= n <= self.sizing.capacity * self.G:
-            raise PeerDataError(f"dispatch: rank {self.node_ranks[f]} announced {n} forwarded rows")
-        if CODE_DTYPES.get(code) != dtype:
-            raise PeerDataError(
-                f"dispatch: rank {self.node_ranks[f]} sent {CODE_DTYPES.get(code)}, not {dtype}"
-            )
-        return n, k
+    def _forward_header(self, call: CallId, f: int, dtype: torch.dtype, header: Header) -> tuple[int, int]:
+        """A landed forward set's (row count, top-k or 0), checked against this rank's call."""
+        got = self.t.read(header, call, f)
+        if CODE_DTYPES.get(got["dtype"]) != dtype:
+            message = f"dispatch: rank {self.node_ranks[f]} sent {CODE_DTYPES.get(got['dtype'])}, not {dtype}"
+            raise self.t.bad_data(call, f, message)
+        return got["count"], got.get("topk", 0)
 
     def _read_routing(self, call: CallId, dtype: torch.dtype, K: int):
         """Every forward set's (ids [S, 2], topk [S, K], weights [S, K], rows per forwarder [P])."""
-        heap, p = self.peers.heap, call.parity
+        b, t = self.blocks, self.t
         ids, topk, weights, counts = [], [], [], []
         for f in range(self.P):
-            n, k = self._forward_header(call, f, dtype)
+            n, k = self._forward_header(call, f, dtype, b.route)
             if k != K:
                 raise PeerDataError(f"dispatch: rank {self.node_ranks[f]} relays top-k {k}, this rank {K}")
-            ids.append(heap.tensor(f, f"f{p}.ids")[:n])
-            topk.append(heap.tensor(f, f"f{p}.topk")[: n * K].view(n, K))
-            weights.append(heap.tensor(f, f"f{p}.w")[: n * K].view(n, K))
+            ids.append(t.view(b.ids, f, call)[:n])
+            topk.append(t.view(b.topk, f, call)[:n, :K])
+            weights.append(t.view(b.weights, f, call)[:n, :K])
             counts.append(n)
         ids_S2, topk_SK = torch.cat(ids), torch.cat(topk)
         bad_ids = (ids_S2 < 0).any() or (ids_S2[:, 0] >= self.sizing.num_ranks).any()
@@ -339,18 +336,18 @@ class HierExchange:
 
     def _gather_routing(self, call: CallId, dtype: torch.dtype, K: int) -> Routed:
         """Stage 2, fan-out: from every forward set's routing, the rows owned here, in final order."""
-        heap, p, placement = self.peers.heap, call.parity, self.sizing.placement
-        metas = [heap.words(f, f"f{p}.hdr")[META : META + 1].reshape(()) for f in range(self.P)]
-        self.peers.wait_words(self._phase("dispatch (routing)"), call, metas, call.epoch, range(self.P))
-        ids_S2, topk_SK, w_SK, counts_P = self._read_routing(call, dtype, K)
-        fwd_S = torch.repeat_interleave(torch.arange(self.P), counts_P)
-        row_S = torch.arange(fwd_S.numel()) - prefix_offsets(counts_P)[:-1][fwd_S]
+        placement = self.sizing.placement
+        for _ in self.t.landed(self.blocks.route, call, range(self.P), self._phase("dispatch (routing)")):
+            pass
+        ids_S2, topk_SK, w_SK, counts_V = self._read_routing(call, dtype, K)
+        fwd_S = torch.repeat_interleave(torch.arange(self.P), counts_V)
+        row_S = torch.arange(fwd_S.numel()) - prefix_offsets(counts_V)[:-1][fwd_S]
         local_SK, local_w_SK = localize_topk(topk_SK, w_SK, placement, self.me)
         here = torch.nonzero((local_SK >= 0).any(dim=1)).flatten()
         m = here[torch.argsort(ids_S2[here, 0] * self.sizing.capacity + ids_S2[here, 1])]  # (source, token)
-        in_node_SP = token_in_rank(topk_SK, placement)[:, self.node_ranks]
-        to_lower_S = in_node_SP[:, : self.local].sum(dim=1)  # pairs ahead of this rank's block
-        offset_P = torch.bincount(fwd_S, weights=to_lower_S.double(), minlength=self.P).long()
+        in_node_SV = token_in_rank(topk_SK, placement)[:, self.node_ranks]
+        to_lower_S = in_node_SV[:, : self.local].sum(dim=1)  # pairs ahead of this rank's block
+        offset_V = torch.bincount(fwd_S, weights=to_lower_S.double(), minlength=self.P).long()
         return Routed(
             local_SK[m],
             local_w_SK[m],
@@ -358,43 +355,32 @@ class HierExchange:
             ids_S2[m, 1],
             fwd_S[m],
             row_S[m],
-            offset_P,
-            in_node_SP[fwd_S == self.local],
+            offset_V,
+            in_node_SV[fwd_S == self.local],
         )
 
     def _gather_rows(self, call: CallId, x_NH: torch.Tensor, route: HierRoute, prefix_R1) -> torch.Tensor:
         """recv_x [M, H]: each forwarder's rows, pulled as soon as its DATA stamp lands, in any order."""
         recv_x_MH = x_NH.new_empty((route.recv_fwd_M.numel(), x_NH.shape[1]))
-        heap, p = self.peers.heap, call.parity
-        datas = [heap.words(f, f"f{p}.hdr")[DATA : DATA + 1].reshape(()) for f in range(self.P)]
-        waiter = self.peers.waiter(self._phase("dispatch (tokens in node)"), call)
-        pending = [(self.local + i) % self.P for i in range(self.P)]  # own forward set first
-        while pending:
-            landed = [f for f in pending if datas[f][()] == call.epoch]
-            for f in landed:
-                self._pull(call, f, recv_x_MH, route, prefix_R1)
-            pending = [f for f in pending if f not in landed]
-            if pending and not landed:
-                waiter.pause(pending)
+        own_first = [(self.local + i) % self.P for i in range(self.P)]
+        for f in self.t.landed(self.blocks.data, call, own_first, self._phase("dispatch (tokens in node)")):
+            self._pull(call, f, recv_x_MH, route, prefix_R1)
         return recv_x_MH
 
     def _pull(self, call: CallId, f: int, recv_x_MH: torch.Tensor, route: HierRoute, prefix_R1) -> None:
         """Copy forwarder f's rows into place. Every source's rows come through one forwarder
         (the node rank with the source's local index), so each source block is one gather."""
-        rows = route.recv_fwd_row_M[route.recv_fwd_M == f]
-        if not rows.numel():
+        rows_here = route.recv_fwd_row_M[route.recv_fwd_M == f]
+        if not rows_here.numel():
             return
-        n, _ = self._forward_header(call, f, recv_x_MH.dtype)
-        if int(rows.max()) >= n:
-            raise PeerDataError(
-                f"dispatch: rank {self.node_ranks[f]} relays {n} rows, fewer than routed here"
-            )
-        source_FH = rows_view(
-            self.peers.heap.tensor(f, f"f{call.parity}.x"), n, recv_x_MH.shape[1], recv_x_MH.dtype
-        )
+        n, _ = self._forward_header(call, f, recv_x_MH.dtype, self.blocks.data)
+        if int(rows_here.max()) >= n:
+            message = f"dispatch: rank {self.node_ranks[f]} relays {n} rows, fewer than routed here"
+            raise self.t.bad_data(call, f, message)
+        source_FH = rows(self.t.view(self.blocks.x, f, call), n, recv_x_MH.dtype, recv_x_MH.shape[1])
         for src in self.sources_via[f]:
-            a, b = int(prefix_R1[src]), int(prefix_R1[src + 1])
-            torch.index_select(source_FH, 0, route.recv_fwd_row_M[a:b], out=recv_x_MH[a:b])
+            a, z = int(prefix_R1[src]), int(prefix_R1[src + 1])
+            self.engine.copy_rows(source_FH, route.recv_fwd_row_M[a:z], recv_x_MH[a:z], None)
 
     # -- combine ----------------------------------------------------------------------------------
 
@@ -402,73 +388,67 @@ class HierExchange:
         route: HierRoute = handle.route
         K = 0 if topk_weights_MK is None else topk_weights_MK.shape[1]
         self._put_to_forwarders(call, x_MH, topk_weights_MK, route)
-        partial_FC = self._reduce_in_node(call, x_MH.dtype, x_MH.shape[1], K, route)
+        partial_FY = self._reduce_in_node(call, x_MH.dtype, x_MH.shape[1], K, route)
         S = int(route.relay_counts_G.sum())  # partials of other nodes' tokens; own ones follow
-        back_SC = self._rail_all_to_all(
-            "combine (across nodes)", call, partial_FC[:S], route.relay_counts_G, route.send_counts_G
+        back_SY = self._rail_all_to_all(
+            "combine (across nodes)", call, partial_FY[:S], route.relay_counts_G, route.send_counts_G
         )
         # Every node's partials, added in rail order (this node's at this rank's slot).
         b, token_S = int(route.send_counts_G[: self.slot].sum()), route.send_token_S
-        out_NC = torch.zeros(handle.num_tokens, partial_FC.shape[1], dtype=torch.float32)
-        out_NC.index_add_(0, token_S[:b], back_SC[:b])
-        out_NC.index_add_(0, route.own_token_O, partial_FC[S:])
-        out_NC.index_add_(0, token_S[b:], back_SC[b:])
+        out_NY = torch.zeros(handle.num_tokens, partial_FY.shape[1], dtype=torch.float32)
+        out_NY.index_add_(0, token_S[:b], back_SY[:b])
+        out_NY.index_add_(0, route.own_token_O, partial_FY[S:])
+        out_NY.index_add_(0, token_S[b:], back_SY[b:])
         H = x_MH.shape[1]
-        return out_NC[:, :H].to(x_MH.dtype), (out_NC[:, H:].contiguous() if K else None)
+        return out_NY[:, :H].to(x_MH.dtype), (out_NY[:, H:].contiguous() if K else None)
 
     def _put_to_forwarders(self, call: CallId, x_MH, w_MK, route: HierRoute) -> None:
         """Each forwarder's rows go to their final place in its combine buffer; then a stamp."""
-        heap, p, H = self.peers.heap, call.parity, x_MH.shape[1]
-        offsets = route.fwd_offset_P.tolist()
+        b, t, H = self.blocks, self.t, x_MH.shape[1]
+        offsets = route.fwd_offset_V.tolist()
         for i in range(self.P):
             f = (self.local + i) % self.P
             pos = torch.nonzero(route.recv_fwd_M == f).flatten()
             pos = pos[torch.argsort(route.recv_fwd_row_M[pos])]  # in the forwarder's row order
             n, at = pos.numel(), offsets[f]
-            out = rows_view(heap.tensor(f, f"c{p}.x"), n, H, x_MH.dtype, first_row=at)
-            torch.index_select(x_MH, 0, pos, out=out)
+            self.engine.copy_rows(
+                x_MH, pos, rows(t.view(b.back_x, f, call), n, x_MH.dtype, H, first=at), None
+            )
             if w_MK is not None:
-                K = w_MK.shape[1]
-                torch.index_select(
-                    w_MK, 0, pos, out=heap.tensor(f, f"c{p}.w")[at * K : (at + n) * K].view(n, K)
+                self.engine.copy_rows(
+                    w_MK, pos, t.view(b.back_w, f, call)[at : at + n, : w_MK.shape[1]], None
                 )
-            slot = heap.words(f, f"c{p}.hdr")[self.local]
-            slot[SLOT_DTYPE] = DTYPE_CODES[x_MH.dtype]
-            slot[SLOT_COUNT] = n
-            slot[SLOT_FLAG] = call.epoch  # this block is visible from here on
-            self.peers.ring(f)
+            t.publish(b.slot, call, {"dtype": DTYPE_CODES[x_MH.dtype], "count": n}, to=f)
 
     def _reduce_in_node(self, call: CallId, dtype, H: int, K: int, route: HierRoute) -> torch.Tensor:
         """float32 [F, H + K]: each forwarded row summed over the node ranks it went to."""
-        heap, p = self.peers.heap, call.parity
-        hdr = heap.words(self.local, f"c{p}.hdr")
-        flags = [hdr[d, SLOT_FLAG : SLOT_FLAG + 1].reshape(()) for d in range(self.P)]
-        self.peers.wait_words(self._phase("combine (in node)"), call, flags, call.epoch, range(self.P))
-        expected_P = route.fwd_in_node_FP.sum(dim=0).tolist()
+        b, t = self.blocks, self.t
+        for _ in t.landed(b.slot, call, range(self.P), self._phase("combine (in node)")):
+            pass
+        expected_V = route.fwd_in_node_FV.sum(dim=0).tolist()
         for d in range(self.P):
-            got, code = int(hdr[d, SLOT_COUNT]), int(hdr[d, SLOT_DTYPE])
-            if got != expected_P[d] or CODE_DTYPES.get(code) != dtype:
+            got = t.read(b.slot, call, d)
+            if got["count"] != expected_V[d] or CODE_DTYPES.get(got["dtype"]) != dtype:
                 raise PeerDataError(
-                    f"combine: rank {self.node_ranks[d]} returned {got} rows of {CODE_DTYPES.get(code)}, "
-                    f"expected {expected_P[d]} of {dtype}"
+                    f"combine: rank {self.node_ranks[d]} returned {got['count']} rows of "
+                    f"{CODE_DTYPES.get(got['dtype'])}, expected {expected_V[d]} of {dtype}"
                 )
-        _, row_Q = destination_major(route.fwd_in_node_FP)
-        partial_FC = torch.zeros(route.fwd_in_node_FP.shape[0], H + K, dtype=torch.float32)
-        partial_FC[:, :H].index_add_(
-            0, row_Q, rows_view(heap.tensor(self.local, f"c{p}.x"), row_Q.numel(), H, dtype).float()
-        )
-        if K:
-            partial_FC[:, H:].index_add_(
-                0, row_Q, heap.tensor(self.local, f"c{p}.w")[: row_Q.numel() * K].view(-1, K)
-            )
-        return partial_FC
+        _, row_Q = destination_major(route.fwd_in_node_FV)
+        F, Q = route.fwd_in_node_FV.shape[0], row_Q.numel()
+        partial_FH = torch.zeros(F, H, dtype=torch.float32)
+        self.engine.accumulate_rows(partial_FH, rows(t.view(b.back_x, self.local, call), Q, dtype, H), row_Q)
+        if not K:
+            return partial_FH
+        partial_FK = torch.zeros(F, K, dtype=torch.float32)
+        self.engine.accumulate_rows(partial_FK, t.view(b.back_w, self.local, call)[:Q, :K], row_Q)
+        return torch.cat([partial_FH, partial_FK], dim=1)
 
     def abort(self, call: CallId) -> None:
         """Node peers learn at once; rail peers time out through the process group."""
-        self.peers.abort(call)
+        self.t.abort(call)
 
     def close(self) -> None:
-        self.peers.close()
+        self.t.close()
         for group in self.groups:
             dist.destroy_process_group(group)
 

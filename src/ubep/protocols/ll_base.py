@@ -18,27 +18,15 @@ from typing import Protocol
 
 import torch
 
-from ubep import fp8, reference
+from ubep import fp8
+from ubep.calls import CallId
+from ubep.engine import Engine
+from ubep.engine.torch_engine import as_words
 from ubep.layout import ExpertPlacement, prefix_offsets
-from ubep.protocols.base import DTYPE_CODES, CallId
+from ubep.protocols.base import DTYPE_CODES
 from ubep.results import LowLatencyHandle
 
 Payload = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
-WORD_DTYPES = (torch.int64, torch.int32, torch.int16, torch.uint8)
-
-
-def as_words(*byte_tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """The same bytes viewed as the widest integer type every tensor allows.
-
-    Row copies index element by element, so copying 8-byte words instead of
-    bytes is several times faster; all views share one type so copies stay bitwise.
-    """
-    for dtype in WORD_DTYPES:
-        try:
-            return tuple(t.view(dtype) for t in byte_tensors)
-        except RuntimeError:
-            continue
-    raise AssertionError("uint8 views always exist")
 
 
 def gather_rows(rows_NB: torch.Tensor, index_n: torch.Tensor) -> torch.Tensor:
@@ -156,6 +144,7 @@ def slot_positions(counts_L: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def place_source(
+    engine: Engine,
     out: LLDispatchOut,
     src: int,
     begin_L: torch.Tensor,
@@ -170,9 +159,9 @@ def place_source(
     """
     local_n, index_n = slot_positions(counts_L)
     pos_n = begin_L[local_n] + index_n
+    slot_n = local_n * out.planes[0][0].shape[1] + pos_n
     for plane, lo, hi in out.planes:
-        plane_w, rows_w = as_words(plane, rows_nB[:, lo:hi])
-        plane_w[local_n, pos_n] = rows_w
+        engine.copy_rows(rows_nB[:, lo:hi], None, plane.view(-1, hi - lo), slot_n)
     h = out.handle
     h.recv_src_token_LM[local_n, pos_n] = token_n
     h.recv_src_rank_LM[local_n, pos_n] = src
@@ -182,6 +171,7 @@ def place_source(
 
 
 def place_all(
+    engine: Engine,
     out: LLDispatchOut,
     counts_SL: torch.Tensor,
     rows_MB: torch.Tensor,
@@ -193,7 +183,7 @@ def place_all(
     offsets = prefix_offsets(counts_SL.sum(dim=1))
     for src in range(counts_SL.shape[0]):
         a, b = int(offsets[src]), int(offsets[src + 1])
-        place_source(out, src, begin_L, counts_SL[src], rows_MB[a:b], token_M[a:b], k_M[a:b])
+        place_source(engine, out, src, begin_L, counts_SL[src], rows_MB[a:b], token_M[a:b], k_M[a:b])
         begin_L = begin_L + counts_SL[src]
     out.handle.recv_count_L.copy_(begin_L)
 
@@ -270,14 +260,14 @@ def home_order(plan: LLCombinePlan) -> tuple[torch.Tensor, torch.Tensor]:
     return token_P[order_P], k_P[order_P]
 
 
-def reduce_returned(plan: LLCombinePlan, rows_PB: torch.Tensor, out_NH: torch.Tensor) -> None:
+def reduce_returned(engine: Engine, plan: LLCombinePlan, rows_PB: torch.Tensor, out_NH: torch.Tensor) -> None:
     """Reduce rows that came back in `home_order`."""
     N, K = plan.valid_NK.shape
     token_P, k_P = home_order(plan)
     y_NKB = torch.zeros(N * K, plan.x_LMB.shape[2], dtype=torch.uint8)
     y_w, rows_w = as_words(y_NKB, rows_PB)
     y_w[token_P * K + k_P] = rows_w
-    reduce_rows(plan, y_NKB.view(N, K, y_NKB.shape[1]), out_NH)
+    reduce_rows(engine, plan, y_NKB.view(N, K, y_NKB.shape[1]), out_NH)
 
 
 def returned_rows(plan: LLCombinePlan, rows: slice | None = None) -> torch.Tensor:
@@ -287,10 +277,10 @@ def returned_rows(plan: LLCombinePlan, rows: slice | None = None) -> torch.Tenso
     return x_w[plan.local_Q[rows], plan.row_Q[rows]].view(torch.uint8)
 
 
-def reduce_rows(plan: LLCombinePlan, y_NKB: torch.Tensor, out_NH: torch.Tensor) -> None:
+def reduce_rows(engine: Engine, plan: LLCombinePlan, y_NKB: torch.Tensor, out_NH: torch.Tensor) -> None:
     """out = sum_k w[t, k] * y(t, k) over valid k (float32, k ascending), cast into out's dtype."""
     y_NKH = y_NKB.view(_dtype_of(plan.code))  # [N, K, H]
-    out_NH.copy_(reference.weighted_sum(y_NKH, plan.topk_weights_NK, plan.valid_NK))
+    out_NH.copy_(engine.weighted_sum(y_NKH, plan.topk_weights_NK, plan.valid_NK))
 
 
 class LowLatencyExchange(Protocol):

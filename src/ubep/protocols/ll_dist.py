@@ -18,12 +18,16 @@ peers time out in the process group, as for normal mode on this transport.)
 from __future__ import annotations
 
 from collections.abc import Callable
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
+from ubep.calls import CallId
+from ubep.deadlines import PeerPids, collective_deadline
+from ubep.engine import Engine
 from ubep.errors import PeerDataError
-from ubep.protocols.base import CallId, Sizing
+from ubep.protocols.base import Sizing
 from ubep.protocols.ll_base import (
     LLCombinePlan,
     LLDispatchOut,
@@ -44,16 +48,32 @@ class LLDist:
 
     name = "dist-ll"
 
-    def __init__(self, group: dist.ProcessGroup, rank: int, sizing: Sizing):
+    def __init__(self, group: dist.ProcessGroup, rank: int, sizing: Sizing, engine: Engine, timeout_s: float):
         self.group = group
         self.me = rank
         self.R = sizing.num_ranks
         self.L = sizing.placement.num_local_experts
+        self.engine = engine
+        self.timeout_s = timeout_s
+        with collective_deadline(group, timeout_s, "Buffer construction (pid exchange)"):
+            self._pids = PeerPids.gather(group, rank, self.R)
+
+    def _deadline(self, phase: str):
+        """Every collective of this path, and every wait for one, runs under the Buffer's deadline."""
+        return collective_deadline(self.group, self.timeout_s, phase, self._pids)
 
     def _headers(self, send_RW: torch.Tensor) -> torch.Tensor:
         recv_RW = torch.empty_like(send_RW)
-        dist.all_to_all_single(recv_RW, send_RW, group=self.group)
+        with self._deadline("low-latency dispatch (headers)"):
+            dist.all_to_all_single(recv_RW, send_RW, group=self.group)
         return recv_RW
+
+    def _finish(self, phase: str, works: list) -> None:
+        """Wait for asynchronous collectives, at most `timeout_s` (a stalled peer is named)."""
+        with self._deadline(phase):
+            for work in works:
+                if not work.wait(timedelta(seconds=self.timeout_s)):
+                    raise RuntimeError(f"{phase}: timed out after {self.timeout_s} s")
 
     def dispatch_send(self, call: CallId, plan: LLDispatchPlan, out: LLDispatchOut) -> Callable[[], None]:
         width = plan.rows_NB.shape[1]
@@ -66,15 +86,15 @@ class LLDist:
         meta_P2 = torch.stack([plan.pair_token_P, plan.pair_k_P], dim=1)
         rows_MB = rows_PB.new_empty((sum(recv), width))
         meta_M2 = meta_P2.new_empty((sum(recv), 2))
-        works = [
-            dist.all_to_all_single(rows_MB, rows_PB, recv, send, group=self.group, async_op=True),
-            dist.all_to_all_single(meta_M2, meta_P2, recv, send, group=self.group, async_op=True),
-        ]
+        with self._deadline("low-latency dispatch (tokens)"):
+            works = [
+                dist.all_to_all_single(rows_MB, rows_PB, recv, send, group=self.group, async_op=True),
+                dist.all_to_all_single(meta_M2, meta_P2, recv, send, group=self.group, async_op=True),
+            ]
 
         def receive() -> None:
-            for work in works:
-                work.wait()
-            place_all(out, counts_SL, rows_MB, meta_M2[:, 0], meta_M2[:, 1])
+            self._finish("low-latency dispatch (tokens)", works)
+            place_all(self.engine, out, counts_SL, rows_MB, meta_M2[:, 0], meta_M2[:, 1])
 
         return receive
 
@@ -95,11 +115,12 @@ class LLDist:
         send = plan.send_counts_R.tolist()
         recv = [plan.expected_from(r) for r in range(self.R)]
         rows_PB = rows_QB.new_empty((sum(recv), rows_QB.shape[1]))
-        work = dist.all_to_all_single(rows_PB, rows_QB, recv, send, group=self.group, async_op=True)
+        with self._deadline("low-latency combine"):
+            work = dist.all_to_all_single(rows_PB, rows_QB, recv, send, group=self.group, async_op=True)
 
         def receive() -> None:
-            work.wait()
-            reduce_returned(plan, rows_PB, out_NH)
+            self._finish("low-latency combine", [work])
+            reduce_returned(self.engine, plan, rows_PB, out_NH)
 
         return receive
 
@@ -107,4 +128,7 @@ class LLDist:
         if kind == "dispatch":
             header = torch.zeros(self.R, H_COUNTS + self.L, dtype=torch.int64)
             header[:, H_STATUS] = REJECTED
-            self._headers(header)
+            try:
+                self._headers(header)
+            except Exception:
+                pass  # the caller is already raising the reason this rank gave up

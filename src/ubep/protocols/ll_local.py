@@ -10,7 +10,8 @@ from collections.abc import Callable
 
 import torch
 
-from ubep.protocols.base import CallId
+from ubep.calls import CallId
+from ubep.engine import Engine
 from ubep.protocols.ll_base import (
     LLCombinePlan,
     LLDispatchOut,
@@ -23,20 +24,25 @@ from ubep.protocols.ll_base import (
 
 
 class LLLocal:
+    """Low-latency halves for a group of one: this rank's rows to itself."""
+
     name = "local-ll"
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
 
     def dispatch_send(self, call: CallId, plan: LLDispatchPlan, out: LLDispatchOut) -> Callable[[], None]:
         rows_PB = gather_rows(plan.rows_NB, plan.pair_token_P)
         counts_SL = plan.counts_RL
 
         def receive() -> None:
-            place_all(out, counts_SL, rows_PB, plan.pair_token_P, plan.pair_k_P)
+            place_all(self.engine, out, counts_SL, rows_PB, plan.pair_token_P, plan.pair_k_P)
 
         return receive
 
     def combine_send(self, call: CallId, plan: LLCombinePlan, out_NH: torch.Tensor) -> Callable[[], None]:
         rows_PB = returned_rows(plan)
-        return lambda: reduce_returned(plan, rows_PB, out_NH)
+        return lambda: reduce_returned(self.engine, plan, rows_PB, out_NH)
 
     def abort(self, call: CallId, kind: str) -> None:
         pass

@@ -38,11 +38,10 @@ from ubep.buffer import Buffer as UbepBuffer
 from ubep.compat.deep_ep import scales
 from ubep.compat.deep_ep.handles import LowLatencyView, NormalHandle, normal_handle
 from ubep.compat.deep_ep.utils import EventHandle, EventOverlap, pending_event, wait_previous
+from ubep.factory import heap_bytes
 from ubep.group import join_group
 from ubep.overlap import EventOverlap as Pending
 from ubep.protocols.base import Sizing
-from ubep.protocols.ll_shm import add_ll_regions
-from ubep.protocols.ubep_shm import ubep_layout
 from ubep.results import LowLatencyHandle
 
 HINT_TOKENS = 4096  # tokens per rank a normal-mode size hint provides for (DeepEP's prefill size)
@@ -61,10 +60,7 @@ def _segment_bytes(hidden: int, num_ranks: int, num_experts: int, tokens: int, l
     """Bytes of one rank's shared segment for a ubep.Buffer of these shapes."""
     placement = ep_layout.ExpertPlacement.contiguous(num_experts, num_ranks)
     sizing = Sizing(hidden=hidden, capacity=tokens, max_topk=_max_topk(num_ranks), placement=placement)
-    seg = ubep_layout(sizing)
-    if low_latency:
-        add_ll_regions(seg, sizing)
-    return seg.nbytes
+    return heap_bytes(sizing, "ubep", low_latency)
 
 
 def _tokens_that_fit(num_bytes: int, hidden: int, num_ranks: int) -> int:

@@ -1,0 +1,37 @@
+"""Call identity: every collective call of a Buffer gets a number all ranks agree on.
+
+Every rank makes the same sequence of calls, so `seq` (all calls) and `epoch`
+(this kind's calls) agree across the group without any message. The epoch
+stamps headers, so buffers never need clearing, and its parity picks the half
+of a double-buffered region.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, slots=True)
+class CallId:
+    """Identity of one collective call: `seq` counts every call, `epoch` this kind's calls."""
+
+    seq: int
+    epoch: int
+    kind: str = ""  # "dispatch", "combine", ...: what the peers are doing in this call
+
+    @property
+    def parity(self) -> int:
+        return self.epoch % 2
+
+
+@dataclass(slots=True)
+class CallCounter:
+    """Per-Buffer call numbering; a rejected call consumes its number like any other."""
+
+    seq: int = 0
+    epochs: dict[str, int] = field(default_factory=dict)
+
+    def next(self, kind: str) -> CallId:
+        self.seq += 1
+        self.epochs[kind] = self.epochs.get(kind, 0) + 1
+        return CallId(self.seq, self.epochs[kind], kind)

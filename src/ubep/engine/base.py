@@ -1,0 +1,81 @@
+"""The kernel interface: the few data-movement operations every protocol is made of.
+
+    routing -> layout -> schedule -> protocol -> [engine] -> transport
+
+A protocol decides *what* moves *when*; an engine moves and reduces rows. Every
+operation works on tensors that may be views of a peer's memory (a shared
+segment, a virtual rank's arena, a CUDA peer buffer): the transport hands out
+the views, the engine never knows where they live.
+
+Rows are moved as raw words: a row of `B` bytes is viewed as `B // 8` int64
+(or narrower) words, so bf16, fp32 and FP8 values or scales take one path.
+Reductions read typed rows (bf16, fp16 or fp32) and accumulate in float32 in
+the order the rows are given, which is the reference's order (ascending
+source rank, then row), so results agree bit for bit with `ubep.reference`.
+
+Legend: see `ubep.layout`; here n counts rows moved by one call, X rows in a
+source region.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+
+class Engine(Protocol):
+    """One implementation of the kernels (`torch`, `numba`, `triton`)."""
+
+    name: str
+
+    def copy_rows(
+        self,
+        src_XB: torch.Tensor,
+        src_index_n: torch.Tensor | None,
+        dst_YB: torch.Tensor,
+        dst_index_n: torch.Tensor | None,
+    ) -> None:
+        """dst[dst_index[i]] = src[src_index[i]] for every i, bitwise (rows of equal byte width).
+
+        A None index means "rows in order" (i itself). Destination indices are
+        distinct. Example: src rows [a, b, c], src_index [2, 0], dst_index None
+        -> dst [c, a] (a gather); src_index None, dst_index [1, 0] -> dst [b, a].
+        """
+
+    def localize_rows(
+        self,
+        topk_XK: torch.Tensor,
+        weights_XK: torch.Tensor | None,
+        rows_n: torch.Tensor,
+        local_of_expert_E: torch.Tensor,
+        out_idx_nK: torch.Tensor,
+        out_weights_nK: torch.Tensor | None,
+    ) -> None:
+        """A receiver's view of routing rows `rows` of a source's top-k (global expert ids).
+
+        out_idx[i, k] = local_of_expert[topk[rows[i], k]] (-1 where the expert is
+        not on this rank or the slot is -1); out_weights keeps the weight where
+        the expert is local and 0 elsewhere. Example (this rank owns experts 2, 3
+        as local 0, 1): topk row [3, 0, -1] -> [1, -1, -1].
+        """
+
+    def accumulate_rows(
+        self,
+        acc_NH: torch.Tensor,
+        rows_nH: torch.Tensor,
+        token_n: torch.Tensor,
+        weight_n: torch.Tensor | None = None,
+    ) -> None:
+        """acc[token[i]] += rows[i] (times weight[i] when given), in float32, i ascending.
+
+        acc is float32 [N, H]; rows are bf16, fp16 or fp32. Inf and NaN propagate
+        as in float32 arithmetic (a NaN row poisons only its own token).
+        Example: acc zeros [2, H], rows [a, b, c], token [1, 0, 1] -> acc [b, a + c].
+        """
+
+    def weighted_sum(self, y_NKH: torch.Tensor, w_NK: torch.Tensor, valid_NK: torch.Tensor) -> torch.Tensor:
+        """float32 [N, H]: sum over k ascending of w[n, k] * y[n, k] where valid.
+
+        The formula of `ubep.reference.weighted_sum` (the low-latency combine).
+        """

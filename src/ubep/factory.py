@@ -1,0 +1,79 @@
+"""Assembly: one transport, one protocol and one engine for a Buffer, chosen once.
+
+The Buffer and `ubep.compat` both build through here, so what a given set of
+options constructs (and how many bytes of shared memory it maps) is decided
+in one place.
+
+Legend: see `ubep.layout`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ubep.engine import Engine
+from ubep.faults import FaultPoints
+from ubep.group import GroupInfo
+from ubep.protocols.base import Exchange, Sizing
+from ubep.protocols.bsp import BspBlocks, BspExchange
+from ubep.protocols.bsp_dist import BspDist
+from ubep.protocols.hier import HierExchange
+from ubep.protocols.ll import LLBlocks, LLExchange
+from ubep.protocols.ll_base import LowLatencyExchange
+from ubep.protocols.ll_dist import LLDist
+from ubep.protocols.ll_local import LLLocal
+from ubep.protocols.local import LocalExchange
+from ubep.protocols.ubep import UbepBlocks, UbepExchange
+from ubep.transport.base import Header, Region
+from ubep.transport.heap import Layout
+from ubep.transport.shm import shm_heap
+from ubep.transport.virtual import virtual_heap
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Options:
+    """What a Buffer was asked for, once validated."""
+
+    transport: str  # as chosen: "local", "shm", "virtual", "hier" or "dist"
+    protocol: str  # "ubep" or "bsp"
+    low_latency: bool
+    timeout_s: float
+    workers: int = 1
+    schedule: str = "ubep"
+
+
+def heap_blocks(sizing: Sizing, protocol: str, low_latency: bool) -> tuple[Region | Header, ...]:
+    """The memory every rank of a one-host heap holds for these options."""
+    normal = UbepBlocks.of(sizing).all() if protocol == "ubep" else BspBlocks.of(sizing).all()
+    return normal + (LLBlocks.of(sizing).all() if low_latency else ())
+
+
+def heap_bytes(sizing: Sizing, protocol: str = "ubep", low_latency: bool = True) -> int:
+    """Bytes of shared memory one rank maps for these options (the size of its segment)."""
+    return Layout(sizing.num_ranks, heap_blocks(sizing, protocol, low_latency)).nbytes
+
+
+def build(
+    info: GroupInfo, sizing: Sizing, options: Options, engine: Engine, faults: FaultPoints
+) -> tuple[Exchange, LowLatencyExchange | None]:
+    """(normal-mode exchange, low-latency exchange or None); collective over the group."""
+    o = options
+    if o.transport == "local":
+        return LocalExchange(sizing), LLLocal(engine) if o.low_latency else None
+    if o.transport in ("dist", "hier"):  # across nodes: low-latency mode takes the collective path
+        if o.transport == "dist":
+            normal: Exchange = BspDist(info.group, info.rank, sizing, o.timeout_s, faults)
+        else:
+            normal = HierExchange(info, sizing, o.timeout_s, engine)
+        ll = LLDist(info.group, info.rank, sizing, engine, o.timeout_s) if o.low_latency else None
+        return normal, ll
+    blocks = heap_blocks(sizing, o.protocol, o.low_latency)
+    if o.transport == "virtual":
+        heap = virtual_heap(blocks, info.group, o.timeout_s)
+    else:
+        heap = shm_heap(blocks, info.group, info.rank, info.world_size, o.timeout_s)
+    if o.protocol == "ubep":
+        normal = UbepExchange(heap, engine, sizing, faults, workers=o.workers, policy=o.schedule)
+    else:
+        normal = BspExchange(heap, engine, sizing, faults)
+    return normal, LLExchange(heap, engine, sizing) if o.low_latency else None

@@ -1,0 +1,208 @@
+"""The BSP baseline: the same work as UBEP, in phases separated by global barriers,
+as vendor EP libraries and Megatron structure it.
+
+Dispatch: publish counts -> barrier -> token send (push each destination's rows
+into its per-source staging slot, with their token indices and local top-k)
+-> barrier -> flag verification -> prefix sums -> barrier -> reorder (staging
+slots -> recv_x).
+Combine: barrier -> publish output rows -> barrier -> pull and reduce (the same
+kernels and accumulation order as UBEP's combine).
+
+It is meant to be an honest baseline: the same engine kernels, one copy per row
+per hop, barriers over the same memory rather than sockets. What it lacks, by
+design, is UBEP's overlap: every rank waits at each barrier for the slowest
+rank's slowest phase, and pays the count round and the reorder copy.
+
+Legend: see `ubep.layout`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ubep.calls import CallId
+from ubep.engine import Engine
+from ubep.errors import PeerDataError
+from ubep.faults import NO_FAULTS, FaultPoints
+from ubep.layout import prefix_offsets
+from ubep.protocols.base import (
+    CODE_DTYPES,
+    CODE_RANGE,
+    DTYPE_CODES,
+    BackBlocks,
+    Received,
+    SendPlan,
+    Sizing,
+    publish_back,
+    reduce_home,
+    rows,
+)
+from ubep.results import DispatchHandle
+from ubep.transport.base import Field, Header, Region, Transport
+
+
+@dataclass(frozen=True, slots=True)
+class BspBlocks:
+    """The memory the baseline declares (single-buffered: barriers separate the calls)."""
+
+    counts: Header  # own: tokens for each destination
+    staged: Header  # inbox: "your slot from me is written"
+    stage_x: Region  # uint8 [R, T, row bytes]: a staging slot per source
+    stage_tokens: Region  # int64 [R, T]
+    stage_topk: Region  # int64 [R, T, max_topk]: local ids as this rank sees them
+    stage_weights: Region  # float32 [R, T, max_topk]
+    back: BackBlocks
+
+    @classmethod
+    def of(cls, s: Sizing) -> BspBlocks:
+        R, T, K = s.num_ranks, s.capacity, s.max_topk
+        return cls(
+            counts=Header(
+                "bsp.counts",
+                (Field("counts", length=R, hi=T, says="announced {value} tokens, capacity is {hi}"),),
+                double=False,
+                phase="dispatch",
+            ),
+            staged=Header(
+                "bsp.staged",
+                (Field("dtype", lo=CODE_RANGE[0], hi=CODE_RANGE[1]), Field("topk", hi=K)),
+                inbox=True,
+                double=False,
+            ),
+            stage_x=Region("bsp.stage_x", (R, T, s.row_bytes), torch.uint8),
+            stage_tokens=Region("bsp.stage_tokens", (R, T), torch.int64),
+            stage_topk=Region("bsp.stage_topk", (R, T, K), torch.int64),
+            stage_weights=Region("bsp.stage_weights", (R, T, K), torch.float32),
+            back=BackBlocks.of("bsp", s, double=False),
+        )
+
+    def all(self) -> tuple[Region | Header, ...]:
+        b = self.back
+        return (
+            self.counts,
+            self.staged,
+            self.stage_x,
+            self.stage_tokens,
+            self.stage_topk,
+            self.stage_weights,
+            b.back,
+            b.y,
+            b.y_weights,
+        )
+
+
+class BspExchange:
+    """Barrier-separated dispatch/combine over any transport, with any engine."""
+
+    name = "bsp"
+
+    def __init__(self, transport: Transport, engine: Engine, sizing: Sizing, faults: FaultPoints = NO_FAULTS):
+        self.t, self.engine, self.sizing, self.faults = transport, engine, sizing, faults
+        self.me, self.R = transport.rank, transport.num_ranks
+        self.blocks = BspBlocks.of(sizing)
+        placement = sizing.placement
+        self._local_of_RE = torch.stack(
+            [torch.where(placement.rank_of_expert_E == r, placement.local_index_E, -1) for r in range(self.R)]
+        )
+
+    def dispatch(self, call: CallId, plan: SendPlan, handle: DispatchHandle | None) -> Received:
+        b, t = self.blocks, self.t
+        corrupted = self.faults.count("dispatch.count", call, plan.send_counts_R)
+        counts = torch.as_tensor(corrupted, dtype=torch.int64).expand(self.R).tolist()
+        t.publish(b.counts, call, {"counts": counts})
+        t.barrier("dispatch (count exchange)", call)
+        self._send_tokens(call, plan)
+        self.faults.at("dispatch.sent", call)
+        t.barrier("dispatch (token send)", call)
+        counts_R = self._verify_and_count(call, plan)
+        t.barrier("dispatch (prefix sums)", call)
+        return self._reorder(call, plan, prefix_offsets(counts_R), cached=handle is not None)
+
+    def _send_tokens(self, call: CallId, plan: SendPlan) -> None:
+        b, t, me, H = self.blocks, self.t, self.me, plan.x_NH.shape[1]
+        K = 0 if plan.topk_idx_NK is None else plan.topk_idx_NK.shape[1]
+        tokens = plan.send_tokens()
+        for i in range(self.R):
+            dst = (me + i) % self.R
+            tokens_n, n = tokens[dst], tokens[dst].numel()
+            self.engine.copy_rows(
+                plan.x_NH, tokens_n, rows(t.view(b.stage_x, dst)[me], n, plan.x_NH.dtype, H), None
+            )
+            t.view(b.stage_tokens, dst)[me, :n].copy_(tokens_n)
+            if K:
+                self.engine.localize_rows(
+                    plan.topk_idx_NK,
+                    plan.topk_weights_NK,
+                    tokens_n,
+                    self._local_of_RE[dst],
+                    t.view(b.stage_topk, dst)[me, :n, :K],
+                    t.view(b.stage_weights, dst)[me, :n, :K],
+                )
+            t.publish(b.staged, call, {"dtype": DTYPE_CODES[plan.x_NH.dtype], "topk": K}, to=dst)
+
+    def _verify_and_count(self, call: CallId, plan: SendPlan) -> torch.Tensor:
+        """Rows from each source, after checking every source's flag, format and counts."""
+        b, t = self.blocks, self.t
+        missing = [s for s in range(self.R) if not t.stamped(b.staged, call, s)]
+        if missing:
+            raise PeerDataError(f"dispatch (flag verification): no tokens from rank(s) {missing}")
+        K = 0 if plan.topk_idx_NK is None else plan.topk_idx_NK.shape[1]
+        counts = []
+        for src in range(self.R):
+            got = t.read(b.staged, call, src)
+            if CODE_DTYPES.get(got["dtype"]) != plan.x_NH.dtype or got["topk"] != K:
+                message = (
+                    f"dispatch: rank {src} sent {CODE_DTYPES.get(got['dtype'])} with top-k {got['topk']}, "
+                    f"this rank {plan.x_NH.dtype} with top-k {K}"
+                )
+                raise t.bad_data(call, src, message)
+            counts.append(int(t.read(b.counts, call, src)["counts"][self.me]))
+        return torch.tensor(counts, dtype=torch.int64)
+
+    def _reorder(self, call: CallId, plan: SendPlan, prefix_R1: torch.Tensor, cached: bool) -> Received:
+        b, t, H, dtype = self.blocks, self.t, plan.x_NH.shape[1], plan.x_NH.dtype
+        M, prefix = int(prefix_R1[-1]), prefix_R1.tolist()
+        K = None if cached else plan.topk_idx_NK.shape[1]
+        recv_x = torch.empty(M, H, dtype=dtype)
+        recv_idx = None if cached else torch.empty(M, K, dtype=torch.int64)
+        recv_w = None if cached else torch.empty(M, K, dtype=torch.float32)
+        src_token = torch.empty(M, dtype=torch.int64)
+        for src in range(self.R):
+            a, z = prefix[src], prefix[src + 1]
+            self.engine.copy_rows(
+                rows(t.view(b.stage_x, self.me)[src], z - a, dtype, H), None, recv_x[a:z], None
+            )
+            src_token[a:z] = t.view(b.stage_tokens, self.me)[src, : z - a]
+            if not cached:
+                recv_idx[a:z] = t.view(b.stage_topk, self.me)[src, : z - a, :K]
+                recv_w[a:z] = t.view(b.stage_weights, self.me)[src, : z - a, :K]
+        self._check_received(call, src_token, recv_idx)
+        return Received(recv_x, recv_idx, recv_w, src_token, prefix_R1)
+
+    def _check_received(
+        self, call: CallId, src_token_M: torch.Tensor, recv_idx_MK: torch.Tensor | None
+    ) -> None:
+        """Token indices and local expert ids written by peers must be in range before use."""
+        T, L = self.sizing.capacity, self.sizing.placement.num_local_experts
+        if src_token_M.numel() and (src_token_M.min() < 0 or src_token_M.max() >= T):
+            raise PeerDataError(f"dispatch: a peer sent source token indices outside [0, {T})")
+        if recv_idx_MK is not None and recv_idx_MK.numel():
+            if recv_idx_MK.min() < -1 or recv_idx_MK.max() >= L:
+                raise PeerDataError(f"dispatch: a peer sent local expert ids outside [-1, {L})")
+
+    def combine(self, call: CallId, x_MH, handle: DispatchHandle, topk_weights_MK):
+        back = self.blocks.back
+        self.t.barrier("combine (start)", call)
+        publish_back(self.t, back, call, x_MH, handle, topk_weights_MK)
+        self.faults.at("combine.mid", call)
+        self.t.barrier("combine (token send)", call)
+        landed = self.t.landed(back.back, call, range(self.R), "combine (reduce)")  # all, after the barrier
+        return reduce_home(self.t, self.engine, back, call, handle, x_MH, topk_weights_MK, landed)
+
+    def abort(self, call: CallId) -> None:
+        self.t.abort(call)
+
+    def close(self) -> None:
+        self.t.close()

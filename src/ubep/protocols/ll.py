@@ -1,0 +1,276 @@
+"""Low-latency dispatch/combine over a one-sided transport: puts into per-peer slots, data as flag.
+
+Dispatch (call epoch e, half p = e % 2 of every double-buffered region):
+  send half: for each destination d, copy the rows of every (token, expert on d)
+    pair straight into d's slot for (local expert j, this rank), `ll.d{p}.x[j, me]`,
+    with each row's (token, top-k slot) beside it; then publish this rank's
+    header in d (the per-expert counts, dtype, T), stamped e, last.
+    The counts travel with the data: there is no count round and no barrier.
+  receive half: for each source s in ascending order, wait for its stamp, then
+    copy its rows into recv_x[j, begin : begin + count], where begin is the rows
+    already placed for j by sources < s. Finally publish "dispatch e consumed".
+Combine mirrors it: the expert rank puts each row y(t, k) into the home's slot
+  slot t * max_topk + k, then publishes its header in the home; the home
+  waits for the stamps of the ranks it expects rows from and reduces over k.
+
+Reuse argument (two outstanding calls, double buffering). The slots for call e
+are reused by call e + 2. A sender writes call e + 2 into d only after reading
+d's "consumed" word for that half (`done[kind, p]`) at >= e, which d writes at
+the end of its receive half of e, after its last read of those slots. So no
+write of e + 2 lands under a read of e, whatever the order in which hooks run.
+Stamps cannot be confused across calls either: a receiver waits for the exact
+epoch, and each writer stamps e before e + 2 (program order; x86 keeps stores
+in order). The wait is point to point and, when every rank runs a call's
+receive half before sending the call after next (DeepEP's rule: at most two
+low-latency calls of a kind in flight), never blocks on a rank that is itself
+waiting: d's receive half of e needs only sends of e, all issued already.
+A third send while this rank's own receive half of e is still pending would wait
+on itself; it raises instead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from ubep.calls import CallId
+from ubep.engine import Engine
+from ubep.errors import PeerDataError
+from ubep.protocols.base import CODE_RANGE, Sizing
+from ubep.protocols.ll_base import (
+    LLCombinePlan,
+    LLDispatchOut,
+    LLDispatchPlan,
+    place_source,
+    reduce_rows,
+    returned_rows,
+    slot_positions,
+)
+from ubep.transport.base import Field, Header, Region, Transport
+from ubep.waiting import AbortNotice, PeerAbortedError
+
+# `done[kind, half, word]`: CONSUMED, the last call of that kind whose receive half
+# finished (or that this rank rejected) on that half; SKIPPED, a rejected call whose
+# half was still held by an older call, released when that older call is consumed.
+DISPATCH, COMBINE = 0, 1
+CONSUMED, SKIPPED = 0, 1
+KINDS = {"dispatch": DISPATCH, "combine": COMBINE}
+
+
+@dataclass(frozen=True, slots=True)
+class LLBlocks:
+    """The memory low-latency mode declares (double-buffered slots, headers stamped per writer)."""
+
+    sent: Header  # inbox, dispatch: per source, its per-expert counts, dtype, T and row width
+    slots: Region  # uint8 [R, L, T, row bytes]: rows from each source, per local expert
+    slot_info: Region  # int64 [R, L, T]: token * max_topk + k of each row
+    returned: Header  # inbox, combine: per expert rank, dtype and row count
+    back_slots: Region  # uint8 [T * max_topk, row bytes]: y(t, k) at t * max_topk + k
+    done: Region  # int64 [2, 2, 2]: see CONSUMED / SKIPPED
+    rejected: Region  # int64 [2]: per kind, the last call this rank rejected
+
+    @classmethod
+    def of(cls, s: Sizing) -> LLBlocks:
+        R, T, K, L, B = s.num_ranks, s.capacity, s.max_topk, s.placement.num_local_experts, s.row_bytes
+        dtype = Field("dtype", lo=CODE_RANGE[0], hi=CODE_RANGE[1])
+        return cls(
+            sent=Header(
+                "ll.sent",
+                (dtype, Field("T", hi=T), Field("width", hi=B), Field("counts", length=L, hi=T)),
+                inbox=True,
+            ),
+            slots=Region("ll.slots", (R, L, T, B), torch.uint8, double=True),
+            slot_info=Region("ll.slot_info", (R, L, T), torch.int64, double=True),
+            returned=Header("ll.returned", (dtype, Field("count", hi=T * K)), inbox=True),
+            back_slots=Region("ll.back_slots", (T * K, B), torch.uint8, double=True),
+            done=Region("ll.done", (2, 2, 2), torch.int64),
+            rejected=Region("ll.rejected", (2,), torch.int64),
+        )
+
+    def all(self) -> tuple[Region | Header, ...]:
+        return (
+            self.sent,
+            self.slots,
+            self.slot_info,
+            self.returned,
+            self.back_slots,
+            self.done,
+            self.rejected,
+        )
+
+
+class LLExchange:
+    """Low-latency halves over a one-sided transport, with any engine."""
+
+    name = "ubep-ll"
+
+    def __init__(self, transport: Transport, engine: Engine, sizing: Sizing):
+        self.t, self.engine, self.sizing = transport, engine, sizing
+        self.me, self.R = transport.rank, transport.num_ranks
+        self.blocks = LLBlocks.of(sizing)
+
+    # -- buffer reuse -----------------------------------------------------------------------------
+
+    def _reserve(self, call: CallId, kind: int, what: str) -> None:
+        """Wait until every peer consumed call e - 2 of this kind (it used the same half)."""
+        p, before = call.parity, call.epoch - 2
+        done = [self.t.words(self.blocks.done, r) for r in range(self.R)]
+        if done[self.me][kind, p, CONSUMED] < before:
+            raise RuntimeError(
+                f"low-latency {what} #{call.epoch}: call #{before} still awaits its receive half "
+                "(hook or event.wait()); at most two low-latency calls of a kind may be in flight"
+            )
+        others = [r for r in range(self.R) if r != self.me]
+        self.t.wait(
+            f"low-latency {what} (buffer reuse)", call, others, lambda r: done[r][kind, p, CONSUMED] >= before
+        )
+
+    def _landed(self, phase: str, call: CallId, kind: int, header: Header, peers: list[int]) -> None:
+        """Wait until every peer's header landed; raise at once if one of them rejected this call.
+
+        A peer whose stamp for call e is missing while its `rejected` word is >= e
+        rejected e itself: had it sent e, nothing could have replaced e's stamp,
+        since e + 2 may be written only after this rank consumed e.
+        """
+        rejected = [self.t.words(self.blocks.rejected, r) for r in range(self.R)]
+
+        def ready(r: int) -> bool:
+            if self.t.stamped(header, call, r):
+                return True
+            if rejected[r][kind] >= call.epoch:
+                notice = AbortNotice("it rejected its input for this call; see that rank's error")
+                raise PeerAbortedError(phase, r, notice)
+            return False
+
+        self.t.wait(phase, call, peers, ready)
+
+    def _consumed(self, call: CallId, kind: int) -> None:
+        """This rank read its last byte of the call's half: peers may reuse it."""
+        done = self.t.words(self.blocks.done, self.me)[kind, call.parity]
+        done[CONSUMED] = max(call.epoch, int(done[SKIPPED]))
+        self.t.ring()  # a peer may wait to reuse this half
+
+    def abort(self, call: CallId, kind: str) -> None:
+        """Tell peers this call is off; release its half now, or when the older call holding it is done.
+
+        The rejection is published per kind (`rejected`), not only in the control
+        block's single abort word, which this rank's next rejection would overwrite
+        before a peer's pending receive half got to read it.
+        """
+        rejected = self.t.words(self.blocks.rejected, self.me)
+        rejected[KINDS[kind]] = max(int(rejected[KINDS[kind]]), call.epoch)
+        done = self.t.words(self.blocks.done, self.me)[KINDS[kind], call.parity]
+        if done[CONSUMED] >= call.epoch - 2:
+            done[CONSUMED] = call.epoch
+        else:
+            done[SKIPPED] = call.epoch
+        self.t.abort(call)  # last: it rings every peer, who then sees all of the above
+
+    # -- dispatch ---------------------------------------------------------------------------------
+
+    def dispatch_send(self, call: CallId, plan: LLDispatchPlan, out: LLDispatchOut) -> Callable[[], None]:
+        try:
+            self._reserve(call, DISPATCH, "dispatch")
+            for i in range(1, self.R + 1):  # others first, own slots last
+                self._put_tokens(call, plan, (self.me + i) % self.R)
+        except BaseException:
+            self.abort(call, "dispatch")
+            raise
+        return lambda: self._receive_tokens(call, out)
+
+    def _put_tokens(self, call: CallId, plan: LLDispatchPlan, dst: int) -> None:
+        b, t, pairs, B = self.blocks, self.t, plan.to(dst), plan.rows_NB.shape[1]
+        counts_L = plan.counts_RL[dst]
+        local_n, index_n = slot_positions(counts_L)
+        token_n = plan.pair_token_P[pairs]
+        slots_LTB = t.view(b.slots, dst, call)[self.me]  # this rank's slots in dst, contiguous
+        L, T, width = slots_LTB.shape
+        self.engine.copy_rows(
+            plan.rows_NB, token_n, slots_LTB.view(L * T, width)[:, :B], local_n * T + index_n
+        )
+        info_LT = t.view(b.slot_info, dst, call)[self.me]
+        info_LT[local_n, index_n] = token_n * self.sizing.max_topk + plan.pair_k_P[pairs]
+        values = {"dtype": plan.code, "T": plan.max_tokens, "width": B, "counts": counts_L.tolist()}
+        t.publish(b.sent, call, values, to=dst)  # the rows above are visible from here on
+
+    def _receive_tokens(self, call: CallId, out: LLDispatchOut) -> None:
+        b, t, K = self.blocks, self.t, self.sizing.max_topk
+        slots = t.view(b.slots, self.me, call)
+        infos = t.view(b.slot_info, self.me, call)
+        begin_L = torch.zeros(self.sizing.placement.num_local_experts, dtype=torch.int64)
+        try:
+            for src in range(self.R):
+                self._landed("low-latency dispatch (tokens)", call, DISPATCH, b.sent, [src])
+                counts_L = self._check_tokens(call, src, out)
+                local_n, index_n = slot_positions(counts_L)
+                info_n = infos[src][local_n, index_n]
+                token_n, k_n = info_n // K, info_n % K
+                if info_n.numel() and (
+                    info_n.min() < 0 or token_n.max() >= out.handle.num_max_dispatch_tokens_per_rank
+                ):
+                    raise t.bad_data(
+                        call, src, f"low-latency dispatch: rank {src} sent token indices out of range"
+                    )
+                rows_nB = slots[src, :, :, : out.row_width][local_n, index_n]
+                place_source(self.engine, out, src, begin_L, counts_L, rows_nB, token_n, k_n)
+                begin_L = begin_L + counts_L
+            out.handle.recv_count_L.copy_(begin_L)
+        finally:
+            self._consumed(call, DISPATCH)
+
+    def _check_tokens(self, call: CallId, src: int, out: LLDispatchOut) -> torch.Tensor:
+        """A landed source's per-expert counts, after checking its header against this call."""
+        got = self.t.read(self.blocks.sent, call, src)
+        T = out.handle.num_max_dispatch_tokens_per_rank
+        if got["T"] != T:
+            raise PeerDataError(f"low-latency dispatch: rank {src} used T={got['T']}, this rank T={T}")
+        if got["dtype"] != out.code or got["width"] != out.row_width:
+            raise PeerDataError(
+                f"low-latency dispatch: rank {src} sent another payload format "
+                "(all ranks must pass the same dtype and use_fp8)"
+            )
+        counts_L = torch.from_numpy(got["counts"].copy())
+        if counts_L.numel() and counts_L.max() > T:
+            raise PeerDataError(f"low-latency dispatch: rank {src} announced counts outside [0, {T}]")
+        return counts_L
+
+    # -- combine ----------------------------------------------------------------------------------
+
+    def combine_send(self, call: CallId, plan: LLCombinePlan, out_NH: torch.Tensor) -> Callable[[], None]:
+        try:
+            self._reserve(call, COMBINE, "combine")
+            for i in range(1, self.R + 1):
+                self._put_rows(call, plan, (self.me + i) % self.R)
+        except BaseException:
+            self.abort(call, "combine")
+            raise
+        return lambda: self._reduce(call, plan, out_NH)
+
+    def _put_rows(self, call: CallId, plan: LLCombinePlan, home: int) -> None:
+        b, rows, B = self.blocks, plan.to(home), plan.x_LMB.shape[2]
+        target_Q = plan.token_Q[rows] * self.sizing.max_topk + plan.k_Q[rows]
+        slots_XB = self.t.view(b.back_slots, home, call)[:, :B]  # [T * max_topk, B]
+        self.engine.copy_rows(returned_rows(plan, rows), None, slots_XB, target_Q)
+        self.t.publish(b.returned, call, {"dtype": plan.code, "count": rows.stop - rows.start}, to=home)
+
+    def _reduce(self, call: CallId, plan: LLCombinePlan, out_NH: torch.Tensor) -> None:
+        b, (N, K), B = self.blocks, plan.valid_NK.shape, plan.x_LMB.shape[2]
+        expected = {r: plan.expected_from(r) for r in range(self.R)}
+        try:
+            senders = [r for r, n in expected.items() if n > 0]
+            self._landed("low-latency combine", call, COMBINE, b.returned, senders)
+            for r in senders:
+                got = self.t.read(b.returned, call, r)
+                if got["count"] != expected[r] or got["dtype"] != plan.code:
+                    raise PeerDataError(
+                        f"low-latency combine: rank {r} returned {got['count']} rows (dtype code "
+                        f"{got['dtype']}), expected {expected[r]} (code {plan.code})"
+                    )
+            slot_NK = (torch.arange(N).unsqueeze(1) * self.sizing.max_topk + torch.arange(K)).flatten()
+            y_NKB = torch.empty(N * K, B, dtype=torch.uint8)
+            self.engine.copy_rows(self.t.view(b.back_slots, self.me, call)[:, :B], slot_NK, y_NKB, None)
+            reduce_rows(self.engine, plan, y_NKB.view(N, K, B), out_NH)
+        finally:
+            self._consumed(call, COMBINE)

@@ -1,0 +1,283 @@
+"""The UBEP protocol: no global barrier, data as flag, every byte moved once.
+
+Dispatch, on rank `me` for call epoch e (regions double-buffered by e % 2):
+  1. routing role: write own top-k, and for every destination the ascending
+     list of tokens it gets, then publish ROUTE (token count, dtype, top-k and
+     the per-destination counts) stamped e. The counts travel with the routing:
+     no count round, and no receiver recomputes membership over source rows.
+  2. token role: copy own x into own memory once, then publish DATA stamped e.
+  3. as each source's ROUTE lands: its rows for `me` are its list for `me`;
+     their local expert ids come from those rows of its top-k only.
+  4. as each source's DATA lands (any order): gather its rows straight from
+     its memory into their final place in recv_x.
+Combine is pull-and-reduce: each expert rank publishes its output rows (in
+the order it received them) once, with the boundaries of each home's block;
+each home reads its block from every expert rank, in ascending rank order
+(the reference's accumulation order), accumulating float32 per token as the
+blocks land. One read of each row, no staging copy, no barrier.
+
+Why no barrier is needed between calls: a rank starts call e + 2 (which reuses
+e's half) only after finishing call e + 1, which needed every peer's e + 1
+stamp, which every peer writes only after finishing call e. See docs/design.md.
+
+Legend: see `ubep.layout`.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from ubep import schedule, topology
+from ubep.calls import CallId
+from ubep.engine import Engine
+from ubep.errors import PeerDataError
+from ubep.faults import NO_FAULTS, FaultPoints
+from ubep.layout import prefix_offsets
+from ubep.protocols.base import (
+    CODE_DTYPES,
+    CODE_RANGE,
+    DTYPE_CODES,
+    BackBlocks,
+    Received,
+    SendPlan,
+    Sizing,
+    publish_back,
+    reduce_home,
+    rows,
+)
+from ubep.results import DispatchHandle
+from ubep.transport.base import Field, Header, Region, Transport
+
+
+@dataclass(frozen=True, slots=True)
+class UbepBlocks:
+    """The memory the protocol declares (each rank holds all of it, double-buffered)."""
+
+    route: Header
+    data: Header
+    topk: Region  # int64 [T, max_topk]: own routing, global expert ids
+    weights: Region  # float32 [T, max_topk]
+    lists: Region  # int64 [R, T]: tokens for each destination, ascending
+    x: Region  # uint8 [T, row bytes]: own tokens
+    back: BackBlocks  # combine: output rows, published once
+
+    @classmethod
+    def of(cls, s: Sizing) -> UbepBlocks:
+        R, T, K, B = s.num_ranks, s.capacity, s.max_topk, s.row_bytes
+        codes = CODE_RANGE
+        return cls(
+            route=Header(
+                "ubep.route",
+                (
+                    Field("num_tokens", hi=T, says="announced {value} tokens, capacity is {hi}"),
+                    Field("dtype", lo=codes[0], hi=codes[1]),
+                    Field("topk", hi=K),
+                    Field("counts", length=R, hi=T, says="announced {value} tokens, capacity is {hi}"),
+                ),
+                phase="dispatch",
+            ),
+            data=Header("ubep.data"),
+            topk=Region("ubep.topk", (T, K), torch.int64, double=True),
+            weights=Region("ubep.weights", (T, K), torch.float32, double=True),
+            lists=Region("ubep.lists", (R, T), torch.int64, double=True),
+            x=Region("ubep.x", (T, B), torch.uint8, double=True),
+            back=BackBlocks.of("ubep", s, double=True),
+        )
+
+    def all(self) -> tuple[Region | Header, ...]:
+        b = self.back
+        return (self.route, self.data, self.topk, self.weights, self.lists, self.x, b.back, b.y, b.y_weights)
+
+
+class UbepExchange:
+    """UBEP dispatch/combine over any transport, with any engine."""
+
+    name = "ubep"
+
+    def __init__(
+        self,
+        transport: Transport,
+        engine: Engine,
+        sizing: Sizing,
+        faults: FaultPoints = NO_FAULTS,
+        workers: int = 1,
+        policy: str = "ubep",
+    ):
+        self.t, self.engine, self.sizing, self.faults = transport, engine, sizing, faults
+        self.me, self.R = transport.rank, transport.num_ranks
+        self.blocks = UbepBlocks.of(sizing)
+        placement = sizing.placement
+        self._local_of_E = torch.where(placement.rank_of_expert_E == self.me, placement.local_index_E, -1)
+        self.workers, self.policy = workers, policy
+        self._topology = topology.host(cores=self.R) if workers > 1 else None
+        self._pool = ThreadPoolExecutor(workers, thread_name_prefix="ubep-move") if workers > 1 else None
+
+    # -- dispatch ---------------------------------------------------------------------------------
+
+    def dispatch(self, call: CallId, plan: SendPlan, handle: DispatchHandle | None) -> Received:
+        self._publish(call, plan)
+        self.faults.at("dispatch.sent", call)
+        x_NH = plan.x_NH
+        sources: dict[int, dict] = {}  # each source's route record, read and checked once
+        if handle is None:
+            counts_R, recv_idx, recv_w, src_token_M = self._routing(call, plan, sources)
+        else:
+            counts_R, recv_idx, recv_w, src_token_M = (
+                handle.recv_counts(),
+                None,
+                None,
+                handle.recv_src_token_M,
+            )
+        prefix_R1 = prefix_offsets(counts_R)
+        recv_x_MH = torch.empty(int(prefix_R1[-1]), x_NH.shape[1], dtype=x_NH.dtype)
+        self._gather_tokens(call, x_NH, recv_x_MH, src_token_M, prefix_R1.tolist(), sources)
+        return Received(recv_x_MH, recv_idx, recv_w, src_token_M, prefix_R1)
+
+    def _publish(self, call: CallId, plan: SendPlan) -> None:
+        b, t, me = self.blocks, self.t, self.me
+        N, H = plan.x_NH.shape
+        values = {
+            "num_tokens": N,
+            "dtype": DTYPE_CODES[plan.x_NH.dtype],
+            "counts": plan.send_counts_R.tolist(),
+        }
+        if plan.topk_idx_NK is not None:
+            K = plan.topk_idx_NK.shape[1]
+            t.view(b.topk, me, call)[:N, :K].copy_(plan.topk_idx_NK)
+            t.view(b.weights, me, call)[:N, :K].copy_(plan.topk_weights_NK)
+            values["topk"] = K
+        lists_RT = t.view(b.lists, me, call)
+        for dst, tokens in enumerate(plan.send_tokens()):
+            lists_RT[dst, : tokens.numel()].copy_(tokens)
+        values["num_tokens"] = self.faults.count("dispatch.count", call, N)
+        t.publish(b.route, call, values)  # routing and counts are visible from here on
+        rows(t.view(b.x, me, call), N, plan.x_NH.dtype, H).copy_(plan.x_NH)
+        t.publish(b.data, call, {})  # the payload is visible from here on
+
+    def _source(self, call: CallId, src: int, dtype: torch.dtype) -> dict:
+        """A landed source's ROUTE record, checked against this rank's call."""
+        got = self.t.read(self.blocks.route, call, src)
+        if CODE_DTYPES.get(got["dtype"]) != dtype:
+            message = f"dispatch: rank {src} sent {CODE_DTYPES.get(got['dtype'])}, this rank {dtype}"
+            raise self.t.bad_data(call, src, message)
+        return got
+
+    def _routing(self, call: CallId, plan: SendPlan, sources: dict[int, dict]):
+        """Every source's rows for this rank, their top-k as seen here, in source-rank order."""
+        b, t, K = self.blocks, self.t, plan.topk_idx_NK.shape[1]
+        for src in t.landed(b.route, call, range(self.R), "dispatch (routing)"):
+            sources[src] = self._source(call, src, plan.x_NH.dtype)
+        counts = [sources[s]["counts"][self.me] for s in range(self.R)]
+        M = sum(counts)
+        recv_idx_MK = torch.empty(M, K, dtype=torch.int64)
+        recv_w_MK = torch.empty(M, K, dtype=torch.float32)
+        src_token_M = torch.empty(M, dtype=torch.int64)
+        at = 0
+        for src in range(self.R):
+            got, n = sources[src], counts[src]
+            if got["topk"] != K:
+                raise PeerDataError(
+                    f"dispatch: rank {src} routed with top-k {got['topk']}, this rank with {K}"
+                )
+            tokens_n = src_token_M[at : at + n]
+            tokens_n.copy_(t.view(b.lists, src, call)[self.me, :n])
+            if n and (tokens_n.min() < 0 or tokens_n.max() >= got["num_tokens"]):
+                raise t.bad_data(
+                    call, src, f"dispatch: rank {src} listed tokens outside [0, {got['num_tokens']})"
+                )
+            self.engine.localize_rows(
+                t.view(b.topk, src, call)[:, :K],
+                t.view(b.weights, src, call)[:, :K],
+                tokens_n,
+                self._local_of_E,
+                recv_idx_MK[at : at + n],
+                recv_w_MK[at : at + n],
+            )
+            at += n
+        if M and ((recv_idx_MK >= 0).sum(dim=1) == 0).any():
+            raise PeerDataError(
+                "dispatch: a peer listed a token for this rank that selects none of its experts"
+            )
+        return torch.tensor(counts, dtype=torch.int64), recv_idx_MK, recv_w_MK, src_token_M
+
+    def _gather_tokens(self, call, x_NH, recv_x_MH, src_token_M, prefix: list[int], sources) -> None:
+        """Copy each source's rows from its memory as soon as its payload lands.
+
+        With several workers this thread keeps the waiting role and hands each
+        landed source's slices to the movers, which copy (GIL released) while it
+        waits for the next source.
+        """
+        b, t, H = self.blocks, self.t, x_NH.shape[1]
+        own_first = [(self.me + i) % self.R for i in range(self.R)]
+        pieces, moving = self._pieces(prefix), []
+        try:
+            for src in t.landed(b.data, call, own_first, "dispatch (tokens)"):
+                got = sources.get(src) or self._source(call, src, x_NH.dtype)
+                a, z = prefix[src], prefix[src + 1]
+                if got["counts"][self.me] != z - a:  # a cached dispatch whose handles differ
+                    message = (
+                        f"dispatch: rank {src} sends {got['counts'][self.me]} rows here, this rank's "
+                        f"handle expects {z - a} (all ranks must pass handles of the same dispatch)"
+                    )
+                    raise t.bad_data(call, src, message)
+                if a == z:
+                    continue
+                n = got["num_tokens"]
+                if src_token_M[z - 1] >= n:  # rows ascend: the last is the largest
+                    raise t.bad_data(
+                        call, src, f"dispatch: rank {src} sent {n} tokens, fewer than routed here"
+                    )
+                source_XH = rows(t.view(b.x, src, call), n, x_NH.dtype, H)
+                if self._pool is None:
+                    self.engine.copy_rows(source_XH, src_token_M[a:z], recv_x_MH[a:z], None)
+                    continue
+                for lo, hi in pieces[src]:
+                    rows_n, out = src_token_M[a + lo : a + hi], recv_x_MH[a + lo : a + hi]
+                    moving.append(self._pool.submit(self.engine.copy_rows, source_XH, rows_n, out, None))
+        finally:
+            for move in moving:
+                move.result()
+
+    def _pieces(self, prefix: list[int]) -> list[list[tuple[int, int]]]:
+        """Per source, its row slices (within the source's block), one per worker's share.
+
+        With several workers, `schedule.plan_rank` cuts the blocks into equal token
+        slices, distance-aware; each source's slices then move concurrently.
+        """
+        counts = [prefix[s + 1] - prefix[s] for s in range(self.R)]
+        if self._pool is None:
+            return [[(0, c)] for c in counts]
+        plan = schedule.plan_rank(
+            counts,
+            self.me,
+            self._topology,
+            workers=self.workers,
+            row_bytes=self.sizing.row_bytes,
+            policy=self.policy,
+        )
+        per_source: list[list[tuple[int, int]]] = [[] for _ in range(self.R)]
+        for w in range(self.workers):
+            for peer, sl, _ in plan.pieces(w):
+                if sl.stop > sl.start:
+                    per_source[peer].append((sl.start, sl.stop))
+        return per_source
+
+    # -- combine ----------------------------------------------------------------------------------
+
+    def combine(self, call: CallId, x_MH, handle: DispatchHandle, topk_weights_MK):
+        back = self.blocks.back
+        publish_back(self.t, back, call, x_MH, handle, topk_weights_MK)
+        self.faults.at("combine.mid", call)
+        landed = self.t.landed(back.back, call, range(self.R), "combine")
+        return reduce_home(self.t, self.engine, back, call, handle, x_MH, topk_weights_MK, landed)
+
+    def abort(self, call: CallId) -> None:
+        self.t.abort(call)
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown()
+        self.t.close()

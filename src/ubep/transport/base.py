@@ -1,0 +1,139 @@
+"""The transport interface: where memory lives, how peers are reached and waited for.
+
+    routing -> layout -> schedule -> protocol -> engine -> [transport]
+
+A protocol declares its memory once, as typed regions and stamped headers
+(`Region`, `Header`), and then only asks the transport for views of a peer's
+region, to publish a header, and to wait for peers' headers to land. It never
+sees a segment, a byte offset, a header word index or a doorbell.
+
+Three implementations share this interface:
+- `ubep.transport.heap.Heap` over shared segments (`ubep.transport.shm`): ranks
+  are processes of one host, each mapping every rank's segment;
+- the same `Heap` over a virtual world (`ubep.transport.virtual`): R ranks'
+  memory in one address space, each rank a thread of one process (tests,
+  single-device measurements);
+- the CUDA heap (torch symmetric memory), where the kernels reach peers
+  through a pointer table.
+
+Publication order: payload first, stamp last. A header's first word is its
+stamp, the call's epoch; the reader waits for the exact epoch, so buffers never
+need clearing, and a double-buffered region's half is the epoch's parity.
+
+Legend: see `ubep.layout`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from ubep.calls import CallId
+from ubep.errors import PeerDataError
+
+
+@dataclass(frozen=True, slots=True)
+class Region:
+    """A named block that every rank's memory holds at the same place.
+
+    `double`: two halves, one per epoch parity, so call e + 1 can be written
+    while a slow peer still reads call e.
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    double: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Field:
+    """One named entry of a header: `length` int64 words, each checked to lie in [lo, hi] on read."""
+
+    name: str
+    length: int = 1
+    lo: int = 0
+    hi: int | None = None  # None: not checked
+    says: str = ""  # what a bad value means, e.g. "announced {value} tokens, capacity is {hi}"
+
+
+@dataclass(frozen=True, slots=True)
+class Header:
+    """A stamped record of int64 words: word 0 is the stamp, then the fields in order.
+
+    `inbox=False`: each rank publishes its own record in its own memory; peers
+    read it there (the pattern of a get). `inbox=True`: the owner's memory holds
+    one record per writer, and peers publish into it (the pattern of a put).
+    """
+
+    name: str
+    fields: tuple[Field, ...] = ()
+    inbox: bool = False
+    double: bool = True
+    phase: str = ""  # the call phase errors name (default: the header's name)
+
+    @property
+    def words(self) -> int:
+        return 1 + sum(f.length for f in self.fields)
+
+
+Record = Mapping[str, "int | np.ndarray"]  # a header's fields as read: ints, or int64 arrays for length > 1
+
+
+class Transport(Protocol):
+    """One rank's access to every rank's memory, with the waits a protocol needs."""
+
+    rank: int
+    num_ranks: int
+
+    def view(self, region: Region, owner: int, call: CallId | None = None) -> torch.Tensor:
+        """Region of rank `owner`'s memory, as a tensor of its shape and dtype (the half of
+        `call`'s parity for a double-buffered region)."""
+
+    def publish(
+        self, header: Header, call: CallId, values: Mapping[str, int | Iterable[int]], to: int | None = None
+    ) -> None:
+        """Write `values` into a header, then its stamp (the call's epoch), then wake its readers.
+
+        Own record (to=None) for a plain header; this rank's row in `to`'s memory for an inbox.
+        Everything written before this call (payload) is visible to a reader that sees the stamp.
+        """
+
+    def landed(self, header: Header, call: CallId, peers: Iterable[int], phase: str) -> Iterator[int]:
+        """Yield each of `peers` once, as its header for `call` lands, in arrival order.
+
+        Waits yield the CPU; raises CommTimeoutError naming the silent (or dead)
+        peers at the deadline, PeerAbortedError when a pending peer aborted the call.
+        For an inbox, peer p's record is row p in this rank's memory.
+        """
+
+    def stamped(self, header: Header, call: CallId, peer: int) -> bool:
+        """Whether `peer`'s header for `call` has landed (no wait)."""
+
+    def read(self, header: Header, call: CallId, peer: int) -> Record:
+        """A landed header's fields, each bounds-checked (PeerDataError blames `peer`)."""
+
+    def wait(self, phase: str, call: CallId, peers: Iterable[int], ready: Callable[[int], bool]) -> None:
+        """Wait until ready(p) for every p in peers, under the same deadline and checks as `landed`."""
+
+    def words(self, region: Region, owner: int) -> np.ndarray:
+        """An int64 region of `owner`'s memory as numpy words (counters other ranks poll)."""
+
+    def ring(self, peer: int | None = None) -> None:
+        """Wake `peer` (None: every peer) after writing a word it may be waiting for."""
+
+    def barrier(self, phase: str, call: CallId) -> None:
+        """Every rank arrives before any leaves (the BSP baseline's synchronisation)."""
+
+    def abort(self, call: CallId, cause: int = 0, culprit: int = -1) -> None:
+        """Tell peers waiting on `call` that this rank will not take part (first cause wins)."""
+
+    def bad_data(self, call: CallId, culprit: int, message: str) -> PeerDataError:
+        """Blame `culprit` for a value that failed a check (peers learn it); the error to raise."""
+
+    def close(self) -> None:
+        """Release this rank's memory and wake-up channel; idempotent."""

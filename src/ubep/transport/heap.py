@@ -1,0 +1,301 @@
+"""`Heap`: the transport interface over memory every rank can address (one implementation).
+
+Where the memory lives and how a sleeping peer is woken are the only things
+that differ between a host's shared segments and a virtual world of threads;
+both are behind `Memory`. Everything a protocol relies on is here, once:
+
+- the layout: each declared `Region` and `Header` at the same offset in every
+  rank's memory (double-buffered ones twice), after a control block;
+- publication (payload, then stamp, then a ring) and `landed`, the one wait
+  loop: yield, then block on the wake-up channel, under a deadline, noticing
+  dead and aborting peers;
+- the control block: the pid, the barrier word and a ring of abort notices,
+  one per call (slot seq % ABORT_RING), so a notice outlives the rank's next
+  calls and a slow peer still finds it there.
+
+Legend: see `ubep.layout`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from ubep.calls import CallId
+from ubep.errors import CommTimeoutError, PeerDataError, UbepError
+from ubep.transport.base import Field, Header, Record, Region
+from ubep.waiting import AbortNotice, PeerAbortedError, Waiter
+
+ALIGN = 64  # bytes; every block starts on a cache line
+# Control block words: the pid, the barrier word, and a ring of abort notices.
+CTL_PID, CTL_BARRIER, CTL_ABORTS, ABORT_RING = 0, 2, 8, 16
+CTL_WORDS = CTL_ABORTS + ABORT_RING
+# Why a rank aborted a call; a notice packs (seq, cause, culprit + 1) into one word.
+CAUSE_OWN, CAUSE_DEAD, CAUSE_SILENT, CAUSE_BAD_DATA = 0, 1, 2, 3
+BLAME = {
+    CAUSE_DEAD: "died",
+    CAUSE_SILENT: "sent nothing before the deadline",
+    CAUSE_BAD_DATA: "published data that failed its checks",
+}
+BARRIERS_PER_CALL = 16  # barrier targets are call.seq * this + step: ranks agree even after an abort
+
+
+def pack_notice(seq: int, cause: int, culprit: int) -> int:
+    return (seq << 24) | (cause << 16) | (culprit + 1)
+
+
+def unpack_notice(word: int) -> tuple[int, int, int]:
+    """(seq, cause, culprit) of a packed abort notice; culprit -1: none."""
+    return word >> 24, (word >> 16) & 0xFF, (word & 0xFFFF) - 1
+
+
+class Layout:
+    """Byte offsets of every block, the same in every rank's memory."""
+
+    def __init__(self, num_ranks: int, blocks: Iterable[Region | Header]):
+        self.nbytes = 0
+        self.offsets: dict[tuple[str, int], tuple[int, tuple[int, ...], torch.dtype]] = {}
+        self._place("ctl", 0, (CTL_WORDS,), torch.int64)
+        for block in blocks:
+            shape, dtype = _shape_of(block, num_ranks)
+            if any(name == block.name for name, _ in self.offsets):
+                raise ValueError(f"two blocks are named {block.name!r}")
+            for half in (0, 1) if block.double else (0,):
+                self._place(block.name, half, shape, dtype)
+
+    def _place(self, name: str, half: int, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+        offset = -(-self.nbytes // ALIGN) * ALIGN
+        self.offsets[(name, half)] = (offset, shape, dtype)
+        self.nbytes = offset + math.prod(shape) * dtype.itemsize
+
+
+def _shape_of(block: Region | Header, num_ranks: int) -> tuple[tuple[int, ...], torch.dtype]:
+    if isinstance(block, Header):
+        return ((num_ranks, block.words) if block.inbox else (block.words,)), torch.int64
+    return tuple(int(s) for s in block.shape), block.dtype
+
+
+class Memory(Protocol):
+    """Every rank's memory as seen from one rank, and the way to wake a peer."""
+
+    def arena(self, owner: int) -> torch.Tensor:
+        """uint8 [nbytes]: all of rank `owner`'s memory."""
+
+    def ring(self, peer: int) -> None:
+        """Wake `peer` if it blocks in `sleep`; never blocks, never fails."""
+
+    def sleep(self, timeout_s: float) -> None:
+        """Block until rung or `timeout_s` passes."""
+
+    def close(self) -> None: ...
+
+
+class Heap:
+    """The transport interface (`ubep.transport.base.Transport`) over a `Memory`."""
+
+    def __init__(self, layout: Layout, memory: Memory, rank: int, num_ranks: int, timeout_s: float):
+        self.rank, self.num_ranks, self.timeout_s = rank, num_ranks, timeout_s
+        self._layout, self._memory = layout, memory
+        self._views: dict[tuple[str, int, int], torch.Tensor] = {}
+        self._numpy: dict[tuple[str, int, int], np.ndarray] = {}
+        self._ctl = [self._words_at("ctl", 0, r) for r in range(num_ranks)]
+        self._pids: list[int | None] = [None] * num_ranks
+        self._current_seq = 0
+        self._barrier_seq = self._barrier_step = 0
+
+    # -- memory -----------------------------------------------------------------------------------
+
+    def _tensor_at(self, name: str, half: int, owner: int) -> torch.Tensor:
+        key = (name, half, owner)
+        view = self._views.get(key)
+        if view is None:
+            offset, shape, dtype = self._layout.offsets[(name, half)]
+            nbytes = math.prod(shape) * dtype.itemsize
+            raw = self._memory.arena(owner)[offset : offset + nbytes]
+            view = self._views[key] = raw.view(dtype).view(shape)
+        return view
+
+    def _words_at(self, name: str, half: int, owner: int) -> np.ndarray:
+        key = (name, half, owner)
+        words = self._numpy.get(key)
+        if words is None:
+            words = self._numpy[key] = self._tensor_at(name, half, owner).numpy()
+        return words
+
+    def view(self, region: Region, owner: int, call: CallId | None = None) -> torch.Tensor:
+        return self._tensor_at(region.name, _half(region.double, call), owner)
+
+    def words(self, region: Region, owner: int) -> np.ndarray:
+        if region.dtype != torch.int64:
+            raise TypeError(f"region {region.name} holds {region.dtype}, not int64 words")
+        return self._words_at(region.name, 0, owner)
+
+    def _record(self, header: Header, call: CallId, peer: int, to: int | None = None) -> np.ndarray:
+        """The words of `peer`'s record of `header` (an inbox's row `peer` lives in `to`'s memory)."""
+        half = _half(header.double, call)
+        if header.inbox:
+            return self._words_at(header.name, half, self.rank if to is None else to)[peer]
+        return self._words_at(header.name, half, peer)
+
+    # -- publish and read -------------------------------------------------------------------------
+
+    def publish(
+        self, header: Header, call: CallId, values: Mapping[str, int | Iterable[int]], to: int | None = None
+    ) -> None:
+        if header.inbox == (to is None):
+            raise ValueError(f"header {header.name}: an inbox needs `to`, an own record must not have it")
+        record = self._record(header, call, self.rank, to)
+        at = 1
+        for field in header.fields:
+            if field.name in values:
+                record[at : at + field.length] = values[field.name]
+            at += field.length
+        record[0] = call.epoch  # everything above, and all payload written before, is visible from here on
+        self.ring(to)
+
+    def stamped(self, header: Header, call: CallId, peer: int) -> bool:
+        return bool(self._record(header, call, peer)[0] == call.epoch)
+
+    def read(self, header: Header, call: CallId, peer: int) -> Record:
+        record = self._record(header, call, peer).copy()  # one snapshot: checked values cannot change
+        out: dict[str, int | np.ndarray] = {}
+        at = 1
+        for field in header.fields:
+            value = record[at : at + field.length]
+            bad_n = (value < field.lo) | ((value > field.hi) if field.hi is not None else False)
+            if bad_n.any():
+                raise self.bad_data(call, peer, _complaint(header, field, peer, int(value[bad_n][0])))
+            out[field.name] = int(value[0]) if field.length == 1 else value
+            at += field.length
+        return out
+
+    # -- waiting ----------------------------------------------------------------------------------
+
+    def _waiter(self, phase: str, call: CallId) -> Waiter:
+        self._current_seq = call.seq
+        return Waiter(
+            phase,
+            self.timeout_s,
+            self._pids.__getitem__,
+            self._aborted,
+            self._memory.sleep,
+            lambda error: self._gave_up(call, error),
+        )
+
+    def landed(self, header: Header, call: CallId, peers: Iterable[int], phase: str) -> Iterator[int]:
+        records = {p: self._record(header, call, p) for p in peers}
+        waiter: Waiter | None = None
+        while records:
+            ready = [p for p, rec in records.items() if rec[0] == call.epoch]
+            for p in ready:
+                del records[p]
+                yield p
+            if records and not ready:
+                waiter = waiter or self._waiter(phase, call)
+                waiter.pause(list(records))
+
+    def wait(self, phase: str, call: CallId, peers: Iterable[int], ready: Callable[[int], bool]) -> None:
+        pending = [p for p in peers if not ready(p)]
+        waiter = self._waiter(phase, call) if pending else None
+        while pending:
+            waiter.pause(pending)
+            pending = [p for p in pending if not ready(p)]
+
+    def ring(self, peer: int | None = None) -> None:
+        if peer is not None:
+            if peer != self.rank:
+                self._memory.ring(peer)
+            return
+        for p in range(self.num_ranks):
+            if p != self.rank:
+                self._memory.ring(p)
+
+    # -- barrier and aborts -----------------------------------------------------------------------
+
+    def barrier(self, phase: str, call: CallId) -> None:
+        """Each rank raises its barrier word to a target derived from the call, then waits for all.
+
+        The target comes from the call and the barrier's place in it, not from a
+        running count, so a call that some ranks abandoned cannot shift later
+        barriers; a peer that abandoned this call is named by its abort notice.
+        """
+        if call.seq != self._barrier_seq:
+            self._barrier_seq, self._barrier_step = call.seq, 0
+        self._barrier_step += 1
+        if self._barrier_step >= BARRIERS_PER_CALL:
+            raise RuntimeError(f"{phase}: more than {BARRIERS_PER_CALL - 1} barriers in one call")
+        target = call.seq * BARRIERS_PER_CALL + self._barrier_step
+        self._ctl[self.rank][CTL_BARRIER] = target
+        self.ring()
+        others = [r for r in range(self.num_ranks) if r != self.rank]
+        ctl = self._ctl
+        self.wait(
+            phase, call, others, lambda r: ctl[r][CTL_BARRIER] >= target and not self._notice(r, call.seq)
+        )
+
+    def _notice(self, peer: int, seq: int) -> tuple[int, int] | None:
+        """(cause, culprit) if `peer` aborted call `seq`, else None."""
+        got_seq, cause, culprit = unpack_notice(int(self._ctl[peer][CTL_ABORTS + seq % ABORT_RING]))
+        return (cause, culprit) if got_seq == seq else None
+
+    def _aborted(self, peer: int) -> AbortNotice | None:
+        """Peer's notice if it aborted the current call (words read from a peer: checked)."""
+        found = self._notice(peer, self._current_seq)
+        if found is None:
+            return None
+        cause, culprit = found
+        if cause not in BLAME or not 0 <= culprit < self.num_ranks:
+            return AbortNotice("it rejected its input or failed; see that rank's error")
+        return AbortNotice(f"it gave up because rank {culprit} {BLAME[cause]}", culprit, cause)
+
+    def _gave_up(self, call: CallId, error: UbepError) -> None:
+        """A wait of ours failed: pass the blame on, so peers waiting on us fail fast too."""
+        if isinstance(error, CommTimeoutError):
+            blamed = error.dead_peers or error.peers
+            self.abort(call, CAUSE_DEAD if error.dead_peers else CAUSE_SILENT, blamed[0])
+        elif isinstance(error, PeerAbortedError) and error.culprit is not None:
+            self.abort(call, error.notice.cause, error.culprit)
+        else:
+            self.abort(call)
+
+    def abort(self, call: CallId, cause: int = CAUSE_OWN, culprit: int = -1) -> None:
+        if self._ctl and self._notice(self.rank, call.seq) is None:
+            self._ctl[self.rank][CTL_ABORTS + call.seq % ABORT_RING] = pack_notice(call.seq, cause, culprit)
+            self.ring()
+
+    def bad_data(self, call: CallId, culprit: int, message: str) -> PeerDataError:
+        self.abort(call, CAUSE_BAD_DATA, culprit)
+        return PeerDataError(message)
+
+    # -- lifetime ---------------------------------------------------------------------------------
+
+    def announce(self, pid: int) -> None:
+        """Publish this rank's pid (0: threads, no liveness check); all ranks meet, then `learn_peers`."""
+        self._ctl[self.rank][CTL_PID] = pid
+
+    def learn_peers(self) -> None:
+        """Read every peer's pid, once all announced: waits then notice a peer's death."""
+        self._pids = [int(c[CTL_PID]) or None for c in self._ctl]
+
+    def close(self) -> None:
+        self._ctl = []
+        self._views, self._numpy = {}, {}
+        self._memory.close()
+
+
+def _complaint(header: Header, field: Field, peer: int, value: int) -> str:
+    """What a bad header value means, in the words of the protocol that declared it."""
+    said = field.says or f"published {field.name}={{value}}, outside [{{lo}}, {{hi}}]"
+    return f"{header.phase or header.name}: rank {peer} " + said.format(value=value, lo=field.lo, hi=field.hi)
+
+
+def _half(double: bool, call: CallId | None) -> int:
+    if not double:
+        return 0
+    if call is None:
+        raise ValueError("a double-buffered block needs the call whose half to use")
+    return call.parity

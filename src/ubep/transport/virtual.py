@@ -1,0 +1,143 @@
+"""Virtual ranks: R ranks' memory in one address space, each rank a thread of one process.
+
+The same `Heap`, the same protocols and kernels as on shared segments, but
+driven from one process: for tests that need no rank processes, and for
+measuring kernels on one device. Torch's copies and the compiled kernels
+release the GIL, so the ranks' data movement really runs concurrently.
+
+    world = VirtualWorld(4)
+    results = world.run(lambda rank: moe_step(ubep.Buffer(rank, hidden=..., ...)))
+
+`Buffer(group=rank)` with a `VirtualRank` builds its transport here; the
+group operations it needs at construction (gather an object, a barrier) are
+the world's.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ubep.errors import CommTimeoutError
+from ubep.transport.base import Header, Region
+from ubep.transport.heap import Heap, Layout
+
+
+class VirtualWorld:
+    """R ranks in one process: their memory, their wake-ups, and the group operations among them."""
+
+    def __init__(self, num_ranks: int, timeout_s: float = 60.0):
+        if num_ranks < 1:
+            raise ValueError(f"num_ranks must be >= 1, got {num_ranks}")
+        self.num_ranks = num_ranks
+        self.timeout_s = timeout_s
+        self._barrier = threading.Barrier(num_ranks)
+        self._wakeups = [threading.Event() for _ in range(num_ranks)]
+        self._slots: list[Any] = [None] * num_ranks
+
+    def all_gather(self, rank: int, obj: Any) -> list[Any]:
+        """Every rank's `obj`, in rank order (collective over the world's threads)."""
+        self._slots[rank] = obj
+        self.barrier()
+        everyone = list(self._slots)
+        self.barrier()  # nobody overwrites a slot before all have read
+        return everyone
+
+    def barrier(self) -> None:
+        try:
+            self._barrier.wait(self.timeout_s)
+        except threading.BrokenBarrierError:
+            raise CommTimeoutError(
+                "virtual world barrier", list(range(self.num_ranks)), self.timeout_s, []
+            ) from None
+
+    def ring(self, peer: int) -> None:
+        self._wakeups[peer].set()
+
+    def sleep(self, rank: int, timeout_s: float) -> None:
+        event = self._wakeups[rank]
+        event.wait(max(timeout_s, 0.0))
+        event.clear()
+
+    def run(self, fn: Callable[[VirtualRank], Any]) -> list[Any]:
+        """Run fn(rank) on every rank, each in its own thread; each rank's result, in rank order.
+
+        A failing rank's exception is re-raised (the first, by rank), after the
+        others finish or the world's timeout passes; the barrier is broken so no
+        rank waits for it forever.
+        """
+        results: list[Any] = [None] * self.num_ranks
+        errors: list[BaseException | None] = [None] * self.num_ranks
+
+        def body(rank: int) -> None:
+            try:
+                results[rank] = fn(VirtualRank(self, rank))
+            except BaseException as err:  # re-raised below, in the caller's thread
+                errors[rank] = err
+                self._barrier.abort()
+
+        threads = [
+            threading.Thread(target=body, args=(r,), name=f"ubep-virtual-{r}") for r in range(self.num_ranks)
+        ]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + self.timeout_s
+        for t in threads:
+            t.join(max(deadline - time.monotonic(), 0.0))
+        stuck = [r for r, t in enumerate(threads) if t.is_alive()]
+        failed = [r for r, e in enumerate(errors) if e is not None]
+        if failed:
+            raise RuntimeError(f"virtual rank {failed[0]} failed: {errors[failed[0]]!r}") from errors[
+                failed[0]
+            ]
+        if stuck:
+            raise CommTimeoutError("virtual world run", stuck, self.timeout_s, [])
+        return results
+
+
+@dataclass(frozen=True, slots=True)
+class VirtualRank:
+    """One rank of a `VirtualWorld`: pass it as a Buffer's `group`."""
+
+    world: VirtualWorld
+    rank: int
+
+    @property
+    def world_size(self) -> int:
+        return self.world.num_ranks
+
+
+class VirtualMemory:
+    """The `Memory` of one rank of a virtual world: arenas allocated once, shared by all ranks."""
+
+    def __init__(self, me: VirtualRank, nbytes: int):
+        self._me = me
+        mine = torch.zeros(max(nbytes, 1), dtype=torch.uint8)
+        self._arenas: list[torch.Tensor] = me.world.all_gather(me.rank, mine)
+
+    def arena(self, owner: int) -> torch.Tensor:
+        return self._arenas[owner]
+
+    def ring(self, peer: int) -> None:
+        self._me.world.ring(peer)
+
+    def sleep(self, timeout_s: float) -> None:
+        self._me.world.sleep(self._me.rank, timeout_s)
+
+    def close(self) -> None:
+        self._arenas = []
+
+
+def virtual_heap(blocks: Iterable[Region | Header], me: VirtualRank, timeout_s: float) -> Heap:
+    """Collective over the world: every rank's arena holding `blocks`."""
+    layout = Layout(me.world_size, blocks)
+    heap = Heap(layout, VirtualMemory(me, layout.nbytes), me.rank, me.world_size, timeout_s)
+    heap.announce(0)  # threads: no process to check for liveness
+    me.world.barrier()
+    heap.learn_peers()
+    return heap

@@ -1,0 +1,41 @@
+"""Every collective path runs under the Buffer's deadline: a stalled peer is named in time."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+
+import ubep
+
+TIMEOUT_S = 1.0
+STALL_S = 6 * TIMEOUT_S
+
+
+def stalled_low_latency(transport: str) -> tuple[str, str, float]:
+    """Rank 1 stalls before its low-latency dispatch; rank 0 must give up and name it."""
+    me = dist.get_rank()
+    with ubep.Buffer(
+        hidden=128, num_experts=4, max_tokens_per_rank=8, transport=transport, timeout_s=TIMEOUT_S
+    ) as buf:
+        x = torch.randn(8, 128).to(torch.bfloat16)
+        idx = torch.tensor([[0, 2]] * 8)
+        if me == 1:
+            time.sleep(STALL_S)
+            return "stalled", "", STALL_S
+        start = time.monotonic()
+        try:
+            got = buf.low_latency_dispatch(x, idx, 8, 4, async_finish=True)
+            got.event.wait()
+        except ubep.CommTimeoutError as error:
+            return type(error).__name__, str(error), time.monotonic() - start
+        return "returned", "", time.monotonic() - start
+
+
+def test_low_latency_collective_path_names_a_stalled_peer_within_the_deadline():
+    outcomes = ubep.LocalLaunch(world_size=2, timeout_s=60).outcomes(stalled_low_latency, "dist")
+    kind, message, elapsed = outcomes[0].result
+    assert kind == "CommTimeoutError", outcomes[0]
+    assert "rank(s) 1" in message and "low-latency dispatch" in message, message
+    assert elapsed < 3 * TIMEOUT_S + 1.0, elapsed  # within 3x the timeout (and the grace for a dead peer)
