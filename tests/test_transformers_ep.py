@@ -107,13 +107,46 @@ def check(errors_per_rank: list[dict]) -> None:
             assert error <= limit, f"{name} under {mode}: logits differ by {error}"
 
 
+def training_gradients(path: str) -> None:
+    """Backward through ubep's exchanges: this rank's experts get the gradient of every rank's loss,
+    and the router the gradient of this rank's own, as in the one-process model."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from transformers.distributed.expert_parallel import apply_expert_parallelism
+
+    import ubep.integrations.transformers as ubep_tf
+
+    R, me = dist.get_world_size(), dist.get_rank()
+    batches = [
+        torch.randint(0, 96, (2, 5), generator=torch.Generator().manual_seed(200 + r)) for r in range(R)
+    ]
+    single = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    moe = single.model.layers[-1].mlp
+    single(batches[me]).logits.square().mean().backward()
+    want_router = moe.gate.weight.grad.clone()
+    single.zero_grad()
+    sum(single(ids).logits.square().mean() for ids in batches).backward()
+    L = moe.experts.num_experts // R
+    want_experts = moe.experts.gate_up_proj.grad[me * L : (me + 1) * L]
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    mesh = init_device_mesh("cpu", (R, 1), mesh_dim_names=("ep", "tp"))
+    apply_expert_parallelism(model, mesh["ep"], mesh["tp"], ubep_tf.expert_parallel_plan(model), "ubep")
+    model(batches[me]).logits.square().mean().backward()
+    ep_moe = model.model.layers[-1].mlp
+    got_experts = ep_moe.experts.gate_up_proj.grad
+    got_experts = got_experts.to_local() if hasattr(got_experts, "to_local") else got_experts
+    torch.testing.assert_close(got_experts, want_experts, rtol=1e-4, atol=1e-7)
+    torch.testing.assert_close(ep_moe.gate.weight.grad, want_router, rtol=1e-4, atol=1e-7)
+
+
 def two_rank_program(paths: dict[str, str]) -> tuple[dict, str]:
     modes = {"qwen3_moe": ("ubep", "ubep_low_latency", "ubep_fp8"), "mixtral": ("ubep",)}
     modes["deepseek_v3"] = ("ubep", "ubep_low_latency")
+    training_gradients(paths["qwen3_moe"])
     return ep_logits_error(paths, modes, 4), oversized_batch(paths["qwen3_moe"])
 
 
-def test_three_models_on_two_ranks_and_an_oversized_batch(saved_models):
+def test_three_models_on_two_ranks_training_gradients_and_an_oversized_batch(saved_models):
     results = ubep.LocalLaunch(world_size=2, timeout_s=240).run(two_rank_program, saved_models)
     check([errors for errors, _ in results])
     assert all("5 tokens, more than the 4" in said for _, said in results)

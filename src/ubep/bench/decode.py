@@ -136,27 +136,18 @@ def timed(implementation: type, watch: Stopwatch) -> type:
     return Timed
 
 
-def _ep_plan(model) -> dict[str, str]:
-    """transformers' expert-parallel plan, spelled out for this model's MoE layers."""
-    plan = {}
-    for i, layer in enumerate(model.model.layers):
-        if hasattr(layer.mlp, "experts"):
-            prefix = f"model.layers.{i}.mlp.experts"
-            plan |= {f"{prefix}.gate_up_proj": "grouped_gemm", f"{prefix}.down_proj": "grouped_gemm"}
-            plan[prefix] = "ep_dispatch_experts"
-    return plan
-
-
 def _decode_once(path: str, system: str, cfg: DecodeConfig, mesh) -> dict:
     """One system, one repeat on this rank: per-step wall and exchange seconds, and the greedy tokens."""
     import transformers
     from transformers.distributed.expert_parallel import EPImplementationInterface, apply_expert_parallelism
 
+    from ubep.integrations.transformers import expert_parallel_plan
+
     watch = Stopwatch()
     name = f"decode_{SYSTEMS[system]}"
     EPImplementationInterface.register(name, timed(EPImplementationInterface()[SYSTEMS[system]], watch))
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    apply_expert_parallelism(model, mesh["ep"], mesh["tp"], _ep_plan(model), name)
+    apply_expert_parallelism(model, mesh["ep"], mesh["tp"], expert_parallel_plan(model), name)
     gen = torch.Generator().manual_seed(cfg.seed * 1000 + dist.get_rank())
     ids = torch.randint(0, cfg.vocab, (cfg.batch, cfg.prompt), generator=gen)
     steps_s, exchange_s, tokens = [], [], []

@@ -20,7 +20,10 @@ model first and names the setting to change when it does not fit:
 Every rank of the EP group holds its own batch (`fsdp_size == ep_size`, `tp_size == 1`).
 Each MoE layer gets its own ubep.Buffer, built on its first forward with room for
 `config.ubep_max_tokens_per_rank` tokens per rank (DEFAULT_MAX_TOKENS if unset).
-Inference only: the exchanges are not differentiated.
+Normal mode ("ubep", "ubep_bsp") also trains: the dispatch's backward is the
+combine of the gradients (of the rows and of the routing weights), the combine's
+backward a cached dispatch, as Megatron wraps DeepEP. The FP8 and low-latency
+variants run inference only.
 """
 
 from __future__ import annotations
@@ -37,7 +40,15 @@ MAX_TOKENS_SETTING = "ubep_max_tokens_per_rank"
 LOW_LATENCY_TOKENS_SETTING = "ubep_low_latency_tokens_per_rank"
 IMPLEMENTATIONS = ("ubep", "ubep_low_latency", "ubep_fp8", "ubep_bsp")
 
-__all__ = ["IMPLEMENTATIONS", "UbepBspEP", "UbepEP", "UbepFp8EP", "UbepLowLatencyEP", "distributed_config"]
+__all__ = [
+    "IMPLEMENTATIONS",
+    "UbepBspEP",
+    "UbepEP",
+    "UbepFp8EP",
+    "UbepLowLatencyEP",
+    "distributed_config",
+    "expert_parallel_plan",
+]
 
 
 def distributed_config(model_config, ep_size: int, mode: str = "ubep") -> DistributedConfig:
@@ -110,22 +121,19 @@ class UbepEP(EPImplementation):
             ) from error
 
     def __call__(self, hidden_states, top_k_index, top_k_weights):
-        if torch.is_grad_enabled() and hidden_states.requires_grad:
-            raise NotImplementedError(
-                f"ep_implementation={type(self).__name__!r} runs inference only: call the model under "
-                "torch.no_grad(), or train with ep_implementation='all_to_all'"
-            )
+        if self.use_fp8 and torch.is_grad_enabled() and hidden_states.requires_grad:
+            _inference_only(self)
         buffer = self._buffer_for(hidden_states.shape[-1])
         x = fp8.quantize(hidden_states) if self.use_fp8 else hidden_states
         try:
-            got = buffer.dispatch(x, topk_idx=top_k_index, topk_weights=top_k_weights.float())
+            recv_x, recv_w, recv_idx, handle = _Dispatch.apply(x, top_k_weights.float(), top_k_index, buffer)
         except ValueError as error:
             self._check_batch(hidden_states.shape[0], error)
             raise
-        rows = fp8.dequantize(*got.recv_x, hidden_states.dtype) if self.use_fp8 else got.recv_x
-        local = torch.where(got.recv_topk_idx >= 0, got.recv_topk_idx, self.num_local_experts)
-        y = self._run_experts(rows, local, got.recv_topk_weights.to(hidden_states.dtype))
-        return buffer.combine(y, got.handle).combined_x
+        rows = fp8.dequantize(*recv_x, hidden_states.dtype) if self.use_fp8 else recv_x
+        local = torch.where(recv_idx >= 0, recv_idx, self.num_local_experts)
+        y = self._run_experts(rows, local, recv_w.to(hidden_states.dtype))
+        return _Combine.apply(y, buffer, handle)
 
     def _run_experts(self, rows_MH, local_MK, weights_MK) -> torch.Tensor:
         """The local experts' weighted sum per row; local id num_local_experts marks a skipped slot."""
@@ -150,8 +158,9 @@ class UbepLowLatencyEP(UbepEP):
     """Low-latency mode: expert-major rows, the experts run on the valid ones, weighted combine."""
 
     def __call__(self, hidden_states, top_k_index, top_k_weights):
-        grad = torch.is_grad_enabled() and hidden_states.requires_grad
-        if grad or hidden_states.shape[0] > self.low_latency_tokens:  # (grad: raises) prefill: normal mode
+        if torch.is_grad_enabled() and hidden_states.requires_grad:
+            _inference_only(self)
+        if hidden_states.shape[0] > self.low_latency_tokens:  # a prefill: normal mode
             return super().__call__(hidden_states, top_k_index, top_k_weights)
         buffer = self._buffer_for(hidden_states.shape[-1])
         got = buffer.low_latency_dispatch(
@@ -166,6 +175,55 @@ class UbepLowLatencyEP(UbepEP):
         ones = torch.ones(rows.shape[0], 1, dtype=hidden_states.dtype)
         y_LMH[valid_LM] = self._run_experts(rows, expert_LM[valid_LM].unsqueeze(1), ones)
         return buffer.low_latency_combine(y_LMH, top_k_index, top_k_weights.float(), got.handle).combined_x
+
+
+def _inference_only(implementation: EPImplementation) -> None:
+    raise NotImplementedError(
+        f"{type(implementation).__name__} runs inference only: call the model under torch.no_grad(), "
+        "or train with ep_implementation='ubep'"
+    )
+
+
+class _Dispatch(torch.autograd.Function):
+    """Normal-mode dispatch; backward: the combine of the row and routing-weight gradients."""
+
+    @staticmethod
+    def forward(ctx, x, weights_NK, topk_idx_NK, buffer):
+        got = buffer.dispatch(x, topk_idx=topk_idx_NK, topk_weights=weights_NK)
+        ctx.buffer, ctx.handle, ctx.local_MK = buffer, got.handle, got.recv_topk_idx >= 0
+        ctx.mark_non_differentiable(got.recv_topk_idx)
+        return got.recv_x, got.recv_topk_weights, got.recv_topk_idx, got.handle
+
+    @staticmethod
+    def backward(ctx, grad_recv_x, grad_recv_w, _grad_idx, _grad_handle):
+        grad_w = None if grad_recv_w is None else torch.where(ctx.local_MK, grad_recv_w, 0.0)
+        grad_x, grad_weights, _ = ctx.buffer.combine(grad_recv_x.contiguous(), ctx.handle, grad_w)
+        return grad_x, grad_weights, None, None
+
+
+class _Combine(torch.autograd.Function):
+    """Normal-mode combine; backward: a cached dispatch of the gradient."""
+
+    @staticmethod
+    def forward(ctx, y_MH, buffer, handle):
+        ctx.buffer, ctx.handle = buffer, handle
+        return buffer.combine(y_MH, handle).combined_x
+
+    @staticmethod
+    def backward(ctx, grad_NH):
+        return ctx.buffer.dispatch(grad_NH.contiguous(), handle=ctx.handle).recv_x, None, None
+
+
+def expert_parallel_plan(model) -> dict[str, str]:
+    """transformers' expert-parallel plan spelled out for `model`'s MoE layers, for
+    `apply_expert_parallelism` on a model loaded whole (attention stays replicated, no FSDP)."""
+    plan = {}
+    for i, layer in enumerate(model.model.layers):
+        if hasattr(layer.mlp, "experts"):
+            prefix = f"model.layers.{i}.mlp.experts"
+            plan |= {f"{prefix}.gate_up_proj": "grouped_gemm", f"{prefix}.down_proj": "grouped_gemm"}
+            plan[prefix] = "ep_dispatch_experts"
+    return plan
 
 
 EPImplementationInterface.register("ubep", UbepEP)
