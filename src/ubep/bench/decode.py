@@ -303,8 +303,11 @@ def run_decode(args) -> int:
     )
     try:
         cfg.validate()
+        import transformers  # noqa: F401
     except ValueError as error:
         raise SystemExit(f"ubep decode: {error}") from None
+    except ImportError:
+        raise SystemExit("ubep decode needs transformers: pip install 'ubep[frameworks]'") from None
     rows = run(cfg)
     print_rows(rows, cfg)
     if args.json:
