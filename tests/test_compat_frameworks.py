@@ -1,8 +1,9 @@
 """Framework call sequences against `import deep_ep` served by ubep (`ubep.compat.install_as_deep_ep`).
 
 The classes below repeat, call for call, what Megatron's `fused_a2a` (FusedDispatch /
-FusedCombine with their backwards) and vLLM's DeepEP high-throughput and
-low-latency prepare/finalize do with DeepEP; their bodies are ours. Each runs on 2
+FusedCombine with their backwards), vLLM's DeepEP high-throughput and low-latency
+prepare/finalize, and SGLang's low-latency dispatcher (two-stage dispatch/combine,
+UE8M0 scales) do with DeepEP; their bodies are ours. Each runs on 2
 ranks and is compared with a plain-torch layer computed from every rank's inputs.
 """
 
@@ -18,7 +19,7 @@ import ubep
 from ubep import fp8, routing
 from ubep.compat import explain_deep_ep, install_as_deep_ep
 
-H, L, K, T = 256, 2, 2, 8
+H, L, K, T = 512, 2, 2, 8  # UE8M0 scales pack 4 blocks of 128 channels
 
 
 def inputs(R: int, seed: int, dtype=torch.float32):
@@ -294,6 +295,67 @@ class VllmLowLatency:
             recv_hook()
 
 
+class SglangLowLatency:
+    """SGLang's DeepEP low-latency dispatcher: each of dispatch and combine in two stages (a: issue,
+    b: wait by the hook or the event), FP8 with UE8M0 scales as on Blackwell."""
+
+    def __init__(
+        self, buffer, num_max_dispatch_tokens_per_rank: int, num_experts: int, return_recv_hook: bool
+    ):
+        self.buffer, self.num_experts = buffer, num_experts
+        self.num_max_dispatch_tokens_per_rank = num_max_dispatch_tokens_per_rank
+        self.return_recv_hook, self.handle = return_recv_hook, None
+
+    def dispatch_a(self, hidden_states, topk_ids, ue8m0: bool):
+        packed_recv_hidden, self.packed_recv_count, self.handle, event, hook = (
+            self.buffer.low_latency_dispatch(
+                hidden_states,
+                topk_ids,
+                self.num_max_dispatch_tokens_per_rank,
+                self.num_experts,
+                use_fp8=True,
+                async_finish=not self.return_recv_hook,
+                return_recv_hook=self.return_recv_hook,
+                round_scale=ue8m0,
+                use_ue8m0=ue8m0,
+            )
+        )
+        return packed_recv_hidden, self.packed_recv_count, event, hook
+
+    def wait(self, event, hook) -> None:
+        hook() if self.return_recv_hook else event.current_stream_wait()
+
+    def combine_a(self, hidden_states, topk_ids, topk_weights):
+        return self.buffer.low_latency_combine(
+            x=hidden_states,
+            topk_idx=topk_ids,
+            topk_weights=topk_weights,
+            handle=self.handle,
+            async_finish=not self.return_recv_hook,
+            return_recv_hook=self.return_recv_hook,
+        )
+
+
+def sglang_steps(buffer, me: int, R: int) -> None:
+    from ubep.compat.deep_ep import scales
+
+    E = L * R
+    for return_recv_hook in (False, True):
+        sg = SglangLowLatency(buffer, T, E, return_recv_hook)
+        xs, idxs, ws = inputs(R, seed=17 + return_recv_hook, dtype=torch.bfloat16)
+        (values, packed), counts, event, hook = sg.dispatch_a(xs[me], idxs[me], ue8m0=True)
+        sg.wait(event, hook)
+        rows = fp8.dequantize(values, scales.unpack_ue8m0(packed))
+        scale_L = expert_scale(torch.arange(me * L, (me + 1) * L))
+        y = (rows * scale_L.view(L, 1, 1)).bfloat16()
+        for j in range(L):
+            y[j, int(counts[j]) :] = 0
+        combined, event, hook = sg.combine_a(y, idxs[me], ws[me])
+        sg.wait(event, hook)
+        want = moe_reference(xs[me], idxs[me], ws[me])
+        torch.testing.assert_close(combined.float(), want, rtol=0.07, atol=0.07)
+
+
 def vllm_program() -> bool:
     me, R = dist.get_rank(), dist.get_world_size()
     install_as_deep_ep()
@@ -341,6 +403,7 @@ def vllm_program() -> bool:
         torch.testing.assert_close(
             output.float(), moe_reference(xs[me], idxs[me], ws[me]), rtol=tol, atol=tol
         )
+    sglang_steps(buffer, me, R)
     buffer.destroy()
     return True
 
@@ -349,7 +412,7 @@ def test_megatron_fused_a2a_forward_and_backward():
     assert ubep.LocalLaunch(world_size=2, timeout_s=150).run(megatron_program) == [True, True]
 
 
-def test_vllm_deepep_prepare_finalize():
+def test_vllm_prepare_finalize_and_sglang_low_latency():
     assert ubep.LocalLaunch(world_size=2, timeout_s=150).run(vllm_program) == [True, True]
 
 
