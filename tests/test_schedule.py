@@ -27,9 +27,9 @@ def _counts(kind: str) -> np.ndarray:
 
 
 def _class_tokens_WC(rp: schedule.RankPlan) -> np.ndarray:
-    cls_P = TOPO.distance_class(rp.rank, rp.dest_P)
+    cls_I = TOPO.distance_class(rp.rank, rp.dest_I)
     out = np.zeros((rp.num_workers, TOPO.num_classes))
-    np.add.at(out, (rp.worker_P, cls_P), rp.end_P - rp.begin_P)
+    np.add.at(out, (rp.worker_I, cls_I), rp.end_I - rp.begin_I)
     return out
 
 
@@ -90,14 +90,14 @@ def test_every_token_is_sent_exactly_once(policy):
     sched = schedule.build(topk, placement, TOPO, workers=48, row_bytes=7, policy=policy)
     for rp in sched.ranks:
         per_rank = dispatch_layout(topk[rp.rank], placement).num_tokens_per_rank_R.numpy()
-        order = np.lexsort((rp.begin_P, rp.dest_P))
-        dest, begin, end = rp.dest_P[order], rp.begin_P[order], rp.end_P[order]
+        order = np.lexsort((rp.begin_I, rp.dest_I))
+        dest, begin, end = rp.dest_I[order], rp.begin_I[order], rp.end_I[order]
         first = np.r_[True, dest[1:] != dest[:-1]]
         last = np.r_[dest[1:] != dest[:-1], True]
         assert (begin[first] == 0).all() and (begin[~first] == end[np.flatnonzero(~first) - 1]).all()
         assert (end[last] == per_rank[dest[last]]).all() and (end > begin).all()
         assert set(dest[last]) == set(np.flatnonzero(per_rank))
-        assert (rp.bytes_P == 7 * (rp.end_P - rp.begin_P)).all()
+        assert (rp.bytes_I == 7 * (rp.end_I - rp.begin_I)).all()
 
 
 @pytest.mark.parametrize("kind", ["uniform", "hot"])
@@ -127,7 +127,7 @@ def test_bsp_sends_whole_destinations_round_robin():
     # Rotation from rank 2: 2, 3, 4, 0 (rank 1 sends nothing to itself) -> workers 0, 1, 0, 1.
     assert [(d, s.stop) for d, s, _ in rp.pieces(0)] == [(2, 5), (4, 4)]
     assert [(d, s.stop) for d, s, _ in rp.pieces(1)] == [(3, 1), (0, 2)]
-    assert (rp.begin_P == 0).all()
+    assert (rp.begin_I == 0).all()
 
 
 def test_bad_policy_is_rejected():

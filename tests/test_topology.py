@@ -15,7 +15,7 @@ def test_cm384_classes_follow_nodes_of_eight():
     assert cls[0, 0] == 0 and cls[0, 7] == 1 and cls[0, 8] == 2
     assert cls[9, 15] == 1 and cls[9, 16] == 2 and cls[23, 16] == 1
     assert np.array_equal(cls, cls.T)
-    assert topo.latency_C().tolist() == [0.22, 0.93, 2.5]
+    assert topo.latency_C().tolist() == [0.218, 0.929, 2.5]
     assert (topo.port_gbps_C() == 392.0).all()
 
 

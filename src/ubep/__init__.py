@@ -21,6 +21,7 @@ from ubep.results import (
     LowLatencyCombineResult,
     LowLatencyDispatchResult,
     LowLatencyHandle,
+    RecvRoute,
 )
 from ubep.waiting import PeerAbortedError
 
@@ -44,6 +45,7 @@ __all__ = [
     "PeerAbortedError",
     "PeerDataError",
     "RankFailedError",
+    "RecvRoute",
     "UbepError",
     "fp8",
 ]

@@ -241,7 +241,7 @@ class Buffer:
             self._faults.at("dispatch.start", call)
             got = self._live().dispatch(call, plan, handle)
         self._faults.at("dispatch.end", call)
-        recv_x = fp8.from_rows(got.recv_x_MH, self.sizing.hidden) if fp8.is_pair(x) else got.recv_x_MH
+        recv_x = got.recv_x_MH if got.recv_scales_MS is None else (got.recv_x_MH, got.recv_scales_MS)
         if handle is None:
             counts = expert_counts(
                 got.recv_topk_idx_MK, self.sizing.placement.num_local_experts, expert_alignment
@@ -250,11 +250,8 @@ class Buffer:
                 num_tokens=plan.x_NH.shape[0],
                 is_token_in_rank_NR=plan.is_token_in_rank_NR,
                 send_counts_R=plan.send_counts_R,
-                recv_src_rank_M=_src_ranks(got.recv_prefix_R1),
-                recv_src_token_M=got.recv_src_token_M,
-                recv_prefix_R1=got.recv_prefix_R1,
+                recv=got.route,
                 num_recv_tokens_per_expert_list=counts,
-                route=got.route,
             )
         return DispatchResult(
             recv_x,
@@ -274,23 +271,23 @@ class Buffer:
                 raise TypeError(f"handle must come from Buffer.dispatch, got {type(handle).__name__}")
             if handle.num_ranks != self.num_ranks:
                 raise ValueError(f"handle is for {handle.num_ranks} ranks, this Buffer has {self.num_ranks}")
-            x = self._payload(x, rows=handle.num_tokens)
-            return SendPlan(x, None, None, handle.is_token_in_rank_NR, handle.send_counts_R)
+            x, scales = self._payload(x, rows=handle.num_tokens)
+            return SendPlan(x, None, None, handle.is_token_in_rank_NR, handle.send_counts_R, scales)
         if topk_idx is None or topk_weights is None:
             raise ValueError("dispatch needs topk_idx and topk_weights unless a handle is given")
-        x = self._payload(x)
+        x, scales = self._payload(x)
         idx = validate.topk_idx(topk_idx, x.shape[0], self.num_experts, s.max_topk)
         w = validate.topk_weights(topk_weights, tuple(idx.shape))
         is_token_in_rank_NR = token_in_rank(idx, s.placement)  # dispatch needs no per-expert counts
         validate.layout_args(num_tokens_per_rank, is_token_in_rank, is_token_in_rank_NR)
-        return SendPlan(x, idx, w, is_token_in_rank_NR, is_token_in_rank_NR.sum(dim=0))
+        return SendPlan(x, idx, w, is_token_in_rank_NR, is_token_in_rank_NR.sum(dim=0), scales)
 
-    def _payload(self, x, rows: int | None = None) -> torch.Tensor:
-        """x as the protocols carry it: the tensor, or an FP8 pair packed into byte rows."""
+    def _payload(self, x, rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(x, None), or an FP8 pair's (values, scales), validated."""
         s = self.sizing
         if fp8.is_pair(x):
-            return fp8.to_rows(*validate.fp8_pair("x", x, s.hidden, s.capacity, rows=rows))
-        return validate.payload("x", x, s.hidden, s.capacity, rows=rows)
+            return validate.fp8_pair("x", x, s.hidden, s.capacity, rows=rows)
+        return validate.payload("x", x, s.hidden, s.capacity, rows=rows), None
 
     def combine(
         self,
@@ -461,12 +458,6 @@ def _rows(t) -> int:
 
 def _cols(t) -> int:
     return t.shape[1] if isinstance(t, torch.Tensor) and t.dim() == 2 else -1
-
-
-def _src_ranks(prefix_R1: torch.Tensor) -> torch.Tensor:
-    """int64 [M]: the source rank of each received row, from per-source boundaries."""
-    counts_R = prefix_R1[1:] - prefix_R1[:-1]
-    return torch.repeat_interleave(torch.arange(counts_R.numel()), counts_R)
 
 
 def _no_hook() -> None:

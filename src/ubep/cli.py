@@ -12,6 +12,7 @@ from ubep.bench.workload import DTYPES, SYSTEMS, BenchConfig
 from ubep.routing import ROUTINGS
 from ubep.schedule import POLICIES
 from ubep.sim.cli import add_parser as add_simulate
+from ubep.sim.cli import add_plan_parser as add_plan
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -149,6 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     add_bench(sub)
     add_simulate(sub)
+    add_plan(sub)
     add_decode(sub)
     args = parser.parse_args(argv)
     return args.func(args)

@@ -16,32 +16,73 @@ from ubep.overlap import EventOverlap
 
 
 @dataclass(frozen=True, slots=True)
+class RecvRoute:
+    """Where one dispatch's received rows came from, in source-rank-then-token order.
+
+    What every protocol returns for a dispatch, and what its handle keeps:
+      src_token_M: each row's token index on its source (int64 [M]).
+      prefix_R1:   rows from source s are [prefix[s], prefix[s+1]) (int64 [R + 1]).
+      src_rank_M:  each row's source rank (int64 [M]), derived once from prefix_R1.
+      relay:       protocol-specific relay tables (the hierarchical exchange's
+                   `HierRoute`); None for the other protocols.
+    """
+
+    src_token_M: torch.Tensor
+    prefix_R1: torch.Tensor
+    src_rank_M: torch.Tensor
+    relay: object | None = None
+
+    @classmethod
+    def of(cls, src_token_M: torch.Tensor, prefix_R1: torch.Tensor, relay: object | None = None) -> RecvRoute:
+        counts_R = prefix_R1[1:] - prefix_R1[:-1]
+        src_rank_M = torch.repeat_interleave(torch.arange(counts_R.numel()), counts_R)
+        return cls(src_token_M, prefix_R1, src_rank_M, relay)
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.prefix_R1[-1])
+
+    def counts(self) -> torch.Tensor:
+        """int64 [R]: rows received from each source rank."""
+        return self.prefix_R1[1:] - self.prefix_R1[:-1]
+
+
+@dataclass(frozen=True, slots=True)
 class DispatchHandle:
     """Routing of one normal-mode dispatch, enough to combine it or to repeat it.
 
     Send side (this rank as token owner):
       is_token_in_rank_NR: which ranks each local token was sent to.
       send_counts_R:       tokens sent to each rank (int64).
-    Receive side (this rank as expert owner), rows in source-rank-then-token order:
-      recv_src_rank_M:     source rank of each received row (int64).
-      recv_src_token_M:    that row's token index on its source (int64).
-      recv_prefix_R1:      rows from source s are [prefix[s], prefix[s+1]) (int64, R + 1).
-      route:               protocol-specific relay tables (the hierarchical exchange's
-                           `HierRoute`); None for the other protocols.
+    Receive side (this rank as expert owner): `recv`, a `RecvRoute`, whose fields
+    also read as recv_src_rank_M, recv_src_token_M, recv_prefix_R1 and route.
     """
 
     num_tokens: int
     is_token_in_rank_NR: torch.Tensor
     send_counts_R: torch.Tensor
-    recv_src_rank_M: torch.Tensor
-    recv_src_token_M: torch.Tensor
-    recv_prefix_R1: torch.Tensor
+    recv: RecvRoute
     num_recv_tokens_per_expert_list: list[int]
-    route: object | None = None
+
+    @property
+    def recv_src_rank_M(self) -> torch.Tensor:
+        return self.recv.src_rank_M
+
+    @property
+    def recv_src_token_M(self) -> torch.Tensor:
+        return self.recv.src_token_M
+
+    @property
+    def recv_prefix_R1(self) -> torch.Tensor:
+        return self.recv.prefix_R1
+
+    @property
+    def route(self) -> object | None:
+        return self.recv.relay
 
     @property
     def num_recv_tokens(self) -> int:
-        return int(self.recv_prefix_R1[-1])
+        return self.recv.num_rows
 
     @property
     def num_ranks(self) -> int:
@@ -49,7 +90,7 @@ class DispatchHandle:
 
     def recv_counts(self) -> torch.Tensor:
         """int64 [R]: rows received from each source rank."""
-        return self.recv_prefix_R1[1:] - self.recv_prefix_R1[:-1]
+        return self.recv.counts()
 
 
 class LayoutResult(NamedTuple):

@@ -28,7 +28,7 @@ totals 3, 1, 4. Slices: class 0 -> 2, 1; class 1 -> 0, 1 (the extra rotates to
 worker 1); class 2 -> 2, 2. Worker 0: rank 0 [0:2], rank 2 [0:2] (4 tokens);
 worker 1: rank 0 [2:3], rank 1 [0:1], rank 3 [0:2] (4 tokens); far pieces first.
 
-Legend: R ranks, D destinations with tokens, W workers, P pieces, C distance classes.
+Legend: see `ubep.layout` (R ranks, D destinations with tokens, W workers, I pieces, C distance classes).
 """
 
 from __future__ import annotations
@@ -52,24 +52,24 @@ class RankPlan:
 
     rank: int
     num_workers: int
-    worker_P: np.ndarray  # int64 [P]
-    dest_P: np.ndarray  # int64 [P]: destination rank
-    begin_P: np.ndarray  # int64 [P]: slice of the destination's ascending token list
-    end_P: np.ndarray  # int64 [P]
-    bytes_P: np.ndarray  # int64 [P]
+    worker_I: np.ndarray  # int64 [P]
+    dest_I: np.ndarray  # int64 [P]: destination rank
+    begin_I: np.ndarray  # int64 [P]: slice of the destination's ascending token list
+    end_I: np.ndarray  # int64 [P]
+    bytes_I: np.ndarray  # int64 [P]
 
     def pieces(self, worker: int) -> list[tuple[int, slice, int]]:
         """Worker `worker`'s transfers in order, as (destination, token slice, bytes)."""
-        idx = np.flatnonzero(self.worker_P == worker)
+        idx = np.flatnonzero(self.worker_I == worker)
         return [
-            (int(self.dest_P[i]), slice(int(self.begin_P[i]), int(self.end_P[i])), int(self.bytes_P[i]))
+            (int(self.dest_I[i]), slice(int(self.begin_I[i]), int(self.end_I[i])), int(self.bytes_I[i]))
             for i in idx
         ]
 
     def worker_tokens_W(self) -> np.ndarray:
         """int64 [W]: tokens each worker sends."""
         return np.bincount(
-            self.worker_P, weights=self.end_P - self.begin_P, minlength=self.num_workers
+            self.worker_I, weights=self.end_I - self.begin_I, minlength=self.num_workers
         ).astype(np.int64)
 
 
@@ -132,20 +132,20 @@ def class_bounds(class_tokens_C: np.ndarray, workers: int) -> np.ndarray:
 def partition(counts_D: np.ndarray, bounds: np.ndarray) -> tuple[np.ndarray, ...]:
     """Cut the send list at `bounds` (slot boundaries) and at destination boundaries.
 
-    Returns (slot_P, dpos_P, begin_P, end_P): piece p is positions [begin, end) of the
+    Returns (slot_I, dpos_I, begin_I, end_I): piece p is positions [begin, end) of the
     group of destination dpos and belongs to slot `slot`. Each piece is located by a
     prefix-sum search (searchsorted), with no loop over tokens or destinations.
     """
     dest_off = np.concatenate(([0], np.cumsum(counts_D)))  # [D + 1]
     cuts = np.unique(np.concatenate((bounds, dest_off)))
     start, stop = cuts[:-1], cuts[1:]
-    slot_P = np.searchsorted(bounds, start, side="right") - 1
-    dpos_P = np.searchsorted(dest_off, start, side="right") - 1
-    return slot_P, dpos_P, start - dest_off[dpos_P], stop - dest_off[dpos_P]
+    slot_I = np.searchsorted(bounds, start, side="right") - 1
+    dpos_I = np.searchsorted(dest_off, start, side="right") - 1
+    return slot_I, dpos_I, start - dest_off[dpos_I], stop - dest_off[dpos_I]
 
 
 def _token_pieces(counts_R: np.ndarray, rank: int, topo: Topology, workers: int, policy: str) -> tuple:
-    """(worker_P, dest_P, begin_P, end_P) for the token-partitioning policies."""
+    """(worker_I, dest_I, begin_I, end_I) for the token-partitioning policies."""
     R = counts_R.size
     dests = np.flatnonzero(counts_R)
     cls = topo.distance_class(rank, dests)
@@ -157,8 +157,8 @@ def _token_pieces(counts_R: np.ndarray, rank: int, topo: Topology, workers: int,
         if policy == "ubep-paper":
             dests = transpose_order(dests, cls, rank, R, workers)
         bounds = equal_bounds(int(counts_R.sum()), workers)
-    slot_P, dpos_P, begin_P, end_P = partition(counts_R[dests], bounds)
-    return slot_P % workers, dests[dpos_P], begin_P, end_P
+    slot_I, dpos_I, begin_I, end_I = partition(counts_R[dests], bounds)
+    return slot_I % workers, dests[dpos_I], begin_I, end_I
 
 
 def _bsp_pieces(counts_R: np.ndarray, rank: int, workers: int) -> tuple[np.ndarray, ...]:
@@ -189,24 +189,24 @@ def plan_rank(
         raise ValueError(f"workers must be >= 1, got {workers}")
     counts_R = np.asarray(counts_R, dtype=np.int64)
     if policy == "bsp":
-        worker_P, dest_P, begin_P, end_P = _bsp_pieces(counts_R, rank, workers)
+        worker_I, dest_I, begin_I, end_I = _bsp_pieces(counts_R, rank, workers)
     else:
-        worker_P, dest_P, begin_P, end_P = _token_pieces(counts_R, rank, topo, workers, policy)
-    bytes_P = (end_P - begin_P) * row_bytes
+        worker_I, dest_I, begin_I, end_I = _token_pieces(counts_R, rank, topo, workers, policy)
+    bytes_I = (end_I - begin_I) * row_bytes
     if policy.startswith("ubep"):  # (c) slowest transfer first within each worker
-        cost_P = message_us(topo, params or CostParams(), topo.distance_class(rank, dest_P), bytes_P)
-        order = np.lexsort((-cost_P, worker_P))
-        worker_P, dest_P, begin_P, end_P, bytes_P = (
-            a[order] for a in (worker_P, dest_P, begin_P, end_P, bytes_P)
+        cost_I = message_us(topo, params or CostParams(), topo.distance_class(rank, dest_I), bytes_I)
+        order = np.lexsort((-cost_I, worker_I))
+        worker_I, dest_I, begin_I, end_I, bytes_I = (
+            a[order] for a in (worker_I, dest_I, begin_I, end_I, bytes_I)
         )
     return RankPlan(
         rank=rank,
         num_workers=workers,
-        worker_P=worker_P.astype(np.int64),
-        dest_P=dest_P.astype(np.int64),
-        begin_P=begin_P.astype(np.int64),
-        end_P=end_P.astype(np.int64),
-        bytes_P=bytes_P.astype(np.int64),
+        worker_I=worker_I.astype(np.int64),
+        dest_I=dest_I.astype(np.int64),
+        begin_I=begin_I.astype(np.int64),
+        end_I=end_I.astype(np.int64),
+        bytes_I=bytes_I.astype(np.int64),
     )
 
 

@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 # --- Published figures (PAPER.md, "Hardware figures for a network model") ----------------
-CM384_LATENCY_US = (0.22, 0.93, 2.5)  # same device / one switch hop / two hops (UBEP paper)
+CM384_LATENCY_US = (0.218, 0.929, 2.5)  # same device / one switch hop / two hops (UBEP paper, measured)
 CM384_DEVICE_GBPS = 392.0  # unidirectional UB bandwidth per NPU (CloudMatrix384 paper)
 CM384_NODES, CM384_DEVICES_PER_NODE = 48, 8  # 384 NPUs in 48 nodes of 8
 NVLINK5_DEVICE_GBPS = 900.0  # GB200 NVL72, NVLink 5, unidirectional per GPU

@@ -9,13 +9,18 @@ from __future__ import annotations
 from ubep.engine.base import Engine
 from ubep.engine.torch_engine import TorchEngine
 
-ENGINES = ("auto", "torch")
+ENGINES = ("auto", "torch", "triton")
 
 
 def choose_engine(requested: str = "auto") -> tuple[Engine, str]:
     """(engine, reason) for a requested name; ValueError names the choices."""
     if requested not in ENGINES:
         raise ValueError(f"engine must be one of {ENGINES}, got {requested!r}")
+    if requested == "triton":  # imported here: triton is optional, and on CPU needs TRITON_INTERPRET=1
+        from ubep.engine.triton_engine import TritonEngine
+
+        engine = TritonEngine()  # ValueError saying why where it cannot run
+        return engine, f"requested: {engine.reason}"
     return TorchEngine(), "the portable torch kernels" if requested == "auto" else "requested"
 
 

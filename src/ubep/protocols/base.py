@@ -13,10 +13,11 @@ from typing import Protocol
 
 import torch
 
+from ubep import fp8
 from ubep.calls import CallId
 from ubep.engine import Engine
 from ubep.layout import ExpertPlacement, destination_major
-from ubep.results import DispatchHandle
+from ubep.results import DispatchHandle, RecvRoute
 from ubep.transport.base import Field, Header, Region, Transport
 
 # Wire codes for the dtypes a payload may carry (stored next to the data).
@@ -28,17 +29,27 @@ CODE_RANGE = (min(CODE_DTYPES), max(CODE_DTYPES))
 
 @dataclass(frozen=True, slots=True)
 class SendPlan:
-    """The sender's side of one dispatch, from the layout."""
+    """The sender's side of one dispatch, from the layout.
+
+    An FP8 payload is two planes, values (`x_NH`, e4m3) and `scales_NS` (float32,
+    S = H // 128), moved apart on a heap into their own outputs; the collective
+    paths, which move one tensor, pack them into byte rows (`packed_rows`).
+    """
 
     x_NH: torch.Tensor
     topk_idx_NK: torch.Tensor | None  # None: cached dispatch (routing from the handle)
     topk_weights_NK: torch.Tensor | None
     is_token_in_rank_NR: torch.Tensor
     send_counts_R: torch.Tensor  # int64 [R]
+    scales_NS: torch.Tensor | None = None  # FP8 scales; None for bf16 / fp32 payloads
 
     def send_tokens(self) -> tuple[torch.Tensor, ...]:
         """Per destination rank, the ascending indices of the tokens it gets."""
         return send_tokens(self.is_token_in_rank_NR, self.send_counts_R)
+
+    def packed_rows(self) -> torch.Tensor:
+        """The payload as one tensor of rows: x itself, or FP8 values then scales as byte rows."""
+        return self.x_NH if self.scales_NS is None else fp8.to_rows(self.x_NH, self.scales_NS)
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,9 +59,16 @@ class Received:
     recv_x_MH: torch.Tensor
     recv_topk_idx_MK: torch.Tensor | None
     recv_topk_weights_MK: torch.Tensor | None
-    recv_src_token_M: torch.Tensor  # int64
-    recv_prefix_R1: torch.Tensor  # int64 [R + 1]
-    route: object | None = None  # see DispatchHandle
+    route: RecvRoute
+    recv_scales_MS: torch.Tensor | None = None  # FP8 scales, beside recv_x_MH's values
+
+    @classmethod
+    def unpacking(cls, plan: SendPlan, rows_MX: torch.Tensor, *rest) -> Received:
+        """What `packed_rows` rows became on arrival, split back into planes where FP8."""
+        if plan.scales_NS is None:
+            return cls(rows_MX, *rest)
+        values_MH, scales_MS = fp8.from_rows(rows_MX, plan.x_NH.shape[1])
+        return cls(values_MH, *rest, recv_scales_MS=scales_MS)
 
 
 class Exchange(Protocol):

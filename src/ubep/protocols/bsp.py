@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ubep import fp8
 from ubep.calls import CallId
 from ubep.engine import Engine
 from ubep.errors import PeerDataError
@@ -39,7 +40,7 @@ from ubep.protocols.base import (
     reduce_home,
     rows,
 )
-from ubep.results import DispatchHandle
+from ubep.results import DispatchHandle, RecvRoute
 from ubep.transport.base import Field, Header, Region, Transport
 
 
@@ -49,7 +50,8 @@ class BspBlocks:
 
     counts: Header  # own: tokens for each destination
     staged: Header  # inbox: "your slot from me is written"
-    stage_x: Region  # uint8 [R, T, row bytes]: a staging slot per source
+    stage_x: Region  # uint8 [R, T, row bytes]: a staging slot per source (FP8: values)
+    stage_scales: Region  # float32 [R, T, H // 128]: FP8 scales
     stage_tokens: Region  # int64 [R, T]
     stage_topk: Region  # int64 [R, T, max_topk]: local ids as this rank sees them
     stage_weights: Region  # float32 [R, T, max_topk]
@@ -72,6 +74,7 @@ class BspBlocks:
                 double=False,
             ),
             stage_x=Region("bsp.stage_x", (R, T, s.row_bytes), torch.uint8),
+            stage_scales=Region("bsp.stage_scales", (R, T, s.hidden // fp8.BLOCK), torch.float32),
             stage_tokens=Region("bsp.stage_tokens", (R, T), torch.int64),
             stage_topk=Region("bsp.stage_topk", (R, T, K), torch.int64),
             stage_weights=Region("bsp.stage_weights", (R, T, K), torch.float32),
@@ -84,6 +87,7 @@ class BspBlocks:
             self.counts,
             self.staged,
             self.stage_x,
+            self.stage_scales,
             self.stage_tokens,
             self.stage_topk,
             self.stage_weights,
@@ -131,6 +135,8 @@ class BspExchange:
                 plan.x_NH, tokens_n, rows(t.view(b.stage_x, dst)[me], n, plan.x_NH.dtype, H), None
             )
             t.view(b.stage_tokens, dst)[me, :n].copy_(tokens_n)
+            if plan.scales_NS is not None:
+                self.engine.copy_rows(plan.scales_NS, tokens_n, t.view(b.stage_scales, dst)[me, :n], None)
             if K:
                 self.engine.localize_rows(
                     plan.topk_idx_NK,
@@ -166,6 +172,7 @@ class BspExchange:
         M, prefix = int(prefix_R1[-1]), prefix_R1.tolist()
         K = None if cached else plan.topk_idx_NK.shape[1]
         recv_x = torch.empty(M, H, dtype=dtype)
+        scales = None if plan.scales_NS is None else torch.empty(M, plan.scales_NS.shape[1])
         recv_idx = None if cached else torch.empty(M, K, dtype=torch.int64)
         recv_w = None if cached else torch.empty(M, K, dtype=torch.float32)
         src_token = torch.empty(M, dtype=torch.int64)
@@ -175,11 +182,13 @@ class BspExchange:
                 rows(t.view(b.stage_x, self.me)[src], z - a, dtype, H), None, recv_x[a:z], None
             )
             src_token[a:z] = t.view(b.stage_tokens, self.me)[src, : z - a]
+            if scales is not None:
+                scales[a:z] = t.view(b.stage_scales, self.me)[src, : z - a]
             if not cached:
                 recv_idx[a:z] = t.view(b.stage_topk, self.me)[src, : z - a, :K]
                 recv_w[a:z] = t.view(b.stage_weights, self.me)[src, : z - a, :K]
         self._check_received(call, src_token, recv_idx)
-        return Received(recv_x, recv_idx, recv_w, src_token, prefix_R1)
+        return Received(recv_x, recv_idx, recv_w, RecvRoute.of(src_token, prefix_R1), scales)
 
     def _check_received(
         self, call: CallId, src_token_M: torch.Tensor, recv_idx_MK: torch.Tensor | None

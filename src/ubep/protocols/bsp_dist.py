@@ -24,7 +24,7 @@ from ubep.errors import PeerDataError
 from ubep.faults import NO_FAULTS, FaultPoints
 from ubep.layout import destination_major, localize_for_destinations, prefix_offsets
 from ubep.protocols.base import CallId, Received, SendPlan, Sizing
-from ubep.results import DispatchHandle
+from ubep.results import DispatchHandle, RecvRoute
 from ubep.waiting import AbortNotice, PeerAbortedError
 
 ABORT_COUNT = -1  # a count no real dispatch sends: "this rank gave up on the call"
@@ -92,9 +92,10 @@ class BspDist:
         recv_counts_R = self._exchange_counts(call, send_counts_R)
         send, recv = send_counts_R.tolist(), recv_counts_R.tolist()
         dest_R, tokens = destination_major(plan.is_token_in_rank_NR)
-        x_bytes = self._all_to_all("dispatch (tokens)", _as_bytes(plan.x_NH[tokens]), send, recv)
+        x_NX = plan.packed_rows()
+        x_bytes = self._all_to_all("dispatch (tokens)", _as_bytes(x_NX[tokens]), send, recv)
         self.faults.at("dispatch.sent", call)
-        recv_x = x_bytes.view(plan.x_NH.dtype).view(-1, plan.x_NH.shape[1])
+        recv_x = x_bytes.view(x_NX.dtype).view(-1, x_NX.shape[1])
         meta = [tokens.unsqueeze(1)]
         if plan.topk_idx_NK is not None:
             local, w = localize_for_destinations(
@@ -107,7 +108,8 @@ class BspDist:
             K = plan.topk_idx_NK.shape[1]
             recv_idx = meta_recv[:, 1 : 1 + K].contiguous()
             recv_w = meta_recv[:, 1 + K :].to(torch.int32).view(torch.float32).contiguous()
-        return Received(recv_x, recv_idx, recv_w, meta_recv[:, 0].contiguous(), prefix_offsets(recv_counts_R))
+        route = RecvRoute.of(meta_recv[:, 0].contiguous(), prefix_offsets(recv_counts_R))
+        return Received.unpacking(plan, recv_x, recv_idx, recv_w, route)
 
     def combine(self, call: CallId, x_MH, handle: DispatchHandle, topk_weights_MK):
         recv = handle.recv_counts().tolist()

@@ -53,7 +53,7 @@ from ubep.layout import (
 )
 from ubep.nodes import NodeMap, tokens_per_slot
 from ubep.protocols.base import CODE_DTYPES, CODE_RANGE, DTYPE_CODES, Received, SendPlan, Sizing, rows
-from ubep.results import DispatchHandle
+from ubep.results import DispatchHandle, RecvRoute
 from ubep.transport.base import Field, Header, Region
 from ubep.transport.shm import shm_heap
 
@@ -242,7 +242,9 @@ class HierExchange:
         slot_S, token_S = destination_major(in_slot_NG)
         return token_S, torch.bincount(slot_S, minlength=self.G), own_O
 
-    def _relay_routing(self, call: CallId, plan: SendPlan, send_token_S, send_G, own_O) -> torch.Tensor:
+    def _relay_routing(
+        self, call: CallId, plan: SendPlan, dtype, send_token_S, send_G, own_O
+    ) -> torch.Tensor:
         """Stage 1 and 2 for routing: send each other node (once) the routing of the tokens
         it needs; publish the forward set's routing and stamp META. Returns rows per slot."""
         b, t, me, idx, w = self.blocks, self.t, self.local, plan.topk_idx_NK, plan.topk_weights_NK
@@ -260,7 +262,7 @@ class HierExchange:
         t.view(b.ids, me, call)[:F].copy_(torch.stack([src_F, torch.cat([token_in[:, 0], own_O])], 1))
         t.view(b.topk, me, call)[:F, :K].copy_(torch.cat([idx_in, idx[own_O]]))
         t.view(b.weights, me, call)[:F, :K].copy_(torch.cat([w_in, w[own_O]]))
-        t.publish(b.route, call, {"count": F, "dtype": DTYPE_CODES[plan.x_NH.dtype], "topk": K})
+        t.publish(b.route, call, {"count": F, "dtype": DTYPE_CODES[dtype], "topk": K})
         return relay_G
 
     def _relay_rows(self, call: CallId, x_NH: torch.Tensor, send_token_S, send_G, relay_G, own_O) -> None:
@@ -278,12 +280,13 @@ class HierExchange:
     # -- inside the node: dispatch ----------------------------------------------------------------
 
     def dispatch(self, call: CallId, plan: SendPlan, handle: DispatchHandle | None) -> Received:
+        x_NX = plan.packed_rows()  # one tensor crosses: an FP8 pair travels as byte rows
         if handle is not None:
-            return self._dispatch_cached(call, plan.x_NH, handle)
+            return self._dispatch_cached(call, plan, x_NX, handle)
         send_token_S, send_G, own_O = self._home_plan(plan.is_token_in_rank_NR)
-        relay_G = self._relay_routing(call, plan, send_token_S, send_G, own_O)
-        self._relay_rows(call, plan.x_NH, send_token_S, send_G, relay_G, own_O)
-        got = self._gather_routing(call, plan.x_NH.dtype, plan.topk_idx_NK.shape[1])
+        relay_G = self._relay_routing(call, plan, x_NX.dtype, send_token_S, send_G, own_O)
+        self._relay_rows(call, x_NX, send_token_S, send_G, relay_G, own_O)
+        got = self._gather_routing(call, x_NX.dtype, plan.topk_idx_NK.shape[1])
         route = HierRoute(
             send_token_S,
             send_G,
@@ -295,15 +298,16 @@ class HierExchange:
             got.fwd_offset_V,
         )
         prefix_R1 = prefix_offsets(torch.bincount(got.src_rank_M, minlength=self.sizing.num_ranks))
-        recv_x_MH = self._gather_rows(call, plan.x_NH, route, prefix_R1)
-        return Received(recv_x_MH, got.topk_MK, got.weights_MK, got.src_token_M, prefix_R1, route=route)
+        recv_x_MX = self._gather_rows(call, x_NX, route, prefix_R1)
+        recv = RecvRoute.of(got.src_token_M, prefix_R1, route)
+        return Received.unpacking(plan, recv_x_MX, got.topk_MK, got.weights_MK, recv)
 
-    def _dispatch_cached(self, call: CallId, x_NH: torch.Tensor, handle: DispatchHandle) -> Received:
+    def _dispatch_cached(self, call: CallId, plan: SendPlan, x_NX, handle: DispatchHandle) -> Received:
         """The same rows cross and fan out again, x only: the routing is in the handle."""
         r: HierRoute = handle.route
-        self._relay_rows(call, x_NH, r.send_token_S, r.send_counts_G, r.relay_counts_G, r.own_token_O)
-        recv_x_MH = self._gather_rows(call, x_NH, r, handle.recv_prefix_R1)
-        return Received(recv_x_MH, None, None, handle.recv_src_token_M, handle.recv_prefix_R1, route=r)
+        self._relay_rows(call, x_NX, r.send_token_S, r.send_counts_G, r.relay_counts_G, r.own_token_O)
+        recv_x_MX = self._gather_rows(call, x_NX, r, handle.recv_prefix_R1)
+        return Received.unpacking(plan, recv_x_MX, None, None, handle.recv)
 
     def _forward_header(self, call: CallId, f: int, dtype: torch.dtype, header: Header) -> tuple[int, int]:
         """A landed forward set's (row count, top-k or 0), checked against this rank's call."""

@@ -6,7 +6,7 @@ import torch
 
 from ubep import reference
 from ubep.protocols.base import CallId, Received, SendPlan, Sizing
-from ubep.results import DispatchHandle
+from ubep.results import DispatchHandle, RecvRoute
 
 
 class LocalExchange:
@@ -18,21 +18,20 @@ class LocalExchange:
         self.sizing = sizing
 
     def dispatch(self, call: CallId, plan: SendPlan, handle: DispatchHandle | None) -> Received:
+        x_NX = plan.packed_rows()
         if handle is not None:
-            rows = handle.recv_src_token_M
-            return Received(plan.x_NH[rows], None, None, rows, handle.recv_prefix_R1)
+            return Received.unpacking(plan, x_NX[handle.recv_src_token_M], None, None, handle.recv)
         placement = self.sizing.placement
         got = reference.dispatch(
-            [plan.x_NH],
+            [x_NX],
             [plan.topk_idx_NK],
             [plan.topk_weights_NK],
             placement.num_experts,
             rank_of_expert=placement.rank_of_expert_E,
         )[0]
         prefix = torch.tensor([0, got.src_token_M.numel()], dtype=torch.int64)
-        return Received(
-            got.recv_x_MH, got.recv_topk_idx_MK, got.recv_topk_weights_MK, got.src_token_M, prefix
-        )
+        route = RecvRoute.of(got.src_token_M, prefix)
+        return Received.unpacking(plan, got.recv_x_MH, got.recv_topk_idx_MK, got.recv_topk_weights_MK, route)
 
     def combine(self, call: CallId, x_MH, handle: DispatchHandle, topk_weights_MK):
         tokens = handle.recv_src_token_M

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ubep import schedule, topology
+from ubep import fp8, schedule, topology
 from ubep.calls import CallId
 from ubep.engine import Engine
 from ubep.errors import PeerDataError
@@ -48,7 +48,7 @@ from ubep.protocols.base import (
     reduce_home,
     rows,
 )
-from ubep.results import DispatchHandle
+from ubep.results import DispatchHandle, RecvRoute
 from ubep.transport.base import Field, Header, Region, Transport
 
 
@@ -61,7 +61,8 @@ class UbepBlocks:
     topk: Region  # int64 [T, max_topk]: own routing, global expert ids
     weights: Region  # float32 [T, max_topk]
     lists: Region  # int64 [R, T]: tokens for each destination, ascending
-    x: Region  # uint8 [T, row bytes]: own tokens
+    x: Region  # uint8 [T, row bytes]: own tokens (FP8: their values)
+    scales: Region  # float32 [T, H // 128]: FP8 scales of own tokens
     back: BackBlocks  # combine: output rows, published once
 
     @classmethod
@@ -84,12 +85,14 @@ class UbepBlocks:
             weights=Region("ubep.weights", (T, K), torch.float32, double=True),
             lists=Region("ubep.lists", (R, T), torch.int64, double=True),
             x=Region("ubep.x", (T, B), torch.uint8, double=True),
+            scales=Region("ubep.scales", (T, s.hidden // fp8.BLOCK), torch.float32, double=True),
             back=BackBlocks.of("ubep", s, double=True),
         )
 
     def all(self) -> tuple[Region | Header, ...]:
         b = self.back
-        return (self.route, self.data, self.topk, self.weights, self.lists, self.x, b.back, b.y, b.y_weights)
+        own = (self.route, self.data, self.topk, self.weights, self.lists, self.x, self.scales)
+        return (*own, b.back, b.y, b.y_weights)
 
 
 class UbepExchange:
@@ -132,9 +135,12 @@ class UbepExchange:
                 handle.recv_src_token_M,
             )
         prefix_R1 = prefix_offsets(counts_R)
-        recv_x_MH = torch.empty(int(prefix_R1[-1]), x_NH.shape[1], dtype=x_NH.dtype)
-        self._gather_tokens(call, x_NH, recv_x_MH, src_token_M, prefix_R1.tolist(), sources)
-        return Received(recv_x_MH, recv_idx, recv_w, src_token_M, prefix_R1)
+        M = int(prefix_R1[-1])
+        recv_x_MH = torch.empty(M, x_NH.shape[1], dtype=x_NH.dtype)
+        recv_scales_MS = None if plan.scales_NS is None else torch.empty(M, plan.scales_NS.shape[1])
+        self._gather_tokens(call, x_NH, recv_x_MH, recv_scales_MS, src_token_M, prefix_R1.tolist(), sources)
+        route = RecvRoute.of(src_token_M, prefix_R1) if handle is None else handle.recv
+        return Received(recv_x_MH, recv_idx, recv_w, route, recv_scales_MS)
 
     def _publish(self, call: CallId, plan: SendPlan) -> None:
         b, t, me = self.blocks, self.t, self.me
@@ -155,6 +161,8 @@ class UbepExchange:
         values["num_tokens"] = self.faults.count("dispatch.count", call, N)
         t.publish(b.route, call, values)  # routing and counts are visible from here on
         rows(t.view(b.x, me, call), N, plan.x_NH.dtype, H).copy_(plan.x_NH)
+        if plan.scales_NS is not None:
+            t.view(b.scales, me, call)[:N].copy_(plan.scales_NS)
         t.publish(b.data, call, {})  # the payload is visible from here on
 
     def _source(self, call: CallId, src: int, dtype: torch.dtype) -> dict:
@@ -203,7 +211,7 @@ class UbepExchange:
             )
         return torch.tensor(counts, dtype=torch.int64), recv_idx_MK, recv_w_MK, src_token_M
 
-    def _gather_tokens(self, call, x_NH, recv_x_MH, src_token_M, prefix: list[int], sources) -> None:
+    def _gather_tokens(self, call, x_NH, recv_x_MH, recv_scales_MS, src_token_M, prefix, sources) -> None:
         """Copy each source's rows from its memory as soon as its payload lands.
 
         With several workers this thread keeps the waiting role and hands each
@@ -231,6 +239,10 @@ class UbepExchange:
                         call, src, f"dispatch: rank {src} sent {n} tokens, fewer than routed here"
                     )
                 source_XH = rows(t.view(b.x, src, call), n, x_NH.dtype, H)
+                if recv_scales_MS is not None:  # FP8: the scales into their own output
+                    self.engine.copy_rows(
+                        t.view(b.scales, src, call), src_token_M[a:z], recv_scales_MS[a:z], None
+                    )
                 if self._pool is None:
                     self.engine.copy_rows(source_XH, src_token_M[a:z], recv_x_MH[a:z], None)
                     continue

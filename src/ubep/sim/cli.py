@@ -5,11 +5,12 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import replace
+from dataclasses import asdict, replace
 
 from ubep import routing, schedule, topology
-from ubep.sim import protocols
-from ubep.sim.run import MODELS, SimConfig, SimResult, simulate, workload
+from ubep.costmodel import CostParams
+from ubep.sim import ablation, sync
+from ubep.sim.run import MODELS, PROTOCOLS, SimConfig, SimResult, simulate, workload
 
 
 def _ints(text: str) -> list[int]:
@@ -32,10 +33,11 @@ def add_parser(subparsers) -> None:
     p.add_argument("--topology", default="cm384", help=f"{', '.join(topology.PRESETS)} or a JSON file")
     p.add_argument("--ranks", type=_ints, default=[64], help="comma list of EP sizes")
     p.add_argument("--tokens", type=_ints, default=[8, 16, 32, 64, 128], help="tokens per rank (comma list)")
-    p.add_argument("--protocol", type=_names(protocols.PROTOCOLS), default=["ubep", "bsp"])
+    p.add_argument("--protocol", type=_names(PROTOCOLS), default=["ubep", "bsp"])
     p.add_argument(
         "--policy", type=_names(schedule.POLICIES), default=["ubep"], help="ubep's scheduler policies"
     )
+    p.add_argument("--sync", type=_names(sync.SYNCS), default=["tff"], help="ubep's synchronization variants")
     p.add_argument("--model", choices=sorted(MODELS), default="deepseek-v3")
     p.add_argument("--hidden", type=int)
     p.add_argument("--experts", type=int)
@@ -43,9 +45,18 @@ def add_parser(subparsers) -> None:
     p.add_argument("--dispatch-dtype", choices=("bf16", "fp8"), default="bf16")
     p.add_argument("--routing", choices=[r for r in routing.ROUTINGS if r != "hot"], default="uniform")
     p.add_argument("--hot-experts", type=int, default=0, help="N hot experts (overrides --routing)")
-    p.add_argument("--hot-share", type=float, default=0.6, help="share of picks the hot experts get")
+    p.add_argument(
+        "--hot-share",
+        type=float,
+        help="share of picks the hot experts get (0.6; the fitted one with --ablation)",
+    )
     p.add_argument("--workers", type=int, help="sender workers per device (default: per topology)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--ablation",
+        choices=("scheduling", "sync", "headline"),
+        help="instead: the paper's ablation (or headline reductions) beside ours; --plot saves the bars",
+    )
     p.add_argument("--json", help="write results as JSON to this path")
     p.add_argument("--plot", help="write a dispatch-latency plot (PNG) to this path")
     p.set_defaults(func=run)
@@ -62,19 +73,22 @@ def _configs(args) -> list[SimConfig]:
         dispatch_dtype=args.dispatch_dtype,
         routing=args.routing,
         hot_experts=args.hot_experts,
-        hot_share=args.hot_share,
+        hot_share=0.6 if args.hot_share is None else args.hot_share,
         workers=args.workers,
         seed=args.seed,
     )
     return [replace(base, ranks=r, tokens=t) for r in args.ranks for t in args.tokens]
 
 
-def _runs(cfg: SimConfig, protocol_names: list[str], policies: list[str]) -> list[SimResult]:
+def _runs(cfg: SimConfig, protocols_: list[str], policies: list[str], syncs: list[str]) -> list[SimResult]:
     wl = workload(cfg)
     out = []
-    for proto in protocol_names:
-        for policy in policies if proto == "ubep" else [proto]:
-            out.append(simulate(replace(cfg, policy=policy if proto == "ubep" else "ubep"), proto, wl))
+    for proto in protocols_:
+        if proto != "ubep":
+            out.append(simulate(cfg, proto, wl))
+            continue
+        for policy in policies:
+            out.extend(simulate(replace(cfg, policy=policy, sync=s), proto, wl) for s in syncs)
     return out
 
 
@@ -94,6 +108,7 @@ def _table(ranks: int, results: list[SimResult]):
             else ""
         )
         name = r.protocol if r.protocol != "ubep" or r.policy == "ubep" else f"ubep/{r.policy}"
+        name += f"/{r.sync}" if r.protocol == "ubep" and r.sync != "tff" else ""
         table.add_row(str(r.tokens_per_rank), name, f"{r.dispatch_us:.1f}", f"{r.combine_us:.1f}",
                       f"{r.dispatch_worker_us:.1f}", gain)  # fmt: skip
     return table
@@ -106,10 +121,11 @@ def _plot(results: list[SimResult], path: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    keys = sorted({(r.ranks, r.protocol, r.policy) for r in results})
-    for ranks, proto, policy in keys:
-        rs = [r for r in results if (r.ranks, r.protocol, r.policy) == (ranks, proto, policy)]
-        label = f"{proto}{'' if policy in (proto, 'ubep') else '/' + policy} EP{ranks}"
+    keys = sorted({(r.ranks, r.protocol, r.policy, r.sync) for r in results})
+    for ranks, proto, policy, sy in keys:
+        rs = [r for r in results if (r.ranks, r.protocol, r.policy, r.sync) == (ranks, proto, policy, sy)]
+        label = f"{proto}{'' if policy in (proto, 'ubep') else '/' + policy}"
+        label += f"{'/' + sy if proto == 'ubep' and sy != 'tff' else ''} EP{ranks}"
         ax.plot([r.tokens_per_rank for r in rs], [r.dispatch_us for r in rs], marker="o", label=label)
     ax.set_xlabel("tokens per rank")
     ax.set_ylabel("dispatch latency (us, simulated)")
@@ -121,12 +137,51 @@ def _plot(results: list[SimResult], path: str) -> None:
     plt.close(fig)
 
 
+def _ablation_table(name: str, bars: list[ablation.Bar]):
+    from rich.table import Table
+
+    table = Table(title=f"{name}: simulated beside the paper (PAPER.md)")
+    for col in ("", "", "simulated", "paper"):
+        table.add_column(col, justify="right")
+    for b in bars:
+        pub = "" if b.published is None else f"{b.published:.1f}"
+        table.add_row(b.group, b.label, f"{b.simulated:.1f}", pub)
+    return table
+
+
+def run_ablation(args) -> int:
+    """`--ablation`: the paper's numbers beside the simulator's, as a table and (--plot) bars."""
+    from rich.console import Console
+
+    params = CostParams()
+    if args.ablation == "scheduling":
+        hot = ablation.FIT_HOT_SHARE if args.hot_share is None else args.hot_share
+        bars = ablation.scheduling(params, hot_share=hot)
+        title, band = f"Scheduling ablation, cm-ablation, 8 hot experts at {hot:.0%} (slowest worker)", None
+    elif args.ablation == "sync":
+        bars = ablation.sync(params, batches=args.tokens, ranks=args.ranks[0])
+        title = f"Sync ablation, CM384 EP{args.ranks[0]}: dispatch change vs stop-and-wait (%)"
+        band = ablation.PAPER_SYNC_RANGE
+    else:
+        bars = ablation.headline(params, batches=args.tokens, eps=args.ranks)
+        title, band = "ubep vs bsp, CM384, one expert per device: dispatch change (%)", None
+    Console().print(_ablation_table(args.ablation, bars))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"ablation": args.ablation, "bars": [asdict(b) for b in bars]}, f, indent=1)
+    if args.plot:
+        ablation.plot(bars, args.plot, title, band)
+    return 0
+
+
 def run(args) -> int:
     """Simulate every (ranks, tokens, protocol, policy) combination; print, then save."""
     from rich.console import Console
 
+    if args.ablation:
+        return run_ablation(args)
     configs = _configs(args)
-    results = [r for cfg in configs for r in _runs(cfg, args.protocol, args.policy)]
+    results = [r for cfg in configs for r in _runs(cfg, args.protocol, args.policy, args.sync)]
     console = Console()
     for ranks in args.ranks:
         console.print(_table(ranks, [r for r in results if r.ranks == ranks]))
@@ -142,6 +197,44 @@ def run(args) -> int:
             json.dump({"config": config, "results": [r.as_dict() for r in results]}, f, indent=1)
     if args.plot:
         _plot(results, args.plot)
+    return 0
+
+
+def add_plan_parser(subparsers) -> None:
+    """Add the `plan` subcommand (func=run_plan): advice for a user's own fabric."""
+    p = subparsers.add_parser("plan", help="advise workers, policy, protocol and sync for a fabric")
+    p.add_argument("--topology", default="cm384", help=f"{', '.join(topology.PRESETS)} or a JSON file")
+    p.add_argument("--model", choices=sorted(MODELS), default="deepseek-v3")
+    p.add_argument("--ranks", type=int, help="EP size (default: the most ranks that divide the experts)")
+    p.add_argument("--tokens", type=_ints, default=[8, 16, 32, 64, 128], help="batches per rank (comma list)")
+    p.add_argument("--dispatch-dtype", choices=("bf16", "fp8"), default="bf16")
+    p.set_defaults(func=run_plan)
+
+
+def run_plan(args) -> int:
+    """Print the advice, the reasons, and predicted dispatch/combine per batch with bottlenecks."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from ubep.sim.plan import plan
+
+    try:
+        topo = topology.load(args.topology)
+        advice, preds = plan(topo, model=args.model, ranks=args.ranks, batches=tuple(args.tokens),
+                             dispatch_dtype=args.dispatch_dtype)  # fmt: skip
+    except ValueError as bad:
+        raise SystemExit(f"ubep plan: {bad}") from None
+    console = Console()
+    console.print(f"[bold]{topo.name}[/], {args.model}: protocol {advice.protocol}, sync {advice.sync}, "
+                  f"policy {advice.policy}, {advice.workers} workers per rank")  # fmt: skip
+    for line in advice.reasons:
+        console.print(f"  {line}")
+    table = Table(title="predicted (simulated)")
+    for col in ("tokens", "dispatch us", "combine us", "dispatch bottleneck"):
+        table.add_column(col, justify="right" if col != "dispatch bottleneck" else "left")
+    for p in preds:
+        table.add_row(str(p.tokens), f"{p.dispatch_us:.1f}", f"{p.combine_us:.1f}", p.bottleneck)
+    console.print(table)
     return 0
 
 

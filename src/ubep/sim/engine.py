@@ -1,4 +1,4 @@
-"""The fabric model: messages through a tandem of shared FIFO stages, vectorised.
+"""The fabric model: messages through a tandem of shared stages.
 
 Each message passes, in order:
   worker      the sending worker (one per (rank, worker) pair), in the worker's
@@ -10,20 +10,30 @@ Each message passes, in order:
   latency     lat[c], added to head and tail
   eject       the destination device's port (incast queues here)
 
-Each stage is a server in cut-through mode: it works through the messages'
-bytes in FIFO order as their heads arrive (done_m = max(head_m + s_m,
-done_{m-1} + s_m), Lindley's recurrence, solved per queue with one cumulative
-sum and one running maximum: no Python loop over messages), and a tail leaves
-at max(its upstream tail, done_m). So a port shared by many slow worker flows
-still moves bytes at its full rate, and no message beats its own upstream.
+The worker stage is FIFO (a worker sends its messages one after another):
+done_m = max(ready_m + s_m, done_{m-1} + s_m), Lindley's recurrence, solved per
+queue with one cumulative sum and one running maximum (`fifo`).
 
-Times in us, sizes in bytes, rates in GB/s (1e3 B/us). M messages.
+Injection ports and uplinks are shared *fairly* (`fair_share`): every flow present at a
+port gets an equal share of its bandwidth, except that no flow runs faster than
+it arrives (its upstream rate, e.g. a worker's window-limited rate); what a slow
+flow leaves unused goes to the others (max-min fair, by water-filling). Two
+equal flows on one port each get half of it. A flow is present from its head's
+arrival until its last byte has passed; a tail never leaves before its own
+upstream tail (cut-through). The per-port event loop is compiled with numba.
+The ejection port is the same kind of server, work-conserving but FIFO in head
+order (`fifo`, cut-through): a receiver needs all of its bytes, and the time of
+its last byte does not depend on the order in which the port serves flows, while
+fair sharing among the thousands of flows of an incast would cost seconds per run.
+
+Times in us, sizes in bytes, rates in GB/s (1e3 B/us). Z messages (of a simulated plan; legend in layout.py).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numba
 import numpy as np
 
 from ubep.costmodel import CostParams, port_gbps_C, worker_gbps_C
@@ -34,27 +44,42 @@ from ubep.topology import Topology
 class Messages:
     """What to send. Worker order is `seq` (ascending) within each (src, worker)."""
 
-    src_M: np.ndarray  # int64 sender rank
-    dst_M: np.ndarray  # int64 receiver rank
-    worker_M: np.ndarray  # int64 sending worker on the sender rank
-    seq_M: np.ndarray  # float or int: position in that worker's order
-    bytes_M: np.ndarray  # int64
-    ready_M: np.ndarray  # float: earliest start
-    hold_us_M: np.ndarray | None = None  # float: worker blocked after the data
+    src_Z: np.ndarray  # int64 sender rank
+    dst_Z: np.ndarray  # int64 receiver rank
+    worker_Z: np.ndarray  # int64 sending worker on the sender rank
+    seq_Z: np.ndarray  # float or int: position in that worker's order
+    bytes_Z: np.ndarray  # int64
+    ready_Z: np.ndarray  # float: earliest start
+    hold_us_Z: np.ndarray | None = None  # float: worker blocked after the data
 
     @property
     def size(self) -> int:
-        return self.src_M.size
+        return self.src_Z.size
+
+
+def concat(parts: list[Messages]) -> Messages:
+    """One message set from several (holds default to zero)."""
+    fields = [f for f in Messages.__slots__ if f != "hold_us_Z"]
+    merged = {f: np.concatenate([getattr(p, f) for p in parts]) for f in fields}
+    holds = [p.hold_us_Z if p.hold_us_Z is not None else np.zeros(p.size) for p in parts]
+    return Messages(**merged, hold_us_Z=np.concatenate(holds))
+
+
+def pair_max(src: np.ndarray, dst: np.ndarray, t: np.ndarray, R: int, floor: float = 0.0) -> np.ndarray:
+    """float [R, R]: the latest t for each (src, dst) pair (floor where there is none)."""
+    out = np.full(R * R, floor)
+    np.maximum.at(out, src * R + dst, t)
+    return out.reshape(R, R)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Timing:
     """When each message's tail left its worker and its port, and reached the receiver."""
 
-    cls_M: np.ndarray  # int64 distance class
-    issued_M: np.ndarray  # worker done with it (including any hold)
-    injected_M: np.ndarray  # tail left the source port
-    arrived_M: np.ndarray  # tail landed at the receiver
+    cls_Z: np.ndarray  # int64 distance class
+    issued_Z: np.ndarray  # worker done with it (including any hold)
+    injected_Z: np.ndarray  # tail left the source port
+    arrived_Z: np.ndarray  # tail landed at the receiver
 
 
 def fifo(key: np.ndarray, order: np.ndarray, head: np.ndarray, tail: np.ndarray, svc: np.ndarray):
@@ -82,36 +107,113 @@ def fifo(key: np.ndarray, order: np.ndarray, head: np.ndarray, tail: np.ndarray,
     return start, tail_out
 
 
+@numba.njit(cache=True)
+def _water_fill(cap_Z: np.ndarray, capacity: float, rate_Z: np.ndarray) -> None:
+    """Max-min fair rates into rate_Z: flows capped below an equal share keep their cap, the rest
+    split what is left. Fast path: no cap below the equal share."""
+    n = cap_Z.size
+    if cap_Z.min() >= capacity / n:
+        rate_Z[:n] = capacity / n
+        return
+    left = capacity
+    order = np.argsort(cap_Z)
+    for j in range(n):
+        share = left / (n - j)
+        if cap_Z[order[j]] < share:
+            rate_Z[order[j]] = cap_Z[order[j]]
+            left -= cap_Z[order[j]]
+        else:
+            for jj in range(j, n):
+                rate_Z[order[jj]] = share
+            break
+
+
+@numba.njit(cache=True)
+def _fair_queues(starts, head, size, cap, rate, done) -> None:
+    """Processor sharing with rate caps, one server per segment [starts[q], starts[q + 1])."""
+    for q in range(starts.size - 1):
+        lo, n = starts[q], starts[q + 1] - starts[q]
+        rem = size[lo : lo + n].copy()
+        active = np.empty(n, dtype=np.int64)
+        cap_Z, r = np.empty(n), np.empty(n)
+        na, i, t = 0, 0, head[lo]
+        while i < n or na > 0:
+            if na == 0 and t < head[lo + i]:
+                t = head[lo + i]
+            while i < n and head[lo + i] <= t:
+                if rem[i] <= 0.0:
+                    done[lo + i] = t
+                else:
+                    active[na], cap_Z[na] = i, cap[lo + i]
+                    na += 1
+                i += 1
+            if na == 0:
+                continue
+            _water_fill(cap_Z[:na], rate[lo], r)
+            dt = np.inf if i >= n else head[lo + i] - t
+            for a in range(na):
+                dt = min(dt, rem[active[a]] / r[a])
+            t += dt
+            keep = 0
+            for a in range(na):
+                j = active[a]
+                rem[j] -= r[a] * dt
+                if rem[j] <= 1e-9 * size[lo + j]:
+                    done[lo + j] = t
+                else:
+                    active[keep], cap_Z[keep] = j, cap_Z[a]
+                    keep += 1
+            na = keep
+
+
+def fair_share(key: np.ndarray, head: np.ndarray, tail: np.ndarray, nbytes: np.ndarray, rate: np.ndarray):
+    """One stage of fairly shared servers (one per `key`, `rate` bytes/us each); returns tail_out.
+
+    Message m is present from head_m and arrives no faster than nbytes_m / (tail_m - head_m).
+    """
+    idx = np.lexsort((head, key))
+    k = key[idx]
+    starts = np.flatnonzero(np.r_[True, k[1:] != k[:-1], True])
+    h, b = head[idx].astype(float), nbytes[idx].astype(float)
+    span = tail[idx] - h
+    cap = np.where(span > 0, b / np.where(span > 0, span, 1.0), np.inf)
+    done = np.empty_like(h)
+    _fair_queues(starts.astype(np.int64), h, b, cap, rate[idx].astype(float), done)
+    out = np.empty_like(done)
+    out[idx] = np.maximum(tail[idx], done)
+    return out
+
+
 def simulate(msgs: Messages, topo: Topology, params: CostParams, workers: int) -> Timing:
     """Run messages through worker, port, uplink, latency and ejection stages."""
     if msgs.size == 0:
         empty = np.zeros(0)
-        return Timing(cls_M=empty.astype(np.int64), issued_M=empty, injected_M=empty, arrived_M=empty)
-    cls = topo.distance_class(msgs.src_M, msgs.dst_M)
-    b = msgs.bytes_M.astype(float)
-    hold = np.zeros_like(b) if msgs.hold_us_M is None else msgs.hold_us_M
+        return Timing(cls_Z=empty.astype(np.int64), issued_Z=empty, injected_Z=empty, arrived_Z=empty)
+    cls = topo.distance_class(msgs.src_Z, msgs.dst_Z)
+    b = msgs.bytes_Z.astype(float)
+    hold = np.zeros_like(b) if msgs.hold_us_Z is None else msgs.hold_us_Z
     data_us = b / (worker_gbps_C(topo, params)[cls] * 1e3)
     start, issued = fifo(
-        msgs.src_M * workers + msgs.worker_M,
-        msgs.seq_M,
-        msgs.ready_M,
-        msgs.ready_M,
+        msgs.src_Z * workers + msgs.worker_Z,
+        msgs.seq_Z,
+        msgs.ready_Z,
+        msgs.ready_Z,
         params.msg_overhead_us + data_us + hold,
     )
     head, tail = start + params.msg_overhead_us, issued - hold
-    port_us = b / (port_gbps_C(topo, params)[cls] * 1e3)
+    port_rate = port_gbps_C(topo, params)[cls] * 1e3  # bytes per us
     num_ports = len(topo.ports_gbps) + 1  # + the local copy path of class 0
     port = np.where(cls == 0, num_ports - 1, topo.port_of_class_C()[cls])
-    src_dev, dst_dev = topo.device_of(msgs.src_M), topo.device_of(msgs.dst_M)
-    head, injected = fifo(src_dev * num_ports + port, head, head, tail, port_us)
-    tail = injected
+    src_dev, dst_dev = topo.device_of(msgs.src_Z), topo.device_of(msgs.dst_Z)
+    injected = fair_share(src_dev * num_ports + port, head, tail, b, port_rate)
+    tail = injected.copy()
     for lv, level in enumerate(topo.levels[1:], start=1):
         out = np.flatnonzero(cls > lv)  # messages that leave their level-lv domain
         if level.uplink_gbps is None or out.size == 0:
             continue
-        up_us = b[out] / (params.link_efficiency * level.uplink_gbps * 1e3)
+        up_rate = np.full(out.size, params.link_efficiency * level.uplink_gbps * 1e3)
         for dev in (src_dev[out], dst_dev[out]):  # egress of the source domain, ingress of the other
-            head[out], tail[out] = fifo(dev // level.span, head[out], head[out], tail[out], up_us)
+            tail[out] = fair_share(dev // level.span, head[out], tail[out], b[out], up_rate)
     lat = topo.latency_C()[cls]
-    _, arrived = fifo(dst_dev * num_ports + port, head + lat, head + lat, tail + lat, port_us)
-    return Timing(cls_M=cls, issued_M=issued, injected_M=injected, arrived_M=arrived)
+    _, arrived = fifo(dst_dev * num_ports + port, head + lat, head + lat, tail + lat, b / port_rate)
+    return Timing(cls_Z=cls, issued_Z=issued, injected_Z=injected, arrived_Z=arrived)

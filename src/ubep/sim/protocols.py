@@ -1,9 +1,9 @@
 """The protocols' message patterns, timed on the fabric model (`engine`).
 
 Every phase returns, per rank, when that rank holds its result (PhaseTime).
-Synchronization is made of messages too: a barrier is a fan-in tree of flag
-writes up to rank 0 and a fan-out back down, each hop a real message through
-the same stages, plus `poll_us` per flag checked.
+Synchronization is made of messages too: a barrier is an all-to-all of flag
+writes (each rank's spread over its workers), each a real message through the
+same stages, plus one `poll_us` after the last flag lands.
 
   ubep       dispatch: count role (W // 16 workers, at least one) writes a routing
              header to every rank; token workers write the scheduler's pieces,
@@ -12,30 +12,39 @@ the same stages, plus `poll_us` per flag checked.
              source's block as soon as both it and its offsets are there. No barrier.
              combine: pieces of the transposed counts pushed home, TFF; the home
              reduces slot by slot in ascending rank order.
-  bsp        dispatch: count all-to-all, barrier, whole destinations per worker,
-             each payload then its flag after a stop-and-wait ack, barrier, flag
+  bsp        dispatch: count all-to-all, barrier, equal token ranges per worker
+             (BSP_SEND_POLICY), each piece's payload then its flag after a stop-and-wait
+             ack, barrier, flag
              verification (R polls) and prefix sums, barrier, reorder.
              combine: barrier, push with flags, barrier, reduce.
   deepep-ll  one message per (token, expert), no dedup; after a worker has issued
              all of its tokens for an expert it writes that expert's count; the
              receiver waits for every count, then unpacks. Combine mirrors it.
 
-Legend: R ranks, N tokens per rank, K top-k, E experts, M messages. Times in us.
+Legend: R ranks, N tokens per rank, K top-k, E experts, Z messages. Times in us.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
+import torch
 
 from ubep import schedule
-from ubep.costmodel import TFF_PAYLOAD_FRACTION, CostParams, copy_us
+from ubep.costmodel import CostParams, copy_us
+from ubep.layout import ExpertPlacement, token_in_rank
 from ubep.sim import engine
-from ubep.sim.engine import Messages
+from ubep.sim import sync as sync_plans
+from ubep.sim.engine import Messages, pair_max
 from ubep.topology import Topology
 
 PROTOCOLS = ("ubep", "bsp", "deepep-ll")
+# The baseline library's send split: the send list cut into equal token ranges per core, in
+# destination order (as DeepEP's normal-mode channels take contiguous token ranges): balanced
+# but distance-agnostic. The scheduling ablation's "bsp" row (whole destinations per worker)
+# is a scheduler policy under the ubep protocol; see docs/simulation.md for why they differ.
+BSP_SEND_POLICY = "balanced"
 LL_META_BYTES = 16  # DeepEP low-latency: source index and layout info per message
 
 
@@ -43,22 +52,25 @@ LL_META_BYTES = 16  # DeepEP low-latency: source index and layout info per messa
 class Workload:
     """Every rank's routing and the bytes of one row in each direction."""
 
-    topk_SNK: np.ndarray  # int64 [R, N, K], -1 = no expert
+    topk_RNK: np.ndarray  # int64 [R, N, K], -1 = no expert
     owner_E: np.ndarray  # int64 [E]: the rank that holds each expert
     dispatch_row_bytes: int
     combine_row_bytes: int
 
     @property
     def num_ranks(self) -> int:
-        return self.topk_SNK.shape[0]
+        return self.topk_RNK.shape[0]
+
+    @property
+    def tokens(self) -> int:
+        return self.topk_RNK.shape[1]
 
     def counts_RR(self) -> np.ndarray:
         """int64 [R, R]: tokens rank s sends to rank d (once per destination rank)."""
-        R, N, _ = self.topk_SNK.shape
-        owner_SNK = np.where(self.topk_SNK >= 0, self.owner_E[self.topk_SNK.clip(min=0)], R)
-        hit_SNR = np.zeros((R, N, R + 1), dtype=bool)
-        np.put_along_axis(hit_SNR, owner_SNK, True, axis=2)
-        return hit_SNR[..., :R].sum(axis=1).astype(np.int64)
+        R, N, K = self.topk_RNK.shape
+        placement = ExpertPlacement.from_ranks(torch.from_numpy(self.owner_E), R)
+        hit_XR = token_in_rank(torch.from_numpy(self.topk_RNK).reshape(R * N, K), placement)
+        return hit_XR.reshape(R, N, R).sum(dim=1).numpy().astype(np.int64)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -67,207 +79,211 @@ class PhaseTime:
 
     done_R: np.ndarray  # float [R], us
     worker_us: float  # slowest token worker: its last byte out of the port, from its start
+    straggler: tuple[int, int] = (-1, -1)  # that worker: (rank, worker); -1 where not tracked
+    straggler_far: float = 0.0  # share of its bytes bound for the farthest class it reaches
 
     @property
     def latency_us(self) -> float:
         return float(self.done_R.max())
 
 
-def _cat(parts: list[Messages]) -> Messages:
-    fields = [f for f in Messages.__slots__ if f != "hold_us_M"]
-    merged = {f: np.concatenate([getattr(p, f) for p in parts]) for f in fields}
-    holds = [p.hold_us_M if p.hold_us_M is not None else np.zeros(p.size) for p in parts]
-    return Messages(**merged, hold_us_M=np.concatenate(holds))
+def phase(done_R: np.ndarray, data: Messages, injected_Z: np.ndarray, topo: Topology) -> PhaseTime:
+    """PhaseTime with the slowest worker of `data` (last byte out of its port, from its start)."""
+    if data.size == 0:
+        return PhaseTime(done_R=done_R, worker_us=0.0)
+    took_Z = injected_Z - data.ready_Z
+    i = int(np.argmax(took_Z))
+    mine = (data.src_Z == data.src_Z[i]) & (data.worker_Z == data.worker_Z[i])
+    cls = topo.distance_class(data.src_Z[mine], data.dst_Z[mine])
+    far = float(data.bytes_Z[mine][cls == cls.max()].sum() / max(data.bytes_Z[mine].sum(), 1))
+    return PhaseTime(done_R=done_R, worker_us=float(took_Z[i]),
+                     straggler=(int(data.src_Z[i]), int(data.worker_Z[i])), straggler_far=far)  # fmt: skip
 
 
-def _msgs(src, dst, worker, seq, nbytes, ready, hold=None) -> Messages:
+def msgs(src, dst, worker, seq, nbytes, ready, hold=None) -> Messages:
     src = np.asarray(src, dtype=np.int64)
     shape = src.shape
     return Messages(
-        src_M=src,
-        dst_M=np.asarray(dst, dtype=np.int64),
-        worker_M=np.broadcast_to(worker, shape).astype(np.int64),
-        seq_M=np.broadcast_to(seq, shape).astype(float),
-        bytes_M=np.broadcast_to(nbytes, shape).astype(np.int64),
-        ready_M=np.broadcast_to(ready, shape).astype(float),
-        hold_us_M=None if hold is None else np.broadcast_to(hold, shape).astype(float),
+        src_Z=src,
+        dst_Z=np.asarray(dst, dtype=np.int64),
+        worker_Z=np.broadcast_to(worker, shape).astype(np.int64),
+        seq_Z=np.broadcast_to(seq, shape).astype(float),
+        bytes_Z=np.broadcast_to(nbytes, shape).astype(np.int64),
+        ready_Z=np.broadcast_to(ready, shape).astype(float),
+        hold_us_Z=None if hold is None else np.broadcast_to(hold, shape).astype(float),
     )
 
 
-def _pieces(sched: schedule.Schedule, ready_R: np.ndarray, worker_offset: int) -> Messages:
+def pieces(sched: schedule.Schedule, ready_R: np.ndarray, worker_offset: int) -> Messages:
     """The scheduler's pieces as messages, each worker's in plan order."""
     plans = sched.ranks
-    src = np.concatenate([np.full(rp.dest_P.size, rp.rank) for rp in plans])
-    seq = np.concatenate([np.arange(rp.dest_P.size) for rp in plans])
-    return _msgs(
+    src = np.concatenate([np.full(rp.dest_I.size, rp.rank) for rp in plans])
+    seq = np.concatenate([np.arange(rp.dest_I.size) for rp in plans])
+    return msgs(
         src,
-        np.concatenate([rp.dest_P for rp in plans]),
-        np.concatenate([rp.worker_P for rp in plans]) + worker_offset,
+        np.concatenate([rp.dest_I for rp in plans]),
+        np.concatenate([rp.worker_I for rp in plans]) + worker_offset,
         seq,
-        np.concatenate([rp.bytes_P for rp in plans]),
+        np.concatenate([rp.bytes_I for rp in plans]),
         ready_R[src],
     )
 
 
-def _pair_max(src: np.ndarray, dst: np.ndarray, t: np.ndarray, R: int, floor: float = 0.0) -> np.ndarray:
-    """float [R, R]: the latest t for each (src, dst) pair (floor where there is none)."""
-    out = np.full(R * R, floor)
-    np.maximum.at(out, src * R + dst, t)
-    return out.reshape(R, R)
-
-
-def _rank_max(idx: np.ndarray, t: np.ndarray, R: int, floor: np.ndarray | float = 0.0) -> np.ndarray:
+def rank_max(idx: np.ndarray, t: np.ndarray, R: int, floor: np.ndarray | float = 0.0) -> np.ndarray:
     out = np.broadcast_to(np.asarray(floor, dtype=float), (R,)).copy()
     np.maximum.at(out, idx, t)
     return out
 
 
-def _signal(src, dst, ready, topo: Topology, params: CostParams) -> np.ndarray:
-    """Arrival times of flag writes src -> dst; each sender's flags issued by one worker."""
-    m = _msgs(src, dst, 0, dst, params.flag_bytes, ready)
-    return engine.simulate(m, topo, params, workers=1).arrived_M
+def barrier(enter_R: np.ndarray, topo: Topology, params: CostParams, workers: int) -> np.ndarray:
+    """When each rank leaves an all-to-all flag barrier entered at `enter_R`.
+
+    Every rank writes one flag to every other rank (in rotation order, dealt over its
+    workers) and leaves once all R - 1 flags to it have landed; its workers poll them
+    in parallel, so one poll follows the last.
+    """
+    R = enter_R.size
+    if R == 1:
+        return enter_R.astype(float) + params.poll_us
+    src, rot = np.divmod(np.arange(R * (R - 1)), R - 1)
+    dst = (src + 1 + rot) % R
+    flags = msgs(src, dst, rot % workers, rot // workers, params.flag_bytes, enter_R[src])
+    t = engine.simulate(flags, topo, params, workers)
+    return rank_max(dst, t.arrived_Z, R, enter_R) + params.poll_us
 
 
-def barrier(enter_R: np.ndarray, topo: Topology, params: CostParams) -> np.ndarray:
-    """When each rank leaves a fan-in-f tree barrier entered at `enter_R` (gather, then release)."""
-    R, f = enter_R.size, max(2, params.barrier_fanin)
-    t = enter_R.astype(float).copy()
-    strides = [f**i for i in range(64) if f**i < R]
-    for stride in strides:  # gather: rank r reports to r - r % (stride * f)
-        child = np.arange(0, R, stride)
-        child = child[child % (stride * f) != 0]
-        parent = child - child % (stride * f)
-        t = _rank_max(parent, _signal(child, parent, t[child], topo, params), R, t)
-        t += params.poll_us * np.bincount(parent, minlength=R)
-    for stride in reversed(strides):  # release, down the same tree
-        child = np.arange(0, R, stride)
-        child = child[child % (stride * f) != 0]
-        parent = child - child % (stride * f)
-        t[child] = _signal(parent, child, t[parent], topo, params) + params.poll_us
-    return t
-
-
-def _reorder(ready_SD: np.ndarray, rows_SD: np.ndarray, row_bytes: int, topo: Topology, by_rank: bool):
+def reorder(ready_RR: np.ndarray, rows_RR: np.ndarray, row_bytes: int, topo: Topology, by_rank: bool):
     """float [R]: each receiver copies source blocks in arrival (or rank) order once ready."""
-    R = ready_SD.shape[0]
+    R = ready_RR.shape[0]
     src, dst = np.meshgrid(np.arange(R), np.arange(R), indexing="ij")
-    order = src if by_rank else ready_SD
-    ready, svc = ready_SD.ravel(), copy_us(topo, rows_SD.ravel() * row_bytes)
+    order = src if by_rank else ready_RR
+    ready, svc = ready_RR.ravel(), copy_us(topo, rows_RR.ravel() * row_bytes)
     _, end = engine.fifo(dst.ravel(), order.ravel(), ready, ready, svc)
-    return _rank_max(dst.ravel(), end, R)
+    return rank_max(dst.ravel(), end, R)
 
 
-def _tff(row_bytes: int) -> int:
-    return int(np.ceil(row_bytes / TFF_PAYLOAD_FRACTION))
-
-
-def _count_workers(workers: int) -> int:
+def count_workers(workers: int) -> int:
     return max(1, workers // 16) if workers > 1 else 0
 
 
 def ubep_dispatch(
-    wl: Workload, topo: Topology, params: CostParams, workers: int, policy: str = "ubep"
+    wl: Workload, topo: Topology, params: CostParams, workers: int, policy: str = "ubep", sync: str = "tff"
 ) -> PhaseTime:
     R, counts = wl.num_ranks, wl.counts_RR()
-    cw = _count_workers(workers)
+    cw = count_workers(workers)
     sched = schedule.plan(
-        counts,
-        topo,
-        workers=workers - cw,
-        row_bytes=_tff(wl.dispatch_row_bytes),
-        policy=policy,
-        params=params,
+        counts, topo, workers=workers - cw, row_bytes=wl.dispatch_row_bytes, policy=policy, params=params
     )
-    data = _pieces(sched, np.zeros(R), worker_offset=cw)
+    data = pieces(sched, np.zeros(R), worker_offset=cw)
     src, rot = np.divmod(np.arange(R * R), R)
     dst = (src + 1 + rot) % R  # headers in rotation order, dealt over the count workers
-    hdr = _msgs(src, dst, rot % max(cw, 1), rot, params.flag_bytes + 8 * counts[src, dst], 0.0)
-    t = engine.simulate(_cat([hdr, data]), topo, params, workers)
-    hdr_arr = _pair_max(src, dst, t.arrived_M[: R * R], R)
-    data_arr = _pair_max(data.src_M, data.dst_M, t.arrived_M[R * R :], R)
-    ready_SD = np.maximum(data_arr, hdr_arr + params.prefix_us)
-    done = _reorder(ready_SD, counts, wl.dispatch_row_bytes, topo, by_rank=False)
-    return PhaseTime(done_R=done, worker_us=float(t.injected_M[R * R :].max(initial=0.0)))
+    hdr = msgs(src, dst, rot % max(cw, 1), rot, params.flag_bytes + 8 * counts[src, dst], 0.0)
+    d = sync_plans.deliver(
+        sync,
+        data,
+        hdr,
+        topo,
+        params,
+        workers,
+        num_ranks=R,
+        row_bytes=wl.dispatch_row_bytes,
+        capacity_rows=R * wl.tokens,
+    )
+    hdr_arr = pair_max(src, dst, d.extra.arrived_Z, R)
+    ready_RR = np.maximum(d.usable_RR, hdr_arr + params.prefix_us)
+    done = reorder(ready_RR, counts, wl.dispatch_row_bytes * d.reorder_factor, topo, by_rank=False)
+    return phase(done, data, d.data.injected_Z, topo)
 
 
 def ubep_combine(
-    wl: Workload, topo: Topology, params: CostParams, workers: int, policy: str = "ubep"
+    wl: Workload, topo: Topology, params: CostParams, workers: int, policy: str = "ubep", sync: str = "tff"
 ) -> PhaseTime:
     R, back = wl.num_ranks, wl.counts_RR().T
     sched = schedule.plan(
-        back, topo, workers=workers, row_bytes=_tff(wl.combine_row_bytes), policy=policy, params=params
+        back, topo, workers=workers, row_bytes=wl.combine_row_bytes, policy=policy, params=params
     )
-    data = _pieces(sched, np.zeros(R), worker_offset=0)
-    t = engine.simulate(data, topo, params, workers)
-    arrived_SD = _pair_max(data.src_M, data.dst_M, t.arrived_M, R)
-    done = _reorder(arrived_SD, back, wl.combine_row_bytes, topo, by_rank=True)
-    return PhaseTime(done_R=done, worker_us=float(t.injected_M.max(initial=0.0)))
+    data = pieces(sched, np.zeros(R), worker_offset=0)
+    none = msgs(np.zeros(0), np.zeros(0), 0, 0, 0, 0.0)
+    d = sync_plans.deliver(
+        sync,
+        data,
+        none,
+        topo,
+        params,
+        workers,
+        num_ranks=R,
+        row_bytes=wl.combine_row_bytes,
+        capacity_rows=R * wl.tokens,
+    )
+    done = reorder(d.usable_RR, back, wl.combine_row_bytes * d.reorder_factor, topo, by_rank=True)
+    return phase(done, data, d.data.injected_Z, topo)
 
 
-def _bsp_send(counts: np.ndarray, ready_R, row_bytes: int, topo: Topology, params: CostParams, workers: int):
-    """Whole destinations per worker; payload, stop-and-wait ack, then the flag. -> (send end [R], worker)"""
+def _bsp_send(counts: np.ndarray, ready_R, row_bytes: int, topo: Topology, params: CostParams, workers: int,
+              policy: str):  # fmt: skip
+    """Each piece: payload, stop-and-wait ack, then its flag. -> (send end [R], payload, its injection)"""
     R = counts.shape[0]
-    sched = schedule.plan(counts, topo, workers=workers, row_bytes=row_bytes, policy="bsp", params=params)
-    data = _pieces(sched, ready_R, worker_offset=0)
-    ack_us = 2 * topo.latency_C()[topo.distance_class(data.src_M, data.dst_M)]
-    payload = Messages(**{**{f: getattr(data, f) for f in Messages.__slots__}, "seq_M": 2 * data.seq_M,
-                          "hold_us_M": ack_us})  # fmt: skip
-    flags = _msgs(data.src_M, data.dst_M, data.worker_M, 2 * data.seq_M + 1, params.flag_bytes, data.ready_M)
-    t = engine.simulate(_cat([payload, flags]), topo, params, workers)
+    sched = schedule.plan(counts, topo, workers=workers, row_bytes=row_bytes, policy=policy, params=params)
+    data = pieces(sched, ready_R, worker_offset=0)
+    ack_us = 2 * topo.latency_C()[topo.distance_class(data.src_Z, data.dst_Z)]
+    payload = replace(data, seq_Z=2 * data.seq_Z, hold_us_Z=ack_us)
+    flags = msgs(data.src_Z, data.dst_Z, data.worker_Z, 2 * data.seq_Z + 1, params.flag_bytes, data.ready_Z)
+    t = engine.simulate(engine.concat([payload, flags]), topo, params, workers)
     n = data.size
-    lat_back = topo.latency_C()[t.cls_M[n:]]
-    end_R = _rank_max(flags.src_M, t.arrived_M[n:] + lat_back, R, ready_R)  # flags acknowledged
-    return end_R, float((t.injected_M[:n] - data.ready_M).max(initial=0.0))
+    lat_back = topo.latency_C()[t.cls_Z[n:]]
+    end_R = rank_max(flags.src_Z, t.arrived_Z[n:] + lat_back, R, ready_R)  # flags acknowledged
+    return end_R, data, t.injected_Z[:n]
 
 
 def bsp_dispatch(
-    wl: Workload, topo: Topology, params: CostParams, workers: int, policy: str = "bsp"
+    wl: Workload, topo: Topology, params: CostParams, workers: int, policy: str = BSP_SEND_POLICY
 ) -> PhaseTime:
     R, counts = wl.num_ranks, wl.counts_RR()
     src, rot = np.divmod(np.arange(R * (R - 1)), R - 1)
     dst = (src + 1 + rot) % R
-    cnt = _msgs(src, dst, rot % workers, rot, max(params.flag_bytes, 4 * R), 0.0)
+    cnt = msgs(src, dst, rot % workers, rot, max(params.flag_bytes, 4 * R), 0.0)
     t = engine.simulate(cnt, topo, params, workers)
-    counted = _rank_max(src, t.arrived_M + topo.latency_C()[t.cls_M], R)
-    b1 = barrier(counted, topo, params)
-    sent, worker_us = _bsp_send(counts, b1, wl.dispatch_row_bytes, topo, params, workers)
-    b2 = barrier(sent, topo, params)
-    b3 = barrier(b2 + R * params.poll_us + params.prefix_us, topo, params)  # verify flags, prefix sums
+    counted = rank_max(src, t.arrived_Z + topo.latency_C()[t.cls_Z], R)
+    b1 = barrier(counted, topo, params, workers)
+    sent, data, injected = _bsp_send(counts, b1, wl.dispatch_row_bytes, topo, params, workers, policy)
+    b2 = barrier(sent, topo, params, workers)
+    verified = b2 + R * params.poll_us + params.prefix_us  # verify flags, prefix sums
+    b3 = barrier(verified, topo, params, workers)
     done = b3 + copy_us(topo, counts.sum(axis=0) * wl.dispatch_row_bytes)
-    return PhaseTime(done_R=done, worker_us=worker_us)
+    return phase(done, data, injected, topo)
 
 
 def bsp_combine(
-    wl: Workload, topo: Topology, params: CostParams, workers: int, policy: str = "bsp"
+    wl: Workload, topo: Topology, params: CostParams, workers: int, policy: str = BSP_SEND_POLICY
 ) -> PhaseTime:
     R, back = wl.num_ranks, wl.counts_RR().T
-    b0 = barrier(np.zeros(R), topo, params)
-    sent, worker_us = _bsp_send(back, b0, wl.combine_row_bytes, topo, params, workers)
-    b1 = barrier(sent, topo, params)
+    b0 = barrier(np.zeros(R), topo, params, workers)
+    sent, data, injected = _bsp_send(back, b0, wl.combine_row_bytes, topo, params, workers, policy)
+    b1 = barrier(sent, topo, params, workers)
     done = b1 + copy_us(topo, back.sum(axis=0) * wl.combine_row_bytes)
-    return PhaseTime(done_R=done, worker_us=worker_us)
+    return phase(done, data, injected, topo)
 
 
 def deepep_ll(wl: Workload, topo: Topology, params: CostParams, workers: int, combine: bool) -> PhaseTime:
     """DeepEP's low-latency dispatch (or combine): one message per (token, expert), count signals."""
-    R, N, K = wl.topk_SNK.shape
+    R, N, K = wl.topk_RNK.shape
     E = wl.owner_E.size
-    s, n, k = np.nonzero(wl.topk_SNK >= 0)
-    e = wl.topk_SNK[s, n, k]
+    s, n, k = np.nonzero(wl.topk_RNK >= 0)
+    e = wl.topk_RNK[s, n, k]
     home, expert_rank = s, wl.owner_E[e]
     src, dst = (expert_rank, home) if combine else (home, expert_rank)
     row = wl.combine_row_bytes if combine else wl.dispatch_row_bytes + LL_META_BYTES
     worker = (n + s) % workers if combine else n % workers
-    data = _msgs(src, dst, worker, n * K + k, row, 0.0)
+    data = msgs(src, dst, worker, n * K + k, row, 0.0)
     last_issue = np.zeros(R * E)  # [home rank * E + expert]: all of that pair's data issued
-    np.maximum.at(last_issue, home * E + e, engine.simulate(data, topo, params, workers).issued_M)
+    np.maximum.at(last_issue, home * E + e, engine.simulate(data, topo, params, workers).issued_Z)
     # One count per (home rank, expert): to each expert's owner (dispatch), or back home (combine).
     sig_home, sig_e = np.divmod(np.arange(R * E), E)
     sig_src, sig_dst = (wl.owner_E[sig_e], sig_home) if combine else (sig_home, wl.owner_E[sig_e])
     ready = last_issue
-    sig = _msgs(sig_src, sig_dst, (sig_home + sig_e) % workers, N * K + sig_e, params.flag_bytes, ready)
-    t = engine.simulate(_cat([data, sig]), topo, params, workers)
-    counted = _rank_max(sig_dst, t.arrived_M[data.size :], R)
+    sig = msgs(sig_src, sig_dst, (sig_home + sig_e) % workers, N * K + sig_e, params.flag_bytes, ready)
+    t = engine.simulate(engine.concat([data, sig]), topo, params, workers)
+    counted = rank_max(sig_dst, t.arrived_Z[data.size :], R)
     rows_R = np.bincount(dst, minlength=R)
     done = counted + params.poll_us + copy_us(topo, rows_R * row)
-    return PhaseTime(done_R=done, worker_us=float(t.injected_M[: data.size].max(initial=0.0)))
+    return PhaseTime(done_R=done, worker_us=float(t.injected_Z[: data.size].max(initial=0.0)))

@@ -1,7 +1,7 @@
 """User-facing simulation: a configuration in, dispatch and combine times out.
 
-`simulate(config, protocol)` builds the workload (seeded synthetic routing with
-`ubep.routing`'s distributions), runs the protocol's message pattern on the topology
+`simulate(config, protocol)` builds the workload (seeded synthetic routing drawn by
+`ubep.routing`), runs the protocol's message pattern on the topology
 and returns a `SimResult`. `simulate_host` does the same for this machine with
 measured copy bandwidth and per-message overhead (to compare with `ubep bench`).
 """
@@ -13,10 +13,10 @@ from dataclasses import asdict, dataclass, field, replace
 import numpy as np
 import torch
 
-from ubep import topology
+from ubep import routing, topology
 from ubep.costmodel import CostParams
 from ubep.layout import ExpertPlacement
-from ubep.sim import protocols
+from ubep.sim import hier, protocols
 from ubep.topology import Topology
 
 # hidden, routed experts, top-k (PAPER.md "MoE workloads")
@@ -27,6 +27,8 @@ MODELS = {
     "qwen3-30b": (2048, 128, 8),
     "mixtral": (4096, 8, 2),
 }
+PROTOCOLS = ("ubep", "ubep-hier", "bsp", "deepep-ll")  # ubep-hier: node-level dedup (sim.hier)
+OTHER_SYNC = {"ubep-hier": "tff", "bsp": "stop-and-wait", "deepep-ll": "count signals"}
 # Concurrent sender workers per device: Ascend 910 vector cores (the paper's 48), H800 SMs.
 DEFAULT_WORKERS = {"cm384": 48, "cm-ablation": 48, "nvl72": 132, "nvl576": 132, "hgx-h800-ib": 132}
 
@@ -49,6 +51,7 @@ class SimConfig:
     seed: int = 0
     params: CostParams = field(default_factory=CostParams)
     policy: str = "ubep"  # the scheduler policy of the ubep protocol (ablation)
+    sync: str = "tff"  # how ubep's receivers learn that data landed (sim.sync.SYNCS)
 
     @property
     def num_workers(self) -> int:
@@ -62,10 +65,13 @@ class SimResult:
     ranks: int
     tokens_per_rank: int
     policy: str
+    sync: str
     workers: int
     dispatch_us: float
     combine_us: float
     dispatch_worker_us: float  # slowest sender worker of dispatch
+    dispatch_straggler: tuple[int, int]  # that worker: (rank, worker); (-1, -1) where not tracked
+    dispatch_straggler_far: float  # share of its bytes bound for its farthest class
     combine_worker_us: float
     dispatch_bytes_per_rank: float  # mean payload bytes one rank sends (per DeepEP's accounting)
 
@@ -88,70 +94,58 @@ def workload(cfg: SimConfig) -> protocols.Workload:
         raise ValueError(f"ranks ({cfg.ranks}) exceeds the topology's {cfg.topology.num_ranks}")
     placement = ExpertPlacement.contiguous(cfg.experts, cfg.ranks)
     return protocols.Workload(
-        topk_SNK=route_all(cfg).reshape(cfg.ranks, cfg.tokens, cfg.topk).numpy(),
+        topk_RNK=route_all(cfg).reshape(cfg.ranks, cfg.tokens, cfg.topk).numpy(),
         owner_E=placement.rank_of_expert_E.numpy(),
         dispatch_row_bytes=row_bytes(cfg.hidden, cfg.dispatch_dtype),
         combine_row_bytes=row_bytes(cfg.hidden, "bf16"),
     )
 
 
-def _gumbel_topk(logits_XE: torch.Tensor, k: int, gen: torch.Generator) -> torch.Tensor:
-    """k distinct columns per row, drawn without replacement with probability ~ exp(logits).
-
-    The same distribution as `ubep.routing`'s successive multinomial draws, for all ranks
-    at once (the Gumbel-top-k trick), so 384 ranks take milliseconds, not seconds.
-    """
-    u = torch.rand(logits_XE.shape, generator=gen).clamp_(1e-12, 1 - 1e-12)
-    return torch.topk(logits_XE - torch.log(-torch.log(u)), k, dim=1).indices
-
-
 def route_all(cfg: SimConfig) -> torch.Tensor:
-    """int64 [R * N, K]: every rank's top-k, by `cfg.routing` (or `hot_experts`)."""
+    """int64 [R * N, K]: every rank's top-k, drawn with `ubep.routing` (`cfg.routing` or `hot_experts`)."""
     gen = torch.Generator().manual_seed(cfg.seed)
-    X, E = cfg.ranks * cfg.tokens, cfg.experts
-    weights_E = torch.ones(E, dtype=torch.float64)
-    if cfg.hot_experts > 0:  # the first `hot_experts` experts share `hot_share` of the mass
-        hot = min(cfg.hot_experts, E)
-        weights_E.fill_((1 - cfg.hot_share) / max(E - hot, 1))
-        weights_E[:hot] = cfg.hot_share / hot
-    elif cfg.routing == "zipf":
-        weights_E = 1.0 / torch.arange(1, E + 1, dtype=torch.float64)
-        weights_E = weights_E[torch.randperm(E, generator=gen)]
-    elif cfg.routing == "deepseek-groups":  # 8 groups, each token reaches 4 of them
-        groups = _gumbel_topk(torch.zeros(X, 8), 4, gen)
-        allowed_XG = torch.zeros(X, 8, dtype=torch.bool).scatter_(1, groups, True)
-        logits = torch.where(allowed_XG.repeat_interleave(E // 8, dim=1), 0.0, -torch.inf)
-        return _gumbel_topk(logits, cfg.topk, gen)
-    elif cfg.routing != "uniform":
+    X, E, K = cfg.ranks * cfg.tokens, cfg.experts, cfg.topk
+    if cfg.hot_experts > 0:
+        return routing.hot(X, E, K, num_hot=cfg.hot_experts, hot_share=cfg.hot_share, gen=gen)
+    if cfg.routing not in ("uniform", "zipf", "deepseek-groups"):
         raise ValueError(f"routing must be uniform, zipf or deepseek-groups, got {cfg.routing!r}")
-    return _gumbel_topk(weights_E.log().float().expand(X, E), cfg.topk, gen)
+    return routing.make(cfg.routing, X, E, K, gen)
 
 
 def simulate(cfg: SimConfig, protocol: str, wl: protocols.Workload | None = None) -> SimResult:
     """Dispatch and combine of one protocol on one configuration."""
-    if protocol not in protocols.PROTOCOLS:
-        raise ValueError(f"protocol must be one of {protocols.PROTOCOLS}, got {protocol!r}")
+    if protocol not in PROTOCOLS:
+        raise ValueError(f"protocol must be one of {PROTOCOLS}, got {protocol!r}")
     wl = wl or workload(cfg)
     topo, p, W = cfg.topology, cfg.params, cfg.num_workers
     if protocol == "deepep-ll":
         d, c = (protocols.deepep_ll(wl, topo, p, W, combine=flag) for flag in (False, True))
-        sent = (wl.topk_SNK >= 0).sum() / wl.num_ranks * wl.dispatch_row_bytes
+        sent = (wl.topk_RNK >= 0).sum() / wl.num_ranks * wl.dispatch_row_bytes
     else:
         disp, comb = {"ubep": (protocols.ubep_dispatch, protocols.ubep_combine),
+                      "ubep-hier": (hier.hier_dispatch, hier.hier_combine),
                       "bsp": (protocols.bsp_dispatch, protocols.bsp_combine)}[protocol]  # fmt: skip
-        policy = cfg.policy if protocol == "ubep" else "bsp"
-        d, c = disp(wl, topo, p, W, policy), comb(wl, topo, p, W, policy)
+        policy = protocols.BSP_SEND_POLICY if protocol == "bsp" else cfg.policy
+        if protocol == "ubep":
+            d, c = disp(wl, topo, p, W, policy, cfg.sync), comb(wl, topo, p, W, policy, cfg.sync)
+        else:
+            d, c = disp(wl, topo, p, W, policy), comb(wl, topo, p, W, policy)
         sent = wl.counts_RR().sum() / wl.num_ranks * wl.dispatch_row_bytes
+        if protocol == "ubep-hier":  # node peers directly, one row per remote node (to its relay)
+            sent = hier.sent_counts(wl, topo).sum() / wl.num_ranks * wl.dispatch_row_bytes
     return SimResult(
         protocol=protocol,
         topology=topo.name,
         ranks=cfg.ranks,
         tokens_per_rank=cfg.tokens,
         policy=cfg.policy if protocol == "ubep" else protocol,
+        sync=cfg.sync if protocol == "ubep" else OTHER_SYNC[protocol],
         workers=W,
         dispatch_us=d.latency_us + p.call_us,
         combine_us=c.latency_us + p.call_us,
         dispatch_worker_us=d.worker_us,
+        dispatch_straggler=d.straggler,
+        dispatch_straggler_far=d.straggler_far,
         combine_worker_us=c.worker_us,
         dispatch_bytes_per_rank=float(sent),
     )

@@ -52,13 +52,18 @@ class Region:
 
 @dataclass(frozen=True, slots=True)
 class Field:
-    """One named entry of a header: `length` int64 words, each checked to lie in [lo, hi] on read."""
+    """One named entry of a header: one int64 word (read as an int), or `length` words (read as an
+    array), each checked to lie in [lo, hi] on read."""
 
     name: str
-    length: int = 1
+    length: int | None = None  # None: a scalar
     lo: int = 0
     hi: int | None = None  # None: not checked
     says: str = ""  # what a bad value means, e.g. "announced {value} tokens, capacity is {hi}"
+
+    @property
+    def words(self) -> int:
+        return 1 if self.length is None else self.length
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,7 +83,7 @@ class Header:
 
     @property
     def words(self) -> int:
-        return 1 + sum(f.length for f in self.fields)
+        return 1 + sum(f.words for f in self.fields)
 
 
 Record = Mapping[str, "int | np.ndarray"]  # a header's fields as read: ints, or int64 arrays for length > 1

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
@@ -102,6 +103,7 @@ class Heap:
         self._layout, self._memory = layout, memory
         self._views: dict[tuple[str, int, int], torch.Tensor] = {}
         self._numpy: dict[tuple[str, int, int], np.ndarray] = {}
+        self._bounds: dict[Header, _Bounds] = {}
         self._ctl = [self._words_at("ctl", 0, r) for r in range(num_ranks)]
         self._pids: list[int | None] = [None] * num_ranks
         self._current_seq = 0
@@ -152,8 +154,8 @@ class Heap:
         at = 1
         for field in header.fields:
             if field.name in values:
-                record[at : at + field.length] = values[field.name]
-            at += field.length
+                record[at : at + field.words] = values[field.name]
+            at += field.words
         record[0] = call.epoch  # everything above, and all payload written before, is visible from here on
         self.ring(to)
 
@@ -161,17 +163,18 @@ class Heap:
         return bool(self._record(header, call, peer)[0] == call.epoch)
 
     def read(self, header: Header, call: CallId, peer: int) -> Record:
-        record = self._record(header, call, peer).copy()  # one snapshot: checked values cannot change
-        out: dict[str, int | np.ndarray] = {}
-        at = 1
-        for field in header.fields:
-            value = record[at : at + field.length]
-            bad_n = (value < field.lo) | ((value > field.hi) if field.hi is not None else False)
-            if bad_n.any():
-                raise self.bad_data(call, peer, _complaint(header, field, peer, int(value[bad_n][0])))
-            out[field.name] = int(value[0]) if field.length == 1 else value
-            at += field.length
-        return out
+        bounds = self._bounds.get(header)
+        if bounds is None:
+            bounds = self._bounds[header] = _Bounds.of(header)
+        words = self._record(header, call, peer)[1:].copy()  # one snapshot: checked values cannot change
+        if ((words < bounds.lo_W) | (words > bounds.hi_W)).any():
+            field, value = bounds.first_bad(words)
+            raise self.bad_data(call, peer, _complaint(header, field, peer, value))
+        listed = words.tolist()
+        return {
+            f.name: listed[at] if f.length is None else words[at : at + f.length]
+            for f, at in zip(header.fields, bounds.starts, strict=True)
+        }
 
     # -- waiting ----------------------------------------------------------------------------------
 
@@ -285,6 +288,32 @@ class Heap:
         self._ctl = []
         self._views, self._numpy = {}, {}
         self._memory.close()
+
+
+@dataclass(frozen=True, slots=True)
+class _Bounds:
+    """A header's field bounds as word vectors, for one vectorised check per read."""
+
+    lo_W: np.ndarray
+    hi_W: np.ndarray
+    starts: tuple[int, ...]  # each field's first word, after the stamp
+    fields: tuple[Field, ...]
+
+    @classmethod
+    def of(cls, header: Header) -> _Bounds:
+        lo, hi, starts, at = [], [], [], 0
+        for f in header.fields:
+            starts.append(at)
+            lo += [f.lo] * f.words
+            hi += [np.iinfo(np.int64).max if f.hi is None else f.hi] * f.words
+            at += f.words
+        return cls(np.array(lo, dtype=np.int64), np.array(hi, dtype=np.int64), tuple(starts), header.fields)
+
+    def first_bad(self, words: np.ndarray) -> tuple[Field, int]:
+        """The first field holding an out-of-bounds word, and that word."""
+        at = int(np.flatnonzero((words < self.lo_W) | (words > self.hi_W))[0])
+        field = next(f for f, start in zip(self.fields, self.starts, strict=True) if at < start + f.words)
+        return field, int(words[at])
 
 
 def _complaint(header: Header, field: Field, peer: int, value: int) -> str:

@@ -1,0 +1,152 @@
+"""The CUDA heap: the transport interface with payload regions in torch symmetric memory.
+
+    routing -> layout -> schedule -> protocol -> engine -> [transport: cuda]
+
+The GPUs of one heap share a host (across hosts the hierarchical transport
+crosses with torch.distributed). So the part of a heap the host waits on, the
+headers, the control block (pids, barrier, abort notices) and any region named
+in `host_regions` (counters a protocol polls with `words`), stays in the host's
+shared segments: the one tested `Heap` with its wait loop, deadlines and abort
+notices. Every other region lives in one symmetric CUDA allocation per rank
+(`torch.distributed._symmetric_memory`: `empty`, then `rendezvous`), and `view`
+returns a CUDA tensor over any peer's copy (`get_buffer`): kernels read and
+write peers' memory directly, and `pointer_table` gives one launch every peer.
+
+Ordering (docs/device.md): `publish` waits for this rank's current stream
+before it stamps the header, so every kernel that wrote the payload, into
+whichever GPU, has completed; a reader that sees the stamp launches its kernels
+after that. Device-side flags (the engine's `put_rows_flag` / `pack_put`) are
+for protocols that wait inside kernels; they live in regions declared here,
+never in torch's signal pads, which torch's own barrier uses.
+
+Nothing here imports symmetric memory until a heap is built, so the CPU build
+of torch imports this module cleanly. Not run here (no GPU); see docs/device.md.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from ubep.calls import CallId
+from ubep.errors import PeerDataError
+from ubep.transport.base import Header, Record, Region
+from ubep.transport.heap import Heap, Layout
+from ubep.transport.shm import shm_heap
+
+
+class CudaHeap:
+    """The transport interface (`ubep.transport.base.Transport`): a host `Heap` plus device regions."""
+
+    def __init__(
+        self, host: Heap, layout: Layout, arena: torch.Tensor, handle, device_regions: Iterable[str]
+    ):
+        self.rank, self.num_ranks = host.rank, host.num_ranks
+        self._host, self._layout, self._handle = host, layout, handle
+        self._device_regions = frozenset(device_regions)
+        self._arenas = [
+            arena if r == self.rank else handle.get_buffer(r, (layout.nbytes,), torch.uint8)
+            for r in range(self.num_ranks)
+        ]
+        self._tables: dict[tuple[str, int], torch.Tensor] = {}
+
+    def view(self, region: Region, owner: int, call: CallId | None = None) -> torch.Tensor:
+        if region.name not in self._device_regions:
+            return self._host.view(region, owner, call)
+        offset, shape, dtype = self._layout.offsets[(region.name, _half(region, call))]
+        nbytes = int(np.prod(shape)) * dtype.itemsize
+        return self._arenas[owner][offset : offset + nbytes].view(dtype).view(shape)
+
+    def pointer_table(self, region: Region, call: CallId | None = None) -> torch.Tensor:
+        """int64 [R] on the device: `region`'s address in every rank's memory (for one-launch gathers)."""
+        key = (region.name, _half(region, call))
+        table = self._tables.get(key)
+        if table is None:
+            addresses = [self.view(region, r, call).data_ptr() for r in range(self.num_ranks)]
+            table = self._tables[key] = torch.tensor(
+                addresses, dtype=torch.int64, device=self._arenas[0].device
+            )
+        return table
+
+    def publish(
+        self, header: Header, call: CallId, values: Mapping[str, int | Iterable[int]], to: int | None = None
+    ) -> None:
+        torch.cuda.current_stream(self._arenas[0].device).synchronize()  # the payload kernels are done
+        self._host.publish(header, call, values, to)
+
+    def landed(self, header: Header, call: CallId, peers: Iterable[int], phase: str) -> Iterator[int]:
+        return self._host.landed(header, call, peers, phase)
+
+    def stamped(self, header: Header, call: CallId, peer: int) -> bool:
+        return self._host.stamped(header, call, peer)
+
+    def read(self, header: Header, call: CallId, peer: int) -> Record:
+        return self._host.read(header, call, peer)
+
+    def wait(self, phase: str, call: CallId, peers: Iterable[int], ready: Callable[[int], bool]) -> None:
+        self._host.wait(phase, call, peers, ready)
+
+    def words(self, region: Region, owner: int) -> np.ndarray:
+        if region.name in self._device_regions:
+            raise TypeError(f"region {region.name} lives on the device; name it in host_regions to poll it")
+        return self._host.words(region, owner)
+
+    def ring(self, peer: int | None = None) -> None:
+        self._host.ring(peer)
+
+    def barrier(self, phase: str, call: CallId) -> None:
+        torch.cuda.current_stream(self._arenas[0].device).synchronize()  # as publish: our writes are done
+        self._host.barrier(phase, call)
+
+    def abort(self, call: CallId, cause: int = 0, culprit: int = -1) -> None:
+        self._host.abort(call, cause, culprit)
+
+    def bad_data(self, call: CallId, culprit: int, message: str) -> PeerDataError:
+        return self._host.bad_data(call, culprit, message)
+
+    def close(self) -> None:
+        self._arenas, self._tables, self._handle = [], {}, None  # symmetric memory is freed with its tensors
+        self._host.close()
+
+
+def cuda_heap(
+    blocks: Iterable[Region | Header],
+    group: dist.ProcessGroup,
+    rank: int,
+    world_size: int,
+    timeout_s: float,
+    device: torch.device,
+    host_regions: Collection[str] = (),
+) -> CudaHeap:
+    """Collective: every rank of `group` (one GPU each, one host) allocates and maps every rank's memory."""
+    if not torch.cuda.is_available() or torch.device(device).type != "cuda":
+        raise ValueError(f"the CUDA heap needs a CUDA device, got {device} (CUDA available: "
+                         f"{torch.cuda.is_available()})")  # fmt: skip
+    from torch.distributed import _symmetric_memory as symm_mem
+
+    blocks = list(blocks)
+    on_device = [b for b in blocks if isinstance(b, Region) and b.name not in host_regions]
+    host = shm_heap([b for b in blocks if b not in on_device], group, rank, world_size, timeout_s)
+    try:
+        layout = Layout(world_size, on_device)
+        arena = symm_mem.empty(layout.nbytes, dtype=torch.uint8, device=device)
+        arena.zero_()  # device flags start at 0 (no epoch is 0)
+        symm_mem.enable_symm_mem_for_group(group.group_name)  # needed by older torch; a no-op when done
+        handle = symm_mem.rendezvous(arena, group.group_name)
+        torch.cuda.synchronize(device)
+        dist.barrier(group=group)  # nobody writes into a peer's arena before the peer zeroed it
+        return CudaHeap(host, layout, arena, handle, (r.name for r in on_device))
+    except BaseException:
+        host.close()
+        raise
+
+
+def _half(region: Region, call: CallId | None) -> int:
+    if not region.double:
+        return 0
+    if call is None:
+        raise ValueError(f"region {region.name} is double-buffered: view it for a call")
+    return call.parity
