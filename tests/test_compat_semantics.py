@@ -242,8 +242,9 @@ def semantics_program() -> bool:
     return True
 
 
-def test_deep_ep_semantics_on_two_ranks():
-    assert ubep.LocalLaunch(world_size=2, timeout_s=150).run(semantics_program) == [True, True]
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_deep_ep_semantics(ranks: int):
+    assert ubep.LocalLaunch(world_size=ranks, timeout_s=150).run(semantics_program) == [True] * ranks
 
 
 def test_ue8m0_packing_by_hand():
