@@ -184,7 +184,7 @@ def test_sizes_and_refusals():
         buffer.dispatch(
             torch.zeros(1, 128).bfloat16(), num_tokens_per_expert=torch.ones(1, dtype=torch.int32)
         )
-    with pytest.raises(ValueError, match="use_ue8m0=True is not supported"):
+    with pytest.raises(ValueError, match="use_ue8m0=True needs round_scale=True"):
         Buffer(None, low_latency_mode=True).low_latency_dispatch(
-            torch.zeros(1, 128).bfloat16(), torch.zeros(1, 1, dtype=torch.int64), 1, 1, use_ue8m0=True
+            torch.zeros(1, 512).bfloat16(), torch.zeros(1, 1, dtype=torch.int64), 1, 1, use_ue8m0=True
         )

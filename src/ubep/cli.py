@@ -1,11 +1,13 @@
 """The `ubep` command line: `ubep bench` compares ubep with the alternatives on this host;
-`ubep simulate` runs the same plans on a model of a superpod."""
+`ubep simulate` runs the same plans on a model of a superpod; `ubep decode` times a small
+MoE model's decode steps under expert parallelism."""
 
 from __future__ import annotations
 
 import argparse
 import os
 
+from ubep.bench.decode import add_parser as add_decode
 from ubep.bench.workload import DTYPES, SYSTEMS, BenchConfig
 from ubep.routing import ROUTINGS
 from ubep.schedule import POLICIES
@@ -149,5 +151,6 @@ def main(argv: list[str] | None = None) -> int:
     add_bench(sub)
     add_simulate(sub)
     add_plan(sub)
+    add_decode(sub)
     args = parser.parse_args(argv)
     return args.func(args)

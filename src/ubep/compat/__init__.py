@@ -1,1 +1,55 @@
-"""Drop-in layers for code written against other EP libraries (`ubep.compat.deep_ep`)."""
+"""Drop-in layers for code written against other EP libraries (`ubep.compat.deep_ep`).
+
+`install_as_deep_ep()` lets unchanged framework code (`import deep_ep`,
+`from deep_ep.utils import EventOverlap`) run on ubep. It is an explicit opt-in
+and never shadows a real DeepEP silently: if one is importable it refuses unless
+told `replace_real=True`. `explain_deep_ep()` says which `deep_ep` is active.
+"""
+
+from __future__ import annotations
+
+import sys
+from importlib.machinery import PathFinder
+
+COMPAT_NAME = "ubep.compat.deep_ep"
+
+
+def _real_deep_ep_origin() -> str | None:
+    """Where a real DeepEP is, if one is loaded or installed on sys.path (None if not)."""
+    active = sys.modules.get("deep_ep")
+    if active is not None and active.__name__ != COMPAT_NAME:
+        return getattr(active, "__file__", None) or "already imported"
+    spec = PathFinder.find_spec("deep_ep")  # searches sys.path only, past any module installed here
+    return None if spec is None else (spec.origin or "a namespace package")
+
+
+def install_as_deep_ep(replace_real: bool = False) -> str:
+    """Make `import deep_ep` and `import deep_ep.utils` give ubep's DeepEP layer; returns `explain_deep_ep()`.
+
+    Raises RuntimeError when a real DeepEP is installed, unless `replace_real=True`.
+    """
+    real = _real_deep_ep_origin()
+    if real is not None and not replace_real:
+        raise RuntimeError(
+            f"a real DeepEP is installed ({real}); ubep will not shadow it. Use it, or call "
+            "install_as_deep_ep(replace_real=True) to run this process's `import deep_ep` on ubep"
+        )
+    from ubep.compat import deep_ep
+
+    sys.modules["deep_ep"] = deep_ep
+    sys.modules["deep_ep.utils"] = deep_ep.utils
+    return explain_deep_ep()
+
+
+def explain_deep_ep() -> str:
+    """Which `deep_ep` an `import deep_ep` gives in this process, and why."""
+    active = sys.modules.get("deep_ep")
+    if active is not None and active.__name__ == COMPAT_NAME:
+        real = _real_deep_ep_origin()
+        return "deep_ep is ubep's DeepEP layer (ubep.compat.deep_ep), installed by install_as_deep_ep()" + (
+            "" if real is None else f"; a real DeepEP at {real} is shadowed"
+        )
+    origin = _real_deep_ep_origin()
+    if origin is not None:
+        return f"deep_ep is the real DeepEP ({origin}); ubep is not installed as deep_ep"
+    return "no deep_ep is importable; call ubep.compat.install_as_deep_ep() to serve it from ubep"

@@ -1,0 +1,612 @@
+"""DeepEP's `deep_ep.Buffer` on top of ubep's public `ubep.Buffer`.
+
+DeepEP sizes its Buffer in bytes (`num_nvl_bytes`, `num_rdma_bytes`) and learns
+shapes at each call; ubep sizes by shape. This layer keeps one ubep.Buffer per
+shape it meets, built collectively at the first call with that shape (every
+rank makes the same calls, so every rank builds it at the same moment):
+  - normal mode, per (hidden, num_experts): max_tokens_per_rank is the most
+    tokens whose shared segment fits in max(num_nvl_bytes, num_rdma_bytes).
+  - low-latency mode, per (hidden, num_experts, T): max_tokens_per_rank is T;
+    the call checks that `get_low_latency_rdma_size_hint(T, ...)` fits in num_rdma_bytes.
+
+What this layer adds over ubep.Buffer, all expressed through its public calls:
+  - handles that unpack like DeepEP's tuples (`handles.py`); a normal dispatch
+    gathers every rank's counts once (DeepEP's notify step) to fill them;
+  - dispatch routed by `is_token_in_rank` alone: a synthesized top-k naming one
+    expert of each destination rank; the received top-k outputs are then None;
+  - `num_worst_tokens`: outputs padded to that many rows, padding marked by
+    `recv_topk_idx == -1`, an empty expert-count list, and a too-small value
+    refused on every rank before any byte moves;
+  - combine `bias`: summed in float32 with the rows, one rounding at the end;
+  - low-latency `zero_copy`, `round_scale` and `use_ue8m0` (`scales.py`),
+    column-major received scales, `use_logfmt` (combined at full precision).
+GPU tuning knobs (SM counts, QPs, NVLink/fabric switches, chunk sizes in Config)
+are accepted and change nothing here. The shrink-mode mask buffer is not offered.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ubep import fp8, validate
+from ubep import layout as ep_layout
+from ubep.buffer import Buffer as UbepBuffer
+from ubep.compat.deep_ep import scales
+from ubep.compat.deep_ep.handles import LowLatencyView, NormalHandle, normal_handle
+from ubep.compat.deep_ep.utils import EventHandle, EventOverlap, pending_event, wait_previous
+from ubep.factory import heap_bytes
+from ubep.group import join_group
+from ubep.overlap import EventOverlap as Pending
+from ubep.protocols.base import Sizing
+from ubep.results import LowLatencyHandle
+
+HINT_TOKENS = 4096  # tokens per rank a normal-mode size hint provides for (DeepEP's prefill size)
+MAX_TOPK = 16
+DEFAULT_NUM_SMS = 20  # DeepEP's default SM budget: Config.num_sms // 2 channels shape the handle
+
+__all__ = ["Buffer", "Config"]
+
+
+def _max_topk(num_ranks: int) -> int:
+    """Top-k capacity: DeepEP's 16, or one slot per rank for dispatches routed by is_token_in_rank."""
+    return max(MAX_TOPK, num_ranks)
+
+
+def _segment_bytes(hidden: int, num_ranks: int, num_experts: int, tokens: int, low_latency: bool) -> int:
+    """Bytes of one rank's shared segment for a ubep.Buffer of these shapes."""
+    placement = ep_layout.ExpertPlacement.contiguous(num_experts, num_ranks)
+    sizing = Sizing(hidden=hidden, capacity=tokens, max_topk=_max_topk(num_ranks), placement=placement)
+    return heap_bytes(sizing, "ubep", low_latency)
+
+
+def _tokens_that_fit(num_bytes: int, hidden: int, num_ranks: int) -> int:
+    """The most tokens per rank whose normal-mode segment fits in num_bytes (0 if none)."""
+    lo, hi = 0, 1 << 24
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if _segment_bytes(hidden, num_ranks, num_ranks, mid, low_latency=False) <= num_bytes:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+@dataclass(frozen=True, slots=True)
+class Config:
+    """DeepEP's performance config: GPU tuning, unused here but `num_sms // 2` (channels in handles)."""
+
+    num_sms: int = DEFAULT_NUM_SMS
+    num_max_nvl_chunked_send_tokens: int = 6
+    num_max_nvl_chunked_recv_tokens: int = 256
+    num_max_rdma_chunked_send_tokens: int = 6
+    num_max_rdma_chunked_recv_tokens: int = 256
+
+    def get_nvl_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
+        """Bytes for HINT_TOKENS tokens per rank of `hidden_bytes` bytes each, whatever the payload.
+
+        The hint cannot tell bf16 (2 bytes a channel) from FP8 (1 byte a channel plus
+        scales), so it sizes for the smaller element: hidden_bytes channels.
+        """
+        validate.positive("hidden_bytes", hidden_bytes)
+        return _segment_bytes(hidden_bytes, num_ranks, num_ranks, HINT_TOKENS, low_latency=False)
+
+    def get_rdma_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
+        """Between hosts ubep uses torch.distributed, which needs no registered buffer."""
+        return 0
+
+
+class Buffer:
+    """DeepEP's `deep_ep.Buffer`, byte-sized; every rank of `group` constructs it."""
+
+    num_sms: int = DEFAULT_NUM_SMS  # DeepEP's class-wide SM budget; only feeds the default Config here
+
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None,
+        num_nvl_bytes: int = 0,
+        num_rdma_bytes: int = 0,
+        low_latency_mode: bool = False,
+        num_qps_per_rank: int = 24,
+        allow_nvlink_for_low_latency_mode: bool = True,
+        allow_mnnvl: bool = False,
+        use_fabric: bool = False,
+        explicitly_destroy: bool = False,
+        enable_shrink: bool = False,
+        comm=None,
+    ):
+        for name, value in (("num_nvl_bytes", num_nvl_bytes), ("num_rdma_bytes", num_rdma_bytes)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+        if enable_shrink:
+            raise ValueError(
+                "enable_shrink=True is not supported: ubep detects dead peers and raises, "
+                "but cannot yet mask a rank and keep running"
+            )
+        if comm is not None:
+            raise ValueError("comm (an MPI communicator) is not supported; pass a torch.distributed group")
+        self._info = join_group(group)
+        self.group = self._info.group
+        self.rank = self._info.rank
+        self.group_size = self._info.world_size
+        self.num_nvl_bytes = num_nvl_bytes
+        self.num_rdma_bytes = num_rdma_bytes
+        self.low_latency_mode = bool(low_latency_mode)
+        self.num_qps_per_rank = num_qps_per_rank
+        self.explicitly_destroy = explicitly_destroy
+        self.enable_shrink = False
+        self._buffers: dict[tuple, UbepBuffer] = {}  # lives as long as this Buffer, keyed by shape
+        self._combine_inputs: dict[tuple, torch.Tensor] = {}  # zero-copy combine buffers, by shape
+
+    def explain(self) -> str:
+        """Which implementation serves this DeepEP Buffer, and the ubep Buffers built so far."""
+        inner = "; ".join(f"{key}: {buf.explain()}" for key, buf in self._buffers.items()) or "none built yet"
+        return f"deep_ep.Buffer served by ubep (ubep.compat.deep_ep); ubep Buffers per shape: {inner}"
+
+    # -- sizing and configs -----------------------------------------------------------------------
+
+    @staticmethod
+    def is_sm90_compiled() -> bool:
+        """Whether SM90 (Hopper) kernels were compiled: never here, ubep's engines are CPU and Triton."""
+        return False
+
+    @staticmethod
+    def set_num_sms(new_num_sms: int) -> None:
+        """DeepEP's SM budget for normal kernels (must be even); sets the handles' channel count."""
+        if (
+            isinstance(new_num_sms, bool)
+            or not isinstance(new_num_sms, int)
+            or new_num_sms < 2
+            or new_num_sms % 2
+        ):
+            raise ValueError(f"new_num_sms must be an even int >= 2, got {new_num_sms!r}")
+        Buffer.num_sms = new_num_sms
+
+    @staticmethod
+    def get_dispatch_config(num_ranks: int) -> Config:
+        return Config(Buffer.num_sms)
+
+    @staticmethod
+    def get_combine_config(num_ranks: int) -> Config:
+        return Config(Buffer.num_sms)
+
+    @staticmethod
+    def get_low_latency_rdma_size_hint(
+        num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int, num_experts: int
+    ) -> int:
+        """Exact bytes of one rank's segment for low-latency calls of these shapes (bf16 or FP8)."""
+        return _segment_bytes(hidden, num_ranks, num_experts, num_max_dispatch_tokens_per_rank, True)
+
+    @staticmethod
+    def capture() -> EventOverlap:
+        """An event marking everything issued so far (complete: CPU work is ordered by the program)."""
+        return EventOverlap(EventHandle())
+
+    def _normal(self, hidden: int, num_experts: int) -> UbepBuffer:
+        key = ("normal", hidden, num_experts)
+        if key not in self._buffers:
+            budget = max(self.num_nvl_bytes, self.num_rdma_bytes)
+            tokens = _tokens_that_fit(budget, hidden, self.group_size)
+            if tokens < 1:
+                raise ValueError(
+                    f"num_nvl_bytes={self.num_nvl_bytes} holds no token of hidden size {hidden}; "
+                    "size it with Config.get_nvl_buffer_size_hint"
+                )
+            self._buffers[key] = UbepBuffer(
+                self.group,
+                hidden=hidden,
+                num_experts=num_experts,
+                max_tokens_per_rank=tokens,
+                max_topk=_max_topk(self.group_size),
+                low_latency=False,
+            )
+        return self._buffers[key]
+
+    def _low_latency(self, hidden: int, num_experts: int, max_tokens: int) -> UbepBuffer:
+        if not self.low_latency_mode:
+            raise ValueError("low-latency calls need a Buffer built with low_latency_mode=True")
+        key = ("ll", hidden, num_experts, max_tokens)
+        if key not in self._buffers:
+            need = self.get_low_latency_rdma_size_hint(max_tokens, hidden, self.group_size, num_experts)
+            if need > self.num_rdma_bytes:
+                raise ValueError(
+                    f"num_rdma_bytes={self.num_rdma_bytes} is too small for T={max_tokens}, hidden={hidden}, "
+                    f"{num_experts} experts: get_low_latency_rdma_size_hint gives {need}"
+                )
+            self._buffers[key] = UbepBuffer(
+                self.group,
+                hidden=hidden,
+                num_experts=num_experts,
+                max_tokens_per_rank=max_tokens,
+                max_topk=_max_topk(self.group_size),
+            )
+        return self._buffers[key]
+
+    # -- normal mode ------------------------------------------------------------------------------
+
+    def get_dispatch_layout(
+        self,
+        topk_idx: torch.Tensor,
+        num_experts: int,
+        previous_event: EventOverlap | None = None,
+        async_finish: bool = False,
+        allocate_on_comm_stream: bool = False,
+    ):
+        """(num_tokens_per_rank, num_tokens_per_rdma_rank, num_tokens_per_expert, is_token_in_rank, event)."""
+        wait_previous(previous_event)
+        placement = ep_layout.ExpertPlacement.contiguous(num_experts, self.group_size)
+        idx = _validated_topk(topk_idx, num_experts, self.group_size)
+        got = ep_layout.dispatch_layout(idx, placement)
+        return (
+            got.num_tokens_per_rank_R,
+            self._tokens_per_node(got.is_token_in_rank_NR),
+            got.num_tokens_per_expert_E,
+            got.is_token_in_rank_NR,
+            pending_event(Pending(), async_finish),
+        )
+
+    def _tokens_per_node(self, is_token_in_rank_NR: torch.Tensor) -> torch.Tensor | None:
+        if self._info.num_nodes == 1:
+            return None
+        node_R = torch.tensor(self._info.node_of_rank)
+        hits = [is_token_in_rank_NR[:, node_R == n].any(dim=1) for n in range(self._info.num_nodes)]
+        return torch.stack(hits, dim=1).sum(dim=0, dtype=torch.int32)
+
+    def dispatch(
+        self,
+        x: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+        handle: NormalHandle | None = None,
+        num_tokens_per_rank: torch.Tensor | None = None,
+        num_tokens_per_rdma_rank: torch.Tensor | None = None,
+        is_token_in_rank: torch.Tensor | None = None,
+        num_tokens_per_expert: torch.Tensor | None = None,
+        topk_idx: torch.Tensor | None = None,
+        topk_weights: torch.Tensor | None = None,
+        expert_alignment: int = 1,
+        num_worst_tokens: int = 0,
+        config: Config | None = None,
+        previous_event: EventOverlap | None = None,
+        async_finish: bool = False,
+        allocate_on_comm_stream: bool = False,
+    ):
+        """(recv_x, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert_list, handle, event).
+
+        With `handle` (cached): (recv_x, None, None, None, None, event). Without
+        `topk_idx`, `is_token_in_rank` routes the tokens and the top-k outputs are None.
+        """
+        wait_previous(previous_event)
+        validate.positive("num_worst_tokens", num_worst_tokens, minimum=0)
+        hidden = (x[0] if fp8.is_pair(x) else x).shape[1]
+        if handle is not None:
+            return self._cached_dispatch(x, handle, hidden, topk_idx, topk_weights, async_finish)
+        if num_tokens_per_expert is None:
+            raise ValueError("dispatch needs num_tokens_per_expert (from get_dispatch_layout) or a handle")
+        E, R = num_tokens_per_expert.numel(), self.group_size
+        inner = self._normal(hidden, E)
+        idx, weights, sent_NR = self._routing(x, hidden, E, is_token_in_rank, topk_idx, topk_weights)
+        counts_RX = self._gather_counts(sent_NR, num_tokens_per_expert)
+        received = int(counts_RX[:, self.rank].sum())
+        worst_R = counts_RX[:, :R].sum(dim=0)
+        if num_worst_tokens and int(worst_R.max()) > num_worst_tokens:
+            raise ValueError(
+                f"num_worst_tokens={num_worst_tokens} is fewer than the {int(worst_R.max())} tokens rank "
+                f"{int(worst_R.argmax())} receives; pass at least num_tokens * num_ranks"
+            )
+        got = inner.dispatch(
+            x,
+            topk_idx=idx,
+            topk_weights=weights,
+            num_tokens_per_rank=num_tokens_per_rank,
+            is_token_in_rank=sent_NR,
+            expert_alignment=expert_alignment,
+        )
+        rows = num_worst_tokens or received
+        channels = (config.num_sms if config is not None else Buffer.num_sms) // 2
+        view = normal_handle(got.handle, counts_RX, channels, E, rows)
+        if topk_idx is None:
+            counts = self._expert_counts_from(counts_RX, E, expert_alignment)
+            recv_idx = recv_w = None
+        else:
+            counts = got.num_recv_tokens_per_expert_list
+            recv_idx, recv_w = _pad(got.recv_topk_idx, rows, -1), _pad(got.recv_topk_weights, rows, 0)
+        recv_x = _pad_payload(got.recv_x, rows)
+        event = pending_event(Pending(), async_finish, (recv_x if not fp8.is_pair(recv_x) else recv_x[0],))
+        return recv_x, recv_idx, recv_w, [] if num_worst_tokens else counts, view, event
+
+    def _routing(self, x, hidden, num_experts, is_token_in_rank, topk_idx, topk_weights):
+        """(topk_idx, topk_weights, is_token_in_rank) for ubep's dispatch; a synthesized top-k when
+        only is_token_in_rank is given (one expert of each destination rank, weight 0)."""
+        R = self.group_size
+        placement = ep_layout.ExpertPlacement.contiguous(num_experts, R)
+        if topk_idx is not None:
+            if topk_weights is None:
+                raise ValueError("topk_weights must be given with topk_idx (DeepEP sends both or neither)")
+            rows = (x[0] if fp8.is_pair(x) else x).shape[0]
+            idx = validate.topk_idx(topk_idx, rows, num_experts, _max_topk(R))
+            return idx, topk_weights, ep_layout.token_in_rank(idx, placement)
+        if topk_weights is not None:
+            raise ValueError("topk_weights was given without topk_idx")
+        if is_token_in_rank is None:
+            raise ValueError("dispatch needs topk_idx or is_token_in_rank to know where tokens go")
+        sent_NR = validate.tensor("is_token_in_rank", is_token_in_rank, torch.bool, 2)
+        if sent_NR.shape[1] != R:
+            raise ValueError(f"is_token_in_rank must be [num_tokens, {R}], got {tuple(sent_NR.shape)}")
+        first_expert_R = torch.arange(R) * (num_experts // R)
+        idx = torch.where(sent_NR, first_expert_R, -1)
+        return idx, torch.zeros(idx.shape, dtype=torch.float32), sent_NR
+
+    def _gather_counts(self, sent_NR: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        """int64 [R, R + E + 1]: every rank's (tokens per destination, tokens per expert, token count).
+
+        DeepEP's notify step: one small all-gather, so every rank can fill the handle's
+        prefix matrices and check num_worst_tokens before any token moves."""
+        mine = torch.cat(
+            [sent_NR.sum(dim=0), num_tokens_per_expert.to(torch.int64), torch.tensor([sent_NR.shape[0]])]
+        )
+        if self.group_size == 1:
+            return mine.unsqueeze(0)
+        everyone = [torch.empty_like(mine) for _ in range(self.group_size)]
+        dist.all_gather(everyone, mine, group=self.group)
+        return torch.stack(everyone)
+
+    def _expert_counts_from(self, counts_RX: torch.Tensor, num_experts: int, alignment: int) -> list[int]:
+        """Tokens each local expert receives, from the senders' num_tokens_per_expert, aligned."""
+        R, L = self.group_size, num_experts // self.group_size
+        mine_RL = counts_RX[:, R + self.rank * L : R + (self.rank + 1) * L]
+        return [-(-int(c) // alignment) * alignment for c in mine_RL.sum(dim=0)]
+
+    def _cached_dispatch(self, x, handle, hidden, topk_idx, topk_weights, async_finish):
+        if topk_idx is not None or topk_weights is not None:
+            raise ValueError(
+                "a cached dispatch (handle=...) repeats its routing: pass no topk_idx/topk_weights"
+            )
+        view = _normal_view(handle)
+        got = self._normal(hidden, view.num_experts).dispatch(x, view.inner)
+        recv_x = _pad_payload(got.recv_x, view.num_rows)
+        return recv_x, None, None, None, None, pending_event(Pending(), async_finish)
+
+    def combine(
+        self,
+        x: torch.Tensor,
+        handle: NormalHandle,
+        topk_weights: torch.Tensor | None = None,
+        bias: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None = None,
+        config: Config | None = None,
+        previous_event: EventOverlap | None = None,
+        async_finish: bool = False,
+        allocate_on_comm_stream: bool = False,
+    ):
+        """(combined_x, combined_topk_weights, event): plain sums per token, plus `bias` ([N, H], one
+        tensor or two) added on the home rank in float32 before the one rounding to x's dtype."""
+        wait_previous(previous_event)
+        view = _normal_view(handle)
+        M = view.inner.num_recv_tokens
+        if x.dim() == 2 and x.shape[0] == view.num_rows != M:  # padded to num_worst_tokens: drop the padding
+            x = x[:M]
+            topk_weights = topk_weights[:M] if topk_weights is not None else None
+        biases = _biases(bias, view.inner.num_tokens, x)
+        inner = self._normal(x.shape[1], view.num_experts)
+        if not biases:
+            combined, weights, _ = inner.combine(x, view.inner, topk_weights)
+        else:
+            combined, weights, _ = inner.combine(x.float(), view.inner, topk_weights)
+            combined = sum((b.float() for b in biases), combined).to(x.dtype)
+        return combined, weights, pending_event(Pending(), async_finish, (combined,))
+
+    # -- low-latency mode -------------------------------------------------------------------------
+
+    def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int):
+        """Nothing to clean: ubep's flags carry call epochs, so stale slots are never mistaken for new."""
+
+    def low_latency_dispatch(
+        self,
+        x: torch.Tensor,
+        topk_idx: torch.Tensor,
+        num_max_dispatch_tokens_per_rank: int,
+        num_experts: int,
+        cumulative_local_expert_recv_stats: torch.Tensor | None = None,
+        dispatch_wait_recv_cost_stats: torch.Tensor | None = None,
+        use_fp8: bool = True,
+        round_scale: bool = False,
+        use_ue8m0: bool = False,
+        async_finish: bool = False,
+        return_recv_hook: bool = False,
+    ):
+        """(recv_x, recv_count, handle, event, hook); FP8 by default, as in DeepEP.
+
+        FP8 scales come back column-major in their last two dimensions. With round_scale
+        they are powers of two, and with use_ue8m0 also packed into int32 [L, R * T, H // 512].
+        The wait-cost statistics are not measured (the tensor is left as it is).
+        """
+        if use_ue8m0 and not round_scale:
+            raise ValueError("use_ue8m0=True needs round_scale=True (UE8M0 holds power-of-two scales only)")
+        if use_fp8 and use_ue8m0 and x.shape[-1] % (fp8.BLOCK * scales.BLOCKS_PER_WORD):
+            raise ValueError(
+                f"use_ue8m0=True needs a hidden size that is a multiple of 512, got {x.shape[-1]}"
+            )
+        inner = self._low_latency(x.shape[1], num_experts, num_max_dispatch_tokens_per_rank)
+        pow2 = use_fp8 and round_scale  # quantized on arrival: ubep's wire FP8 uses amax / 448 scales
+        got = inner.low_latency_dispatch(
+            x,
+            topk_idx,
+            num_max_dispatch_tokens_per_rank,
+            num_experts,
+            use_fp8 and not pow2,
+            async_finish,
+            return_recv_hook,
+        )
+        recv_x, steps = _ll_outputs(got.recv_x, use_fp8, pow2, use_ue8m0)
+        stats = cumulative_local_expert_recv_stats
+        if stats is not None:
+            steps.append(lambda: stats.add_(got.recv_count.to(stats.dtype)))
+
+        def receive() -> None:
+            got.hook()
+            got.event.wait()
+            for step in steps:
+                step()
+
+        both = Pending(receive)
+        if not (async_finish or return_recv_hook):
+            both.wait()
+        keep = (x, topk_idx, *(recv_x if isinstance(recv_x, tuple) else (recv_x,)), got.recv_count)
+        event = EventOverlap(EventHandle(both), keep) if async_finish else EventOverlap()
+        hook = both.wait if return_recv_hook else _nothing
+        return recv_x, got.recv_count, LowLatencyView(got.handle), event, hook
+
+    def low_latency_combine(
+        self,
+        x: torch.Tensor,
+        topk_idx: torch.Tensor,
+        topk_weights: torch.Tensor,
+        handle: LowLatencyView,
+        use_logfmt: bool = False,
+        zero_copy: bool = False,
+        async_finish: bool = False,
+        return_recv_hook: bool = False,
+        out: torch.Tensor | None = None,
+        combine_wait_recv_cost_stats: torch.Tensor | None = None,
+    ):
+        """(combined_x, event, hook): the weighted sum of each token's expert outputs.
+
+        zero_copy=True combines what the caller wrote into
+        `get_next_low_latency_combine_buffer(handle)`, not x. use_logfmt=True (DeepEP's
+        10-bit wire format) is accepted and combined at full precision.
+        """
+        if zero_copy and use_logfmt:
+            raise ValueError("zero_copy=True and use_logfmt=True cannot be combined (as in DeepEP)")
+        inner_handle = _ll_inner(handle)
+        inner = self._ll_for(inner_handle)
+        if zero_copy:
+            x = self._combine_input(inner_handle)
+        got = inner.low_latency_combine(
+            x, topk_idx, topk_weights, inner_handle, async_finish, return_recv_hook, out
+        )
+        keep = (x, topk_idx, topk_weights, got.combined_x)
+        event = EventOverlap(EventHandle(got.event), keep) if async_finish else EventOverlap()
+        return got.combined_x, event, got.hook
+
+    def get_next_low_latency_combine_buffer(self, handle: LowLatencyView) -> torch.Tensor:
+        """The bf16 [L, R * T, H] tensor a `zero_copy=True` combine reads; fill it with the expert outputs."""
+        return self._combine_input(_ll_inner(handle))
+
+    def _combine_input(self, handle: LowLatencyHandle) -> torch.Tensor:
+        self._ll_for(handle)
+        L, M = handle.num_local_experts, self.group_size * handle.num_max_dispatch_tokens_per_rank
+        key = (handle.hidden, handle.num_experts, handle.num_max_dispatch_tokens_per_rank)
+        if key not in self._combine_inputs:
+            self._combine_inputs[key] = torch.zeros(L, M, handle.hidden, dtype=torch.bfloat16)
+        return self._combine_inputs[key]
+
+    def _ll_for(self, handle: LowLatencyHandle) -> UbepBuffer:
+        return self._low_latency(handle.hidden, handle.num_experts, handle.num_max_dispatch_tokens_per_rank)
+
+    # -- the shrink-mode mask buffer (not offered) --------------------------------------------------
+
+    def low_latency_update_mask_buffer(self, rank_to_mask: int, mask: bool = False):
+        raise NotImplementedError(_NO_MASK)
+
+    def low_latency_query_mask_buffer(self, mask_status: torch.Tensor):
+        raise NotImplementedError(_NO_MASK)
+
+    def low_latency_clean_mask_buffer(self):
+        raise NotImplementedError(_NO_MASK)
+
+    # -- lifetime ---------------------------------------------------------------------------------
+
+    def destroy(self) -> None:
+        """Release every shared resource (DeepEP's explicit destruction)."""
+        buffers, self._buffers = self._buffers, {}
+        self._combine_inputs = {}
+        for inner in buffers.values():
+            inner.close()
+
+    def __enter__(self) -> Buffer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.destroy()
+
+
+_NO_MASK = (
+    "the shrink-mode mask buffer is not supported: ubep detects a dead peer and raises "
+    "(naming it), but cannot yet mask a rank out and keep running"
+)
+
+
+def _nothing() -> None:
+    """The hook of a call that already received."""
+
+
+def _validated_topk(topk_idx, num_experts: int, num_ranks: int) -> torch.Tensor:
+    rows = topk_idx.shape[0] if isinstance(topk_idx, torch.Tensor) and topk_idx.dim() else 0
+    return validate.topk_idx(topk_idx, rows, num_experts, _max_topk(num_ranks))
+
+
+def _normal_view(handle) -> NormalHandle:
+    if not isinstance(handle, NormalHandle):
+        raise TypeError(f"handle must come from this Buffer's dispatch, got {type(handle).__name__}")
+    return handle
+
+
+def _ll_inner(handle) -> LowLatencyHandle:
+    if isinstance(handle, LowLatencyView):
+        return handle.inner
+    if isinstance(handle, LowLatencyHandle):
+        return handle
+    raise TypeError(f"handle must come from low_latency_dispatch, got {type(handle).__name__}")
+
+
+def _pad(t: torch.Tensor, rows: int, fill) -> torch.Tensor:
+    """t [M, ...] with rows - M more rows of `fill` (t itself when nothing is missing)."""
+    if t.shape[0] == rows:
+        return t
+    padded = torch.full((rows, *t.shape[1:]), fill, dtype=t.dtype)
+    padded[: t.shape[0]] = t
+    return padded
+
+
+def _pad_payload(recv_x, rows: int):
+    if fp8.is_pair(recv_x):
+        return _pad(recv_x[0], rows, 0), _pad(recv_x[1], rows, 0)
+    return _pad(recv_x, rows, 0)
+
+
+def _biases(bias, num_tokens: int, x: torch.Tensor) -> list[torch.Tensor]:
+    """The 0, 1 or 2 bias tensors, each checked to be [N, H]."""
+    if bias is None:
+        return []
+    biases = [bias] if isinstance(bias, torch.Tensor) else list(bias)
+    if len(biases) > 2:
+        raise ValueError(f"bias takes one tensor or a pair, got {len(biases)}")
+    for i, b in enumerate(biases):
+        if not isinstance(b, torch.Tensor) or tuple(b.shape) != (num_tokens, x.shape[1]):
+            raise ValueError(
+                f"bias[{i}] must be a [{num_tokens}, {x.shape[1]}] tensor (one row per home token)"
+            )
+    return biases
+
+
+def _ll_outputs(recv, use_fp8: bool, pow2: bool, ue8m0: bool) -> tuple[object, list[Callable[[], None]]]:
+    """DeepEP's received tensors, and the steps that fill them once ubep's receive half has run."""
+    if not use_fp8:
+        return recv, []
+    if not pow2:
+        values, raw_scales = recv
+        scales_LMB = scales.column_major(torch.empty_like(raw_scales))
+        return (values, scales_LMB), [lambda: scales_LMB.copy_(raw_scales)]
+    L, M, H = recv.shape
+    values = torch.empty(L, M, H, dtype=fp8.VALUE_DTYPE)
+    width = H // fp8.BLOCK // (scales.BLOCKS_PER_WORD if ue8m0 else 1)
+    out_scales = scales.column_major(torch.empty(L, M, width, dtype=torch.int32 if ue8m0 else torch.float32))
+
+    def quantize_arrived() -> None:
+        q_values, q_scales = scales.quantize_pow2(recv.view(L * M, H))
+        values.copy_(q_values.view(L, M, H))
+        packed = scales.pack_ue8m0(q_scales) if ue8m0 else q_scales
+        out_scales.copy_(packed.view(L, M, width))
+
+    return (values, out_scales), [quantize_arrived]

@@ -1,0 +1,1 @@
+"""Integrations of ubep with frameworks (import the one you use: `ubep.integrations.transformers`)."""

@@ -1,0 +1,232 @@
+"""ubep as an expert-parallel implementation for Hugging Face transformers (>= 5.21).
+
+Importing this module registers three implementations with transformers'
+`EPImplementationInterface`; a model picks one with
+`DistributedConfig(ep_size=R, fsdp_size=R, ep_implementation=...)`, or with
+`distributed_config(model_config, ep_size=R, mode=...)` here, which checks the
+model first and names the setting to change when it does not fit:
+
+    "ubep"              normal mode: each token sent once per rank, the rank's experts
+                        run on its rows with their local weights, combine sums them home.
+    "ubep_low_latency"  low-latency mode for batches of up to
+                        `config.ubep_low_latency_tokens_per_rank` tokens (decode): one row per
+                        (token, expert), expert-major, fixed shapes, weighted combine; larger
+                        batches (prefill) take normal mode, as DeepEP's users do.
+    "ubep_fp8"          normal mode with the tokens sent as FP8 (per-128-channel scales),
+                        dequantized before the experts: half the bytes, FP8's error.
+    "ubep_bsp"          normal mode with the barrier-phased baseline protocol on the same
+                        shared heap (for comparison: `ubep decode`).
+
+Every rank of the EP group holds its own batch (`fsdp_size == ep_size`, `tp_size == 1`).
+Each MoE layer gets its own ubep.Buffer, built on its first forward with room for
+`config.ubep_max_tokens_per_rank` tokens per rank (DEFAULT_MAX_TOKENS if unset).
+Normal mode ("ubep", "ubep_bsp") also trains: the dispatch's backward is the
+combine of the gradients (of the rows and of the routing weights), the combine's
+backward a cached dispatch, as Megatron wraps DeepEP. The FP8 and low-latency
+variants run inference only.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.distributed import DistributedConfig
+from transformers.distributed.expert_parallel import EPImplementation, EPImplementationInterface
+
+from ubep import fp8
+from ubep.buffer import Buffer
+
+DEFAULT_MAX_TOKENS = 256  # tokens per rank and forward: a decode batch, or a short prefill
+MAX_TOKENS_SETTING = "ubep_max_tokens_per_rank"
+LOW_LATENCY_TOKENS_SETTING = "ubep_low_latency_tokens_per_rank"
+IMPLEMENTATIONS = ("ubep", "ubep_low_latency", "ubep_fp8", "ubep_bsp")
+
+__all__ = [
+    "IMPLEMENTATIONS",
+    "UbepBspEP",
+    "UbepEP",
+    "UbepFp8EP",
+    "UbepLowLatencyEP",
+    "distributed_config",
+    "expert_parallel_plan",
+]
+
+
+def distributed_config(model_config, ep_size: int, mode: str = "ubep") -> DistributedConfig:
+    """A DistributedConfig running `model_config`'s experts over `ep_size` ranks with ubep (`mode`)."""
+    if mode not in IMPLEMENTATIONS:
+        raise ValueError(f"mode must be one of {IMPLEMENTATIONS}, got {mode!r}")
+    if isinstance(ep_size, bool) or not isinstance(ep_size, int) or ep_size < 1:
+        raise ValueError(f"ep_size must be an int >= 1, got {ep_size!r}")
+    experts = _num_experts(model_config)
+    if experts % ep_size:
+        raise ValueError(
+            f"the model has {experts} routed experts, which do not divide among ep_size={ep_size} ranks: "
+            f"choose an ep_size that divides {experts}"
+        )
+    return DistributedConfig(ep_size=ep_size, fsdp_size=ep_size, ep_implementation=mode)
+
+
+def _num_experts(model_config) -> int:
+    for name in ("num_experts", "num_local_experts", "n_routed_experts"):
+        value = getattr(model_config, name, None)
+        if isinstance(value, int):
+            return value
+    raise ValueError(f"{type(model_config).__name__} names no routed-expert count; is it a MoE model?")
+
+
+class UbepEP(EPImplementation):
+    """Normal mode: dispatch, this rank's experts on the rows it got, combine (plain sums)."""
+
+    use_fp8 = False
+    protocol = "ubep"
+
+    def __init__(self, experts, ep_mesh, tp_mesh):
+        super().__init__(experts, ep_mesh, tp_mesh)
+        if tp_mesh.size() > 1:
+            raise ValueError(
+                f"ep_implementation={type(self).__name__} needs tp_size=1 (each rank its own batch), "
+                f"got tp_size={tp_mesh.size()}"
+            )
+        self.group, self.ep_size = ep_mesh.get_group(), ep_mesh.size()
+        self.num_experts = self.num_local_experts * self.ep_size
+        config = getattr(experts, "config", None)
+        configured = getattr(config, MAX_TOKENS_SETTING, None)
+        self.max_tokens = int(configured) if configured is not None else DEFAULT_MAX_TOKENS
+        low_latency = getattr(config, LOW_LATENCY_TOKENS_SETTING, None)
+        self.low_latency_tokens = min(self.max_tokens, int(low_latency)) if low_latency else self.max_tokens
+        self._buffer: Buffer | None = None  # built collectively on the first forward
+
+    def _buffer_for(self, hidden: int) -> Buffer:
+        if self._buffer is None:
+            self._buffer = Buffer(
+                self.group,
+                hidden=hidden,
+                num_experts=self.num_experts,
+                max_tokens_per_rank=self.max_tokens,
+                protocol=self.protocol,
+            )
+        return self._buffer
+
+    def close(self) -> None:
+        """Release this layer's ubep Buffer (it is rebuilt on the next forward)."""
+        buffer, self._buffer = self._buffer, None
+        if buffer is not None:
+            buffer.close()
+
+    def _check_batch(self, num_tokens: int, error: ValueError) -> None:
+        if num_tokens > self.max_tokens:
+            raise ValueError(
+                f"this rank's batch has {num_tokens} tokens, more than the {self.max_tokens} its ubep buffer "
+                f"holds: set `config.{MAX_TOKENS_SETTING}` to at least {num_tokens}"
+            ) from error
+
+    def __call__(self, hidden_states, top_k_index, top_k_weights):
+        if self.use_fp8 and torch.is_grad_enabled() and hidden_states.requires_grad:
+            _inference_only(self)
+        buffer = self._buffer_for(hidden_states.shape[-1])
+        x = fp8.quantize(hidden_states) if self.use_fp8 else hidden_states
+        try:
+            recv_x, recv_w, recv_idx, handle = _Dispatch.apply(x, top_k_weights.float(), top_k_index, buffer)
+        except ValueError as error:
+            self._check_batch(hidden_states.shape[0], error)
+            raise
+        rows = fp8.dequantize(*recv_x, hidden_states.dtype) if self.use_fp8 else recv_x
+        local = torch.where(recv_idx >= 0, recv_idx, self.num_local_experts)
+        y = self._run_experts(rows, local, recv_w.to(hidden_states.dtype))
+        return _Combine.apply(y, buffer, handle)
+
+    def _run_experts(self, rows_MH, local_MK, weights_MK) -> torch.Tensor:
+        """The local experts' weighted sum per row; local id num_local_experts marks a skipped slot."""
+        if rows_MH.shape[0] == 0:
+            return rows_MH.new_zeros(rows_MH.shape)
+        return self.experts_forward(rows_MH, local_MK, weights_MK)
+
+
+class UbepFp8EP(UbepEP):
+    """Normal mode with FP8 tokens on the wire (dequantized before the experts)."""
+
+    use_fp8 = True
+
+
+class UbepBspEP(UbepEP):
+    """Normal mode with the barrier-phased baseline protocol (the comparison ubep is built to beat)."""
+
+    protocol = "bsp"
+
+
+class UbepLowLatencyEP(UbepEP):
+    """Low-latency mode: expert-major rows, the experts run on the valid ones, weighted combine."""
+
+    def __call__(self, hidden_states, top_k_index, top_k_weights):
+        if torch.is_grad_enabled() and hidden_states.requires_grad:
+            _inference_only(self)
+        if hidden_states.shape[0] > self.low_latency_tokens:  # a prefill: normal mode
+            return super().__call__(hidden_states, top_k_index, top_k_weights)
+        buffer = self._buffer_for(hidden_states.shape[-1])
+        got = buffer.low_latency_dispatch(
+            hidden_states, top_k_index, self.low_latency_tokens, self.num_experts
+        )
+        recv_LMH = got.recv_x
+        L, M, H = recv_LMH.shape
+        valid_LM = torch.arange(M) < got.recv_count.unsqueeze(1)
+        expert_LM = torch.arange(L).unsqueeze(1).expand(L, M)
+        rows = recv_LMH[valid_LM]
+        y_LMH = torch.zeros_like(recv_LMH)
+        ones = torch.ones(rows.shape[0], 1, dtype=hidden_states.dtype)
+        y_LMH[valid_LM] = self._run_experts(rows, expert_LM[valid_LM].unsqueeze(1), ones)
+        return buffer.low_latency_combine(y_LMH, top_k_index, top_k_weights.float(), got.handle).combined_x
+
+
+def _inference_only(implementation: EPImplementation) -> None:
+    raise NotImplementedError(
+        f"{type(implementation).__name__} runs inference only: call the model under torch.no_grad(), "
+        "or train with ep_implementation='ubep'"
+    )
+
+
+class _Dispatch(torch.autograd.Function):
+    """Normal-mode dispatch; backward: the combine of the row and routing-weight gradients."""
+
+    @staticmethod
+    def forward(ctx, x, weights_NK, topk_idx_NK, buffer):
+        got = buffer.dispatch(x, topk_idx=topk_idx_NK, topk_weights=weights_NK)
+        ctx.buffer, ctx.handle, ctx.local_MK = buffer, got.handle, got.recv_topk_idx >= 0
+        ctx.mark_non_differentiable(got.recv_topk_idx)
+        return got.recv_x, got.recv_topk_weights, got.recv_topk_idx, got.handle
+
+    @staticmethod
+    def backward(ctx, grad_recv_x, grad_recv_w, _grad_idx, _grad_handle):
+        grad_w = None if grad_recv_w is None else torch.where(ctx.local_MK, grad_recv_w, 0.0)
+        grad_x, grad_weights, _ = ctx.buffer.combine(grad_recv_x.contiguous(), ctx.handle, grad_w)
+        return grad_x, grad_weights, None, None
+
+
+class _Combine(torch.autograd.Function):
+    """Normal-mode combine; backward: a cached dispatch of the gradient."""
+
+    @staticmethod
+    def forward(ctx, y_MH, buffer, handle):
+        ctx.buffer, ctx.handle = buffer, handle
+        return buffer.combine(y_MH, handle).combined_x
+
+    @staticmethod
+    def backward(ctx, grad_NH):
+        return ctx.buffer.dispatch(grad_NH.contiguous(), handle=ctx.handle).recv_x, None, None
+
+
+def expert_parallel_plan(model) -> dict[str, str]:
+    """transformers' expert-parallel plan spelled out for `model`'s MoE layers, for
+    `apply_expert_parallelism` on a model loaded whole (attention stays replicated, no FSDP)."""
+    plan = {}
+    for i, layer in enumerate(model.model.layers):
+        if hasattr(layer.mlp, "experts"):
+            prefix = f"model.layers.{i}.mlp.experts"
+            plan |= {f"{prefix}.gate_up_proj": "grouped_gemm", f"{prefix}.down_proj": "grouped_gemm"}
+            plan[prefix] = "ep_dispatch_experts"
+    return plan
+
+
+EPImplementationInterface.register("ubep", UbepEP)
+EPImplementationInterface.register("ubep_low_latency", UbepLowLatencyEP)
+EPImplementationInterface.register("ubep_fp8", UbepFp8EP)
+EPImplementationInterface.register("ubep_bsp", UbepBspEP)
