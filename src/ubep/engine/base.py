@@ -44,6 +44,36 @@ class Engine(Protocol):
         -> dst [c, a] (a gather); src_index None, dst_index [1, 0] -> dst [b, a].
         """
 
+    def gather_blocks(
+        self,
+        sources: Sequence[torch.Tensor],
+        indices: Sequence[torch.Tensor],
+        out_MB: torch.Tensor,
+        starts: Sequence[int],
+    ) -> None:
+        """For every source s: out[starts[s] + i] = sources[s][indices[s][i]], bitwise.
+
+        One call moves rows from several sources (several ranks' memory), e.g.
+        every source whose payload has landed. Example: sources [[a, b], [c, d]],
+        indices [[1], [0, 1]], starts [0, 1] -> out [b, c, d].
+        """
+
+    def localize_blocks(
+        self,
+        topks: Sequence[torch.Tensor],
+        weights: Sequence[torch.Tensor],
+        indices: Sequence[torch.Tensor],
+        local_of_expert_E: torch.Tensor,
+        out_idx_MK: torch.Tensor,
+        out_weights_MK: torch.Tensor,
+    ) -> None:
+        """`localize_rows` for several sources at once, their rows one after another in the outputs.
+
+        Source s's rows `indices[s]` of `topks[s]` and `weights[s]` fill the next
+        len(indices[s]) rows of out_idx and out_weights. IndexError where an index
+        is not a row of its source.
+        """
+
     def localize_rows(
         self,
         topk_XK: torch.Tensor,

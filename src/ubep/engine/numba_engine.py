@@ -69,6 +69,16 @@ class NoFallback:
         raise RuntimeError(f"numba kernels: {kernel} did not take its warm-up example")
 
 
+TOPK_LIKE = np.empty(0, dtype=np.int64)  # the element type of top-k rows, for kernels that read by address
+
+
+def _concatenated(indices: Sequence[torch.Tensor]) -> tuple[np.ndarray, np.ndarray]:
+    """(prefix [S + 1], all indices one after another as int64 numpy)."""
+    prefix_S1 = np.zeros(len(indices) + 1, dtype=np.int64)
+    np.cumsum([i.numel() for i in indices], out=prefix_S1[1:])
+    return prefix_S1, torch.cat([i.to(torch.int64) for i in indices]).numpy()
+
+
 class NumbaEngine:
     """Kernels compiled by numba; see `ubep.engine.base.Engine` for the contract of each."""
 
@@ -185,6 +195,77 @@ class NumbaEngine:
             return self.fallback.accumulate_rows(acc_NH, rows_nH, token_n, weight_n)
         check(bad, n, "accumulate_rows: token_n")
 
+    def gather_blocks(
+        self,
+        sources: Sequence[torch.Tensor],
+        indices: Sequence[torch.Tensor],
+        out_MB: torch.Tensor,
+        starts: Sequence[int],
+    ) -> None:
+        try:
+            out_bytes = out_MB.view(torch.uint8)
+        except RuntimeError:
+            return self.fallback.gather_blocks(sources, indices, out_MB, starts)
+        width = out_bytes.shape[1] if out_bytes.dim() == 2 else -1
+        supported = len(sources) == len(indices) == len(starts) and all(
+            src.dtype == out_MB.dtype and src.dim() == 2 and src.shape[1] == out_MB.shape[1]
+            and (src.shape[1] <= 1 or src.stride(1) == 1) and is_index(index)
+            for src, index in zip(sources, indices, strict=False)
+        )  # fmt: skip
+        if not supported or not sources or width < 0 or (out_bytes.shape[0] > 1 and out_bytes.stride(1) != 1):
+            return self.fallback.gather_blocks(sources, indices, out_MB, starts)
+        address_S = np.array([src.data_ptr() for src in sources], dtype=np.int64)
+        stride_S = np.array([src.stride(0) * src.element_size() for src in sources], dtype=np.int64)
+        rows_S = np.array([src.shape[0] for src in sources], dtype=np.int64)
+        prefix_S1, index_M = _concatenated(indices)
+        start_S = np.asarray(starts, dtype=np.int64)
+        bad = launch(
+            kernels.gather_blocks, address_S, stride_S, rows_S, index_M, prefix_S1, start_S, out_bytes
+        )
+        if bad >= 0:
+            raise IndexError(f"gather_blocks: row index at position {bad} is out of range")
+
+    def localize_blocks(
+        self,
+        topks: Sequence[torch.Tensor],
+        weights: Sequence[torch.Tensor],
+        indices: Sequence[torch.Tensor],
+        local_of_expert_E: torch.Tensor,
+        out_idx_MK: torch.Tensor,
+        out_weights_MK: torch.Tensor,
+    ) -> None:
+        K = out_idx_MK.shape[1] if out_idx_MK.dim() == 2 else -1
+        supported = (
+            out_idx_MK.dtype == torch.int64 and out_weights_MK.dtype == torch.float32
+            and out_idx_MK.is_contiguous() and out_weights_MK.is_contiguous()
+            and out_weights_MK.shape == out_idx_MK.shape and local_of_expert_E.dtype == torch.int64
+            and len(topks) == len(weights) == len(indices) and len(topks) > 0 and K > 0
+            and all(
+                t.dtype == torch.int64 and w.dtype == torch.float32 and t.dim() == w.dim() == 2
+                and t.shape == w.shape and t.shape[1] == K and t.stride() == w.stride()
+                and (K == 1 or t.stride(1) == 1) and is_index(i)
+                for t, w, i in zip(topks, weights, indices, strict=False)
+            )
+        )  # fmt: skip
+        if not supported:
+            return self.fallback.localize_blocks(
+                topks, weights, indices, local_of_expert_E, out_idx_MK, out_weights_MK
+            )
+        address_S = np.array([t.data_ptr() for t in topks], dtype=np.int64)
+        weights_S = np.array([w.data_ptr() for w in weights], dtype=np.int64)
+        stride_S = np.array([t.stride(0) for t in topks], dtype=np.int64)
+        rows_S = np.array([t.shape[0] for t in topks], dtype=np.int64)
+        prefix_S1, index_M = _concatenated(indices)
+        bad = launch(
+            kernels.localize_blocks, TOPK_LIKE, address_S, weights_S, stride_S, rows_S, index_M, prefix_S1,
+            local_of_expert_E, out_idx_MK, out_weights_MK,
+        )  # fmt: skip
+        M = index_M.size
+        if bad >= M:
+            raise IndexError(f"localize_blocks: an expert id in output row {bad - M} is out of range")
+        if bad >= 0:
+            raise IndexError(f"localize_blocks: row index at position {bad} is not a row of its source")
+
     def reduce_blocks(
         self, blocks: Sequence[torch.Tensor], tokens: Sequence[torch.Tensor], out_NH: torch.Tensor
     ) -> None:
@@ -204,9 +285,7 @@ class NumbaEngine:
             return self.fallback.reduce_blocks(blocks, tokens, out_NH)
         address_S = np.array([b.data_ptr() for b in blocks], dtype=np.int64)
         stride_S = np.array([b.stride(0) * b.element_size() for b in blocks], dtype=np.int64)
-        prefix_S1 = np.zeros(len(blocks) + 1, dtype=np.int64)
-        np.cumsum([t.numel() for t in tokens], out=prefix_S1[1:])
-        token_M = torch.cat([t.to(torch.int64) for t in tokens]).numpy()
+        prefix_S1, token_M = _concatenated(tokens)
         like = np.empty(0, dtype=array(blocks[0][:0]).dtype)
         bad = launch(kernels.reduce_blocks, like, address_S, stride_S, token_M, prefix_S1, out_NH)
         if bad == kernels.UNSUPPORTED:

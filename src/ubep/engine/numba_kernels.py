@@ -300,6 +300,71 @@ def _f32_bits(typingctx, v):
 
 
 @_jit
+def gather_blocks(address_S, stride_S, rows_S, index_M, prefix_S1, start_S, out):
+    """out[start[s] + i] = row index[prefix[s] + i] of block s, for every s (rows of bytes).
+
+    Block s holds rows_S[s] rows at address_S[s], stride_S[s] bytes apart; out is
+    uint8 [M, B] with unit-stride rows, B bytes moved per row. Returns OK or the
+    position in index_M of the first row out of its block's range, or of a
+    destination row outside out.
+    Example: blocks [[a, b], [c, d]], index [1 | 0, 1], start [0, 1] -> out [b, c, d].
+    """
+    S, width = address_S.size, out.shape[1]
+    for s in range(S):
+        first, last = prefix_S1[s], prefix_S1[s + 1]
+        if start_S[s] < 0 or start_S[s] + last - first > out.shape[0]:
+            return first
+        for i in range(first, last):
+            if index_M[i] < 0 or index_M[i] >= rows_S[s]:
+                return i
+    out_at = out.ctypes.data
+    for s in range(S):
+        first = prefix_S1[s]
+        for i in range(first, prefix_S1[s + 1]):
+            dst = out_at + (start_S[s] + i - first) * out.strides[0]
+            _move(dst, address_S[s] + index_M[i] * stride_S[s], width)
+    return OK
+
+
+@_jit
+def localize_blocks(
+    topk_like,
+    address_S,
+    weights_S,
+    stride_S,
+    rows_S,
+    index_M,
+    prefix_S1,
+    local_of_expert,
+    out_idx,
+    out_weights,
+):
+    """`localize_rows` over several blocks: block s's top-k rows at address_S[s] (weights at
+    weights_S[s]), both stride_S[s] elements apart, rows_S[s] of them; rows index[prefix[s]:prefix[s+1]]
+    fill out_idx / out_weights in order. Returns OK, the position of the first bad row
+    index, or M + i for an expert id >= E in output row i.
+    """
+    M, K = out_idx.shape
+    num_experts = local_of_expert.size
+    w_like = out_weights[0, :0]
+    for s in range(address_S.size):
+        for i in range(prefix_S1[s], prefix_S1[s + 1]):
+            row = index_M[i]
+            if row < 0 or row >= rows_S[s]:
+                return i
+            topk = _elements_at(topk_like, address_S[s] + row * stride_S[s] * 8, K)
+            w = _elements_at(w_like, weights_S[s] + row * stride_S[s] * 4, K)
+            for k in range(K):
+                e = topk[k]
+                if e >= num_experts:
+                    return M + i
+                local = local_of_expert[e] if e >= 0 else -1
+                out_idx[i, k] = local
+                out_weights[i, k] = w[k] if local >= 0 else np.float32(0.0)
+    return OK
+
+
+@_jit
 def reduce_blocks(like, address_S, stride_S, token_M, prefix_S1, out):
     """out[t] = float32 sum over s ascending of block s's row for token t, rounded once into out.
 

@@ -53,6 +53,40 @@ class TorchEngine:
         elif dst_index_n.numel():
             dst_w[dst_index_n] = src_w if src_index_n is None else src_w[src_index_n]
 
+    def gather_blocks(
+        self,
+        sources: Sequence[torch.Tensor],
+        indices: Sequence[torch.Tensor],
+        out_MB: torch.Tensor,
+        starts: Sequence[int],
+    ) -> None:
+        for src_XB, index_n, start in zip(sources, indices, starts, strict=True):
+            self.copy_rows(src_XB, index_n, out_MB[start : start + index_n.numel()], None)
+
+    def localize_blocks(
+        self,
+        topks: Sequence[torch.Tensor],
+        weights: Sequence[torch.Tensor],
+        indices: Sequence[torch.Tensor],
+        local_of_expert_E: torch.Tensor,
+        out_idx_MK: torch.Tensor,
+        out_weights_MK: torch.Tensor,
+    ) -> None:
+        at = 0
+        for topk_XK, weights_XK, index_n in zip(topks, weights, indices, strict=True):
+            if index_n.numel() and (index_n.min() < 0 or index_n.max() >= topk_XK.shape[0]):
+                raise IndexError("localize_blocks: an index is not a row of its source")
+            n = index_n.numel()
+            self.localize_rows(
+                topk_XK,
+                weights_XK,
+                index_n,
+                local_of_expert_E,
+                out_idx_MK[at : at + n],
+                out_weights_MK[at : at + n],
+            )
+            at += n
+
     def localize_rows(
         self,
         topk_XK: torch.Tensor,

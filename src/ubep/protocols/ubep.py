@@ -174,84 +174,102 @@ class UbepExchange:
         return got
 
     def _routing(self, call: CallId, plan: SendPlan, sources: dict[int, dict]):
-        """Every source's rows for this rank, their top-k as seen here, in source-rank order."""
+        """Every source's rows for this rank, their top-k as seen here, in source-rank order.
+
+        One kernel derives the local top-k of every source's listed rows, once all
+        routing has landed (it is published first, so it normally has).
+        """
         b, t, K = self.blocks, self.t, plan.topk_idx_NK.shape[1]
         for src in t.landed(b.route, call, range(self.R), "dispatch (routing)"):
-            sources[src] = self._source(call, src, plan.x_NH.dtype)
-        counts = [sources[s]["counts"][self.me] for s in range(self.R)]
-        M = sum(counts)
-        recv_idx_MK = torch.empty(M, K, dtype=torch.int64)
-        recv_w_MK = torch.empty(M, K, dtype=torch.float32)
-        src_token_M = torch.empty(M, dtype=torch.int64)
-        at = 0
-        for src in range(self.R):
-            got, n = sources[src], counts[src]
+            sources[src] = got = self._source(call, src, plan.x_NH.dtype)
             if got["topk"] != K:
                 raise PeerDataError(
                     f"dispatch: rank {src} routed with top-k {got['topk']}, this rank with {K}"
                 )
-            tokens_n = src_token_M[at : at + n]
-            tokens_n.copy_(t.view(b.lists, src, call)[self.me, :n])
-            if n and (tokens_n.min() < 0 or tokens_n.max() >= got["num_tokens"]):
-                raise t.bad_data(
-                    call, src, f"dispatch: rank {src} listed tokens outside [0, {got['num_tokens']})"
-                )
-            self.engine.localize_rows(
-                t.view(b.topk, src, call)[:, :K],
-                t.view(b.weights, src, call)[:, :K],
-                tokens_n,
-                self._local_of_E,
-                recv_idx_MK[at : at + n],
-                recv_w_MK[at : at + n],
-            )
-            at += n
+        counts = [int(sources[s]["counts"][self.me]) for s in range(self.R)]
+        lists = [t.view(b.lists, s, call)[self.me, : counts[s]] for s in range(self.R)]
+        M = sum(counts)
+        recv_idx_MK = torch.empty(M, K, dtype=torch.int64)
+        recv_w_MK = torch.empty(M, K, dtype=torch.float32)
+        tokens = [sources[s]["num_tokens"] for s in range(self.R)]
+        topks = [t.view(b.topk, s, call)[: tokens[s], :K] for s in range(self.R)]
+        weights = [t.view(b.weights, s, call)[: tokens[s], :K] for s in range(self.R)]
+        try:
+            self.engine.localize_blocks(topks, weights, lists, self._local_of_E, recv_idx_MK, recv_w_MK)
+        except IndexError:  # a listed token or an expert id out of range: find whose
+            raise self._culprit(call, lists, topks) from None
         if M and ((recv_idx_MK >= 0).sum(dim=1) == 0).any():
             raise PeerDataError(
                 "dispatch: a peer listed a token for this rank that selects none of its experts"
             )
-        return torch.tensor(counts, dtype=torch.int64), recv_idx_MK, recv_w_MK, src_token_M
+        return torch.tensor(counts, dtype=torch.int64), recv_idx_MK, recv_w_MK, torch.cat(lists)
+
+    def _culprit(self, call: CallId, lists, topks) -> PeerDataError:
+        """The error naming the first source whose list or routing is out of range (slow path)."""
+        E = self.sizing.placement.num_experts
+        for src, (tokens_n, topk_XK) in enumerate(zip(lists, topks, strict=True)):
+            n = topk_XK.shape[0]
+            if tokens_n.numel() and (tokens_n.min() < 0 or tokens_n.max() >= n):
+                return self.t.bad_data(call, src, f"dispatch: rank {src} listed tokens outside [0, {n})")
+            if topk_XK.numel() and (topk_XK.min() < -1 or topk_XK.max() >= E):
+                return self.t.bad_data(
+                    call, src, f"dispatch: rank {src} routed to expert ids outside [-1, {E})"
+                )
+        return PeerDataError("dispatch: a peer's routing is out of range")
 
     def _gather_tokens(self, call, x_NH, recv_x_MH, recv_scales_MS, src_token_M, prefix, sources) -> None:
-        """Copy each source's rows from its memory as soon as its payload lands.
+        """Copy every source's rows from its memory into their final place, as their payloads land:
+        one kernel for all the sources found landed at one look.
 
         With several workers this thread keeps the waiting role and hands each
         landed source's slices to the movers, which copy (GIL released) while it
         waits for the next source.
         """
         b, t, H = self.blocks, self.t, x_NH.shape[1]
-        own_first = [(self.me + i) % self.R for i in range(self.R)]
         pieces, moving = self._pieces(prefix), []
         try:
-            for src in t.landed(b.data, call, own_first, "dispatch (tokens)"):
-                got = sources.get(src) or self._source(call, src, x_NH.dtype)
-                a, z = prefix[src], prefix[src + 1]
-                if got["counts"][self.me] != z - a:  # a cached dispatch whose handles differ
-                    message = (
-                        f"dispatch: rank {src} sends {got['counts'][self.me]} rows here, this rank's "
-                        f"handle expects {z - a} (all ranks must pass handles of the same dispatch)"
-                    )
-                    raise t.bad_data(call, src, message)
-                if a == z:
-                    continue
-                n = got["num_tokens"]
-                if src_token_M[z - 1] >= n:  # rows ascend: the last is the largest
-                    raise t.bad_data(
-                        call, src, f"dispatch: rank {src} sent {n} tokens, fewer than routed here"
-                    )
-                source_XH = rows(t.view(b.x, src, call), n, x_NH.dtype, H)
+            for batch in t.arrivals(b.data, call, range(self.R), "dispatch (tokens)"):
+                batch = [
+                    src
+                    for src in batch
+                    if self._check_payload(call, src, x_NH.dtype, prefix, src_token_M, sources)
+                ]
+                sources_XH = [
+                    rows(t.view(b.x, s, call), sources[s]["num_tokens"], x_NH.dtype, H) for s in batch
+                ]
+                indices = [src_token_M[prefix[s] : prefix[s + 1]] for s in batch]
+                starts = [prefix[s] for s in batch]
                 if recv_scales_MS is not None:  # FP8: the scales into their own output
-                    self.engine.copy_rows(
-                        t.view(b.scales, src, call), src_token_M[a:z], recv_scales_MS[a:z], None
-                    )
+                    scales = [t.view(b.scales, s, call) for s in batch]
+                    self.engine.gather_blocks(scales, indices, recv_scales_MS, starts)
                 if self._pool is None:
-                    self.engine.copy_rows(source_XH, src_token_M[a:z], recv_x_MH[a:z], None)
+                    self.engine.gather_blocks(sources_XH, indices, recv_x_MH, starts)
                     continue
-                for lo, hi in pieces[src]:
-                    rows_n, out = src_token_M[a + lo : a + hi], recv_x_MH[a + lo : a + hi]
-                    moving.append(self._pool.submit(self.engine.copy_rows, source_XH, rows_n, out, None))
+                for src, source_XH, a in zip(batch, sources_XH, starts, strict=True):
+                    for lo, hi in pieces[src]:
+                        rows_n, out = src_token_M[a + lo : a + hi], recv_x_MH[a + lo : a + hi]
+                        moving.append(self._pool.submit(self.engine.copy_rows, source_XH, rows_n, out, None))
         finally:
             for move in moving:
                 move.result()
+
+    def _check_payload(self, call: CallId, src: int, dtype, prefix, src_token_M, sources) -> bool:
+        """Whether a landed source has rows for this rank, after checking it sends what this rank expects."""
+        got = sources.get(src)
+        if got is None:
+            got = sources[src] = self._source(call, src, dtype)
+        a, z = prefix[src], prefix[src + 1]
+        if got["counts"][self.me] != z - a:  # a cached dispatch whose handles differ
+            message = (
+                f"dispatch: rank {src} sends {got['counts'][self.me]} rows here, this rank's "
+                f"handle expects {z - a} (all ranks must pass handles of the same dispatch)"
+            )
+            raise self.t.bad_data(call, src, message)
+        if a < z and src_token_M[z - 1] >= got["num_tokens"]:  # rows ascend: the last is the largest
+            raise self.t.bad_data(
+                call, src, f"dispatch: rank {src} sent {got['num_tokens']} tokens, fewer than routed here"
+            )
+        return a < z
 
     def _pieces(self, prefix: list[int]) -> list[list[tuple[int, int]]]:
         """Per source, its row slices (within the source's block), one per worker's share.

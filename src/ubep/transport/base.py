@@ -108,6 +108,10 @@ class Transport(Protocol):
         Everything written before this call (payload) is visible to a reader that sees the stamp.
         """
 
+    def arrivals(self, header: Header, call: CallId, peers: Iterable[int], phase: str) -> Iterator[list[int]]:
+        """Like `landed`, but yields every peer found landed at one look together (ascending), so
+        one kernel can take all of them."""
+
     def landed(self, header: Header, call: CallId, peers: Iterable[int], phase: str) -> Iterator[int]:
         """Yield each of `peers` once, as its header for `call` lands, in arrival order.
 

@@ -77,6 +77,9 @@ class CudaHeap:
         torch.cuda.current_stream(self._arenas[0].device).synchronize()  # the payload kernels are done
         self._host.publish(header, call, values, to)
 
+    def arrivals(self, header: Header, call: CallId, peers: Iterable[int], phase: str) -> Iterator[list[int]]:
+        return self._host.arrivals(header, call, peers, phase)
+
     def landed(self, header: Header, call: CallId, peers: Iterable[int], phase: str) -> Iterator[int]:
         return self._host.landed(header, call, peers, phase)
 

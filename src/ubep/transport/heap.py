@@ -189,17 +189,22 @@ class Heap:
             lambda error: self._gave_up(call, error),
         )
 
-    def landed(self, header: Header, call: CallId, peers: Iterable[int], phase: str) -> Iterator[int]:
+    def arrivals(self, header: Header, call: CallId, peers: Iterable[int], phase: str) -> Iterator[list[int]]:
         records = {p: self._record(header, call, p) for p in peers}
         waiter: Waiter | None = None
         while records:
-            ready = [p for p, rec in records.items() if rec[0] == call.epoch]
-            for p in ready:
-                del records[p]
-                yield p
-            if records and not ready:
+            ready = sorted(p for p, rec in records.items() if rec[0] == call.epoch)
+            if ready:
+                for p in ready:
+                    del records[p]
+                yield ready
+            elif records:
                 waiter = waiter or self._waiter(phase, call)
                 waiter.pause(list(records))
+
+    def landed(self, header: Header, call: CallId, peers: Iterable[int], phase: str) -> Iterator[int]:
+        for batch in self.arrivals(header, call, peers, phase):
+            yield from batch
 
     def wait(self, phase: str, call: CallId, peers: Iterable[int], ready: Callable[[int], bool]) -> None:
         pending = [p for p in peers if not ready(p)]
