@@ -11,6 +11,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from ubep import fp8
@@ -174,9 +175,9 @@ def reduce_home(
     topk_weights_MK: torch.Tensor | None,
     landed: Iterable[int],
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The home's half of combine: check each expert rank's block as it lands, then pull every
-    block once and sum each token's rows in float32, in ascending rank order (the reference's),
-    rounding once into x's dtype.
+    """The home's half of combine: once every expert rank's block has landed, check them all,
+    then pull every block once and sum each token's rows in float32, in ascending rank order
+    (the reference's), rounding once into x's dtype.
 
     Returns (combined [N, H] in x's dtype, summed weights float32 [N, K] or None).
     """
@@ -184,17 +185,21 @@ def reduce_home(
     K = 0 if topk_weights_MK is None else topk_weights_MK.shape[1]
     N, me = handle.num_tokens, t.rank
     tokens = send_tokens(handle.is_token_in_rank_NR, handle.send_counts_R)
-    rows_at = [(0, 0)] * t.num_ranks
-    for r in landed:
-        got = t.read(blocks.back, call, r)
-        a, z = int(got["prefix"][me]), int(got["prefix"][me + 1])
-        if z - a != tokens[r].numel() or CODE_DTYPES.get(got["dtype"]) != dtype or got["topk"] != K:
-            message = (
-                f"combine: rank {r} returned {z - a} rows of {CODE_DTYPES.get(got['dtype'])} (top-k "
-                f"{got['topk']}), expected {tokens[r].numel()} of {dtype} (top-k {K})"
-            )
-            raise t.bad_data(call, r, message)
-        rows_at[r] = (a, z)
+    for _ in landed:
+        pass
+    got = t.read_all(blocks.back, call, range(t.num_ranks))
+    begin_R, end_R = got["prefix"][:, me], got["prefix"][:, me + 1]
+    expected_R = np.array([tok.numel() for tok in tokens])
+    wrong = (end_R - begin_R != expected_R) | (got["dtype"] != DTYPE_CODES[dtype]) | (got["topk"] != K)
+    if wrong.any():
+        r = int(np.flatnonzero(wrong)[0])
+        sent = CODE_DTYPES.get(int(got["dtype"][r]))
+        message = (
+            f"combine: rank {r} returned {end_R[r] - begin_R[r]} rows of {sent} "
+            f"(top-k {got['topk'][r]}), expected {expected_R[r]} of {dtype} (top-k {K})"
+        )
+        raise t.bad_data(call, r, message)
+    rows_at = list(zip(begin_R.tolist(), end_R.tolist(), strict=True))
     out_NH = torch.empty(N, H, dtype=dtype)
     x_blocks = [rows(t.view(blocks.y, r, call), z - a, dtype, H, first=a) for r, (a, z) in enumerate(rows_at)]
     engine.reduce_blocks(x_blocks, tokens, out_NH)

@@ -28,6 +28,7 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ubep import fp8, schedule, topology
@@ -124,10 +125,11 @@ class UbepExchange:
         self._publish(call, plan)
         self.faults.at("dispatch.sent", call)
         x_NH = plan.x_NH
-        sources: dict[int, dict] = {}  # each source's route record, read and checked once
         if handle is None:
-            counts_R, recv_idx, recv_w, src_token_M = self._routing(call, plan, sources)
+            routes = self._routes(call, range(self.R), x_NH.dtype)
+            counts_R, recv_idx, recv_w, src_token_M = self._routing(call, plan, routes)
         else:
+            routes = None  # read per batch as payloads land
             counts_R, recv_idx, recv_w, src_token_M = (
                 handle.recv_counts(),
                 None,
@@ -138,7 +140,7 @@ class UbepExchange:
         M = int(prefix_R1[-1])
         recv_x_MH = torch.empty(M, x_NH.shape[1], dtype=x_NH.dtype)
         recv_scales_MS = None if plan.scales_NS is None else torch.empty(M, plan.scales_NS.shape[1])
-        self._gather_tokens(call, x_NH, recv_x_MH, recv_scales_MS, src_token_M, prefix_R1.tolist(), sources)
+        self._gather_tokens(call, x_NH, recv_x_MH, recv_scales_MS, src_token_M, prefix_R1.tolist(), routes)
         route = RecvRoute.of(src_token_M, prefix_R1) if handle is None else handle.recv
         return Received(recv_x_MH, recv_idx, recv_w, route, recv_scales_MS)
 
@@ -165,33 +167,37 @@ class UbepExchange:
             t.view(b.scales, me, call)[:N].copy_(plan.scales_NS)
         t.publish(b.data, call, {})  # the payload is visible from here on
 
-    def _source(self, call: CallId, src: int, dtype: torch.dtype) -> dict:
-        """A landed source's ROUTE record, checked against this rank's call."""
-        got = self.t.read(self.blocks.route, call, src)
-        if CODE_DTYPES.get(got["dtype"]) != dtype:
-            message = f"dispatch: rank {src} sent {CODE_DTYPES.get(got['dtype'])}, this rank {dtype}"
-            raise self.t.bad_data(call, src, message)
-        return got
+    def _routes(self, call: CallId, sources, dtype: torch.dtype) -> dict:
+        """The route records of `sources` (all landed), one array row per source, checked against
+        this rank's call."""
+        sources = list(sources)
+        for _ in self.t.arrivals(self.blocks.route, call, sources, "dispatch (routing)"):
+            pass
+        routes = self.t.read_all(self.blocks.route, call, sources)
+        wrong = np.flatnonzero(routes["dtype"] != DTYPE_CODES[dtype])
+        if wrong.size:
+            src, sent = sources[wrong[0]], CODE_DTYPES.get(int(routes["dtype"][wrong[0]]))
+            raise self.t.bad_data(call, src, f"dispatch: rank {src} sent {sent}, this rank {dtype}")
+        return routes
 
-    def _routing(self, call: CallId, plan: SendPlan, sources: dict[int, dict]):
+    def _routing(self, call: CallId, plan: SendPlan, routes: dict):
         """Every source's rows for this rank, their top-k as seen here, in source-rank order.
 
         One kernel derives the local top-k of every source's listed rows, once all
         routing has landed (it is published first, so it normally has).
         """
         b, t, K = self.blocks, self.t, plan.topk_idx_NK.shape[1]
-        for src in t.landed(b.route, call, range(self.R), "dispatch (routing)"):
-            sources[src] = got = self._source(call, src, plan.x_NH.dtype)
-            if got["topk"] != K:
-                raise PeerDataError(
-                    f"dispatch: rank {src} routed with top-k {got['topk']}, this rank with {K}"
-                )
-        counts = [int(sources[s]["counts"][self.me]) for s in range(self.R)]
+        wrong = np.flatnonzero(routes["topk"] != K)
+        if wrong.size:
+            src = int(wrong[0])
+            raise PeerDataError(
+                f"dispatch: rank {src} routed with top-k {routes['topk'][src]}, this rank with {K}"
+            )
+        counts, tokens = routes["counts"][:, self.me].tolist(), routes["num_tokens"].tolist()
         lists = [t.view(b.lists, s, call)[self.me, : counts[s]] for s in range(self.R)]
         M = sum(counts)
         recv_idx_MK = torch.empty(M, K, dtype=torch.int64)
         recv_w_MK = torch.empty(M, K, dtype=torch.float32)
-        tokens = [sources[s]["num_tokens"] for s in range(self.R)]
         topks = [t.view(b.topk, s, call)[: tokens[s], :K] for s in range(self.R)]
         weights = [t.view(b.weights, s, call)[: tokens[s], :K] for s in range(self.R)]
         try:
@@ -217,7 +223,7 @@ class UbepExchange:
                 )
         return PeerDataError("dispatch: a peer's routing is out of range")
 
-    def _gather_tokens(self, call, x_NH, recv_x_MH, recv_scales_MS, src_token_M, prefix, sources) -> None:
+    def _gather_tokens(self, call, x_NH, recv_x_MH, recv_scales_MS, src_token_M, prefix, routes) -> None:
         """Copy every source's rows from its memory into their final place, as their payloads land:
         one kernel for all the sources found landed at one look.
 
@@ -228,24 +234,24 @@ class UbepExchange:
         b, t, H = self.blocks, self.t, x_NH.shape[1]
         pieces, moving = self._pieces(prefix), []
         try:
-            for batch in t.arrivals(b.data, call, range(self.R), "dispatch (tokens)"):
-                batch = [
-                    src
-                    for src in batch
-                    if self._check_payload(call, src, x_NH.dtype, prefix, src_token_M, sources)
-                ]
-                sources_XH = [
-                    rows(t.view(b.x, s, call), sources[s]["num_tokens"], x_NH.dtype, H) for s in batch
-                ]
-                indices = [src_token_M[prefix[s] : prefix[s + 1]] for s in batch]
-                starts = [prefix[s] for s in batch]
+            for landed in t.arrivals(b.data, call, range(self.R), "dispatch (tokens)"):
+                batch_routes = routes or self._routes(call, landed, x_NH.dtype)  # cached dispatch: read now
+                at = landed if routes else range(len(landed))  # where each landed source's row is
+                sent = batch_routes["num_tokens"][at].tolist()
+                self._check_payload(
+                    call, landed, batch_routes["counts"][at, self.me].tolist(), sent, prefix, src_token_M
+                )
+                batch = [(s, n) for s, n in zip(landed, sent, strict=True) if prefix[s + 1] > prefix[s]]
+                sources_XH = [rows(t.view(b.x, s, call), n, x_NH.dtype, H) for s, n in batch]
+                indices = [src_token_M[prefix[s] : prefix[s + 1]] for s, _ in batch]
+                starts = [prefix[s] for s, _ in batch]
                 if recv_scales_MS is not None:  # FP8: the scales into their own output
-                    scales = [t.view(b.scales, s, call) for s in batch]
+                    scales = [t.view(b.scales, s, call) for s, _ in batch]
                     self.engine.gather_blocks(scales, indices, recv_scales_MS, starts)
                 if self._pool is None:
                     self.engine.gather_blocks(sources_XH, indices, recv_x_MH, starts)
                     continue
-                for src, source_XH, a in zip(batch, sources_XH, starts, strict=True):
+                for (src, _), source_XH, a in zip(batch, sources_XH, starts, strict=True):
                     for lo, hi in pieces[src]:
                         rows_n, out = src_token_M[a + lo : a + hi], recv_x_MH[a + lo : a + hi]
                         moving.append(self._pool.submit(self.engine.copy_rows, source_XH, rows_n, out, None))
@@ -253,23 +259,20 @@ class UbepExchange:
             for move in moving:
                 move.result()
 
-    def _check_payload(self, call: CallId, src: int, dtype, prefix, src_token_M, sources) -> bool:
-        """Whether a landed source has rows for this rank, after checking it sends what this rank expects."""
-        got = sources.get(src)
-        if got is None:
-            got = sources[src] = self._source(call, src, dtype)
-        a, z = prefix[src], prefix[src + 1]
-        if got["counts"][self.me] != z - a:  # a cached dispatch whose handles differ
-            message = (
-                f"dispatch: rank {src} sends {got['counts'][self.me]} rows here, this rank's "
-                f"handle expects {z - a} (all ranks must pass handles of the same dispatch)"
-            )
-            raise self.t.bad_data(call, src, message)
-        if a < z and src_token_M[z - 1] >= got["num_tokens"]:  # rows ascend: the last is the largest
-            raise self.t.bad_data(
-                call, src, f"dispatch: rank {src} sent {got['num_tokens']} tokens, fewer than routed here"
-            )
-        return a < z
+    def _check_payload(self, call: CallId, landed, counts, sent, prefix, src_token_M) -> None:
+        """Landed sources must send this rank the rows it expects, from tokens they have."""
+        for src, count, n in zip(landed, counts, sent, strict=True):
+            a, z = prefix[src], prefix[src + 1]
+            if count != z - a:  # a cached dispatch whose handles differ
+                message = (
+                    f"dispatch: rank {src} sends {count} rows here, this rank's "
+                    f"handle expects {z - a} (all ranks must pass handles of the same dispatch)"
+                )
+                raise self.t.bad_data(call, src, message)
+            if a < z and src_token_M[z - 1] >= n:  # rows ascend: the last is the largest
+                raise self.t.bad_data(
+                    call, src, f"dispatch: rank {src} sent {n} tokens, fewer than routed here"
+                )
 
     def _pieces(self, prefix: list[int]) -> list[list[tuple[int, int]]]:
         """Per source, its row slices (within the source's block), one per worker's share.

@@ -25,7 +25,7 @@ Legend: see `ubep.layout`.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -125,6 +125,10 @@ class Transport(Protocol):
 
     def read(self, header: Header, call: CallId, peer: int) -> Record:
         """A landed header's fields, each bounds-checked (PeerDataError blames `peer`)."""
+
+    def read_all(self, header: Header, call: CallId, peers: Sequence[int]) -> Record:
+        """Several landed headers at once: each field as an int64 array with one row per peer
+        (in `peers`' order), bounds-checked in one pass (PeerDataError blames the first bad peer)."""
 
     def wait(self, phase: str, call: CallId, peers: Iterable[int], ready: Callable[[int], bool]) -> None:
         """Wait until ready(p) for every p in peers, under the same deadline and checks as `landed`."""

@@ -25,7 +25,7 @@ of torch imports this module cleanly. Not run here (no GPU); see docs/device.md.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -88,6 +88,9 @@ class CudaHeap:
 
     def read(self, header: Header, call: CallId, peer: int) -> Record:
         return self._host.read(header, call, peer)
+
+    def read_all(self, header: Header, call: CallId, peers: Sequence[int]) -> Record:
+        return self._host.read_all(header, call, peers)
 
     def wait(self, phase: str, call: CallId, peers: Iterable[int], ready: Callable[[int], bool]) -> None:
         self._host.wait(phase, call, peers, ready)

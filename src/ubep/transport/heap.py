@@ -19,7 +19,7 @@ Legend: see `ubep.layout`.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -173,6 +173,21 @@ class Heap:
         listed = words.tolist()
         return {
             f.name: listed[at] if f.length is None else words[at : at + f.length]
+            for f, at in zip(header.fields, bounds.starts, strict=True)
+        }
+
+    def read_all(self, header: Header, call: CallId, peers: Sequence[int]) -> Record:
+        bounds = self._bounds.get(header)
+        if bounds is None:
+            bounds = self._bounds[header] = _Bounds.of(header)
+        words_PW = np.stack([self._record(header, call, p)[1:] for p in peers])  # a snapshot
+        bad_PW = (words_PW < bounds.lo_W) | (words_PW > bounds.hi_W)
+        if bad_PW.any():
+            at = int(np.flatnonzero(bad_PW.any(axis=1))[0])
+            field, value = bounds.first_bad(words_PW[at])
+            raise self.bad_data(call, peers[at], _complaint(header, field, peers[at], value))
+        return {
+            f.name: words_PW[:, at] if f.length is None else words_PW[:, at : at + f.length]
             for f, at in zip(header.fields, bounds.starts, strict=True)
         }
 
