@@ -76,7 +76,7 @@ def _concatenated(indices: Sequence[torch.Tensor]) -> tuple[np.ndarray, np.ndarr
     """(prefix [S + 1], all indices one after another as int64 numpy)."""
     prefix_S1 = np.zeros(len(indices) + 1, dtype=np.int64)
     np.cumsum([i.numel() for i in indices], out=prefix_S1[1:])
-    return prefix_S1, torch.cat([i.to(torch.int64) for i in indices]).numpy()
+    return prefix_S1, torch.cat([i if i.dtype == torch.int64 else i.to(torch.int64) for i in indices]).numpy()
 
 
 class NumbaEngine:
