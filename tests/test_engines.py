@@ -392,3 +392,75 @@ def test_choose_engine_auto_takes_numba_where_it_compiles():
     pytest.importorskip("numba")
     engine, reason = choose_engine("auto")
     assert engine.name == "numba" and "compiled kernels" in reason
+
+
+def many_sources(dtype: torch.dtype, width: int, seed: int):
+    """Blocks of rows living in separate buffers (as several ranks' memories), with ascending
+    token lists per block (a token at most once per block), and the token count N."""
+    gen = torch.Generator().manual_seed(seed)
+    N, blocks, tokens = 37, [], []
+    for s in range(5):
+        n = int(torch.randint(0, N + 1, (1,), generator=gen)) if s != 2 else 0  # one empty block
+        token_n = torch.sort(torch.randperm(N, generator=gen)[:n]).values
+        buffer_XW = random_rows(n + 3, width, dtype, seed * 10 + s)  # rows inside a larger buffer
+        blocks.append(buffer_XW[1 : 1 + n])
+        tokens.append(token_n)
+    return N, blocks, tokens
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("width", [3, 7168])
+def test_reduce_blocks_sums_each_token_in_block_order(engine, dtype, width):
+    N, blocks, tokens = many_sources(dtype, width, seed=width)
+    blocks[1][0, 0], blocks[3][-1, 1] = float("inf"), float("nan")  # non-finite values stay in their token
+    want = torch.zeros(N, width, dtype=torch.float32)
+    for rows_nW, token_n in zip(blocks, tokens, strict=True):  # one row at a time, blocks in order
+        for row, t in zip(rows_nW, token_n.tolist(), strict=True):
+            want[t] += row.float()
+    got = torch.empty(N, width, dtype=dtype)
+    engine.reduce_blocks(blocks, tokens, got)
+    want = want.to(dtype)
+    nan = want.isnan()
+    assert torch.equal(got.isnan(), nan)
+    assert_same_bits(torch.where(nan, 0, got), torch.where(nan, 0, want))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn, torch.float32])
+def test_gather_blocks_places_every_source_at_its_start(engine, dtype):
+    _, blocks, _ = many_sources(torch.uint8 if dtype == torch.float8_e4m3fn else dtype, 33, seed=4)
+    blocks = [b.view(dtype) for b in blocks]
+    gen = torch.Generator().manual_seed(9)
+    indices = [torch.randint(0, max(b.shape[0], 1), (b.shape[0] // 2,), generator=gen) for b in blocks]
+    starts, at = [], 2
+    for index in indices:
+        starts.append(at)
+        at += index.numel() + 1  # gaps between blocks stay untouched
+    out = torch.zeros(at + 2, 33, dtype=dtype)
+    want = out.clone()
+    for rows_nW, index, start in zip(blocks, indices, starts, strict=True):
+        for i, row in enumerate(index.tolist()):
+            want[start + i] = rows_nW[row]
+    engine.gather_blocks(blocks, indices, out, starts)
+    assert_same_bits(out, want)
+
+
+def test_localize_blocks_matches_localize_rows_per_source(engine):
+    gen = torch.Generator().manual_seed(2)
+    local_of_expert_E = torch.tensor([-1, -1, 0, 1, -1, 2, -1, -1])
+    topks = [torch.randint(-1, 8, (n, 3), generator=gen) for n in (4, 0, 6)]
+    weights = [torch.rand(n, 3, generator=gen) for n in (4, 0, 6)]
+    indices = [torch.tensor([0, 2, 3]), torch.tensor([], dtype=torch.int64), torch.tensor([1, 5])]
+    got_idx, got_w = torch.empty(5, 3, dtype=torch.int64), torch.empty(5, 3)
+    engine.localize_blocks(topks, weights, indices, local_of_expert_E, got_idx, got_w)
+    want_idx, want_w, at = torch.empty(5, 3, dtype=torch.int64), torch.empty(5, 3), 0
+    for topk_XK, w_XK, index in zip(topks, weights, indices, strict=True):
+        for row in index.tolist():
+            for k in range(3):
+                e = int(topk_XK[row, k])
+                local = int(local_of_expert_E[e]) if e >= 0 else -1
+                want_idx[at, k], want_w[at, k] = local, float(w_XK[row, k]) if local >= 0 else 0.0
+            at += 1
+    assert torch.equal(got_idx, want_idx) and torch.equal(got_w, want_w)
+    with pytest.raises(IndexError):
+        engine.localize_blocks(topks, weights, [torch.tensor([4]), indices[1], indices[2]], local_of_expert_E,
+                               got_idx[:3], got_w[:3])  # fmt: skip
