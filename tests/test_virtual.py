@@ -1,5 +1,5 @@
 """Every heap protocol on the virtual-ranks transport (R ranks as threads of this process),
-against the same reference and with the same checks as on shared memory."""
+against the same reference and with the same checks as on shared memory, on each CPU engine."""
 
 from __future__ import annotations
 
@@ -11,8 +11,10 @@ from test_low_latency import CAPACITY, HIDDEN, cases, run_case
 import ubep
 from ubep.transport.virtual import VirtualRank, VirtualWorld
 
+ENGINES = ["torch", "numba"]
 
-def normal_mode(rank: VirtualRank, protocol: str) -> int:
+
+def normal_mode(rank: VirtualRank, protocol: str, engine: str) -> int:
     checked = 0
     for sc in scenarios_for(rank.world_size):
         with ubep.Buffer(
@@ -21,36 +23,41 @@ def normal_mode(rank: VirtualRank, protocol: str) -> int:
             num_experts=sc.num_experts,
             max_tokens_per_rank=sc.capacity,
             protocol=protocol,
+            engine=engine,
             timeout_s=20,
         ) as buf:
-            assert buf.transport == "virtual"
+            assert buf.transport == "virtual" and buf.engine.name == engine
             check_scenario(buf, sc, rank.rank)
             checked += 1
     return checked
 
 
 @pytest.mark.timeout(180)
+@pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("world_size", [2, 4])
 @pytest.mark.parametrize("protocol", ["ubep", "bsp"])
-def test_normal_mode_matches_reference(protocol, world_size):
+def test_normal_mode_matches_reference(protocol, world_size, engine):
     world = VirtualWorld(world_size, timeout_s=150)
-    counts = world.run(lambda rank: normal_mode(rank, protocol))
+    counts = world.run(lambda rank: normal_mode(rank, protocol, engine))
     assert counts == [len(scenarios_for(world_size))] * world_size
 
 
-def low_latency(rank: VirtualRank) -> int:
+def low_latency(rank: VirtualRank, engine: str) -> int:
     R, E = rank.world_size, 2 * rank.world_size
-    with ubep.Buffer(rank, hidden=HIDDEN, num_experts=E, max_tokens_per_rank=CAPACITY, timeout_s=20) as buf:
+    with ubep.Buffer(
+        rank, hidden=HIDDEN, num_experts=E, max_tokens_per_rank=CAPACITY, engine=engine, timeout_s=20
+    ) as buf:
         for case in cases(R):
             run_case(buf, case, rank.rank, R, E)
     return len(cases(R))
 
 
 @pytest.mark.timeout(180)
+@pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("world_size", [2, 4])
-def test_low_latency_matches_reference(world_size):
+def test_low_latency_matches_reference(world_size, engine):
     world = VirtualWorld(world_size, timeout_s=150)
-    assert world.run(low_latency) == [len(cases(world_size))] * world_size
+    assert world.run(lambda rank: low_latency(rank, engine)) == [len(cases(world_size))] * world_size
 
 
 def test_a_failing_rank_is_named_and_the_others_are_not_left_waiting():
