@@ -28,7 +28,7 @@ class SharedSegments:
         layout.add("arena", (nbytes,), torch.uint8)
         self._segments = SymmetricHeap(layout, group, rank, world_size)
         try:
-            self._doorbell = Doorbell(self._segments.names[rank])
+            self._doorbell = Doorbell(self._segments.names[rank], self._segments.doorbell_key)
         except BaseException:
             self._segments.close()
             raise
