@@ -50,6 +50,7 @@ NAME_PREFIX = "ubep-"
 ALIGN = 64  # bytes; regions start on cache-line boundaries
 NO_LIMIT = 1 << 62  # cgroup v1 writes "no limit" as a huge page-rounded number
 DEATH_GRACE_S = 0.5  # how long a failed construction looks for a killed peer's exit
+LINGER_S = 0.3  # how long a rank that found a dead peer stays alive before raising (see _blame)
 
 
 @dataclass(frozen=True, slots=True)
@@ -322,7 +323,11 @@ def _group_timeout_s(group: dist.ProcessGroup) -> float:
 
 
 def _blame(error: BaseException, creators: list[Creator], rank: int, group) -> BaseException:
-    """A collective failed during construction: if a peer's process exited, name it."""
+    """A collective failed during construction: if a peer's process exited, name it.
+
+    Only the peers seen dead at the first look that finds any are named; and this rank
+    stays alive a moment before raising (LINGER_S), so that a slower survivor's first
+    look does not find it exited too and name it with the rank that was killed."""
     if not (type(error) is RuntimeError or isinstance(error, dist.DistError)):
         return error
     deadline = time.monotonic() + DEATH_GRACE_S  # a killed peer's sockets close before it shows as exited
@@ -330,10 +335,10 @@ def _blame(error: BaseException, creators: list[Creator], rank: int, group) -> B
         if time.monotonic() >= deadline:
             return error
         time.sleep(0.02)
+    time.sleep(LINGER_S)
     said = str(error).strip().splitlines()[0][:160] if str(error).strip() else type(error).__name__
     phase = "Buffer construction (shared memory)"
     return CommTimeoutError(phase, dead, _group_timeout_s(group), dead, f"torch.distributed: {said}")
-
 
 def _try(action) -> tuple[object, BaseException | None]:
     """(result, None), or (None, the exception) for an ordinary failure."""
