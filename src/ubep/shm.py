@@ -340,6 +340,7 @@ def _blame(error: BaseException, creators: list[Creator], rank: int, group) -> B
     phase = "Buffer construction (shared memory)"
     return CommTimeoutError(phase, dead, _group_timeout_s(group), dead, f"torch.distributed: {said}")
 
+
 def _try(action) -> tuple[object, BaseException | None]:
     """(result, None), or (None, the exception) for an ordinary failure."""
     try:
