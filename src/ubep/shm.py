@@ -357,7 +357,9 @@ class SymmetricHeap:
     """Every rank's segment, mapped here; built collectively over `group` (see the module doc).
 
     `names` are every rank's segment name (unlinked once built); `doorbell_key` is a
-    secret every rank of the job shares and nobody else can learn, for `ubep.doorbell`.
+    secret every rank of the job shares and nobody else can learn, for `ubep.doorbell`;
+    `creators` say who each rank is (`creators[r].is_gone()`: rank r provably exited,
+    correct across PID namespaces, where a bare pid is not).
     """
 
     def __init__(self, layout: SegmentLayout, group: dist.ProcessGroup, rank: int, world_size: int):
@@ -368,6 +370,7 @@ class SymmetricHeap:
         sweep_stale_segments()
         everyone: list[Introduction] = _gather(group, world_size, Introduction.here())
         check_room(layout.nbytes, everyone)
+        self.creators = [i.creator for i in everyone]
         key = hashlib.sha256("".join(i.token for i in everyone).encode()).digest()
         self.names = [_name(i.creator, _token(key, f"segment {r}")) for r, i in enumerate(everyone)]
         self.doorbell_key = hmac.digest(key, b"doorbell", "sha256")
@@ -377,7 +380,7 @@ class SymmetricHeap:
             self.close()
             for name in self.names:  # the job's names, a killed rank's among them
                 _unlink(name)
-            blamed = _blame(error, [i.creator for i in everyone], rank, group)
+            blamed = _blame(error, self.creators, rank, group)
             if blamed is error:
                 raise
             raise blamed from error
