@@ -13,12 +13,12 @@ import torch.distributed as dist
 
 import ubep
 from ubep.launcher import LocalLaunch
-from ubep.shm import NAME_PREFIX, SHM_DIR, Creator, sweep_stale_segments
+from ubep.shm import NAME_PREFIX, SHM_DIR, Creator, segment_pid, sweep_stale_segments
 
 
 def ours(pids: set[int] | None = None) -> list[str]:
     names = [n for n in os.listdir(SHM_DIR) if n.startswith(NAME_PREFIX)]
-    return names if pids is None else [n for n in names if int(n.split("-")[1]) in pids]
+    return names if pids is None else [n for n in names if segment_pid(n) in pids]
 
 
 def build_and_report(close: bool) -> tuple[int, list[str]]:

@@ -17,7 +17,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-from faultcase import group_pids, residue
+from faultcase import group_pids
 
 import ubep
 import ubep.shm
@@ -45,6 +45,11 @@ def _skip_unless(*args: str):
 
 def ours() -> set[str]:
     return {n for n in os.listdir(ubep.shm.SHM_DIR) if n.startswith(ubep.shm.NAME_PREFIX)}
+
+
+def residue(pids: set[int]) -> list[str]:
+    """Our segments in /dev/shm created by any of `pids`."""
+    return [n for n in os.listdir(ubep.shm.SHM_DIR) if ubep.shm.segment_pid(n) in pids]
 
 
 def _python(script: str) -> list[str]:
@@ -306,10 +311,11 @@ def test_a_rank_killed_in_construction_is_named_and_leaves_no_name(step):
     outcomes = ubep.LocalLaunch(world_size=3, timeout_s=100).outcomes(killed_in_construction, step)
     assert not outcomes[2].ok
     for rank in (0, 1):
+        assert outcomes[rank].ok, (rank, outcomes[rank].cause, outcomes[rank].error)
         error, elapsed, left = outcomes[rank].result
         assert left == [], (rank, left)
         assert error.startswith("CommTimeoutError"), error
         assert elapsed < 5, (error, elapsed)
-        if step in (2, 3):  # the heap knows every pid from its first all-gather on
+        if step in (2, 3, 4):  # the heap knows every pid from its first all-gather on
             assert "rank(s) 2 died" in error and "Buffer construction (shared memory)" in error, error
         assert "rank(s) 1 died" not in error and "rank(s) 0 died" not in error, error

@@ -422,6 +422,16 @@ class SymmetricHeap:
         _raise_failures("Buffer construction (mapping segments)", failures, self.rank)
         return maps
 
+    def barrier(self, group: dist.ProcessGroup) -> None:
+        """`dist.barrier` over the heap's group that, if a peer was killed, names it (by its pid)."""
+        try:
+            dist.barrier(group=group)
+        except BaseException as error:
+            blamed = _blame(error, self.creators, self.rank, group)
+            if blamed is error:
+                raise
+            raise blamed from error
+
     def tensor(self, rank: int, name: str) -> torch.Tensor:
         """Region `name` of `rank`'s segment as a tensor of its declared shape and dtype."""
         view = self._views.get((rank, name))
