@@ -26,7 +26,7 @@ def tree(tmp_path, files: dict[str, str], cgroup_lines: str):
     return str(proc), str(tmp_path / "fs")
 
 
-def test_cgroup_v2_headroom_is_the_least_over_the_ancestors(tmp_path):
+def test_cgroup_v2_headroom_is_the_least_over_the_ancestors_less_the_working_set(tmp_path):
     proc, root = tree(
         tmp_path,
         {
@@ -34,7 +34,8 @@ def test_cgroup_v2_headroom_is_the_least_over_the_ancestors(tmp_path):
             "memory.max": "max",
             "memory.current": "0",
             "job/memory.max": str(8 * GiB),
-            "job/memory.current": str(1 * GiB),
+            "job/memory.current": str(3 * GiB),
+            "job/memory.stat": f"anon 123\ninactive_file {2 * GiB}\nactive_file 5\n",  # reclaimable
             "job/rank/memory.max": "max",
             "job/rank/memory.current": str(1 * GiB),
         },
@@ -48,7 +49,8 @@ def test_cgroup_v1_headroom_and_no_limit(tmp_path):
         tmp_path,
         {
             "memory/docker/c1/memory.limit_in_bytes": str(2 * GiB),
-            "memory/docker/c1/memory.usage_in_bytes": str(GiB // 2),
+            "memory/docker/c1/memory.usage_in_bytes": str(GiB),
+            "memory/docker/c1/memory.stat": f"cache 7\ninactive_file 1\ntotal_inactive_file {GiB // 2}\n",
             "memory/memory.limit_in_bytes": "9223372036854771712",
             "memory/memory.usage_in_bytes": "1",
         },

@@ -189,8 +189,12 @@ def shm_free_bytes() -> int:
     return info.f_bavail * info.f_frsize
 
 
-def _headroom(directory: str, limit_file: str, usage_file: str) -> int | None:
-    """limit - usage of one memory cgroup directory; None: no limit there (or unreadable)."""
+def _headroom(directory: str, limit_file: str, usage_file: str, inactive_key: str) -> int | None:
+    """limit - working set of one memory cgroup directory; None: no limit there (or unreadable).
+
+    The working set is usage less the inactive file cache (`inactive_key` in memory.stat),
+    which the kernel reclaims before it refuses a page: counting it would refuse Buffers
+    in a container that merely read its model weights from disk."""
     try:
         with open(os.path.join(directory, limit_file)) as f:
             limit = f.read().strip()
@@ -200,13 +204,27 @@ def _headroom(directory: str, limit_file: str, usage_file: str) -> int | None:
         return None
     if limit == "max" or not limit.isdigit() or int(limit) >= NO_LIMIT:
         return None
-    return max(int(limit) - usage, 0)
+    return max(int(limit) - usage + _stat(directory, inactive_key), 0)
+
+
+def _stat(directory: str, key: str) -> int:
+    """One counter of a cgroup's memory.stat (0 if absent)."""
+    try:
+        with open(os.path.join(directory, "memory.stat")) as f:
+            for line in f:
+                name, _, value = line.partition(" ")
+                if name == key:
+                    return int(value)
+    except (OSError, ValueError):
+        pass
+    return 0
 
 
 def cgroup_free_bytes(proc_cgroup: str = "/proc/self/cgroup", root: str = CGROUP_ROOT) -> int | None:
-    """Memory this process's cgroup (and each ancestor) may still charge, the least of them;
-    None: no limit. cgroup v2 (`memory.max`) and v1 (`memory.limit_in_bytes`) both count
-    shared-memory pages against the cgroup that first touches them."""
+    """Memory this process's cgroup (and each ancestor) may still charge, the least of them
+    (limit less working set, see `_headroom`); None: no limit. cgroup v2 (`memory.max`) and
+    v1 (`memory.limit_in_bytes`) both charge shared-memory pages to the cgroup that first
+    touches them."""
     try:
         with open(proc_cgroup) as f:
             lines = f.read().splitlines()
@@ -217,9 +235,10 @@ def cgroup_free_bytes(proc_cgroup: str = "/proc/self/cgroup", root: str = CGROUP
         _, controllers, path = line.split(":", 2)
         if controllers == "":
             base = root if os.path.exists(os.path.join(root, "cgroup.controllers")) else f"{root}/unified"
-            files = ("memory.max", "memory.current")
+            files = ("memory.max", "memory.current", "inactive_file")
         elif "memory" in controllers.split(","):
-            base, files = os.path.join(root, "memory"), ("memory.limit_in_bytes", "memory.usage_in_bytes")
+            base = os.path.join(root, "memory")
+            files = ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")
         else:
             continue
         parts = [p for p in path.split("/") if p]
