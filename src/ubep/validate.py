@@ -33,7 +33,7 @@ def tensor(name: str, value, dtype: torch.dtype | tuple[torch.dtype, ...], ndim:
         raise ValueError(f"{name} must have {ndim} dimensions, got shape {tuple(value.shape)}")
     if value.device.type != "cpu":
         raise ValueError(f"{name} is on {value.device}; this Buffer's transports take CPU tensors")
-    return value.detach()
+    return value.detach() if value.requires_grad else value  # the caller's own object where possible
 
 
 def payload(name: str, x, hidden: int, capacity: int, rows: int | None = None) -> torch.Tensor:
