@@ -319,3 +319,35 @@ def test_a_rank_killed_in_construction_is_named_and_leaves_no_name(step):
         if step in (2, 3, 4):  # the heap knows every pid from its first all-gather on
             assert "rank(s) 2 died" in error and "Buffer construction (shared memory)" in error, error
         assert "rank(s) 1 died" not in error and "rank(s) 0 died" not in error, error
+
+
+def killed_at_a_random_moment(seed: int) -> tuple[str, list[str]]:
+    """Rank 2 is SIGKILLed by a timer at a random moment of construction (0-150 ms in).
+    Survivors report (outcome, residue), after waiting long enough to have seen the death."""
+    import random
+    import threading
+
+    pids = group_pids()
+    if dist.get_rank() == 2:
+        delay = random.Random(seed).uniform(0.0, 0.15)
+        threading.Timer(delay, os.kill, (os.getpid(), signal.SIGKILL)).start()
+    try:
+        buf = ubep.Buffer(hidden=16, num_experts=6, max_tokens_per_rank=8, timeout_s=2)
+        time.sleep(0.5)  # rank 2 is dead by now whenever its timer fired
+        buf.close()
+        outcome = "built"
+    except ubep.UbepError as error:
+        outcome = f"{type(error).__name__}: {error}"
+    return outcome, residue(pids)
+
+
+@pytest.mark.timeout(200)
+def test_kills_at_random_moments_of_construction_leave_nothing_and_blame_no_survivor():
+    for seed in range(6):
+        outcomes = ubep.LocalLaunch(world_size=3, timeout_s=60).outcomes(killed_at_a_random_moment, seed)
+        for rank in (0, 1):
+            assert outcomes[rank].ok, (seed, rank, outcomes[rank].error)
+            outcome, left = outcomes[rank].result
+            assert left == [], (seed, rank, left)
+            assert "rank(s) 0" not in outcome.split("died")[0] or "died" not in outcome, (seed, outcome)
+            assert "rank(s) 1" not in outcome.split("died")[0] or "died" not in outcome, (seed, outcome)
