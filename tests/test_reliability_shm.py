@@ -136,9 +136,12 @@ CREATOR = """
 CREATOR_IN_NAMESPACE = """
     import subprocess, sys
     from ubep.shm import sweep_stale_segments
+    target = int(sys.argv[2])  # the creator's pid: free in a fresh namespace (see the test)
+    while int(open("/proc/sys/kernel/ns_last_pid").read()) < target - 1:
+        subprocess.run(["true"])
     creator = subprocess.Popen([sys.executable, "-c", sys.argv[1]], stdin=subprocess.PIPE,
                                stdout=subprocess.PIPE, text=True)
-    print(creator.stdout.readline().strip(), flush=True)  # a pid >= 2 in this namespace
+    print(creator.stdout.readline().strip(), flush=True)
     sys.stdin.readline()
     creator.stdin.close()
     creator.wait()
@@ -155,8 +158,11 @@ SWEEPER = """
 @_skip_unless("-p", "-f", "--mount-proc")
 def test_jobs_in_other_pid_namespaces_do_not_sweep_each_others_live_segments():
     ns = ["unshare", "-p", "-f", "--mount-proc"]
+    # A pid a fresh python in another namespace does not hold (its threads take 2, 3, ...), and that
+    # is alive on the host, so that jobs running an older sweep on this host leave the segment alone.
+    target = next(p for p in range(12, 4096) if os.path.exists(f"/proc/{p}"))
     job = subprocess.Popen(
-        [*ns, *_python(CREATOR_IN_NAMESPACE), textwrap.dedent(CREATOR)],
+        [*ns, *_python(CREATOR_IN_NAMESPACE), textwrap.dedent(CREATOR), str(target)],
         env=ENV,
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
