@@ -14,7 +14,7 @@ from scenarios import Scenario, expert_output
 
 import ubep
 from ubep import reference
-from ubep.shm import NAME_PREFIX, SHM_DIR
+from ubep.shm import SHM_DIR, segment_pid
 
 
 @dataclass(frozen=True)
@@ -38,8 +38,7 @@ def group_pids() -> set[int]:
 
 def residue(pids: set[int]) -> list[str]:
     """Segments in /dev/shm created by any of `pids`."""
-    names = [n for n in os.listdir(SHM_DIR) if n.startswith(NAME_PREFIX)]
-    return [n for n in names if int(n.split("-")[1]) in pids]
+    return [n for n in os.listdir(SHM_DIR) if segment_pid(n) in pids]
 
 
 def scenario(seed: int = 3) -> Scenario:

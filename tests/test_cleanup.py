@@ -13,12 +13,12 @@ import torch.distributed as dist
 
 import ubep
 from ubep.launcher import LocalLaunch
-from ubep.shm import NAME_PREFIX, SHM_DIR
+from ubep.shm import NAME_PREFIX, SHM_DIR, Creator, segment_pid, sweep_stale_segments
 
 
 def ours(pids: set[int] | None = None) -> list[str]:
     names = [n for n in os.listdir(SHM_DIR) if n.startswith(NAME_PREFIX)]
-    return names if pids is None else [n for n in names if int(n.split("-")[1]) in pids]
+    return names if pids is None else [n for n in names if segment_pid(n) in pids]
 
 
 def build_and_report(close: bool) -> tuple[int, list[str]]:
@@ -65,11 +65,39 @@ def test_nothing_left_after_launcher_kills_ranks():
     assert set(ours()) <= before
 
 
-def test_stale_segment_of_a_dead_creator_is_swept():
-    dead_pid = 2**22 + 12345  # above the default pid_max: never a live process
-    path = os.path.join(SHM_DIR, f"{NAME_PREFIX}{dead_pid}-feedface")
+def plant(name: str) -> str:
+    path = os.path.join(SHM_DIR, name)
     with open(path, "wb") as f:
         f.write(b"\0" * 64)
     os.chmod(path, 0o600)
-    LocalLaunch(world_size=2, timeout_s=60).run(build_and_report, True)
-    assert not os.path.exists(path)
+    return path
+
+
+def test_stale_segment_of_a_dead_creator_is_swept():
+    dead_pid = 2**22 + 12345  # above the default pid_max: never a live process
+    here = Creator.this_process()
+    dead = plant(f"{NAME_PREFIX}{dead_pid}-{here.pid_ns}-{here.start}-feedface")
+    reused = plant(f"{NAME_PREFIX}{here.pid}-{here.pid_ns}-{here.start + 1}-feedface")  # our pid, reused
+    try:
+        LocalLaunch(world_size=2, timeout_s=60).run(build_and_report, True)
+        assert not os.path.exists(dead) and not os.path.exists(reused)
+    finally:
+        for path in (dead, reused):
+            if os.path.exists(path):
+                os.unlink(path)
+
+
+def test_sweep_removes_only_what_it_can_prove_dead():
+    dead_pid = 2**22 + 12346
+    here = Creator.this_process()
+    kept = [
+        plant(f"{NAME_PREFIX}{dead_pid}-feedface"),  # an older format: no start time, no namespace
+        plant(f"{NAME_PREFIX}{dead_pid}-{here.pid_ns + 1}-{here.start}-feedface"),  # another namespace
+        plant(f"{NAME_PREFIX}{here.pid}-{here.pid_ns}-{here.start}-feedface"),  # alive: this process
+    ]
+    try:
+        removed = sweep_stale_segments()
+        assert all(os.path.exists(p) for p in kept), removed
+    finally:
+        for path in kept:
+            os.unlink(path)

@@ -15,7 +15,16 @@ from faultcase import group_pids, residue
 
 import ubep
 import ubep.shm
-from ubep.shm import NAME_PREFIX, SHM_DIR, _attach, _create, segment_name, segment_pid, sweep_stale_segments
+from ubep.shm import (
+    NAME_PREFIX,
+    SHM_DIR,
+    _attach,
+    _create,
+    segment_creator,
+    segment_name,
+    segment_pid,
+    sweep_stale_segments,
+)
 
 NOBODY = 65534
 as_root = pytest.mark.skipif(os.getuid() != 0, reason="giving a file to another user needs root")
@@ -98,7 +107,10 @@ def test_attach_refuses_a_short_segment(path):
 @as_root
 def test_sweep_leaves_other_users_and_live_creators_alone():
     dead_pid = 2**22 + 4321  # above the default pid_max: never a live process
-    theirs = os.path.join(SHM_DIR, f"{NAME_PREFIX}{dead_pid}-aaaa")
+    here = segment_creator(segment_name(os.getpid()))
+    theirs = os.path.join(
+        SHM_DIR, f"{NAME_PREFIX}{dead_pid}-{here.pid_ns}-{here.start}-aaaa"
+    )  # provably dead
     live = os.path.join(SHM_DIR, segment_name(os.getpid()))
     plant(theirs)
     os.chown(theirs, NOBODY, NOBODY)

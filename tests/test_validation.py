@@ -145,3 +145,46 @@ def test_fault_plan_rules(change, words):
     args = dict(rank=0, point="dispatch.start", action="kill") | change
     with pytest.raises(ValueError, match=words):
         FaultPlan(**args)
+
+
+# -- autograd: one rule for every transport and protocol (see ubep.validate) ----------------------
+
+
+def calls_with_grad_inputs(protocol: str, transport: str) -> list[str]:
+    """Every rank: dispatch, combine and the low-latency pair with inputs that require grad.
+    Returns the problems found (outputs requiring grad, or differing from the reference)."""
+    from scenarios import Scenario, expert_output
+
+    from ubep import reference
+
+    me = torch.distributed.get_rank()
+    sc = Scenario(name="grad", num_ranks=2, num_experts=4, hidden=H, tokens=(5, 5), topk=2, seed=4)
+    xs, idxs, ws, ref = sc.expected()
+    ys = [expert_output(ref[r].recv_x_MH, r).float() for r in range(2)]
+    want = reference.combine(ys, ref, [x.shape[0] for x in xs])[me]
+    problems = []
+    with ubep.Buffer(
+        hidden=H, num_experts=4, max_tokens_per_rank=T, protocol=protocol, transport=transport, timeout_s=20
+    ) as b:
+        x = xs[me].float().requires_grad_()
+        w = ws[me].clone().requires_grad_()
+        got = b.dispatch(x, topk_idx=idxs[me], topk_weights=w)
+        if not torch.equal(got.recv_x, ref[me].recv_x_MH.float()):
+            problems.append("dispatch differs from the reference")
+        y = ys[me].clone().requires_grad_()
+        out = b.combine(y, got.handle, topk_weights=got.recv_topk_weights.clone().requires_grad_())
+        if not torch.equal(out.combined_x, want):
+            problems.append("combine differs from the reference")
+        ll = b.low_latency_dispatch(x, idxs[me], T, 4, use_fp8=False)
+        ll_out = b.low_latency_combine(ll.recv_x.clone().requires_grad_(), idxs[me], w, ll.handle)
+        returned = [got.recv_x, got.recv_topk_weights, out.combined_x, ll.recv_x, ll_out.combined_x]
+        if any(t is not None and t.requires_grad for t in returned):
+            problems.append("an output requires grad")
+    return problems
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(("protocol", "transport"), [("ubep", "shm"), ("bsp", "shm"), ("bsp", "dist")])
+def test_inputs_that_require_grad_are_read_as_data(protocol, transport):
+    results = ubep.LocalLaunch(world_size=2, timeout_s=100).run(calls_with_grad_inputs, protocol, transport)
+    assert results == [[], []]

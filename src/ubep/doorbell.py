@@ -9,29 +9,60 @@ doorbells of the ranks that may be waiting for the stamp it just wrote.
 A ring carries no data and may be lost or spurious: the waiter always
 re-reads the stamps after waking, and never blocks longer than its liveness
 period. Rings never block the ringer (a full queue already means "wake up").
+
+Addresses: anyone on the host may bind any free abstract name, so a name an
+outsider can predict (the segment name, readable in /dev/shm during
+construction) could be taken first. Each address is instead an HMAC of the
+segment name under `key`, a secret the job's ranks share through the process
+group (`SymmetricHeap.doorbell_key`) and nobody else sees. A stranger can still
+read bound addresses from /proc/net/unix and send a datagram: that is a
+spurious ring, which costs a waiter one extra look at its stamps.
 """
 
 from __future__ import annotations
 
+import errno
+import hmac
 import select
 import socket
 
+from ubep.errors import DoorbellInUseError
 
-def _address(name: str) -> str:
-    return "\0" + name  # abstract namespace: gone when the socket closes
+ADDRESS_PREFIX = "ubep-bell-"
+
+
+def address(name: str, key: bytes = b"") -> str:
+    """The abstract-namespace address of the doorbell for segment `name` under `key`."""
+    if not key:
+        return "\0" + name  # no secret: the segment name itself (single-process uses and tests)
+    return "\0" + ADDRESS_PREFIX + hmac.digest(key, name.encode(), "sha256")[:16].hex()
 
 
 class Doorbell:
-    """This rank's doorbell, and the addresses of its peers' doorbells."""
+    """This rank's doorbell, and the addresses of its peers' doorbells.
 
-    def __init__(self, name: str):
+    `key` (optional; default: none) is the job's secret the addresses derive from.
+    """
+
+    def __init__(self, name: str, key: bytes = b""):
+        self._key = key
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        self._sock.bind(_address(name))
+        try:
+            self._sock.bind(address(name, key))
+        except OSError as error:
+            self._sock.close()
+            if error.errno != errno.EADDRINUSE:
+                raise
+            why = "it derives from the job's secret" if key else "it is the segment name, readable by others"
+            raise DoorbellInUseError(
+                f"Buffer construction: another socket already holds this rank's doorbell address "
+                f"{address(name, key)[1:]!r} ({why})"
+            ) from None
         self._sock.setblocking(False)
         self._peers: list[str] = []
 
     def connect(self, peer_names: list[str]) -> None:
-        self._peers = [_address(n) for n in peer_names]
+        self._peers = [address(n, self._key) for n in peer_names]
 
     def ring(self, peer: int) -> None:
         """Wake `peer` if it is blocked; never blocks, never fails."""

@@ -44,5 +44,22 @@ class PeerDataError(UbepError):
     """A peer published a value that fails the receiver's bounds checks."""
 
 
+class SharedMemorySizeError(ValueError):
+    """A Buffer's shared segments do not fit this host's /dev/shm or its cgroup's memory limit.
+
+    Raised on every rank at construction, before any segment exists; `needed` and
+    `free` are bytes for the whole host (every local rank's segment).
+    """
+
+    def __init__(self, message: str, needed: int, free: int):
+        self.needed = needed
+        self.free = free
+        super().__init__(message)
+
+
+class DoorbellInUseError(UbepError):
+    """Another socket holds the abstract address this rank's doorbell derived from the job's secret."""
+
+
 def _ranks(ranks: list[int]) -> str:
     return ", ".join(str(r) for r in sorted(ranks))

@@ -1,12 +1,24 @@
 """The symmetric heap: one POSIX shared-memory segment per rank, mapped by every rank.
 
-Each rank creates its segment (mode 0600, an unguessable name carrying its pid),
-the group exchanges names, every rank maps every segment, and once all have
-mapped, each rank unlinks its own name. From then on the memory lives exactly
-as long as some rank maps it: no crash, kill or forgotten `close()` can leave a
-segment behind. The only window for a leak is construction itself, and there
-`sweep_stale_segments` (run by every construction) removes segments whose
-creator has died.
+Construction, over `group`, in three all-gathers:
+
+    1. introduce  every rank's identity (pid, PID namespace, start time), a random
+                  token, and the room it sees (/dev/shm free, cgroup headroom).
+                  The segments must fit the least room any rank sees, or every
+                  rank raises `SharedMemorySizeError` before a byte is allocated.
+                  The tokens make the job's secret: segment names and doorbell
+                  addresses derive from it, so no outsider can guess or squat them.
+    2. create     each rank creates its own segment (mode 0600); statuses gathered.
+    3. map        each rank maps every segment; statuses gathered, then every rank
+                  unlinks every name of the job.
+
+A failure in step 2 or 3 is raised on every rank, naming the rank and its error;
+a rank killed in between is named by its pid once its process is gone. Whatever
+fails, every rank that learned the names unlinks all of them, so a killed
+rank's name does not outlive the survivors. Once built, the memory lives exactly
+as long as some rank maps it. `sweep_stale_segments` (run by every construction)
+removes what a whole job killed mid-construction left behind: only segments whose
+creator it can prove dead (same PID namespace, pid gone or reused).
 
 Put, signal and wait are plain loads and stores into these mappings; see
 docs/design.md for the memory-ordering argument.
@@ -14,22 +26,31 @@ docs/design.md for the memory-ordering argument.
 
 from __future__ import annotations
 
+import errno
+import hashlib
+import hmac
 import math
 import mmap
 import os
 import secrets
 import stat
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
+from ubep.errors import CommTimeoutError, SharedMemorySizeError
 from ubep.waiting import AbortNotice, PeerAbortedError
 
 SHM_DIR = "/dev/shm"
+CGROUP_ROOT = "/sys/fs/cgroup"
 NAME_PREFIX = "ubep-"
 ALIGN = 64  # bytes; regions start on cache-line boundaries
+NO_LIMIT = 1 << 62  # cgroup v1 writes "no limit" as a huge page-rounded number
+DEATH_GRACE_S = 0.5  # how long a failed construction looks for a killed peer's exit
+LINGER_S = 0.3  # how long a rank that found a dead peer stays alive before raising (see _blame)
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,31 +76,100 @@ class SegmentLayout:
         self.nbytes = offset + region.nbytes
 
 
-def segment_name(pid: int) -> str:
-    return f"{NAME_PREFIX}{pid}-{secrets.token_hex(12)}"
+# -- who made a segment, and whether it provably exited ------------------------------------------
+
+
+def _pid_namespace() -> int:
+    """Inode of this process's PID namespace (0 where /proc cannot tell)."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
+
+
+def _proc_is_ours() -> bool:
+    """Whether /proc shows this process's PID namespace (not so after `unshare -p` without a new /proc)."""
+    try:
+        return os.readlink("/proc/self") == str(os.getpid())
+    except OSError:
+        return False
+
+
+def _start_time(pid: str) -> int | None:
+    """Field 22 of /proc/PID/stat (start, clock ticks after boot); None: no such process, or a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+    except OSError:
+        return None
+    return None if fields[0] in (b"Z", b"X") else int(fields[19])
+
+
+@dataclass(frozen=True, slots=True)
+class Creator:
+    """Who created a segment: pid, PID-namespace inode and start time, enough to prove it exited."""
+
+    pid: int
+    pid_ns: int
+    start: int
+
+    @classmethod
+    def this_process(cls) -> Creator:
+        return cls(os.getpid(), _pid_namespace(), _start_time("self") or 0)
+
+    def is_gone(self) -> bool:
+        """Provably exited: it ran in our PID namespace, and its pid is free or names a newer process.
+
+        A creator in another namespace (another container sharing /dev/shm) is never
+        judged: its pid means nothing here."""
+        if self.pid_ns != _pid_namespace() or not _proc_is_ours():
+            return False
+        return _start_time(str(self.pid)) != self.start
+
+
+def segment_name(pid: int, token: str | None = None) -> str:
+    """The name of a segment created by `pid` (a process in our PID namespace):
+    `ubep-PID-PIDNS-START-TOKEN`, TOKEN 96 random bits unless given."""
+    start = _start_time("self" if pid == os.getpid() else str(pid)) or 0
+    return _name(Creator(pid, _pid_namespace(), start), token or secrets.token_hex(12))
+
+
+def _name(creator: Creator, token: str) -> str:
+    return f"{NAME_PREFIX}{creator.pid}-{creator.pid_ns}-{creator.start}-{token}"
+
+
+def segment_creator(name: str) -> Creator | None:
+    """The creator encoded in one of our segment names, or None (not ours, or an older format)."""
+    if not name.startswith(NAME_PREFIX):
+        return None
+    fields = name[len(NAME_PREFIX) :].split("-", 3)
+    if len(fields) != 4 or not all(f.isdigit() for f in fields[:3]) or not fields[3]:
+        return None
+    return Creator(int(fields[0]), int(fields[1]), int(fields[2]))
 
 
 def segment_pid(name: str) -> int | None:
     """The creator's pid encoded in one of our segment names, or None."""
-    if not name.startswith(NAME_PREFIX):
-        return None
-    head = name[len(NAME_PREFIX) :].split("-", 1)[0]
-    return int(head) if head.isdigit() else None
+    creator = segment_creator(name)
+    return creator.pid if creator is not None else None
 
 
 def sweep_stale_segments(pids: set[int] | None = None) -> list[str]:
-    """Unlink our segments whose creator has exited (or, given `pids`, was one of them).
+    """Unlink this user's segments whose creator provably exited (see `Creator.is_gone`), or,
+    given `pids` (processes this one started and reaped), whose creator was one of them.
 
-    Returns the names removed. Only segments owned by this user are touched.
+    Returns the names removed. Names in an older format, other users' segments and
+    segments made in another PID namespace are never touched.
     """
-    from ubep.waiting import process_alive
-
     removed = []
     for name in os.listdir(SHM_DIR):
-        pid = segment_pid(name)
-        if pid is None:
+        creator = segment_creator(name)
+        if creator is None:
             continue
-        stale = pid in pids if pids is not None else not process_alive(pid)
+        if pids is not None:
+            stale = creator.pid in pids and creator.pid_ns == _pid_namespace()
+        else:
+            stale = creator.is_gone()
         path = os.path.join(SHM_DIR, name)
         try:
             if stale and os.stat(path).st_uid == os.getuid():
@@ -88,6 +178,116 @@ def sweep_stale_segments(pids: set[int] | None = None) -> list[str]:
         except FileNotFoundError:
             pass
     return removed
+
+
+# -- room for the segments ---------------------------------------------------------------------------
+
+
+def shm_free_bytes() -> int:
+    """Bytes an unprivileged process may still allocate in /dev/shm."""
+    info = os.statvfs(SHM_DIR)
+    return info.f_bavail * info.f_frsize
+
+
+def _headroom(directory: str, limit_file: str, usage_file: str, inactive_key: str) -> int | None:
+    """limit - working set of one memory cgroup directory; None: no limit there (or unreadable).
+
+    The working set is usage less the inactive file cache (`inactive_key` in memory.stat),
+    which the kernel reclaims before it refuses a page: counting it would refuse Buffers
+    in a container that merely read its model weights from disk."""
+    try:
+        with open(os.path.join(directory, limit_file)) as f:
+            limit = f.read().strip()
+        with open(os.path.join(directory, usage_file)) as f:
+            usage = int(f.read())
+    except (OSError, ValueError):
+        return None
+    if limit == "max" or not limit.isdigit() or int(limit) >= NO_LIMIT:
+        return None
+    return max(int(limit) - usage + _stat(directory, inactive_key), 0)
+
+
+def _stat(directory: str, key: str) -> int:
+    """One counter of a cgroup's memory.stat (0 if absent)."""
+    try:
+        with open(os.path.join(directory, "memory.stat")) as f:
+            for line in f:
+                name, _, value = line.partition(" ")
+                if name == key:
+                    return int(value)
+    except (OSError, ValueError):
+        pass
+    return 0
+
+
+def cgroup_free_bytes(proc_cgroup: str = "/proc/self/cgroup", root: str = CGROUP_ROOT) -> int | None:
+    """Memory this process's cgroup (and each ancestor) may still charge, the least of them
+    (limit less working set, see `_headroom`); None: no limit. cgroup v2 (`memory.max`) and
+    v1 (`memory.limit_in_bytes`) both charge shared-memory pages to the cgroup that first
+    touches them."""
+    try:
+        with open(proc_cgroup) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    rooms = []
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":
+            base = root if os.path.exists(os.path.join(root, "cgroup.controllers")) else f"{root}/unified"
+            files = ("memory.max", "memory.current", "inactive_file")
+        elif "memory" in controllers.split(","):
+            base = os.path.join(root, "memory")
+            files = ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")
+        else:
+            continue
+        parts = [p for p in path.split("/") if p]
+        for depth in range(len(parts), -1, -1):
+            room = _headroom(os.path.join(base, *parts[:depth]), *files)
+            if room is not None:
+                rooms.append(room)
+    return min(rooms) if rooms else None
+
+
+@dataclass(frozen=True, slots=True)
+class Introduction:
+    """What a rank tells its peers before any segment exists."""
+
+    creator: Creator
+    token: str  # random; all ranks' tokens make the job's secret
+    shm_free: int
+    cgroup_free: int | None
+
+    @classmethod
+    def here(cls) -> Introduction:
+        return cls(Creator.this_process(), secrets.token_hex(16), shm_free_bytes(), cgroup_free_bytes())
+
+
+def check_room(segment_bytes: int, everyone: list[Introduction]) -> None:
+    """Raise SharedMemorySizeError unless every rank's segment fits the least room any rank sees.
+
+    Every rank sees the same introductions, so every rank raises, or none does."""
+    needed = segment_bytes * len(everyone)
+    free, where = min(i.shm_free for i in everyone), f"{SHM_DIR} has"
+    limits = [i.cgroup_free for i in everyone if i.cgroup_free is not None]
+    if limits and min(limits) < free:
+        free, where = min(limits), "the memory cgroup's limit leaves"
+    if needed > free:
+        raise SharedMemorySizeError(
+            f"Buffer construction: the shared segments need {needed} bytes ({_mib(needed)}) on this host "
+            f"({len(everyone)} ranks x {segment_bytes} bytes), but {where} {free} bytes ({_mib(free)}) "
+            "free; lower max_tokens_per_rank, hidden or max_topk, or pass low_latency=False "
+            "(ubep.sizing.size_hint tells the bytes before constructing)",
+            needed,
+            free,
+        )
+
+
+def _mib(nbytes: int) -> str:
+    return f"{nbytes / 2**20:.1f} MiB"
+
+
+# -- creating and mapping ----------------------------------------------------------------------------
 
 
 def _create(name: str, nbytes: int) -> mmap.mmap:
@@ -112,17 +312,74 @@ def _attach(name: str, nbytes: int) -> mmap.mmap:
         os.close(fd)
 
 
-def _attach_peer(rank: int, name: str, nbytes: int) -> mmap.mmap:
-    """Map peer `rank`'s segment; if its name is gone, that peer gave up during construction."""
+def _unlink(name: str) -> None:
     try:
-        return _attach(name, nbytes)
+        os.unlink(os.path.join(SHM_DIR, name))
     except FileNotFoundError:
-        notice = AbortNotice("its shared segment was gone before this rank mapped it; see that rank's error")
-        raise PeerAbortedError("Buffer construction (mapping segments)", rank, notice) from None
+        pass
+
+
+def _gather(group: dist.ProcessGroup, world_size: int, mine):
+    everyone = [None] * world_size
+    dist.all_gather_object(everyone, mine, group=group)
+    return everyone
+
+
+def _raise_failures(phase: str, failures: list[str | None], rank: int) -> None:
+    """Every rank raises if any failed: the first failing rank is named (this rank's own error
+    is raised by the caller)."""
+    failed = [r for r, f in enumerate(failures) if f is not None and r != rank]
+    if failed:
+        raise PeerAbortedError(phase, failed[0], AbortNotice(failures[failed[0]]))
+
+
+def _group_timeout_s(group: dist.ProcessGroup) -> float:
+    """The deadline the group's collectives run under now (set by `ubep.deadlines`)."""
+    try:
+        return group._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+    except (AttributeError, RuntimeError):
+        return dist.default_pg_timeout.total_seconds()
+
+
+def _blame(error: BaseException, creators: list[Creator], rank: int, group) -> BaseException:
+    """A collective failed during construction: if a peer's process exited, name it.
+
+    Only the peers seen dead at the first look that finds any are named; and this rank
+    stays alive a moment before raising (LINGER_S), so that a slower survivor's first
+    look does not find it exited too and name it with the rank that was killed."""
+    if not (type(error) is RuntimeError or isinstance(error, dist.DistError)):
+        return error
+    deadline = time.monotonic() + DEATH_GRACE_S  # a killed peer's sockets close before it shows as exited
+    while not (dead := [r for r, c in enumerate(creators) if r != rank and c.is_gone()]):
+        if time.monotonic() >= deadline:
+            return error
+        time.sleep(0.02)
+    time.sleep(LINGER_S)
+    said = str(error).strip().splitlines()[0][:160] if str(error).strip() else type(error).__name__
+    phase = "Buffer construction (shared memory)"
+    return CommTimeoutError(phase, dead, _group_timeout_s(group), dead, f"torch.distributed: {said}")
+
+
+def _try(action) -> tuple[object, BaseException | None]:
+    """(result, None), or (None, the exception) for an ordinary failure."""
+    try:
+        return action(), None
+    except Exception as error:  # raised after the peers learn of it
+        return None, error
+
+
+def _described(error: BaseException | None) -> str | None:
+    return None if error is None else f"{type(error).__name__}: {error}"
 
 
 class SymmetricHeap:
-    """Every rank's segment, mapped here; built collectively over `group`."""
+    """Every rank's segment, mapped here; built collectively over `group` (see the module doc).
+
+    `names` are every rank's segment name (unlinked once built); `doorbell_key` is a
+    secret every rank of the job shares and nobody else can learn, for `ubep.doorbell`;
+    `creators` say who each rank is (`creators[r].is_gone()`: rank r provably exited,
+    correct across PID namespaces, where a bare pid is not).
+    """
 
     def __init__(self, layout: SegmentLayout, group: dist.ProcessGroup, rank: int, world_size: int):
         self.layout = layout
@@ -130,33 +387,69 @@ class SymmetricHeap:
         self.world_size = world_size
         self._maps: list[mmap.mmap] = []
         sweep_stale_segments()
-        own = segment_name(os.getpid())
-        names: list[str] = [""] * world_size
+        everyone: list[Introduction] = _gather(group, world_size, Introduction.here())
+        check_room(layout.nbytes, everyone)
+        self.creators = [i.creator for i in everyone]
+        key = hashlib.sha256("".join(i.token for i in everyone).encode()).digest()
+        self.names = [_name(i.creator, _token(key, f"segment {r}")) for r, i in enumerate(everyone)]
+        self.doorbell_key = hmac.digest(key, b"doorbell", "sha256")
         try:
-            self._own_map = _create(own, layout.nbytes)
-            dist.all_gather_object(names, own, group=group)
-            self._maps = [
-                self._own_map if r == rank else _attach_peer(r, n, layout.nbytes) for r, n in enumerate(names)
-            ]
-            dist.barrier(group=group)  # everyone mapped everything: names can go
-        except BaseException:
-            self._unlink(own)
+            self._maps = self._build(group)
+        except BaseException as error:
             self.close()
-            sweep_stale_segments()  # a peer that died here leaves its name behind
-            raise
-        self._unlink(own)
-        self.names = names  # every rank's segment name (unlinked by now; unique and unguessable)
+            for name in self.names:  # the job's names, a killed rank's among them
+                _unlink(name)
+            blamed = _blame(error, self.creators, rank, group)
+            if blamed is error:
+                raise
+            raise blamed from error
         self._words = [np.frombuffer(m, dtype=np.int64) for m in self._maps]
         self._bytes = [torch.frombuffer(m, dtype=torch.uint8) for m in self._maps]
         self._views: dict[tuple[int, str], torch.Tensor] = {}
         self._word_views: dict[tuple[int, str], np.ndarray] = {}
 
-    @staticmethod
-    def _unlink(name: str) -> None:
+    def _build(self, group: dist.ProcessGroup) -> list[mmap.mmap]:
+        """Create this rank's segment, map everyone's, unlink every name; each step's failure
+        anywhere raises everywhere."""
+        nbytes = self.layout.nbytes
+        own, error = _try(lambda: _create(self.names[self.rank], nbytes))
+        if own is not None:
+            self._maps = [own]  # closed by the caller if a later step fails
+        if isinstance(error, OSError) and error.errno in (errno.ENOMEM, errno.ENOSPC, errno.EFBIG):
+            error = SharedMemorySizeError(
+                f"Buffer construction: rank {self.rank} could not create its {nbytes}-byte "
+                f"({_mib(nbytes)}) shared segment ({error.strerror}); lower max_tokens_per_rank, hidden "
+                "or max_topk, or pass low_latency=False",
+                nbytes,
+                0,
+            )
+        failures = _gather(group, self.world_size, _described(error))
+        if error is not None:
+            raise error
+        _raise_failures("Buffer construction (creating segments)", failures, self.rank)
+        maps: list[mmap.mmap] = [own] * self.world_size
+        for r, name in enumerate(self.names):
+            if r != self.rank and error is None:
+                maps[r], error = _try(lambda name=name: _attach(name, nbytes))
+                if error is None:
+                    self._maps.append(maps[r])
+        failures = _gather(group, self.world_size, _described(error))  # everyone has mapped (or failed)
+        for name in self.names:
+            _unlink(name)
+        if error is not None:
+            raise error
+        _raise_failures("Buffer construction (mapping segments)", failures, self.rank)
+        return maps
+
+    def barrier(self, group: dist.ProcessGroup) -> None:
+        """`dist.barrier` over the heap's group that, if a peer was killed, names it (by its pid)."""
         try:
-            os.unlink(os.path.join(SHM_DIR, name))
-        except FileNotFoundError:
-            pass
+            dist.barrier(group=group)
+        except BaseException as error:
+            blamed = _blame(error, self.creators, self.rank, group)
+            if blamed is error:
+                raise
+            raise blamed from error
 
     def tensor(self, rank: int, name: str) -> torch.Tensor:
         """Region `name` of `rank`'s segment as a tensor of its declared shape and dtype."""
@@ -194,3 +487,8 @@ class SymmetricHeap:
                 m.close()
             except BufferError:
                 pass  # a tensor view still exists; the mapping goes when it does
+
+
+def _token(key: bytes, purpose: str) -> str:
+    """96 bits derived from the job's secret: unguessable without it, the same on every rank."""
+    return hmac.digest(key, purpose.encode(), "sha256")[:12].hex()

@@ -2,6 +2,14 @@
 
 Each raises TypeError (wrong kind of object or dtype) or ValueError (wrong
 shape or value) naming the argument and the rule. Legend: see `ubep.layout`.
+
+Autograd: dispatch and combine are not differentiable (as in DeepEP), yet in
+training the activations passed in require grad. The one rule, for every tensor
+argument on every transport and protocol: a tensor that requires grad is
+accepted and read as data (`detach()`, no copy); nothing returned requires grad
+or records a graph. A model that needs gradients through the exchange wraps the
+calls in a `torch.autograd.Function` (backward of dispatch is a combine, and of
+combine a dispatch), which is how DeepEP is used in training.
 """
 
 from __future__ import annotations
@@ -14,7 +22,7 @@ PAYLOAD_DTYPES = (torch.bfloat16, torch.float32)
 
 
 def tensor(name: str, value, dtype: torch.dtype | tuple[torch.dtype, ...], ndim: int) -> torch.Tensor:
-    """A CPU tensor of the given dtype(s) and rank."""
+    """A CPU tensor of the given dtype(s) and rank, detached from autograd (see the module doc)."""
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
     allowed = dtype if isinstance(dtype, tuple) else (dtype,)
@@ -25,7 +33,7 @@ def tensor(name: str, value, dtype: torch.dtype | tuple[torch.dtype, ...], ndim:
         raise ValueError(f"{name} must have {ndim} dimensions, got shape {tuple(value.shape)}")
     if value.device.type != "cpu":
         raise ValueError(f"{name} is on {value.device}; this Buffer's transports take CPU tensors")
-    return value
+    return value.detach() if value.requires_grad else value  # the caller's own object where possible
 
 
 def payload(name: str, x, hidden: int, capacity: int, rows: int | None = None) -> torch.Tensor:

@@ -28,11 +28,15 @@ class SharedSegments:
         layout.add("arena", (nbytes,), torch.uint8)
         self._segments = SymmetricHeap(layout, group, rank, world_size)
         try:
-            self._doorbell = Doorbell(self._segments.names[rank])
+            self._doorbell = Doorbell(self._segments.names[rank], self._segments.doorbell_key)
         except BaseException:
             self._segments.close()
             raise
         self._doorbell.connect(self._segments.names)
+
+    def barrier(self, group: dist.ProcessGroup) -> None:
+        """A barrier over the segments' group that names a killed peer (see `SymmetricHeap.barrier`)."""
+        self._segments.barrier(group)
 
     def arena(self, owner: int) -> torch.Tensor:
         return self._segments.tensor(owner, "arena")
@@ -53,8 +57,9 @@ def shm_heap(
 ) -> Heap:
     """Collective: every rank of `group` maps every rank's segment holding `blocks`."""
     layout = Layout(world_size, blocks)
-    heap = Heap(layout, SharedSegments(layout.nbytes, group, rank, world_size), rank, world_size, timeout_s)
+    segments = SharedSegments(layout.nbytes, group, rank, world_size)
+    heap = Heap(layout, segments, rank, world_size, timeout_s)
     heap.announce(os.getpid())
-    dist.barrier(group=group)  # every pid and doorbell is ready before the first wait
+    segments.barrier(group)  # every pid and doorbell is ready before the first wait
     heap.learn_peers()
     return heap

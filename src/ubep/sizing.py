@@ -1,0 +1,75 @@
+"""How much shared memory a Buffer takes, before constructing it.
+
+The bytes come from the same blocks and layout the transports build their
+segments from (`ubep.factory.heap_bytes`; the hierarchical transport's own
+blocks), so the answer is exact, not an estimate. On one host every
+rank maps one segment of `segment_bytes`; the host's /dev/shm (and the memory
+cgroup, if it has a limit) must hold `host_bytes`, which is what construction
+checks (`ubep.shm.check_room`). Example: 8 ranks, H = 7168, T = 128, 256
+experts, top-8: `size_hint(hidden=7168, num_experts=256, max_tokens_per_rank=128,
+num_ranks=8, max_topk=8).host_bytes`.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from ubep import validate
+from ubep.factory import heap_bytes
+from ubep.layout import ExpertPlacement
+from ubep.protocols.base import Sizing
+from ubep.protocols.hier import HierBlocks
+from ubep.transport.heap import Layout
+
+
+class SizeHint(NamedTuple):
+    """Shared memory of one Buffer: each rank's segment, and all of one host's segments."""
+
+    segment_bytes: int
+    ranks_per_host: int
+
+    @property
+    def host_bytes(self) -> int:
+        return self.segment_bytes * self.ranks_per_host
+
+
+def size_hint(
+    *,
+    hidden: int,
+    num_experts: int,
+    max_tokens_per_rank: int,
+    num_ranks: int,
+    protocol: str = "ubep",
+    max_topk: int = 16,
+    low_latency: bool = True,
+    expert_placement: list[int] | torch.Tensor | None = None,
+    num_nodes: int = 1,
+) -> SizeHint:
+    """The shared memory a Buffer with these arguments maps, for a group of `num_ranks` ranks
+    on `num_nodes` hosts (more than one: the hierarchical transport, whose low-latency
+    path runs over torch.distributed and takes no shared memory)."""
+    for name, value in (
+        ("hidden", hidden),
+        ("num_experts", num_experts),
+        ("num_ranks", num_ranks),
+        ("max_tokens_per_rank", max_tokens_per_rank),
+        ("max_topk", max_topk),
+        ("num_nodes", num_nodes),
+    ):
+        validate.positive(name, value)
+    if protocol not in ("ubep", "bsp"):
+        raise ValueError(f"protocol must be 'ubep' or 'bsp', got {protocol!r}")
+    if num_ranks % num_nodes:
+        raise ValueError(f"num_ranks ({num_ranks}) must be a multiple of num_nodes ({num_nodes})")
+    placement = (
+        ExpertPlacement.contiguous(num_experts, num_ranks)
+        if expert_placement is None
+        else ExpertPlacement.from_ranks(expert_placement, num_ranks)
+    )
+    sizing = Sizing(hidden=hidden, capacity=max_tokens_per_rank, max_topk=max_topk, placement=placement)
+    per_host = num_ranks // num_nodes
+    if num_nodes > 1:
+        return SizeHint(Layout(per_host, HierBlocks.of(sizing, num_nodes, per_host).all()).nbytes, per_host)
+    return SizeHint(heap_bytes(sizing, protocol, low_latency), per_host)
