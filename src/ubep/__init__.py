@@ -9,7 +9,14 @@ from importlib.metadata import version
 
 from ubep import fp8
 from ubep.buffer import Buffer
-from ubep.errors import CommTimeoutError, ConfigMismatchError, PeerDataError, UbepError
+from ubep.errors import (
+    CommTimeoutError,
+    ConfigMismatchError,
+    DoorbellInUseError,
+    PeerDataError,
+    SharedMemorySizeError,
+    UbepError,
+)
 from ubep.launcher import LocalLaunch, RankFailedError
 from ubep.layout import DispatchLayout, ExpertPlacement
 from ubep.overlap import EventOverlap
@@ -35,6 +42,7 @@ __all__ = [
     "DispatchHandle",
     "DispatchLayout",
     "DispatchResult",
+    "DoorbellInUseError",
     "EventOverlap",
     "ExpertPlacement",
     "LayoutResult",
@@ -46,6 +54,7 @@ __all__ = [
     "PeerDataError",
     "RankFailedError",
     "RecvRoute",
+    "SharedMemorySizeError",
     "UbepError",
     "fp8",
 ]

@@ -38,6 +38,7 @@ from ubep.results import (
     LowLatencyHandle,
 )
 from ubep.schedule import POLICIES
+from ubep.sizing import size_hint
 from ubep.transport.virtual import VirtualRank
 
 VERSION = version("ubep")  # from the package metadata (pyproject.toml): ranks must run the same
@@ -159,6 +160,8 @@ class Buffer:
             "low_latency": self.low_latency,
         }
         check_agreement(self._info, mine, "Buffer")
+
+    size_hint = staticmethod(size_hint)  # the shared memory a Buffer would map, before building it
 
     def explain(self) -> str:
         """Which transport and protocol run here, and why."""
