@@ -122,3 +122,50 @@ class Engine(Protocol):
 
         The formula of `ubep.reference.weighted_sum` (the low-latency combine).
         """
+
+
+class PerBlock:
+    """The several-source kernels composed from the one-source ones, block by block, in order.
+
+    Engines without kernels of their own for several sources (the torch engine,
+    the Triton engine) take these; the results are the same by construction:
+    `reduce_blocks` adds each block into a float32 accumulator in block order
+    and rounds once at the end.
+    """
+
+    def gather_blocks(
+        self,
+        sources: Sequence[torch.Tensor],
+        indices: Sequence[torch.Tensor],
+        out_MB: torch.Tensor,
+        starts: Sequence[int],
+    ) -> None:
+        for src_XB, index_n, start in zip(sources, indices, starts, strict=True):
+            self.copy_rows(src_XB, index_n, out_MB[start : start + index_n.numel()], None)
+
+    def localize_blocks(
+        self,
+        topks: Sequence[torch.Tensor],
+        weights: Sequence[torch.Tensor],
+        indices: Sequence[torch.Tensor],
+        local_of_expert_E: torch.Tensor,
+        out_idx_MK: torch.Tensor,
+        out_weights_MK: torch.Tensor,
+    ) -> None:
+        at = 0
+        for topk_XK, weights_XK, index_n in zip(topks, weights, indices, strict=True):
+            n = index_n.numel()
+            if n and (int(index_n.min()) < 0 or int(index_n.max()) >= topk_XK.shape[0]):
+                raise IndexError("localize_blocks: an index is not a row of its source")
+            out_idx, out_w = out_idx_MK[at : at + n], out_weights_MK[at : at + n]
+            self.localize_rows(topk_XK, weights_XK, index_n, local_of_expert_E, out_idx, out_w)
+            at += n
+
+    def reduce_blocks(
+        self, blocks: Sequence[torch.Tensor], tokens: Sequence[torch.Tensor], out_NH: torch.Tensor
+    ) -> None:
+        acc_NH = torch.zeros(out_NH.shape, dtype=torch.float32, device=out_NH.device)
+        for rows_nH, token_n in zip(blocks, tokens, strict=True):
+            if token_n.numel():
+                self.accumulate_rows(acc_NH, rows_nH, token_n)
+        out_NH.copy_(acc_NH)

@@ -7,11 +7,10 @@ and temporaries, which the compiled engines avoid.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 
 from ubep import reference
+from ubep.engine.base import PerBlock
 
 WORD_DTYPES = (torch.int64, torch.int32, torch.int16, torch.uint8)
 
@@ -31,7 +30,7 @@ def as_words(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
     raise AssertionError("uint8 views always exist")
 
 
-class TorchEngine:
+class TorchEngine(PerBlock):
     """Kernels as torch ops; see `ubep.engine.base.Engine` for the contract of each."""
 
     name = "torch"
@@ -52,40 +51,6 @@ class TorchEngine:
                 torch.index_select(src_w, 0, src_index_n, out=dst_w[:n])
         elif dst_index_n.numel():
             dst_w[dst_index_n] = src_w if src_index_n is None else src_w[src_index_n]
-
-    def gather_blocks(
-        self,
-        sources: Sequence[torch.Tensor],
-        indices: Sequence[torch.Tensor],
-        out_MB: torch.Tensor,
-        starts: Sequence[int],
-    ) -> None:
-        for src_XB, index_n, start in zip(sources, indices, starts, strict=True):
-            self.copy_rows(src_XB, index_n, out_MB[start : start + index_n.numel()], None)
-
-    def localize_blocks(
-        self,
-        topks: Sequence[torch.Tensor],
-        weights: Sequence[torch.Tensor],
-        indices: Sequence[torch.Tensor],
-        local_of_expert_E: torch.Tensor,
-        out_idx_MK: torch.Tensor,
-        out_weights_MK: torch.Tensor,
-    ) -> None:
-        at = 0
-        for topk_XK, weights_XK, index_n in zip(topks, weights, indices, strict=True):
-            if index_n.numel() and (index_n.min() < 0 or index_n.max() >= topk_XK.shape[0]):
-                raise IndexError("localize_blocks: an index is not a row of its source")
-            n = index_n.numel()
-            self.localize_rows(
-                topk_XK,
-                weights_XK,
-                index_n,
-                local_of_expert_E,
-                out_idx_MK[at : at + n],
-                out_weights_MK[at : at + n],
-            )
-            at += n
 
     def localize_rows(
         self,
@@ -115,15 +80,6 @@ class TorchEngine:
         if weight_n is not None:
             rows = rows * weight_n.unsqueeze(1)
         acc_NH.index_add_(0, token_n, rows)
-
-    def reduce_blocks(
-        self, blocks: Sequence[torch.Tensor], tokens: Sequence[torch.Tensor], out_NH: torch.Tensor
-    ) -> None:
-        acc_NH = torch.zeros(out_NH.shape, dtype=torch.float32)
-        for rows_nH, token_n in zip(blocks, tokens, strict=True):
-            if token_n.numel():
-                acc_NH.index_add_(0, token_n, rows_nH.float())
-        out_NH.copy_(acc_NH)
 
     def weighted_sum(self, y_NKH: torch.Tensor, w_NK: torch.Tensor, valid_NK: torch.Tensor) -> torch.Tensor:
         return reference.weighted_sum(y_NKH, w_NK, valid_NK)

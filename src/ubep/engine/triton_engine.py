@@ -24,6 +24,7 @@ from collections.abc import Sequence
 
 import torch
 
+from ubep.engine.base import PerBlock
 from ubep.engine.torch_engine import as_words
 
 COPY_BLOCK = 1024  # words per program of a row copy
@@ -76,7 +77,7 @@ def _index(index_n: torch.Tensor | None, like: torch.Tensor) -> tuple[torch.Tens
     return (like, False) if index_n is None else (index_n, True)
 
 
-class TritonEngine:
+class TritonEngine(PerBlock):
     """Kernels as Triton programs; see `ubep.engine.base.Engine` for the contract of each."""
 
     name = "triton"

@@ -40,6 +40,7 @@ from ubep.compat.deep_ep.handles import LowLatencyView, NormalHandle, normal_han
 from ubep.compat.deep_ep.utils import EventHandle, EventOverlap, pending_event, wait_previous
 from ubep.factory import heap_bytes
 from ubep.group import join_group
+from ubep.layout import tokens_per_node
 from ubep.overlap import EventOverlap as Pending
 from ubep.protocols.base import Sizing
 from ubep.results import LowLatencyHandle
@@ -242,18 +243,13 @@ class Buffer:
         got = ep_layout.dispatch_layout(idx, placement)
         return (
             got.num_tokens_per_rank_R,
-            self._tokens_per_node(got.is_token_in_rank_NR),
+            None
+            if self._info.num_nodes == 1
+            else tokens_per_node(got.is_token_in_rank_NR, self._info.node_of_rank),
             got.num_tokens_per_expert_E,
             got.is_token_in_rank_NR,
             pending_event(Pending(), async_finish),
         )
-
-    def _tokens_per_node(self, is_token_in_rank_NR: torch.Tensor) -> torch.Tensor | None:
-        if self._info.num_nodes == 1:
-            return None
-        node_R = torch.tensor(self._info.node_of_rank)
-        hits = [is_token_in_rank_NR[:, node_R == n].any(dim=1) for n in range(self._info.num_nodes)]
-        return torch.stack(hits, dim=1).sum(dim=0, dtype=torch.int32)
 
     def dispatch(
         self,
