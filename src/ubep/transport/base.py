@@ -109,7 +109,7 @@ class Transport(Protocol):
         """
 
     def arrivals(self, header: Header, call: CallId, peers: Iterable[int], phase: str) -> Iterator[list[int]]:
-        """Like `landed`, but yields every peer found landed at one look together (ascending), so
+        """Like `landed`, but yields every peer found landed at one look together (in `peers`' order), so
         one kernel can take all of them."""
 
     def landed(self, header: Header, call: CallId, peers: Iterable[int], phase: str) -> Iterator[int]:
