@@ -255,6 +255,7 @@ class Buffer:
                 send_counts_R=plan.send_counts_R,
                 recv=got.route,
                 num_recv_tokens_per_expert_list=counts,
+                epoch=call.epoch,
             )
         return DispatchResult(
             recv_x,

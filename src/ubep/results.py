@@ -63,6 +63,7 @@ class DispatchHandle:
     send_counts_R: torch.Tensor
     recv: RecvRoute
     num_recv_tokens_per_expert_list: list[int]
+    epoch: int = 0  # which dispatch (its epoch) made the handle: every rank's combine must agree
 
     @property
     def recv_src_rank_M(self) -> torch.Tensor:

@@ -139,6 +139,7 @@ class BackBlocks:
             Field("dtype", lo=CODE_RANGE[0], hi=CODE_RANGE[1]),
             Field("topk", hi=K),
             Field("prefix", length=R + 1, hi=R * T),
+            Field("epoch"),  # the dispatch whose handle this combine uses
         )
         return cls(
             Header(f"{prefix}.back", fields, double=double),
@@ -161,7 +162,12 @@ def publish_back(
     K = 0 if topk_weights_MK is None else topk_weights_MK.shape[1]
     if K:
         t.view(blocks.y_weights, t.rank, call)[:M, :K].copy_(topk_weights_MK)
-    values = {"dtype": DTYPE_CODES[x_MH.dtype], "topk": K, "prefix": handle.recv_prefix_R1.tolist()}
+    values = {
+        "dtype": DTYPE_CODES[x_MH.dtype],
+        "topk": K,
+        "prefix": handle.recv_prefix_R1.tolist(),
+        "epoch": handle.epoch,
+    }
     t.publish(blocks.back, call, values)
 
 
@@ -190,6 +196,14 @@ def reduce_home(
     got = t.read_all(blocks.back, call, range(t.num_ranks))
     begin_R, end_R = got["prefix"][:, me], got["prefix"][:, me + 1]
     expected_R = np.array([tok.numel() for tok in tokens])
+    other = np.flatnonzero(got["epoch"] != handle.epoch)
+    if other.size:
+        r = int(other[0])
+        message = (
+            f"combine: rank {r} combines the rows of dispatch #{got['epoch'][r]}, this rank those of "
+            f"#{handle.epoch} (all ranks must pass the handle of the same dispatch)"
+        )
+        raise t.bad_data(call, r, message)
     wrong = (end_R - begin_R != expected_R) | (got["dtype"] != DTYPE_CODES[dtype]) | (got["topk"] != K)
     if wrong.any():
         r = int(np.flatnonzero(wrong)[0])
