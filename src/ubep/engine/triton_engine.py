@@ -177,41 +177,13 @@ class TritonEngine(PerBlock):
             DST_INDEXED=dst_indexed,
             BLOCK=min(COPY_BLOCK, _pow2(width)),
         )
+        rows = (src, src_peers, src_index, src_stride, dst, dst_peers, dst_index, dst_stride, width)
         if flag is None:
-            self._run(
-                self._k.copy_rows_kernel,
-                grid,
-                src,
-                src_peers,
-                src_index,
-                src_stride,
-                dst,
-                dst_peers,
-                dst_index,
-                dst_stride,
-                width,
-                **consts,
-            )
+            self._run(self._k.copy_rows_kernel, grid, *rows, **consts)
         else:
             flag_1, arrivals_1, epoch = flag
-            self._run(
-                self._k.put_rows_flag_kernel,
-                grid,
-                src,
-                src_peers,
-                src_index,
-                src_stride,
-                dst,
-                dst_peers,
-                dst_index,
-                dst_stride,
-                width,
-                arrivals_1,
-                flag_1,
-                epoch,
-                grid[0] * grid[1],
-                **consts,
-            )
+            flagged = (arrivals_1, flag_1, epoch, grid[0] * grid[1])
+            self._run(self._k.put_rows_flag_kernel, grid, *rows, *flagged, **consts)
 
     def _place(self, tensors: Sequence[torch.Tensor], name: str, table: bool) -> tuple[torch.Tensor, int]:
         """(the one tensor, or with `table` a table of the tensors' addresses; their row stride)."""
