@@ -10,7 +10,7 @@ Legend: see `ubep.layout`.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from importlib.metadata import version
 
@@ -27,6 +27,7 @@ from ubep.group import GroupInfo, check_agreement, choose_transport, join_group
 from ubep.layout import ExpertPlacement, dispatch_layout, expert_counts, token_in_rank, tokens_per_node
 from ubep.overlap import EventOverlap
 from ubep.protocols.base import Exchange, SendPlan, Sizing
+from ubep.protocols.ll import LLExchange
 from ubep.protocols.ll_base import LowLatencyExchange, combine_plan, dispatch_outputs, dispatch_plan
 from ubep.results import (
     CombineResult,
@@ -143,6 +144,10 @@ class Buffer:
             self._exchange: Exchange | None = exchanges[0]
             self._ll: LowLatencyExchange | None = exchanges[1]
         self._calls = CallCounter()
+        self._masked: frozenset[int] = frozenset()  # ranks left out of every call (`mask_ranks`)
+        self._masked_E = torch.zeros(num_experts, dtype=torch.bool)  # experts those ranks own
+        self._masked_after = 0  # the last call before the latest mask: older handles are stale
+        self._retired = False  # this rank masked itself out
 
     # -- construction -----------------------------------------------------------------------------
 
@@ -204,7 +209,7 @@ class Buffer:
         if num_experts != self.num_experts:
             raise ValueError(f"num_experts is {num_experts}, the Buffer was built for {self.num_experts}")
         idx = validate.topk_idx(topk_idx, _rows(topk_idx), self.num_experts, self.sizing.max_topk)
-        layout = dispatch_layout(idx, self.sizing.placement)
+        layout = dispatch_layout(self._drop_masked(idx)[0], self.sizing.placement)
         return LayoutResult(
             layout.num_tokens_per_rank_R,
             None
@@ -239,7 +244,9 @@ class Buffer:
         """
         call = self._calls.next("dispatch")
         with self._aborting(call):
-            plan = self._send_plan(x, handle, num_tokens_per_rank, is_token_in_rank, topk_idx, topk_weights)
+            plan, dropped = self._send_plan(
+                x, handle, num_tokens_per_rank, is_token_in_rank, topk_idx, topk_weights
+            )
             validate.positive("expert_alignment", expert_alignment)
             self._faults.at("dispatch.start", call)
             got = self._live().dispatch(call, plan, handle)
@@ -256,6 +263,7 @@ class Buffer:
                 recv=got.route,
                 num_recv_tokens_per_expert_list=counts,
                 epoch=call.epoch,
+                num_dropped=dropped,
             )
         return DispatchResult(
             recv_x,
@@ -268,23 +276,35 @@ class Buffer:
 
     def _send_plan(
         self, x, handle, num_tokens_per_rank, is_token_in_rank, topk_idx, topk_weights
-    ) -> SendPlan:
+    ) -> tuple[SendPlan, int]:
+        """The plan, and how many top-k entries it dropped (they select a masked rank's experts)."""
         s = self.sizing
         if handle is not None:
-            if not isinstance(handle, DispatchHandle):
-                raise TypeError(f"handle must come from Buffer.dispatch, got {type(handle).__name__}")
-            if handle.num_ranks != self.num_ranks:
-                raise ValueError(f"handle is for {handle.num_ranks} ranks, this Buffer has {self.num_ranks}")
+            self._check_handle(handle)
             x, scales = self._payload(x, rows=handle.num_tokens)
-            return SendPlan(x, None, None, handle.is_token_in_rank_NR, handle.send_counts_R, scales)
+            plan = SendPlan(x, None, None, handle.is_token_in_rank_NR, handle.send_counts_R, scales)
+            return plan, handle.num_dropped
         if topk_idx is None or topk_weights is None:
             raise ValueError("dispatch needs topk_idx and topk_weights unless a handle is given")
         x, scales = self._payload(x)
         idx = validate.topk_idx(topk_idx, x.shape[0], self.num_experts, s.max_topk)
         w = validate.topk_weights(topk_weights, tuple(idx.shape))
+        idx, dropped = self._drop_masked(idx)
         is_token_in_rank_NR = token_in_rank(idx, s.placement)  # dispatch needs no per-expert counts
         validate.layout_args(num_tokens_per_rank, is_token_in_rank, is_token_in_rank_NR)
-        return SendPlan(x, idx, w, is_token_in_rank_NR, is_token_in_rank_NR.sum(dim=0), scales)
+        return SendPlan(x, idx, w, is_token_in_rank_NR, is_token_in_rank_NR.sum(dim=0), scales), dropped
+
+    def _check_handle(self, handle) -> None:
+        """A normal-mode handle of this Buffer, made after the latest mask."""
+        if not isinstance(handle, DispatchHandle):
+            raise TypeError(f"handle must come from Buffer.dispatch, got {type(handle).__name__}")
+        if handle.num_ranks != self.num_ranks:
+            raise ValueError(f"handle is for {handle.num_ranks} ranks, this Buffer has {self.num_ranks}")
+        if handle.epoch <= self._masked_after:
+            raise ValueError(
+                f"handle comes from a dispatch before rank(s) {sorted(self._masked)} were masked; "
+                "dispatch again to route around them"
+            )
 
     def _payload(self, x, rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(x, None), or an FP8 pair's (values, scales), validated."""
@@ -306,8 +326,7 @@ class Buffer:
         """Send expert outputs home; each token gets the plain float32 sum of its rows."""
         call = self._calls.next("combine")
         with self._aborting(call):
-            if not isinstance(handle, DispatchHandle):
-                raise TypeError(f"handle must come from Buffer.dispatch, got {type(handle).__name__}")
+            self._check_handle(handle)
             M = handle.num_recv_tokens
             x = validate.payload(
                 "x", x, self.sizing.hidden, max(M, self.sizing.capacity * self.num_ranks), rows=M
@@ -347,6 +366,7 @@ class Buffer:
                 raise ValueError(f"num_experts is {num_experts}, the Buffer was built for {self.num_experts}")
             x = validate.low_latency_x(x, s.hidden, num_max_dispatch_tokens_per_rank, s.capacity, use_fp8)
             idx = validate.topk_idx(topk_idx, x.shape[0], self.num_experts, s.max_topk)
+            idx = self._drop_masked(idx)[0]
             plan = dispatch_plan(x, idx, s.placement, num_max_dispatch_tokens_per_rank, use_fp8)
             out = dispatch_outputs(plan, s.hidden, self.num_ranks, idx, self.num_experts)
         receive = ll.dispatch_send(call, plan, out)  # a failing send half tells its peers itself
@@ -395,7 +415,7 @@ class Buffer:
         M = self.num_ranks * handle.num_max_dispatch_tokens_per_rank
         x = validate.expert_output(x, (handle.num_local_experts, M, self.sizing.hidden))
         idx = validate.topk_idx(topk_idx, handle.num_tokens, self.num_experts, self.sizing.max_topk)
-        if not torch.equal(idx, handle.topk_idx_NK):
+        if not torch.equal(self._drop_masked(idx)[0], handle.topk_idx_NK):
             raise ValueError("topk_idx must be the one passed to the low_latency_dispatch that made handle")
         return x, validate.topk_weights(topk_weights, tuple(idx.shape))
 
@@ -415,6 +435,55 @@ class Buffer:
             raise ValueError("this Buffer was built with low_latency=False")
         return self._ll
 
+    # -- shrinking around dead ranks ---------------------------------------------------------------
+
+    def mask_ranks(self, ranks: Iterable[int]) -> None:
+        """Leave `ranks` out of every later call (shrink around dead ranks); collective among the rest.
+
+        Call it on every rank that stays, with the same ranks, after a call failed naming them
+        (`CommTimeoutError.dead_peers`, or the rank a `PeerAbortedError` blames). The staying
+        ranks agree on the call to resume from, so it does not matter at which call each of them
+        failed. Later dispatches drop the top-k entries that select a masked rank's experts
+        (`handle.num_dropped` counts them on the tokens' rank) and combine sums the rest;
+        handles from before the mask are refused, and a low-latency receive half still pending
+        from before it must not be run. A rank that masks itself leaves: its Buffer takes no
+        further call. Needs a shared-heap transport ("shm", "virtual").
+        """
+        gone = frozenset(int(r) for r in ranks)
+        outside = sorted(r for r in gone if not 0 <= r < self.num_ranks)
+        if outside:
+            raise ValueError(f"ranks must lie in [0, {self.num_ranks}), got {outside}")
+        exchange = self._live()
+        if self.rank in gone:
+            self._retired = True
+            return
+        mask = getattr(exchange, "mask", None)
+        if mask is None:
+            raise NotImplementedError(
+                f"masking ranks needs a shared heap (transport 'shm' or 'virtual'); "
+                f"this Buffer runs on {self.transport!r}, whose collectives cannot leave a rank out"
+            )
+        seq = mask(self._masked | gone, self._calls.seq)
+        self._calls.resume(seq)
+        if isinstance(self._ll, LLExchange):
+            self._ll.resume(seq)
+        self._masked |= gone
+        owners_E = self.sizing.placement.rank_of_expert_E
+        self._masked_E = torch.isin(owners_E, torch.tensor(sorted(self._masked)))
+        self._masked_after = seq
+
+    @property
+    def masked_ranks(self) -> tuple[int, ...]:
+        """Ranks left out of every call (`mask_ranks`), ascending."""
+        return tuple(sorted(self._masked))
+
+    def _drop_masked(self, topk_idx_NK: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """topk_idx with -1 where it selects a masked rank's expert, and how many entries that drops."""
+        if not self._masked:
+            return topk_idx_NK, 0
+        dropped_NK = (topk_idx_NK >= 0) & self._masked_E[topk_idx_NK.clamp(min=0)]
+        return topk_idx_NK.masked_fill(dropped_NK, -1), int(dropped_NK.sum())
+
     # -- lifetime ---------------------------------------------------------------------------------
 
     @contextmanager
@@ -431,6 +500,8 @@ class Buffer:
     def _live(self) -> Exchange:
         if self._exchange is None:
             raise RuntimeError("this Buffer is closed")
+        if self._retired:
+            raise RuntimeError(f"rank {self.rank} masked itself out of its group: it takes part in no call")
         return self._exchange
 
     def close(self) -> None:

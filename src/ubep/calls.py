@@ -30,8 +30,15 @@ class CallCounter:
 
     seq: int = 0
     epochs: dict[str, int] = field(default_factory=dict)
+    base: int = 0  # every kind's epoch before its first call (from `resume`)
 
     def next(self, kind: str) -> CallId:
         self.seq += 1
-        self.epochs[kind] = self.epochs.get(kind, 0) + 1
+        self.epochs[kind] = self.epochs.get(kind, self.base) + 1
         return CallId(self.seq, self.epochs[kind], kind)
+
+    def resume(self, seq: int) -> None:
+        """Continue after call `seq`, with every kind's epoch after it too: ranks that agreed on `seq`
+        (after masking a dead rank) agree on every later call, and no epoch repeats an earlier one."""
+        self.seq = self.base = seq
+        self.epochs.clear()

@@ -44,6 +44,11 @@ class PeerDataError(UbepError):
     """A peer published a value that fails the receiver's bounds checks."""
 
 
+class MaskedOutError(UbepError):
+    """The other ranks masked this one out of the group (they saw it die or go silent): it must not
+    touch their memory again, and takes part in no further call."""
+
+
 class SharedMemorySizeError(ValueError):
     """A Buffer's shared segments do not fit this host's /dev/shm or its cgroup's memory limit.
 

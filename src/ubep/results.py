@@ -64,6 +64,7 @@ class DispatchHandle:
     recv: RecvRoute
     num_recv_tokens_per_expert_list: list[int]
     epoch: int = 0  # which dispatch (its epoch) made the handle: every rank's combine must agree
+    num_dropped: int = 0  # top-k entries of this rank's tokens dropped: they selected a masked rank's expert
 
     @property
     def recv_src_rank_M(self) -> torch.Tensor:

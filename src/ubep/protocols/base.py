@@ -7,7 +7,7 @@ Legend: see `ubep.layout`.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -19,7 +19,7 @@ from ubep.calls import CallId
 from ubep.engine import Engine
 from ubep.layout import ExpertPlacement, destination_major
 from ubep.results import DispatchHandle, RecvRoute
-from ubep.transport.base import Field, Header, Region, Transport
+from ubep.transport.base import Field, Header, Record, Region, Transport
 
 # Wire codes for the dtypes a payload may carry (stored next to the data).
 DTYPE_CODES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3, torch.float8_e4m3fn: 4, torch.uint8: 5}
@@ -73,7 +73,11 @@ class Received:
 
 
 class Exchange(Protocol):
-    """A protocol bound to a transport: the two halves of an EP layer's traffic."""
+    """A protocol bound to a transport: the two halves of an EP layer's traffic.
+
+    Exchanges over a heap also take `mask(ranks, seq) -> seq` (`Transport.mask`): later calls
+    leave masked ranks out.
+    """
 
     name: str
 
@@ -148,6 +152,16 @@ class BackBlocks:
         )
 
 
+def spread(record: Record, peers: Sequence[int], num_ranks: int) -> dict[str, np.ndarray]:
+    """`read_all`'s rows for `peers`, each moved to its rank's row of `num_ranks`; the rows of ranks
+    not read (masked ones) are zero: no tokens, no rows."""
+    out = {}
+    for name, rows_P in record.items():
+        out[name] = np.zeros((num_ranks, *rows_P.shape[1:]), dtype=rows_P.dtype)
+        out[name][list(peers)] = rows_P
+    return out
+
+
 def publish_back(
     t: Transport,
     blocks: BackBlocks,
@@ -193,10 +207,11 @@ def reduce_home(
     tokens = send_tokens(handle.is_token_in_rank_NR, handle.send_counts_R)
     for _ in landed:
         pass
-    got = t.read_all(blocks.back, call, range(t.num_ranks))
+    got = spread(t.read_all(blocks.back, call, t.live), t.live, t.num_ranks)
+    live_R = np.isin(np.arange(t.num_ranks), t.live)
     begin_R, end_R = got["prefix"][:, me], got["prefix"][:, me + 1]
     expected_R = np.array([tok.numel() for tok in tokens])
-    other = np.flatnonzero(got["epoch"] != handle.epoch)
+    other = np.flatnonzero((got["epoch"] != handle.epoch) & live_R)
     if other.size:
         r = int(other[0])
         message = (
@@ -204,7 +219,8 @@ def reduce_home(
             f"#{handle.epoch} (all ranks must pass the handle of the same dispatch)"
         )
         raise t.bad_data(call, r, message)
-    wrong = (end_R - begin_R != expected_R) | (got["dtype"] != DTYPE_CODES[dtype]) | (got["topk"] != K)
+    formats_R = (got["dtype"] != DTYPE_CODES[dtype]) | (got["topk"] != K)
+    wrong = (end_R - begin_R != expected_R) | (formats_R & live_R)
     if wrong.any():
         r = int(np.flatnonzero(wrong)[0])
         sent = CODE_DTYPES.get(int(got["dtype"][r]))

@@ -18,6 +18,7 @@ Legend: see `ubep.layout`.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import torch
@@ -128,8 +129,7 @@ class BspExchange:
         b, t, me, H = self.blocks, self.t, self.me, plan.x_NH.shape[1]
         K = 0 if plan.topk_idx_NK is None else plan.topk_idx_NK.shape[1]
         tokens = plan.send_tokens()
-        for i in range(self.R):
-            dst = (me + i) % self.R
+        for dst in sorted(t.live, key=lambda r: (r - me) % self.R):  # own first, then the next ranks
             tokens_n, n = tokens[dst], tokens[dst].numel()
             self.engine.copy_rows(
                 plan.x_NH, tokens_n, rows(t.view(b.stage_x, dst)[me], n, plan.x_NH.dtype, H), None
@@ -151,12 +151,12 @@ class BspExchange:
     def _verify_and_count(self, call: CallId, plan: SendPlan) -> torch.Tensor:
         """Rows from each source, after checking every source's flag, format and counts."""
         b, t = self.blocks, self.t
-        missing = [s for s in range(self.R) if not t.stamped(b.staged, call, s)]
+        missing = [s for s in t.live if not t.stamped(b.staged, call, s)]
         if missing:
             raise PeerDataError(f"dispatch (flag verification): no tokens from rank(s) {missing}")
         K = 0 if plan.topk_idx_NK is None else plan.topk_idx_NK.shape[1]
-        counts = []
-        for src in range(self.R):
+        counts = [0] * self.R  # masked ranks send nothing
+        for src in t.live:
             got = t.read(b.staged, call, src)
             if CODE_DTYPES.get(got["dtype"]) != plan.x_NH.dtype or got["topk"] != K:
                 message = (
@@ -164,7 +164,7 @@ class BspExchange:
                     f"this rank {plan.x_NH.dtype} with top-k {K}"
                 )
                 raise t.bad_data(call, src, message)
-            counts.append(int(t.read(b.counts, call, src)["counts"][self.me]))
+            counts[src] = int(t.read(b.counts, call, src)["counts"][self.me])
         return torch.tensor(counts, dtype=torch.int64)
 
     def _reorder(self, call: CallId, plan: SendPlan, prefix_R1: torch.Tensor, cached: bool) -> Received:
@@ -207,11 +207,14 @@ class BspExchange:
         publish_back(self.t, back, call, x_MH, handle, topk_weights_MK)
         self.faults.at("combine.mid", call)
         self.t.barrier("combine (token send)", call)
-        landed = self.t.landed(back.back, call, range(self.R), "combine (reduce)")  # all, after the barrier
+        landed = self.t.landed(back.back, call, self.t.live, "combine (reduce)")  # all, after the barrier
         return reduce_home(self.t, self.engine, back, call, handle, x_MH, topk_weights_MK, landed)
 
     def abort(self, call: CallId) -> None:
         self.t.abort(call)
+
+    def mask(self, ranks: Collection[int], seq: int) -> int:
+        return self.t.mask(ranks, seq)
 
     def close(self) -> None:
         self.t.close()

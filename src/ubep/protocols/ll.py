@@ -122,7 +122,7 @@ class LLExchange:
                 f"low-latency {what} #{call.epoch}: call #{before} still awaits its receive half "
                 "(hook or event.wait()); at most two low-latency calls of a kind may be in flight"
             )
-        others = [r for r in range(self.R) if r != self.me]
+        others = [r for r in self.t.live if r != self.me]
         self.t.wait(
             f"low-latency {what} (buffer reuse)", call, others, lambda r: done[r][kind, p, CONSUMED] >= before
         )
@@ -168,13 +168,24 @@ class LLExchange:
             done[SKIPPED] = call.epoch
         self.t.abort(call)  # last: it rings every peer, who then sees all of the above
 
+    def _others_first(self) -> list[int]:
+        """The live ranks in the order of sends: the next ranks first, this rank last."""
+        return sorted(self.t.live, key=lambda r: (r - self.me - 1) % self.R)
+
+    def resume(self, seq: int) -> None:
+        """After ranks were masked and the rest resume after call `seq`: every call up to it is over
+        (a pending receive half from before is abandoned), so both halves are free again."""
+        done = self.t.words(self.blocks.done, self.me)
+        done[:, :, CONSUMED] = seq
+        self.t.ring()  # a peer may wait to reuse a half
+
     # -- dispatch ---------------------------------------------------------------------------------
 
     def dispatch_send(self, call: CallId, plan: LLDispatchPlan, out: LLDispatchOut) -> Callable[[], None]:
         try:
             self._reserve(call, DISPATCH, "dispatch")
-            for i in range(1, self.R + 1):  # others first, own slots last
-                self._put_tokens(call, plan, (self.me + i) % self.R)
+            for dst in self._others_first():
+                self._put_tokens(call, plan, dst)
         except BaseException:
             self.abort(call, "dispatch")
             raise
@@ -202,6 +213,10 @@ class LLExchange:
         begin_L = torch.zeros(self.sizing.placement.num_local_experts, dtype=torch.int64)
         try:
             for src in range(self.R):
+                if src not in self.t.live:  # masked: sends nothing
+                    out.handle.layout_range_LR2[:, src, 0] = begin_L
+                    out.handle.layout_range_LR2[:, src, 1] = 0
+                    continue
                 self._landed("low-latency dispatch (tokens)", call, DISPATCH, b.sent, [src])
                 counts_L = self._check_tokens(call, src, out)
                 local_n, index_n = slot_positions(counts_L)
@@ -241,8 +256,8 @@ class LLExchange:
     def combine_send(self, call: CallId, plan: LLCombinePlan, out_NH: torch.Tensor) -> Callable[[], None]:
         try:
             self._reserve(call, COMBINE, "combine")
-            for i in range(1, self.R + 1):
-                self._put_rows(call, plan, (self.me + i) % self.R)
+            for home in self._others_first():
+                self._put_rows(call, plan, home)
         except BaseException:
             self.abort(call, "combine")
             raise

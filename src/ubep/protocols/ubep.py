@@ -25,6 +25,7 @@ Legend: see `ubep.layout`.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -48,6 +49,7 @@ from ubep.protocols.base import (
     publish_back,
     reduce_home,
     rows,
+    spread,
 )
 from ubep.results import DispatchHandle, RecvRoute
 from ubep.transport.base import Field, Header, Region, Transport
@@ -126,7 +128,7 @@ class UbepExchange:
         self.faults.at("dispatch.sent", call)
         x_NH = plan.x_NH
         if handle is None:
-            routes = self._routes(call, range(self.R), x_NH.dtype)
+            routes = self._routes(call, self.t.live, x_NH.dtype)
             counts_R, recv_idx, recv_w, src_token_M = self._routing(call, plan, routes)
         else:
             routes = None  # read per batch as payloads land
@@ -168,8 +170,8 @@ class UbepExchange:
         t.publish(b.data, call, {})  # the payload is visible from here on
 
     def _routes(self, call: CallId, sources, dtype: torch.dtype) -> dict:
-        """The route records of `sources` (all landed), one array row per source, checked against
-        this rank's call."""
+        """The route records of `sources` (all landed), checked against this rank's call: one
+        array row per rank, zero for ranks not among `sources` (masked: they send nothing)."""
         sources = list(sources)
         for _ in self.t.arrivals(self.blocks.route, call, sources, "dispatch (routing)"):
             pass
@@ -178,7 +180,7 @@ class UbepExchange:
         if wrong.size:
             src, sent = sources[wrong[0]], CODE_DTYPES.get(int(routes["dtype"][wrong[0]]))
             raise self.t.bad_data(call, src, f"dispatch: rank {src} sent {sent}, this rank {dtype}")
-        return routes
+        return spread(routes, sources, self.R)
 
     def _routing(self, call: CallId, plan: SendPlan, routes: dict):
         """Every source's rows for this rank, their top-k as seen here, in source-rank order.
@@ -187,9 +189,9 @@ class UbepExchange:
         routing has landed (it is published first, so it normally has).
         """
         b, t, K = self.blocks, self.t, plan.topk_idx_NK.shape[1]
-        wrong = np.flatnonzero(routes["topk"] != K)
-        if wrong.size:
-            src = int(wrong[0])
+        wrong = [s for s in self.t.live if routes["topk"][s] != K]
+        if wrong:
+            src = wrong[0]
             raise PeerDataError(
                 f"dispatch: rank {src} routed with top-k {routes['topk'][src]}, this rank with {K}"
             )
@@ -234,12 +236,11 @@ class UbepExchange:
         b, t, H = self.blocks, self.t, x_NH.shape[1]
         pieces, moving = self._pieces(prefix), []
         try:
-            for landed in t.arrivals(b.data, call, range(self.R), "dispatch (tokens)"):
+            for landed in t.arrivals(b.data, call, t.live, "dispatch (tokens)"):
                 batch_routes = routes or self._routes(call, landed, x_NH.dtype)  # cached dispatch: read now
-                at = landed if routes else range(len(landed))  # where each landed source's row is
-                sent = batch_routes["num_tokens"][at].tolist()
+                sent = batch_routes["num_tokens"][landed].tolist()
                 self._check_payload(
-                    call, landed, batch_routes["counts"][at, self.me].tolist(), sent, prefix, src_token_M
+                    call, landed, batch_routes["counts"][landed, self.me].tolist(), sent, prefix, src_token_M
                 )
                 batch = [(s, n) for s, n in zip(landed, sent, strict=True) if prefix[s + 1] > prefix[s]]
                 sources_XH = [rows(t.view(b.x, s, call), n, x_NH.dtype, H) for s, n in batch]
@@ -304,11 +305,14 @@ class UbepExchange:
         back = self.blocks.back
         publish_back(self.t, back, call, x_MH, handle, topk_weights_MK)
         self.faults.at("combine.mid", call)
-        landed = self.t.landed(back.back, call, range(self.R), "combine")
+        landed = self.t.landed(back.back, call, self.t.live, "combine")
         return reduce_home(self.t, self.engine, back, call, handle, x_MH, topk_weights_MK, landed)
 
     def abort(self, call: CallId) -> None:
         self.t.abort(call)
+
+    def mask(self, ranks: Collection[int], seq: int) -> int:
+        return self.t.mask(ranks, seq)
 
     def close(self) -> None:
         if self._pool is not None:

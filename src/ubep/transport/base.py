@@ -25,7 +25,7 @@ Legend: see `ubep.layout`.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -94,6 +94,7 @@ class Transport(Protocol):
 
     rank: int
     num_ranks: int
+    live: tuple[int, ...]  # the ranks taking part, ascending (all of them until some are masked)
 
     def view(self, region: Region, owner: int, call: CallId | None = None) -> torch.Tensor:
         """Region of rank `owner`'s memory, as a tensor of its shape and dtype (the half of
@@ -147,6 +148,13 @@ class Transport(Protocol):
 
     def bad_data(self, call: CallId, culprit: int, message: str) -> PeerDataError:
         """Blame `culprit` for a value that failed a check (peers learn it); the error to raise."""
+
+    def mask(self, ranks: Collection[int], seq: int) -> int:
+        """Collective among the ranks that stay: leave `ranks` out of every later wait and barrier.
+
+        `seq` is the last call this rank started; returns the largest any staying
+        rank started, after which they all continue.
+        """
 
     def close(self) -> None:
         """Release this rank's memory and wake-up channel; idempotent."""

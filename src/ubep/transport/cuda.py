@@ -113,6 +113,13 @@ class CudaHeap:
     def bad_data(self, call: CallId, culprit: int, message: str) -> PeerDataError:
         return self._host.bad_data(call, culprit, message)
 
+    @property
+    def live(self) -> tuple[int, ...]:
+        return self._host.live
+
+    def mask(self, ranks: Collection[int], seq: int) -> int:
+        return self._host.mask(ranks, seq)
+
     def close(self) -> None:
         self._arenas, self._tables, self._handle = [], {}, None  # symmetric memory is freed with its tensors
         self._host.close()

@@ -11,7 +11,10 @@ both are behind `Memory`. Everything a protocol relies on is here, once:
   dead and aborting peers;
 - the control block: the pid, the barrier word and a ring of abort notices,
   one per call (slot seq % ABORT_RING), so a notice outlives the rank's next
-  calls and a slow peer still finds it there.
+  calls and a slow peer still finds it there;
+- membership: `mask` drops dead ranks from every later wait and barrier, after
+  the survivors agree (in the `members` block) on whom and on the call to
+  resume from.
 
 Legend: see `ubep.layout`.
 """
@@ -19,7 +22,7 @@ Legend: see `ubep.layout`.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -27,7 +30,7 @@ import numpy as np
 import torch
 
 from ubep.calls import CallId
-from ubep.errors import CommTimeoutError, PeerDataError, UbepError
+from ubep.errors import CommTimeoutError, MaskedOutError, PeerDataError, UbepError
 from ubep.transport.base import Field, Header, Record, Region
 from ubep.waiting import AbortNotice, PeerAbortedError, Waiter
 
@@ -61,6 +64,8 @@ class Layout:
         self.nbytes = 0
         self.offsets: dict[tuple[str, int], tuple[int, tuple[int, ...], torch.dtype]] = {}
         self._place("ctl", 0, (CTL_WORDS,), torch.int64)
+        # Two generations of a rank's membership record: [generation, call seq, masked flag per rank].
+        self._place("members", 0, (2, 2 + num_ranks), torch.int64)
         for block in blocks:
             shape, dtype = _shape_of(block, num_ranks)
             if any(name == block.name for name, _ in self.offsets):
@@ -105,7 +110,10 @@ class Heap:
         self._numpy: dict[tuple[str, int, int], np.ndarray] = {}
         self._bounds: dict[Header, _Bounds] = {}
         self._ctl = [self._words_at("ctl", 0, r) for r in range(num_ranks)]
+        self._members = [self._words_at("members", 0, r) for r in range(num_ranks)]
         self._pids: list[int | None] = [None] * num_ranks
+        self.live: tuple[int, ...] = tuple(range(num_ranks))  # the ranks still taking part
+        self._generation = 0  # how many times membership changed
         self._current_seq = 0
         self._barrier_seq = self._barrier_step = 0
 
@@ -224,6 +232,8 @@ class Heap:
             yield from batch
 
     def wait(self, phase: str, call: CallId, peers: Iterable[int], ready: Callable[[int], bool]) -> None:
+        peers = list(peers)
+        self._check_member(phase, peers)  # before a barrier or a put into peers' memory
         pending = [p for p in peers if not ready(p)]
         waiter = self._waiter(phase, call) if pending else None
         while pending:
@@ -256,7 +266,7 @@ class Heap:
         target = call.seq * BARRIERS_PER_CALL + self._barrier_step
         self._ctl[self.rank][CTL_BARRIER] = target
         self.ring()
-        others = [r for r in range(self.num_ranks) if r != self.rank]
+        others = [r for r in self.live if r != self.rank]
         ctl = self._ctl
         self.wait(
             phase, call, others, lambda r: ctl[r][CTL_BARRIER] >= target and not self._notice(r, call.seq)
@@ -296,6 +306,61 @@ class Heap:
         self.abort(call, CAUSE_BAD_DATA, culprit)
         return PeerDataError(message)
 
+    # -- membership -------------------------------------------------------------------------------
+
+    def mask(self, ranks: Collection[int], seq: int) -> int:
+        """Collective among the ranks that stay: stop waiting for `ranks` (dead, or gone).
+
+        Every staying rank passes the same ranks (PeerDataError names one that
+        differs) and the seq of the last call it started; they may have failed
+        at different calls around a death, so all resume after the largest.
+        Returns that seq. Later waits and barriers involve `live` ranks only.
+        """
+        gone = set(self.masked) | set(ranks)
+        stay = [r for r in range(self.num_ranks) if r not in gone]
+        self._generation += 1
+        g, half = self._generation, self._generation % 2
+        record = self._members[self.rank][half]
+        record[1] = seq
+        record[2:] = [r in gone for r in range(self.num_ranks)]
+        record[0] = g  # last: the record is complete once a peer sees the generation
+        for r in stay:
+            self.ring(r)
+        waiter = Waiter(
+            f"masking rank(s) {sorted(gone)} (the staying ranks agree)",
+            self.timeout_s,
+            self._pids.__getitem__,
+            lambda peer: None,  # aborted calls from before the mask are expected, and do not matter here
+            self._memory.sleep,
+        )
+        pending = [r for r in stay if r != self.rank]
+        while pending := [r for r in pending if self._members[r][half][0] != g]:
+            waiter.pause(pending)
+        for r in stay:
+            theirs = {p for p in range(self.num_ranks) if self._members[r][half][2 + p]}
+            if theirs != gone:
+                message = f"mask: rank {r} masks rank(s) {sorted(theirs)}, this rank {sorted(gone)}"
+                raise PeerDataError(message)
+        self.live = tuple(stay)
+        return max(int(self._members[r][half][1]) for r in stay)
+
+    def _check_member(self, phase: str, peers: Iterable[int]) -> None:
+        """Raise if a peer masked this rank (it stalled, and the others went on without it): from
+        then on it must not write into their memory, whose halves now serve other calls."""
+        for p in peers:
+            records = self._members[p]
+            latest = records[int(np.argmax(records[:, 0]))]
+            if latest[0] > self._generation and latest[2 + self.rank]:
+                raise MaskedOutError(
+                    f"{phase}: rank {p} and the others masked rank {self.rank} out of the group "
+                    "(they saw it die or go silent, or it left); it takes part in no further call"
+                )
+
+    @property
+    def masked(self) -> tuple[int, ...]:
+        """Ranks dropped by `mask`."""
+        return tuple(r for r in range(self.num_ranks) if r not in self.live)
+
     # -- lifetime ---------------------------------------------------------------------------------
 
     def announce(self, pid: int) -> None:
@@ -307,7 +372,7 @@ class Heap:
         self._pids = [int(c[CTL_PID]) or None for c in self._ctl]
 
     def close(self) -> None:
-        self._ctl = []
+        self._ctl, self._members = [], []
         self._views, self._numpy = {}, {}
         self._memory.close()
 

@@ -1,0 +1,147 @@
+"""Shrinking around a dead rank (`Buffer.mask_ranks`): the ranks that stay mask it and keep
+calling, each call exact against the reference restricted to them (`shrinkcase`)."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import pytest
+import torch.distributed as dist
+from faultcase import group_pids, residue
+from shrinkcase import buffer, low_latency_call, normal_call
+
+import ubep
+from ubep.errors import CommTimeoutError, UbepError
+from ubep.faults import FaultPlan
+from ubep.transport.virtual import VirtualRank, VirtualWorld
+
+DEAD = 2
+ITERATIONS_AFTER = 50  # dispatch + combine pairs on the survivors after the mask: 100 calls
+
+
+def leave_one_by_one(rank: VirtualRank, protocol: str) -> list[int]:
+    """Ranks 2, then 3 leave (each masks itself, the others mask it); the rest keep calling."""
+    me = rank.rank
+    with buffer(rank, protocol, timeout_s=20) as buf:
+        for seed in range(3):
+            normal_call(buf, seed, set())
+        buf.mask_ranks([2])
+        if me == 2:
+            with pytest.raises(RuntimeError, match="masked itself out"):
+                normal_call(buf, 99, set())
+            return []
+        for seed in range(200, 203):
+            low_latency_call(buf, seed, {2})
+        for seed in range(100, 120):
+            normal_call(buf, seed, {2})
+        # Masking a rank that is still inside a call makes that call fail there (MaskedOutError): the
+        # others went on. Rank 3 leaves after a normal-mode call, which waits for every rank.
+        buf.mask_ranks([3])
+        if me == 3:
+            return list(buf.masked_ranks)
+        for seed in range(300, 310):
+            normal_call(buf, seed, {2, 3})
+        low_latency_call(buf, 400, {2, 3})
+        return list(buf.masked_ranks)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("protocol", ["ubep", "bsp"])
+def test_ranks_leave_one_by_one_and_the_rest_stay_exact(protocol):
+    got = VirtualWorld(4, timeout_s=100).run(lambda rank: leave_one_by_one(rank, protocol))
+    assert got == [[2, 3], [2, 3], [], [2]]
+
+
+def killed_then_masked(protocol: str, point: str) -> dict:
+    """Rank DEAD is SIGKILLed at `point` of call 7; the others run until a call fails, check that
+    it names DEAD, mask it, and run ITERATIONS_AFTER checked iterations without it."""
+    me = dist.get_rank()
+    pids = group_pids()
+    plan = FaultPlan(rank=DEAD, point=point, action="kill", call=7)
+    with buffer(None, protocol, timeout_s=5, faults=plan) as buf:
+        seed = 0
+        try:
+            while seed < 10:
+                normal_call(buf, seed, set())
+                seed += 1
+        except UbepError as error:
+            failed = (seed, type(error).__name__, str(error))
+        else:
+            raise AssertionError("the killed rank was never noticed")
+        assert f"rank(s) {DEAD}" in failed[2] or f"rank {DEAD}" in failed[2], failed
+        buf.mask_ranks([DEAD])
+        for seed in range(1000, 1000 + ITERATIONS_AFTER):
+            normal_call(buf, seed, {DEAD})
+        for seed in range(2000, 2003):
+            low_latency_call(buf, seed, {DEAD})
+    return {"failed": failed, "left": residue(pids - {os.getpid()}) if me == 0 else []}
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize(
+    "protocol,point", [("ubep", "dispatch.sent"), ("ubep", "dispatch.start"), ("bsp", "dispatch.sent")]
+)
+def test_a_killed_rank_is_masked_and_the_survivors_go_on_exact(protocol, point):
+    outcomes = ubep.LocalLaunch(world_size=4, timeout_s=150).outcomes(killed_then_masked, protocol, point)
+    assert outcomes[DEAD].cause == "died", outcomes[DEAD]
+    for rank in (0, 1, 3):
+        assert outcomes[rank].ok, (rank, outcomes[rank].cause, outcomes[rank].error)
+    assert outcomes[0].result["left"] == []
+
+
+def stalled_then_masked(rank: VirtualRank, protocol: str, awake: threading.Event) -> str:
+    """Rank 2 stalls past the deadline; the others mask it and go on. When it wakes, its next call
+    must fail without writing into their memory (low-latency sends put rows there)."""
+    with buffer(rank, protocol, timeout_s=2) as buf:
+        normal_call(buf, 0, set())
+        low_latency_call(buf, 1, set())
+        if rank.rank == 2:
+            time.sleep(5)
+            awake.set()
+            with pytest.raises(ubep.MaskedOutError, match="masked rank 2 out"):
+                low_latency_call(buf, 2, set())
+            return "masked out"
+        with pytest.raises(UbepError, match=r"rank\(s\) 2|because rank 2"):  # silent, or named by a peer
+            normal_call(buf, 2, set())
+        buf.mask_ranks([2])
+        low_latency_call(buf, 100, {2})
+        awake.wait(30)
+        for seed in range(101, 121):  # calls while rank 2 tries its own
+            low_latency_call(buf, seed, {2})
+            normal_call(buf, seed + 1000, {2})
+        return "exact"
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("protocol", ["ubep", "bsp"])
+def test_a_stalled_rank_masked_by_the_others_cannot_write_into_them_when_it_wakes(protocol):
+    awake = threading.Event()
+    got = VirtualWorld(3, timeout_s=50).run(lambda rank: stalled_then_masked(rank, protocol, awake))
+    assert got == ["exact", "exact", "masked out"]
+
+
+def disagree(rank: VirtualRank) -> str:
+    with buffer(rank, "ubep", timeout_s=3) as buf:
+        normal_call(buf, 0, set())
+        try:
+            buf.mask_ranks([2] if rank.rank == 0 else [2, 3] if rank.rank == 1 else [rank.rank])
+        except (UbepError, CommTimeoutError) as error:
+            return type(error).__name__
+        return "masked"
+
+
+@pytest.mark.timeout(60)
+def test_ranks_that_disagree_on_whom_to_mask_raise():
+    got = VirtualWorld(4, timeout_s=50).run(disagree)
+    assert got[2] == "masked" and got[3] == "masked"  # they left
+    assert got[0] != "masked" and got[1] != "masked", got
+
+
+def test_masking_needs_a_heap_and_ranks_in_range():
+    with ubep.Buffer(hidden=64, num_experts=4, max_tokens_per_rank=4) as buf:  # one rank: local
+        with pytest.raises(ValueError, match="must lie in"):
+            buf.mask_ranks([5])
+        with pytest.raises(NotImplementedError, match="shared heap"):
+            buf.mask_ranks([])
