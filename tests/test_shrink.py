@@ -8,11 +8,15 @@ import threading
 import time
 
 import pytest
+import torch
 import torch.distributed as dist
 from faultcase import group_pids, residue
-from shrinkcase import buffer, low_latency_call, normal_call
+from shrinkcase import NUM_EXPERTS_PER_RANK, buffer, inputs, low_latency_call, normal_call, restricted
+from test_low_latency import CAPACITY, HIDDEN
 
 import ubep
+from ubep import reference
+from ubep.compat.deep_ep import Buffer as DeepEPBuffer
 from ubep.errors import CommTimeoutError, UbepError
 from ubep.faults import FaultPlan
 from ubep.transport.virtual import VirtualRank, VirtualWorld
@@ -120,6 +124,40 @@ def test_a_stalled_rank_masked_by_the_others_cannot_write_into_them_when_it_wake
     awake = threading.Event()
     got = VirtualWorld(3, timeout_s=50).run(lambda rank: stalled_then_masked(rank, protocol, awake))
     assert got == ["exact", "exact", "masked out"]
+
+
+def deep_ep_shrink(rank: VirtualRank) -> list[int]:
+    """DeepEP's mask-buffer calls through the compat layer: rank 2 is masked by everyone (it leaves),
+    the others run low-latency calls without it, exact against the restricted reference."""
+    from shrinkcase import expert_output
+
+    R, E, me = rank.world_size, NUM_EXPERTS_PER_RANK * rank.world_size, rank.rank
+    hint = DeepEPBuffer.get_low_latency_rdma_size_hint(CAPACITY, HIDDEN, R, E)
+    buf = DeepEPBuffer(rank, num_rdma_bytes=hint, low_latency_mode=True, enable_shrink=True)
+    status = torch.zeros(R, dtype=torch.int32)
+    for seed, masked in ((0, set()), (1, {2}), (2, {2})):
+        if seed == 1:
+            buf.low_latency_update_mask_buffer(2, True)
+            if me == 2:
+                break
+        xs, idxs, ws = inputs(seed, R)
+        rx, ri, rw = restricted(xs, idxs, ws, masked)
+        ref = reference.low_latency_dispatch(rx, ri, E, CAPACITY)
+        recv_x, recv_count, handle, _, _ = buf.low_latency_dispatch(
+            xs[me], idxs[me], CAPACITY, E, use_fp8=False
+        )
+        assert torch.equal(recv_count, ref[me].recv_count_L)
+        ys = [expert_output(r.recv_x_LMX, q) for q, r in enumerate(ref)]
+        combined, _, _ = buf.low_latency_combine(ys[me], idxs[me], ws[me], handle)
+        assert torch.equal(combined, reference.low_latency_combine(ys, ref, ri, rw)[me])
+    buf.low_latency_query_mask_buffer(status)
+    buf.destroy()
+    return status.tolist()
+
+
+@pytest.mark.timeout(60)
+def test_deep_ep_mask_buffer_masks_a_rank_and_the_rest_go_on():
+    assert VirtualWorld(3, timeout_s=50).run(deep_ep_shrink) == [[0, 0, 1]] * 3
 
 
 def disagree(rank: VirtualRank) -> str:

@@ -21,7 +21,11 @@ What this layer adds over ubep.Buffer, all expressed through its public calls:
   - low-latency `zero_copy`, `round_scale` and `use_ue8m0` (`scales.py`),
     column-major received scales, `use_logfmt` (combined at full precision).
 GPU tuning knobs (SM counts, QPs, NVLink/fabric switches, chunk sizes in Config)
-are accepted and change nothing here. The shrink-mode mask buffer is not offered.
+are accepted and change nothing here.
+The shrink-mode mask buffer (`enable_shrink=True`) masks a rank in every ubep
+Buffer built so far (`ubep.Buffer.mask_ranks`): a collective among the ranks
+that stay, where DeepEP's is a local flag; a call that meets a dead rank still
+raises (naming it), and the next calls run without the masked ranks.
 """
 
 from __future__ import annotations
@@ -122,11 +126,6 @@ class Buffer:
         for name, value in (("num_nvl_bytes", num_nvl_bytes), ("num_rdma_bytes", num_rdma_bytes)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be an int >= 0, got {value!r}")
-        if enable_shrink:
-            raise ValueError(
-                "enable_shrink=True is not supported: ubep detects dead peers and raises, "
-                "but cannot yet mask a rank and keep running"
-            )
         if comm is not None:
             raise ValueError("comm (an MPI communicator) is not supported; pass a torch.distributed group")
         self._info = join_group(group)
@@ -138,8 +137,9 @@ class Buffer:
         self.low_latency_mode = bool(low_latency_mode)
         self.num_qps_per_rank = num_qps_per_rank
         self.explicitly_destroy = explicitly_destroy
-        self.enable_shrink = False
+        self.enable_shrink = bool(enable_shrink)
         self._buffers: dict[tuple, UbepBuffer] = {}  # lives as long as this Buffer, keyed by shape
+        self._masked: set[int] = set()  # ranks masked in every buffer above (enable_shrink)
         self._combine_inputs: dict[tuple, torch.Tensor] = {}  # zero-copy combine buffers, by shape
 
     def explain(self) -> str:
@@ -189,6 +189,7 @@ class Buffer:
     def _normal(self, hidden: int, num_experts: int) -> UbepBuffer:
         key = ("normal", hidden, num_experts)
         if key not in self._buffers:
+            self._check_unmasked(key)
             budget = max(self.num_nvl_bytes, self.num_rdma_bytes)
             tokens = _tokens_that_fit(budget, hidden, self.group_size)
             if tokens < 1:
@@ -211,6 +212,7 @@ class Buffer:
             raise ValueError("low-latency calls need a Buffer built with low_latency_mode=True")
         key = ("ll", hidden, num_experts, max_tokens)
         if key not in self._buffers:
+            self._check_unmasked(key)
             need = self.get_low_latency_rdma_size_hint(max_tokens, hidden, self.group_size, num_experts)
             if need > self.num_rdma_bytes:
                 raise ValueError(
@@ -500,16 +502,51 @@ class Buffer:
     def _ll_for(self, handle: LowLatencyHandle) -> UbepBuffer:
         return self._low_latency(handle.hidden, handle.num_experts, handle.num_max_dispatch_tokens_per_rank)
 
-    # -- the shrink-mode mask buffer (not offered) --------------------------------------------------
+    # -- the shrink-mode mask buffer ---------------------------------------------------------------
 
-    def low_latency_update_mask_buffer(self, rank_to_mask: int, mask: bool = False):
-        raise NotImplementedError(_NO_MASK)
+    def low_latency_update_mask_buffer(self, rank_to_mask: int, mask: bool = False) -> None:
+        """Mask `rank_to_mask` (mask=True): later calls neither send to it nor wait for it.
 
-    def low_latency_query_mask_buffer(self, mask_status: torch.Tensor):
-        raise NotImplementedError(_NO_MASK)
+        Collective among the ranks that stay (every one of them calls it with the same rank);
+        the masked rank itself, if alive, leaves. Unmasking is refused: a masked rank cannot
+        rejoin these buffers (build a new Buffer with every rank).
+        """
+        self._check_shrink()
+        if not 0 <= rank_to_mask < self.group_size:
+            raise ValueError(f"rank_to_mask must lie in [0, {self.group_size}), got {rank_to_mask}")
+        if not mask:
+            if rank_to_mask in self._masked:
+                raise ValueError(_NO_UNMASK)
+            return
+        for inner in self._buffers.values():
+            inner.mask_ranks([rank_to_mask])
+        self._masked.add(rank_to_mask)
 
-    def low_latency_clean_mask_buffer(self):
-        raise NotImplementedError(_NO_MASK)
+    def low_latency_query_mask_buffer(self, mask_status: torch.Tensor) -> None:
+        """Fill `mask_status` ([num_ranks] ints) with 1 for masked ranks, 0 for the others."""
+        self._check_shrink()
+        if mask_status.dim() != 1 or mask_status.numel() != self.group_size:
+            shape = tuple(mask_status.shape)
+            raise ValueError(f"mask_status must be a [{self.group_size}] tensor, got {shape}")
+        mask_status.copy_(torch.tensor([int(r in self._masked) for r in range(self.group_size)]))
+
+    def low_latency_clean_mask_buffer(self) -> None:
+        """Unmask every rank: possible only while none is masked (a masked rank cannot rejoin)."""
+        self._check_shrink()
+        if self._masked:
+            raise ValueError(_NO_UNMASK)
+
+    def _check_shrink(self) -> None:
+        if not self.enable_shrink:
+            raise ValueError("the mask buffer needs a Buffer built with enable_shrink=True")
+
+    def _check_unmasked(self, key: tuple) -> None:
+        """A buffer for a new shape is built by every rank: impossible once a rank is masked."""
+        if self._masked:
+            raise RuntimeError(
+                f"rank(s) {sorted(self._masked)} are masked, so no buffer for a new shape {key} can be "
+                "built (that takes every rank); use the shapes met before the mask"
+            )
 
     # -- lifetime ---------------------------------------------------------------------------------
 
@@ -527,10 +564,7 @@ class Buffer:
         self.destroy()
 
 
-_NO_MASK = (
-    "the shrink-mode mask buffer is not supported: ubep detects a dead peer and raises "
-    "(naming it), but cannot yet mask a rank out and keep running"
-)
+_NO_UNMASK = "a masked rank cannot rejoin this Buffer's exchanges: build a new Buffer with every rank"
 
 
 def _nothing() -> None:
