@@ -256,6 +256,7 @@ class Buffer:
                 recv=got.route,
                 num_recv_tokens_per_expert_list=counts,
                 epoch=call.epoch,
+                seq=call.seq,
             )
         return DispatchResult(
             recv_x,
@@ -348,7 +349,7 @@ class Buffer:
             x = validate.low_latency_x(x, s.hidden, num_max_dispatch_tokens_per_rank, s.capacity, use_fp8)
             idx = validate.topk_idx(topk_idx, x.shape[0], self.num_experts, s.max_topk)
             plan = dispatch_plan(x, idx, s.placement, num_max_dispatch_tokens_per_rank, use_fp8)
-            out = dispatch_outputs(plan, s.hidden, self.num_ranks, idx, self.num_experts)
+            out = dispatch_outputs(plan, s.hidden, self.num_ranks, idx, self.num_experts, call.seq)
         receive = ll.dispatch_send(call, plan, out)  # a failing send half tells its peers itself
         event, hook = _halves(receive, async_finish, return_recv_hook)
         return LowLatencyDispatchResult(out.recv_x, out.handle.recv_count_L, out.handle, event, hook)

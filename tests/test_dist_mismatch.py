@@ -1,0 +1,126 @@
+"""Ranks whose calls differ on the torch.distributed transport get a Python error on every
+rank, and the group goes on (issue 14, item 3). Before the call header, gloo ended the
+process with SIGABRT ("Received data size doesn't match expected size") or the peers hung."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from scenarios import Scenario, expert_output
+
+import ubep
+from ubep import reference
+
+R, E, T = 2, 8, 6
+SC = Scenario(name="mismatch", num_ranks=R, num_experts=E, hidden=64, topk=2, capacity=T, tokens=(6, 5))
+ODD = 1  # the rank whose call departs from rank 0's
+
+
+def normal_call(buf: ubep.Buffer, me: int, seed: int = 0, **dispatch_kw):
+    xs, idxs, ws = Scenario(**{**SC.__dict__, "seed": seed}).inputs()
+    kw = {"topk_idx": idxs[me], "topk_weights": ws[me], **dispatch_kw}
+    return buf.dispatch(kw.pop("x", xs[me]), **kw)
+
+
+def ll_call(buf: ubep.Buffer, me: int, tokens: int = T):
+    xs, idxs, _ = SC.inputs()
+    return buf.low_latency_dispatch(xs[me], idxs[me], tokens, E)
+
+
+def exact_round_trip(buf: ubep.Buffer, me: int) -> bool:
+    """One dispatch + combine and one low-latency dispatch + combine, each equal to the reference."""
+    xs, idxs, ws, ref = SC.expected()
+    got = normal_call(buf, me)
+    out = buf.combine(expert_output(got.recv_x, me), got.handle)
+    ys = [expert_output(ref[r].recv_x_MH, r) for r in range(R)]
+    want = reference.combine(ys, ref, [x.shape[0] for x in xs])[me]
+    ok = torch.equal(got.recv_x, ref[me].recv_x_MH) and torch.equal(out.combined_x, want)
+    ll_ref = reference.low_latency_dispatch(xs, idxs, E, T)
+    ll = ll_call(buf, me)
+    ok &= torch.equal(ll.recv_count, ll_ref[me].recv_count_L)
+    ll_ys = [expert_output(r.recv_x_LMX, rank) for rank, r in enumerate(ll_ref)]
+    ll_out = buf.low_latency_combine(ll_ys[me], idxs[me], ws[me], ll.handle)
+    return ok and torch.equal(ll_out.combined_x, reference.low_latency_combine(ll_ys, ll_ref, idxs, ws)[me])
+
+
+def mismatch(buf: ubep.Buffer, me: int, case: str) -> None:
+    """Rank ODD's call departs from rank 0's as `case` says."""
+    odd = me == ODD
+    if case == "kinds":
+        ll_call(buf, me) if odd else normal_call(buf, me)
+    elif case == "dtype":
+        xs, _, _ = SC.inputs()
+        normal_call(buf, me, x=xs[me].float() if odd else xs[me])
+    elif case == "topk":
+        xs, idxs, ws = SC.inputs()
+        k = 1 if odd else 2
+        normal_call(buf, me, topk_idx=idxs[me][:, :k].contiguous(), topk_weights=ws[me][:, :k].contiguous())
+    elif case == "hidden":  # rejected by validation on rank ODD
+        xs, _, _ = SC.inputs()
+        normal_call(buf, me, x=torch.cat([xs[me], xs[me][:, :1]], dim=1) if odd else xs[me])
+    elif case in ("handles", "combine rejected"):
+        first, second = normal_call(buf, me), normal_call(buf, me, seed=1)
+        got = second if odd and case == "handles" else first
+        x = got.recv_x[:, :-1] if odd and case == "combine rejected" else got.recv_x
+        buf.combine(x, got.handle)
+    elif case == "tokens":
+        ll_call(buf, me, T - 1 if odd else T)
+    else:  # "ll handles", "ll dtype", "ll combine rejected"
+        xs, idxs, ws = SC.inputs()
+        first, second = ll_call(buf, me), ll_call(buf, me)
+        got = second if odd and case == "ll handles" else first
+        y = got.recv_x
+        if odd and case == "ll dtype":
+            y = y.float()
+        elif odd and case == "ll combine rejected":
+            y = y[:, :, :-1]
+        buf.low_latency_combine(y, idxs[me], ws[me], got.handle)
+
+
+def run_case(case: str) -> tuple[str, str, bool]:
+    """(error type, message) of the mismatched call on this rank, and whether the next calls are exact."""
+    me = dist.get_rank()
+    with ubep.Buffer(
+        hidden=SC.hidden, num_experts=E, max_tokens_per_rank=T, transport="dist", timeout_s=10
+    ) as buf:
+        try:
+            mismatch(buf, me, case)
+            seen = ("none", "")
+        except (ValueError, TypeError, ubep.UbepError) as error:
+            seen = (type(error).__name__, str(error))
+        return (*seen, exact_round_trip(buf, me))
+
+
+DIFFER = {  # case: what every rank's PeerDataError must say
+    "kinds": "kind: rank(s) 0 called dispatch, rank(s) 1 called low_latency_dispatch",
+    "dtype": "dtype: rank(s) 0 torch.bfloat16, rank(s) 1 torch.float32",
+    "topk": "topk: rank(s) 0 2, rank(s) 1 1",
+    "handles": "handle: rank(s) 0 the handle of call #1, rank(s) 1 the handle of call #2",
+    "tokens": "tokens: rank(s) 0 6, rank(s) 1 5",
+    "ll handles": "handle: rank(s) 0 the handle of call #1, rank(s) 1 the handle of call #2",
+    "ll dtype": "dtype: rank(s) 0 torch.bfloat16, rank(s) 1 torch.float32",
+}
+REJECTED = {  # case: the call rank ODD rejected
+    "hidden": "dispatch",
+    "combine rejected": "combine",
+    "ll combine rejected": "low_latency_combine",
+}
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("case", [*DIFFER, *REJECTED])
+def test_mismatched_calls_raise_on_every_rank_and_the_group_goes_on(case):
+    outcomes = ubep.LocalLaunch(world_size=R, timeout_s=40).outcomes(run_case, case)
+    for o in outcomes:  # a SIGABRT from gloo shows here as a rank that died with no result
+        assert o.ok, f"rank {o.rank}: {o.cause}, exit code {o.exit_code}: {o.error}"
+    for rank, (error, message, exact_after) in enumerate(o.result for o in outcomes):
+        if case in DIFFER:
+            assert error == "PeerDataError", (rank, error, message)
+            assert "(call header): the ranks' calls differ in " + DIFFER[case] in message, message
+        elif rank == ODD:
+            assert error in ("ValueError", "TypeError"), (rank, error, message)
+        else:
+            assert error == "PeerAbortedError", (rank, error, message)
+            assert f"rank {ODD} aborted the call (it rejected its input for {REJECTED[case]}" in message
+        assert exact_after, f"rank {rank}: the calls after the mismatch differ from the reference"
