@@ -42,6 +42,12 @@ OK, REJECTED = 0, 1
 NONE = -1  # a word this call does not use (no handle, no top-k, no T)
 KINDS = {"dispatch": 1, "combine": 2, "ll_dispatch": 3, "ll_combine": 4}
 METHODS = {1: "dispatch", 2: "combine", 3: "low_latency_dispatch", 4: "low_latency_combine"}
+PHASES = {  # as the other phases of these calls are named in errors
+    "dispatch": "dispatch",
+    "combine": "combine",
+    "ll_dispatch": "low-latency dispatch",
+    "ll_combine": "low-latency combine",
+}
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -113,7 +119,7 @@ class CallHeaders:
 
 
 def phase(call: CallId) -> str:
-    return f"{METHODS[KINDS[call.kind]]} (call header)"
+    return f"{PHASES[call.kind]} (call header)"
 
 
 def check(headers_RW: torch.Tensor, where: str) -> None:
