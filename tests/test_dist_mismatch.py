@@ -1,6 +1,7 @@
-"""Ranks whose calls differ on the torch.distributed transport get a Python error on every
-rank, and the group goes on (issue 14, item 3). Before the call header, gloo ended the
-process with SIGABRT ("Received data size doesn't match expected size") or the peers hung."""
+"""Ranks whose calls differ on the torch.distributed transports ("dist", and "hier" across
+emulated nodes) get a Python error on every rank, and the group goes on (issue 14, item 3).
+Before the call header, gloo ended the process with SIGABRT ("Received data size doesn't
+match expected size"), the peers hung, or mixed handles went unnoticed."""
 
 from __future__ import annotations
 
@@ -78,11 +79,11 @@ def mismatch(buf: ubep.Buffer, me: int, case: str) -> None:
         buf.low_latency_combine(y, idxs[me], ws[me], got.handle)
 
 
-def run_case(case: str) -> tuple[str, str, bool]:
+def run_case(case: str, transport: str) -> tuple[str, str, bool]:
     """(error type, message) of the mismatched call on this rank, and whether the next calls are exact."""
     me = dist.get_rank()
     with ubep.Buffer(
-        hidden=SC.hidden, num_experts=E, max_tokens_per_rank=T, transport="dist", timeout_s=10
+        hidden=SC.hidden, num_experts=E, max_tokens_per_rank=T, transport=transport, timeout_s=10
     ) as buf:
         try:
             mismatch(buf, me, case)
@@ -108,10 +109,16 @@ REJECTED = {  # case: the call rank ODD rejected
 }
 
 
+NORMAL = ["dtype", "topk", "handles", "hidden", "combine rejected"]  # hier's own path: normal mode
+CASES = [("dist", case) for case in [*DIFFER, *REJECTED]] + [("hier", case) for case in NORMAL]
+
+
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("case", [*DIFFER, *REJECTED])
-def test_mismatched_calls_raise_on_every_rank_and_the_group_goes_on(case):
-    outcomes = ubep.LocalLaunch(world_size=R, timeout_s=40).outcomes(run_case, case)
+@pytest.mark.parametrize("transport,case", CASES)
+def test_mismatched_calls_raise_on_every_rank_and_the_group_goes_on(transport, case):
+    nodes = 1 if transport == "hier" else None  # hier: two emulated nodes of one rank each
+    launch = ubep.LocalLaunch(world_size=R, ranks_per_node=nodes, timeout_s=40)
+    outcomes = launch.outcomes(run_case, case, transport)
     for o in outcomes:  # a SIGABRT from gloo shows here as a rank that died with no result
         assert o.ok, f"rank {o.rank}: {o.cause}, exit code {o.exit_code}: {o.error}"
     for rank, (error, message, exact_after) in enumerate(o.result for o in outcomes):

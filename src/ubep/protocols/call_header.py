@@ -77,7 +77,11 @@ WORDS = len(NAMES)
 
 
 class CallHeaders:
-    """One group's header exchange; remembers the last call it carried, so an abort joins once."""
+    """One group's header exchange; remembers the last call it carried, so an abort joins once.
+
+    `names[i]` is how errors name the group's rank i (default: i), e.g. its EP rank when
+    `group` is a rail of the hierarchical transport.
+    """
 
     def __init__(
         self,
@@ -85,16 +89,18 @@ class CallHeaders:
         num_ranks: int,
         per_peer: int,
         deadline: Callable[[str], AbstractContextManager],
+        names: tuple[int, ...] | None = None,
     ):
         self.group, self.R, self.per_peer = group, num_ranks, per_peer
         self.deadline = deadline
+        self.names = names or tuple(range(num_ranks))
         self._entered_seq = 0
 
     def exchange(self, call: CallId, header: CallHeader, mine_RX: torch.Tensor | None = None) -> torch.Tensor:
         """Send `header` and row r of `mine_RX` (int64 [R, X <= per_peer]) to rank r; check every
         rank's header; return the per-peer words each source sent here (int64 [R, per_peer])."""
         recv_RW = self._all_to_all(call, header, mine_RX)
-        check(recv_RW[:, :WORDS], phase(call))
+        check(recv_RW[:, :WORDS], phase(call), self.names)
         return recv_RW[:, WORDS:]
 
     def abort(self, call: CallId) -> None:
@@ -122,30 +128,30 @@ def phase(call: CallId) -> str:
     return f"{PHASES[call.kind]} (call header)"
 
 
-def check(headers_RW: torch.Tensor, where: str) -> None:
-    """Raise on every rank alike if any rank rejected the call or any two headers differ."""
+def check(headers_RW: torch.Tensor, where: str, names: tuple[int, ...]) -> None:
+    """Raise on every rank alike if any rank rejected the call or any two headers differ;
+    row i is the header of the rank errors call `names[i]`."""
     rejected = torch.nonzero(headers_RW[:, 0] != OK).flatten().tolist()
     if rejected:
         kind, seq = headers_RW[rejected[0], 1:3].tolist()
         reason = f"it rejected its input for {METHODS.get(kind, kind)} (call #{seq}); see its error"
         if len(rejected) > 1:
-            reason += f"; so did rank(s) {_ranks(rejected[1:])}"
-        notice = AbortNotice(reason)
-        raise PeerAbortedError(where, rejected[0], notice)
+            reason += f"; so did rank(s) {_ranks([names[r] for r in rejected[1:]])}"
+        raise PeerAbortedError(where, names[rejected[0]], AbortNotice(reason))
     differ = [i for i in range(1, WORDS) if (headers_RW[:, i] != headers_RW[0, i]).any()]
     if not differ:
         return
     if NAMES.index("kind") in differ:
         differ = [NAMES.index("kind")]  # the other words mean different things in different calls
-    parts = [f"{NAMES[i]}: {_sides(headers_RW[:, i].tolist(), NAMES[i])}" for i in differ]
+    parts = [f"{NAMES[i]}: {_sides(headers_RW[:, i].tolist(), NAMES[i], names)}" for i in differ]
     raise PeerDataError(f"{where}: the ranks' calls differ in " + "; ".join(parts))
 
 
-def _sides(values: list[int], name: str) -> str:
-    """'rank(s) 1 called low_latency_dispatch, rank(s) 0 dispatch' for each distinct value."""
+def _sides(values: list[int], name: str, names: tuple[int, ...]) -> str:
+    """'rank(s) 0 called dispatch, rank(s) 1 called low_latency_dispatch': each distinct value."""
     by_value: dict[int, list[int]] = {}
-    for rank, value in enumerate(values):
-        by_value.setdefault(value, []).append(rank)
+    for i, value in enumerate(values):
+        by_value.setdefault(value, []).append(names[i])
     said = [f"rank(s) {_ranks(ranks)} {_word(name, value)}" for value, ranks in by_value.items()]
     return ", ".join(said)
 
