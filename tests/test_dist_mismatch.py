@@ -5,6 +5,8 @@ match expected size"), the peers hung, or mixed handles went unnoticed."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -16,6 +18,7 @@ from ubep import reference
 R, E, T = 2, 8, 6
 SC = Scenario(name="mismatch", num_ranks=R, num_experts=E, hidden=64, topk=2, capacity=T, tokens=(6, 5))
 ODD = 1  # the rank whose call departs from rank 0's
+TIMEOUT_S = 10.0
 
 
 def normal_call(buf: ubep.Buffer, me: int, seed: int = 0, **dispatch_kw):
@@ -79,18 +82,20 @@ def mismatch(buf: ubep.Buffer, me: int, case: str) -> None:
         buf.low_latency_combine(y, idxs[me], ws[me], got.handle)
 
 
-def run_case(case: str, transport: str) -> tuple[str, str, bool]:
-    """(error type, message) of the mismatched call on this rank, and whether the next calls are exact."""
+def run_case(case: str, transport: str) -> tuple[str, str, float, bool]:
+    """(error type, message, seconds) of the mismatched call on this rank, and whether the next
+    calls are exact."""
     me = dist.get_rank()
     with ubep.Buffer(
-        hidden=SC.hidden, num_experts=E, max_tokens_per_rank=T, transport=transport, timeout_s=10
+        hidden=SC.hidden, num_experts=E, max_tokens_per_rank=T, transport=transport, timeout_s=TIMEOUT_S
     ) as buf:
+        start = time.monotonic()
         try:
             mismatch(buf, me, case)
             seen = ("none", "")
         except (ValueError, TypeError, ubep.UbepError) as error:
             seen = (type(error).__name__, str(error))
-        return (*seen, exact_round_trip(buf, me))
+        return (*seen, time.monotonic() - start, exact_round_trip(buf, me))
 
 
 DIFFER = {  # case: what every rank's PeerDataError must say
@@ -121,7 +126,8 @@ def test_mismatched_calls_raise_on_every_rank_and_the_group_goes_on(transport, c
     outcomes = launch.outcomes(run_case, case, transport)
     for o in outcomes:  # a SIGABRT from gloo shows here as a rank that died with no result
         assert o.ok, f"rank {o.rank}: {o.cause}, exit code {o.exit_code}: {o.error}"
-    for rank, (error, message, exact_after) in enumerate(o.result for o in outcomes):
+    for rank, (error, message, elapsed, exact_after) in enumerate(o.result for o in outcomes):
+        assert elapsed < TIMEOUT_S / 2, f"rank {rank} took {elapsed:.2f} s: a deadline, not the header"
         if case in DIFFER:
             assert error == "PeerDataError", (rank, error, message)
             assert "(call header): the ranks' calls differ in " + DIFFER[case] in message, message
