@@ -70,6 +70,9 @@ def mismatch(buf: ubep.Buffer, me: int, case: str) -> None:
         buf.combine(x, got.handle)
     elif case == "tokens":
         ll_call(buf, me, T - 1 if odd else T)
+    elif case == "ll rejected":  # an expert id out of range on rank ODD
+        xs, idxs, _ = SC.inputs()
+        buf.low_latency_dispatch(xs[me], idxs[me] + E if odd else idxs[me], T, E)
     else:  # "ll handles", "ll dtype", "ll combine rejected"
         xs, idxs, ws = SC.inputs()
         first, second = ll_call(buf, me), ll_call(buf, me)
@@ -109,6 +112,7 @@ DIFFER = {  # case: what every rank's PeerDataError must say
 }
 REJECTED = {  # case: the call rank ODD rejected
     "hidden": "dispatch",
+    "ll rejected": "low_latency_dispatch",
     "combine rejected": "combine",
     "ll combine rejected": "low_latency_combine",
 }
