@@ -6,6 +6,7 @@ match expected size"), the peers hung, or mixed handles went unnoticed."""
 from __future__ import annotations
 
 import time
+from dataclasses import astuple
 
 import pytest
 import torch
@@ -14,6 +15,9 @@ from scenarios import Scenario, expert_output
 
 import ubep
 from ubep import reference
+from ubep.calls import CallId
+from ubep.protocols.base import DTYPE_CODES
+from ubep.protocols.call_header import CallHeader, check
 
 R, E, T = 2, 8, 6
 SC = Scenario(name="mismatch", num_ranks=R, num_experts=E, hidden=64, topk=2, capacity=T, tokens=(6, 5))
@@ -141,3 +145,31 @@ def test_mismatched_calls_raise_on_every_rank_and_the_group_goes_on(transport, c
             assert error == "PeerAbortedError", (rank, error, message)
             assert f"rank {ODD} aborted the call (it rejected its input for {REJECTED[case]}" in message
         assert exact_after, f"rank {rank}: the calls after the mismatch differ from the reference"
+
+
+def headers(*rows: CallHeader) -> torch.Tensor:
+    return torch.tensor([astuple(h) for h in rows], dtype=torch.int64)
+
+
+def test_check_names_every_differing_field_with_the_ranks_errors_use():
+    call = CallId(seq=4, epoch=2, kind="combine")
+    a = CallHeader.of(call, handle=3, dtype=DTYPE_CODES[torch.bfloat16], topk=2)
+    b = CallHeader.of(call, handle=1, dtype=DTYPE_CODES[torch.float32], topk=2)
+    check(headers(a, a, a), "combine (call header)", (0, 1, 2))  # agreement: no error
+    with pytest.raises(ubep.PeerDataError) as caught:
+        check(headers(a, b, a), "combine (call header)", (1, 3, 5))  # a rail: EP ranks 1, 3, 5
+    assert str(caught.value) == (
+        "combine (call header): the ranks' calls differ in handle: rank(s) 1, 5 the handle of call #3, "
+        "rank(s) 3 the handle of call #1; dtype: rank(s) 1, 5 torch.bfloat16, rank(s) 3 torch.float32"
+    )
+
+
+def test_check_reports_a_rejection_before_any_difference():
+    call = CallId(seq=9, epoch=5, kind="ll_dispatch")
+    mine = CallHeader.of(call, dtype=DTYPE_CODES[torch.bfloat16], tokens=T)
+    rejected = CallHeader.rejected(call)
+    with pytest.raises(ubep.PeerAbortedError) as caught:
+        check(headers(mine, rejected, rejected), "low-latency dispatch (call header)", (0, 1, 2))
+    assert caught.value.peer == 1
+    said = "(it rejected its input for low_latency_dispatch (call #9); see its error; so did rank(s) 2)"
+    assert said in str(caught.value)
