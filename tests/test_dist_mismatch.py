@@ -147,6 +147,26 @@ def test_mismatched_calls_raise_on_every_rank_and_the_group_goes_on(transport, c
         assert exact_after, f"rank {rank}: the calls after the mismatch differ from the reference"
 
 
+def hier_kinds() -> str:
+    me = dist.get_rank()
+    with ubep.Buffer(
+        hidden=SC.hidden, num_experts=E, max_tokens_per_rank=T, transport="hier", timeout_s=1
+    ) as buf:
+        try:
+            mismatch(buf, me, "kinds")
+        except ubep.UbepError as error:
+            return type(error).__name__
+    return "none"
+
+
+@pytest.mark.timeout(60)
+def test_hier_normal_against_low_latency_call_times_out_in_python():
+    """The limit: hier's normal header runs on the rail, the low-latency one on the whole group,
+    so neither sees the other; both ranks reach the deadline, still without a process abort."""
+    outcomes = ubep.LocalLaunch(world_size=R, ranks_per_node=1, timeout_s=40).outcomes(hier_kinds)
+    assert [(o.ok, o.result) for o in outcomes] == [(True, "CommTimeoutError")] * R, outcomes
+
+
 def headers(*rows: CallHeader) -> torch.Tensor:
     return torch.tensor([astuple(h) for h in rows], dtype=torch.int64)
 
