@@ -31,11 +31,15 @@ def leave_one_by_one(rank: VirtualRank, protocol: str) -> list[int]:
     with buffer(rank, protocol, timeout_s=20) as buf:
         for seed in range(3):
             normal_call(buf, seed, set())
+        xs, idxs, ws = inputs(3, rank.world_size)
+        old = buf.dispatch(xs[me], topk_idx=idxs[me], topk_weights=ws[me])  # routes through rank 2
         buf.mask_ranks([2])
         if me == 2:
             with pytest.raises(RuntimeError, match="masked itself out"):
                 normal_call(buf, 99, set())
             return []
+        with pytest.raises(ValueError, match="before rank"):  # every staying rank rejects it: in step
+            buf.combine(old.recv_x, old.handle)
         for seed in range(200, 203):
             low_latency_call(buf, seed, {2})
         for seed in range(100, 120):

@@ -264,6 +264,7 @@ class Buffer:
                 num_recv_tokens_per_expert_list=counts,
                 epoch=call.epoch,
                 num_dropped=dropped,
+                seq=call.seq,
             )
         return DispatchResult(
             recv_x,
@@ -300,7 +301,11 @@ class Buffer:
             raise TypeError(f"handle must come from Buffer.dispatch, got {type(handle).__name__}")
         if handle.num_ranks != self.num_ranks:
             raise ValueError(f"handle is for {handle.num_ranks} ranks, this Buffer has {self.num_ranks}")
-        if handle.epoch <= self._masked_after:
+        self._check_after_mask(handle.seq)
+
+    def _check_after_mask(self, dispatch_seq: int) -> None:
+        """Handles from dispatches before the latest mask route through masked ranks: refused."""
+        if dispatch_seq <= self._masked_after:
             raise ValueError(
                 f"handle comes from a dispatch before rank(s) {sorted(self._masked)} were masked; "
                 "dispatch again to route around them"
@@ -368,7 +373,7 @@ class Buffer:
             idx = validate.topk_idx(topk_idx, x.shape[0], self.num_experts, s.max_topk)
             idx = self._drop_masked(idx)[0]
             plan = dispatch_plan(x, idx, s.placement, num_max_dispatch_tokens_per_rank, use_fp8)
-            out = dispatch_outputs(plan, s.hidden, self.num_ranks, idx, self.num_experts)
+            out = dispatch_outputs(plan, s.hidden, self.num_ranks, idx, self.num_experts, call.seq)
         receive = ll.dispatch_send(call, plan, out)  # a failing send half tells its peers itself
         event, hook = _halves(receive, async_finish, return_recv_hook)
         return LowLatencyDispatchResult(out.recv_x, out.handle.recv_count_L, out.handle, event, hook)
@@ -412,6 +417,7 @@ class Buffer:
             raise ValueError("handle comes from a Buffer with another group size or expert count")
         if not handle.received:
             raise ValueError("handle: its dispatch was not received yet; call its hook or event.wait() first")
+        self._check_after_mask(handle.seq)
         M = self.num_ranks * handle.num_max_dispatch_tokens_per_rank
         x = validate.expert_output(x, (handle.num_local_experts, M, self.sizing.hidden))
         idx = validate.topk_idx(topk_idx, handle.num_tokens, self.num_experts, self.sizing.max_topk)

@@ -65,6 +65,7 @@ class DispatchHandle:
     num_recv_tokens_per_expert_list: list[int]
     epoch: int = 0  # which dispatch (its epoch) made the handle: every rank's combine must agree
     num_dropped: int = 0  # top-k entries of this rank's tokens dropped: they selected a masked rank's expert
+    seq: int = 0  # that dispatch's call number (CallId.seq), which stays in step across kinds
 
     @property
     def recv_src_rank_M(self) -> torch.Tensor:
@@ -144,6 +145,7 @@ class LowLatencyHandle:
     recv_src_rank_LM: torch.Tensor
     recv_src_k_LM: torch.Tensor
     layout_range_LR2: torch.Tensor
+    seq: int = 0  # the call number (CallId.seq) of the dispatch that made it: every rank's combine must agree
 
     @property
     def num_local_experts(self) -> int:

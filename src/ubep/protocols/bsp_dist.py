@@ -1,15 +1,17 @@
 """The collective transport: the Megatron-style pipeline over torch.distributed.
 
-Dispatch: count all-to-all -> permute (tokens sorted by destination) ->
-`all_to_all_single` of rows, then of routing metadata. Combine runs the row
-all-to-all backwards and reduces. This is the path for traffic that leaves a
-host (gloo on CPU, NCCL on GPU) and the textbook baseline. Payloads travel as
-bytes so every dtype works on every backend.
+Dispatch: call header with the counts -> permute (tokens sorted by destination)
+-> `all_to_all_single` of rows, then of routing metadata. Combine: call header,
+then the row all-to-all backwards, and the reduction. This is the path for
+traffic that leaves a host (gloo on CPU, NCCL on GPU) and the textbook
+baseline. Payloads travel as bytes so every dtype works on every backend.
 
-Every collective runs under the Buffer's deadline (`ubep.deadlines`). A rank
-that rejects its dispatch input still joins the count exchange, with counts of
--1 (`ABORT_COUNT`), so its peers fail at once and the group stays in step; a
-rank that rejects its combine input cannot warn them: they time out.
+The call header (`ubep.protocols.call_header`) is a collective of one size
+whatever the call: ranks whose calls differ (kind, dtype, top-k, the dispatch
+a handle names) raise on every rank before any variable-size collective, and a
+rank that rejects its input (dispatch or combine) joins it as REJECTED so its
+peers fail at once. Either way the group stays in step. Every collective runs
+under the Buffer's deadline (`ubep.deadlines`).
 """
 
 from __future__ import annotations
@@ -23,11 +25,9 @@ from ubep.deadlines import PeerPids, collective_deadline
 from ubep.errors import PeerDataError
 from ubep.faults import NO_FAULTS, FaultPoints
 from ubep.layout import destination_major, localize_for_destinations, prefix_offsets
-from ubep.protocols.base import CallId, Received, SendPlan, Sizing
+from ubep.protocols.base import DTYPE_CODES, CallId, Received, SendPlan, Sizing
+from ubep.protocols.call_header import NONE, CallHeader, CallHeaders
 from ubep.results import DispatchHandle, RecvRoute
-from ubep.waiting import AbortNotice, PeerAbortedError
-
-ABORT_COUNT = -1  # a count no real dispatch sends: "this rank gave up on the call"
 
 
 def _as_bytes(t_nX: torch.Tensor) -> torch.Tensor:
@@ -57,7 +57,7 @@ class BspDist:
         self.faults = faults
         with collective_deadline(group, timeout_s, "Buffer construction (pid exchange)"):
             self._pids = PeerPids.gather(group, rank, self.R)
-        self._entered_seq = 0  # the last call whose collectives this rank has started
+        self.headers = CallHeaders(group, self.R, sizing.placement.num_local_experts, self._deadline)
 
     def _deadline(self, phase: str):
         return collective_deadline(self.group, self.timeout_s, phase, self._pids)
@@ -70,26 +70,29 @@ class BspDist:
             dist.all_to_all_single(recv, send_nX, recv_counts, send_counts, group=self.group)
         return recv
 
-    def _exchange_counts(self, call: CallId, send_counts_R: torch.Tensor) -> torch.Tensor:
-        """int64 [R]: rows each source will send here, checked before any buffer is sized by them."""
-        self._entered_seq = call.seq
-        recv_counts_R = torch.empty_like(send_counts_R)
-        with self._deadline("dispatch (count exchange)"):
-            dist.all_to_all_single(recv_counts_R, send_counts_R, group=self.group)
+    def _exchange_counts(
+        self, call: CallId, plan: SendPlan, handle: DispatchHandle | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rows sent to, rows received from) each rank, int64 [R]: the counts travel in the call
+        header, and are checked before any buffer is sized by them."""
+        counts = self.faults.count("dispatch.count", call, plan.send_counts_R.to(torch.int64))
+        send_counts_R = torch.as_tensor(counts, dtype=torch.int64).expand(self.R).contiguous()
+        header = CallHeader.of(
+            call,
+            handle=NONE if handle is None else handle.seq,
+            dtype=DTYPE_CODES[plan.x_NH.dtype],
+            topk=NONE if plan.topk_idx_NK is None else plan.topk_idx_NK.shape[1],
+        )
+        recv_counts_R = self.headers.exchange(call, header, send_counts_R.unsqueeze(1))[:, 0].contiguous()
         for src, count in enumerate(recv_counts_R.tolist()):
-            if count == ABORT_COUNT:
-                notice = AbortNotice("it rejected its input or failed; see that rank's error")
-                raise PeerAbortedError("dispatch (count exchange)", src, notice)
             if not 0 <= count <= self.sizing.capacity:
                 raise PeerDataError(
                     f"dispatch: rank {src} announced {count} tokens, capacity is {self.sizing.capacity}"
                 )
-        return recv_counts_R
+        return send_counts_R, recv_counts_R
 
     def dispatch(self, call: CallId, plan: SendPlan, handle: DispatchHandle | None) -> Received:
-        counts = self.faults.count("dispatch.count", call, plan.send_counts_R.to(torch.int64))
-        send_counts_R = torch.as_tensor(counts, dtype=torch.int64).expand(self.R).contiguous()
-        recv_counts_R = self._exchange_counts(call, send_counts_R)
+        send_counts_R, recv_counts_R = self._exchange_counts(call, plan, handle)
         send, recv = send_counts_R.tolist(), recv_counts_R.tolist()
         dest_R, tokens = destination_major(plan.is_token_in_rank_NR)
         x_NX = plan.packed_rows()
@@ -114,7 +117,9 @@ class BspDist:
     def combine(self, call: CallId, x_MH, handle: DispatchHandle, topk_weights_MK):
         recv = handle.recv_counts().tolist()
         send = handle.send_counts_R.tolist()
-        self._entered_seq = call.seq
+        K = NONE if topk_weights_MK is None else topk_weights_MK.shape[1]
+        header = CallHeader.of(call, handle=handle.seq, dtype=DTYPE_CODES[x_MH.dtype], topk=K)
+        self.headers.exchange(call, header)
         back = self._all_to_all("combine (tokens)", _as_bytes(x_MH), recv, send)
         back = back.view(x_MH.dtype).view(-1, x_MH.shape[1])
         _, tokens = destination_major(handle.is_token_in_rank_NR)
@@ -128,19 +133,8 @@ class BspDist:
         return out_NH.to(x_MH.dtype), out_w
 
     def abort(self, call: CallId) -> None:
-        """Before a dispatch's first collective: join the count exchange with ABORT_COUNT.
-
-        Later, or in combine, peers cannot be told and time out at the deadline.
-        """
-        if call.kind != "dispatch" or self._entered_seq == call.seq:
-            return
-        self._entered_seq = call.seq
-        poison_R = torch.full((self.R,), ABORT_COUNT, dtype=torch.int64)
-        try:
-            with self._deadline("dispatch (abort notice)"):
-                dist.all_to_all_single(torch.empty_like(poison_R), poison_R, group=self.group)
-        except Exception:
-            pass  # the caller is already raising the reason this rank gave up
+        """Join the call's header exchange as REJECTED (once), so the peers fail at once."""
+        self.headers.abort(call)
 
     def close(self) -> None:
         pass

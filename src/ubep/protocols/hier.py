@@ -53,6 +53,7 @@ from ubep.layout import (
 )
 from ubep.nodes import NodeMap, tokens_per_slot
 from ubep.protocols.base import CODE_DTYPES, CODE_RANGE, DTYPE_CODES, Received, SendPlan, Sizing, rows
+from ubep.protocols.call_header import NONE, CallHeader, CallHeaders
 from ubep.results import DispatchHandle, RecvRoute
 from ubep.transport.base import Field, Header, Region
 from ubep.transport.shm import shm_heap
@@ -205,11 +206,27 @@ class HierExchange:
         self.timeout_s, self.engine = timeout_s, engine
         self.blocks = HierBlocks.of(sizing, self.G, self.P)
         self.t = shm_heap(self.blocks.all(), self.groups[1], self.local, self.P, timeout_s)
+        self.headers = CallHeaders(self.groups[0], self.G, 1, self._rail_deadline, names=tuple(self.rail))
 
     def _phase(self, what: str) -> str:
         return f"{what} (peers named by node-local index of ranks {self.node_ranks})"
 
     # -- across nodes -----------------------------------------------------------------------------
+
+    def _rail_deadline(self, phase: str):
+        return collective_deadline(self.groups[0], self.timeout_s, phase, names=tuple(self.rail))
+
+    def _rail_header(
+        self, call: CallId, header: CallHeader, mine_G1: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The call header over the rail (`ubep.protocols.call_header`), first in every call half:
+        rail peers whose calls differ raise before any variable-size collective, and node peers
+        learn at once. Returns the word each rail peer sent here (int64 [G, 1])."""
+        try:
+            return self.headers.exchange(call, header, mine_G1)
+        except BaseException:
+            self.t.abort(call)
+            raise
 
     def _rail_all_to_all(
         self,
@@ -225,7 +242,7 @@ class HierExchange:
         if out is None:
             out = send_SX.new_empty((int(recv_G.sum()), *send_SX.shape[1:]))
         try:
-            with collective_deadline(self.groups[0], self.timeout_s, phase, names=tuple(self.rail)):
+            with self._rail_deadline(phase):
                 dist.all_to_all_single(out, send_SX, recv_G.tolist(), send_G.tolist(), group=self.groups[0])
         except BaseException:
             self.t.abort(call)  # node peers learn at once
@@ -242,14 +259,23 @@ class HierExchange:
         slot_S, token_S = destination_major(in_slot_NG)
         return token_S, torch.bincount(slot_S, minlength=self.G), own_O
 
+    def _relay_counts(self, call: CallId, plan: SendPlan, dtype, send_G: torch.Tensor) -> torch.Tensor:
+        """Rows each rail peer will send here (int64 [G]): the call header carries the counts."""
+        header = CallHeader.of(call, dtype=DTYPE_CODES[dtype], topk=plan.topk_idx_NK.shape[1])
+        relay_G = self._rail_header(call, header, send_G[:, None])[:, 0].contiguous()
+        bad = torch.nonzero((relay_G < 0) | (relay_G > self.sizing.capacity)).flatten().tolist()
+        if bad:
+            message = f"dispatch: rank {self.rail[bad[0]]} announced {int(relay_G[bad[0]])} tokens"
+            self.t.abort(call)
+            raise PeerDataError(f"{message}, capacity is {self.sizing.capacity}")
+        return relay_G
+
     def _relay_routing(
-        self, call: CallId, plan: SendPlan, dtype, send_token_S, send_G, own_O
-    ) -> torch.Tensor:
+        self, call: CallId, plan: SendPlan, dtype, send_token_S, send_G, relay_G, own_O
+    ) -> None:
         """Stage 1 and 2 for routing: send each other node (once) the routing of the tokens
-        it needs; publish the forward set's routing and stamp META. Returns rows per slot."""
+        it needs; publish the forward set's routing and stamp META."""
         b, t, me, idx, w = self.blocks, self.t, self.local, plan.topk_idx_NK, plan.topk_weights_NK
-        ones_G = torch.ones(self.G, dtype=torch.int64)
-        relay_G = self._rail_all_to_all("dispatch (counts across nodes)", call, send_G, ones_G, ones_G)
         parts = (send_token_S[:, None], idx[send_token_S], w[send_token_S])
         meta_SB = torch.cat([as_bytes(part) for part in parts], dim=1)
         got = self._rail_all_to_all("dispatch (routing across nodes)", call, meta_SB, send_G, relay_G)
@@ -263,7 +289,6 @@ class HierExchange:
         t.view(b.topk, me, call)[:F, :K].copy_(torch.cat([idx_in, idx[own_O]]))
         t.view(b.weights, me, call)[:F, :K].copy_(torch.cat([w_in, w[own_O]]))
         t.publish(b.route, call, {"count": F, "dtype": DTYPE_CODES[dtype], "topk": K})
-        return relay_G
 
     def _relay_rows(self, call: CallId, x_NH: torch.Tensor, send_token_S, send_G, relay_G, own_O) -> None:
         """Stage 1 and 2 for rows: crossing rows land straight in this rank's forward set,
@@ -284,7 +309,8 @@ class HierExchange:
         if handle is not None:
             return self._dispatch_cached(call, plan, x_NX, handle)
         send_token_S, send_G, own_O = self._home_plan(plan.is_token_in_rank_NR)
-        relay_G = self._relay_routing(call, plan, x_NX.dtype, send_token_S, send_G, own_O)
+        relay_G = self._relay_counts(call, plan, x_NX.dtype, send_G)
+        self._relay_routing(call, plan, x_NX.dtype, send_token_S, send_G, relay_G, own_O)
         self._relay_rows(call, x_NX, send_token_S, send_G, relay_G, own_O)
         got = self._gather_routing(call, x_NX.dtype, plan.topk_idx_NK.shape[1])
         route = HierRoute(
@@ -305,6 +331,7 @@ class HierExchange:
     def _dispatch_cached(self, call: CallId, plan: SendPlan, x_NX, handle: DispatchHandle) -> Received:
         """The same rows cross and fan out again, x only: the routing is in the handle."""
         r: HierRoute = handle.route
+        self._rail_header(call, CallHeader.of(call, handle=handle.seq, dtype=DTYPE_CODES[x_NX.dtype]))
         self._relay_rows(call, x_NX, r.send_token_S, r.send_counts_G, r.relay_counts_G, r.own_token_O)
         recv_x_MX = self._gather_rows(call, x_NX, r, handle.recv_prefix_R1)
         return Received.unpacking(plan, recv_x_MX, None, None, handle.recv)
@@ -391,6 +418,8 @@ class HierExchange:
     def combine(self, call: CallId, x_MH, handle: DispatchHandle, topk_weights_MK):
         route: HierRoute = handle.route
         K = 0 if topk_weights_MK is None else topk_weights_MK.shape[1]
+        header = CallHeader.of(call, handle=handle.seq, dtype=DTYPE_CODES[x_MH.dtype], topk=K or NONE)
+        self._rail_header(call, header)
         self._put_to_forwarders(call, x_MH, topk_weights_MK, route)
         partial_FY = self._reduce_in_node(call, x_MH.dtype, x_MH.shape[1], K, route)
         S = int(route.relay_counts_G.sum())  # partials of other nodes' tokens; own ones follow
@@ -448,8 +477,10 @@ class HierExchange:
         return torch.cat([partial_FH, partial_FK], dim=1)
 
     def abort(self, call: CallId) -> None:
-        """Node peers learn at once; rail peers time out through the process group."""
+        """Node peers learn at once; rail peers too, from the call header, unless this rank
+        has joined it already (then they time out at the next rail collective)."""
         self.t.abort(call)
+        self.headers.abort(call)
 
     def close(self) -> None:
         self.t.close()

@@ -96,7 +96,12 @@ class LLDispatchOut:
 
 
 def dispatch_outputs(
-    plan: LLDispatchPlan, hidden: int, num_ranks: int, topk_idx_NK: torch.Tensor, num_experts: int
+    plan: LLDispatchPlan,
+    hidden: int,
+    num_ranks: int,
+    topk_idx_NK: torch.Tensor,
+    num_experts: int,
+    seq: int = 0,
 ) -> LLDispatchOut:
     """Allocate recv_x (rows uninitialised), the handle (-1 until received) and byte views of recv_x."""
     L, M = num_experts // num_ranks, num_ranks * plan.max_tokens
@@ -125,6 +130,7 @@ def dispatch_outputs(
         recv_src_rank_LM=info[1],
         recv_src_k_LM=info[2],
         layout_range_LR2=torch.zeros(L, num_ranks, 2, dtype=torch.int64),
+        seq=seq,
     )
     return LLDispatchOut(plan.code, recv_x, tuple(planes), handle)
 
@@ -210,6 +216,7 @@ class LLCombinePlan:
     num_local_experts: int
 
     send_counts_R: torch.Tensor  # int64 [R]: rows sent back to each home
+    handle_seq: int = 0  # the call number of the dispatch whose handle this combine uses
 
     def to(self, home: int) -> slice:
         """The rows bound for rank `home`, as a slice of the row arrays."""
@@ -248,6 +255,7 @@ def combine_plan(
         local_NK=torch.where(valid_NK, placement.local_index_E[safe_NK], -1),
         send_counts_R=torch.bincount(home_Q, minlength=handle.num_ranks),
         num_local_experts=handle.num_local_experts,
+        handle_seq=handle.seq,
     )
 
 

@@ -1,18 +1,19 @@
 """Low-latency dispatch/combine over torch.distributed (between hosts; gloo on CPU).
 
-Dispatch: one small all-to-all carries each rank's header to every peer (status,
-dtype code, row width, T, and the pair count per local expert of that peer);
-then the rows and their (token, top-k slot) metadata leave as asynchronous
-`all_to_all_single` operations. That is the send half; the receive half waits
-for them and places the rows expert-major. Combine needs no header: the expert
-rank knows from the handle what it returns to each home, and the home knows from
-its own routing what comes back (ordered by expert rank, local expert, token),
-so the send half is one asynchronous all-to-all.
+Dispatch: the call header (`ubep.protocols.call_header`: status, dtype, T, and
+per peer the pair count for each of its local experts) goes to every
+peer in one all-to-all of fixed size; then the rows and their (token, top-k
+slot) metadata leave as asynchronous `all_to_all_single` operations. That is
+the send half; the receive half waits for them and places the rows
+expert-major. Combine sends the call header too (the dispatch its handle
+names, dtype), then needs no counts: the expert rank knows from the
+handle what it returns to each home, and the home knows from its own routing
+what comes back (ordered by expert rank, local expert, token), so the rest of
+the send half is one asynchronous all-to-all.
 
-A rank that rejects its dispatch input still joins the header all-to-all with a
-"rejected" status, so its peers raise PeerAbortedError instead of waiting for a
-collective it will never join. (A rejected combine cannot be announced that way:
-peers time out in the process group, as for normal mode on this transport.)
+Ranks whose calls differ raise on every rank at the header, before any
+variable-size collective; a rank that rejects its input (dispatch or combine)
+joins the header as REJECTED, so its peers raise PeerAbortedError at once.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from ubep.deadlines import PeerPids, collective_deadline
 from ubep.engine import Engine
 from ubep.errors import PeerDataError
 from ubep.protocols.base import Sizing
+from ubep.protocols.call_header import CallHeader, CallHeaders
 from ubep.protocols.ll_base import (
     LLCombinePlan,
     LLDispatchOut,
@@ -37,10 +39,6 @@ from ubep.protocols.ll_base import (
     reduce_returned,
     returned_rows,
 )
-from ubep.waiting import AbortNotice, PeerAbortedError
-
-H_STATUS, H_DTYPE, H_WIDTH, H_T, H_COUNTS = 0, 1, 2, 3, 4
-OK, REJECTED = 1, 2
 
 
 class LLDist:
@@ -57,16 +55,11 @@ class LLDist:
         self.timeout_s = timeout_s
         with collective_deadline(group, timeout_s, "Buffer construction (pid exchange)"):
             self._pids = PeerPids.gather(group, rank, self.R)
+        self.headers = CallHeaders(group, self.R, self.L, self._deadline)
 
     def _deadline(self, phase: str):
         """Every collective of this path, and every wait for one, runs under the Buffer's deadline."""
         return collective_deadline(self.group, self.timeout_s, phase, self._pids)
-
-    def _headers(self, send_RW: torch.Tensor) -> torch.Tensor:
-        recv_RW = torch.empty_like(send_RW)
-        with self._deadline("low-latency dispatch (headers)"):
-            dist.all_to_all_single(recv_RW, send_RW, group=self.group)
-        return recv_RW
 
     def _finish(self, phase: str, works: list) -> None:
         """Wait for asynchronous collectives, at most `timeout_s` (a stalled peer is named)."""
@@ -77,10 +70,15 @@ class LLDist:
 
     def dispatch_send(self, call: CallId, plan: LLDispatchPlan, out: LLDispatchOut) -> Callable[[], None]:
         width = plan.rows_NB.shape[1]
-        fixed = torch.tensor([OK, plan.code, width, plan.max_tokens], dtype=torch.int64)
-        recv_RW = self._headers(torch.cat([fixed.expand(self.R, -1), plan.counts_RL], dim=1))
-        self._check_headers(recv_RW, fixed)
-        counts_SL = recv_RW[:, H_COUNTS:]
+        header = CallHeader.of(call, dtype=plan.code, tokens=plan.max_tokens)
+        counts_SL = self.headers.exchange(call, header, plan.counts_RL)
+        bad_S = ((counts_SL < 0) | (counts_SL > plan.max_tokens)).any(dim=1)
+        if bad_S.any():
+            src = int(torch.nonzero(bad_S)[0])
+            raise PeerDataError(
+                f"low-latency dispatch: rank {src} announced pair counts {counts_SL[src].tolist()}, "
+                f"each must lie in [0, {plan.max_tokens}]"
+            )
         send, recv = plan.counts_RL.sum(dim=1).tolist(), counts_SL.sum(dim=1).tolist()
         rows_PB = gather_rows(plan.rows_NB, plan.pair_token_P)
         meta_P2 = torch.stack([plan.pair_token_P, plan.pair_k_P], dim=1)
@@ -98,19 +96,9 @@ class LLDist:
 
         return receive
 
-    def _check_headers(self, recv_RW: torch.Tensor, fixed: torch.Tensor) -> None:
-        """Every rank sees every header, so every rank reaches the same verdict."""
-        rejected = torch.nonzero(recv_RW[:, H_STATUS] != OK).flatten().tolist()
-        if rejected:
-            notice = AbortNotice(f"rank(s) {rejected} rejected their input; see their error")
-            raise PeerAbortedError("low-latency dispatch", rejected[0], notice)
-        if not torch.equal(recv_RW[:, :H_COUNTS], fixed.expand(self.R, -1)):
-            raise PeerDataError(
-                "low-latency dispatch: ranks disagree on T, dtype or use_fp8 "
-                f"(per rank [status, dtype, width, T]: {recv_RW[:, :H_COUNTS].tolist()})"
-            )
-
     def combine_send(self, call: CallId, plan: LLCombinePlan, out_NH: torch.Tensor) -> Callable[[], None]:
+        header = CallHeader.of(call, handle=plan.handle_seq, dtype=plan.code)
+        self.headers.exchange(call, header)
         rows_QB = returned_rows(plan)  # ordered by home rank
         send = plan.send_counts_R.tolist()
         recv = [plan.expected_from(r) for r in range(self.R)]
@@ -125,10 +113,5 @@ class LLDist:
         return receive
 
     def abort(self, call: CallId, kind: str) -> None:
-        if kind == "dispatch":
-            header = torch.zeros(self.R, H_COUNTS + self.L, dtype=torch.int64)
-            header[:, H_STATUS] = REJECTED
-            try:
-                self._headers(header)
-            except Exception:
-                pass  # the caller is already raising the reason this rank gave up
+        """Join the call's header exchange as REJECTED (once), so the peers fail at once."""
+        self.headers.abort(call)
