@@ -25,14 +25,19 @@ DEAD = 2
 ITERATIONS_AFTER = 50  # dispatch + combine pairs on the survivors after the mask: 100 calls
 
 
-def leave_one_by_one(rank: VirtualRank, protocol: str) -> list[int]:
-    """Ranks 2, then 3 leave (each masks itself, the others mask it); the rest keep calling."""
+def leave_one_by_one(rank: VirtualRank, protocol: str, done: list[threading.Barrier]) -> list[int]:
+    """Ranks 2, then 3 leave (each masks itself, the others mask it); the rest keep calling.
+
+    A rank that the others mask while it is still inside a call gets MaskedOutError there (they
+    went on, and may reuse what it reads); `done` lets a leaving rank finish its last call first.
+    """
     me = rank.rank
     with buffer(rank, protocol, timeout_s=20) as buf:
         for seed in range(3):
             normal_call(buf, seed, set())
         xs, idxs, ws = inputs(3, rank.world_size)
         old = buf.dispatch(xs[me], topk_idx=idxs[me], topk_weights=ws[me])  # routes through rank 2
+        done[0].wait()
         buf.mask_ranks([2])
         if me == 2:
             with pytest.raises(RuntimeError, match="masked itself out"):
@@ -40,12 +45,11 @@ def leave_one_by_one(rank: VirtualRank, protocol: str) -> list[int]:
             return []
         with pytest.raises(ValueError, match="before rank"):  # every staying rank rejects it: in step
             buf.combine(old.recv_x, old.handle)
-        for seed in range(200, 203):
-            low_latency_call(buf, seed, {2})
         for seed in range(100, 120):
             normal_call(buf, seed, {2})
-        # Masking a rank that is still inside a call makes that call fail there (MaskedOutError): the
-        # others went on. Rank 3 leaves after a normal-mode call, which waits for every rank.
+        for seed in range(200, 203):
+            low_latency_call(buf, seed, {2})
+        done[1].wait()
         buf.mask_ranks([3])
         if me == 3:
             return list(buf.masked_ranks)
@@ -58,7 +62,8 @@ def leave_one_by_one(rank: VirtualRank, protocol: str) -> list[int]:
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("protocol", ["ubep", "bsp"])
 def test_ranks_leave_one_by_one_and_the_rest_stay_exact(protocol):
-    got = VirtualWorld(4, timeout_s=100).run(lambda rank: leave_one_by_one(rank, protocol))
+    done = [threading.Barrier(4), threading.Barrier(3)]
+    got = VirtualWorld(4, timeout_s=100).run(lambda rank: leave_one_by_one(rank, protocol, done))
     assert got == [[2, 3], [2, 3], [], [2]]
 
 

@@ -208,7 +208,9 @@ class BspExchange:
         self.faults.at("combine.mid", call)
         self.t.barrier("combine (token send)", call)
         landed = self.t.landed(back.back, call, self.t.live, "combine (reduce)")  # all, after the barrier
-        return reduce_home(self.t, self.engine, back, call, handle, x_MH, topk_weights_MK, landed)
+        combined = reduce_home(self.t, self.engine, back, call, handle, x_MH, topk_weights_MK, landed)
+        self.t.check_member("combine")  # what was read above was whole
+        return combined
 
     def abort(self, call: CallId) -> None:
         self.t.abort(call)

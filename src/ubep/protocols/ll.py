@@ -231,6 +231,7 @@ class LLExchange:
                 rows_nB = slots[src, :, :, : out.row_width][local_n, index_n]
                 place_source(self.engine, out, src, begin_L, counts_L, rows_nB, token_n, k_n)
                 begin_L = begin_L + counts_L
+            self.t.check_member("low-latency dispatch")  # what was read above was whole
             out.handle.recv_count_L.copy_(begin_L)
         finally:
             self._consumed(call, DISPATCH)
@@ -286,6 +287,7 @@ class LLExchange:
             slot_NK = (torch.arange(N).unsqueeze(1) * self.sizing.max_topk + torch.arange(K)).flatten()
             y_NKB = torch.empty(N * K, B, dtype=torch.uint8)
             self.engine.copy_rows(self.t.view(b.back_slots, self.me, call)[:, :B], slot_NK, y_NKB, None)
+            self.t.check_member("low-latency combine")  # the rows were whole
             reduce_rows(self.engine, plan, y_NKB.view(N, K, B), out_NH)
         finally:
             self._consumed(call, COMBINE)

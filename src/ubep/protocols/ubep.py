@@ -144,6 +144,7 @@ class UbepExchange:
         recv_scales_MS = None if plan.scales_NS is None else torch.empty(M, plan.scales_NS.shape[1])
         self._gather_tokens(call, x_NH, recv_x_MH, recv_scales_MS, src_token_M, prefix_R1.tolist(), routes)
         route = RecvRoute.of(src_token_M, prefix_R1) if handle is None else handle.recv
+        self.t.check_member("dispatch")  # what was read above was whole
         return Received(recv_x_MH, recv_idx, recv_w, route, recv_scales_MS)
 
     def _publish(self, call: CallId, plan: SendPlan) -> None:
@@ -306,7 +307,9 @@ class UbepExchange:
         publish_back(self.t, back, call, x_MH, handle, topk_weights_MK)
         self.faults.at("combine.mid", call)
         landed = self.t.landed(back.back, call, self.t.live, "combine")
-        return reduce_home(self.t, self.engine, back, call, handle, x_MH, topk_weights_MK, landed)
+        combined = reduce_home(self.t, self.engine, back, call, handle, x_MH, topk_weights_MK, landed)
+        self.t.check_member("combine")  # what was read above was whole
+        return combined
 
     def abort(self, call: CallId) -> None:
         self.t.abort(call)

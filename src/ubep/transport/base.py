@@ -156,5 +156,11 @@ class Transport(Protocol):
         rank started, after which they all continue.
         """
 
+    def check_member(self, phase: str, peers: Iterable[int] | None = None) -> None:
+        """Raise MaskedOutError if a peer (default: every live one) masked this rank: it stalled and
+        the others went on without it. Called before writing into peers' memory (they reuse it for
+        other calls now) and after reading it, before returning what was read: a peer masks this
+        rank before it overwrites anything, so reads that pass this check were whole."""
+
     def close(self) -> None:
         """Release this rank's memory and wake-up channel; idempotent."""

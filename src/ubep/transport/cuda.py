@@ -120,6 +120,9 @@ class CudaHeap:
     def mask(self, ranks: Collection[int], seq: int) -> int:
         return self._host.mask(ranks, seq)
 
+    def check_member(self, phase: str, peers: Iterable[int] | None = None) -> None:
+        self._host.check_member(phase, peers)
+
     def close(self) -> None:
         self._arenas, self._tables, self._handle = [], {}, None  # symmetric memory is freed with its tensors
         self._host.close()

@@ -233,7 +233,7 @@ class Heap:
 
     def wait(self, phase: str, call: CallId, peers: Iterable[int], ready: Callable[[int], bool]) -> None:
         peers = list(peers)
-        self._check_member(phase, peers)  # before a barrier or a put into peers' memory
+        self.check_member(phase, peers)  # before a barrier or a put into peers' memory
         pending = [p for p in peers if not ready(p)]
         waiter = self._waiter(phase, call) if pending else None
         while pending:
@@ -344,10 +344,8 @@ class Heap:
         self.live = tuple(stay)
         return max(int(self._members[r][half][1]) for r in stay)
 
-    def _check_member(self, phase: str, peers: Iterable[int]) -> None:
-        """Raise if a peer masked this rank (it stalled, and the others went on without it): from
-        then on it must not write into their memory, whose halves now serve other calls."""
-        for p in peers:
+    def check_member(self, phase: str, peers: Iterable[int] | None = None) -> None:
+        for p in self.live if peers is None else peers:
             records = self._members[p]
             latest = records[int(np.argmax(records[:, 0]))]
             if latest[0] > self._generation and latest[2 + self.rank]:
