@@ -29,7 +29,7 @@ import torch
 from ubep.calls import CallId
 from ubep.errors import CommTimeoutError, PeerDataError, UbepError
 from ubep.transport.base import Field, Header, Record, Region
-from ubep.waiting import AbortNotice, PeerAbortedError, Waiter
+from ubep.waiting import AbortNotice, PeerAbortedError, ProcessId, Waiter
 
 ALIGN = 64  # bytes; every block starts on a cache line
 # Control block words: the pid, the barrier word, and a ring of abort notices.
@@ -105,7 +105,7 @@ class Heap:
         self._numpy: dict[tuple[str, int, int], np.ndarray] = {}
         self._bounds: dict[Header, _Bounds] = {}
         self._ctl = [self._words_at("ctl", 0, r) for r in range(num_ranks)]
-        self._pids: list[int | None] = [None] * num_ranks
+        self._peers: tuple[ProcessId | None, ...] = (None,) * num_ranks
         self._current_seq = 0
         self._barrier_seq = self._barrier_step = 0
 
@@ -200,7 +200,7 @@ class Heap:
         return Waiter(
             phase,
             self.timeout_s,
-            self._pids.__getitem__,
+            self._peer_gone,
             self._aborted,
             self._memory.sleep,
             lambda error: self._gave_up(call, error),
@@ -298,13 +298,15 @@ class Heap:
 
     # -- lifetime ---------------------------------------------------------------------------------
 
-    def announce(self, pid: int) -> None:
-        """Publish this rank's pid (0: threads, no liveness check); all ranks meet, then `learn_peers`."""
-        self._ctl[self.rank][CTL_PID] = pid
+    def learn_peers(self, peers: Sequence[ProcessId | None]) -> None:
+        """Who each rank's process is (None: not a process of its own, e.g. a thread), so that
+        waits notice a peer's exit; identities, not bare pids, which mean nothing across PID
+        namespaces (see `ProcessId`)."""
+        self._peers = tuple(peers)
 
-    def learn_peers(self) -> None:
-        """Read every peer's pid, once all announced: waits then notice a peer's death."""
-        self._pids = [int(c[CTL_PID]) or None for c in self._ctl]
+    def _peer_gone(self, peer: int) -> bool:
+        process = self._peers[peer]
+        return process is not None and process.is_gone()
 
     def close(self) -> None:
         self._ctl = []
