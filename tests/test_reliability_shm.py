@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -21,6 +22,7 @@ from faultcase import group_pids
 
 import ubep
 import ubep.shm
+from ubep.engine import choose_engine
 from ubep.errors import SharedMemorySizeError
 from ubep.sizing import size_hint
 
@@ -322,8 +324,7 @@ def test_a_rank_killed_in_construction_is_named_and_leaves_no_name(step):
         assert left == [], (rank, left)
         assert error.startswith("CommTimeoutError"), error
         assert elapsed < 5, (error, elapsed)
-        if step in (2, 3, 4):  # the heap knows every pid from its first all-gather on
-            assert "rank(s) 2 died" in error and "Buffer construction (shared memory)" in error, error
+        assert "rank(s) 2 died" in error and "Buffer construction" in error, error  # known from joining on
         assert "rank(s) 1 died" not in error and "rank(s) 0 died" not in error, error
 
 
@@ -334,6 +335,7 @@ def killed_at_a_random_moment(seed: int) -> tuple[str, list[str]]:
     import threading
 
     pids = group_pids()
+    choose_engine("auto")  # loaded now, so that the moment falls among construction's collectives
     if dist.get_rank() == 2:
         delay = random.Random(seed).uniform(0.0, 0.15)
         threading.Timer(delay, os.kill, (os.getpid(), signal.SIGKILL)).start()
@@ -355,5 +357,5 @@ def test_kills_at_random_moments_of_construction_leave_nothing_and_blame_no_surv
             assert outcomes[rank].ok, (seed, rank, outcomes[rank].error)
             outcome, left = outcomes[rank].result
             assert left == [], (seed, rank, left)
-            assert "rank(s) 0" not in outcome.split("died")[0] or "died" not in outcome, (seed, outcome)
-            assert "rank(s) 1" not in outcome.split("died")[0] or "died" not in outcome, (seed, outcome)
+            named_dead = re.search(r"rank\(s\) ([\d, ]+) died", outcome)  # "... did not arrive": unsure
+            assert named_dead is None or set(named_dead[1].split(", ")) == {"2"}, (seed, outcome)

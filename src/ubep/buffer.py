@@ -109,6 +109,7 @@ class Buffer:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         self.timeout_s = float(timeout_s)
         construct_s = max(self.timeout_s, CONSTRUCTION_MIN_TIMEOUT_S)
+        self.engine, self._engine_reason = choose_engine(engine)  # slow (numba's cache): before ranks meet
         with collective_deadline(_resolve(group), construct_s, "Buffer construction (joining the group)"):
             self._info: GroupInfo = join_group(group)
         self._faults = FaultPoints(faults, self._info.rank)
@@ -128,9 +129,9 @@ class Buffer:
         self.protocol = protocol
         self.low_latency = bool(low_latency)
         self.workers, self.schedule = workers, schedule
-        self.engine, self._engine_reason = choose_engine(engine)
         self.transport, self._transport_reason = choose_transport(transport, self._info)
-        with collective_deadline(_resolve(self._info.group), construct_s, "Buffer construction"):
+        ep_group, peers = _resolve(self._info.group), self._info.peers
+        with collective_deadline(ep_group, construct_s, "Buffer construction", peers, watch=True):
             self._handshake(transport)
             options = Options(
                 transport=self.transport,

@@ -8,18 +8,19 @@ afterwards, and turns a backend failure into `CommTimeoutError`.
 
 What a backend failure can tell: gloo reports a dead peer at once ("connection
 reset") and a silent one at the deadline, but by socket address, not by rank.
-Where peers run on this host, their pids (see `PeerPids`) say which died; a
-stall between hosts can only be reported as "one of these ranks".
+Where peers run on this host, their processes (see `PeerPids`) say which died or
+is stopped; a stall between hosts can only be reported as "one of these ranks",
+and a connection lost before the deadline as "did not arrive".
 
 NCCL groups (CUDA) keep their own timeout: not changed here.
 """
 
 from __future__ import annotations
 
-import os
 import socket
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
@@ -28,28 +29,41 @@ import torch
 import torch.distributed as dist
 
 from ubep.errors import CommTimeoutError, UbepError
-from ubep.waiting import process_alive
+from ubep.waiting import ProcessId
 
 DEATH_GRACE_S = 0.5  # how long a failed collective looks for a dead local peer
+LINGER_S = 0.3  # how long a rank that named a dead peer stays alive before raising (see _timeout_error)
+WATCH_PERIOD_S = 0.02  # how often a `DeathWatch` looks at its peers
 
 
 @dataclass(frozen=True, slots=True)
 class PeerPids:
-    """Each rank's pid where it runs on this host (None elsewhere), for liveness checks."""
+    """Each rank's process where it runs on this host (None elsewhere), for liveness checks.
+
+    Identities, not bare pids (see `ProcessId`): a peer in another PID namespace is
+    never judged dead or stopped, only reported at the deadline."""
 
     rank: int
-    pids: tuple[int | None, ...]
+    processes: tuple[ProcessId | None, ...]
+
+    @classmethod
+    def of(cls, rank: int, everyone: Sequence[tuple[str, ProcessId]]) -> PeerPids:
+        """From every rank's `here()`, in rank order."""
+        host = socket.gethostname()
+        return cls(rank, tuple(process if h == host else None for h, process in everyone))
 
     @classmethod
     def gather(cls, group: dist.ProcessGroup, rank: int, world_size: int) -> PeerPids:
-        """Collective: every rank learns which peers share its host, and their pids."""
-        everyone: list[tuple[str, int]] = [("", 0)] * world_size
-        dist.all_gather_object(everyone, (socket.gethostname(), os.getpid()), group=group)
-        host = socket.gethostname()
-        return cls(rank, tuple(pid if h == host else None for h, pid in everyone))
+        """Collective: every rank learns which peers share its host, and who they are."""
+        everyone: list[tuple[str, ProcessId] | None] = [None] * world_size
+        dist.all_gather_object(everyone, here(), group=group)
+        return cls.of(rank, everyone)
 
     def dead(self) -> list[int]:
-        return [r for r, pid in enumerate(self.pids) if pid is not None and not process_alive(pid)]
+        return [r for r, p in enumerate(self.processes) if p is not None and p.is_gone()]
+
+    def stopped(self) -> list[int]:
+        return [r for r, p in enumerate(self.processes) if p is not None and p.is_stopped()]
 
     def dead_after_grace(self) -> list[int]:
         """Dead peers, looking again for a moment: a killed peer's sockets close (and
@@ -58,6 +72,44 @@ class PeerPids:
         while not (dead := self.dead()) and time.monotonic() < deadline:
             time.sleep(0.02)
         return dead
+
+
+def here() -> tuple[str, ProcessId]:
+    """What this rank tells its peers for `PeerPids`: its host and its process."""
+    return socket.gethostname(), ProcessId.this_process()
+
+
+class DeathWatch:
+    """The local peers seen exited first, noted by a thread while a block of collectives runs.
+
+    A collective may report a death late: in gloo's ring all-gather a survivor hears of a
+    killed rank only when its neighbour, another survivor, gives up and exits, and by then
+    both are gone. The peers seen gone first are the ones that died first."""
+
+    def __init__(self, peers: PeerPids):
+        self._peers = peers
+        self._first: list[int] = []
+        self._looks = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="ubep-death-watch", daemon=True)
+        self._thread.start()
+
+    def _watch(self) -> None:
+        while not self._stop.wait(WATCH_PERIOD_S):
+            self._looks += 1
+            if dead := self._peers.dead():
+                self._first = dead
+                return
+
+    def first_dead(self, grace_s: float) -> tuple[list[int], bool]:
+        """(the first peers seen exited, waiting up to `grace_s` for one; whether their order is
+        unknown: several were already gone at the watch's first look)."""
+        self._thread.join(grace_s)
+        return self._first, len(self._first) > 1 and self._looks == 1
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
 
 
 def _gloo(group: dist.ProcessGroup | None):
@@ -85,39 +137,68 @@ def collective_deadline(
     phase: str,
     peers: PeerPids | None = None,
     names: tuple[int, ...] | None = None,
+    watch: bool = False,
 ) -> Iterator[None]:
     """Run the block's collectives under a `timeout_s` deadline; name the peers if one fails.
 
     `names[i]` is how errors name the group's rank i (default: i), e.g. its rank in
-    the EP group when `group` is a subgroup of it.
+    the EP group when `group` is a subgroup of it. `watch` (with `peers`): keep a
+    `DeathWatch` for the block, for long blocks (construction) where a death may be
+    reported late; one thread per block, so not for per-call collectives.
     """
     backend = _gloo(group)
     previous = backend.options._timeout if backend is not None else None
     if backend is not None:
         backend._set_default_timeout(timedelta(seconds=timeout_s))
+    watcher = DeathWatch(peers) if watch and peers is not None else None
     try:
         yield
     except BaseException as error:
         if not _from_backend(error):
             raise
-        raise _timeout_error(group, timeout_s, phase, peers, error, names) from error
+        raise _timeout_error(group, timeout_s, phase, peers, error, names, watcher) from error
     finally:
+        if watcher is not None:
+            watcher.stop()
         if backend is not None:
             backend._set_default_timeout(previous)
 
 
 def _timeout_error(
-    group, timeout_s: float, phase: str, peers: PeerPids | None, error, names: tuple[int, ...] | None
+    group,
+    timeout_s: float,
+    phase: str,
+    peers: PeerPids | None,
+    error,
+    names: tuple[int, ...] | None,
+    watcher: DeathWatch | None,
 ) -> CommTimeoutError:
+    """Name what can be proven: a stopped peer (it stalls every collective it is in, and a
+    survivor that gave up on it and exited is not to blame), else a dead one, else nobody:
+    the peers that did not arrive, with how the backend failed (deadline or lost connection)."""
     said = str(error).strip().splitlines()[0][:160] if str(error).strip() else type(error).__name__
     me = peers.rank if peers is not None else (dist.get_rank(group) if group is not None else 0)
     world = dist.get_world_size(group) if group is not None else 1
-    timed_out = "timed out" in said.lower()  # a deadline, not a broken connection: no grace
-    dead = [] if peers is None else peers.dead() if timed_out else peers.dead_after_grace()
     named = names or tuple(range(world))
+    timed_out = "timed out" in said.lower()  # a deadline, not a broken connection: no grace
+    stopped = [] if peers is None else peers.stopped()
+    if stopped:
+        stopped = [named[r] for r in stopped]
+        ranks = ", ".join(map(str, stopped))
+        detail = f"rank(s) {ranks} stopped (SIGSTOP or a debugger); torch.distributed: {said}"
+        return CommTimeoutError(phase, stopped, timeout_s, [], detail)
+    unordered = False
+    if watcher is not None:
+        dead, unordered = watcher.first_dead(0.0 if timed_out else DEATH_GRACE_S)
+    else:
+        dead = [] if peers is None else peers.dead() if timed_out else peers.dead_after_grace()
     if dead:
+        time.sleep(LINGER_S)  # a slower survivor's first look must not find this rank exited too
         dead = [named[r] for r in dead]
+        if unordered:  # one may be a survivor that gave up on the other and exited
+            detail = f"all had exited when this rank first looked; torch.distributed: {said}"
+            return CommTimeoutError(phase, dead, timeout_s, [], detail, lost=True)
         return CommTimeoutError(phase, dead, timeout_s, dead, f"torch.distributed: {said}")
     others = [named[r] for r in range(world) if r != me]
     detail = f"torch.distributed does not say which of them; it reported: {said}"
-    return CommTimeoutError(phase, others, timeout_s, [], detail)
+    return CommTimeoutError(phase, others, timeout_s, [], detail, lost=not timed_out)

@@ -15,11 +15,19 @@ class CommTimeoutError(UbepError, TimeoutError):
     """A wait passed its deadline; `peers` lists the ranks that never signalled.
 
     `dead_peers` lists those among them whose process is known to have exited,
-    which is detected before the deadline where the peer runs on this host.
+    which is detected before the deadline where the peer runs on this host. `lost`:
+    the connection broke before the deadline, and which of `peers` left is unknown.
     """
 
     def __init__(
-        self, phase: str, peers: list[int], timeout_s: float, dead_peers: list[int], detail: str = ""
+        self,
+        phase: str,
+        peers: list[int],
+        timeout_s: float,
+        dead_peers: list[int],
+        detail: str = "",
+        *,
+        lost: bool = False,
     ):
         self.phase = phase
         self.peers = list(peers)
@@ -31,6 +39,8 @@ class CommTimeoutError(UbepError, TimeoutError):
             alive = [p for p in peers if p not in dead_peers]
             if alive:
                 why += f"; no signal from rank(s) {_ranks(alive)} either"
+        elif lost:
+            why = f"rank(s) {_ranks(peers)} did not arrive; one of them may have died"
         else:
             why = f"no signal from rank(s) {_ranks(peers)} after {timeout_s:g} s"
         super().__init__(f"{phase}: {why}" + (f" ({detail})" if detail else ""))

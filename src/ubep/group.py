@@ -15,6 +15,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from ubep.deadlines import PeerPids, here
 from ubep.errors import ConfigMismatchError
 from ubep.nodes import NodeMap
 from ubep.transport.virtual import VirtualRank
@@ -29,6 +30,7 @@ class GroupInfo:
     rank: int
     world_size: int
     node_of_rank: tuple[int, ...]  # node index of each rank, numbered by first appearance
+    peers: PeerPids | None = None  # each rank's process where it shares this host (liveness checks)
 
     @property
     def num_nodes(self) -> int:
@@ -49,10 +51,12 @@ def join_group(group: dist.ProcessGroup | VirtualRank | None) -> GroupInfo:
             return GroupInfo(None, 0, 1, (0,))
     group = group or dist.group.WORLD
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    keys: list[str] = [""] * world
-    dist.all_gather_object(keys, node_key(), group=group)
+    everyone: list[tuple[str, tuple] | None] = [None] * world
+    dist.all_gather_object(everyone, (node_key(), here()), group=group)
+    keys = [key for key, _ in everyone]
     order = {k: i for i, k in enumerate(dict.fromkeys(keys))}
-    return GroupInfo(group, rank, world, tuple(order[k] for k in keys))
+    peers = PeerPids.of(rank, [process for _, process in everyone])
+    return GroupInfo(group, rank, world, tuple(order[k] for k in keys), peers)
 
 
 def all_gather_object(info: GroupInfo, obj: Any) -> list[Any]:

@@ -13,7 +13,8 @@ Construction, over `group`, in three all-gathers:
                   unlinks every name of the job.
 
 A failure in step 2 or 3 is raised on every rank, naming the rank and its error;
-a rank killed in between is named by its pid once its process is gone. Whatever
+a rank killed in between is named by the Buffer's construction deadline
+(`ubep.deadlines`), which knows every rank's process from joining the group. Whatever
 fails, every rank that learned the names unlinks all of them, so a killed
 rank's name does not outlive the survivors. Once built, the memory lives exactly
 as long as some rank maps it. `sweep_stale_segments` (run by every construction)
@@ -34,23 +35,20 @@ import mmap
 import os
 import secrets
 import stat
-import time
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from ubep.errors import CommTimeoutError, SharedMemorySizeError
-from ubep.waiting import AbortNotice, PeerAbortedError
+from ubep.errors import SharedMemorySizeError
+from ubep.waiting import AbortNotice, PeerAbortedError, ProcessId, pid_namespace, start_time
 
 SHM_DIR = "/dev/shm"
 CGROUP_ROOT = "/sys/fs/cgroup"
 NAME_PREFIX = "ubep-"
 ALIGN = 64  # bytes; regions start on cache-line boundaries
 NO_LIMIT = 1 << 62  # cgroup v1 writes "no limit" as a huge page-rounded number
-DEATH_GRACE_S = 0.5  # how long a failed construction looks for a killed peer's exit
-LINGER_S = 0.3  # how long a rank that found a dead peer stays alive before raising (see _blame)
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,60 +76,14 @@ class SegmentLayout:
 
 # -- who made a segment, and whether it provably exited ------------------------------------------
 
-
-def _pid_namespace() -> int:
-    """Inode of this process's PID namespace (0 where /proc cannot tell)."""
-    try:
-        return os.stat("/proc/self/ns/pid").st_ino
-    except OSError:
-        return 0
-
-
-def _proc_is_ours() -> bool:
-    """Whether /proc shows this process's PID namespace (not so after `unshare -p` without a new /proc)."""
-    try:
-        return os.readlink("/proc/self") == str(os.getpid())
-    except OSError:
-        return False
-
-
-def _start_time(pid: str) -> int | None:
-    """Field 22 of /proc/PID/stat (start, clock ticks after boot); None: no such process, or a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            fields = f.read().rsplit(b")", 1)[1].split()
-    except OSError:
-        return None
-    return None if fields[0] in (b"Z", b"X") else int(fields[19])
-
-
-@dataclass(frozen=True, slots=True)
-class Creator:
-    """Who created a segment: pid, PID-namespace inode and start time, enough to prove it exited."""
-
-    pid: int
-    pid_ns: int
-    start: int
-
-    @classmethod
-    def this_process(cls) -> Creator:
-        return cls(os.getpid(), _pid_namespace(), _start_time("self") or 0)
-
-    def is_gone(self) -> bool:
-        """Provably exited: it ran in our PID namespace, and its pid is free or names a newer process.
-
-        A creator in another namespace (another container sharing /dev/shm) is never
-        judged: its pid means nothing here."""
-        if self.pid_ns != _pid_namespace() or not _proc_is_ours():
-            return False
-        return _start_time(str(self.pid)) != self.start
+Creator = ProcessId  # who created a segment: enough to prove it exited (see `ProcessId.is_gone`)
 
 
 def segment_name(pid: int, token: str | None = None) -> str:
     """The name of a segment created by `pid` (a process in our PID namespace):
     `ubep-PID-PIDNS-START-TOKEN`, TOKEN 96 random bits unless given."""
-    start = _start_time("self" if pid == os.getpid() else str(pid)) or 0
-    return _name(Creator(pid, _pid_namespace(), start), token or secrets.token_hex(12))
+    start = start_time("self" if pid == os.getpid() else str(pid)) or 0
+    return _name(Creator(pid, pid_namespace(), start), token or secrets.token_hex(12))
 
 
 def _name(creator: Creator, token: str) -> str:
@@ -167,7 +119,7 @@ def sweep_stale_segments(pids: set[int] | None = None) -> list[str]:
         if creator is None:
             continue
         if pids is not None:
-            stale = creator.pid in pids and creator.pid_ns == _pid_namespace()
+            stale = creator.pid in pids and creator.pid_ns == pid_namespace()
         else:
             stale = creator.is_gone()
         path = os.path.join(SHM_DIR, name)
@@ -333,33 +285,6 @@ def _raise_failures(phase: str, failures: list[str | None], rank: int) -> None:
         raise PeerAbortedError(phase, failed[0], AbortNotice(failures[failed[0]]))
 
 
-def _group_timeout_s(group: dist.ProcessGroup) -> float:
-    """The deadline the group's collectives run under now (set by `ubep.deadlines`)."""
-    try:
-        return group._get_backend(torch.device("cpu")).options._timeout.total_seconds()
-    except (AttributeError, RuntimeError):
-        return dist.default_pg_timeout.total_seconds()
-
-
-def _blame(error: BaseException, creators: list[Creator], rank: int, group) -> BaseException:
-    """A collective failed during construction: if a peer's process exited, name it.
-
-    Only the peers seen dead at the first look that finds any are named; and this rank
-    stays alive a moment before raising (LINGER_S), so that a slower survivor's first
-    look does not find it exited too and name it with the rank that was killed."""
-    if not (type(error) is RuntimeError or isinstance(error, dist.DistError)):
-        return error
-    deadline = time.monotonic() + DEATH_GRACE_S  # a killed peer's sockets close before it shows as exited
-    while not (dead := [r for r, c in enumerate(creators) if r != rank and c.is_gone()]):
-        if time.monotonic() >= deadline:
-            return error
-        time.sleep(0.02)
-    time.sleep(LINGER_S)
-    said = str(error).strip().splitlines()[0][:160] if str(error).strip() else type(error).__name__
-    phase = "Buffer construction (shared memory)"
-    return CommTimeoutError(phase, dead, _group_timeout_s(group), dead, f"torch.distributed: {said}")
-
-
 def _try(action) -> tuple[object, BaseException | None]:
     """(result, None), or (None, the exception) for an ordinary failure."""
     try:
@@ -395,14 +320,11 @@ class SymmetricHeap:
         self.doorbell_key = hmac.digest(key, b"doorbell", "sha256")
         try:
             self._maps = self._build(group)
-        except BaseException as error:
+        except BaseException:
             self.close()
             for name in self.names:  # the job's names, a killed rank's among them
                 _unlink(name)
-            blamed = _blame(error, self.creators, rank, group)
-            if blamed is error:
-                raise
-            raise blamed from error
+            raise  # a peer's death is named by the Buffer's construction deadline (`ubep.deadlines`)
         self._words = [np.frombuffer(m, dtype=np.int64) for m in self._maps]
         self._bytes = [torch.frombuffer(m, dtype=torch.uint8) for m in self._maps]
         self._views: dict[tuple[int, str], torch.Tensor] = {}
@@ -440,16 +362,6 @@ class SymmetricHeap:
             raise error
         _raise_failures("Buffer construction (mapping segments)", failures, self.rank)
         return maps
-
-    def barrier(self, group: dist.ProcessGroup) -> None:
-        """`dist.barrier` over the heap's group that, if a peer was killed, names it (by its pid)."""
-        try:
-            dist.barrier(group=group)
-        except BaseException as error:
-            blamed = _blame(error, self.creators, self.rank, group)
-            if blamed is error:
-                raise
-            raise blamed from error
 
     def tensor(self, rank: int, name: str) -> torch.Tensor:
         """Region `name` of `rank`'s segment as a tensor of its declared shape and dtype."""

@@ -44,21 +44,73 @@ class PeerAbortedError(UbepError):
         super().__init__(f"{phase}: rank {peer} aborted the call ({notice.reason})")
 
 
-def process_alive(pid: int) -> bool:
-    """Whether `pid` runs on this host (a zombie counts as dead)."""
+def pid_namespace() -> int:
+    """Inode of this process's PID namespace (0 where /proc cannot tell)."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
+
+
+def proc_is_ours() -> bool:
+    """Whether /proc shows this process's PID namespace (not so after `unshare -p` without a new /proc)."""
+    try:
+        return os.readlink("/proc/self") == str(os.getpid())
+    except OSError:
+        return False
+
+
+def _stat(pid: str) -> tuple[bytes, int] | None:
+    """(state letter, start in clock ticks after boot) of /proc/PID/stat; None: no such process."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
-            state = f.read().rsplit(b")", 1)[1].split()[0]
-    except (FileNotFoundError, ProcessLookupError, IndexError):
-        return False
-    return state not in (b"Z", b"X")
+            fields = f.read().rsplit(b")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return fields[0], int(fields[19])
+
+
+def start_time(pid: str) -> int | None:
+    """Start time of process `pid` ("self": this one); None: no such process, or a zombie."""
+    stat = _stat(pid)
+    return None if stat is None or stat[0] in (b"Z", b"X") else stat[1]
+
+
+@dataclass(frozen=True, slots=True)
+class ProcessId:
+    """A process as a peer can recognise it later: pid, PID-namespace inode and start time.
+
+    A bare pid means nothing in another PID namespace (containers sharing a host) and
+    names another process once reused; with the namespace and start time, `is_gone`
+    and `is_stopped` answer True only where they can prove it, and False elsewhere
+    (the caller's deadline then decides)."""
+
+    pid: int
+    pid_ns: int
+    start: int
+
+    @classmethod
+    def this_process(cls) -> ProcessId:
+        return cls(os.getpid(), pid_namespace(), start_time("self") or 0)
+
+    def _judged_here(self) -> bool:
+        return self.pid_ns == pid_namespace() and proc_is_ours()
+
+    def is_gone(self) -> bool:
+        """Provably exited: it ran in our PID namespace, and its pid is free, a zombie or a newer process."""
+        return self._judged_here() and start_time(str(self.pid)) != self.start
+
+    def is_stopped(self) -> bool:
+        """Provably stopped (SIGSTOP, a debugger): it cannot take part in anything until resumed."""
+        stat = _stat(str(self.pid)) if self._judged_here() else None
+        return stat is not None and stat[1] == self.start and stat[0] in (b"T", b"t")
 
 
 class Waiter:
     """One wait of one phase: call `pause(pending)` while peers in `pending` are not ready.
 
-    `peer_pid(r)` gives a local peer's process id (None if unknown: no liveness
-    check); `peer_abort(r)` returns a notice when peer r has aborted this call;
+    `peer_gone(r)` says whether peer r's process provably exited (False where that
+    cannot be known: no liveness check); `peer_abort(r)` returns a notice when peer r has aborted this call;
     `block(timeout_s)`, when given, sleeps until a peer signals (a doorbell)
     instead of sleeping for a fixed interval; `on_fail(error)` runs just before
     the wait raises (to tell the other peers).
@@ -68,14 +120,14 @@ class Waiter:
         self,
         phase: str,
         timeout_s: float,
-        peer_pid: Callable[[int], int | None],
+        peer_gone: Callable[[int], bool],
         peer_abort: Callable[[int], AbortNotice | None],
         block: Callable[[float], None] | None = None,
         on_fail: Callable[[UbepError], None] | None = None,
     ):
         self.phase = phase
         self.timeout_s = timeout_s
-        self._peer_pid = peer_pid
+        self._peer_gone = peer_gone
         self._peer_abort = peer_abort
         self._block = block
         self._on_fail = on_fail
@@ -106,7 +158,7 @@ class Waiter:
                 error = PeerAbortedError(self.phase, peer, notice)
                 break
         if error is None:
-            dead = [p for p in pending if (pid := self._peer_pid(p)) is not None and not process_alive(pid)]
+            dead = [p for p in pending if self._peer_gone(p)]
             if dead or now - self._start >= self.timeout_s:
                 error = CommTimeoutError(self.phase, pending, self.timeout_s, dead)
         if error is not None:

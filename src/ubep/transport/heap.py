@@ -9,7 +9,7 @@ both are behind `Memory`. Everything a protocol relies on is here, once:
 - publication (payload, then stamp, then a ring) and `landed`, the one wait
   loop: yield, then block on the wake-up channel, under a deadline, noticing
   dead and aborting peers;
-- the control block: the pid, the barrier word and a ring of abort notices,
+- the control block: the barrier word and a ring of abort notices,
   one per call (slot seq % ABORT_RING), so a notice outlives the rank's next
   calls and a slow peer still finds it there;
 - membership: `mask` drops dead ranks from every later wait and barrier, after
@@ -32,11 +32,11 @@ import torch
 from ubep.calls import CallId
 from ubep.errors import CommTimeoutError, MaskedOutError, PeerDataError, UbepError
 from ubep.transport.base import Field, Header, Record, Region
-from ubep.waiting import AbortNotice, PeerAbortedError, Waiter
+from ubep.waiting import AbortNotice, PeerAbortedError, ProcessId, Waiter
 
 ALIGN = 64  # bytes; every block starts on a cache line
-# Control block words: the pid, the barrier word, and a ring of abort notices.
-CTL_PID, CTL_BARRIER, CTL_ABORTS, ABORT_RING = 0, 2, 8, 16
+# Control block words: the barrier word, and (from the next cache line) a ring of abort notices.
+CTL_BARRIER, CTL_ABORTS, ABORT_RING = 0, 8, 16
 CTL_WORDS = CTL_ABORTS + ABORT_RING
 # Why a rank aborted a call; a notice packs (seq, cause, culprit + 1) into one word.
 CAUSE_OWN, CAUSE_DEAD, CAUSE_SILENT, CAUSE_BAD_DATA = 0, 1, 2, 3
@@ -111,9 +111,9 @@ class Heap:
         self._bounds: dict[Header, _Bounds] = {}
         self._ctl = [self._words_at("ctl", 0, r) for r in range(num_ranks)]
         self._members = [self._words_at("members", 0, r) for r in range(num_ranks)]
-        self._pids: list[int | None] = [None] * num_ranks
         self.live: tuple[int, ...] = tuple(range(num_ranks))  # the ranks still taking part
         self._generation = 0  # how many times membership changed
+        self._peers: tuple[ProcessId | None, ...] = (None,) * num_ranks
         self._current_seq = 0
         self._barrier_seq = self._barrier_step = 0
 
@@ -208,7 +208,7 @@ class Heap:
         return Waiter(
             phase,
             self.timeout_s,
-            self._pids.__getitem__,
+            self._peer_gone,
             self._aborted,
             self._memory.sleep,
             lambda error: self._gave_up(call, error),
@@ -329,7 +329,7 @@ class Heap:
         waiter = Waiter(
             f"masking rank(s) {sorted(gone)} (the staying ranks agree)",
             self.timeout_s,
-            self._pids.__getitem__,
+            self._peer_gone,
             lambda peer: None,  # aborted calls from before the mask are expected, and do not matter here
             self._memory.sleep,
         )
@@ -361,13 +361,15 @@ class Heap:
 
     # -- lifetime ---------------------------------------------------------------------------------
 
-    def announce(self, pid: int) -> None:
-        """Publish this rank's pid (0: threads, no liveness check); all ranks meet, then `learn_peers`."""
-        self._ctl[self.rank][CTL_PID] = pid
+    def learn_peers(self, peers: Sequence[ProcessId | None]) -> None:
+        """Who each rank's process is (None: not a process of its own, e.g. a thread), so that
+        waits notice a peer's exit; identities, not bare pids, which mean nothing across PID
+        namespaces (see `ProcessId`)."""
+        self._peers = tuple(peers)
 
-    def learn_peers(self) -> None:
-        """Read every peer's pid, once all announced: waits then notice a peer's death."""
-        self._pids = [int(c[CTL_PID]) or None for c in self._ctl]
+    def _peer_gone(self, peer: int) -> bool:
+        process = self._peers[peer]
+        return process is not None and process.is_gone()
 
     def close(self) -> None:
         self._ctl, self._members = [], []

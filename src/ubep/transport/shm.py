@@ -8,7 +8,6 @@ memory-ordering argument is in docs/design.md.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterable
 
 import torch
@@ -33,10 +32,7 @@ class SharedSegments:
             self._segments.close()
             raise
         self._doorbell.connect(self._segments.names)
-
-    def barrier(self, group: dist.ProcessGroup) -> None:
-        """A barrier over the segments' group that names a killed peer (see `SymmetricHeap.barrier`)."""
-        self._segments.barrier(group)
+        self.creators = self._segments.creators  # each rank's process, for liveness checks
 
     def arena(self, owner: int) -> torch.Tensor:
         return self._segments.tensor(owner, "arena")
@@ -59,7 +55,6 @@ def shm_heap(
     layout = Layout(world_size, blocks)
     segments = SharedSegments(layout.nbytes, group, rank, world_size)
     heap = Heap(layout, segments, rank, world_size, timeout_s)
-    heap.announce(os.getpid())
-    segments.barrier(group)  # every pid and doorbell is ready before the first wait
-    heap.learn_peers()
+    heap.learn_peers(segments.creators)
+    dist.barrier(group=group)  # every doorbell is ready before the first wait
     return heap

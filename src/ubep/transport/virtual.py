@@ -136,8 +136,4 @@ class VirtualMemory:
 def virtual_heap(blocks: Iterable[Region | Header], me: VirtualRank, timeout_s: float) -> Heap:
     """Collective over the world: every rank's arena holding `blocks`."""
     layout = Layout(me.world_size, blocks)
-    heap = Heap(layout, VirtualMemory(me, layout.nbytes), me.rank, me.world_size, timeout_s)
-    heap.announce(0)  # threads: no process to check for liveness
-    me.world.barrier()
-    heap.learn_peers()
-    return heap
+    return Heap(layout, VirtualMemory(me, layout.nbytes), me.rank, me.world_size, timeout_s)
