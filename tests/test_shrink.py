@@ -169,9 +169,10 @@ def test_deep_ep_mask_buffer_masks_a_rank_and_the_rest_go_on():
     assert VirtualWorld(3, timeout_s=50).run(deep_ep_shrink) == [[0, 0, 1]] * 3
 
 
-def disagree(rank: VirtualRank) -> str:
+def disagree(rank: VirtualRank, done: threading.Barrier) -> str:
     with buffer(rank, "ubep", timeout_s=3) as buf:
         normal_call(buf, 0, set())
+        done.wait()  # the leaving ranks finish their call before anyone masks them
         try:
             buf.mask_ranks([2] if rank.rank == 0 else [2, 3] if rank.rank == 1 else [rank.rank])
         except (UbepError, CommTimeoutError) as error:
@@ -181,7 +182,8 @@ def disagree(rank: VirtualRank) -> str:
 
 @pytest.mark.timeout(60)
 def test_ranks_that_disagree_on_whom_to_mask_raise():
-    got = VirtualWorld(4, timeout_s=50).run(disagree)
+    done = threading.Barrier(4)
+    got = VirtualWorld(4, timeout_s=50).run(lambda rank: disagree(rank, done))
     assert got[2] == "masked" and got[3] == "masked"  # they left
     assert got[0] != "masked" and got[1] != "masked", got
 
