@@ -55,7 +55,12 @@ class FaultSoakConfig:
 
     def soak(self, segment: int) -> SoakConfig:
         """The inputs' configuration for one segment (its own seed, so segments differ)."""
-        return SoakConfig(world_size=self.world_size, protocol=self.protocol, seed=self.seed * 7919 + segment)
+        return SoakConfig(
+            world_size=self.world_size,
+            protocol=self.protocol,
+            timeout_s=self.timeout_s,
+            seed=self.seed * 7919 + segment,
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -157,15 +162,7 @@ def segment_rank(cfg: FaultSoakConfig, segment: int, plan: Schedule) -> tuple[Ra
     corrupt = FaultPlan(
         rank=plan.corrupt_rank, point="dispatch.count", action="corrupt", call=plan.corrupt_call(), value=-1
     )
-    with ubep.Buffer(
-        hidden=soak_cfg.hidden,
-        num_experts=soak_cfg.experts_per_rank * R,
-        max_tokens_per_rank=soak_cfg.capacity,
-        max_topk=soak_cfg.max_topk,
-        protocol=cfg.protocol,
-        timeout_s=cfg.timeout_s,
-        faults=corrupt,
-    ) as buf:
+    with soak_cfg.buffer(R, faults=corrupt) as buf:
         i = 0
         while i < cfg.segment:
             if me == plan.kill_rank and i == plan.kill_at:

@@ -47,6 +47,19 @@ class SoakConfig:
     seed: int = 0
     progress_every: int = 250
 
+    def buffer(self, world_size: int, **kw) -> ubep.Buffer:
+        """The Buffer every rank of the soak builds (collective)."""
+        return ubep.Buffer(
+            hidden=self.hidden,
+            num_experts=self.experts_per_rank * world_size,
+            max_tokens_per_rank=self.capacity,
+            max_topk=self.max_topk,
+            protocol=self.protocol,
+            transport=self.transport,
+            timeout_s=self.timeout_s,
+            **kw,
+        )
+
 
 @dataclass(frozen=True, kw_only=True)
 class RankSoak:
@@ -132,15 +145,7 @@ def soak_rank(cfg: SoakConfig) -> RankSoak:
     pids: list[int] = [0] * R
     dist.all_gather_object(pids, os.getpid())
     failures: list[str] = []
-    with ubep.Buffer(
-        hidden=cfg.hidden,
-        num_experts=cfg.experts_per_rank * R,
-        max_tokens_per_rank=cfg.capacity,
-        max_topk=cfg.max_topk,
-        protocol=cfg.protocol,
-        transport=cfg.transport,
-        timeout_s=cfg.timeout_s,
-    ) as buf:
+    with cfg.buffer(R) as buf:
         rss_start = rss_warm = rss_mb()
         with _progress(me, cfg) as tick:
             for call in range(cfg.calls):

@@ -47,12 +47,16 @@ def restricted(xs, idxs, ws, masked: set[int]):
     return rx, ri, rw
 
 
+def _case(buf: ubep.Buffer, seed: int, masked: set[int]):
+    """(rank, R, E, the inputs, the inputs as the reference sees them) for call `seed`."""
+    R = buf.num_ranks
+    xs, idxs, ws = inputs(seed, R)
+    return buf.rank, R, NUM_EXPERTS_PER_RANK * R, (xs, idxs, ws), restricted(xs, idxs, ws, masked)
+
+
 def normal_call(buf: ubep.Buffer, seed: int, masked: set[int]) -> None:
     """One dispatch and one combine on this rank, checked bit for bit against the restricted reference."""
-    me, R = buf.rank, buf.num_ranks
-    E = NUM_EXPERTS_PER_RANK * R
-    xs, idxs, ws = inputs(seed, R)
-    rx, ri, rw = restricted(xs, idxs, ws, masked)
+    me, R, E, (xs, idxs, ws), (rx, ri, rw) = _case(buf, seed, masked)
     ref = reference.dispatch(rx, ri, rw, E)
     where = f"call {seed} rank {me} masked {sorted(masked)}"
     got = buf.dispatch(xs[me], topk_idx=idxs[me], topk_weights=ws[me])
@@ -67,10 +71,7 @@ def normal_call(buf: ubep.Buffer, seed: int, masked: set[int]) -> None:
 
 def low_latency_call(buf: ubep.Buffer, seed: int, masked: set[int]) -> None:
     """One low-latency dispatch and combine, checked against the restricted reference."""
-    me, R = buf.rank, buf.num_ranks
-    E = NUM_EXPERTS_PER_RANK * R
-    xs, idxs, ws = inputs(seed, R)
-    rx, ri, rw = restricted(xs, idxs, ws, masked)
+    me, R, E, (xs, idxs, ws), (rx, ri, rw) = _case(buf, seed, masked)
     ref = reference.low_latency_dispatch(rx, ri, E, CAPACITY)
     where = f"low-latency call {seed} rank {me} masked {sorted(masked)}"
     got = buf.low_latency_dispatch(xs[me], idxs[me], CAPACITY, E)

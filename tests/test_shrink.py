@@ -135,7 +135,7 @@ def test_a_stalled_rank_masked_by_the_others_cannot_write_into_them_when_it_wake
     assert got == ["exact", "exact", "masked out"]
 
 
-def deep_ep_shrink(rank: VirtualRank) -> list[int]:
+def deep_ep_shrink(rank: VirtualRank, done: threading.Barrier) -> list[int]:
     """DeepEP's mask-buffer calls through the compat layer: rank 2 is masked by everyone (it leaves),
     the others run low-latency calls without it, exact against the restricted reference."""
     from shrinkcase import expert_output
@@ -146,6 +146,7 @@ def deep_ep_shrink(rank: VirtualRank) -> list[int]:
     status = torch.zeros(R, dtype=torch.int32)
     for seed, masked in ((0, set()), (1, {2}), (2, {2})):
         if seed == 1:
+            done.wait()  # rank 2 finishes its last call before the others mask it
             buf.low_latency_update_mask_buffer(2, True)
             if me == 2:
                 break
@@ -166,7 +167,8 @@ def deep_ep_shrink(rank: VirtualRank) -> list[int]:
 
 @pytest.mark.timeout(60)
 def test_deep_ep_mask_buffer_masks_a_rank_and_the_rest_go_on():
-    assert VirtualWorld(3, timeout_s=50).run(deep_ep_shrink) == [[0, 0, 1]] * 3
+    done = threading.Barrier(3)
+    assert VirtualWorld(3, timeout_s=50).run(lambda rank: deep_ep_shrink(rank, done)) == [[0, 0, 1]] * 3
 
 
 def disagree(rank: VirtualRank, done: threading.Barrier) -> str:
