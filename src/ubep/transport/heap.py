@@ -345,10 +345,11 @@ class Heap:
         return max(int(self._members[r][half][1]) for r in stay)
 
     def check_member(self, phase: str, peers: Iterable[int] | None = None) -> None:
+        mine = self._generation
         for p in self.live if peers is None else peers:
             records = self._members[p]
-            latest = records[int(np.argmax(records[:, 0]))]
-            if latest[0] > self._generation and latest[2 + self.rank]:
+            latest = records[0] if records[0, 0] > records[1, 0] else records[1]
+            if latest[0] > mine and latest[2 + self.rank]:
                 raise MaskedOutError(
                     f"{phase}: rank {p} and the others masked rank {self.rank} out of the group "
                     "(they saw it die or go silent, or it left); it takes part in no further call"
