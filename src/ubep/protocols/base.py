@@ -7,7 +7,7 @@ Legend: see `ubep.layout`.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -193,9 +193,8 @@ def reduce_home(
     handle: DispatchHandle,
     x_MH: torch.Tensor,
     topk_weights_MK: torch.Tensor | None,
-    landed: Iterable[int],
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The home's half of combine: once every expert rank's block has landed, check them all,
+    """The home's half of combine, once every live expert rank's block has landed: check them all,
     then pull every block once and sum each token's rows in float32, in ascending rank order
     (the reference's), rounding once into x's dtype.
 
@@ -205,8 +204,6 @@ def reduce_home(
     K = 0 if topk_weights_MK is None else topk_weights_MK.shape[1]
     N, me = handle.num_tokens, t.rank
     tokens = send_tokens(handle.is_token_in_rank_NR, handle.send_counts_R)
-    for _ in landed:
-        pass
     got = spread(t.read_all(blocks.back, call, t.live), t.live, t.num_ranks)
     live_R = np.isin(np.arange(t.num_ranks), t.live)
     begin_R, end_R = got["prefix"][:, me], got["prefix"][:, me + 1]

@@ -207,8 +207,8 @@ class BspExchange:
         publish_back(self.t, back, call, x_MH, handle, topk_weights_MK)
         self.faults.at("combine.mid", call)
         self.t.barrier("combine (token send)", call)
-        landed = self.t.landed(back.back, call, self.t.live, "combine (reduce)")  # all, after the barrier
-        combined = reduce_home(self.t, self.engine, back, call, handle, x_MH, topk_weights_MK, landed)
+        self.t.wait_landed(back.back, call, self.t.live, "combine (reduce)")  # all, after the barrier
+        combined = reduce_home(self.t, self.engine, back, call, handle, x_MH, topk_weights_MK)
         self.t.check_member("combine")  # what was read above was whole
         return combined
 

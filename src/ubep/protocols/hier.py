@@ -368,8 +368,7 @@ class HierExchange:
     def _gather_routing(self, call: CallId, dtype: torch.dtype, K: int) -> Routed:
         """Stage 2, fan-out: from every forward set's routing, the rows owned here, in final order."""
         placement = self.sizing.placement
-        for _ in self.t.landed(self.blocks.route, call, range(self.P), self._phase("dispatch (routing)")):
-            pass
+        self.t.wait_landed(self.blocks.route, call, range(self.P), self._phase("dispatch (routing)"))
         ids_S2, topk_SK, w_SK, counts_V = self._read_routing(call, dtype, K)
         fwd_S = torch.repeat_interleave(torch.arange(self.P), counts_V)
         row_S = torch.arange(fwd_S.numel()) - prefix_offsets(counts_V)[:-1][fwd_S]
@@ -456,8 +455,7 @@ class HierExchange:
     def _reduce_in_node(self, call: CallId, dtype, H: int, K: int, route: HierRoute) -> torch.Tensor:
         """float32 [F, H + K]: each forwarded row summed over the node ranks it went to."""
         b, t = self.blocks, self.t
-        for _ in t.landed(b.slot, call, range(self.P), self._phase("combine (in node)")):
-            pass
+        t.wait_landed(b.slot, call, range(self.P), self._phase("combine (in node)"))
         expected_V = route.fwd_in_node_FV.sum(dim=0).tolist()
         for d in range(self.P):
             got = t.read(b.slot, call, d)

@@ -174,8 +174,7 @@ class UbepExchange:
         """The route records of `sources` (all landed), checked against this rank's call: one
         array row per rank, zero for ranks not among `sources` (masked: they send nothing)."""
         sources = list(sources)
-        for _ in self.t.arrivals(self.blocks.route, call, sources, "dispatch (routing)"):
-            pass
+        self.t.wait_landed(self.blocks.route, call, sources, "dispatch (routing)")
         routes = self.t.read_all(self.blocks.route, call, sources)
         wrong = np.flatnonzero(routes["dtype"] != DTYPE_CODES[dtype])
         if wrong.size:
@@ -306,8 +305,8 @@ class UbepExchange:
         back = self.blocks.back
         publish_back(self.t, back, call, x_MH, handle, topk_weights_MK)
         self.faults.at("combine.mid", call)
-        landed = self.t.landed(back.back, call, self.t.live, "combine")
-        combined = reduce_home(self.t, self.engine, back, call, handle, x_MH, topk_weights_MK, landed)
+        self.t.wait_landed(back.back, call, self.t.live, "combine")
+        combined = reduce_home(self.t, self.engine, back, call, handle, x_MH, topk_weights_MK)
         self.t.check_member("combine")  # what was read above was whole
         return combined
 

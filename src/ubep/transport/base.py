@@ -121,6 +121,9 @@ class Transport(Protocol):
         For an inbox, peer p's record is row p in this rank's memory.
         """
 
+    def wait_landed(self, header: Header, call: CallId, peers: Iterable[int], phase: str) -> None:
+        """Return once every one of `peers`' headers for `call` has landed (`landed`'s waits and checks)."""
+
     def stamped(self, header: Header, call: CallId, peer: int) -> bool:
         """Whether `peer`'s header for `call` has landed (no wait)."""
 

@@ -83,6 +83,9 @@ class CudaHeap:
     def landed(self, header: Header, call: CallId, peers: Iterable[int], phase: str) -> Iterator[int]:
         return self._host.landed(header, call, peers, phase)
 
+    def wait_landed(self, header: Header, call: CallId, peers: Iterable[int], phase: str) -> None:
+        self._host.wait_landed(header, call, peers, phase)
+
     def stamped(self, header: Header, call: CallId, peer: int) -> bool:
         return self._host.stamped(header, call, peer)
 
