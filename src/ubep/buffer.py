@@ -263,7 +263,6 @@ class Buffer:
                 send_counts_R=plan.send_counts_R,
                 recv=got.route,
                 num_recv_tokens_per_expert_list=counts,
-                epoch=call.epoch,
                 num_dropped=dropped,
                 seq=call.seq,
             )

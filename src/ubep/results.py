@@ -63,9 +63,8 @@ class DispatchHandle:
     send_counts_R: torch.Tensor
     recv: RecvRoute
     num_recv_tokens_per_expert_list: list[int]
-    epoch: int = 0  # which dispatch (its epoch) made the handle: every rank's combine must agree
     num_dropped: int = 0  # top-k entries of this rank's tokens dropped: they selected a masked rank's expert
-    seq: int = 0  # that dispatch's call number (CallId.seq), which stays in step across kinds
+    seq: int = 0  # the dispatch's call number (CallId.seq): every rank's combine must name the same one
 
     @property
     def recv_src_rank_M(self) -> torch.Tensor:

@@ -143,7 +143,7 @@ class BackBlocks:
             Field("dtype", lo=CODE_RANGE[0], hi=CODE_RANGE[1]),
             Field("topk", hi=K),
             Field("prefix", length=R + 1, hi=R * T),
-            Field("epoch"),  # the dispatch whose handle this combine uses
+            Field("dispatch"),  # the seq of the dispatch whose handle this combine uses
         )
         return cls(
             Header(f"{prefix}.back", fields, double=double),
@@ -180,7 +180,7 @@ def publish_back(
         "dtype": DTYPE_CODES[x_MH.dtype],
         "topk": K,
         "prefix": handle.recv_prefix_R1.tolist(),
-        "epoch": handle.epoch,
+        "dispatch": handle.seq,
     }
     t.publish(blocks.back, call, values)
 
@@ -208,12 +208,12 @@ def reduce_home(
     live_R = np.isin(np.arange(t.num_ranks), t.live)
     begin_R, end_R = got["prefix"][:, me], got["prefix"][:, me + 1]
     expected_R = np.array([tok.numel() for tok in tokens])
-    other = np.flatnonzero((got["epoch"] != handle.epoch) & live_R)
+    other = np.flatnonzero((got["dispatch"] != handle.seq) & live_R)
     if other.size:
         r = int(other[0])
         message = (
-            f"combine: rank {r} combines the rows of dispatch #{got['epoch'][r]}, this rank those of "
-            f"#{handle.epoch} (all ranks must pass the handle of the same dispatch)"
+            f"combine: rank {r} combines the rows of call #{got['dispatch'][r]}, this rank those of "
+            f"#{handle.seq} (all ranks must pass the handle of the same dispatch)"
         )
         raise t.bad_data(call, r, message)
     formats_R = (got["dtype"] != DTYPE_CODES[dtype]) | (got["topk"] != K)
