@@ -153,7 +153,8 @@ class Transport(Protocol):
         """Blame `culprit` for a value that failed a check (peers learn it); the error to raise."""
 
     def mask(self, ranks: Collection[int], seq: int) -> int:
-        """Collective among the ranks that stay: leave `ranks` out of every later wait and barrier.
+        """Collective among the ranks that stay: leave `ranks` (all of them, those masked before
+        included) out of every later wait and barrier.
 
         `seq` is the last call this rank started; returns the largest any staying
         rank started, after which they all continue.

@@ -313,14 +313,15 @@ class Heap:
     # -- membership -------------------------------------------------------------------------------
 
     def mask(self, ranks: Collection[int], seq: int) -> int:
-        """Collective among the ranks that stay: stop waiting for `ranks` (dead, or gone).
+        """Collective among the ranks that stay: stop waiting for `ranks` (every rank left out: dead,
+        or gone, those masked before included).
 
         Every staying rank passes the same ranks (PeerDataError names one that
         differs) and the seq of the last call it started; they may have failed
         at different calls around a death, so all resume after the largest.
         Returns that seq. Later waits and barriers involve `live` ranks only.
         """
-        gone = set(self.masked) | set(ranks)
+        gone = set(ranks)
         stay = [r for r in range(self.num_ranks) if r not in gone]
         self._generation += 1
         g, half = self._generation, self._generation % 2
@@ -358,11 +359,6 @@ class Heap:
                     f"{phase}: rank {p} and the others masked rank {self.rank} out of the group "
                     "(they saw it die or go silent, or it left); it takes part in no further call"
                 )
-
-    @property
-    def masked(self) -> tuple[int, ...]:
-        """Ranks dropped by `mask`."""
-        return tuple(r for r in range(self.num_ranks) if r not in self.live)
 
     # -- lifetime ---------------------------------------------------------------------------------
 
