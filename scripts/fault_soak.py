@@ -29,13 +29,11 @@ import threading
 import time
 from dataclasses import asdict, dataclass, field
 
-import torch
 import torch.distributed as dist
 from rich.console import Console
-from soak import SoakConfig, call_inputs, shm_state
+from soak import Checked, SoakConfig, check_call, shm_state
 
 import ubep
-from ubep import reference
 from ubep.errors import CommTimeoutError, UbepError
 from ubep.faults import FaultPlan
 from ubep.shm import SHM_DIR, segment_pid
@@ -97,51 +95,8 @@ class Schedule:
 @dataclass(kw_only=True)
 class RankLog:
     rank: int
-    checked_calls: int = 0
-    wrong: list[str] = field(default_factory=list)
+    checked: Checked = field(default_factory=Checked)  # calls compared with the reference, failures
     faults: list[dict] = field(default_factory=list)  # each fault this rank saw: kind, blame, seconds
-    left: str = ""  # why this rank stopped early ("" : it ran the whole segment)
-
-
-def restricted(xs, idxs, ws, masked: set[int], experts_per_rank: int):
-    """Inputs as the reference sees them: masked ranks send nothing, entries on their experts are -1."""
-    out = ([], [], [])
-    for r, (x, idx, w) in enumerate(zip(xs, idxs, ws, strict=True)):
-        keep = 0 if r in masked else x.shape[0]
-        idx = idx[:keep].clone()
-        on_masked = torch.zeros_like(idx, dtype=torch.bool)
-        for m in masked:
-            on_masked |= (idx >= m * experts_per_rank) & (idx < (m + 1) * experts_per_rank)
-        idx[on_masked] = -1
-        for part, value in zip(out, (x[:keep], idx, w[:keep]), strict=True):
-            part.append(value)
-    return out
-
-
-def iteration(buf: ubep.Buffer, cfg: SoakConfig, i: int, masked: set[int], log: RankLog) -> None:
-    """One checked iteration; a wrong result is logged (not raised), a ubep error propagates."""
-    me, R = buf.rank, buf.num_ranks
-    xs, idxs, ws = call_inputs(cfg, i, R)
-    rx, ri, rw = restricted(xs, idxs, ws, masked, cfg.experts_per_rank)
-    ref = reference.dispatch(rx, ri, rw, cfg.experts_per_rank * R)
-    got = buf.dispatch(xs[me], topk_idx=idxs[me], topk_weights=ws[me])
-    mine = ref[me]
-    checks = {
-        "recv_x": torch.equal(got.recv_x, mine.recv_x_MH),
-        "recv_topk_idx": torch.equal(got.recv_topk_idx, mine.recv_topk_idx_MK),
-        "recv_topk_weights": torch.equal(got.recv_topk_weights, mine.recv_topk_weights_MK),
-    }
-    log.checked_calls += 1
-    ys = [(r.recv_x_MH.float() * (1 + rank)).to(r.recv_x_MH.dtype) for rank, r in enumerate(ref)]
-    want = reference.combine(ys, ref, [x.shape[0] for x in rx])[me]
-    out = buf.combine(ys[me], got.handle, topk_weights=got.recv_topk_weights)
-    checks["combined_x"] = torch.equal(out.combined_x, want)
-    log.checked_calls += 1
-    if i % 4 == 3:
-        again = buf.dispatch(xs[me] * 2, handle=got.handle)
-        checks["cached recv_x"] = torch.equal(again.recv_x, mine.recv_x_MH * 2)
-        log.checked_calls += 1
-    log.wrong += [f"iteration {i}: {name}" for name, ok in checks.items() if not ok]
 
 
 def blamed(error: UbepError) -> set[int]:
@@ -171,7 +126,7 @@ def segment_rank(cfg: FaultSoakConfig, segment: int, plan: Schedule) -> tuple[Ra
                 time.sleep(1.5 * cfg.timeout_s)
             start = time.monotonic()
             try:
-                iteration(buf, soak_cfg, i, masked, log)
+                check_call(buf, soak_cfg, i, log.checked, frozenset(masked))
                 if me == plan.kill_rank and i == plan.kill_at:
                     time.sleep(3600)  # the timer kills this rank during or right after its iteration
                 i += 1
@@ -183,7 +138,6 @@ def segment_rank(cfg: FaultSoakConfig, segment: int, plan: Schedule) -> tuple[Ra
                 }
                 if me == plan.stall_rank and i >= plan.stall_at:  # woke up masked: leave
                     log.faults.append({"kind": "stalled (this rank)", **seen})
-                    log.left = "stalled, masked by the others"
                     buf.mask_ranks([me])
                     break
                 if i == plan.corrupt_at:
@@ -243,8 +197,8 @@ def run(cfg: FaultSoakConfig, console: Console | None = None) -> FaultSoakReport
                 )
                 continue
             log, names = outcome.result
-            checked += log.checked_calls
-            wrong += [f"segment {segment} rank {rank} {w}" for w in log.wrong]
+            checked += log.checked.calls
+            wrong += [f"segment {segment} rank {rank} {w}" for w in log.checked.wrong]
             left += names
             for fault in log.faults:
                 faults.append({"segment": segment, "rank": rank, **fault})

@@ -121,48 +121,67 @@ def call_inputs(cfg: SoakConfig, call: int, R: int):
     return xs, idxs, ws
 
 
-def check_call(buf: ubep.Buffer, cfg: SoakConfig, call: int, me: int, R: int) -> None:
-    """One dispatch + combine (+ a cached dispatch every 4th call), compared bit for bit."""
+@dataclass(kw_only=True)
+class Checked:
+    """Calls a rank compared with the reference so far, and the comparisons that failed."""
+
+    calls: int = 0
+    wrong: list[str] = field(default_factory=list)
+
+
+def check_call(
+    buf: ubep.Buffer, cfg: SoakConfig, call: int, checked: Checked, masked: frozenset[int] = frozenset()
+) -> None:
+    """One dispatch + combine (+ a cached dispatch every 4th call), compared bit for bit with the
+    reference fed the inputs as the ranks not `masked` see them. Each call that returns is
+    counted and checked in `checked` at once, so a later call's error keeps an earlier result's."""
+    me, R = buf.rank, buf.num_ranks
+    E = cfg.experts_per_rank * R
     xs, idxs, ws = call_inputs(cfg, call, R)
-    ref = reference.dispatch(xs, idxs, ws, cfg.experts_per_rank * R)
-    got = buf.dispatch(xs[me], topk_idx=idxs[me], topk_weights=ws[me])
+    rx, ri, rw = reference.without_ranks(xs, idxs, ws, masked, E)
+    ref = reference.dispatch(rx, ri, rw, E)
     mine = ref[me]
-    assert torch.equal(got.recv_x, mine.recv_x_MH), "recv_x"
-    assert torch.equal(got.recv_topk_idx, mine.recv_topk_idx_MK), "recv_topk_idx"
-    assert torch.equal(got.recv_topk_weights, mine.recv_topk_weights_MK), "recv_topk_weights"
-    assert got.num_recv_tokens_per_expert_list == mine.num_recv_tokens_per_expert, "counts"
+
+    def compare(**outcomes: bool) -> None:
+        checked.calls += 1
+        checked.wrong += [f"call {call}: {name}" for name, ok in outcomes.items() if not ok]
+
+    got = buf.dispatch(xs[me], topk_idx=idxs[me], topk_weights=ws[me])
+    compare(
+        recv_x=torch.equal(got.recv_x, mine.recv_x_MH),
+        recv_topk_idx=torch.equal(got.recv_topk_idx, mine.recv_topk_idx_MK),
+        recv_topk_weights=torch.equal(got.recv_topk_weights, mine.recv_topk_weights_MK),
+        counts=got.num_recv_tokens_per_expert_list == mine.num_recv_tokens_per_expert,
+    )
     ys = [(r.recv_x_MH.float() * (1 + rank)).to(r.recv_x_MH.dtype) for rank, r in enumerate(ref)]
-    want = reference.combine(ys, ref, [x.shape[0] for x in xs])[me]
+    want = reference.combine(ys, ref, [x.shape[0] for x in rx])[me]
     out = buf.combine(ys[me], got.handle, topk_weights=got.recv_topk_weights)
-    assert torch.equal(out.combined_x, want), "combined_x"
+    compare(combined_x=torch.equal(out.combined_x, want))
     if call % 4 == 3:
         again = buf.dispatch(xs[me] * 2, handle=got.handle)
-        assert torch.equal(again.recv_x, mine.recv_x_MH * 2), "cached recv_x"
+        compare(cached_recv_x=torch.equal(again.recv_x, mine.recv_x_MH * 2))
 
 
 def soak_rank(cfg: SoakConfig) -> RankSoak:
     me, R = dist.get_rank(), dist.get_world_size()
     pids: list[int] = [0] * R
     dist.all_gather_object(pids, os.getpid())
-    failures: list[str] = []
+    checked = Checked()
     with cfg.buffer(R) as buf:
         rss_start = rss_warm = rss_mb()
         with _progress(me, cfg) as tick:
             for call in range(cfg.calls):
                 if call == min(WARMUP_CALLS, cfg.calls // 2):
                     rss_warm = rss_mb()
-                try:
-                    check_call(buf, cfg, call, me, R)
-                except AssertionError as error:  # a wrong result; exchange errors end the soak
-                    failures.append(f"call {call}: {error}")
-                tick(call + 1, len(failures))
+                check_call(buf, cfg, call, checked)  # a wrong result is noted; exchange errors end the soak
+                tick(call + 1, len(checked.wrong))
         seen = [n for n in os.listdir(SHM_DIR) if n.startswith(NAME_PREFIX) and int(n.split("-")[1]) in pids]
         rss_end = rss_mb()
     return RankSoak(
         rank=me,
         calls=cfg.calls,
-        failures=len(failures),
-        first_failures=failures[:MAX_REPORTED_FAILURES],
+        failures=len(checked.wrong),
+        first_failures=checked.wrong[:MAX_REPORTED_FAILURES],
         rss_start_mb=rss_start,
         rss_warm_mb=rss_warm,
         rss_end_mb=rss_end,

@@ -1,6 +1,6 @@
 """Checked calls for shrinking tests: every rank's inputs for call `seed` (the same on every rank),
-and the reference restricted to the ranks that stay: a masked rank holds no tokens, and every
-top-k entry selecting one of its experts is dropped (-1)."""
+and the reference fed them as the ranks that stay see them (`reference.without_ranks`: a masked
+rank holds no tokens, and every top-k entry selecting one of its experts is dropped)."""
 
 from __future__ import annotations
 
@@ -30,28 +30,12 @@ def inputs(seed: int, R: int) -> tuple[list[torch.Tensor], list[torch.Tensor], l
     return xs, idxs, ws
 
 
-def restricted(xs, idxs, ws, masked: set[int]):
-    """The inputs the reference sees: masked ranks send nothing, entries on their experts are -1."""
-    R = len(xs)
-    rx, ri, rw = [], [], []
-    for r in range(R):
-        keep = 0 if r in masked else xs[r].shape[0]
-        idx = idxs[r][:keep].clone()
-        for t in range(idx.shape[0]):
-            for k in range(idx.shape[1]):
-                if int(idx[t, k]) >= 0 and int(idx[t, k]) // NUM_EXPERTS_PER_RANK in masked:
-                    idx[t, k] = -1
-        rx.append(xs[r][:keep])
-        ri.append(idx)
-        rw.append(ws[r][:keep])
-    return rx, ri, rw
-
-
 def _case(buf: ubep.Buffer, seed: int, masked: set[int]):
     """(rank, R, E, the inputs, the inputs as the reference sees them) for call `seed`."""
     R = buf.num_ranks
     xs, idxs, ws = inputs(seed, R)
-    return buf.rank, R, NUM_EXPERTS_PER_RANK * R, (xs, idxs, ws), restricted(xs, idxs, ws, masked)
+    E = NUM_EXPERTS_PER_RANK * R
+    return buf.rank, R, E, (xs, idxs, ws), reference.without_ranks(xs, idxs, ws, masked, E)
 
 
 def normal_call(buf: ubep.Buffer, seed: int, masked: set[int]) -> None:

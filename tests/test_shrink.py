@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from faultcase import group_pids, residue
-from shrinkcase import NUM_EXPERTS_PER_RANK, buffer, inputs, low_latency_call, normal_call, restricted
+from shrinkcase import NUM_EXPERTS_PER_RANK, buffer, inputs, low_latency_call, normal_call
 from test_low_latency import CAPACITY, HIDDEN
 
 import ubep
@@ -151,7 +151,7 @@ def deep_ep_shrink(rank: VirtualRank, done: threading.Barrier) -> list[int]:
             if me == 2:
                 break
         xs, idxs, ws = inputs(seed, R)
-        rx, ri, rw = restricted(xs, idxs, ws, masked)
+        rx, ri, rw = reference.without_ranks(xs, idxs, ws, masked, E)
         ref = reference.low_latency_dispatch(rx, ri, E, CAPACITY)
         recv_x, recv_count, handle, _, _ = buf.low_latency_dispatch(
             xs[me], idxs[me], CAPACITY, E, use_fp8=False

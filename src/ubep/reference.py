@@ -44,6 +44,29 @@ def local_id_of(expert: torch.Tensor, num_experts: int, num_ranks: int, rank_of_
     return ids[expert]
 
 
+def without_ranks(
+    xs: list[torch.Tensor],
+    topk_idxs: list[torch.Tensor],
+    topk_weights: list[torch.Tensor],
+    masked: set[int],
+    num_experts: int,
+    rank_of_expert=None,
+) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+    """Every rank's inputs as a group without `masked` ranks sees them: a masked rank sends no
+    token, and each top-k entry that selects a masked rank's expert becomes -1."""
+    num_ranks = len(xs)
+    out: tuple[list, list, list] = ([], [], [])
+    for r in range(num_ranks):
+        keep = 0 if r in masked else xs[r].shape[0]
+        idx = topk_idxs[r][:keep].clone()
+        owners = owner_of(idx.clamp(min=0), num_experts, num_ranks, rank_of_expert)
+        for m in masked:
+            idx[(idx >= 0) & (owners == m)] = -1
+        for part, value in zip(out, (xs[r][:keep], idx, topk_weights[r][:keep]), strict=True):
+            part.append(value)
+    return out
+
+
 def dispatch(
     xs: list[torch.Tensor],
     topk_idxs: list[torch.Tensor],
