@@ -16,7 +16,6 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import queue
-import signal
 import time
 import traceback
 from collections.abc import Callable
@@ -94,8 +93,7 @@ class LocalLaunch:
         finally:
             started = [p for p in procs if p.pid is not None]
             for p in started:
-                if p.is_alive():
-                    os.kill(p.pid, signal.SIGKILL)
+                p.kill()  # a rank that exited since is skipped (os.kill would race with its exit)
             for p in started:
                 p.join(timeout=10)
             sweep_stale_segments({p.pid for p in started})
