@@ -113,7 +113,7 @@ class Waiter:
     cannot be known: no liveness check); `peer_abort(r)` returns a notice when peer r has aborted this call;
     `block(timeout_s)`, when given, sleeps until a peer signals (a doorbell)
     instead of sleeping for a fixed interval; `on_fail(error)` runs just before
-    the wait raises (to tell the other peers).
+    the wait raises (to tell the other peers); the first `yields` pauses only yield the CPU.
     """
 
     def __init__(
@@ -124,6 +124,7 @@ class Waiter:
         peer_abort: Callable[[int], AbortNotice | None],
         block: Callable[[float], None] | None = None,
         on_fail: Callable[[UbepError], None] | None = None,
+        yields: int = YIELD_POLLS,
     ):
         self.phase = phase
         self.timeout_s = timeout_s
@@ -134,11 +135,12 @@ class Waiter:
         self._start = time.monotonic()
         self._next_check = self._start + LIVENESS_PERIOD_S
         self._polls = 0
+        self._yields = yields
 
     def pause(self, pending: Iterable[int]) -> None:
         """Yield once; raise if the deadline passed or a pending peer died or aborted."""
         self._polls += 1
-        if self._polls <= YIELD_POLLS:
+        if self._polls <= self._yields:
             os.sched_yield()
             return
         now = time.monotonic()
@@ -148,7 +150,7 @@ class Waiter:
         if self._block is not None:
             self._block(self._next_check - now)
         else:
-            time.sleep(min(MAX_SLEEP_S, MIN_SLEEP_S * 2 ** min(self._polls - YIELD_POLLS, 6)))
+            time.sleep(min(MAX_SLEEP_S, MIN_SLEEP_S * 2 ** min(self._polls - self._yields, 6)))
 
     def _check(self, pending: list[int], now: float) -> None:
         error: UbepError | None = None

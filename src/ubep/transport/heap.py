@@ -32,11 +32,12 @@ import torch
 from ubep.calls import CallId
 from ubep.errors import CommTimeoutError, MaskedOutError, PeerDataError, UbepError
 from ubep.transport.base import Field, Header, Record, Region
-from ubep.waiting import AbortNotice, PeerAbortedError, ProcessId, Waiter
+from ubep.waiting import YIELD_POLLS, AbortNotice, PeerAbortedError, ProcessId, Waiter
 
 ALIGN = 64  # bytes; every block starts on a cache line
-# Control block words: the barrier word, and (from the next cache line) a ring of abort notices.
-CTL_BARRIER, CTL_ABORTS, ABORT_RING = 0, 8, 16
+# Control block words: the barrier word, the word a compiled half raises while it sleeps on its
+# doorbell (publishers ring only such ranks), and (from the next cache line) a ring of abort notices.
+CTL_BARRIER, CTL_ASLEEP, CTL_ABORTS, ABORT_RING = 0, 1, 8, 16
 CTL_WORDS = CTL_ABORTS + ABORT_RING
 # Why a rank aborted a call; a notice packs (seq, cause, culprit + 1) into one word.
 CAUSE_OWN, CAUSE_DEAD, CAUSE_SILENT, CAUSE_BAD_DATA = 0, 1, 2, 3
@@ -112,6 +113,7 @@ class Heap:
         self._ctl = [self._words_at("ctl", 0, r) for r in range(num_ranks)]
         self._members = [self._words_at("members", 0, r) for r in range(num_ranks)]
         self.live: tuple[int, ...] = tuple(range(num_ranks))  # the ranks still taking part
+        self.live_R = np.arange(num_ranks, dtype=np.int64)  # the same, for compiled halves
         self._generation = 0  # how many times membership changed
         self._peers: tuple[ProcessId | None, ...] = (None,) * num_ranks
         self._current_seq = 0
@@ -140,6 +142,30 @@ class Heap:
         half = (call.epoch & 1 if call is not None else _half(True, None)) if region.double else 0
         view = self._views.get((region.name, half, owner))  # the hot path: one dict look-up
         return view if view is not None else self._tensor_at(region.name, half, owner)
+
+    def address_table(self, blocks: Sequence[Region | Header]) -> tuple[np.ndarray, np.ndarray]:
+        """(table int64 [R, len(blocks), 2], asleep int64 [R]): the address of every block in every
+        rank's memory for both halves (a single-buffered block's twice), and of each rank's ASLEEP
+        word; what compiled halves work over. Addresses never change after construction."""
+        table = np.empty((self.num_ranks, len(blocks), 2), dtype=np.int64)
+        for r in range(self.num_ranks):
+            base = self._memory.arena(r).data_ptr()
+            for b, block in enumerate(blocks):
+                for half in (0, 1):
+                    table[r, b, half] = (
+                        base + self._layout.offsets[(block.name, half if block.double else 0)][0]
+                    )
+        ctl = self._layout.offsets[("ctl", 0)][0]
+        asleep = np.array(
+            [self._memory.arena(r).data_ptr() + ctl + 8 * CTL_ASLEEP for r in range(self.num_ranks)]
+        )
+        return table, asleep.astype(np.int64)
+
+    def ring_marked(self, wake_R: np.ndarray) -> None:
+        """Ring every peer marked in `wake_R` (uint8 [R], as a compiled half left it); clear the marks."""
+        for p in np.flatnonzero(wake_R).tolist():
+            self._memory.ring(p)
+        wake_R[:] = 0
 
     def words(self, region: Region, owner: int) -> np.ndarray:
         if region.dtype != torch.int64:
@@ -179,7 +205,7 @@ class Heap:
         words = self._record(header, call, peer)[1:].copy()  # one snapshot: checked values cannot change
         if ((words < bounds.lo_W) | (words > bounds.hi_W)).any():
             field, value = bounds.first_bad(words)
-            raise self.bad_data(call, peer, _complaint(header, field, peer, value))
+            raise self.bad_data(call, peer, complaint(header, field, peer, value))
         listed = words.tolist()
         return {
             f.name: listed[at] if f.length is None else words[at : at + f.length]
@@ -195,7 +221,7 @@ class Heap:
         if bad_PW.any():
             at = int(np.flatnonzero(bad_PW.any(axis=1))[0])
             field, value = bounds.first_bad(words_PW[at])
-            raise self.bad_data(call, peers[at], _complaint(header, field, peers[at], value))
+            raise self.bad_data(call, peers[at], complaint(header, field, peers[at], value))
         return {
             f.name: words_PW[:, at] if f.length is None else words_PW[:, at : at + f.length]
             for f, at in zip(header.fields, bounds.starts, strict=True)
@@ -203,7 +229,7 @@ class Heap:
 
     # -- waiting ----------------------------------------------------------------------------------
 
-    def _waiter(self, phase: str, call: CallId) -> Waiter:
+    def _waiter(self, phase: str, call: CallId, yields: int = YIELD_POLLS) -> Waiter:
         self._current_seq = call.seq
         return Waiter(
             phase,
@@ -212,7 +238,13 @@ class Heap:
             self._aborted,
             self._memory.sleep,
             lambda error: self._gave_up(call, error),
+            yields,
         )
+
+    def sleeper(self, phase: str, call: CallId) -> Waiter:
+        """The wait of a compiled half that returned still waiting: it spun and yielded already, so
+        each `pause` sleeps on the doorbell at once (under the deadline and the same peer checks)."""
+        return self._waiter(phase, call, yields=0)
 
     def arrivals(self, header: Header, call: CallId, peers: Iterable[int], phase: str) -> Iterator[list[int]]:
         records = {p: self._record(header, call, p) for p in peers}
@@ -347,6 +379,7 @@ class Heap:
                 message = f"mask: rank {r} masks rank(s) {sorted(theirs)}, this rank {sorted(gone)}"
                 raise PeerDataError(message)
         self.live = tuple(stay)
+        self.live_R = np.array(stay, dtype=np.int64)
         return max(int(self._members[r][half][1]) for r in stay)
 
     def check_member(self, phase: str, peers: Iterable[int] | None = None) -> None:
@@ -404,7 +437,7 @@ class _Bounds:
         return field, int(words[at])
 
 
-def _complaint(header: Header, field: Field, peer: int, value: int) -> str:
+def complaint(header: Header, field: Field, peer: int, value: int) -> str:
     """What a bad header value means, in the words of the protocol that declared it."""
     said = field.says or f"published {field.name}={{value}}, outside [{{lo}}, {{hi}}]"
     return f"{header.phase or header.name}: rank {peer} " + said.format(value=value, lo=field.lo, hi=field.hi)
