@@ -51,6 +51,7 @@ from ubep.protocols.base import (
     rows,
     spread,
 )
+from ubep.protocols.ubep_compiled import UbepCompiled
 from ubep.results import DispatchHandle, RecvRoute
 from ubep.transport.base import Field, Header, Region, Transport
 
@@ -120,10 +121,17 @@ class UbepExchange:
         self.workers, self.policy = workers, policy
         self._topology = topology.host(cores=self.R) if workers > 1 else None
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="ubep-move") if workers > 1 else None
+        self._compiled = (  # each call half one compiled function, where the engine and memory allow
+            UbepCompiled(transport, self.blocks, sizing, faults, self._local_of_E)
+            if engine.name == "numba" and workers == 1 and hasattr(transport, "address_table")
+            else None
+        )
 
     # -- dispatch ---------------------------------------------------------------------------------
 
     def dispatch(self, call: CallId, plan: SendPlan, handle: DispatchHandle | None) -> Received:
+        if self._compiled is not None:
+            return self._compiled.dispatch(call, plan, handle)
         self._publish(call, plan)
         self.faults.at("dispatch.sent", call)
         x_NH = plan.x_NH
@@ -302,6 +310,8 @@ class UbepExchange:
     # -- combine ----------------------------------------------------------------------------------
 
     def combine(self, call: CallId, x_MH, handle: DispatchHandle, topk_weights_MK):
+        if self._compiled is not None:
+            return self._compiled.combine(call, x_MH, handle, topk_weights_MK)
         back = self.blocks.back
         publish_back(self.t, back, call, x_MH, handle, topk_weights_MK)
         self.faults.at("combine.mid", call)

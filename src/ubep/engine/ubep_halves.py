@@ -1,0 +1,412 @@
+"""The UBEP protocol's call halves, each one compiled function over the Buffer's address table.
+
+    protocol (ubep: blocks, order, status words) -> [these halves] -> memory (address table)
+
+Each half moves its rows and synchronises through them (data as flag) in one
+call, GIL released. The protocol's statement in torch is `ubep.protocols.ubep`;
+these halves keep its memory layout word for word (the same regions, the same
+header records), so the two agree bit for bit and could even share a call.
+
+The address table (`table`, int64 [R, blocks, 2]) holds the address of every
+block of `UbepBlocks.all()` in every rank's memory, for both halves of the
+double buffer; `asleep` (int64 [R]) the address of each rank's ASLEEP word. Both
+are built once, when the Buffer is (`Heap.address_table`).
+
+Headers are records of int64 words: word 0 is the stamp (the call's epoch),
+stored last with release ordering and polled with acquire ordering; the fields
+follow in declaration order (route: num_tokens, dtype, topk, counts[R]; back:
+dtype, topk, prefix[R + 1], dispatch).
+
+Waiting. A half that finds a source missing spins `spins` polls (with the
+spin-wait hint), then yields the core `yields` times, then raises its rank's
+ASLEEP word, fences, and looks once more: still missing, it returns WAITING with
+the pending ranks, and Python sleeps on the doorbell (under the deadline, with
+the dead-peer and abort checks) and enters again; the half resumes where it
+stopped (`state`). A publisher fences after each stamp and reports the peers
+whose ASLEEP word is up (`wake`), which Python rings. The two fences make a
+Dekker pair: either the sleeper sees the stamp, or the publisher sees the
+sleeper's word and rings it, so no wake-up is lost.
+
+Every value read from a peer is checked against its bounds before use; a bad
+one ends the half with an error status naming the peer, the value and what it
+broke (`status`: code, peer, value, extra), which the protocol turns into the
+exception and words of docs/reliability.md.
+
+Example (R = 2, rank 1, counts [2, 0 | 1, 3]): dispatch_routes finds route
+stamps of ranks 0 and 1, takes column 1 of each count row (0 and 3): prefix
+[0, 0, 3]; dispatch_gather copies rank 1's three listed rows into recv rows
+0..2 once its data stamp lands.
+
+Legend: see `ubep.layout`.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ubep.engine.numba_kernels import _elements_at, _jit, _move, store, widen
+from ubep.engine.numba_sync import (
+    full_fence,
+    load_acquire,
+    load_relaxed,
+    pause,
+    store_relaxed,
+    store_release,
+    yield_cpu,
+)
+
+# Blocks, in the order of `UbepBlocks.all()` (the table's second axis).
+ROUTE, DATA, TOPK, WEIGHTS, LISTS, X, SCALES, BACK, Y, Y_WEIGHTS = range(10)
+# Route header words; back header words (prefix takes R + 1 words, dispatch follows).
+R_NUM, R_DTYPE, R_TOPK, R_COUNTS = 1, 2, 3, 4
+B_DTYPE, B_TOPK, B_PREFIX = 1, 2, 3
+
+_I64, _F32 = np.empty(0, dtype=np.int64), np.empty(0, dtype=np.float32)  # element types for raw views
+
+# Status codes (status[0]); status[1] is the peer, status[2:] what it sent and what was expected.
+DONE, WAITING = 0, 1
+E_FIELD = 2  # a header word outside its field's bounds: (peer, value, field index)
+E_DTYPE = 3  # the peer's payload dtype code differs: (peer, its code)
+E_TOPK = 4  # the peer routed with another top-k: (peer, its K)
+E_LIST = 5  # the peer listed a token outside [0, its N): (peer, its N)
+E_EXPERT = 6  # the peer's routing names an expert outside [-1, E)
+E_NONE_LOCAL = 7  # the peer listed a token that selects none of this rank's experts
+E_COUNT = (
+    8  # cached dispatch: the peer sends another row count than the handle expects: (peer, count, expected)
+)
+E_SHORT = 9  # cached dispatch: the peer sent fewer tokens than routed here: (peer, its N)
+E_OTHER_CALL = 10  # combine: the peer combines another dispatch's rows: (peer, its dispatch seq)
+E_ROWS = (
+    11  # combine: the peer returned another row count or format: (peer, rows, its dtype, its K, expected)
+)
+
+
+@_jit
+def _wake_sleepers(asleep, live, me, wake):
+    """After a stamp: fence, then mark every live peer whose ASLEEP word is up; returns how many."""
+    full_fence()
+    n = 0
+    for p in live:
+        if p != me and load_relaxed(asleep[p]) != 0:
+            wake[p] = 1
+            n += 1
+    return n
+
+
+@_jit
+def _publish(address, epoch, asleep, live, me, wake):
+    """Stamp a header (release), then find the sleepers to ring."""
+    store_release(address, epoch)
+    return _wake_sleepers(asleep, live, me, wake)
+
+
+@_jit
+def _pending(table, block, half, live, epoch, done, pending):
+    """Live ranks whose `block` stamp for `epoch` has not landed (and not done already), into pending."""
+    n = 0
+    for p in live:
+        if done[p] == 0 and load_acquire(table[p, block, half]) != epoch:
+            pending[n] = p
+            n += 1
+    return n
+
+
+@_jit
+def _await(table, asleep, block, half, live, me, epoch, done, pending, spins, yields, final):
+    """Poll until one pending rank landed or the budget ran out; returns how many are still pending.
+
+    `final`: all must land (return only at 0); otherwise return once any pending one landed.
+    Leaves this rank's ASLEEP word up when it returns with pending ranks.
+    """
+    store_relaxed(asleep[me], 0)  # awake: publishers need not ring
+    n = _pending(table, block, half, live, epoch, done, pending)
+    if n == 0:
+        return 0
+    first = n
+    for i in range(spins + yields + 1):
+        if i < spins:
+            pause()
+        elif i < spins + yields:
+            yield_cpu()
+        else:  # the last look, with the doorbell armed
+            store_relaxed(asleep[me], 1)
+            full_fence()
+        n = _pending(table, block, half, live, epoch, done, pending)
+        if n == 0 or (not final and n < first):
+            break
+    if n == 0 or (not final and n < first):
+        store_relaxed(asleep[me], 0)
+    return n
+
+
+@_jit
+def _fail(status, code, peer, a, b, c, d):
+    status[0], status[1], status[2], status[3], status[4], status[5] = code, peer, a, b, c, d
+    return code
+
+
+# -- dispatch ---------------------------------------------------------------------------------------
+
+
+@_jit
+def dispatch_send(
+    table, asleep, me, epoch, half, live,
+    x_rows, scales, topk, weights, in_rank, counts, announced, dtype_code, Kmax, T, wake,
+):  # fmt: skip
+    """Routing role, then token role, of one dispatch: everything this rank publishes.
+
+    topk [N, K] int64 and weights [N, K] float32 (K = 0: a cached dispatch);
+    in_rank uint8 [N, R] and counts int64 [R], the layout; x_rows uint8 [N, b]
+    (this rank's rows as bytes), scales float32 [N, S] (S = 0 unless FP8).
+    Returns how many peers to ring (marked in `wake`).
+    """
+    N, K, R = x_rows.shape[0], topk.shape[1], counts.size
+    own = table[me]
+    if K:  # own routing, global expert ids, at full width Kmax per row
+        for t in range(N):
+            idx = _elements_at(_I64, own[TOPK, half] + t * Kmax * 8, K)
+            w = _elements_at(_F32, own[WEIGHTS, half] + t * Kmax * 4, K)
+            for k in range(K):
+                idx[k] = topk[t, k]
+                w[k] = weights[t, k]
+    at = np.zeros(R, dtype=np.int64)  # next free place in each destination's list
+    for t in range(N):
+        for r in range(R):
+            if in_rank[t, r]:
+                list_r = _elements_at(_I64, own[LISTS, half] + (r * T + at[r]) * 8, 1)
+                list_r[0] = t
+                at[r] += 1
+    route = _elements_at(_I64, own[ROUTE, half], R_COUNTS + R)
+    route[R_NUM], route[R_DTYPE] = announced, dtype_code
+    if K:
+        route[R_TOPK] = K
+    for r in range(R):
+        route[R_COUNTS + r] = counts[r]
+    woken = _publish(own[ROUTE, half], epoch, asleep, live, me, wake)  # routing and counts are visible
+    if N:
+        _move(own[X, half], x_rows.ctypes.data, N * x_rows.shape[1])
+        if scales.shape[1]:
+            _move(own[SCALES, half], scales.ctypes.data, N * scales.shape[1] * 4)
+    return woken + _publish(own[DATA, half], epoch, asleep, live, me, wake)  # the payload is visible
+
+
+@_jit
+def dispatch_routes(
+    table, asleep, me, epoch, half, live, dtype_code, K, Kmax, T, dtype_lo, dtype_hi,
+    done, counts, sent, pending, spins, yields, status,
+):  # fmt: skip
+    """Wait for every live source's route header, check it, and take its count for this rank.
+
+    K = 0 for a cached dispatch (no top-k to agree on). Fills counts [R] (rows
+    from each source) and sent [R] (tokens each source announced); masked
+    sources get 0. Returns DONE, WAITING (pending[:status[1]] still missing)
+    or an error code (see `status`).
+    """
+    R = counts.size
+    n = _await(table, asleep, ROUTE, half, live, me, epoch, done, pending, spins, yields, True)
+    if n:
+        status[1] = n
+        return WAITING
+    for r in range(R):
+        counts[r], sent[r] = 0, 0
+    for p in live:  # bounds, field by field in declaration order
+        words = _elements_at(_I64, table[p, ROUTE, half], R_COUNTS + R)
+        if not 0 <= words[R_NUM] <= T:
+            return _fail(status, E_FIELD, p, words[R_NUM], 0, 0, 0)
+        if not dtype_lo <= words[R_DTYPE] <= dtype_hi:
+            return _fail(status, E_FIELD, p, words[R_DTYPE], 1, 0, 0)
+        if not 0 <= words[R_TOPK] <= Kmax:
+            return _fail(status, E_FIELD, p, words[R_TOPK], 2, 0, 0)
+        for r in range(R):
+            if not 0 <= words[R_COUNTS + r] <= T:
+                return _fail(status, E_FIELD, p, words[R_COUNTS + r], 3, 0, 0)
+        counts[p], sent[p] = words[R_COUNTS + me], words[R_NUM]
+    for p in live:
+        code = load_relaxed(table[p, ROUTE, half] + R_DTYPE * 8)
+        if code != dtype_code:
+            return _fail(status, E_DTYPE, p, code, 0, 0, 0)
+    for p in live:
+        their_k = load_relaxed(table[p, ROUTE, half] + R_TOPK * 8)
+        if K and their_k != K:
+            return _fail(status, E_TOPK, p, their_k, 0, 0, 0)
+    return DONE
+
+
+@_jit
+def _localize(
+    table, half, live, me, prefix, counts, sent, T, Kmax, local_of_expert, recv_idx, recv_w, src_token, status
+):
+    """Every source's list for this rank and the local top-k of the listed rows (routing has landed)."""
+    M, K = recv_idx.shape
+    E = local_of_expert.size
+    for p in live:
+        a = prefix[p]
+        listed = _elements_at(_I64, table[p, LISTS, half] + me * T * 8, counts[p])
+        for i in range(counts[p]):
+            t = listed[i]
+            if t < 0 or t >= sent[p]:
+                return _fail(status, E_LIST, p, sent[p], 0, 0, 0)
+            src_token[a + i] = t
+            idx = _elements_at(_I64, table[p, TOPK, half] + t * Kmax * 8, K)
+            w = _elements_at(_F32, table[p, WEIGHTS, half] + t * Kmax * 4, K)
+            mine = 0
+            for k in range(K):
+                e = idx[k]
+                if e < -1 or e >= E:
+                    return _fail(status, E_EXPERT, p, E, 0, 0, 0)
+                local = local_of_expert[e] if e >= 0 else -1
+                recv_idx[a + i, k] = local
+                recv_w[a + i, k] = w[k] if local >= 0 else np.float32(0.0)
+                mine += local >= 0
+            if mine == 0:
+                return _fail(status, E_NONE_LOCAL, p, 0, 0, 0, 0)
+    return DONE
+
+
+@_jit
+def _check_cached(live, prefix, counts, sent, src_token, status):
+    """A cached dispatch's sources must send the rows its handle expects, from tokens they have."""
+    for p in live:
+        a, z = prefix[p], prefix[p + 1]
+        if counts[p] != z - a:
+            return _fail(status, E_COUNT, p, counts[p], z - a, 0, 0)
+        for i in range(a, z):
+            if src_token[i] < 0 or src_token[i] >= sent[p]:
+                return _fail(status, E_SHORT, p, sent[p], 0, 0, 0)
+    return DONE
+
+
+@_jit
+def dispatch_gather(
+    table, asleep, me, epoch, half, live, prefix, counts, sent, T, Kmax, local_of_expert,
+    recv_idx, recv_w, src_token, recv_x, recv_scales, state, pending, spins, yields, status,
+):  # fmt: skip
+    """Place every source's rows as its payload lands: first the local top-k of all (or, cached,
+    the handle's rows checked), then each landed source's rows, gathered straight from its memory.
+
+    recv_idx [M, K] / recv_w [M, K] (K = 0: cached, src_token then comes from the
+    handle); recv_x uint8 [M, b]; recv_scales float32 [M, S]. state int64 [R + 1]:
+    state[0] set once the routing is placed, state[1 + s] once source s's rows are.
+    """
+    if state[0] == 0:
+        if recv_idx.shape[1]:
+            code = _localize(
+                table, half, live, me, prefix, counts, sent, T, Kmax, local_of_expert, recv_idx, recv_w,
+                src_token, status,
+            )  # fmt: skip
+        else:
+            code = _check_cached(live, prefix, counts, sent, src_token, status)
+        if code != DONE:
+            return code
+        state[0] = 1
+    done = state[1:]
+    b, S = recv_x.shape[1], recv_scales.shape[1]
+    out_at, scales_at = recv_x.ctypes.data, recv_scales.ctypes.data
+    while True:
+        n = _await(table, asleep, DATA, half, live, me, epoch, done, pending, spins, yields, False)
+        moved = False
+        for p in live:
+            if done[p] or load_acquire(table[p, DATA, half]) != epoch:
+                continue
+            x_at, s_at = table[p, X, half], table[p, SCALES, half]
+            for i in range(prefix[p], prefix[p + 1]):
+                t = src_token[i]
+                _move(out_at + i * b, x_at + t * b, b)
+                if S:
+                    _move(scales_at + i * S * 4, s_at + t * S * 4, S * 4)
+            done[p] = 1
+            moved = True
+        if n == 0 or _pending(table, DATA, half, live, epoch, done, pending) == 0:
+            return DONE
+        if not moved:  # the budget ran out with sources still missing: Python sleeps, then re-enters
+            status[1] = n
+            return WAITING
+
+
+# -- combine ----------------------------------------------------------------------------------------
+
+
+@_jit
+def combine_send(
+    table, asleep, me, epoch, half, live, y_rows, weights, Kmax, prefix, dispatch_seq, dtype_code, wake
+):
+    """An expert rank's half of combine: its output rows (y_rows uint8 [M, b]) and weights
+    (float32 [M, K], K may be 0) into its own memory once, then the back header, stamped."""
+    M, b = y_rows.shape
+    K, R = weights.shape[1], prefix.size - 1
+    own = table[me]
+    if M:
+        _move(own[Y, half], y_rows.ctypes.data, M * b)
+    for i in range(M):
+        w = _elements_at(_F32, own[Y_WEIGHTS, half] + i * Kmax * 4, K)
+        for k in range(K):
+            w[k] = weights[i, k]
+    words = _elements_at(_I64, own[BACK, half], B_PREFIX + R + 2)
+    words[B_DTYPE], words[B_TOPK] = dtype_code, K
+    for r in range(R + 1):
+        words[B_PREFIX + r] = prefix[r]
+    words[B_PREFIX + R + 1] = dispatch_seq
+    return _publish(own[BACK, half], epoch, asleep, live, me, wake)
+
+
+@_jit
+def combine_reduce(
+    table, asleep, me, epoch, half, live, in_rank, send_counts, dispatch_seq, dtype_code, dtype_lo, dtype_hi,
+    Kmax, rows_max, out, out_w, done, pending, spins, yields, status,
+):  # fmt: skip
+    """The home's half of combine: once every live expert rank's back header landed, check them all,
+    then sum each token's rows over ranks ascending (the reference's order) in float32, rounding once.
+
+    in_rank uint8 [N, R] and send_counts int64 [R] come from the dispatch's handle;
+    out [N, H] float32, or bf16 as uint16 bits; out_w float32 [N, K] (K = 0: no weights).
+    """
+    N, H = out.shape
+    K, R = out_w.shape[1], send_counts.size
+    n = _await(table, asleep, BACK, half, live, me, epoch, done, pending, spins, yields, True)
+    if n:
+        status[1] = n
+        return WAITING
+    for p in live:  # bounds, field by field
+        words = _elements_at(_I64, table[p, BACK, half], B_PREFIX + R + 2)
+        if not dtype_lo <= words[B_DTYPE] <= dtype_hi:
+            return _fail(status, E_FIELD, p, words[B_DTYPE], 0, 0, 0)
+        if not 0 <= words[B_TOPK] <= Kmax:
+            return _fail(status, E_FIELD, p, words[B_TOPK], 1, 0, 0)
+        for r in range(R + 1):
+            if not 0 <= words[B_PREFIX + r] <= rows_max:
+                return _fail(status, E_FIELD, p, words[B_PREFIX + r], 2, 0, 0)
+    for p in live:
+        theirs = load_relaxed(table[p, BACK, half] + (B_PREFIX + R + 1) * 8)
+        if theirs != dispatch_seq:
+            return _fail(status, E_OTHER_CALL, p, theirs, 0, 0, 0)
+    begin = np.zeros(R, dtype=np.int64)
+    for p in live:
+        words = _elements_at(_I64, table[p, BACK, half], B_PREFIX + R + 2)
+        begin[p] = words[B_PREFIX + me]
+        rows = words[B_PREFIX + me + 1] - begin[p]
+        if rows != send_counts[p] or words[B_DTYPE] != dtype_code or words[B_TOPK] != K:
+            return _fail(status, E_ROWS, p, rows, words[B_DTYPE], words[B_TOPK], send_counts[p])
+    b = H * out.itemsize
+    acc = np.empty(H, dtype=np.float32)
+    acc_w = np.empty(max(K, 1), dtype=np.float32)
+    at = begin.copy()  # each expert rank's next row for this rank
+    for t in range(N):
+        acc[:] = np.float32(0.0)
+        acc_w[:] = np.float32(0.0)
+        for r in range(R):
+            if not in_rank[t, r]:
+                continue
+            row = _elements_at(out[0, :0], table[r, Y, half] + at[r] * b, H)
+            for j in range(H):
+                acc[j] += widen(row[j])
+            if K:
+                w = _elements_at(_F32, table[r, Y_WEIGHTS, half] + at[r] * Kmax * 4, K)
+                for k in range(K):
+                    acc_w[k] += w[k]
+            at[r] += 1
+        out_row = out[t]
+        for j in range(H):
+            store(out_row, j, acc[j])
+        for k in range(K):
+            out_w[t, k] = acc_w[k]
+    return DONE
