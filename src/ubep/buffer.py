@@ -10,6 +10,7 @@ Legend: see `ubep.layout`.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from importlib.metadata import version
@@ -17,7 +18,7 @@ from importlib.metadata import version
 import torch
 import torch.distributed as dist
 
-from ubep import fp8, validate
+from ubep import validate
 from ubep.calls import CallCounter, CallId
 from ubep.deadlines import collective_deadline
 from ubep.engine import choose_engine
@@ -145,6 +146,10 @@ class Buffer:
             self._exchange: Exchange | None = exchanges[0]
             self._ll: LowLatencyExchange | None = exchanges[1]
         self._calls = CallCounter()
+        self._pid = os.getpid()  # the process that built it: a forked child must not call it
+        self._done = EventOverlap()  # the event of every call that completed before returning
+        self._num_experts, self._num_local_experts = num_experts, placement.num_local_experts
+        self._max_recv = self.sizing.capacity * R  # the most rows a rank can receive in one dispatch
         self._masked: frozenset[int] = frozenset()  # ranks left out of every call (`mask_ranks`)
         self._masked_E = torch.zeros(num_experts, dtype=torch.bool)  # experts those ranks own
         self._masked_after = 0  # the last call before the latest mask: older handles are stale
@@ -243,20 +248,25 @@ class Buffer:
         recv_topk_idx and recv_topk_weights are then None. x may be an FP8 pair
         `(values e4m3 [N, H], scales float32 [N, H // 128])`; recv_x is then a pair too.
         """
+        exchange, faults = self._live(), self._faults
         call = self._calls.next("dispatch")
-        with self._aborting(call):
+        try:
             plan, dropped = self._send_plan(
                 x, handle, num_tokens_per_rank, is_token_in_rank, topk_idx, topk_weights
             )
-            validate.positive("expert_alignment", expert_alignment)
-            self._faults.at("dispatch.start", call)
-            got = self._live().dispatch(call, plan, handle)
-        self._faults.at("dispatch.end", call)
+            if type(expert_alignment) is not int or expert_alignment < 1:
+                validate.positive("expert_alignment", expert_alignment)
+            if faults.armed:
+                faults.at("dispatch.start", call)
+            got = exchange.dispatch(call, plan, handle)
+        except BaseException:
+            exchange.abort(call)  # the peers fail at once instead of at their deadline
+            raise
+        if faults.armed:
+            faults.at("dispatch.end", call)
         recv_x = got.recv_x_MH if got.recv_scales_MS is None else (got.recv_x_MH, got.recv_scales_MS)
         if handle is None:
-            counts = expert_counts(
-                got.recv_topk_idx_MK, self.sizing.placement.num_local_experts, expert_alignment
-            )
+            counts = expert_counts(got.recv_topk_idx_MK, self._num_local_experts, expert_alignment)
             handle = DispatchHandle(
                 num_tokens=plan.x_NH.shape[0],
                 is_token_in_rank_NR=plan.is_token_in_rank_NR,
@@ -272,7 +282,7 @@ class Buffer:
             got.recv_topk_weights_MK,
             list(handle.num_recv_tokens_per_expert_list),
             handle,
-            EventOverlap(),
+            self._done,
         )
 
     def _send_plan(
@@ -288,20 +298,22 @@ class Buffer:
         if topk_idx is None or topk_weights is None:
             raise ValueError("dispatch needs topk_idx and topk_weights unless a handle is given")
         x, scales = self._payload(x)
-        idx = validate.topk_idx(topk_idx, x.shape[0], self.num_experts, s.max_topk)
+        idx = validate.topk_idx(topk_idx, x.shape[0], self._num_experts, s.max_topk)
         w = validate.topk_weights(topk_weights, tuple(idx.shape))
-        idx, dropped = self._drop_masked(idx)
+        idx, dropped = self._drop_masked(idx) if self._masked else (idx, 0)
         is_token_in_rank_NR = token_in_rank(idx, s.placement)  # dispatch needs no per-expert counts
-        validate.layout_args(num_tokens_per_rank, is_token_in_rank, is_token_in_rank_NR)
+        if num_tokens_per_rank is not None or is_token_in_rank is not None:
+            validate.layout_args(num_tokens_per_rank, is_token_in_rank, is_token_in_rank_NR)
         return SendPlan(x, idx, w, is_token_in_rank_NR, is_token_in_rank_NR.sum(dim=0), scales), dropped
 
     def _check_handle(self, handle) -> None:
         """A normal-mode handle of this Buffer, made after the latest mask."""
         if not isinstance(handle, DispatchHandle):
             raise TypeError(f"handle must come from Buffer.dispatch, got {type(handle).__name__}")
-        if handle.num_ranks != self.num_ranks:
+        if handle.send_counts_R.numel() != self._info.world_size:
             raise ValueError(f"handle is for {handle.num_ranks} ranks, this Buffer has {self.num_ranks}")
-        self._check_after_mask(handle.seq)
+        if handle.seq <= self._masked_after:
+            self._check_after_mask(handle.seq)
 
     def _check_after_mask(self, dispatch_seq: int) -> None:
         """Handles from dispatches before the latest mask route through masked ranks: refused."""
@@ -314,7 +326,7 @@ class Buffer:
     def _payload(self, x, rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(x, None), or an FP8 pair's (values, scales), validated."""
         s = self.sizing
-        if fp8.is_pair(x):
+        if isinstance(x, tuple | list) and len(x) == 2:  # fp8.is_pair, without a call on the hot path
             return validate.fp8_pair("x", x, s.hidden, s.capacity, rows=rows)
         return validate.payload("x", x, s.hidden, s.capacity, rows=rows), None
 
@@ -329,18 +341,21 @@ class Buffer:
         allocate_on_comm_stream: bool = False,
     ) -> CombineResult:
         """Send expert outputs home; each token gets the plain float32 sum of its rows."""
+        exchange, faults = self._live(), self._faults
         call = self._calls.next("combine")
-        with self._aborting(call):
+        try:
             self._check_handle(handle)
-            M = handle.num_recv_tokens
-            x = validate.payload(
-                "x", x, self.sizing.hidden, max(M, self.sizing.capacity * self.num_ranks), rows=M
-            )
+            M = handle.recv.num_rows
+            x = validate.payload("x", x, self.sizing.hidden, max(M, self._max_recv), rows=M)
             if topk_weights is not None:
                 topk_weights = validate.topk_weights(topk_weights, (M, _cols(topk_weights)))
-            self._faults.at("combine.start", call)
-            combined, weights = self._live().combine(call, x, handle, topk_weights)
-        return CombineResult(combined, weights, EventOverlap())
+            if faults.armed:
+                faults.at("combine.start", call)
+            combined, weights = exchange.combine(call, x, handle, topk_weights)
+        except BaseException:
+            exchange.abort(call)  # the peers fail at once instead of at their deadline
+            raise
+        return CombineResult(combined, weights, self._done)
 
     # -- low-latency mode -------------------------------------------------------------------------
 
@@ -492,20 +507,14 @@ class Buffer:
 
     # -- lifetime ---------------------------------------------------------------------------------
 
-    @contextmanager
-    def _aborting(self, call: CallId) -> Iterator[None]:
-        """Around a call: on any failure (bad input, a failed wait), tell the peers
-        this call is off, so they fail at once instead of at their deadline; re-raise."""
-        try:
-            yield
-        except BaseException:
-            if self._exchange is not None:
-                self._exchange.abort(call)
-            raise
-
     def _live(self) -> Exchange:
         if self._exchange is None:
             raise RuntimeError("this Buffer is closed")
+        if os.getpid() != self._pid:
+            raise RuntimeError(
+                f"this Buffer was built by process {self._pid}; process {os.getpid()} (a fork of it) may not "
+                "call it, since its memory is shared with the parent's peers: build a Buffer in the child"
+            )
         if self._retired:
             raise RuntimeError(f"rank {self.rank} masked itself out of its group: it takes part in no call")
         return self._exchange

@@ -65,10 +65,11 @@ class FaultPlan:
 class FaultPoints:
     """The hooks one rank's protocols call; inert unless the plan targets this rank."""
 
-    __slots__ = ("_plan",)
+    __slots__ = ("_plan", "armed")
 
     def __init__(self, plan: FaultPlan | None = None, rank: int = 0):
         self._plan = plan if plan is not None and plan.rank == rank else None
+        self.armed = self._plan is not None  # hot paths test this before calling `at`
 
     def _due(self, point: str, call: CallId) -> FaultPlan | None:
         plan = self._plan
