@@ -82,7 +82,9 @@ def _check_reference(sc: Scenario, got: list[dict], as_fp8: bool) -> None:
         scales = reference.dispatch([s for _, s in pairs], idxs, ws, sc.num_experts)
     for me, mine in enumerate(ref):
         recv = got[me]["recv_x"]
-        want = (values[me].recv_x_MH.view(fp8.VALUE_DTYPE), scales[me].recv_x_MH) if as_fp8 else mine.recv_x_MH
+        want = (
+            (values[me].recv_x_MH.view(fp8.VALUE_DTYPE), scales[me].recv_x_MH) if as_fp8 else mine.recv_x_MH
+        )
         assert _same(recv, want), f"{sc.name} rank {me}: recv_x"
         assert torch.equal(got[me]["recv_topk_idx"], mine.recv_topk_idx_MK), sc.name
         assert torch.equal(got[me]["recv_topk_weights"], mine.recv_topk_weights_MK), sc.name
@@ -139,7 +141,11 @@ def _count_calls(rank, low_latency: bool) -> tuple[int, int]:
             if name in WAITING and frame.f_code.co_filename.endswith(("waiting.py", "heap.py")):
                 depth[0] += 1
             counts[depth[0] > 0] += 1
-        elif event == "return" and name in WAITING and frame.f_code.co_filename.endswith(("waiting.py", "heap.py")):
+        elif (
+            event == "return"
+            and name in WAITING
+            and frame.f_code.co_filename.endswith(("waiting.py", "heap.py"))
+        ):
             depth[0] -= 1
 
     with ubep.Buffer(rank, hidden=H, num_experts=E, max_tokens_per_rank=T, engine="numba") as buf:
@@ -163,9 +169,42 @@ def test_python_calls_per_normal_call(R: int) -> None:
     assert max(outside) <= MAX_PYTHON_CALLS, f"Python calls per dispatch + combine at {R} ranks: {outside}"
 
 
-@pytest.mark.xfail(strict=True, reason="low-latency mode does not run on compiled halves yet")
 @pytest.mark.parametrize("R", [2, 8])
 def test_python_calls_per_low_latency_call(R: int) -> None:
     got = VirtualWorld(R, timeout_s=60).run(lambda rank: _count_calls(rank, low_latency=True))
     outside = [c for c, _ in got]
     assert max(outside) <= MAX_PYTHON_CALLS, f"Python calls per low-latency pair at {R} ranks: {outside}"
+
+
+def _every_kind_of_call(rank) -> None:
+    sc = Scenario(name="kinds", num_ranks=2, num_experts=4, hidden=256, seed=19)
+    xs, idxs, ws = sc.inputs()
+    x, idx, w = xs[rank.rank], idxs[rank.rank], ws[rank.rank]
+    with ubep.Buffer(rank, hidden=256, num_experts=4, max_tokens_per_rank=sc.capacity, engine="numba") as buf:
+        for payload in (x, x.float(), fp8.quantize(x)):
+            got = buf.dispatch(payload, topk_idx=idx, topk_weights=w)
+            buf.dispatch(payload, handle=got.handle)
+            if not isinstance(payload, tuple):
+                buf.combine(got.recv_x, got.handle, topk_weights=got.recv_topk_weights)
+                buf.combine(got.recv_x, got.handle)
+        for dtype, use_fp8 in ((torch.bfloat16, False), (torch.float32, False), (torch.bfloat16, True)):
+            d = buf.low_latency_dispatch(x.to(dtype), idx, sc.capacity, 4, use_fp8=use_fp8)
+            if not use_fp8:
+                buf.low_latency_combine(d.recv_x, idx, w, d.handle)
+
+
+def test_no_call_compiles() -> None:
+    """Construction warms every half up for every payload; no call then compiles one (seconds,
+    with its peers waiting)."""
+    from ubep.engine import ll_halves, ubep_halves
+
+    halves = [
+        getattr(m, n)
+        for m in (ubep_halves, ll_halves)
+        for n in dir(m)
+        if n.startswith(("dispatch_", "combine_", "ll_"))
+    ]
+    with ubep.Buffer(hidden=8, num_experts=2, max_tokens_per_rank=2, engine="numba"):
+        warmed = {f.__name__: len(f.signatures) for f in halves}
+    VirtualWorld(2, timeout_s=60).run(_every_kind_of_call)
+    assert {f.__name__: len(f.signatures) for f in halves} == warmed

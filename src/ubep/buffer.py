@@ -11,17 +11,16 @@ Legend: see `ubep.layout`.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+from collections.abc import Iterable
 from importlib.metadata import version
 
 import torch
 import torch.distributed as dist
 
 from ubep import validate
-from ubep.calls import CallCounter, CallId
+from ubep.calls import CallCounter
 from ubep.deadlines import collective_deadline
-from ubep.engine import choose_engine
+from ubep.engine import Engine, TorchEngine, choose_engine
 from ubep.factory import Options, build
 from ubep.faults import FaultPlan, FaultPoints
 from ubep.group import GroupInfo, check_agreement, choose_transport, join_group
@@ -30,6 +29,7 @@ from ubep.overlap import EventOverlap
 from ubep.protocols.base import Exchange, SendPlan, Sizing
 from ubep.protocols.ll import LLExchange
 from ubep.protocols.ll_base import LowLatencyExchange, combine_plan, dispatch_outputs, dispatch_plan
+from ubep.protocols.warmup import warm_up
 from ubep.results import (
     CombineResult,
     DispatchHandle,
@@ -110,7 +110,7 @@ class Buffer:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         self.timeout_s = float(timeout_s)
         construct_s = max(self.timeout_s, CONSTRUCTION_MIN_TIMEOUT_S)
-        self.engine, self._engine_reason = choose_engine(engine)  # slow (numba's cache): before ranks meet
+        self.engine, self._engine_reason = self._warm_engine(engine)  # slow (compiling): before ranks meet
         with collective_deadline(_resolve(group), construct_s, "Buffer construction (joining the group)"):
             self._info: GroupInfo = join_group(group)
         self._faults = FaultPoints(faults, self._info.rank)
@@ -171,6 +171,21 @@ class Buffer:
             "low_latency": self.low_latency,
         }
         check_agreement(self._info, mine, "Buffer")
+
+    @staticmethod
+    def _warm_engine(requested: str) -> tuple[Engine, str]:
+        """`choose_engine`, then every compiled call half loaded or compiled (`warm_up`); "auto" falls
+        back to the torch engine, with the reason, where a half does not compile here."""
+        engine, reason = choose_engine(requested)
+        if engine.name != "numba":
+            return engine, reason
+        try:
+            warm_up(engine)
+        except Exception as e:  # a numba or LLVM failure on this host
+            if requested == "numba":
+                raise
+            return TorchEngine(), f"numba's call halves failed to compile ({type(e).__name__}: {e})"
+        return engine, reason
 
     size_hint = staticmethod(size_hint)  # the shared memory a Buffer would map, before building it
 
@@ -379,16 +394,22 @@ class Buffer:
         At most two calls may await their receive half. N > T raises ValueError before
         anything is sent.
         """
+        ll = self._live_ll()
         call = self._calls.next("ll_dispatch")
-        with self._ll_aborting(call, "dispatch"):
-            s, ll = self.sizing, self._live_ll()
-            if num_experts != self.num_experts:
+        try:
+            s = self.sizing
+            if num_experts != self._num_experts:
                 raise ValueError(f"num_experts is {num_experts}, the Buffer was built for {self.num_experts}")
-            x = validate.low_latency_x(x, s.hidden, num_max_dispatch_tokens_per_rank, s.capacity, use_fp8)
-            idx = validate.topk_idx(topk_idx, x.shape[0], self.num_experts, s.max_topk)
-            idx = self._drop_masked(idx)[0]
-            plan = dispatch_plan(x, idx, s.placement, num_max_dispatch_tokens_per_rank, use_fp8)
-            out = dispatch_outputs(plan, s.hidden, self.num_ranks, idx, self.num_experts, call.seq)
+            T = num_max_dispatch_tokens_per_rank
+            x = validate.low_latency_x(x, s.hidden, T, s.capacity, use_fp8)
+            idx = validate.topk_idx(topk_idx, x.shape[0], self._num_experts, s.max_topk)
+            if self._masked:
+                idx = self._drop_masked(idx)[0]
+            plan = dispatch_plan(x, idx, s.placement, T, use_fp8)
+            out = dispatch_outputs(plan, s.hidden, self._info.world_size, idx, self._num_experts, call.seq)
+        except BaseException:
+            ll.abort(call, "dispatch")  # its slots and headers are its own: release them, tell the peers
+            raise
         receive = ll.dispatch_send(call, plan, out)  # a failing send half tells its peers itself
         event, hook = _halves(receive, async_finish, return_recv_hook)
         return LowLatencyDispatchResult(out.recv_x, out.handle.recv_count_L, out.handle, event, hook)
@@ -409,18 +430,21 @@ class Buffer:
         topk_idx and topk_weights are the home rank's routing, as dispatched. The
         result has x's dtype; `out` [N, H] receives it in place when given.
         """
+        ll = self._live_ll()
         call = self._calls.next("ll_combine")
-        with self._ll_aborting(call, "combine"):
-            ll = self._live_ll()
+        try:
             x, w = self._ll_combine_inputs(x, topk_idx, topk_weights, handle)
-            N = handle.num_tokens
+            N, H = handle.num_tokens, self.sizing.hidden
             if out is None:
-                out = torch.empty(N, self.sizing.hidden, dtype=x.dtype)
+                out = torch.empty(N, H, dtype=x.dtype)
             else:
                 out = validate.tensor("out", out, x.dtype, 2)
-                if tuple(out.shape) != (N, self.sizing.hidden) or not out.is_contiguous():
-                    raise ValueError(f"out must be a contiguous [{N}, {self.sizing.hidden}] tensor")
+                if tuple(out.shape) != (N, H) or not out.is_contiguous():
+                    raise ValueError(f"out must be a contiguous [{N}, {H}] tensor")
             plan = combine_plan(x, w, handle, self.sizing.placement)
+        except BaseException:
+            ll.abort(call, "combine")  # its slots and headers are its own: release them, tell the peers
+            raise
         receive = ll.combine_send(call, plan, out)
         event, hook = _halves(receive, async_finish, return_recv_hook)
         return LowLatencyCombineResult(out, event, hook)
@@ -428,30 +452,25 @@ class Buffer:
     def _ll_combine_inputs(self, x, topk_idx, topk_weights, handle) -> tuple[torch.Tensor, torch.Tensor]:
         if not isinstance(handle, LowLatencyHandle):
             raise TypeError(f"handle must come from Buffer.low_latency_dispatch, got {type(handle).__name__}")
-        if handle.num_ranks != self.num_ranks or handle.num_experts != self.num_experts:
+        R, L = self._info.world_size, self._num_local_experts
+        if handle.layout_range_LR2.shape[1] != R or handle.num_experts != self._num_experts:
             raise ValueError("handle comes from a Buffer with another group size or expert count")
-        if not handle.received:
+        if (handle.recv_count_L < 0).any():  # handle.received, without a call
             raise ValueError("handle: its dispatch was not received yet; call its hook or event.wait() first")
-        self._check_after_mask(handle.seq)
-        M = self.num_ranks * handle.num_max_dispatch_tokens_per_rank
-        x = validate.expert_output(x, (handle.num_local_experts, M, self.sizing.hidden))
-        idx = validate.topk_idx(topk_idx, handle.num_tokens, self.num_experts, self.sizing.max_topk)
-        if not torch.equal(self._drop_masked(idx)[0], handle.topk_idx_NK):
+        if handle.seq <= self._masked_after:
+            self._check_after_mask(handle.seq)
+        M = R * handle.num_max_dispatch_tokens_per_rank
+        x = validate.expert_output(x, (L, M, self.sizing.hidden))
+        idx = validate.topk_idx(topk_idx, handle.num_tokens, self._num_experts, self.sizing.max_topk)
+        if self._masked:
+            idx = self._drop_masked(idx)[0]
+        if not torch.equal(idx, handle.topk_idx_NK):
             raise ValueError("topk_idx must be the one passed to the low_latency_dispatch that made handle")
         return x, validate.topk_weights(topk_weights, tuple(idx.shape))
 
-    @contextmanager
-    def _ll_aborting(self, call: CallId, kind: str) -> Iterator[None]:
-        """`_aborting` for low-latency input checks (their slots and headers are separate)."""
-        try:
-            yield
-        except BaseException:
-            if self._ll is not None:
-                self._ll.abort(call, kind)
-            raise
-
     def _live_ll(self) -> LowLatencyExchange:
-        self._live()
+        if self._ll is None or self._exchange is None or self._retired or os.getpid() != self._pid:
+            self._live()  # closed, retired or forked: its error
         if self._ll is None:
             raise ValueError("this Buffer was built with low_latency=False")
         return self._ll

@@ -95,7 +95,7 @@ def token_in_rank(topk_idx_NK: torch.Tensor, placement: ExpertPlacement) -> torc
     owner_NK = placement.rank_of_expert_E[topk_idx_NK.clamp(min=0)]
     owner_NK = torch.where(topk_idx_NK >= 0, owner_NK, R)
     hit_NR1 = torch.zeros(topk_idx_NK.shape[0], R + 1, dtype=torch.bool)
-    return hit_NR1.scatter_(1, owner_NK, True)[:, :R]
+    return hit_NR1.scatter_(1, owner_NK, True)[:, :R].contiguous()  # compiled halves take it as it is
 
 
 def tokens_per_node(is_token_in_rank_NR: torch.Tensor, node_of_rank: tuple[int, ...]) -> torch.Tensor:

@@ -22,6 +22,8 @@ from llvmlite import ir
 from numba.core import cgutils, types
 from numba.extending import intrinsic
 
+from ubep.engine.numba_kernels import _jit
+
 _X86 = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
 
 
@@ -124,3 +126,30 @@ def pause(typingctx):
         return context.get_dummy_value()
 
     return types.none(), codegen
+
+
+@_jit
+def back_off(step, spins, yields, asleep, me):
+    """Step `step` of a wait's budget: the spin hint for the first `spins` steps, then `yields`
+    yields of the core, then one step that raises this rank's ASLEEP word and fences (the last
+    look before the half hands the wait to Python's doorbell sleep). False once the budget is spent."""
+    if step < spins:
+        pause()
+    elif step < spins + yields:
+        yield_cpu()
+    elif step == spins + yields:
+        store_relaxed(asleep[me], 1)
+        full_fence()
+    else:
+        return False
+    return True
+
+
+@_jit
+def wake_if_asleep(asleep, peer, wake):
+    """After a stamp meant for `peer`: fence, then mark it in `wake` if it sleeps on its doorbell."""
+    full_fence()
+    if load_relaxed(asleep[peer]) != 0:
+        wake[peer] = 1
+        return 1
+    return 0

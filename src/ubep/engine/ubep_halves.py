@@ -46,13 +46,12 @@ import numpy as np
 
 from ubep.engine.numba_kernels import _elements_at, _jit, _move, store, widen
 from ubep.engine.numba_sync import (
+    back_off,
     full_fence,
     load_acquire,
     load_relaxed,
-    pause,
     store_relaxed,
     store_release,
-    yield_cpu,
 )
 
 # Blocks, in the order of `UbepBlocks.all()` (the table's second axis).
@@ -119,21 +118,11 @@ def _await(table, asleep, block, half, live, me, epoch, done, pending, spins, yi
     Leaves this rank's ASLEEP word up when it returns with pending ranks.
     """
     store_relaxed(asleep[me], 0)  # awake: publishers need not ring
-    n = _pending(table, block, half, live, epoch, done, pending)
-    if n == 0:
-        return 0
-    first = n
-    for i in range(spins + yields + 1):
-        if i < spins:
-            pause()
-        elif i < spins + yields:
-            yield_cpu()
-        else:  # the last look, with the doorbell armed
-            store_relaxed(asleep[me], 1)
-            full_fence()
+    n = first = _pending(table, block, half, live, epoch, done, pending)
+    step = 0
+    while n and (final or n == first) and back_off(step, spins, yields, asleep, me):
         n = _pending(table, block, half, live, epoch, done, pending)
-        if n == 0 or (not final and n < first):
-            break
+        step += 1
     if n == 0 or (not final and n < first):
         store_relaxed(asleep[me], 0)
     return n

@@ -48,6 +48,7 @@ from ubep.protocols.ll_base import (
     returned_rows,
     slot_positions,
 )
+from ubep.protocols.ll_compiled import LLCompiled
 from ubep.transport.base import Field, Header, Region, Transport
 from ubep.waiting import AbortNotice, PeerAbortedError
 
@@ -110,6 +111,11 @@ class LLExchange:
         self.t, self.engine, self.sizing = transport, engine, sizing
         self.me, self.R = transport.rank, transport.num_ranks
         self.blocks = LLBlocks.of(sizing)
+        self._compiled = (  # each half one compiled function, where the engine and memory allow
+            LLCompiled(transport, self.blocks, sizing, self._consumed)
+            if engine.name == "numba" and hasattr(transport, "address_table")
+            else None
+        )
 
     # -- buffer reuse -----------------------------------------------------------------------------
 
@@ -183,6 +189,8 @@ class LLExchange:
 
     def dispatch_send(self, call: CallId, plan: LLDispatchPlan, out: LLDispatchOut) -> Callable[[], None]:
         try:
+            if self._compiled is not None:
+                return self._compiled.dispatch_send(call, plan, out)
             self._reserve(call, DISPATCH, "dispatch")
             for dst in self._others_first():
                 self._put_tokens(call, plan, dst)
@@ -256,6 +264,8 @@ class LLExchange:
 
     def combine_send(self, call: CallId, plan: LLCombinePlan, out_NH: torch.Tensor) -> Callable[[], None]:
         try:
+            if self._compiled is not None:
+                return self._compiled.combine_send(call, plan, out_NH)
             self._reserve(call, COMBINE, "combine")
             for home in self._others_first():
                 self._put_rows(call, plan, home)

@@ -25,12 +25,11 @@ from ubep.engine import ubep_halves as k
 from ubep.errors import PeerDataError
 from ubep.faults import FaultPoints
 from ubep.layout import prefix_offsets
+from ubep.protocols import halves
 from ubep.protocols.base import CODE_DTYPES, CODE_RANGE, DTYPE_CODES, Received, SendPlan, Sizing
 from ubep.results import DispatchHandle, RecvRoute
 from ubep.transport.heap import Heap, complaint
-from ubep.waiting import YIELD_POLLS
 
-SPIN_POLLS = 256  # polls with the spin-wait hint before a half starts yielding its core
 _NO_I64 = np.empty((0, 0), dtype=np.int64)
 _NO_F32 = np.empty((0, 0), dtype=np.float32)
 
@@ -53,20 +52,11 @@ class UbepCompiled:
         self.local_of_expert = local_of_expert_E.numpy()
 
     def _enter(self, call: CallId, phase: str, mine: tuple, half, *args) -> None:
-        """Run a resumable half to DONE (sleeping between entries while it waits), or raise its error.
-
-        `args` end with (pending, spins, yields, status), as every waiting half takes them;
-        `mine` is (dtype, top-k, dispatch seq) of this rank's call, for the error's words.
-        """
-        pending, status = args[-4], args[-1]
-        code = half(*args)
-        sleeper = None
-        while code == k.WAITING:
-            sleeper = sleeper or self.t.sleeper(phase, call)
-            sleeper.pause(pending[: status[1]].tolist())
-            code = half(*args)
+        """Run a resumable half to DONE, or raise its error; `mine` is (dtype, top-k, dispatch seq)
+        of this rank's call, for the error's words."""
+        code = halves.run(self.t, call, phase, half, *args)
         if code != k.DONE:
-            raise self._error(call, code, status, *mine)
+            raise self._error(call, code, args[-1], *mine)
 
     # -- dispatch ---------------------------------------------------------------------------------
 
@@ -123,8 +113,7 @@ class UbepCompiled:
             counts_R,
             sent_R,
             pending,
-            SPIN_POLLS,
-            YIELD_POLLS,
+            *halves.BUDGET,
             status,
         )
         if cached:
@@ -162,8 +151,7 @@ class UbepCompiled:
             _NO_F32 if recv_scales_MS is None else recv_scales_MS.numpy(),
             np.zeros(R + 1, dtype=np.int64),
             pending,
-            SPIN_POLLS,
-            YIELD_POLLS,
+            *halves.BUDGET,
             status,
         )
         t.check_member("dispatch")  # what was read above was whole
@@ -221,8 +209,7 @@ class UbepCompiled:
             _NO_F32 if out_NK is None else out_NK.numpy(),
             np.zeros(R, dtype=np.int64),
             np.empty(R, dtype=np.int64),
-            SPIN_POLLS,
-            YIELD_POLLS,
+            *halves.BUDGET,
             np.zeros(6, dtype=np.int64),
         )
         t.check_member("combine")  # what was read above was whole

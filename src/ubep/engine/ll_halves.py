@@ -1,0 +1,346 @@
+"""Low-latency mode's call halves, each one compiled function over the Buffer's address table.
+
+    protocol (ll: slots, reuse words, status words) -> [these halves] -> memory (address table)
+
+The statement in torch is `ubep.protocols.ll` (its docstring has the reuse
+argument); these halves keep its memory layout word for word. The table
+(int64 [R, 7, 2]) holds the address of every block of `LLBlocks.all()` in every
+rank's memory for both halves; headers are inbox records (the owner's memory
+holds one per writer: writer p's record at row p), stamp first, then the fields
+(sent: dtype, T, width, counts[L]; returned: dtype, count).
+
+Waiting is `ubep.engine.ubep_halves`'s: spin, yield, arm the ASLEEP word, then
+return WAITING for Python to sleep on the doorbell and enter again; `state`
+keeps the progress between entries. A peer whose stamp is missing while its
+`rejected` word for this kind has reached the call's epoch rejected the call
+itself: E_REJECTED names it at once.
+
+Example (R = 2, L = 1, T = 2, rank 0 sends token 1 with k = 0 to rank 1's expert):
+ll_dispatch_send writes the row into rank 1's slot [0, 0, 0] with info 1 * Kmax + 0,
+then stamps its record in rank 1's `sent` inbox, counts [1]; ll_dispatch_recv on
+rank 1 places it at recv_x[0, 0] with recv_src_token 1, recv_src_rank 0, recv_src_k 0.
+
+Legend: see `ubep.protocols.ll_base` (L local experts, P pairs, Q rows sent back).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ubep.engine.numba_kernels import _elements_at, _jit, _move, store, widen
+from ubep.engine.numba_sync import back_off, load_acquire, store_relaxed, store_release, wake_if_asleep
+
+SENT, SLOTS, SLOT_INFO, RETURNED, BACK_SLOTS, DONE_WORDS, REJECTED = range(7)  # `LLBlocks.all()` order
+S_DTYPE, S_T, S_WIDTH, S_COUNTS = 1, 2, 3, 4  # sent record words (stamp at 0)
+R_DTYPE, R_COUNT = 1, 2  # returned record words
+CONSUMED, SKIPPED = 0, 1  # done words, per (kind, half): see `ubep.protocols.ll`
+
+DONE, WAITING = 0, 1
+E_FIELD = 2  # a header word outside its field's bounds: (peer, value, field index)
+E_REJECTED = 3  # the peer rejected this call: (peer)
+E_T = 4  # dispatch: the peer used another T: (peer, its T)
+E_FORMAT = 5  # dispatch: the peer sent another payload format
+E_COUNTS = 6  # dispatch: the peer announced counts above this call's T
+E_TOKENS = 7  # dispatch: the peer's slot infos name tokens out of range
+E_RETURNED = 8  # combine: the peer returned another row count or dtype: (peer, count, dtype, expected)
+E_MINE = 9  # this rank's own reuse word says an older call still awaits its receive half
+
+_I64 = np.empty(0, dtype=np.int64)
+
+
+@_jit
+def _done_word(table, rank, kind, half, word):
+    """Address of rank's done[kind, half, word]."""
+    return table[rank, DONE_WORDS, 0] + ((kind * 2 + half) * 2 + word) * 8
+
+
+@_jit
+def _fail(status, code, peer, a, b, c):
+    """End a half with an error: status = (code, peer, what it sent, ..., expected)."""
+    status[0], status[1], status[2], status[3], status[4] = code, peer, a, b, c
+    return code
+
+
+@_jit
+def _not_reusable(table, live, me, kind, half, before, pending):
+    """Live peers that have not consumed call `before` of this kind on this half yet."""
+    n = 0
+    for p in live:
+        if p != me and load_acquire(_done_word(table, p, kind, half, CONSUMED)) < before:
+            pending[n] = p
+            n += 1
+    return n
+
+
+@_jit
+def ll_reserve(table, asleep, me, live, kind, half, epoch, pending, spins, yields, status):
+    """Wait until every live peer consumed call epoch - 2 of this kind (it used the same half)."""
+    before = epoch - 2
+    if load_acquire(_done_word(table, me, kind, half, CONSUMED)) < before:
+        return _fail(status, E_MINE, me, before, 0, 0)
+    store_relaxed(asleep[me], 0)
+    step = 0
+    n = _not_reusable(table, live, me, kind, half, before, pending)
+    while n and back_off(step, spins, yields, asleep, me):
+        n = _not_reusable(table, live, me, kind, half, before, pending)
+        step += 1
+    if n:
+        status[1] = n
+        return WAITING
+    store_relaxed(asleep[me], 0)
+    return DONE
+
+
+@_jit
+def _landed(table, asleep, me, kind, half, epoch, header, words, peer, pending, spins, yields, status):
+    """Wait for peer's record in this rank's `header` inbox: DONE, WAITING, or E_REJECTED."""
+    stamp = table[me, header, half] + peer * words * 8
+    store_relaxed(asleep[me], 0)
+    step = 0
+    while load_acquire(stamp) != epoch:
+        if load_acquire(table[peer, REJECTED, 0] + kind * 8) >= epoch:
+            return _fail(status, E_REJECTED, peer, 0, 0, 0)
+        if not back_off(step, spins, yields, asleep, me):
+            pending[0], status[1] = peer, 1
+            return WAITING
+        step += 1
+    store_relaxed(asleep[me], 0)
+    return DONE
+
+
+@_jit
+def _others_first(live, me, R):
+    """The live ranks in the order of sends: the next ranks first, this rank last."""
+    order = np.empty(live.size, dtype=np.int64)
+    n = 0
+    for j in range(1, R + 1):
+        r = (me + j) % R
+        for p in live:
+            if p == r:
+                order[n] = r
+                n += 1
+    return order
+
+
+@_jit
+def _consumed(table, asleep, me, live, kind, half, epoch, wake):
+    """This rank read its last byte of the call's half: peers may reuse it (and are woken to)."""
+    skipped = load_acquire(_done_word(table, me, kind, half, SKIPPED))
+    store_release(_done_word(table, me, kind, half, CONSUMED), max(epoch, skipped))
+    woken = 0
+    for p in live:
+        if p != me:
+            woken += wake_if_asleep(asleep, p, wake)
+    return woken
+
+
+# -- dispatch ---------------------------------------------------------------------------------------
+
+
+@_jit
+def ll_dispatch_send(
+    table, asleep, me, epoch, half, live, rows, pair_token, pair_k, pair_local, counts_RL, code, T,
+    Kmax, Tcap, row_bytes, wake,
+):  # fmt: skip
+    """Put every (token, expert) pair's row into its destination's slot, then stamp the record there.
+
+    rows uint8 [N, b] (this rank's tokens in wire form); the pair arrays sorted by
+    (destination, local expert, token); counts_RL int64 [R, L] pairs per (destination,
+    local expert). Returns how many destinations to ring (marked in `wake`).
+    """
+    R, L = counts_RL.shape
+    b = rows.shape[1]
+    words = S_COUNTS + L
+    first = np.zeros(R + 1, dtype=np.int64)
+    for r in range(R):
+        first[r + 1] = first[r] + counts_RL[r].sum()
+    woken = 0
+    for dst in _others_first(live, me, R):
+        slots = table[dst, SLOTS, half] + me * L * Tcap * row_bytes
+        info = _elements_at(_I64, table[dst, SLOT_INFO, half] + me * L * Tcap * 8, L * Tcap)
+        pair = first[dst]
+        for j in range(L):
+            for i in range(counts_RL[dst, j]):
+                t = pair_token[pair]
+                _move(slots + (j * Tcap + i) * row_bytes, rows.ctypes.data + t * b, b)
+                info[j * Tcap + i] = t * Kmax + pair_k[pair]
+                pair += 1
+        record = _elements_at(_I64, table[dst, SENT, half] + me * words * 8, words)
+        record[S_DTYPE], record[S_T], record[S_WIDTH] = code, T, b
+        for j in range(L):
+            record[S_COUNTS + j] = counts_RL[dst, j]
+        store_release(table[dst, SENT, half] + me * words * 8, epoch)  # the rows above are visible
+        if dst != me:
+            woken += wake_if_asleep(asleep, dst, wake)
+    return woken
+
+
+@_jit
+def ll_dispatch_recv(
+    table, asleep, me, epoch, half, live_R, code, T, Kmax, Tcap, row_bytes, dtype_lo, dtype_hi,
+    plane0, plane1, src_token, src_rank, src_k, layout_range, recv_count, state, wake,
+    pending, spins, yields, status,
+):  # fmt: skip
+    """Place each source's rows, in ascending source order, as its record lands.
+
+    plane0 uint8 [L, M, w0] and plane1 uint8 [L, M, w1] (w1 = 0 unless FP8: values,
+    then scales) receive each row's first w0 and next w1 bytes; live_R uint8 [R] marks
+    live ranks. state int64 [1 + L]: the next source, then the rows placed per expert.
+    Returns DONE (recv_count set, the half released), WAITING or an error code.
+    """
+    L, M, w0 = plane0.shape
+    w1 = plane1.shape[2]
+    R = live_R.size
+    words = S_COUNTS + L
+    begin = state[1:]
+    while state[0] < R:
+        src = state[0]
+        if not live_R[src]:  # masked: sends nothing
+            for j in range(L):
+                layout_range[j, src, 0], layout_range[j, src, 1] = begin[j], 0
+            state[0] += 1
+            continue
+        code_now = _landed(
+            table, asleep, me, 0, half, epoch, SENT, words, src, pending, spins, yields, status
+        )
+        if code_now != DONE:
+            return code_now
+        record = _elements_at(_I64, table[me, SENT, half] + src * words * 8, words)
+        if not dtype_lo <= record[S_DTYPE] <= dtype_hi:
+            return _fail(status, E_FIELD, src, record[S_DTYPE], 0, 0)
+        if not 0 <= record[S_T] <= Tcap:
+            return _fail(status, E_FIELD, src, record[S_T], 1, 0)
+        if not 0 <= record[S_WIDTH] <= row_bytes:
+            return _fail(status, E_FIELD, src, record[S_WIDTH], 2, 0)
+        for j in range(L):
+            if not 0 <= record[S_COUNTS + j] <= Tcap:
+                return _fail(status, E_FIELD, src, record[S_COUNTS + j], 3, 0)
+        if record[S_T] != T:
+            return _fail(status, E_T, src, record[S_T], 0, 0)
+        if record[S_DTYPE] != code or record[S_WIDTH] != w0 + w1:
+            return _fail(status, E_FORMAT, src, 0, 0, 0)
+        for j in range(L):
+            if record[S_COUNTS + j] > T:
+                return _fail(status, E_COUNTS, src, 0, 0, 0)
+        info = _elements_at(_I64, table[me, SLOT_INFO, half] + src * L * Tcap * 8, L * Tcap)
+        for j in range(L):
+            for i in range(record[S_COUNTS + j]):
+                if info[j * Tcap + i] < 0 or info[j * Tcap + i] // Kmax >= T:
+                    return _fail(status, E_TOKENS, src, 0, 0, 0)
+        slots = table[me, SLOTS, half] + src * L * Tcap * row_bytes
+        for j in range(L):
+            n = record[S_COUNTS + j]
+            for i in range(n):
+                row, pos = slots + (j * Tcap + i) * row_bytes, begin[j] + i
+                _move(plane0[j, pos].ctypes.data, row, w0)
+                if w1:
+                    _move(plane1[j, pos].ctypes.data, row + w0, w1)
+                src_token[j, pos] = info[j * Tcap + i] // Kmax
+                src_k[j, pos] = info[j * Tcap + i] % Kmax
+                src_rank[j, pos] = src
+            layout_range[j, src, 0], layout_range[j, src, 1] = begin[j], n
+            begin[j] += n
+        state[0] += 1
+    for j in range(L):
+        recv_count[j] = begin[j]
+    status[5] = _consumed(table, asleep, me, np.flatnonzero(live_R), 0, half, epoch, wake)  # to ring
+    return DONE
+
+
+# -- combine ----------------------------------------------------------------------------------------
+
+
+@_jit
+def ll_combine_send(
+    table,
+    asleep,
+    me,
+    epoch,
+    half,
+    live,
+    x,
+    local_Q,
+    row_Q,
+    token_Q,
+    k_Q,
+    counts_R,
+    code,
+    Kmax,
+    row_bytes,
+    wake,
+):
+    """Put each received row's expert output y(t, k) into its home's slot t * Kmax + k, then stamp.
+
+    x uint8 [L, M, b] (contiguous); the Q arrays sorted by home rank, counts_R rows per home.
+    """
+    R = counts_R.size
+    L, M, b = x.shape
+    first = np.zeros(R + 1, dtype=np.int64)
+    for r in range(R):
+        first[r + 1] = first[r] + counts_R[r]
+    woken = 0
+    for home in _others_first(live, me, R):
+        slots = table[home, BACK_SLOTS, half]
+        for q in range(first[home], first[home + 1]):
+            _move(
+                slots + (token_Q[q] * Kmax + k_Q[q]) * row_bytes,
+                x.ctypes.data + (local_Q[q] * M + row_Q[q]) * b,
+                b,
+            )
+        record = _elements_at(_I64, table[home, RETURNED, half] + me * 3 * 8, 3)
+        record[R_DTYPE], record[R_COUNT] = code, counts_R[home]
+        store_release(table[home, RETURNED, half] + me * 3 * 8, epoch)  # the rows above are visible
+        if home != me:
+            woken += wake_if_asleep(asleep, home, wake)
+    return woken
+
+
+@_jit
+def ll_combine_recv(
+    table, asleep, me, epoch, half, live, expected_R, code, dtype_lo, dtype_hi, count_hi, Kmax, row_bytes,
+    weights, valid, out, state, wake, pending, spins, yields, status,
+):  # fmt: skip
+    """Once every expert rank this rank expects rows from has stamped, check them, then
+    out[t] = sum over k ascending of weights[t, k] * y(t, k) where valid (float32, rounded once).
+
+    out [N, H] float32, or bf16 as uint16 bits; valid uint8 [N, K]; state int64 [1]: the
+    next rank to wait for.
+    """
+    R = expected_R.size
+    N, H = out.shape
+    K = weights.shape[1]
+    while state[0] < R:
+        r = state[0]
+        if expected_R[r] > 0:
+            code_now = _landed(
+                table, asleep, me, 1, half, epoch, RETURNED, 3, r, pending, spins, yields, status
+            )
+            if code_now != DONE:
+                return code_now
+        state[0] += 1
+    for r in range(R):
+        if expected_R[r] == 0:
+            continue
+        record = _elements_at(_I64, table[me, RETURNED, half] + r * 3 * 8, 3)
+        if not dtype_lo <= record[R_DTYPE] <= dtype_hi:
+            return _fail(status, E_FIELD, r, record[R_DTYPE], 0, 0)
+        if not 0 <= record[R_COUNT] <= count_hi:
+            return _fail(status, E_FIELD, r, record[R_COUNT], 1, 0)
+        if record[R_COUNT] != expected_R[r] or record[R_DTYPE] != code:
+            return _fail(status, E_RETURNED, r, record[R_COUNT], record[R_DTYPE], expected_R[r])
+    acc = np.empty(H, dtype=np.float32)
+    slots = table[me, BACK_SLOTS, half]
+    for t in range(N):
+        acc[:] = np.float32(0.0)
+        for k in range(K):
+            if not valid[t, k]:
+                continue
+            w = np.float32(weights[t, k])
+            row = _elements_at(out[0, :0], slots + (t * Kmax + k) * row_bytes, H)
+            for j in range(H):
+                acc[j] += widen(row[j]) * w
+        out_row = out[t]
+        for j in range(H):
+            store(out_row, j, acc[j])
+    status[5] = _consumed(table, asleep, me, live, 1, half, epoch, wake)  # peers to ring
+    return DONE

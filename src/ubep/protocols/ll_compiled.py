@@ -1,0 +1,230 @@
+"""Low-latency mode on compiled call halves: each send and receive half one entry (plus re-entries
+while it waits), its status turned into the exceptions and words of `ubep.protocols.ll`.
+
+    dispatch_send: reserve (peers consumed call e - 2) -> puts + stamps -> receive half (the hook)
+    combine_send:  reserve -> puts + stamps -> receive half (wait, check, weighted sum)
+
+The halves are `ubep.engine.ll_halves`; `LLExchange` keeps the torch statement,
+the reuse words' Python side (`abort`, `resume`) and delegates here where the
+engine and the memory allow.
+
+Legend: see `ubep.protocols.ll_base`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from ubep.calls import CallId
+from ubep.engine import ll_halves as k
+from ubep.errors import PeerDataError
+from ubep.protocols import halves
+from ubep.protocols.base import CODE_RANGE, Sizing
+from ubep.protocols.ll_base import LLCombinePlan, LLDispatchOut, LLDispatchPlan
+from ubep.transport.heap import Heap, complaint
+from ubep.waiting import AbortNotice, PeerAbortedError
+
+DISPATCH, COMBINE = 0, 1
+_NO_PLANE = np.empty((0, 0, 0), dtype=np.uint8)
+
+
+class LLCompiled:
+    """Low-latency halves on a heap, each one compiled function; `release(call, kind)` is the
+    exchange's Python release of a half (on every failure after the send)."""
+
+    def __init__(self, heap: Heap, blocks, sizing: Sizing, release: Callable[[CallId, int], None]):
+        self.t, self.blocks, self.sizing, self.release = heap, blocks, sizing, release
+        self.me, self.R = heap.rank, heap.num_ranks
+        self.table, self.asleep = heap.address_table(blocks.all())
+        self.wake = np.zeros(self.R, dtype=np.uint8)
+        self.row_bytes = sizing.row_bytes  # a slot's row stride in bytes
+
+    def _reserve(self, call: CallId, kind: int, what: str) -> None:
+        """Wait until every live peer consumed call e - 2 of this kind (it used the same half)."""
+        t = self.t
+        t.check_member(f"low-latency {what} (buffer reuse)")  # before writing into peers' memory
+        pending, status = np.empty(self.R, dtype=np.int64), np.zeros(6, dtype=np.int64)
+        args = (self.table, self.asleep, self.me, t.live_R, kind, call.epoch & 1, call.epoch, pending)
+        code = halves.run(
+            t, call, f"low-latency {what} (buffer reuse)", k.ll_reserve, *args, *halves.BUDGET, status
+        )
+        if code == k.E_MINE:
+            raise RuntimeError(
+                f"low-latency {what} #{call.epoch}: call #{call.epoch - 2} still awaits its receive half "
+                "(hook or event.wait()); at most two low-latency calls of a kind may be in flight"
+            )
+
+    # -- dispatch ---------------------------------------------------------------------------------
+
+    def dispatch_send(self, call: CallId, plan: LLDispatchPlan, out: LLDispatchOut) -> Callable[[], None]:
+        s = self.sizing
+        self._reserve(call, DISPATCH, "dispatch")
+        woken = k.ll_dispatch_send(
+            self.table,
+            self.asleep,
+            self.me,
+            call.epoch,
+            call.epoch & 1,
+            self.t.live_R,
+            plan.rows_NB.numpy(),
+            plan.pair_token_P.numpy(),
+            plan.pair_k_P.numpy(),
+            plan.pair_local_P.numpy(),
+            plan.counts_RL.numpy(),
+            plan.code,
+            plan.max_tokens,
+            s.max_topk,
+            s.capacity,
+            self.row_bytes,
+            self.wake,
+        )
+        if woken:
+            self.t.ring_marked(self.wake)
+        return lambda: self._receive_tokens(call, out)
+
+    def _receive_tokens(self, call: CallId, out: LLDispatchOut) -> None:
+        s, t, h = self.sizing, self.t, out.handle
+        planes = [plane.numpy() for plane, _, _ in out.planes]
+        live_R = np.zeros(self.R, dtype=np.uint8)
+        live_R[t.live_R] = 1
+        pending, status = halves.status_words(self.R)
+        T = h.num_max_dispatch_tokens_per_rank
+        try:
+            code = halves.run(
+                t,
+                call,
+                "low-latency dispatch (tokens)",
+                k.ll_dispatch_recv,
+                self.table,
+                self.asleep,
+                self.me,
+                call.epoch,
+                call.epoch & 1,
+                live_R,
+                out.code,
+                T,
+                s.max_topk,
+                s.capacity,
+                self.row_bytes,
+                *CODE_RANGE,
+                planes[0],
+                planes[1] if len(planes) > 1 else _NO_PLANE,
+                h.recv_src_token_LM.numpy(),
+                h.recv_src_rank_LM.numpy(),
+                h.recv_src_k_LM.numpy(),
+                h.layout_range_LR2.numpy(),
+                h.recv_count_L.numpy(),
+                np.zeros(1 + h.recv_count_L.numel(), np.int64),
+                self.wake,
+                pending,
+                *halves.BUDGET,
+                status,
+            )
+            if code != k.DONE:
+                raise self._error(call, "low-latency dispatch (tokens)", code, status, T)
+            if status[5]:
+                self.t.ring_marked(self.wake)
+            t.check_member("low-latency dispatch")  # what was read above was whole
+        except BaseException:
+            h.recv_count_L.fill_(-1)  # not received
+            self.release(call, DISPATCH)
+            raise
+
+    # -- combine ----------------------------------------------------------------------------------
+
+    def combine_send(self, call: CallId, plan: LLCombinePlan, out_NH: torch.Tensor) -> Callable[[], None]:
+        s = self.sizing
+        self._reserve(call, COMBINE, "combine")
+        woken = k.ll_combine_send(
+            self.table,
+            self.asleep,
+            self.me,
+            call.epoch,
+            call.epoch & 1,
+            self.t.live_R,
+            plan.x_LMB.numpy(),
+            plan.local_Q.numpy(),
+            plan.row_Q.numpy(),
+            plan.token_Q.numpy(),
+            plan.k_Q.numpy(),
+            plan.send_counts_R.numpy(),
+            plan.code,
+            s.max_topk,
+            self.row_bytes,
+            self.wake,
+        )
+        if woken:
+            self.t.ring_marked(self.wake)
+        return lambda: self._reduce(call, plan, out_NH)
+
+    def _reduce(self, call: CallId, plan: LLCombinePlan, out_NH: torch.Tensor) -> None:
+        s, t = self.sizing, self.t
+        expected_R = torch.bincount(plan.owner_NK[plan.valid_NK], minlength=self.R)
+        out = out_NH.view(torch.uint16).numpy() if out_NH.dtype == torch.bfloat16 else out_NH.numpy()
+        pending, status = halves.status_words(self.R)
+        try:
+            code = halves.run(
+                t,
+                call,
+                "low-latency combine",
+                k.ll_combine_recv,
+                self.table,
+                self.asleep,
+                self.me,
+                call.epoch,
+                call.epoch & 1,
+                t.live_R,
+                expected_R.numpy(),
+                plan.code,
+                *CODE_RANGE,
+                s.capacity * s.max_topk,
+                s.max_topk,
+                self.row_bytes,
+                plan.topk_weights_NK.numpy(),
+                plan.valid_NK.view(torch.uint8).numpy(),
+                out,
+                np.zeros(1, np.int64),
+                self.wake,
+                pending,
+                *halves.BUDGET,
+                status,
+            )
+            if code != k.DONE:
+                raise self._error(call, "low-latency combine", code, status, plan.code)
+            if status[5]:
+                self.t.ring_marked(self.wake)
+            t.check_member("low-latency combine")  # the rows were whole
+        except BaseException:
+            self.release(call, COMBINE)
+            raise
+
+    # -- status words to exceptions ---------------------------------------------------------------
+
+    def _error(self, call: CallId, phase: str, code: int, status: np.ndarray, mine: int) -> Exception:
+        """The exception (in the torch statement's words) for a half's error status; `mine` is this
+        call's T (dispatch) or wire dtype code (combine)."""
+        T = mine
+        peer, a, b, c = (int(v) for v in status[1:5])
+        if code == k.E_REJECTED:
+            return PeerAbortedError(
+                phase, peer, AbortNotice("it rejected its input for this call; see that rank's error")
+            )
+        if code == k.E_FIELD:
+            header = self.blocks.sent if call.kind == "ll_dispatch" else self.blocks.returned
+            return self.t.bad_data(call, peer, complaint(header, header.fields[b], peer, a))
+        if code == k.E_TOKENS:
+            return self.t.bad_data(
+                call, peer, f"low-latency dispatch: rank {peer} sent token indices out of range"
+            )
+        messages = {
+            k.E_T: f"low-latency dispatch: rank {peer} used T={a}, this rank T={T}",
+            k.E_FORMAT: f"low-latency dispatch: rank {peer} sent another payload format "
+            "(all ranks must pass the same dtype and use_fp8)",
+            k.E_COUNTS: f"low-latency dispatch: rank {peer} announced counts outside [0, {T}]",
+            k.E_RETURNED: f"low-latency combine: rank {peer} returned {a} rows (dtype code {b}), "
+            f"expected {c} (code {mine})",
+        }
+        return PeerDataError(messages[code])
