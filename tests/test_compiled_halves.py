@@ -31,7 +31,7 @@ CASES = [
 ]
 
 
-def _one_rank(rank, sc: Scenario, engine: str, strided: bool, as_fp8: bool) -> dict:
+def _one_rank(rank, sc: Scenario, engine: str, strided: bool, as_fp8: bool, protocol: str = "ubep") -> dict:
     me = rank.rank
     xs, idxs, ws = sc.inputs()
     x, idx, w = xs[me], idxs[me], ws[me]
@@ -40,7 +40,12 @@ def _one_rank(rank, sc: Scenario, engine: str, strided: bool, as_fp8: bool) -> d
         assert not (x.is_contiguous() or idx.is_contiguous() or w.is_contiguous())
     payload = fp8.quantize(x) if as_fp8 else x
     with ubep.Buffer(
-        rank, hidden=sc.hidden, num_experts=sc.num_experts, max_tokens_per_rank=sc.capacity, engine=engine
+        rank,
+        hidden=sc.hidden,
+        num_experts=sc.num_experts,
+        max_tokens_per_rank=sc.capacity,
+        engine=engine,
+        protocol=protocol,
     ) as buf:
         got = buf.dispatch(payload, topk_idx=idx, topk_weights=w)
         recv = got.recv_x[0].float() * got.recv_x[1].repeat_interleave(fp8.BLOCK, 1) if as_fp8 else got.recv_x
@@ -61,8 +66,10 @@ def _one_rank(rank, sc: Scenario, engine: str, strided: bool, as_fp8: bool) -> d
     }
 
 
-def _run(sc: Scenario, engine: str, strided=False, as_fp8=False) -> list[dict]:
-    return VirtualWorld(sc.num_ranks, timeout_s=60).run(lambda r: _one_rank(r, sc, engine, strided, as_fp8))
+def _run(sc: Scenario, engine: str, strided=False, as_fp8=False, protocol="ubep") -> list[dict]:
+    return VirtualWorld(sc.num_ranks, timeout_s=60).run(
+        lambda r: _one_rank(r, sc, engine, strided, as_fp8, protocol)
+    )
 
 
 def _same(a, b) -> bool:
@@ -96,9 +103,10 @@ def _check_reference(sc: Scenario, got: list[dict], as_fp8: bool) -> None:
         assert torch.equal(got[me]["combined"], combined[me]), f"{sc.name} rank {me}: combine"
 
 
+@pytest.mark.parametrize("protocol", ["ubep", "bsp"])
 @pytest.mark.parametrize("sc", CASES, ids=lambda sc: sc.name)
-def test_compiled_halves_match_torch_and_reference(sc: Scenario) -> None:
-    compiled, statement = _run(sc, "numba"), _run(sc, "torch")
+def test_compiled_halves_match_torch_and_reference(sc: Scenario, protocol: str) -> None:
+    compiled, statement = _run(sc, "numba", protocol=protocol), _run(sc, "torch", protocol=protocol)
     for me, (a, b) in enumerate(zip(compiled, statement, strict=True)):
         for key in a:
             assert _same(a[key], b[key]), f"{sc.name} rank {me}: {key} differs between numba and torch"
@@ -110,9 +118,11 @@ def test_compiled_halves_non_contiguous_inputs() -> None:
     _check_reference(sc, _run(sc, "numba", strided=True), as_fp8=False)
 
 
-def test_compiled_halves_fp8() -> None:
+@pytest.mark.parametrize("protocol", ["ubep", "bsp"])
+def test_compiled_halves_fp8(protocol: str) -> None:
     sc = Scenario(name="fp8", num_ranks=3, num_experts=6, hidden=256, seed=18)
-    compiled, statement = _run(sc, "numba", as_fp8=True), _run(sc, "torch", as_fp8=True)
+    compiled = _run(sc, "numba", as_fp8=True, protocol=protocol)
+    statement = _run(sc, "torch", as_fp8=True, protocol=protocol)
     for a, b in zip(compiled, statement, strict=True):
         assert _same(a["recv_x"], b["recv_x"]) and _same(a["combined"], b["combined"])
     _check_reference(sc, compiled, as_fp8=True)
@@ -121,7 +131,7 @@ def test_compiled_halves_fp8() -> None:
 # -- Python per call ---------------------------------------------------------------------------------
 
 MAX_PYTHON_CALLS = 80  # per dispatch + combine, waiting aside (issue: compiled call halves)
-WAITING = ("pause", "ring_marked")  # the sleep on a doorbell and the rings of sleeping peers
+WAITING = ("resume", "ring_marked")  # re-entries after a half waited, and the rings of sleeping peers
 
 
 def _count_calls(rank, low_latency: bool) -> tuple[int, int]:
@@ -138,13 +148,13 @@ def _count_calls(rank, low_latency: bool) -> tuple[int, int]:
     def profile(frame, event, arg):
         name = frame.f_code.co_name
         if event == "call":
-            if name in WAITING and frame.f_code.co_filename.endswith(("waiting.py", "heap.py")):
+            if name in WAITING and frame.f_code.co_filename.endswith(("halves.py", "heap.py")):
                 depth[0] += 1
             counts[depth[0] > 0] += 1
         elif (
             event == "return"
             and name in WAITING
-            and frame.f_code.co_filename.endswith(("waiting.py", "heap.py"))
+            and frame.f_code.co_filename.endswith(("halves.py", "heap.py"))
         ):
             depth[0] -= 1
 
@@ -180,7 +190,14 @@ def _every_kind_of_call(rank) -> None:
     sc = Scenario(name="kinds", num_ranks=2, num_experts=4, hidden=256, seed=19)
     xs, idxs, ws = sc.inputs()
     x, idx, w = xs[rank.rank], idxs[rank.rank], ws[rank.rank]
-    with ubep.Buffer(rank, hidden=256, num_experts=4, max_tokens_per_rank=sc.capacity, engine="numba") as buf:
+    for protocol in ("ubep", "bsp"):
+        _kinds_on(rank, protocol, x, idx, w, sc)
+
+
+def _kinds_on(rank, protocol, x, idx, w, sc) -> None:
+    with ubep.Buffer(
+        rank, hidden=256, num_experts=4, max_tokens_per_rank=sc.capacity, engine="numba", protocol=protocol
+    ) as buf:
         for payload in (x, x.float(), fp8.quantize(x)):
             got = buf.dispatch(payload, topk_idx=idx, topk_weights=w)
             buf.dispatch(payload, handle=got.handle)

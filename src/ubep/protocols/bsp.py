@@ -41,6 +41,7 @@ from ubep.protocols.base import (
     reduce_home,
     rows,
 )
+from ubep.protocols.bsp_compiled import BspCompiled
 from ubep.results import DispatchHandle, RecvRoute
 from ubep.transport.base import Field, Header, Region, Transport
 
@@ -111,8 +112,15 @@ class BspExchange:
         self._local_of_RE = torch.stack(
             [torch.where(placement.rank_of_expert_E == r, placement.local_index_E, -1) for r in range(self.R)]
         )
+        self._compiled = (  # each phase one compiled function, where the engine and memory allow
+            BspCompiled(transport, self.blocks, sizing, faults, self._local_of_RE)
+            if engine.name == "numba" and hasattr(transport, "address_table")
+            else None
+        )
 
     def dispatch(self, call: CallId, plan: SendPlan, handle: DispatchHandle | None) -> Received:
+        if self._compiled is not None:
+            return self._compiled.dispatch(call, plan, handle)
         b, t = self.blocks, self.t
         corrupted = self.faults.count("dispatch.count", call, plan.send_counts_R)
         counts = torch.as_tensor(corrupted, dtype=torch.int64).expand(self.R).tolist()
@@ -202,6 +210,8 @@ class BspExchange:
                 raise PeerDataError(f"dispatch: a peer sent local expert ids outside [-1, {L})")
 
     def combine(self, call: CallId, x_MH, handle: DispatchHandle, topk_weights_MK):
+        if self._compiled is not None:
+            return self._compiled.combine(call, x_MH, handle, topk_weights_MK)
         back = self.blocks.back
         self.t.barrier("combine (start)", call)
         publish_back(self.t, back, call, x_MH, handle, topk_weights_MK)

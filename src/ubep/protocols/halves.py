@@ -29,10 +29,14 @@ def status_words(num_ranks: int) -> tuple[np.ndarray, np.ndarray]:
 def run(heap: Heap, call: CallId, phase: str, half, *args) -> int:
     """Enter `half(*args)` until it stops waiting; returns DONE or its error code (details in status)."""
     code = half(*args)
-    if code != WAITING:
-        return code
+    return code if code != WAITING else resume(heap, call, phase, half, *args)
+
+
+def resume(heap: Heap, call: CallId, phase: str, half, *args) -> int:
+    """A half returned WAITING: sleep on the doorbell, enter again, until it stops waiting."""
     pending, status = args[-4], args[-1]
     sleeper = heap.sleeper(phase, call)
+    code = WAITING
     while code == WAITING:
         sleeper.pause(pending[: status[1]].tolist())
         code = half(*args)

@@ -42,14 +42,16 @@ def bits_of(t: torch.Tensor) -> np.ndarray:
 class UbepCompiled:
     """UBEP dispatch/combine on a heap, each call half one compiled function."""
 
-    def __init__(
-        self, heap: Heap, blocks, sizing: Sizing, faults: FaultPoints, local_of_expert_E: torch.Tensor
-    ):
+    def __init__(self, heap: Heap, blocks, sizing: Sizing, faults: FaultPoints, local_of_E: torch.Tensor):
         self.t, self.blocks, self.sizing, self.faults = heap, blocks, sizing, faults
         self.me, self.R = heap.rank, heap.num_ranks
         self.table, self.asleep = heap.address_table(blocks.all())
         self.wake = np.zeros(self.R, dtype=np.uint8)
-        self.local_of_expert = local_of_expert_E.numpy()
+        self.local_of_expert = local_of_E.numpy()  # int64 [E]: local id here, -1 elsewhere
+
+    def _memory(self, call: CallId) -> tuple:
+        """What every half takes first: (table, asleep, this rank, epoch, half, live ranks)."""
+        return self.table, self.asleep, self.me, call.epoch, call.epoch & 1, self.t.live_R
 
     def _enter(self, call: CallId, phase: str, mine: tuple, half, *args) -> None:
         """Run a resumable half to DONE, or raise its error; `mine` is (dtype, top-k, dispatch seq)
@@ -61,99 +63,48 @@ class UbepCompiled:
     # -- dispatch ---------------------------------------------------------------------------------
 
     def dispatch(self, call: CallId, plan: SendPlan, handle: DispatchHandle | None) -> Received:
-        s, t, R = self.sizing, self.t, self.R
-        x_NH, half, epoch = plan.x_NH, call.epoch & 1, call.epoch
-        N, H = x_NH.shape
-        cached = handle is not None
-        code = DTYPE_CODES[x_NH.dtype]
+        s, t, R, mem = self.sizing, self.t, self.R, self._memory(call)
+        x_NH, cached = plan.x_NH, handle is not None
+        (N, H), code = x_NH.shape, DTYPE_CODES[x_NH.dtype]
+        K = 0 if cached else plan.topk_idx_NK.shape[1]
+        routing = None if cached else (plan.topk_idx_NK.numpy(), plan.topk_weights_NK.numpy())
+        topk, weights = routing or (_NO_I64, _NO_F32)
+        announced = self.faults.count("dispatch.count", call, N) if self.faults.armed else N
         scales = _NO_F32 if plan.scales_NS is None else plan.scales_NS.numpy()
         woken = k.dispatch_send(
-            self.table,
-            self.asleep,
-            self.me,
-            epoch,
-            half,
-            t.live_R,
-            x_NH.view(torch.uint8).numpy(),
-            scales,
-            _NO_I64 if cached else plan.topk_idx_NK.numpy(),
-            _NO_F32 if cached else plan.topk_weights_NK.numpy(),
-            plan.is_token_in_rank_NR.view(torch.uint8).numpy(),
-            plan.send_counts_R.numpy(),
-            self.faults.count("dispatch.count", call, N),
-            code,
-            s.max_topk,
-            s.capacity,
-            self.wake,
-        )
+            *mem, x_NH.view(torch.uint8).numpy(), scales, topk, weights,
+            plan.is_token_in_rank_NR.view(torch.uint8).numpy(), plan.send_counts_R.numpy(),
+            announced, code, s.max_topk, s.capacity, self.wake,
+        )  # fmt: skip
         if woken:
             t.ring_marked(self.wake)
         if self.faults.armed:
             self.faults.at("dispatch.sent", call)
-        K = 0 if cached else plan.topk_idx_NK.shape[1]
         counts_R, sent_R = np.empty(R, dtype=np.int64), np.empty(R, dtype=np.int64)
-        pending, status = np.empty(R, dtype=np.int64), np.zeros(6, dtype=np.int64)
+        pending, status = halves.status_words(R)
+        mine = (x_NH.dtype, K, 0)
         self._enter(
-            call,
-            "dispatch (routing)",
-            (x_NH.dtype, K, 0),
-            k.dispatch_routes,
-            self.table,
-            self.asleep,
-            self.me,
-            epoch,
-            half,
-            t.live_R,
-            code,
-            K,
-            s.max_topk,
-            s.capacity,
-            *CODE_RANGE,
-            np.zeros(R, dtype=np.int64),
-            counts_R,
-            sent_R,
-            pending,
-            *halves.BUDGET,
-            status,
-        )
+            call, "dispatch (routing)", mine, k.dispatch_routes, *mem, code, K, s.max_topk, s.capacity,
+            *CODE_RANGE, np.zeros(R, dtype=np.int64), counts_R, sent_R, pending, *halves.BUDGET, status,
+        )  # fmt: skip
         if cached:
             prefix_R1, src_token_M = handle.recv.prefix_R1, handle.recv.src_token_M
         else:
             prefix_R1 = prefix_offsets(torch.from_numpy(counts_R))
-        M = int(prefix_R1[-1])
-        if not cached:
-            src_token_M = torch.empty(M, dtype=torch.int64)
+            src_token_M = torch.empty(int(prefix_R1[-1]), dtype=torch.int64)
+        M = src_token_M.shape[0]
         recv_x_MH = torch.empty(M, H, dtype=x_NH.dtype)
         recv_scales_MS = None if plan.scales_NS is None else torch.empty(M, plan.scales_NS.shape[1])
         recv_idx_MK = None if cached else torch.empty(M, K, dtype=torch.int64)
         recv_w_MK = None if cached else torch.empty(M, K, dtype=torch.float32)
         self._enter(
-            call,
-            "dispatch (tokens)",
-            (x_NH.dtype, K, 0),
-            k.dispatch_gather,
-            self.table,
-            self.asleep,
-            self.me,
-            epoch,
-            half,
-            t.live_R,
-            prefix_R1.numpy(),
-            counts_R,
-            sent_R,
-            s.capacity,
-            s.max_topk,
-            self.local_of_expert,
-            _NO_I64 if cached else recv_idx_MK.numpy(),
-            _NO_F32 if cached else recv_w_MK.numpy(),
-            src_token_M.numpy(),
-            recv_x_MH.view(torch.uint8).numpy(),
+            call, "dispatch (tokens)", mine, k.dispatch_gather, *mem, prefix_R1.numpy(), counts_R, sent_R,
+            s.capacity, s.max_topk, self.local_of_expert,
+            _NO_I64 if cached else recv_idx_MK.numpy(), _NO_F32 if cached else recv_w_MK.numpy(),
+            src_token_M.numpy(), recv_x_MH.view(torch.uint8).numpy(),
             _NO_F32 if recv_scales_MS is None else recv_scales_MS.numpy(),
-            np.zeros(R + 1, dtype=np.int64),
-            pending,
-            *halves.BUDGET,
-            status,
-        )
+            np.zeros(R + 1, dtype=np.int64), pending, *halves.BUDGET, status,
+        )  # fmt: skip
         t.check_member("dispatch")  # what was read above was whole
         route = handle.recv if cached else RecvRoute.of(src_token_M, prefix_R1)
         return Received(recv_x_MH, recv_idx_MK, recv_w_MK, route, recv_scales_MS)
@@ -161,58 +112,36 @@ class UbepCompiled:
     # -- combine ----------------------------------------------------------------------------------
 
     def combine(self, call: CallId, x_MH: torch.Tensor, handle: DispatchHandle, topk_weights_MK):
-        s, t, R = self.sizing, self.t, self.R
-        half, epoch = call.epoch & 1, call.epoch
-        code = DTYPE_CODES[x_MH.dtype]
-        weights = _NO_F32 if topk_weights_MK is None else topk_weights_MK.numpy()
-        woken = k.combine_send(
-            self.table,
-            self.asleep,
-            self.me,
-            epoch,
-            half,
-            t.live_R,
-            x_MH.view(torch.uint8).numpy(),
-            weights,
-            s.max_topk,
-            handle.recv.prefix_R1.numpy(),
-            handle.seq,
-            code,
-            self.wake,
-        )
-        if woken:
-            t.ring_marked(self.wake)
+        self.send_back(call, x_MH, handle, topk_weights_MK)
         if self.faults.armed:
             self.faults.at("combine.mid", call)
-        N, H = handle.num_tokens, x_MH.shape[1]
-        out_NH = torch.empty(N, H, dtype=x_MH.dtype)
-        out_NK = None if topk_weights_MK is None else torch.empty(N, weights.shape[1], dtype=torch.float32)
+        return self.reduce_home(call, "combine", x_MH, handle, topk_weights_MK)
+
+    def send_back(self, call: CallId, x_MH: torch.Tensor, handle: DispatchHandle, topk_weights_MK) -> None:
+        """An expert rank's half of combine: its output rows and weights out once, then the stamp."""
+        weights = _NO_F32 if topk_weights_MK is None else topk_weights_MK.numpy()
+        woken = k.combine_send(
+            *self._memory(call), x_MH.view(torch.uint8).numpy(), weights, self.sizing.max_topk,
+            handle.recv.prefix_R1.numpy(), handle.seq, DTYPE_CODES[x_MH.dtype], self.wake,
+        )  # fmt: skip
+        if woken:
+            self.t.ring_marked(self.wake)
+
+    def reduce_home(self, call: CallId, phase: str, x_MH: torch.Tensor, handle: DispatchHandle, weights_MK):
+        """The home's half of combine: (combined [N, H] in x's dtype, summed weights [N, K] or None)."""
+        s, R = self.sizing, self.R
+        K = 0 if weights_MK is None else weights_MK.shape[1]
+        out_NH = torch.empty(handle.num_tokens, x_MH.shape[1], dtype=x_MH.dtype)
+        out_NK = None if K == 0 else torch.empty(handle.num_tokens, K, dtype=torch.float32)
+        pending, status = halves.status_words(R)
         self._enter(
-            call,
-            "combine",
-            (x_MH.dtype, weights.shape[1], handle.seq),
-            k.combine_reduce,
-            self.table,
-            self.asleep,
-            self.me,
-            epoch,
-            half,
-            t.live_R,
-            handle.is_token_in_rank_NR.view(torch.uint8).numpy(),
-            handle.send_counts_R.numpy(),
-            handle.seq,
-            code,
-            *CODE_RANGE,
-            s.max_topk,
-            R * s.capacity,
-            bits_of(out_NH),
-            _NO_F32 if out_NK is None else out_NK.numpy(),
-            np.zeros(R, dtype=np.int64),
-            np.empty(R, dtype=np.int64),
-            *halves.BUDGET,
-            np.zeros(6, dtype=np.int64),
-        )
-        t.check_member("combine")  # what was read above was whole
+            call, phase, (x_MH.dtype, K, handle.seq), k.combine_reduce, *self._memory(call),
+            handle.is_token_in_rank_NR.view(torch.uint8).numpy(), handle.send_counts_R.numpy(), handle.seq,
+            DTYPE_CODES[x_MH.dtype], *CODE_RANGE, s.max_topk, R * s.capacity, bits_of(out_NH),
+            _NO_F32 if out_NK is None else out_NK.numpy(), np.zeros(R, dtype=np.int64), pending,
+            *halves.BUDGET, status,
+        )  # fmt: skip
+        self.t.check_member("combine")  # what was read above was whole
         return out_NH, out_NK
 
     # -- status words to exceptions ---------------------------------------------------------------

@@ -20,6 +20,7 @@ from ubep.calls import CallCounter
 from ubep.engine import Engine
 from ubep.layout import ExpertPlacement, expert_counts, token_in_rank
 from ubep.protocols.base import SendPlan, Sizing
+from ubep.protocols.bsp import BspBlocks, BspExchange
 from ubep.protocols.ll import LLBlocks, LLExchange
 from ubep.protocols.ll_base import combine_plan, dispatch_outputs, dispatch_plan
 from ubep.protocols.ubep import UbepBlocks, UbepExchange
@@ -33,14 +34,16 @@ TOPK_IDX_NK = torch.tensor([[0, 1], [1, -1]])  # two local experts, one slot unu
 def warm_up(engine: Engine) -> None:
     """Run every compiled half once on one virtual rank (see the module doc)."""
     sizing = Sizing(hidden=H, capacity=T, max_topk=K, placement=ExpertPlacement.contiguous(2, 1))
-    blocks = UbepBlocks.of(sizing).all() + LLBlocks.of(sizing).all()
+    blocks = UbepBlocks.of(sizing).all() + BspBlocks.of(sizing).all() + LLBlocks.of(sizing).all()
     heap = virtual_heap(blocks, VirtualRank(VirtualWorld(1), 0), timeout_s=10.0)
     try:
         calls = CallCounter()
-        normal, low_latency = UbepExchange(heap, engine, sizing), LLExchange(heap, engine, sizing)
+        normal = (UbepExchange(heap, engine, sizing), BspExchange(heap, engine, sizing))
+        low_latency = LLExchange(heap, engine, sizing)
         x_NH = torch.ones(T, H)
         for payload in (x_NH, x_NH.bfloat16(), fp8.quantize(x_NH)):
-            _normal_mode(normal, calls, sizing, payload)
+            for exchange in normal:
+                _normal_mode(exchange, calls, sizing, payload)
             if not fp8.is_pair(payload):
                 _low_latency_mode(low_latency, calls, sizing, payload)
         _low_latency_mode(low_latency, calls, sizing, x_NH, use_fp8=True)
@@ -48,7 +51,7 @@ def warm_up(engine: Engine) -> None:
         heap.close()
 
 
-def _normal_mode(exchange: UbepExchange, calls: CallCounter, sizing: Sizing, payload) -> None:
+def _normal_mode(exchange: UbepExchange | BspExchange, calls: CallCounter, sizing: Sizing, payload) -> None:
     x_NH, scales_NS = payload if fp8.is_pair(payload) else (payload, None)
     weights_NK = torch.ones(T, K)
     in_rank_NR = token_in_rank(TOPK_IDX_NK, sizing.placement)

@@ -112,6 +112,7 @@ class Heap:
         self._bounds: dict[Header, _Bounds] = {}
         self._ctl = [self._words_at("ctl", 0, r) for r in range(num_ranks)]
         self._members = [self._words_at("members", 0, r) for r in range(num_ranks)]
+        self._ctl_at = np.array([words.ctypes.data for words in self._ctl], dtype=np.int64)
         self.live: tuple[int, ...] = tuple(range(num_ranks))  # the ranks still taking part
         self.live_R = np.arange(num_ranks, dtype=np.int64)  # the same, for compiled halves
         self._generation = 0  # how many times membership changed
@@ -294,12 +295,7 @@ class Heap:
         running count, so a call that some ranks abandoned cannot shift later
         barriers; a peer that abandoned this call is named by its abort notice.
         """
-        if call.seq != self._barrier_seq:
-            self._barrier_seq, self._barrier_step = call.seq, 0
-        self._barrier_step += 1
-        if self._barrier_step >= BARRIERS_PER_CALL:
-            raise RuntimeError(f"{phase}: more than {BARRIERS_PER_CALL - 1} barriers in one call")
-        target = call.seq * BARRIERS_PER_CALL + self._barrier_step
+        target = self.barrier_target(phase, call)
         self._ctl[self.rank][CTL_BARRIER] = target
         self.ring()
         others = [r for r in self.live if r != self.rank]
@@ -307,6 +303,20 @@ class Heap:
         self.wait(
             phase, call, others, lambda r: ctl[r][CTL_BARRIER] >= target and not self._notice(r, call.seq)
         )
+
+    def barrier_target(self, phase: str, call: CallId) -> int:
+        """The value every rank raises its barrier word to at the next barrier of `call`."""
+        if call.seq != self._barrier_seq:
+            self._barrier_seq, self._barrier_step = call.seq, 0
+        self._barrier_step += 1
+        if self._barrier_step >= BARRIERS_PER_CALL:
+            raise RuntimeError(f"{phase}: more than {BARRIERS_PER_CALL - 1} barriers in one call")
+        return call.seq * BARRIERS_PER_CALL + self._barrier_step
+
+    def control_words(self, call: CallId) -> tuple[np.ndarray, np.ndarray]:
+        """(barrier int64 [R], notice int64 [R]): the addresses of every rank's barrier word and of its
+        abort notice for `call`, for a compiled barrier (a notice's top bits hold the seq it is for)."""
+        return self._ctl_at + 8 * CTL_BARRIER, self._ctl_at + 8 * (CTL_ABORTS + call.seq % ABORT_RING)
 
     def _notice(self, peer: int, seq: int) -> tuple[int, int] | None:
         """(cause, culprit) if `peer` aborted call `seq`, else None."""

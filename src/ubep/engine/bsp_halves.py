@@ -1,0 +1,200 @@
+"""The BSP baseline's phases, each one compiled function over the Buffer's address table.
+
+    protocol (bsp: phases and barriers) -> [these phases] -> memory (address table)
+
+The baseline keeps its barriers, its count round and its staging copy (see
+`ubep.protocols.bsp`, the statement in torch, whose memory layout these keep word
+for word); compiled, what is left between it and UBEP is the protocol's
+difference, not Python's. Its combine is UBEP's (`ubep.engine.ubep_halves`:
+the back blocks sit at the same places of both tables), between barriers.
+
+The table (int64 [R, 10, 2]) holds every block of `BspBlocks.all()` in every
+rank's memory; bsp's blocks are single-buffered, so both halves name the same
+address. A barrier is a compiled wait like the others: raise this rank's word
+to the call's target, then wait until every live peer's word reaches it and no
+peer's abort notice names the call (Python's sleeper then reports the abort).
+
+Example (R = 2, rank 0 routes token 1 to rank 1): bsp_send writes token 1's row
+into rank 1's staging slot 0 (row 0), its index 1 into stage_tokens[0, 0] and its
+local top-k, then stamps rank 1's `staged` inbox row 0; after the barriers, rank 1's
+bsp_reorder copies slot 0's rows into recv_x [0, 1).
+
+Legend: see `ubep.layout`.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ubep.engine.numba_kernels import _elements_at, _jit, _move
+from ubep.engine.numba_sync import back_off, load_acquire, store_relaxed, store_release, wake_if_asleep
+
+COUNTS, STAGED, STAGE_X, STAGE_SCALES, STAGE_TOKENS, STAGE_TOPK, STAGE_WEIGHTS = range(7)  # BspBlocks.all()
+NOTICE_SEQ_SHIFT = 24  # an abort notice's seq sits above this bit (`ubep.transport.heap.pack_notice`)
+
+DONE, WAITING = 0, 1
+E_FIELD = 2  # a header word outside its bounds: (peer, value, field index, 0 = staged / 1 = counts)
+E_MISSING = 3  # after the barrier, no staging flag from status[1] ranks (in pending)
+E_FORMAT = 4  # the peer staged another dtype or top-k: (peer, its dtype code, its K)
+E_TOKENS = 5  # a staged source token index outside [0, T)
+E_LOCAL = 6  # a staged local expert id outside [-1, L)
+
+_I64, _F32 = np.empty(0, dtype=np.int64), np.empty(0, dtype=np.float32)
+
+
+@_jit
+def _fail(status, code, peer, a, b, c):
+    status[0], status[1], status[2], status[3], status[4] = code, peer, a, b, c
+    return code
+
+
+@_jit
+def _behind(barrier, notice, live, me, target, seq, pending):
+    """Live peers whose barrier word is below `target`, or that aborted call `seq`, into pending."""
+    n = 0
+    for p in live:
+        aborted = load_acquire(notice[p]) >> NOTICE_SEQ_SHIFT == seq
+        if p != me and (load_acquire(barrier[p]) < target or aborted):
+            pending[n] = p
+            n += 1
+    return n
+
+
+@_jit
+def bsp_barrier(barrier, notice, asleep, me, live, target, seq, wake, pending, spins, yields, status):
+    """Every live rank arrives before any leaves: raise this rank's word to `target` (once), ring the
+    sleepers, wait for the others. status[5]: peers to ring."""
+    if load_acquire(barrier[me]) < target:
+        store_release(barrier[me], target)
+        for p in live:
+            if p != me:
+                status[5] += wake_if_asleep(asleep, p, wake)
+    store_relaxed(asleep[me], 0)
+    step = 0
+    n = _behind(barrier, notice, live, me, target, seq, pending)
+    while n and back_off(step, spins, yields, asleep, me):
+        n = _behind(barrier, notice, live, me, target, seq, pending)
+        step += 1
+    if n:
+        status[1] = n
+        return WAITING
+    store_relaxed(asleep[me], 0)
+    return DONE
+
+
+@_jit
+def bsp_counts(table, me, epoch, counts):
+    """Publish this rank's row count for every destination (the count round's message)."""
+    R = counts.size
+    words = _elements_at(_I64, table[me, COUNTS, 0], 1 + R)
+    for r in range(R):
+        words[1 + r] = counts[r]
+    store_release(table[me, COUNTS, 0], epoch)
+
+
+@_jit
+def bsp_send(
+    table, asleep, me, epoch, live, x_rows, scales, topk, weights, in_rank, local_of_RE, dtype_code, Kmax, T,
+    row_bytes, wake,
+):  # fmt: skip
+    """Push each destination's rows into its staging slot for this rank (own first, then the next
+    ranks), with their token indices and local top-k as the destination sees them, then stamp its
+    `staged` inbox row. topk [N, K] (K = 0: cached dispatch); returns peers to ring."""
+    N, b = x_rows.shape
+    K, S, R = topk.shape[1], scales.shape[1], in_rank.shape[1]
+    woken = 0
+    for j in range(R):
+        dst = (me + j) % R
+        here = False
+        for p in live:
+            here |= p == dst
+        if not here:
+            continue
+        slot_x = table[dst, STAGE_X, 0] + me * T * row_bytes
+        tokens = _elements_at(_I64, table[dst, STAGE_TOKENS, 0] + me * T * 8, T)
+        n = 0
+        for t in range(N):
+            if not in_rank[t, dst]:
+                continue
+            _move(slot_x + n * b, x_rows.ctypes.data + t * b, b)
+            tokens[n] = t
+            if S:
+                slot_scales = table[dst, STAGE_SCALES, 0] + (me * T + n) * S * 4
+                _move(slot_scales, scales.ctypes.data + t * S * 4, S * 4)
+            if K:
+                idx = _elements_at(_I64, table[dst, STAGE_TOPK, 0] + (me * T + n) * Kmax * 8, K)
+                w = _elements_at(_F32, table[dst, STAGE_WEIGHTS, 0] + (me * T + n) * Kmax * 4, K)
+                for k in range(K):
+                    e = topk[t, k]
+                    local = local_of_RE[dst, e] if e >= 0 else -1
+                    idx[k] = local
+                    w[k] = weights[t, k] if local >= 0 else np.float32(0.0)
+            n += 1
+        record = _elements_at(_I64, table[dst, STAGED, 0] + me * 3 * 8, 3)
+        record[1], record[2] = dtype_code, K
+        store_release(table[dst, STAGED, 0] + me * 3 * 8, epoch)  # the slot above is visible
+        if dst != me:
+            woken += wake_if_asleep(asleep, dst, wake)
+    return woken
+
+
+@_jit
+def bsp_verify(table, me, epoch, live, dtype_code, K, Kmax, T, dtype_lo, dtype_hi, counts, pending, status):
+    """After the token barrier: every live source's staging flag, its format, and its count for this rank."""
+    R = counts.size
+    n = 0
+    for p in live:
+        if load_acquire(table[me, STAGED, 0] + p * 3 * 8) != epoch:
+            pending[n] = p
+            n += 1
+    if n:
+        status[1] = n
+        return E_MISSING
+    for r in range(R):
+        counts[r] = 0
+    for p in live:
+        record = _elements_at(_I64, table[me, STAGED, 0] + p * 3 * 8, 3)
+        if not dtype_lo <= record[1] <= dtype_hi:
+            return _fail(status, E_FIELD, p, record[1], 0, 0)
+        if not 0 <= record[2] <= Kmax:
+            return _fail(status, E_FIELD, p, record[2], 1, 0)
+        if record[1] != dtype_code or record[2] != K:
+            return _fail(status, E_FORMAT, p, record[1], record[2], 0)
+        theirs = _elements_at(_I64, table[p, COUNTS, 0], 1 + R)
+        for r in range(R):
+            if not 0 <= theirs[1 + r] <= T:
+                return _fail(status, E_FIELD, p, theirs[1 + r], 0, 1)
+        counts[p] = theirs[1 + me]
+    return DONE
+
+
+@_jit
+def bsp_reorder(
+    table, me, prefix, T, Kmax, L, row_bytes, recv_x, recv_scales, recv_idx, recv_w, src_token, status
+):
+    """After the last barrier: every source's staging slot into its final place (the reorder copy)."""
+    R = prefix.size - 1
+    b, S, K = recv_x.shape[1], recv_scales.shape[1], recv_idx.shape[1]
+    for src in range(R):
+        a, n = prefix[src], prefix[src + 1] - prefix[src]
+        if n == 0:
+            continue
+        _move(recv_x.ctypes.data + a * b, table[me, STAGE_X, 0] + src * T * row_bytes, n * b)
+        _move(src_token.ctypes.data + a * 8, table[me, STAGE_TOKENS, 0] + src * T * 8, n * 8)
+        if S:
+            staged = table[me, STAGE_SCALES, 0] + src * T * S * 4
+            _move(recv_scales.ctypes.data + a * S * 4, staged, n * S * 4)
+        for i in range(n):
+            idx = _elements_at(_I64, table[me, STAGE_TOPK, 0] + (src * T + i) * Kmax * 8, K)
+            w = _elements_at(_F32, table[me, STAGE_WEIGHTS, 0] + (src * T + i) * Kmax * 4, K)
+            for k in range(K):
+                recv_idx[a + i, k] = idx[k]
+                recv_w[a + i, k] = w[k]
+    for i in range(src_token.size):
+        if src_token[i] < 0 or src_token[i] >= T:
+            return _fail(status, E_TOKENS, -1, T, 0, 0)
+    for i in range(recv_idx.shape[0]):
+        for k in range(K):
+            if recv_idx[i, k] < -1 or recv_idx[i, k] >= L:
+                return _fail(status, E_LOCAL, -1, L, 0, 0)
+    return DONE

@@ -1,0 +1,120 @@
+"""The BSP baseline on compiled phases: the same barriers, count round and staging copy as
+`ubep.protocols.bsp` (the statement in torch), each phase one compiled function.
+
+    dispatch: counts -> barrier -> send (push into staging slots) -> barrier
+              -> verify (flags, formats, counts) -> barrier -> reorder (staging -> recv_x)
+    combine:  barrier -> send back -> barrier -> reduce   (UBEP's compiled halves)
+
+Legend: see `ubep.layout`.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ubep.calls import CallId
+from ubep.engine import bsp_halves as k
+from ubep.errors import PeerDataError
+from ubep.faults import FaultPoints
+from ubep.layout import prefix_offsets
+from ubep.protocols import halves
+from ubep.protocols.base import CODE_DTYPES, CODE_RANGE, DTYPE_CODES, Received, SendPlan, Sizing
+from ubep.protocols.ubep_compiled import _NO_F32, _NO_I64, UbepCompiled
+from ubep.results import DispatchHandle, RecvRoute
+from ubep.transport.heap import Heap, complaint
+
+
+class BspCompiled(UbepCompiled):
+    """Barrier-separated dispatch/combine on a heap, each phase one compiled function."""
+
+    def __init__(self, heap: Heap, blocks, sizing: Sizing, faults: FaultPoints, local_of_RE: torch.Tensor):
+        super().__init__(heap, blocks, sizing, faults, local_of_RE[heap.rank])
+        self.local_of_RE = local_of_RE.numpy()  # int64 [R, E]: each rank's local id of each expert
+
+    def _barrier(self, call: CallId, phase: str) -> None:
+        t = self.t
+        t.check_member(phase)  # before a barrier or a put into peers' memory
+        barrier, notice = t.control_words(call)
+        pending, status = halves.status_words(self.R)
+        target = t.barrier_target(phase, call)
+        args = (barrier, notice, self.asleep, self.me, t.live_R, target, call.seq, self.wake, pending)
+        halves.run(t, call, phase, k.bsp_barrier, *args, *halves.BUDGET, status)  # a peer's abort raises
+        if status[5]:
+            t.ring_marked(self.wake)
+
+    # -- dispatch ---------------------------------------------------------------------------------
+
+    def dispatch(self, call: CallId, plan: SendPlan, handle: DispatchHandle | None) -> Received:
+        s, t, R, me, epoch = self.sizing, self.t, self.R, self.me, call.epoch
+        x_NH, cached = plan.x_NH, handle is not None
+        K = 0 if cached else plan.topk_idx_NK.shape[1]
+        counts = plan.send_counts_R
+        if self.faults.armed:  # maybe a corrupt count, the same to every destination
+            counts = torch.as_tensor(self.faults.count("dispatch.count", call, counts), dtype=torch.int64)
+        k.bsp_counts(self.table, me, epoch, np.ascontiguousarray(counts.expand(R).numpy()))
+        self._barrier(call, "dispatch (count exchange)")
+        routing = None if cached else (plan.topk_idx_NK.numpy(), plan.topk_weights_NK.numpy())
+        woken = k.bsp_send(
+            self.table, self.asleep, me, epoch, t.live_R, x_NH.view(torch.uint8).numpy(),
+            _NO_F32 if plan.scales_NS is None else plan.scales_NS.numpy(), *(routing or (_NO_I64, _NO_F32)),
+            plan.is_token_in_rank_NR.view(torch.uint8).numpy(), self.local_of_RE, DTYPE_CODES[x_NH.dtype],
+            s.max_topk, s.capacity, s.row_bytes, self.wake,
+        )  # fmt: skip
+        if woken:
+            t.ring_marked(self.wake)
+        if self.faults.armed:
+            self.faults.at("dispatch.sent", call)
+        self._barrier(call, "dispatch (token send)")
+        counts_R = torch.empty(R, dtype=torch.int64)
+        pending, status = halves.status_words(R)
+        code = k.bsp_verify(
+            self.table, me, epoch, t.live_R, DTYPE_CODES[x_NH.dtype], K, s.max_topk, s.capacity, *CODE_RANGE,
+            counts_R.numpy(), pending, status,
+        )  # fmt: skip
+        if code != k.DONE:
+            raise self._bsp_error(call, code, status, pending, x_NH.dtype, K)
+        self._barrier(call, "dispatch (prefix sums)")
+        prefix_R1 = prefix_offsets(counts_R)
+        M, H = int(prefix_R1[-1]), x_NH.shape[1]
+        recv_x_MH = torch.empty(M, H, dtype=x_NH.dtype)
+        scales = None if plan.scales_NS is None else torch.empty(M, plan.scales_NS.shape[1])
+        recv_idx = torch.empty(M, K, dtype=torch.int64)
+        recv_w = torch.empty(M, K, dtype=torch.float32)
+        src_token = torch.empty(M, dtype=torch.int64)
+        code = k.bsp_reorder(
+            self.table, me, prefix_R1.numpy(), s.capacity, s.max_topk, s.placement.num_local_experts,
+            s.row_bytes, recv_x_MH.view(torch.uint8).numpy(), _NO_F32 if scales is None else scales.numpy(),
+            recv_idx.numpy(), recv_w.numpy(), src_token.numpy(), status,
+        )  # fmt: skip
+        if code != k.DONE:
+            raise self._bsp_error(call, code, status, pending, x_NH.dtype, K)
+        route = RecvRoute.of(src_token, prefix_R1)
+        return Received(recv_x_MH, None if cached else recv_idx, None if cached else recv_w, route, scales)
+
+    # -- combine ----------------------------------------------------------------------------------
+
+    def combine(self, call: CallId, x_MH: torch.Tensor, handle: DispatchHandle, topk_weights_MK):
+        self._barrier(call, "combine (start)")
+        self.send_back(call, x_MH, handle, topk_weights_MK)
+        if self.faults.armed:
+            self.faults.at("combine.mid", call)
+        self._barrier(call, "combine (token send)")
+        return self.reduce_home(call, "combine (reduce)", x_MH, handle, topk_weights_MK)
+
+    def _bsp_error(self, call: CallId, code: int, status, pending, dtype, K: int) -> PeerDataError:
+        """The exception (in the torch statement's words) for a phase's error status."""
+        peer, a, b, c = (int(v) for v in status[1:5])
+        if code == k.E_MISSING:
+            missing = pending[:peer].tolist()
+            return PeerDataError(f"dispatch (flag verification): no tokens from rank(s) {missing}")
+        if code == k.E_FIELD:
+            header = self.blocks.counts if c else self.blocks.staged
+            return self.t.bad_data(call, peer, complaint(header, header.fields[0 if c else b], peer, a))
+        if code == k.E_FORMAT:
+            theirs = f"{CODE_DTYPES.get(a)} with top-k {b}"
+            message = f"dispatch: rank {peer} sent {theirs}, this rank {dtype} with top-k {K}"
+            return self.t.bad_data(call, peer, message)
+        if code == k.E_TOKENS:
+            return PeerDataError(f"dispatch: a peer sent source token indices outside [0, {a})")
+        return PeerDataError(f"dispatch: a peer sent local expert ids outside [-1, {a})")
