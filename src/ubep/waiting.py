@@ -154,11 +154,12 @@ class Waiter:
 
     def _check(self, pending: list[int], now: float) -> None:
         error: UbepError | None = None
-        for peer in pending:
+        for peer in pending:  # a peer that gave up on its own beats one that passes its blame on
             notice = self._peer_abort(peer)
-            if notice is not None:
+            if notice is not None and (error is None or notice.culprit is None):
                 error = PeerAbortedError(self.phase, peer, notice)
-                break
+                if notice.culprit is None:
+                    break
         if error is None:
             dead = [p for p in pending if self._peer_gone(p)]
             if dead or now - self._start >= self.timeout_s:

@@ -40,11 +40,12 @@ ALIGN = 64  # bytes; every block starts on a cache line
 CTL_BARRIER, CTL_ASLEEP, CTL_ABORTS, ABORT_RING = 0, 1, 8, 16
 CTL_WORDS = CTL_ABORTS + ABORT_RING
 # Why a rank aborted a call; a notice packs (seq, cause, culprit + 1) into one word.
-CAUSE_OWN, CAUSE_DEAD, CAUSE_SILENT, CAUSE_BAD_DATA = 0, 1, 2, 3
+CAUSE_OWN, CAUSE_DEAD, CAUSE_SILENT, CAUSE_BAD_DATA, CAUSE_ABORTED = 0, 1, 2, 3, 4
 BLAME = {
     CAUSE_DEAD: "died",
     CAUSE_SILENT: "sent nothing before the deadline",
     CAUSE_BAD_DATA: "published data that failed its checks",
+    CAUSE_ABORTED: "aborted the call",  # passed on: the culprit gave up first, for its own reason
 }
 BARRIERS_PER_CALL = 16  # barrier targets are call.seq * this + step: ranks agree even after an abort
 
@@ -340,6 +341,8 @@ class Heap:
             self.abort(call, CAUSE_DEAD if error.dead_peers else CAUSE_SILENT, blamed[0])
         elif isinstance(error, PeerAbortedError) and error.culprit is not None:
             self.abort(call, error.notice.cause, error.culprit)
+        elif isinstance(error, PeerAbortedError):  # the peer gave up on its own: it is the one to name
+            self.abort(call, CAUSE_ABORTED, error.peer)
         else:
             self.abort(call)
 
