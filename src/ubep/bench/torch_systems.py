@@ -133,9 +133,8 @@ def measure_floor(cfg: BenchConfig, work: Workload) -> dict:
 def measure_rank(cfg: BenchConfig, tokens: int, systems: tuple[str, ...]) -> dict:
     """Every requested system's (starts, finishes) for dispatch and combine, on this rank."""
     work = build(cfg, tokens)
+    measure = measure_ll if cfg.mode == "ll" else measure_buffer
     out = {}
     for name in systems:
-        out[name] = (
-            measure_floor(cfg, work) if name == "memcpy-floor" else measure_buffer(name, cfg, work, tokens)
-        )
+        out[name] = measure_floor(cfg, work) if name == "memcpy-floor" else measure(name, cfg, work, tokens)
     return out
