@@ -48,10 +48,8 @@ def add_bench(subparsers) -> None:
     p.add_argument("--hidden", type=int, default=d.hidden, help="hidden size (default %(default)s)")
     p.add_argument("--experts", type=int, default=d.experts, help="routed experts (default %(default)s)")
     p.add_argument("--topk", type=int, default=d.topk, help="experts per token (default %(default)s)")
-    p.add_argument("--iters", type=int, default=d.iters, help="timed iterations (default %(default)s)")
-    p.add_argument(
-        "--warmup", type=int, default=d.warmup, help="untimed iterations first (default %(default)s)"
-    )
+    p.add_argument("--iters", type=int, default=d.iters, help="timed rounds (default %(default)s)")
+    p.add_argument("--warmup", type=int, default=d.warmup, help="untimed rounds first (default %(default)s)")
     p.add_argument("--routing", choices=ROUTINGS, default=d.routing, help="routing distribution")
     p.add_argument("--skew", type=float, default=d.skew, help="zipf exponent, or hot share for 'hot'")
     p.add_argument(
@@ -134,8 +132,9 @@ def run_bench(args: argparse.Namespace) -> int:
         + (f", {cfg.nodes} emulated nodes" if cfg.nodes > 1 else "")
     )
     notes.append(
-        "latency: median over iterations of the slowest rank, from a common start instant; "
-        "GB/s: token bytes each rank receives / latency; x ubep: (dispatch+combine) / ubep's"
+        f"systems take turns, one dispatch + combine each per round, {cfg.iters} rounds after "
+        f"{cfg.warmup} warm-up; latency: median over rounds of the slowest rank, from a common start "
+        "instant; GB/s: token bytes each rank receives / latency; x ubep: (dispatch+combine) / ubep's"
     )
     report.print_table(rows, title, notes)
     if args.json:

@@ -18,7 +18,7 @@ class Row:
     system: str
     mode: str
     tokens_per_rank: int
-    dispatch_us: float
+    dispatch_us: float  # median over rounds
     combine_us: float
     dispatch_p99_us: float
     combine_p99_us: float
@@ -28,9 +28,20 @@ class Row:
     vs_ubep: float | None = None  # (dispatch + combine) time of this system / ubep's
     floor_fraction: float | None = None  # floor time / this system's time
     boundary_bytes: float | None = None  # per rank and call, dispatch + combine, across emulated nodes
+    dispatch_rounds_us: tuple[float, ...] = ()  # every timed round, in the order run
+    combine_rounds_us: tuple[float, ...] = ()
 
     @classmethod
-    def build(cls, system: str, mode: str, tokens: int, nbytes: float, d: Stats, c: Stats) -> Row:
+    def build(
+        cls,
+        system: str,
+        mode: str,
+        tokens: int,
+        nbytes: float,
+        dispatch_us: list[float],
+        combine_us: list[float],
+    ) -> Row:
+        d, c = Stats.of(dispatch_us), Stats.of(combine_us)
         return cls(
             system,
             mode,
@@ -42,6 +53,8 @@ class Row:
             nbytes,
             nbytes / d.median_us / 1e3,
             nbytes / c.median_us / 1e3,
+            dispatch_rounds_us=tuple(dispatch_us),
+            combine_rounds_us=tuple(combine_us),
         )
 
     @property
