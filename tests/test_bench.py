@@ -47,6 +47,8 @@ def test_bench_small_sweep_writes_json_and_plot(tmp_path):
     for row in data["results"]:
         assert row["dispatch_us"] > 0 and row["combine_p99_us"] >= row["combine_us"]
         assert len(row["dispatch_rounds_us"]) == len(row["combine_rounds_us"]) == 3  # --iters rounds
+        low, high = row["vs_ubep_ci95"]
+        assert low <= row["vs_ubep"] <= high
         if row["system"] == "ubep":
             assert row["vs_ubep"] == 1.0
     assert data["config"]["ranks"] == 2 and png.stat().st_size > 0

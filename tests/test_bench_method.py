@@ -1,12 +1,17 @@
-"""`ubep bench`'s method without rank processes: the turn order and the timings."""
+"""`ubep bench`'s method without rank processes: the turn order, the timings and the paired
+bootstrap of the ratios."""
 
 from __future__ import annotations
 
+import statistics
 import threading
 import time
 
+import numpy as np
 import pytest
 
+from ubep.bench import report
+from ubep.bench.ratio import paired_ratio
 from ubep.bench.timing import Stats, latencies_us
 from ubep.bench.turns import Calls, Conductor, Turns, round_order, take_turns
 
@@ -109,7 +114,59 @@ def test_a_rank_without_a_turn_times_out(tmp_path):
     conductor.close()
 
 
-# --- timings ---------------------------------------------------------------
+# --- the ratio and its interval ---------------------------------------------------------------
+
+
+def _rounds(n: int, ratio: float, seed: int) -> tuple[list[float], list[float]]:
+    """Synthetic rounds on a noisy host: a load factor shared by both systems in a round, times
+    each system's own noise; median(a) / median(b) is `ratio` in the population."""
+    rng = np.random.default_rng(seed)
+    load = rng.lognormal(0.0, 0.5, n)
+    a = ratio * 1000 * load * rng.lognormal(0.0, 0.2, n)
+    b = 1000 * load * rng.lognormal(0.0, 0.2, n)
+    return a.tolist(), b.tolist()
+
+
+def test_interval_contains_the_point_ratio_and_narrows_with_more_rounds():
+    widths = []
+    for n in (20, 200, 2000):
+        a, b = _rounds(n, 1.5, seed=n)
+        got = paired_ratio(a, b)
+        assert got.point == pytest.approx(statistics.median(a) / statistics.median(b), rel=1e-12)
+        assert got.low <= got.point <= got.high
+        widths.append(got.high - got.low)
+    # Ten times the rounds: about 1/sqrt(10) = 0.32 of the width (at most 0.53 over 60 seeds).
+    assert widths[1] < 0.6 * widths[0] and widths[2] < 0.6 * widths[1]
+
+
+def test_interval_is_paired_over_rounds():
+    """a = 2 b in every round: every resample of rounds gives exactly 2, however noisy b is.
+    The same samples with the rounds shuffled apart give a wide interval."""
+    b = _rounds(30, 1.0, seed=1)[1]
+    a = [2 * v for v in b]
+    assert paired_ratio(a, b) == (2.0, 2.0, 2.0)
+    shuffled = paired_ratio(a, list(np.random.default_rng(2).permutation(b)))
+    assert shuffled.high - shuffled.low > 0.3
+
+
+def test_interval_covers_the_true_ratio_about_95_percent_of_the_time():
+    trials = 200
+    covered = 0
+    for seed in range(trials):
+        a, b = _rounds(30, 1.5, seed=1000 + seed)
+        got = paired_ratio(a, b, resamples=500)
+        covered += got.low <= 1.5 <= got.high
+    assert 0.85 * trials <= covered <= 0.995 * trials
+
+
+def test_paired_ratio_refuses_unpaired_samples():
+    with pytest.raises(ValueError, match="one sample per round"):
+        paired_ratio([1.0, 2.0], [1.0])
+    with pytest.raises(ValueError, match="one sample per round"):
+        paired_ratio([], [])
+
+
+# --- rows and ratios --------------------------------------------------------------------------
 
 
 def test_latencies_take_the_slowest_rank_from_the_common_start():
@@ -118,3 +175,30 @@ def test_latencies_take_the_slowest_rank_from_the_common_start():
     assert latencies_us(starts, finishes) == pytest.approx([3000, 4000, 2000])
     stats = Stats.of(latencies_us(starts, finishes))
     assert round(stats.median_us) == 3000 and round(stats.p99_us) == 4000
+
+
+def _rows() -> list[report.Row]:
+    d_ubep, c_ubep = [100.0, 120.0, 300.0, 110.0, 105.0], [50.0, 40.0, 90.0, 45.0, 60.0]
+    d_bsp, c_bsp = [210.0, 250.0, 500.0, 230.0, 190.0], [90.0, 95.0, 200.0, 85.0, 100.0]
+    d_floor, c_floor = [10.0, 11.0, 30.0, 9.0, 10.0], [8.0, 9.0, 20.0, 7.0, 8.0]
+    return [
+        report.Row.build("ubep", "normal", 8, 1e4, d_ubep, c_ubep),
+        report.Row.build("bsp-gloo", "normal", 8, 1e4, d_bsp, c_bsp),
+        report.Row.build("memcpy-floor", "normal", 8, 1e4, d_floor, c_floor),
+    ]
+
+
+def test_ratios_are_medians_of_per_round_totals():
+    ubep_row, bsp, floor = report.with_ratios(_rows())
+    ubep_totals = [150, 160, 390, 155, 165]  # by hand: dispatch + combine, round by round
+    bsp_totals = [300, 345, 700, 315, 290]
+    floor_totals = [18, 20, 50, 16, 18]
+    assert bsp.vs_ubep == pytest.approx(315 / 160)
+    assert bsp.vs_ubep_ci95[0] <= bsp.vs_ubep <= bsp.vs_ubep_ci95[1]
+    assert ubep_row.vs_ubep == 1.0 and ubep_row.vs_ubep_ci95 == (1.0, 1.0)
+    assert bsp.floor_fraction == pytest.approx(
+        statistics.median(floor_totals) / statistics.median(bsp_totals)
+    )
+    assert floor.floor_fraction == 1.0
+    assert statistics.median(ubep_totals) == 160
+    assert bsp.dispatch_us == 230 and bsp.combine_p99_us == 200  # median, and p99 (the max of 5)

@@ -134,7 +134,8 @@ def run_bench(args: argparse.Namespace) -> int:
     notes.append(
         f"systems take turns, one dispatch + combine each per round, {cfg.iters} rounds after "
         f"{cfg.warmup} warm-up; latency: median over rounds of the slowest rank, from a common start "
-        "instant; GB/s: token bytes each rank receives / latency; x ubep: (dispatch+combine) / ubep's"
+        "instant; GB/s: token bytes each rank receives / latency; x ubep: median over rounds of "
+        "(dispatch + combine), over ubep's, with a paired bootstrap interval over rounds"
     )
     report.print_table(rows, title, notes)
     if args.json:

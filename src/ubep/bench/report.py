@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+import statistics
+from dataclasses import asdict, dataclass, replace
 
 from rich.console import Console
 from rich.table import Table
 
+from ubep.bench.ratio import LEVEL, paired_ratio
 from ubep.bench.timing import Stats
 
 
@@ -25,8 +27,9 @@ class Row:
     bytes_per_rank: float
     dispatch_gbps: float
     combine_gbps: float
-    vs_ubep: float | None = None  # (dispatch + combine) time of this system / ubep's
-    floor_fraction: float | None = None  # floor time / this system's time
+    vs_ubep: float | None = None  # median over rounds of (dispatch + combine), this system's / ubep's
+    vs_ubep_ci95: tuple[float, float] | None = None  # paired bootstrap over rounds (see ratio)
+    floor_fraction: float | None = None  # floor time / this system's time (medians over rounds)
     boundary_bytes: float | None = None  # per rank and call, dispatch + combine, across emulated nodes
     dispatch_rounds_us: tuple[float, ...] = ()  # every timed round, in the order run
     combine_rounds_us: tuple[float, ...] = ()
@@ -58,27 +61,33 @@ class Row:
         )
 
     @property
-    def total_us(self) -> float:
-        return self.dispatch_us + self.combine_us
+    def rounds_us(self) -> list[float]:
+        """Dispatch + combine, round by round."""
+        return [d + c for d, c in zip(self.dispatch_rounds_us, self.combine_rounds_us, strict=True)]
 
 
 def with_ratios(rows: list[Row]) -> list[Row]:
-    """Fill in the ratio to ubep and the fraction of the floor, per batch size."""
+    """Fill in the ratio to ubep (with its interval) and the fraction of the floor, per batch size."""
     out = []
     for row in rows:
         peers = {r.system: r for r in rows if r.tokens_per_rank == row.tokens_per_rank and r.mode == row.mode}
-        ubep, floor = peers.get("ubep"), peers.get("memcpy-floor")
-        vs = row.total_us / ubep.total_us if ubep else None
-        frac = floor.total_us / row.total_us if floor else None
-        out.append(Row(**{**asdict(row), "vs_ubep": vs, "floor_fraction": frac}))
+        ubep_row, floor = peers.get("ubep"), peers.get("memcpy-floor")
+        if ubep_row is not None:
+            vs = paired_ratio(row.rounds_us, ubep_row.rounds_us)
+            row = replace(row, vs_ubep=vs.point, vs_ubep_ci95=(vs.low, vs.high))
+        if floor is not None:
+            frac = statistics.median(floor.rounds_us) / statistics.median(row.rounds_us)
+            row = replace(row, floor_fraction=frac)
+        out.append(row)
     return out
 
 
 def table(rows: list[Row], title: str) -> Table:
     t = Table(title=title)
     crossing = any(r.boundary_bytes is not None for r in rows)
-    cols = ["system", "tokens", "dispatch us", "p99", "combine us", "p99", "GB/s d/c", "x ubep", "of floor"]
-    for col in cols + (["MB across nodes"] if crossing else []):
+    cols = ["system", "tokens", "dispatch us", "p99", "combine us", "p99", "GB/s d/c", "x ubep"]
+    cols += [f"{LEVEL:.0%} interval", "of floor"] + (["MB across nodes"] if crossing else [])
+    for col in cols:
         t.add_column(col, justify="left" if col == "system" else "right")
     for r in rows:
         t.add_row(
@@ -90,6 +99,7 @@ def table(rows: list[Row], title: str) -> Table:
             f"{r.combine_p99_us:,.0f}",
             f"{r.dispatch_gbps:.2f}/{r.combine_gbps:.2f}",
             "-" if r.vs_ubep is None else f"{r.vs_ubep:.2f}",
+            "-" if r.vs_ubep_ci95 is None else f"{r.vs_ubep_ci95[0]:.2f}-{r.vs_ubep_ci95[1]:.2f}",
             "-" if r.floor_fraction is None else f"{r.floor_fraction:.0%}",
             *([] if not crossing else ["-" if r.boundary_bytes is None else f"{r.boundary_bytes / 1e6:.2f}"]),
         )
