@@ -6,6 +6,7 @@ from __future__ import annotations
 import statistics
 import threading
 import time
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -166,7 +167,7 @@ def test_paired_ratio_refuses_unpaired_samples():
         paired_ratio([], [])
 
 
-# --- rows and ratios --------------------------------------------------------------------------
+# --- rows, ratios and the table ---------------------------------------------------------------
 
 
 def test_latencies_take_the_slowest_rank_from_the_common_start():
@@ -202,3 +203,21 @@ def test_ratios_are_medians_of_per_round_totals():
     assert floor.floor_fraction == 1.0
     assert statistics.median(ubep_totals) == 160
     assert bsp.dispatch_us == 230 and bsp.combine_p99_us == 200  # median, and p99 (the max of 5)
+
+
+def test_table_is_never_cut_to_the_terminal_width(capsys):
+    """Wider than any fixed cap (140 columns before): every cell of every row printed whole."""
+    slow = [1e7 + i for i in range(5)]  # 10 s calls: "10,000,002"
+    rows = [replace(r, boundary_bytes=123_456_789.0) for r in report.with_ratios(_rows())]
+    rows.append(report.with_ratios([*_rows(), report.Row.build("bsp-shm", "normal", 8, 1e4, slow, slow)])[-1])
+    report.print_table(rows, "normal mode, a title", ["a note"])
+    out = capsys.readouterr().out
+    assert "…" not in out
+    for r in rows:
+        line = next(ln for ln in out.splitlines() if ln.startswith(f"│ {r.system} "))
+        cells = [f"{r.dispatch_us:,.0f}", f"{r.combine_p99_us:,.0f}", f"{r.vs_ubep:.2f}"]
+        cells += [f"{r.vs_ubep_ci95[0]:.2f}-{r.vs_ubep_ci95[1]:.2f}", f"{r.floor_fraction:.0%}"]
+        cells += [] if r.boundary_bytes is None else [f"{r.boundary_bytes / 1e6:.2f}"]
+        for cell in cells:
+            assert cell in line
+    assert max(len(ln) for ln in out.splitlines()) > 140

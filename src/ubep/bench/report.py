@@ -7,6 +7,7 @@ import statistics
 from dataclasses import asdict, dataclass, replace
 
 from rich.console import Console
+from rich.measure import Measurement
 from rich.table import Table
 
 from ubep.bench.ratio import LEVEL, paired_ratio
@@ -88,7 +89,7 @@ def table(rows: list[Row], title: str) -> Table:
     cols = ["system", "tokens", "dispatch us", "p99", "combine us", "p99", "GB/s d/c", "x ubep"]
     cols += [f"{LEVEL:.0%} interval", "of floor"] + (["MB across nodes"] if crossing else [])
     for col in cols:
-        t.add_column(col, justify="left" if col == "system" else "right")
+        t.add_column(col, justify="left" if col == "system" else "right", no_wrap=True)
     for r in rows:
         t.add_row(
             r.system,
@@ -107,10 +108,12 @@ def table(rows: list[Row], title: str) -> Table:
 
 
 def print_table(rows: list[Row], title: str, notes: list[str]) -> None:
+    """The table at its full width, whatever the terminal's or a pipe's: no column is squeezed or cut."""
+    t = table(rows, title)
     console = Console()
-    if not console.is_terminal:
-        console = Console(width=140)  # a log or a pipe: don't squeeze the columns to 80
-    console.print(table(rows, title))
+    full = Measurement.get(console, console.options.update_width(1_000_000), t).maximum
+    console = Console(width=max(full, console.width if console.is_terminal else 0))
+    console.print(t)
     for note in notes:
         console.print(f"[dim]{note}[/dim]")
 
