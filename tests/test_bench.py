@@ -52,6 +52,7 @@ def test_bench_small_sweep_writes_json_and_plot(tmp_path):
         if row["system"] == "ubep":
             assert row["vs_ubep"] == 1.0
     assert data["config"]["ranks"] == 2 and png.stat().st_size > 0
+    assert data["complete"] is True and data["meta"]["host"]["cores"] > 0
 
 
 def test_bench_low_latency_mode(tmp_path):

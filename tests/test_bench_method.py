@@ -1,16 +1,22 @@
-"""`ubep bench`'s method without rank processes: the turn order, the timings and the paired
-bootstrap of the ratios."""
+"""`ubep bench`'s method without rank processes: the turn order, the paired bootstrap, the
+report's JSON and table."""
 
 from __future__ import annotations
 
+import json
+import os
+import platform
 import statistics
 import threading
 import time
 from dataclasses import replace
+from datetime import UTC, datetime
 
 import numpy as np
 import pytest
+import torch
 
+import ubep
 from ubep.bench import report
 from ubep.bench.ratio import paired_ratio
 from ubep.bench.timing import Stats, latencies_us
@@ -221,3 +227,35 @@ def test_table_is_never_cut_to_the_terminal_width(capsys):
         for cell in cells:
             assert cell in line
     assert max(len(ln) for ln in out.splitlines()) > 140
+
+
+def test_cpu_model_comes_from_cpuinfo():
+    text = "processor\t: 0\nvendor_id\t: GenuineIntel\nmodel name\t: Intel(R) Xeon(R) Platinum 8480+\n"
+    assert report.cpu_model(text) == "Intel(R) Xeon(R) Platinum 8480+"
+    assert report.cpu_model("processor\t: 0\nBogoMIPS\t: 50.00\n") == (platform.processor() or "unknown")
+
+
+def test_json_records_versions_host_and_date_and_replaces_the_whole_file(tmp_path):
+    path = tmp_path / "bench.json"
+    path.write_text("x" * 100_000)  # a longer old file: nothing of it may survive
+    before = datetime.now(UTC).replace(microsecond=0)
+    meta = report.metadata()
+    rows = report.with_ratios(_rows())
+    report.write_json(str(path), config={"ranks": 2}, meta=meta, rows=rows, notes=["n"], complete=False)
+    data = json.loads(path.read_text())
+    assert os.listdir(tmp_path) == ["bench.json"]  # no temporary left beside it
+    got = data["meta"]
+    assert got["ubep"] == ubep.__version__ and got["torch"] == torch.__version__
+    assert got["host"]["cores"] == os.cpu_count()
+    assert got["host"]["platform"] == platform.platform()
+    assert got["host"]["cpu"] == report.cpu_model()
+    date = datetime.fromisoformat(got["date"])
+    assert date.utcoffset().total_seconds() == 0
+    assert before <= date <= datetime.now(UTC)
+    assert data["complete"] is False and data["config"] == {"ranks": 2}
+    bsp = data["results"][1]
+    assert bsp["vs_ubep_ci95"] == list(rows[1].vs_ubep_ci95)
+    assert bsp["dispatch_rounds_us"] == [210.0, 250.0, 500.0, 230.0, 190.0]
+
+
+# --- the command line -------------------------------------------------------------------------

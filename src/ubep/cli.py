@@ -139,7 +139,9 @@ def run_bench(args: argparse.Namespace) -> int:
     )
     report.print_table(rows, title, notes)
     if args.json:
-        report.write_json(args.json, cfg.as_dict(), rows, notes)
+        report.write_json(
+            args.json, config=cfg.as_dict(), meta=report.metadata(), rows=rows, notes=notes, complete=True
+        )
     if args.plot:
         report.plot(args.plot, rows, title)
     return 0

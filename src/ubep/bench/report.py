@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import json
+import os
+import platform
 import statistics
 from dataclasses import asdict, dataclass, replace
+from datetime import UTC, datetime
 
+import torch
 from rich.console import Console
 from rich.measure import Measurement
 from rich.table import Table
 
+import ubep
 from ubep.bench.ratio import LEVEL, paired_ratio
 from ubep.bench.timing import Stats
 
@@ -118,9 +123,52 @@ def print_table(rows: list[Row], title: str, notes: list[str]) -> None:
         console.print(f"[dim]{note}[/dim]")
 
 
-def write_json(path: str, config: dict, rows: list[Row], notes: list[str]) -> None:
-    with open(path, "w") as f:
-        json.dump({"config": config, "results": [asdict(r) for r in rows], "notes": notes}, f, indent=2)
+def cpu_model(cpuinfo: str | None = None) -> str:
+    """The CPU's model name from /proc/cpuinfo (or the text `cpuinfo`), else what `platform` knows."""
+    if cpuinfo is None:
+        try:
+            with open("/proc/cpuinfo") as f:
+                cpuinfo = f.read()
+        except OSError:
+            cpuinfo = ""
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "model name" and value.strip():
+            return value.strip()
+    return platform.processor() or "unknown"
+
+
+def metadata() -> dict:
+    """What the figures depend on beyond the config: versions, the host, and when (UTC)."""
+    return {
+        "ubep": ubep.__version__,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "host": {"cores": os.cpu_count(), "cpu": cpu_model(), "platform": platform.platform()},
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+    }
+
+
+def write_json(
+    path: str, *, config: dict, meta: dict, rows: list[Row], notes: list[str], complete: bool
+) -> None:
+    """Write the whole file under a temporary name, then rename it over `path`: a reader, or a
+    sweep interrupted while writing, sees the previous version or this one, never half of one."""
+    data = {
+        "config": config,
+        "meta": meta,
+        "complete": complete,  # False: the sweep stopped (or is still running) before its last batch size
+        "results": [asdict(r) for r in rows],
+        "notes": notes,
+    }
+    partial = f"{path}.{os.getpid()}.tmp"
+    try:
+        with open(partial, "w") as f:
+            json.dump(data, f, indent=2)
+        os.replace(partial, path)
+    finally:
+        if os.path.exists(partial):
+            os.unlink(partial)
 
 
 def plot(path: str, rows: list[Row], title: str) -> None:
