@@ -1,5 +1,5 @@
 """`ubep bench`'s method without rank processes: the turn order, the paired bootstrap, the
-report's JSON and table."""
+report's JSON and table, and a sweep interrupted by Ctrl-C."""
 
 from __future__ import annotations
 
@@ -18,9 +18,11 @@ import torch
 
 import ubep
 from ubep.bench import report
+from ubep.bench import run as bench_run
 from ubep.bench.ratio import paired_ratio
 from ubep.bench.timing import Stats, latencies_us
 from ubep.bench.turns import Calls, Conductor, Turns, round_order, take_turns
+from ubep.cli import main
 
 # --- turns -----------------------------------------------------------------------------------
 
@@ -259,3 +261,49 @@ def test_json_records_versions_host_and_date_and_replaces_the_whole_file(tmp_pat
 
 
 # --- the command line -------------------------------------------------------------------------
+
+
+def test_an_interrupted_sweep_keeps_its_rows_and_exits_130(tmp_path, monkeypatch, capsys):
+    """Ctrl-C during the second batch size: the first one's rows are in the JSON (written as
+    soon as they were measured) and on the screen, and the exit status is 130."""
+    path = tmp_path / "sweep.json"
+    seen_on_disk = []
+
+    def measure(cfg, tokens, systems, advance=lambda: None):
+        if tokens == 16:
+            seen_on_disk.append(json.loads(path.read_text()))
+            raise KeyboardInterrupt
+        return report.with_ratios(
+            [
+                report.Row.build("ubep", cfg.mode, tokens, 1e4, [100.0, 110.0, 90.0], [50.0, 55.0, 45.0]),
+                report.Row.build(
+                    "bsp-gloo", cfg.mode, tokens, 1e4, [300.0, 310.0, 290.0], [90.0, 95.0, 85.0]
+                ),
+            ]
+        )
+
+    monkeypatch.setattr(bench_run, "plan", lambda cfg: (("ubep", "bsp-gloo"), ["engine: test"]))
+    monkeypatch.setattr(bench_run, "measure", measure)
+    code = main(["bench", "--ranks", "2", "--experts", "8", "--tokens", "8,16,32", "--json", str(path)])
+    assert code == 130
+    (on_disk,) = seen_on_disk
+    assert [r["tokens_per_rank"] for r in on_disk["results"]] == [8, 8]
+    assert on_disk["complete"] is False
+    final = json.loads(path.read_text())
+    assert [r["system"] for r in final["results"]] == ["ubep", "bsp-gloo"]
+    assert final["complete"] is False and final["notes"][-1] == "interrupted: 1 of 3 batch sizes measured"
+    out = capsys.readouterr().out
+    assert "bsp-gloo" in out and "interrupted: 1 of 3 batch sizes measured" in out
+
+
+def test_a_finished_sweep_says_complete(tmp_path, monkeypatch):
+    path = tmp_path / "sweep.json"
+
+    def measure(cfg, tokens, systems, advance=lambda: None):
+        return [report.Row.build("ubep", cfg.mode, tokens, 1e4, [100.0], [50.0])]
+
+    monkeypatch.setattr(bench_run, "plan", lambda cfg: (("ubep",), []))
+    monkeypatch.setattr(bench_run, "measure", measure)
+    assert main(["bench", "--ranks", "2", "--experts", "8", "--tokens", "8,16", "--json", str(path)]) == 0
+    data = json.loads(path.read_text())
+    assert data["complete"] is True and [r["tokens_per_rank"] for r in data["results"]] == [8, 16]

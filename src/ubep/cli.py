@@ -91,7 +91,7 @@ def add_bench(subparsers) -> None:
 def run_bench(args: argparse.Namespace) -> int:
     try:
         from ubep.bench import report
-        from ubep.bench.run import run
+        from ubep.bench.run import plan, run
     except ModuleNotFoundError as missing:  # rich and matplotlib come with the `bench` extra
         raise SystemExit(f"ubep bench needs {missing.name}: pip install 'ubep[bench]'") from None
 
@@ -125,7 +125,7 @@ def run_bench(args: argparse.Namespace) -> int:
 
         run_profile(cfg, cfg.tokens[0])
         return 0
-    rows, notes = run(cfg)
+    systems, notes = plan(cfg)
     title = (
         f"{cfg.mode} mode, {cfg.ranks} ranks on {os.cpu_count()} cores, hidden {cfg.hidden}, "
         f"{cfg.experts} experts, top-{cfg.topk}, {cfg.dtype}, {cfg.routing} routing"
@@ -137,11 +137,31 @@ def run_bench(args: argparse.Namespace) -> int:
         "instant; GB/s: token bytes each rank receives / latency; x ubep: median over rounds of "
         "(dispatch + combine), over ubep's, with a paired bootstrap interval over rounds"
     )
+    meta, rows, batches = report.metadata(), [], 0
+
+    def save(complete: bool) -> None:
+        if args.json:
+            report.write_json(
+                args.json, config=cfg.as_dict(), meta=meta, rows=rows, notes=notes, complete=complete
+            )
+
+    def measured(batch: list[report.Row]) -> None:  # a whole file after every batch size
+        nonlocal batches
+        rows.extend(batch)
+        batches += 1
+        save(complete=batches == len(cfg.tokens))
+
+    try:
+        run(cfg, systems, measured)
+    except KeyboardInterrupt:  # keep what was measured: on disk (already) and on the screen
+        notes.append(f"interrupted: {batches} of {len(cfg.tokens)} batch sizes measured")
+        save(complete=False)
+        if rows:
+            report.print_table(rows, title + " (interrupted)", notes)
+        else:
+            print(notes[-1])
+        return 130
     report.print_table(rows, title, notes)
-    if args.json:
-        report.write_json(
-            args.json, config=cfg.as_dict(), meta=report.metadata(), rows=rows, notes=notes, complete=True
-        )
     if args.plot:
         report.plot(args.plot, rows, title)
     return 0

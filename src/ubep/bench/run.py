@@ -25,6 +25,8 @@ from ubep.launcher import LocalLaunch
 from ubep.layout import ExpertPlacement
 from ubep.protocols.hier import boundary_bytes
 
+SINGLE_HOST = ("bsp-shm", "mpi")  # no row across emulated nodes
+NORMAL_ONLY = ("bsp-shm", "mpi")  # no low-latency mode
 STOP_S = 30.0  # how long a stopped group gets to wind down
 
 
@@ -41,6 +43,42 @@ def boundary_per_rank(cfg: BenchConfig, tokens: int) -> dict[str, float]:
         return (sum(got[f"dispatch_bytes_{kind}"]) + sum(got[f"combine_bytes_{kind}"])) / cfg.ranks
 
     return {"ubep": mean("dedup"), "bsp-gloo": mean("flat")}
+
+
+def select_systems(cfg: BenchConfig, mpi: tuple[bool, str]) -> tuple[tuple[str, ...], list[str]]:
+    """The requested systems that can run under `cfg`, and a note for each left out.
+
+    `mpi` is (whether the mpi row can run here, why not).
+    """
+    systems, notes = list(cfg.systems), []
+    if cfg.nodes > 1:
+        single_host = [s for s in systems if s in SINGLE_HOST]
+        systems = [s for s in systems if s not in single_host]
+        notes.append(
+            f"{cfg.nodes} emulated nodes of {cfg.ranks // cfg.nodes} ranks: ubep runs the hierarchical "
+            "transport (one crossing per token and node), bsp-gloo the flat all-to-all"
+            + (f"; no {', '.join(single_host)} row (one host only)" if single_host else "")
+        )
+    if cfg.mode == "ll":
+        unsupported = [s for s in systems if s in NORMAL_ONLY]
+        systems = [s for s in systems if s not in unsupported]
+        if unsupported:
+            notes.append(
+                f"ll mode: no {', '.join(unsupported)} row (low-latency mode is ubep's protocol on "
+                "shared memory, or the collective path, shown as bsp-gloo)"
+            )
+    if "mpi" in systems and not mpi[0]:
+        systems.remove("mpi")
+        notes.append(f"mpi row skipped: {mpi[1]}")
+    return tuple(systems), notes
+
+
+def plan(cfg: BenchConfig) -> tuple[tuple[str, ...], list[str]]:
+    """The systems to run and the notes for the report; compiles (or loads) the kernels once,
+    here, before any rank starts."""
+    systems, notes = select_systems(cfg, mpi_system.available() if "mpi" in cfg.systems else (True, ""))
+    engine, why = choose_engine("auto")
+    return systems, [f"engine: {engine.name} ({why})", *notes]
 
 
 class LaunchGroup:
@@ -146,36 +184,10 @@ def measure(
     return report.with_ratios(rows)
 
 
-def run(cfg: BenchConfig) -> tuple[list[report.Row], list[str]]:
-    """Measure every system at every batch size; returns rows (with ratios) and notes."""
-    engine, why = choose_engine("auto")  # compiles (or loads) the kernels once, before the ranks start
-    notes = [f"engine: {engine.name} ({why})"]
-    systems = list(cfg.systems)
-    if cfg.nodes > 1:
-        single_host = [s for s in systems if s in ("bsp-shm", "mpi")]
-        systems = [s for s in systems if s not in single_host]
-        notes.append(
-            f"{cfg.nodes} emulated nodes of {cfg.ranks // cfg.nodes} ranks: ubep runs the hierarchical "
-            "transport (one crossing per token and node), bsp-gloo the flat all-to-all"
-            + (f"; no {', '.join(single_host)} row (one host only)" if single_host else "")
-        )
-    if cfg.mode == "ll":
-        unsupported = [s for s in systems if s in ("bsp-shm", "mpi")]
-        systems = [s for s in systems if s not in unsupported]
-        if unsupported:
-            notes.append(
-                f"ll mode: no {', '.join(unsupported)} row (low-latency mode is ubep's protocol on "
-                "shared memory, or the collective path, shown as bsp-gloo)"
-            )
-    if "mpi" in systems:
-        ok, why = mpi_system.available()
-        if not ok:
-            systems.remove("mpi")
-            notes.append(f"mpi row skipped: {why}")
-    rows = []
+def run(cfg: BenchConfig, systems: tuple[str, ...], measured: Callable[[list[report.Row]], None]) -> None:
+    """Every batch size in turn; `measured` gets each one's rows as soon as they are in."""
     with Progress(transient=True) as progress:
         task = progress.add_task("benchmarking", total=len(cfg.tokens) * (cfg.warmup + cfg.iters))
         for tokens in cfg.tokens:
             progress.update(task, description=f"{tokens} tokens/rank, rounds of {', '.join(systems)}")
-            rows += measure(cfg, tokens, tuple(systems), lambda: progress.advance(task))
-    return rows, notes
+            measured(measure(cfg, tokens, systems, lambda: progress.advance(task)))
