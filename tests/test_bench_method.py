@@ -1,5 +1,5 @@
 """`ubep bench`'s method without rank processes: the turn order, the paired bootstrap, the
-report's JSON and table, and a sweep interrupted by Ctrl-C."""
+report's JSON and table, the command line's refusals and a sweep interrupted by Ctrl-C."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ from ubep.bench import run as bench_run
 from ubep.bench.ratio import paired_ratio
 from ubep.bench.timing import Stats, latencies_us
 from ubep.bench.turns import Calls, Conductor, Turns, round_order, take_turns
+from ubep.bench.workload import BenchConfig
 from ubep.cli import main
 
 # --- turns -----------------------------------------------------------------------------------
@@ -261,6 +262,41 @@ def test_json_records_versions_host_and_date_and_replaces_the_whole_file(tmp_pat
 
 
 # --- the command line -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("tokens", ["0", "-3", "8,0"])
+def test_tokens_must_be_positive(tokens, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench", "--tokens", tokens])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == f"ubep bench: error: argument --tokens: expected positive integers, got '{tokens}'"
+
+
+def test_one_rank_is_refused(capsys):
+    with pytest.raises(SystemExit):
+        main(["bench", "--ranks", "1"])
+    assert "argument --ranks: must be at least 2, got 1" in capsys.readouterr().err
+
+
+def test_ll_mode_with_mpi_only_is_one_clear_error():
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench", "--mode", "ll", "--systems", "mpi"])
+    message = str(exit_.value.code)
+    assert message.startswith("ubep bench: no system left to run from --systems mpi: ll mode: no mpi row")
+    assert "\n" not in message
+
+
+def test_select_systems_drops_what_cannot_run_and_says_why():
+    cfg = BenchConfig(mode="ll", systems=("ubep", "mpi", "memcpy-floor"))
+    systems, notes = bench_run.select_systems(cfg, (True, ""))
+    assert systems == ("ubep", "memcpy-floor") and "no mpi row" in notes[0]
+    systems, notes = bench_run.select_systems(BenchConfig(systems=("mpi", "ubep")), (False, "no mpirun"))
+    assert systems == ("ubep",) and notes == ["mpi row skipped: no mpirun"]
+    with pytest.raises(ValueError, match="no mpirun"):
+        bench_run.select_systems(BenchConfig(systems=("mpi",)), (False, "no mpirun"))
+    with pytest.raises(ValueError, match="one host only"):
+        bench_run.select_systems(BenchConfig(ranks=4, nodes=2, systems=("bsp-shm",)), (True, ""))
 
 
 def test_an_interrupted_sweep_keeps_its_rows_and_exits_130(tmp_path, monkeypatch, capsys):

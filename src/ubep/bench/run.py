@@ -48,7 +48,8 @@ def boundary_per_rank(cfg: BenchConfig, tokens: int) -> dict[str, float]:
 def select_systems(cfg: BenchConfig, mpi: tuple[bool, str]) -> tuple[tuple[str, ...], list[str]]:
     """The requested systems that can run under `cfg`, and a note for each left out.
 
-    `mpi` is (whether the mpi row can run here, why not).
+    `mpi` is (whether the mpi row can run here, why not). Raises ValueError,
+    naming every reason, when no system is left.
     """
     systems, notes = list(cfg.systems), []
     if cfg.nodes > 1:
@@ -70,6 +71,8 @@ def select_systems(cfg: BenchConfig, mpi: tuple[bool, str]) -> tuple[tuple[str, 
     if "mpi" in systems and not mpi[0]:
         systems.remove("mpi")
         notes.append(f"mpi row skipped: {mpi[1]}")
+    if not systems:
+        raise ValueError(f"no system left to run from --systems {','.join(cfg.systems)}: {'; '.join(notes)}")
     return tuple(systems), notes
 
 
