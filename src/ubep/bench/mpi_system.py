@@ -26,6 +26,8 @@ from ubep.bench.turns import Calls, Turns, take_turns
 from ubep.bench.workload import BenchConfig, build, expected_combine
 from ubep.layout import ExpertPlacement, destination_major, dispatch_layout, localize_for_destinations
 
+STOP_S = 10.0  # how long the job gets to end after QUIT, and again after SIGTERM
+
 
 def available() -> tuple[bool, str]:
     """Whether the mpi row can run here, and if not, why."""
@@ -85,9 +87,17 @@ class MpiJob:
         return json.loads(lines[-1])
 
     def stop(self) -> None:
-        if self._proc.poll() is None:
-            self._proc.kill()
-            self._proc.wait()
+        """Let the job end (it has been told to QUIT), else end it: SIGTERM first, which mpirun
+        passes to its ranks before it removes its shared-memory segments; SIGKILL leaves them."""
+        try:
+            self._proc.wait(timeout=STOP_S)
+        except subprocess.TimeoutExpired:
+            self._proc.terminate()
+            try:
+                self._proc.wait(timeout=STOP_S)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
         self._out.close()
         self._err.close()
 
