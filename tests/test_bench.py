@@ -1,11 +1,11 @@
-"""`ubep bench` end to end at a tiny shape: every system verified and timed, JSON and plot written."""
+"""`ubep bench` end to end at a tiny shape, on 2 ranks: every system verified and timed in
+turns, JSON and plot written. The method's logic is tested without processes in test_bench_method.py."""
 
 from __future__ import annotations
 
 import json
 
 from ubep.bench import mpi_system
-from ubep.bench.timing import Stats
 from ubep.cli import main
 
 
@@ -46,9 +46,13 @@ def test_bench_small_sweep_writes_json_and_plot(tmp_path):
     assert sorted({r["tokens_per_rank"] for r in data["results"]}) == [4, 16]
     for row in data["results"]:
         assert row["dispatch_us"] > 0 and row["combine_p99_us"] >= row["combine_us"]
+        assert len(row["dispatch_rounds_us"]) == len(row["combine_rounds_us"]) == 3  # --iters rounds
+        low, high = row["vs_ubep_ci95"]
+        assert low <= row["vs_ubep"] <= high
         if row["system"] == "ubep":
             assert row["vs_ubep"] == 1.0
     assert data["config"]["ranks"] == 2 and png.stat().st_size > 0
+    assert data["complete"] is True and data["meta"]["host"]["cores"] > 0
 
 
 def test_bench_low_latency_mode(tmp_path):
@@ -112,10 +116,3 @@ def test_bench_emulated_nodes_report_bytes_across(tmp_path):
     assert set(rows) == {"ubep", "bsp-gloo", "memcpy-floor"}
     # The hierarchical transport sends a token once per remote node: never more bytes than flat.
     assert 0 < rows["ubep"]["boundary_bytes"] <= rows["bsp-gloo"]["boundary_bytes"]
-
-
-def test_stats_take_the_slowest_rank_from_the_common_start():
-    starts = [10.0, 20.0, 30.0]
-    finishes = [[10.001, 20.004, 30.002], [10.003, 20.001, 30.002]]  # rank 0, rank 1
-    stats = Stats.of(starts, finishes)
-    assert round(stats.median_us) == 3000 and round(stats.p99_us) == 4000

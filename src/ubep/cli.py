@@ -20,9 +20,24 @@ def _ints(text: str) -> tuple[int, ...]:
         values = tuple(int(v) for v in text.split(",") if v)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a comma list of integers, got {text!r}") from None
-    if not values or min(values) < 0:
-        raise argparse.ArgumentTypeError(f"expected non-negative integers, got {text!r}")
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
     return values
+
+
+def _at_least(low: int):
+    """An argparse type: an integer no smaller than `low`."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}, got {value}")
+        return value
+
+    return parse
 
 
 def _systems(text: str) -> tuple[str, ...]:
@@ -41,16 +56,22 @@ def add_bench(subparsers) -> None:
         description="Measure EP dispatch and combine on local ranks: ubep beside a BSP "
         "baseline, torch.distributed (gloo), MPI and the memcpy floor.",
     )
-    p.add_argument("--ranks", type=int, default=d.ranks, help="local rank processes (default %(default)s)")
+    p.add_argument(
+        "--ranks", type=_at_least(2), default=d.ranks, help="local rank processes (default %(default)s)"
+    )
     p.add_argument(
         "--tokens", type=_ints, default=d.tokens, help="tokens per rank; a comma list sweeps (128)"
     )
-    p.add_argument("--hidden", type=int, default=d.hidden, help="hidden size (default %(default)s)")
-    p.add_argument("--experts", type=int, default=d.experts, help="routed experts (default %(default)s)")
-    p.add_argument("--topk", type=int, default=d.topk, help="experts per token (default %(default)s)")
-    p.add_argument("--iters", type=int, default=d.iters, help="timed iterations (default %(default)s)")
+    p.add_argument("--hidden", type=_at_least(1), default=d.hidden, help="hidden size (default %(default)s)")
     p.add_argument(
-        "--warmup", type=int, default=d.warmup, help="untimed iterations first (default %(default)s)"
+        "--experts", type=_at_least(1), default=d.experts, help="routed experts (default %(default)s)"
+    )
+    p.add_argument(
+        "--topk", type=_at_least(1), default=d.topk, help="experts per token (default %(default)s)"
+    )
+    p.add_argument("--iters", type=_at_least(1), default=d.iters, help="timed rounds (default %(default)s)")
+    p.add_argument(
+        "--warmup", type=_at_least(0), default=d.warmup, help="untimed rounds first (default %(default)s)"
     )
     p.add_argument("--routing", choices=ROUTINGS, default=d.routing, help="routing distribution")
     p.add_argument("--skew", type=float, default=d.skew, help="zipf exponent, or hot share for 'hot'")
@@ -66,13 +87,13 @@ def add_bench(subparsers) -> None:
     p.add_argument("--systems", type=_systems, default=d.systems, help=f"comma list of {', '.join(SYSTEMS)}")
     p.add_argument(
         "--nodes",
-        type=int,
+        type=_at_least(1),
         default=d.nodes,
         help="emulate this many nodes (ranks split evenly; torch.distributed between them)",
     )
     p.add_argument(
         "--workers",
-        type=int,
+        type=_at_least(1),
         default=d.workers,
         help="put workers per rank for the ubep row, following the token scheduler (1)",
     )
@@ -93,11 +114,11 @@ def add_bench(subparsers) -> None:
 def run_bench(args: argparse.Namespace) -> int:
     try:
         from ubep.bench import report
-        from ubep.bench.run import run
+        from ubep.bench.run import plan, run
     except ModuleNotFoundError as missing:  # rich and matplotlib come with the `bench` extra
         raise SystemExit(f"ubep bench needs {missing.name}: pip install 'ubep[bench]'") from None
 
-    if args.nodes < 1 or args.ranks % args.nodes:
+    if args.ranks % args.nodes:
         raise SystemExit(f"ubep bench: --ranks ({args.ranks}) must split evenly into --nodes ({args.nodes})")
     if args.experts % args.ranks:
         raise SystemExit(
@@ -127,19 +148,46 @@ def run_bench(args: argparse.Namespace) -> int:
 
         run_profile(cfg, cfg.tokens[0])
         return 0
-    rows, notes = run(cfg)
+    try:
+        systems, notes = plan(cfg)
+    except ValueError as why:
+        raise SystemExit(f"ubep bench: {why}") from None
     title = (
         f"{cfg.mode} mode, {cfg.ranks} ranks on {os.cpu_count()} cores, hidden {cfg.hidden}, "
         f"{cfg.experts} experts, top-{cfg.topk}, {cfg.dtype}, {cfg.routing} routing"
         + (f", {cfg.nodes} emulated nodes" if cfg.nodes > 1 else "")
     )
     notes.append(
-        "latency: median over iterations of the slowest rank, from a common start instant; "
-        "GB/s: token bytes each rank receives / latency; x ubep: (dispatch+combine) / ubep's"
+        f"systems take turns, one dispatch + combine each per round, {cfg.iters} rounds after "
+        f"{cfg.warmup} warm-up; latency: median over rounds of the slowest rank, from a common start "
+        "instant; GB/s: token bytes each rank receives / latency; x ubep: median over rounds of "
+        "(dispatch + combine), over ubep's, with a paired bootstrap interval over rounds"
     )
+    meta, rows, batches = report.metadata(), [], 0
+
+    def save(complete: bool) -> None:
+        if args.json:
+            report.write_json(
+                args.json, config=cfg.as_dict(), meta=meta, rows=rows, notes=notes, complete=complete
+            )
+
+    def measured(batch: list[report.Row]) -> None:  # a whole file after every batch size
+        nonlocal batches
+        rows.extend(batch)
+        batches += 1
+        save(complete=batches == len(cfg.tokens))
+
+    try:
+        run(cfg, systems, measured)
+    except KeyboardInterrupt:  # keep what was measured: on disk (already) and on the screen
+        notes.append(f"interrupted: {batches} of {len(cfg.tokens)} batch sizes measured")
+        save(complete=False)
+        if rows:
+            report.print_table(rows, title + " (interrupted)", notes)
+        else:
+            print(notes[-1])
+        return 130
     report.print_table(rows, title, notes)
-    if args.json:
-        report.write_json(args.json, cfg.as_dict(), rows, notes)
     if args.plot:
         report.plot(args.plot, rows, title)
     return 0

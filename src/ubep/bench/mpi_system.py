@@ -4,7 +4,8 @@ This is what a user would write with mpi4py and Open MPI (which moves bytes
 through shared memory within a host): a count Alltoall, a permutation of
 tokens by destination, an Alltoallv of rows and one of routing metadata;
 combine sends rows back with Alltoallv and sums them. Run as a module, it is
-one MPI rank; `run_mpi` starts the whole job from the bench.
+one MPI rank, timing a dispatch and a combine at each turn the bench gives it
+(see `turns`); `MpiJob` starts the whole job beside the bench.
 """
 
 from __future__ import annotations
@@ -20,9 +21,12 @@ import time
 import numpy as np
 import torch
 
-from ubep.bench.timing import LEAD_S, timed
+from ubep.bench.timing import LEAD_S
+from ubep.bench.turns import Calls, Turns, take_turns
 from ubep.bench.workload import BenchConfig, build, expected_combine
 from ubep.layout import ExpertPlacement, destination_major, dispatch_layout, localize_for_destinations
+
+STOP_S = 10.0  # how long the job gets to end after QUIT, and again after SIGTERM
 
 
 def available() -> tuple[bool, str]:
@@ -34,7 +38,7 @@ def available() -> tuple[bool, str]:
     return True, "Open MPI with mpi4py"
 
 
-def mpirun_command(cfg: BenchConfig, tokens: int) -> list[str]:
+def mpirun_command(cfg: BenchConfig, tokens: int, turns_dir: str) -> list[str]:
     root = ["--allow-run-as-root"] if os.geteuid() == 0 else []
     return [
         "mpirun",
@@ -52,18 +56,54 @@ def mpirun_command(cfg: BenchConfig, tokens: int) -> list[str]:
         "ubep.bench.mpi_system",
         json.dumps(cfg.as_dict()),
         str(tokens),
+        turns_dir,
     ]
 
 
-def run_mpi(cfg: BenchConfig, tokens: int) -> dict:
-    """Run the MPI job for one token count; returns {op: (starts, finishes per rank)}."""
-    proc = subprocess.run(
-        mpirun_command(cfg, tokens), capture_output=True, text=True, timeout=cfg.timeout_s * 3
-    )
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
-    if proc.returncode != 0 or not lines:
-        raise RuntimeError(f"mpi row failed (exit {proc.returncode}):\n{proc.stderr[-2000:]}")
-    return json.loads(lines[-1])
+class MpiJob:
+    """The MPI job for one token count, running beside the bench, its output kept in `turns_dir`."""
+
+    def __init__(self, cfg: BenchConfig, tokens: int, turns_dir: str):
+        self._out = open(os.path.join(turns_dir, "stdout"), "w+")
+        self._err = open(os.path.join(turns_dir, "stderr"), "w+")
+        self._proc = subprocess.Popen(
+            mpirun_command(cfg, tokens, turns_dir), stdout=self._out, stderr=self._err, text=True
+        )
+        self._timeout_s = cfg.timeout_s * 3
+
+    def check(self) -> None:
+        """Raise the job's error if it has ended (called while it should still be taking turns)."""
+        if self._proc.poll() is not None:
+            raise self._failure()
+
+    def finish(self) -> dict:
+        """After QUIT: {op: (starts, finishes per rank)}, one entry per turn."""
+        code = self._proc.wait(timeout=self._timeout_s)
+        self._out.seek(0)
+        lines = [ln for ln in self._out.read().splitlines() if ln.startswith("{")]
+        if code != 0 or not lines:
+            raise self._failure()
+        self.stop()
+        return json.loads(lines[-1])
+
+    def stop(self) -> None:
+        """Let the job end (it has been told to QUIT), else end it: SIGTERM first, which mpirun
+        passes to its ranks before it removes its shared-memory segments; SIGKILL leaves them."""
+        try:
+            self._proc.wait(timeout=STOP_S)
+        except subprocess.TimeoutExpired:
+            self._proc.terminate()
+            try:
+                self._proc.wait(timeout=STOP_S)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+        self._out.close()
+        self._err.close()
+
+    def _failure(self) -> RuntimeError:
+        self._err.seek(0)
+        return RuntimeError(f"mpi row failed (exit {self._proc.returncode}):\n{self._err.read()[-2000:]}")
 
 
 def _bytes(t: torch.Tensor) -> np.ndarray:
@@ -111,21 +151,12 @@ class MpiExchange:
         return out.to(y.dtype)
 
 
-def _time(comm, op, iters: int, warmup: int):
-    def start() -> float:
-        comm.Barrier()
-        return comm.bcast(time.monotonic() + LEAD_S, root=0)
-
-    for _ in range(warmup):
-        timed(op, start())
-    starts, finishes = [], []
-    for _ in range(iters):
-        starts.append(start())
-        finishes.append(timed(op, starts[-1]))
-    return starts, comm.gather(finishes, root=0)
+def _common_start(comm) -> float:
+    comm.Barrier()
+    return comm.bcast(time.monotonic() + LEAD_S, root=0)
 
 
-def main(config_json: str, tokens: int) -> None:
+def main(config_json: str, tokens: int, turns_dir: str) -> None:
     from mpi4py import MPI
 
     torch.set_num_threads(1)
@@ -144,11 +175,14 @@ def main(config_json: str, tokens: int) -> None:
     ok = ok and torch.equal(mpi.combine(recv_x, route), expected_combine(work, me))
     if not all(comm.allgather(ok)):
         raise SystemExit(f"mpi: results differ from the reference on rank(s) {comm.allgather(ok)}")
-    dispatch = _time(comm, lambda: mpi.dispatch(x, idx, w), cfg.iters, cfg.warmup)
-    combine = _time(comm, lambda: mpi.combine(recv_x, route), cfg.iters, cfg.warmup)
+    calls = {"mpi": Calls(lambda: mpi.dispatch(x, idx, w), lambda: mpi.combine(recv_x, route))}
+    turns = Turns(turns_dir, me, cfg.timeout_s * 4)
+    samples = take_turns(turns, calls, lambda: _common_start(comm))["mpi"]
+    turns.close()
+    got = {op: (starts, comm.gather(finishes, root=0)) for op, (starts, finishes) in samples.items()}
     if me == 0:
-        print(json.dumps({"dispatch": dispatch, "combine": combine}), flush=True)
+        print(json.dumps(got), flush=True)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]))
+    main(sys.argv[1], int(sys.argv[2]), sys.argv[3])

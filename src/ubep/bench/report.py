@@ -3,11 +3,19 @@
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+import os
+import platform
+import statistics
+from dataclasses import asdict, dataclass, replace
+from datetime import UTC, datetime
 
+import torch
 from rich.console import Console
+from rich.measure import Measurement
 from rich.table import Table
 
+import ubep
+from ubep.bench.ratio import LEVEL, paired_ratio
 from ubep.bench.timing import Stats
 
 
@@ -18,19 +26,31 @@ class Row:
     system: str
     mode: str
     tokens_per_rank: int
-    dispatch_us: float
+    dispatch_us: float  # median over rounds
     combine_us: float
     dispatch_p99_us: float
     combine_p99_us: float
     bytes_per_rank: float
     dispatch_gbps: float
     combine_gbps: float
-    vs_ubep: float | None = None  # (dispatch + combine) time of this system / ubep's
-    floor_fraction: float | None = None  # floor time / this system's time
+    vs_ubep: float | None = None  # median over rounds of (dispatch + combine), this system's / ubep's
+    vs_ubep_ci95: tuple[float, float] | None = None  # paired bootstrap over rounds (see ratio)
+    floor_fraction: float | None = None  # floor time / this system's time (medians over rounds)
     boundary_bytes: float | None = None  # per rank and call, dispatch + combine, across emulated nodes
+    dispatch_rounds_us: tuple[float, ...] = ()  # every timed round, in the order run
+    combine_rounds_us: tuple[float, ...] = ()
 
     @classmethod
-    def build(cls, system: str, mode: str, tokens: int, nbytes: float, d: Stats, c: Stats) -> Row:
+    def build(
+        cls,
+        system: str,
+        mode: str,
+        tokens: int,
+        nbytes: float,
+        dispatch_us: list[float],
+        combine_us: list[float],
+    ) -> Row:
+        d, c = Stats.of(dispatch_us), Stats.of(combine_us)
         return cls(
             system,
             mode,
@@ -42,31 +62,39 @@ class Row:
             nbytes,
             nbytes / d.median_us / 1e3,
             nbytes / c.median_us / 1e3,
+            dispatch_rounds_us=tuple(dispatch_us),
+            combine_rounds_us=tuple(combine_us),
         )
 
     @property
-    def total_us(self) -> float:
-        return self.dispatch_us + self.combine_us
+    def rounds_us(self) -> list[float]:
+        """Dispatch + combine, round by round."""
+        return [d + c for d, c in zip(self.dispatch_rounds_us, self.combine_rounds_us, strict=True)]
 
 
 def with_ratios(rows: list[Row]) -> list[Row]:
-    """Fill in the ratio to ubep and the fraction of the floor, per batch size."""
+    """Fill in the ratio to ubep (with its interval) and the fraction of the floor, per batch size."""
     out = []
     for row in rows:
         peers = {r.system: r for r in rows if r.tokens_per_rank == row.tokens_per_rank and r.mode == row.mode}
-        ubep, floor = peers.get("ubep"), peers.get("memcpy-floor")
-        vs = row.total_us / ubep.total_us if ubep else None
-        frac = floor.total_us / row.total_us if floor else None
-        out.append(Row(**{**asdict(row), "vs_ubep": vs, "floor_fraction": frac}))
+        ubep_row, floor = peers.get("ubep"), peers.get("memcpy-floor")
+        if ubep_row is not None:
+            vs = paired_ratio(row.rounds_us, ubep_row.rounds_us)
+            row = replace(row, vs_ubep=vs.point, vs_ubep_ci95=(vs.low, vs.high))
+        if floor is not None:
+            frac = statistics.median(floor.rounds_us) / statistics.median(row.rounds_us)
+            row = replace(row, floor_fraction=frac)
+        out.append(row)
     return out
 
 
 def table(rows: list[Row], title: str) -> Table:
     t = Table(title=title)
     crossing = any(r.boundary_bytes is not None for r in rows)
-    cols = ["system", "tokens", "dispatch us", "p99", "combine us", "p99", "GB/s d/c", "x ubep", "of floor"]
-    for col in cols + (["MB across nodes"] if crossing else []):
-        t.add_column(col, justify="left" if col == "system" else "right")
+    cols = ["system", "tokens", "dispatch us", "p99", "combine us", "p99", "GB/s d/c", "x ubep"]
+    cols += [f"{LEVEL:.0%} interval", "of floor"] + (["MB across nodes"] if crossing else [])
+    for col in cols:
+        t.add_column(col, justify="left" if col == "system" else "right", no_wrap=True)
     for r in rows:
         t.add_row(
             r.system,
@@ -77,6 +105,7 @@ def table(rows: list[Row], title: str) -> Table:
             f"{r.combine_p99_us:,.0f}",
             f"{r.dispatch_gbps:.2f}/{r.combine_gbps:.2f}",
             "-" if r.vs_ubep is None else f"{r.vs_ubep:.2f}",
+            "-" if r.vs_ubep_ci95 is None else f"{r.vs_ubep_ci95[0]:.2f}-{r.vs_ubep_ci95[1]:.2f}",
             "-" if r.floor_fraction is None else f"{r.floor_fraction:.0%}",
             *([] if not crossing else ["-" if r.boundary_bytes is None else f"{r.boundary_bytes / 1e6:.2f}"]),
         )
@@ -84,17 +113,62 @@ def table(rows: list[Row], title: str) -> Table:
 
 
 def print_table(rows: list[Row], title: str, notes: list[str]) -> None:
+    """The table at its full width, whatever the terminal's or a pipe's: no column is squeezed or cut."""
+    t = table(rows, title)
     console = Console()
-    if not console.is_terminal:
-        console = Console(width=140)  # a log or a pipe: don't squeeze the columns to 80
-    console.print(table(rows, title))
+    full = Measurement.get(console, console.options.update_width(1_000_000), t).maximum
+    console = Console(width=max(full, console.width if console.is_terminal else 0))
+    console.print(t)
     for note in notes:
         console.print(f"[dim]{note}[/dim]")
 
 
-def write_json(path: str, config: dict, rows: list[Row], notes: list[str]) -> None:
-    with open(path, "w") as f:
-        json.dump({"config": config, "results": [asdict(r) for r in rows], "notes": notes}, f, indent=2)
+def cpu_model(cpuinfo: str | None = None) -> str:
+    """The CPU's model name from /proc/cpuinfo (or the text `cpuinfo`), else what `platform` knows."""
+    if cpuinfo is None:
+        try:
+            with open("/proc/cpuinfo") as f:
+                cpuinfo = f.read()
+        except OSError:
+            cpuinfo = ""
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "model name" and value.strip():
+            return value.strip()
+    return platform.processor() or "unknown"
+
+
+def metadata() -> dict:
+    """What the figures depend on beyond the config: versions, the host, and when (UTC)."""
+    return {
+        "ubep": ubep.__version__,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "host": {"cores": os.cpu_count(), "cpu": cpu_model(), "platform": platform.platform()},
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+    }
+
+
+def write_json(
+    path: str, *, config: dict, meta: dict, rows: list[Row], notes: list[str], complete: bool
+) -> None:
+    """Write the whole file under a temporary name, then rename it over `path`: a reader, or a
+    sweep interrupted while writing, sees the previous version or this one, never half of one."""
+    data = {
+        "config": config,
+        "meta": meta,
+        "complete": complete,  # False: the sweep stopped (or is still running) before its last batch size
+        "results": [asdict(r) for r in rows],
+        "notes": notes,
+    }
+    partial = f"{path}.{os.getpid()}.tmp"
+    try:
+        with open(partial, "w") as f:
+            json.dump(data, f, indent=2)
+        os.replace(partial, path)
+    finally:
+        if os.path.exists(partial):
+            os.unlink(partial)
 
 
 def plot(path: str, rows: list[Row], title: str) -> None:

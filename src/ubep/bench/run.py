@@ -1,24 +1,33 @@
-"""Running the benchmark: one launch per batch size, every system in it, then the report."""
+"""Running the benchmark: per batch size, every system taking turns round by round, then the rows.
+
+plan(cfg)          which systems can run here, and a note for each one left out
+run(cfg, ...)      per batch size: start the groups, `warmup + iters` rounds of turns, rows out
+  launch group     ubep, bsp-shm, bsp-gloo, memcpy-floor: ubep's launcher, waited on in a thread
+  mpi group        mpirun's job (see mpi_system)
+"""
 
 from __future__ import annotations
 
+import tempfile
+import threading
+from collections.abc import Callable
 from dataclasses import replace
 
 from rich.progress import Progress
 
 from ubep.bench import mpi_system, report
-from ubep.bench.timing import Stats
+from ubep.bench.timing import latencies_us
 from ubep.bench.torch_systems import measure_rank
+from ubep.bench.turns import Conductor, Samples, round_order
 from ubep.bench.workload import BenchConfig, build
 from ubep.engine import choose_engine
 from ubep.launcher import LocalLaunch
 from ubep.layout import ExpertPlacement
 from ubep.protocols.hier import boundary_bytes
 
-
-def stats_from_ranks(per_rank: list[dict], system: str, op: str) -> Stats:
-    starts = per_rank[0][system][op][0]
-    return Stats.of(starts, [r[system][op][1] for r in per_rank])
+SINGLE_HOST = ("bsp-shm", "mpi")  # no row across emulated nodes
+NORMAL_ONLY = ("bsp-shm", "mpi")  # no low-latency mode
+STOP_S = 30.0  # how long a stopped group gets to wind down
 
 
 def boundary_per_rank(cfg: BenchConfig, tokens: int) -> dict[str, float]:
@@ -36,13 +45,15 @@ def boundary_per_rank(cfg: BenchConfig, tokens: int) -> dict[str, float]:
     return {"ubep": mean("dedup"), "bsp-gloo": mean("flat")}
 
 
-def run(cfg: BenchConfig) -> tuple[list[report.Row], list[str]]:
-    """Measure every system at every batch size; returns rows (with ratios) and notes."""
-    engine, why = choose_engine("auto")  # compiles (or loads) the kernels once, before the ranks start
-    notes = [f"engine: {engine.name} ({why})"]
-    systems = list(cfg.systems)
+def select_systems(cfg: BenchConfig, mpi: tuple[bool, str]) -> tuple[tuple[str, ...], list[str]]:
+    """The requested systems that can run under `cfg`, and a note for each left out.
+
+    `mpi` is (whether the mpi row can run here, why not). Raises ValueError,
+    naming every reason, when no system is left.
+    """
+    systems, notes = list(cfg.systems), []
     if cfg.nodes > 1:
-        single_host = [s for s in systems if s in ("bsp-shm", "mpi")]
+        single_host = [s for s in systems if s in SINGLE_HOST]
         systems = [s for s in systems if s not in single_host]
         notes.append(
             f"{cfg.nodes} emulated nodes of {cfg.ranks // cfg.nodes} ranks: ubep runs the hierarchical "
@@ -50,39 +61,136 @@ def run(cfg: BenchConfig) -> tuple[list[report.Row], list[str]]:
             + (f"; no {', '.join(single_host)} row (one host only)" if single_host else "")
         )
     if cfg.mode == "ll":
-        unsupported = [s for s in systems if s in ("bsp-shm", "mpi")]
+        unsupported = [s for s in systems if s in NORMAL_ONLY]
         systems = [s for s in systems if s not in unsupported]
         if unsupported:
             notes.append(
                 f"ll mode: no {', '.join(unsupported)} row (low-latency mode is ubep's protocol on "
                 "shared memory, or the collective path, shown as bsp-gloo)"
             )
-    if "mpi" in systems:
-        ok, why = mpi_system.available()
-        if not ok:
-            systems.remove("mpi")
-            notes.append(f"mpi row skipped: {why}")
-    in_launcher = tuple(s for s in systems if s != "mpi")
+    if "mpi" in systems and not mpi[0]:
+        systems.remove("mpi")
+        notes.append(f"mpi row skipped: {mpi[1]}")
+    if not systems:
+        raise ValueError(f"no system left to run from --systems {','.join(cfg.systems)}: {'; '.join(notes)}")
+    return tuple(systems), notes
+
+
+def plan(cfg: BenchConfig) -> tuple[tuple[str, ...], list[str]]:
+    """The systems to run and the notes for the report; compiles (or loads) the kernels once,
+    here, before any rank starts."""
+    systems, notes = select_systems(cfg, mpi_system.available() if "mpi" in cfg.systems else (True, ""))
+    engine, why = choose_engine("auto")
+    return systems, [f"engine: {engine.name} ({why})", *notes]
+
+
+class LaunchGroup:
+    """The systems measured inside ubep's launcher; the launch is waited on in a thread here."""
+
+    def __init__(self, cfg: BenchConfig, tokens: int, systems: tuple[str, ...], turns_dir: str):
+        launch = LocalLaunch(
+            world_size=cfg.ranks, timeout_s=cfg.timeout_s * 4, ranks_per_node=cfg.ranks // cfg.nodes
+        )
+        self._result: list[Samples] | None = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(
+            target=self._run, args=(launch, cfg, tokens, systems, turns_dir), name="ubep-bench-launch"
+        )
+        self._thread.daemon = True
+        self._thread.start()
+
+    def _run(self, launch: LocalLaunch, *args) -> None:
+        try:
+            self._result = launch.run(measure_rank, *args)
+        except BaseException as error:
+            self._error = error
+
+    def check(self) -> None:
+        """Raise the launch's error if it has ended (called while it should still be taking turns)."""
+        if not self._thread.is_alive():
+            raise self._error or RuntimeError("the launched ranks ended before their last turn")
+
+    def finish(self) -> list[Samples]:
+        """After QUIT: every rank's samples, in rank order."""
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+    def stop(self) -> None:
+        self._thread.join(STOP_S)
+
+
+Timings = dict[str, tuple[list[float], list[list[float]]]]  # op -> (starts, finishes per rank)
+
+
+def gathered(per_rank: list[Samples], system: str) -> Timings:
+    """One system's samples from every rank of the launch, as the mpi job reports its own."""
+    return {
+        op: (starts, [rank[system][op][1] for rank in per_rank])
+        for op, (starts, _) in per_rank[0][system].items()
+    }
+
+
+def start_group(
+    name: str, cfg: BenchConfig, tokens: int, systems: tuple[str, ...], turns_dir: str
+) -> LaunchGroup | mpi_system.MpiJob:
+    if name == "mpi":
+        return mpi_system.MpiJob(cfg, tokens, turns_dir)
+    return LaunchGroup(cfg, tokens, tuple(s for s in systems if s != "mpi"), turns_dir)
+
+
+def take_rounds(
+    cfg: BenchConfig, tokens: int, systems: tuple[str, ...], advance: Callable[[], None]
+) -> dict[str, Timings]:
+    """`warmup + iters` rounds of every system at one batch size, one entry per round."""
+    group_of = {s: "mpi" if s == "mpi" else "launch" for s in systems}
+    names = tuple(dict.fromkeys(group_of.values()))
+    with tempfile.TemporaryDirectory(prefix="ubep-bench-") as root:
+        conductor = Conductor(root, dict.fromkeys(names, cfg.ranks), cfg.timeout_s * 4)
+        groups: dict[str, LaunchGroup | mpi_system.MpiJob] = {}
+        try:
+            for name in names:
+                groups[name] = start_group(name, cfg, tokens, systems, conductor.directory(name))
+            for name, group in groups.items():
+                conductor.ready(name, group.check)
+            for order in round_order(systems, cfg.warmup + cfg.iters):
+                for system in order:
+                    conductor.turn(group_of[system], system, groups[group_of[system]].check)
+                advance()
+            for name in groups:
+                conductor.quit(name)
+            results = {name: group.finish() for name, group in groups.items()}
+        except BaseException:
+            for name in groups:
+                conductor.quit(name)  # ranks waiting for a turn return; a rank mid-turn finishes it first
+            raise
+        finally:
+            for group in groups.values():
+                group.stop()
+            conductor.close()
+    return {s: results["mpi"] if s == "mpi" else gathered(results["launch"], s) for s in systems}
+
+
+def measure(
+    cfg: BenchConfig, tokens: int, systems: tuple[str, ...], advance: Callable[[], None] = lambda: None
+) -> list[report.Row]:
+    """One batch size: every system's row, ratios filled in; the warm-up rounds are dropped."""
+    timings = take_rounds(cfg, tokens, systems, advance)
+    nbytes = build(cfg, tokens).bytes_per_rank(cfg.mode)
+    crossing = boundary_per_rank(cfg, tokens)
     rows = []
+    for system in systems:
+        d, c = (latencies_us(*timings[system][op])[cfg.warmup :] for op in ("dispatch", "combine"))
+        row = report.Row.build(system, cfg.mode, tokens, nbytes, d, c)
+        rows.append(replace(row, boundary_bytes=crossing.get(system)))
+    return report.with_ratios(rows)
+
+
+def run(cfg: BenchConfig, systems: tuple[str, ...], measured: Callable[[list[report.Row]], None]) -> None:
+    """Every batch size in turn; `measured` gets each one's rows as soon as they are in."""
     with Progress(transient=True) as progress:
-        task = progress.add_task("benchmarking", total=len(cfg.tokens) * len(systems))
+        task = progress.add_task("benchmarking", total=len(cfg.tokens) * (cfg.warmup + cfg.iters))
         for tokens in cfg.tokens:
-            nbytes = build(cfg, tokens).bytes_per_rank(cfg.mode)
-            progress.update(task, description=f"{tokens} tokens/rank: {', '.join(in_launcher)}")
-            launch = LocalLaunch(
-                world_size=cfg.ranks, timeout_s=cfg.timeout_s * 4, ranks_per_node=cfg.ranks // cfg.nodes
-            )
-            per_rank = launch.run(measure_rank, cfg, tokens, in_launcher)
-            crossing = boundary_per_rank(cfg, tokens)
-            for system in in_launcher:
-                d, c = (stats_from_ranks(per_rank, system, op) for op in ("dispatch", "combine"))
-                row = report.Row.build(system, cfg.mode, tokens, nbytes, d, c)
-                rows.append(replace(row, boundary_bytes=crossing.get(system)))
-                progress.advance(task)
-            if "mpi" in systems:
-                progress.update(task, description=f"{tokens} tokens/rank: mpi")
-                got = mpi_system.run_mpi(cfg, tokens)
-                d, c = (Stats.of(got[op][0], got[op][1]) for op in ("dispatch", "combine"))
-                rows.append(report.Row.build("mpi", cfg.mode, tokens, nbytes, d, c))
-                progress.advance(task)
-    return report.with_ratios(rows), notes
+            progress.update(task, description=f"{tokens} tokens/rank, rounds of {', '.join(systems)}")
+            measured(measure(cfg, tokens, systems, lambda: progress.advance(task)))

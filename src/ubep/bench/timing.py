@@ -35,15 +35,18 @@ def timed(op: Callable[[], object], start: float) -> float:
     return time.monotonic()
 
 
+def latencies_us(starts: list[float], finishes_per_rank: list[list[float]]) -> list[float]:
+    """Per iteration, in microseconds: the slowest rank's finish minus the common start."""
+    return [(max(f[i] for f in finishes_per_rank) - s) * 1e6 for i, s in enumerate(starts)]
+
+
 @dataclass(frozen=True, slots=True)
 class Stats:
     median_us: float
     p99_us: float
 
     @classmethod
-    def of(cls, starts: list[float], finishes_per_rank: list[list[float]]) -> Stats:
-        """Per iteration: slowest rank's finish minus the common start."""
-        lat = [max(f[i] for f in finishes_per_rank) - s for i, s in enumerate(starts)]
-        lat_us = sorted(v * 1e6 for v in lat)
-        p99 = lat_us[min(len(lat_us) - 1, round(0.99 * (len(lat_us) - 1)))]
-        return cls(statistics.median(lat_us), p99)
+    def of(cls, latencies_us: list[float]) -> Stats:
+        ordered = sorted(latencies_us)
+        p99 = ordered[min(len(ordered) - 1, round(0.99 * (len(ordered) - 1)))]
+        return cls(statistics.median(ordered), p99)

@@ -1,21 +1,23 @@
 """The rows measured inside ubep's own launcher: ubep, bsp-shm, bsp-gloo and the memcpy floor.
 
-`measure_rank` runs on every rank: for each system it checks one dispatch and
-one combine against the reference, warms up, then times `iters` iterations
-of each from a common start instant (see `timing`).
+`measure_rank` runs on every rank: it opens every system and checks one
+dispatch and one combine of each against the reference, then times whichever
+system the conductor names, turn by turn (see `turns`), each call from a
+common start instant (see `timing`).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from contextlib import ExitStack
 
 import torch
 import torch.distributed as dist
 
 import ubep
 from ubep import reference
-from ubep.bench.timing import LEAD_S, timed
+from ubep.bench.timing import LEAD_S
+from ubep.bench.turns import Calls, Samples, Turns, take_turns
 from ubep.bench.workload import BenchConfig, Workload, build, expected_combine
 
 BUFFER_SYSTEMS = {"ubep": ("ubep", "shm"), "bsp-shm": ("bsp", "shm"), "bsp-gloo": ("bsp", "dist")}
@@ -31,17 +33,6 @@ def common_start() -> float:
     return float(instant)
 
 
-def time_op(op: Callable[[], object], iters: int, warmup: int) -> tuple[list[float], list[float]]:
-    """(start instants, this rank's finish times) over `iters` timed runs of `op`."""
-    for _ in range(warmup):
-        timed(op, common_start())
-    starts, finishes = [], []
-    for _ in range(iters):
-        starts.append(common_start())
-        finishes.append(timed(op, starts[-1]))
-    return starts, finishes
-
-
 def verify(name: str, got: ubep.DispatchResult, combined: torch.Tensor, work: Workload, me: int) -> None:
     want = work.expected[me]
     if not (
@@ -52,7 +43,8 @@ def verify(name: str, got: ubep.DispatchResult, combined: torch.Tensor, work: Wo
         raise AssertionError(f"{name}: combine on rank {me} differs from the reference")
 
 
-def measure_buffer(name: str, cfg: BenchConfig, work: Workload, tokens: int) -> dict:
+def open_buffer(name: str, cfg: BenchConfig, work: Workload, tokens: int, stack: ExitStack) -> Calls:
+    """A normal-mode Buffer for `name`, checked once against the reference."""
     me = dist.get_rank()
     protocol, transport = BUFFER_SYSTEMS[name]
     if cfg.nodes > 1 and name == "ubep":
@@ -61,44 +53,47 @@ def measure_buffer(name: str, cfg: BenchConfig, work: Workload, tokens: int) -> 
         {"workers": cfg.workers, "schedule": cfg.schedule} if transport == "shm" and name == "ubep" else {}
     )
     x, idx, w = work.xs[me], work.topk_idx[me], work.topk_weights[me]
-    with ubep.Buffer(
-        hidden=cfg.hidden,
-        num_experts=cfg.experts,
-        max_tokens_per_rank=max(tokens, 1),
-        max_topk=cfg.topk,
-        protocol=protocol,
-        transport=transport,
-        timeout_s=cfg.timeout_s,
-        **scheduling,
-    ) as buf:
-        got = buf.dispatch(x, topk_idx=idx, topk_weights=w)
-        verify(name, got, buf.combine(got.recv_x, got.handle).combined_x, work, me)
-        dispatch = time_op(lambda: buf.dispatch(x, topk_idx=idx, topk_weights=w), cfg.iters, cfg.warmup)
-        combine = time_op(lambda: buf.combine(got.recv_x, got.handle), cfg.iters, cfg.warmup)
-    return {"dispatch": dispatch, "combine": combine}
+    buf = stack.enter_context(
+        ubep.Buffer(
+            hidden=cfg.hidden,
+            num_experts=cfg.experts,
+            max_tokens_per_rank=max(tokens, 1),
+            max_topk=cfg.topk,
+            protocol=protocol,
+            transport=transport,
+            timeout_s=cfg.timeout_s,
+            **scheduling,
+        )
+    )
+    got = buf.dispatch(x, topk_idx=idx, topk_weights=w)
+    verify(name, got, buf.combine(got.recv_x, got.handle).combined_x, work, me)
+    return Calls(
+        lambda: buf.dispatch(x, topk_idx=idx, topk_weights=w), lambda: buf.combine(got.recv_x, got.handle)
+    )
 
 
-def measure_ll(name: str, cfg: BenchConfig, work: Workload, tokens: int) -> dict:
-    """Low-latency dispatch and (weighted) combine, checked against the reference, then timed."""
+def open_ll(name: str, cfg: BenchConfig, work: Workload, tokens: int, stack: ExitStack) -> Calls:
+    """A low-latency Buffer for `name` (dispatch and weighted combine), checked once against the reference."""
     me = dist.get_rank()
     x, idx, w = work.xs[me], work.topk_idx[me], work.topk_weights[me]
     T = max(tokens, 1)
-    with ubep.Buffer(
-        hidden=cfg.hidden,
-        num_experts=cfg.experts,
-        max_tokens_per_rank=T,
-        max_topk=cfg.topk,
-        transport=LL_SYSTEMS[name],
-        timeout_s=cfg.timeout_s,
-    ) as buf:
-        got = buf.low_latency_dispatch(x, idx, T, cfg.experts)
-        combined = buf.low_latency_combine(got.recv_x, idx, w, got.handle).combined_x
-        verify_ll(name, got, combined, work, T, me)
-        dispatch = time_op(lambda: buf.low_latency_dispatch(x, idx, T, cfg.experts), cfg.iters, cfg.warmup)
-        combine = time_op(
-            lambda: buf.low_latency_combine(got.recv_x, idx, w, got.handle), cfg.iters, cfg.warmup
+    buf = stack.enter_context(
+        ubep.Buffer(
+            hidden=cfg.hidden,
+            num_experts=cfg.experts,
+            max_tokens_per_rank=T,
+            max_topk=cfg.topk,
+            transport=LL_SYSTEMS[name],
+            timeout_s=cfg.timeout_s,
         )
-    return {"dispatch": dispatch, "combine": combine}
+    )
+    got = buf.low_latency_dispatch(x, idx, T, cfg.experts)
+    combined = buf.low_latency_combine(got.recv_x, idx, w, got.handle).combined_x
+    verify_ll(name, got, combined, work, T, me)
+    return Calls(
+        lambda: buf.low_latency_dispatch(x, idx, T, cfg.experts),
+        lambda: buf.low_latency_combine(got.recv_x, idx, w, got.handle),
+    )
 
 
 def verify_ll(name: str, got, combined: torch.Tensor, work: Workload, T: int, me: int) -> None:
@@ -116,26 +111,31 @@ def verify_ll(name: str, got, combined: torch.Tensor, work: Workload, T: int, me
         raise AssertionError(f"{name}: low-latency combine on rank {me} differs from the reference")
 
 
-def measure_floor(cfg: BenchConfig, work: Workload) -> dict:
+def open_floor(cfg: BenchConfig, work: Workload) -> Calls:
     """Every rank copies the bytes it must write, all at once: the physical limit here."""
     me = dist.get_rank()
     row_bytes = cfg.hidden * work.xs[0].element_size()
-    recv_bytes = work.recv_rows(cfg.mode)[me] * row_bytes
-    send_bytes = work.sent_rows(me, cfg.mode) * row_bytes
-    result = {}
-    for op, nbytes in (("dispatch", recv_bytes), ("combine", send_bytes)):
-        src = torch.ones(nbytes, dtype=torch.uint8)
-        dst = torch.zeros(nbytes, dtype=torch.uint8)
-        result[op] = time_op(lambda d=dst, s=src: d.copy_(s), cfg.iters, cfg.warmup)
-    return result
+    copies = []
+    for nbytes in (work.recv_rows(cfg.mode)[me] * row_bytes, work.sent_rows(me, cfg.mode) * row_bytes):
+        src, dst = torch.ones(nbytes, dtype=torch.uint8), torch.zeros(nbytes, dtype=torch.uint8)
+        copies.append(lambda d=dst, s=src: d.copy_(s))
+    return Calls(*copies)
 
 
-def measure_rank(cfg: BenchConfig, tokens: int, systems: tuple[str, ...]) -> dict:
-    """Every requested system's (starts, finishes) for dispatch and combine, on this rank."""
+def measure_rank(cfg: BenchConfig, tokens: int, systems: tuple[str, ...], turns_dir: str) -> Samples:
+    """Open and verify every requested system, then time the one named at each turn, until QUIT.
+
+    Returns this rank's (starts, finishes) per system and operation, one entry per turn.
+    """
     work = build(cfg, tokens)
-    out = {}
-    for name in systems:
-        out[name] = (
-            measure_floor(cfg, work) if name == "memcpy-floor" else measure_buffer(name, cfg, work, tokens)
-        )
-    return out
+    open_system = open_ll if cfg.mode == "ll" else open_buffer
+    turns = Turns(turns_dir, dist.get_rank(), cfg.timeout_s * 4)
+    with ExitStack() as stack:
+        stack.callback(turns.close)
+        calls = {
+            name: open_floor(cfg, work)
+            if name == "memcpy-floor"
+            else open_system(name, cfg, work, tokens, stack)
+            for name in systems
+        }
+        return take_turns(turns, calls, common_start)

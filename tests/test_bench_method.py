@@ -1,0 +1,345 @@
+"""`ubep bench`'s method without rank processes: the turn order, the paired bootstrap, the
+report's JSON and table, the command line's refusals and a sweep interrupted by Ctrl-C."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import threading
+import time
+from dataclasses import replace
+from datetime import UTC, datetime
+
+import numpy as np
+import pytest
+import torch
+
+import ubep
+from ubep.bench import report
+from ubep.bench import run as bench_run
+from ubep.bench.ratio import paired_ratio
+from ubep.bench.timing import Stats, latencies_us
+from ubep.bench.turns import Calls, Conductor, Turns, round_order, take_turns
+from ubep.bench.workload import BenchConfig
+from ubep.cli import main
+
+# --- turns -----------------------------------------------------------------------------------
+
+
+def test_round_order_rotates_by_one_each_round():
+    assert round_order(("a", "b", "c"), 4) == [
+        ("a", "b", "c"),
+        ("b", "c", "a"),
+        ("c", "a", "b"),
+        ("a", "b", "c"),
+    ]
+    order = round_order(("a", "b", "c", "d", "e"), 10)
+    assert all(sorted(r) == ["a", "b", "c", "d", "e"] for r in order)  # each once a round
+    for system in "abcde":  # and, over 5 rounds, once in each position
+        assert sorted(r.index(system) for r in order[:5]) == [0, 1, 2, 3, 4]
+
+
+def _thread_group(directory: str, ranks: int, systems: tuple[str, ...], log: list, lock: threading.Lock):
+    """`ranks` threads taking turns as rank processes would, logging (system, rank, op) as they run."""
+    results = [None] * ranks
+
+    def rank_main(rank: int) -> None:
+        def call(system: str, op: str):
+            def run() -> None:
+                with lock:
+                    log.append((system, rank, op))
+
+            return run
+
+        calls = {s: Calls(call(s, "dispatch"), call(s, "combine")) for s in systems}
+        turns = Turns(directory, rank, timeout_s=30)
+        results[rank] = take_turns(turns, calls, time.monotonic)
+        turns.close()
+
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(ranks)]
+    for t in threads:
+        t.start()
+    return threads, results
+
+
+def test_conductor_runs_one_system_at_a_time_in_round_order(tmp_path):
+    """Two groups of thread 'ranks': the log, cut into runs of one system, is the round order."""
+    groups = {"launch": ("ubep", "bsp-shm", "memcpy-floor"), "mpi": ("mpi",)}
+    group_of = {s: g for g, systems in groups.items() for s in systems}
+    systems, rounds, ranks = ("ubep", "bsp-shm", "mpi", "memcpy-floor"), 5, 3
+    conductor = Conductor(str(tmp_path), dict.fromkeys(groups, ranks), timeout_s=30)
+    log, lock = [], threading.Lock()
+    started = {g: _thread_group(conductor.directory(g), ranks, s, log, lock) for g, s in groups.items()}
+    try:
+        for g in groups:
+            conductor.ready(g, lambda: None)
+        for order in round_order(systems, rounds):
+            for system in order:
+                conductor.turn(group_of[system], system, lambda: None)
+    finally:
+        for g in groups:
+            conductor.quit(g)
+        for threads, _ in started.values():
+            for t in threads:
+                t.join(30)
+        conductor.close()
+    blocks = []  # consecutive log entries of one system
+    for system, rank, op in log:
+        if not blocks or blocks[-1][0] != system:
+            blocks.append((system, []))
+        blocks[-1][1].append((rank, op))
+    expected = [s for order in round_order(systems, rounds) for s in order]
+    assert [b[0] for b in blocks] == expected
+    for _, entries in blocks:  # every rank ran both halves in its turn, dispatch before combine
+        assert sorted(entries) == sorted((r, op) for r in range(ranks) for op in ("dispatch", "combine"))
+        for r in range(ranks):
+            assert [op for rank, op in entries if rank == r] == ["dispatch", "combine"]
+    for g, (_, results) in started.items():  # one sample per round and rank, for each system and op
+        for samples in results:
+            assert set(samples) == set(groups[g])
+            assert all(len(samples[s][op][0]) == rounds for s in groups[g] for op in ("dispatch", "combine"))
+
+
+def test_conductor_reports_a_group_that_ended_instead_of_waiting(tmp_path):
+    conductor = Conductor(str(tmp_path), {"launch": 2}, timeout_s=60)
+
+    def ended() -> None:
+        raise RuntimeError("rank 1 failed: boom")
+
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="boom"):
+        conductor.turn("launch", "ubep", ended)
+    assert time.monotonic() - start < 5
+    conductor.close()
+
+
+def test_a_rank_without_a_turn_times_out(tmp_path):
+    conductor = Conductor(str(tmp_path), {"launch": 1}, timeout_s=1)
+    turns = Turns(conductor.directory("launch"), 0, timeout_s=0.2)
+    with pytest.raises(TimeoutError, match="no turn"):
+        turns.next()
+    turns.close()
+    conductor.close()
+
+
+# --- the ratio and its interval ---------------------------------------------------------------
+
+
+def _rounds(n: int, ratio: float, seed: int) -> tuple[list[float], list[float]]:
+    """Synthetic rounds on a noisy host: a load factor shared by both systems in a round, times
+    each system's own noise; median(a) / median(b) is `ratio` in the population."""
+    rng = np.random.default_rng(seed)
+    load = rng.lognormal(0.0, 0.5, n)
+    a = ratio * 1000 * load * rng.lognormal(0.0, 0.2, n)
+    b = 1000 * load * rng.lognormal(0.0, 0.2, n)
+    return a.tolist(), b.tolist()
+
+
+def test_interval_contains_the_point_ratio_and_narrows_with_more_rounds():
+    widths = []
+    for n in (20, 200, 2000):
+        a, b = _rounds(n, 1.5, seed=n)
+        got = paired_ratio(a, b)
+        assert got.point == pytest.approx(statistics.median(a) / statistics.median(b), rel=1e-12)
+        assert got.low <= got.point <= got.high
+        widths.append(got.high - got.low)
+    # Ten times the rounds: about 1/sqrt(10) = 0.32 of the width (at most 0.53 over 60 seeds).
+    assert widths[1] < 0.6 * widths[0] and widths[2] < 0.6 * widths[1]
+
+
+def test_interval_is_paired_over_rounds():
+    """a = 2 b in every round: every resample of rounds gives exactly 2, however noisy b is.
+    The same samples with the rounds shuffled apart give a wide interval."""
+    b = _rounds(30, 1.0, seed=1)[1]
+    a = [2 * v for v in b]
+    assert paired_ratio(a, b) == (2.0, 2.0, 2.0)
+    shuffled = paired_ratio(a, list(np.random.default_rng(2).permutation(b)))
+    assert shuffled.high - shuffled.low > 0.3
+
+
+def test_interval_covers_the_true_ratio_about_95_percent_of_the_time():
+    trials = 200
+    covered = 0
+    for seed in range(trials):
+        a, b = _rounds(30, 1.5, seed=1000 + seed)
+        got = paired_ratio(a, b, resamples=500)
+        covered += got.low <= 1.5 <= got.high
+    assert 0.85 * trials <= covered <= 0.995 * trials
+
+
+def test_paired_ratio_refuses_unpaired_samples():
+    with pytest.raises(ValueError, match="one sample per round"):
+        paired_ratio([1.0, 2.0], [1.0])
+    with pytest.raises(ValueError, match="one sample per round"):
+        paired_ratio([], [])
+
+
+# --- rows, ratios and the table ---------------------------------------------------------------
+
+
+def test_latencies_take_the_slowest_rank_from_the_common_start():
+    starts = [10.0, 20.0, 30.0]
+    finishes = [[10.001, 20.004, 30.002], [10.003, 20.001, 30.002]]  # rank 0, rank 1
+    assert latencies_us(starts, finishes) == pytest.approx([3000, 4000, 2000])
+    stats = Stats.of(latencies_us(starts, finishes))
+    assert round(stats.median_us) == 3000 and round(stats.p99_us) == 4000
+
+
+def _rows() -> list[report.Row]:
+    d_ubep, c_ubep = [100.0, 120.0, 300.0, 110.0, 105.0], [50.0, 40.0, 90.0, 45.0, 60.0]
+    d_bsp, c_bsp = [210.0, 250.0, 500.0, 230.0, 190.0], [90.0, 95.0, 200.0, 85.0, 100.0]
+    d_floor, c_floor = [10.0, 11.0, 30.0, 9.0, 10.0], [8.0, 9.0, 20.0, 7.0, 8.0]
+    return [
+        report.Row.build("ubep", "normal", 8, 1e4, d_ubep, c_ubep),
+        report.Row.build("bsp-gloo", "normal", 8, 1e4, d_bsp, c_bsp),
+        report.Row.build("memcpy-floor", "normal", 8, 1e4, d_floor, c_floor),
+    ]
+
+
+def test_ratios_are_medians_of_per_round_totals():
+    ubep_row, bsp, floor = report.with_ratios(_rows())
+    ubep_totals = [150, 160, 390, 155, 165]  # by hand: dispatch + combine, round by round
+    bsp_totals = [300, 345, 700, 315, 290]
+    floor_totals = [18, 20, 50, 16, 18]
+    assert bsp.vs_ubep == pytest.approx(315 / 160)
+    assert bsp.vs_ubep_ci95[0] <= bsp.vs_ubep <= bsp.vs_ubep_ci95[1]
+    assert ubep_row.vs_ubep == 1.0 and ubep_row.vs_ubep_ci95 == (1.0, 1.0)
+    assert bsp.floor_fraction == pytest.approx(
+        statistics.median(floor_totals) / statistics.median(bsp_totals)
+    )
+    assert floor.floor_fraction == 1.0
+    assert statistics.median(ubep_totals) == 160
+    assert bsp.dispatch_us == 230 and bsp.combine_p99_us == 200  # median, and p99 (the max of 5)
+
+
+def test_table_is_never_cut_to_the_terminal_width(capsys):
+    """Wider than any fixed cap (140 columns before): every cell of every row printed whole."""
+    slow = [1e7 + i for i in range(5)]  # 10 s calls: "10,000,002"
+    rows = [replace(r, boundary_bytes=123_456_789.0) for r in report.with_ratios(_rows())]
+    rows.append(report.with_ratios([*_rows(), report.Row.build("bsp-shm", "normal", 8, 1e4, slow, slow)])[-1])
+    report.print_table(rows, "normal mode, a title", ["a note"])
+    out = capsys.readouterr().out
+    assert "…" not in out
+    for r in rows:
+        line = next(ln for ln in out.splitlines() if ln.startswith(f"│ {r.system} "))
+        cells = [f"{r.dispatch_us:,.0f}", f"{r.combine_p99_us:,.0f}", f"{r.vs_ubep:.2f}"]
+        cells += [f"{r.vs_ubep_ci95[0]:.2f}-{r.vs_ubep_ci95[1]:.2f}", f"{r.floor_fraction:.0%}"]
+        cells += [] if r.boundary_bytes is None else [f"{r.boundary_bytes / 1e6:.2f}"]
+        for cell in cells:
+            assert cell in line
+    assert max(len(ln) for ln in out.splitlines()) > 140
+
+
+def test_cpu_model_comes_from_cpuinfo():
+    text = "processor\t: 0\nvendor_id\t: GenuineIntel\nmodel name\t: Intel(R) Xeon(R) Platinum 8480+\n"
+    assert report.cpu_model(text) == "Intel(R) Xeon(R) Platinum 8480+"
+    assert report.cpu_model("processor\t: 0\nBogoMIPS\t: 50.00\n") == (platform.processor() or "unknown")
+
+
+def test_json_records_versions_host_and_date_and_replaces_the_whole_file(tmp_path):
+    path = tmp_path / "bench.json"
+    path.write_text("x" * 100_000)  # a longer old file: nothing of it may survive
+    before = datetime.now(UTC).replace(microsecond=0)
+    meta = report.metadata()
+    rows = report.with_ratios(_rows())
+    report.write_json(str(path), config={"ranks": 2}, meta=meta, rows=rows, notes=["n"], complete=False)
+    data = json.loads(path.read_text())
+    assert os.listdir(tmp_path) == ["bench.json"]  # no temporary left beside it
+    got = data["meta"]
+    assert got["ubep"] == ubep.__version__ and got["torch"] == torch.__version__
+    assert got["host"]["cores"] == os.cpu_count()
+    assert got["host"]["platform"] == platform.platform()
+    assert got["host"]["cpu"] == report.cpu_model()
+    date = datetime.fromisoformat(got["date"])
+    assert date.utcoffset().total_seconds() == 0
+    assert before <= date <= datetime.now(UTC)
+    assert data["complete"] is False and data["config"] == {"ranks": 2}
+    bsp = data["results"][1]
+    assert bsp["vs_ubep_ci95"] == list(rows[1].vs_ubep_ci95)
+    assert bsp["dispatch_rounds_us"] == [210.0, 250.0, 500.0, 230.0, 190.0]
+
+
+# --- the command line -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("tokens", ["0", "-3", "8,0"])
+def test_tokens_must_be_positive(tokens, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench", "--tokens", tokens])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == f"ubep bench: error: argument --tokens: expected positive integers, got '{tokens}'"
+
+
+def test_one_rank_is_refused(capsys):
+    with pytest.raises(SystemExit):
+        main(["bench", "--ranks", "1"])
+    assert "argument --ranks: must be at least 2, got 1" in capsys.readouterr().err
+
+
+def test_ll_mode_with_mpi_only_is_one_clear_error():
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench", "--mode", "ll", "--systems", "mpi"])
+    message = str(exit_.value.code)
+    assert message.startswith("ubep bench: no system left to run from --systems mpi: ll mode: no mpi row")
+    assert "\n" not in message
+
+
+def test_select_systems_drops_what_cannot_run_and_says_why():
+    cfg = BenchConfig(mode="ll", systems=("ubep", "mpi", "memcpy-floor"))
+    systems, notes = bench_run.select_systems(cfg, (True, ""))
+    assert systems == ("ubep", "memcpy-floor") and "no mpi row" in notes[0]
+    systems, notes = bench_run.select_systems(BenchConfig(systems=("mpi", "ubep")), (False, "no mpirun"))
+    assert systems == ("ubep",) and notes == ["mpi row skipped: no mpirun"]
+    with pytest.raises(ValueError, match="no mpirun"):
+        bench_run.select_systems(BenchConfig(systems=("mpi",)), (False, "no mpirun"))
+    with pytest.raises(ValueError, match="one host only"):
+        bench_run.select_systems(BenchConfig(ranks=4, nodes=2, systems=("bsp-shm",)), (True, ""))
+
+
+def test_an_interrupted_sweep_keeps_its_rows_and_exits_130(tmp_path, monkeypatch, capsys):
+    """Ctrl-C during the second batch size: the first one's rows are in the JSON (written as
+    soon as they were measured) and on the screen, and the exit status is 130."""
+    path = tmp_path / "sweep.json"
+    seen_on_disk = []
+
+    def measure(cfg, tokens, systems, advance=lambda: None):
+        if tokens == 16:
+            seen_on_disk.append(json.loads(path.read_text()))
+            raise KeyboardInterrupt
+        return report.with_ratios(
+            [
+                report.Row.build("ubep", cfg.mode, tokens, 1e4, [100.0, 110.0, 90.0], [50.0, 55.0, 45.0]),
+                report.Row.build(
+                    "bsp-gloo", cfg.mode, tokens, 1e4, [300.0, 310.0, 290.0], [90.0, 95.0, 85.0]
+                ),
+            ]
+        )
+
+    monkeypatch.setattr(bench_run, "plan", lambda cfg: (("ubep", "bsp-gloo"), ["engine: test"]))
+    monkeypatch.setattr(bench_run, "measure", measure)
+    code = main(["bench", "--ranks", "2", "--experts", "8", "--tokens", "8,16,32", "--json", str(path)])
+    assert code == 130
+    (on_disk,) = seen_on_disk
+    assert [r["tokens_per_rank"] for r in on_disk["results"]] == [8, 8]
+    assert on_disk["complete"] is False
+    final = json.loads(path.read_text())
+    assert [r["system"] for r in final["results"]] == ["ubep", "bsp-gloo"]
+    assert final["complete"] is False and final["notes"][-1] == "interrupted: 1 of 3 batch sizes measured"
+    out = capsys.readouterr().out
+    assert "bsp-gloo" in out and "interrupted: 1 of 3 batch sizes measured" in out
+
+
+def test_a_finished_sweep_says_complete(tmp_path, monkeypatch):
+    path = tmp_path / "sweep.json"
+
+    def measure(cfg, tokens, systems, advance=lambda: None):
+        return [report.Row.build("ubep", cfg.mode, tokens, 1e4, [100.0], [50.0])]
+
+    monkeypatch.setattr(bench_run, "plan", lambda cfg: (("ubep",), []))
+    monkeypatch.setattr(bench_run, "measure", measure)
+    assert main(["bench", "--ranks", "2", "--experts", "8", "--tokens", "8,16", "--json", str(path)]) == 0
+    data = json.loads(path.read_text())
+    assert data["complete"] is True and [r["tokens_per_rank"] for r in data["results"]] == [8, 16]
