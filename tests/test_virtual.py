@@ -17,6 +17,7 @@ import ubep
 from ubep.transport.virtual import VirtualRank, VirtualWorld
 
 ENGINES = ["torch", "numba"]
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def normal_mode(rank: VirtualRank, protocol: str, engine: str) -> int:
@@ -93,6 +94,15 @@ def test_a_construction_failure_names_the_rank_that_failed():
         VirtualWorld(3, timeout_s=30).run(body)
 
 
+def test_run_calls_fn_with_each_virtual_rank_as_the_readme_says():
+    readme = open(os.path.join(ROOT, "README.md")).read()
+    said = " ".join(readme[readme.index("VirtualWorld(R).run(fn)") :].split()[:12])
+    assert "calls `fn(rank)` in each, `rank` a `VirtualRank` (its index is `rank.rank`)" in said
+    ranks = VirtualWorld(3).run(lambda rank: rank)
+    assert all(isinstance(r, VirtualRank) for r in ranks)
+    assert [(r.rank, r.world_size) for r in ranks] == [(0, 3), (1, 3), (2, 3)]
+
+
 STUCK_RANK = """
 import threading
 from ubep.transport.virtual import VirtualWorld
@@ -107,7 +117,7 @@ except Exception as error:
 
 def test_a_stuck_rank_does_not_keep_the_interpreter_from_exiting():
     """Rank 1 never returns: run() raises at the world's deadline and the program then exits."""
-    src = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
+    src = os.path.join(ROOT, "src")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([src, os.environ.get("PYTHONPATH", "")]))
     try:
         done = subprocess.run(
