@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from importlib.metadata import version
 
 from ubep.cli import main
 
@@ -47,3 +48,13 @@ def test_every_command_works_without_numba(tmp_path):
     here = tmp_path / "here.json"
     assert main(["simulate", "--ranks", "8", "--tokens", "8", "--json", str(here)]) == 0
     assert json.loads(without.read_text())["results"] == json.loads(here.read_text())["results"]
+
+
+def test_version_names_the_installed_package(capsys):
+    try:
+        main(["--version"])
+    except SystemExit as done:
+        assert done.code == 0
+    else:
+        raise AssertionError("--version did not exit")
+    assert capsys.readouterr().out.split() == ["ubep", version("ubep")]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from importlib.metadata import version
 
 from ubep.bench.decode import add_parser as add_decode
 from ubep.bench.workload import DTYPES, SYSTEMS, BenchConfig
@@ -147,6 +148,7 @@ def run_bench(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="ubep", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {version('ubep')}")
     sub = parser.add_subparsers(dest="command", required=True)
     add_bench(sub)
     add_simulate(sub)
