@@ -140,7 +140,7 @@ def _plot(results: list[SimResult], path: str) -> None:
 def _ablation_table(name: str, bars: list[ablation.Bar]):
     from rich.table import Table
 
-    table = Table(title=f"{name}: simulated beside the paper (PAPER.md)")
+    table = Table(title=f"{name}: simulated beside the paper (docs/paper_figures.md)")
     for col in ("", "", "simulated", "paper"):
         table.add_column(col, justify="right")
     for b in bars:
