@@ -9,6 +9,8 @@ import sys
 import textwrap
 from importlib.metadata import version
 
+import pytest
+
 from ubep.cli import main
 
 SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
@@ -58,3 +60,35 @@ def test_version_names_the_installed_package(capsys):
     else:
         raise AssertionError("--version did not exit")
     assert capsys.readouterr().out.split() == ["ubep", version("ubep")]
+
+
+SMALL_FABRIC = {  # two nodes of four devices; a slow port between them
+    "name": "small",
+    "ports_gbps": {"nvlink": 100, "net": 5},
+    "levels": [
+        {"name": "device", "span": 1, "latency_us": 0.2, "port": "nvlink"},
+        {"name": "node", "span": 4, "latency_us": 1.0, "port": "nvlink"},
+        {"name": "cluster", "span": 8, "latency_us": 3.0, "port": "net"},
+    ],
+}
+
+
+@pytest.mark.parametrize(
+    "argv,said",
+    [
+        (["simulate", "--topology", "nosuch"], "ubep simulate: topology must be one of host, cm384"),
+        (["simulate", "--ranks", "7"], "ubep simulate: --ranks 7 must divide the 256 experts of deepseek-v3"),
+        (["simulate", "--topology", "{bad}"], "ubep simulate: topology file {bad}: Expecting property name"),
+        (["plan", "--topology", "{bad}"], "ubep plan: topology file {bad}: Expecting property name"),
+        (["plan", "--topology", "{partial}"], "ubep plan: topology file {partial}: missing 'levels'"),
+    ],
+)
+def test_bad_simulator_arguments_give_one_line_naming_the_problem(tmp_path, argv, said):
+    files = {"bad": tmp_path / "bad.json", "partial": tmp_path / "partial.json"}
+    files["bad"].write_text('{"name": "x",\n')
+    files["partial"].write_text('{"name": "x", "ports_gbps": {"p": 1}}')
+    argv = [a.format(**files) for a in argv]
+    with pytest.raises(SystemExit) as done:
+        main(argv)
+    message = str(done.value.code)
+    assert message.startswith(said.format(**files)) and "\n" not in message

@@ -228,8 +228,18 @@ def preset(name: str) -> Topology:
 
 
 def from_dict(spec: dict) -> Topology:
-    """A topology from plain data (the JSON file format; see docs/topology.md)."""
-    levels = tuple(Level(**lv) for lv in spec["levels"])
+    """A topology from plain data (the JSON file format; see docs/topology.md); ValueError saying
+    what is missing or wrong."""
+    if not isinstance(spec, dict):
+        raise ValueError(f"a topology is a JSON object, got {type(spec).__name__}")
+    if missing := [key for key in ("levels", "ports_gbps") if key not in spec]:
+        raise ValueError(f"missing {' and '.join(map(repr, missing))} (the format: docs/topology.md)")
+    if not isinstance(spec["ports_gbps"], dict):
+        raise ValueError(f"ports_gbps maps port names to GB/s, got {type(spec['ports_gbps']).__name__}")
+    try:
+        levels = tuple(Level(**lv) for lv in spec["levels"])
+    except TypeError as err:  # a level that is not an object, or has unknown or missing fields
+        raise ValueError(f"levels: {err}") from None
     return Topology(
         name=spec.get("name", "custom"),
         levels=levels,
@@ -246,5 +256,8 @@ def load(name_or_path: str) -> Topology:
         return preset(name_or_path)
     path = Path(name_or_path)
     if not path.is_file():
-        raise ValueError(f"topology must be one of {PRESETS} or an existing JSON file, got {name_or_path!r}")
-    return from_dict(json.loads(path.read_text()))
+        raise ValueError(f"topology must be one of {', '.join(PRESETS)} or a JSON file, got {name_or_path!r}")
+    try:
+        return from_dict(json.loads(path.read_text()))
+    except (OSError, ValueError) as err:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise ValueError(f"topology file {name_or_path}: {err}") from None

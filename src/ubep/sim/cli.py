@@ -10,6 +10,7 @@ from dataclasses import asdict, replace
 from ubep import routing, schedule, topology
 from ubep.costmodel import CostParams
 from ubep.sim import ablation, sync
+from ubep.sim.protocols import Workload
 from ubep.sim.run import MODELS, PROTOCOLS, SimConfig, SimResult, simulate, workload
 
 
@@ -80,8 +81,26 @@ def _configs(args) -> list[SimConfig]:
     return [replace(base, ranks=r, tokens=t) for r in args.ranks for t in args.tokens]
 
 
-def _runs(cfg: SimConfig, protocols_: list[str], policies: list[str], syncs: list[str]) -> list[SimResult]:
-    wl = workload(cfg)
+def _checked(args) -> list[tuple[SimConfig, Workload]]:
+    """Every (config, workload) to simulate; SystemExit with one line naming the bad argument."""
+    experts = args.experts or MODELS[args.model][1]
+    for ranks in args.ranks:
+        if ranks < 1 or experts % ranks:
+            raise SystemExit(
+                f"ubep simulate: --ranks {ranks} must divide the {experts} experts of {args.model} "
+                f"(or set --experts)"
+            )
+    if args.ablation:
+        return []  # the ablations fix their own fabric
+    try:
+        return [(cfg, workload(cfg)) for cfg in _configs(args)]
+    except ValueError as bad:  # an unknown topology, a file that is no topology, too many ranks
+        raise SystemExit(f"ubep simulate: {bad}") from None
+
+
+def _runs(
+    cfg: SimConfig, wl: Workload, protocols_: list[str], policies: list[str], syncs: list[str]
+) -> list[SimResult]:
     out = []
     for proto in protocols_:
         if proto != "ubep":
@@ -178,10 +197,11 @@ def run(args) -> int:
     """Simulate every (ranks, tokens, protocol, policy) combination; print, then save."""
     from rich.console import Console
 
+    runs = _checked(args)
     if args.ablation:
         return run_ablation(args)
-    configs = _configs(args)
-    results = [r for cfg in configs for r in _runs(cfg, args.protocol, args.policy, args.sync)]
+    configs = [cfg for cfg, _ in runs]
+    results = [r for cfg, wl in runs for r in _runs(cfg, wl, args.protocol, args.policy, args.sync)]
     console = Console()
     for ranks in args.ranks:
         console.print(_table(ranks, [r for r in results if r.ranks == ranks]))
