@@ -92,3 +92,15 @@ def test_bad_simulator_arguments_give_one_line_naming_the_problem(tmp_path, argv
         main(argv)
     message = str(done.value.code)
     assert message.startswith(said.format(**files)) and "\n" not in message
+
+
+def test_plan_says_what_it_simulates_as_it_goes(tmp_path, capsys):
+    fabric = tmp_path / "small.json"
+    fabric.write_text(json.dumps(SMALL_FABRIC))
+    assert main(["plan", "--topology", str(fabric), "--model", "qwen3-30b", "--tokens", "8"]) == 0
+    out, err = capsys.readouterr()
+    steps = err.splitlines()
+    assert steps[0].startswith("ubep plan: simulating protocol ubep (")
+    assert any(s.startswith("ubep plan: simulating workers per rank: ") for s in steps)
+    assert steps[-1].startswith("ubep plan: simulating prediction at 8 tokens per rank (")
+    assert "small, qwen3-30b: protocol" in out  # the advice itself stays on stdout

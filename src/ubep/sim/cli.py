@@ -5,6 +5,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, replace
 
 from ubep import routing, schedule, topology
@@ -231,6 +234,23 @@ def add_plan_parser(subparsers) -> None:
     p.set_defaults(func=run_plan)
 
 
+@contextmanager
+def _progress(command: str) -> Iterator[Callable[[str], None]]:
+    """Say on stderr what is simulated now: a spinner on a terminal, else one line a step."""
+    from rich.console import Console
+
+    console, start = Console(stderr=True), time.monotonic()
+
+    def line(step: str) -> str:
+        return f"{command}: simulating {step} ({time.monotonic() - start:.0f} s)"
+
+    if console.is_terminal:
+        with console.status(f"{command}: starting") as status:
+            yield lambda step: status.update(line(step))
+    else:
+        yield lambda step: console.print(line(step), highlight=False, soft_wrap=True)
+
+
 def run_plan(args) -> int:
     """Print the advice, the reasons, and predicted dispatch/combine per batch with bottlenecks."""
     from rich.console import Console
@@ -240,8 +260,9 @@ def run_plan(args) -> int:
 
     try:
         topo = topology.load(args.topology)
-        advice, preds = plan(topo, model=args.model, ranks=args.ranks, batches=tuple(args.tokens),
-                             dispatch_dtype=args.dispatch_dtype)  # fmt: skip
+        with _progress("ubep plan") as step:
+            advice, preds = plan(topo, model=args.model, ranks=args.ranks, batches=tuple(args.tokens),
+                                 dispatch_dtype=args.dispatch_dtype, progress=step)  # fmt: skip
     except ValueError as bad:
         raise SystemExit(f"ubep plan: {bad}") from None
     console = Console()
