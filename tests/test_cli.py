@@ -104,3 +104,17 @@ def test_plan_says_what_it_simulates_as_it_goes(tmp_path, capsys):
     assert any(s.startswith("ubep plan: simulating workers per rank: ") for s in steps)
     assert steps[-1].startswith("ubep plan: simulating prediction at 8 tokens per rank (")
     assert "small, qwen3-30b: protocol" in out  # the advice itself stays on stdout
+
+
+def test_decode_prints_its_table_and_nothing_else():
+    """No transformers loading bars (one per model load, in every rank) and no leaked-semaphore
+    warning at exit (tqdm's lock in the rank processes)."""
+    pytest.importorskip("transformers")  # the `frameworks` extra
+    tiny = ["--steps", "1", "--warmup", "1", "--repeats", "1", "--systems", "ubep,all_to_all"]
+    env = {k: v for k, v in ENV.items() if k != "HF_HUB_DISABLE_PROGRESS_BARS"}
+    done = subprocess.run(
+        [sys.executable, "-m", "ubep", "decode", *tiny], env=env, capture_output=True, text=True, timeout=240
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stderr == ""
+    assert done.stdout.splitlines()[1].split()[:2] == ["system", "ms/token"]

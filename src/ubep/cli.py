@@ -155,4 +155,14 @@ def main(argv: list[str] | None = None) -> int:
     add_plan(sub)
     add_decode(sub)
     args = parser.parse_args(argv)
+    if args.command == "decode":
+        _without_hub_progress_bars()
     return args.func(args)
+
+
+def _without_hub_progress_bars() -> None:
+    """`ubep decode` saves a model and loads it in every rank process: without this, transformers
+    draws a progress bar per load (24 in a default run) on the table's terminal, and tqdm's
+    lock in each rank leaks a semaphore at exit. Hugging Face's own switch is an environment
+    variable, which also reaches the rank processes; a value the user set is kept."""
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
