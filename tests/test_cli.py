@@ -118,3 +118,11 @@ def test_decode_prints_its_table_and_nothing_else():
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stderr == ""
     assert done.stdout.splitlines()[1].split()[:2] == ["system", "ms/token"]
+
+
+@pytest.mark.parametrize("command", ["simulate", "plan"])
+def test_simulate_and_plan_without_rich_say_which_extra_to_install(monkeypatch, command):
+    monkeypatch.setitem(sys.modules, "rich", None)  # as after a plain `pip install ubep`
+    with pytest.raises(SystemExit) as done:
+        main([command, "--tokens", "8"])
+    assert done.value.code == f"ubep {command} needs rich: pip install 'ubep[bench]'"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import sys
 import time
@@ -196,8 +197,15 @@ def run_ablation(args) -> int:
     return 0
 
 
+def _needs_rich(command: str) -> None:
+    """One line, not a traceback, where rich (the `bench` extra) is not installed."""
+    if importlib.util.find_spec("rich") is None:
+        raise SystemExit(f"ubep {command} needs rich: pip install 'ubep[bench]'")
+
+
 def run(args) -> int:
     """Simulate every (ranks, tokens, protocol, policy) combination; print, then save."""
+    _needs_rich("simulate")
     from rich.console import Console
 
     runs = _checked(args)
@@ -253,6 +261,7 @@ def _progress(command: str) -> Iterator[Callable[[str], None]]:
 
 def run_plan(args) -> int:
     """Print the advice, the reasons, and predicted dispatch/combine per batch with bottlenecks."""
+    _needs_rich("plan")
     from rich.console import Console
     from rich.table import Table
 
