@@ -7,6 +7,7 @@ import shutil
 import subprocess
 import sys
 import zipfile
+from importlib.metadata import version
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -28,3 +29,10 @@ def test_the_wheel_ships_py_typed_and_the_apache_license(tmp_path):
     assert "Apache License" in text and "Version 2.0, January 2004" in text
     assert "END OF TERMS AND CONDITIONS" in text
     assert "License-Expression: Apache-2.0" in metadata.splitlines()
+
+
+def test_the_changelog_has_a_section_for_this_version():
+    with open(os.path.join(ROOT, "CHANGELOG.md")) as f:
+        headings = [line.strip() for line in f if line.startswith("## ")]
+    assert headings[0] == "## Unreleased" or headings[0].startswith("## " + version("ubep"))
+    assert any(h.startswith("## " + version("ubep")) for h in headings)  # bump the version, log it
