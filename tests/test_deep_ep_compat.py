@@ -7,6 +7,9 @@ size by get_low_latency_rdma_size_hint and use the receive hooks).
 
 from __future__ import annotations
 
+import inspect
+import os
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -188,3 +191,33 @@ def test_sizes_and_refusals():
         Buffer(None, low_latency_mode=True).low_latency_dispatch(
             torch.zeros(1, 512).bfloat16(), torch.zeros(1, 1, dtype=torch.int64), 1, 1, use_ue8m0=True
         )
+
+
+def test_local_buffer_tensor_and_comm_stream_as_in_deep_ep_v1():
+    buffer = Buffer(None, num_nvl_bytes=1024, num_rdma_bytes=512, low_latency_mode=True)
+    stream = buffer.get_comm_stream()
+    assert isinstance(stream, torch.Stream) and stream.query()  # calls finish in program order
+    words = buffer.get_local_buffer_tensor(torch.int32)
+    assert words.dtype == torch.int32 and words.numel() == 1024 // 4
+    words[1:4] = torch.tensor([5, 6, 7], dtype=torch.int32)
+    view = buffer.get_local_buffer_tensor(torch.int32, torch.Size([1, 2]), offset=8)  # offset in bytes
+    assert view.tolist() == [[6, 7]]  # the same memory, every request
+    assert buffer.get_local_buffer_tensor(torch.bfloat16, offset=1000).numel() == 12  # ends at the end
+    assert buffer.get_local_buffer_tensor(torch.uint8, use_rdma_buffer=True).numel() == 512
+    with pytest.raises(ValueError, match=r"multiple of torch\.int32's 4 bytes"):
+        buffer.get_local_buffer_tensor(torch.int32, offset=2)
+    with pytest.raises(ValueError, match=r"offset must be an int in \[0, 1024\]"):
+        buffer.get_local_buffer_tensor(torch.int32, offset=1028)
+    with pytest.raises(ValueError, match=r"size \(300,\) needs 300 elements; the buffer holds 256"):
+        buffer.get_local_buffer_tensor(torch.int32, torch.Size([300]))
+
+
+def test_the_documented_fp8_defaults_match_the_code():
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, "docs", "frameworks.md")) as doc:
+        text = " ".join(doc.read().split())
+    ours = inspect.signature(ubep.Buffer.low_latency_dispatch).parameters["use_fp8"].default
+    theirs = inspect.signature(Buffer.low_latency_dispatch).parameters["use_fp8"].default
+    assert f"including DeepEP's default, `use_fp8={theirs}`, in `low_latency_dispatch`" in text
+    assert f"`ubep.Buffer.low_latency_dispatch` defaults to `use_fp8={ours}`" in text
+    assert "DeepEP's V1 Python API" in text

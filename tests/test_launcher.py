@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import os
-import pickle
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -61,12 +62,47 @@ def test_deadline_kills_hung_ranks():
     assert time.monotonic() - start < 15
 
 
-def test_nested_function_is_refused_with_a_reason():
+def test_a_lambda_or_nested_function_is_refused_with_what_to_do():
     def nested() -> int:
         return 1
 
-    with pytest.raises((AttributeError, TypeError, pickle.PicklingError), match=r"nested|local"):
-        LocalLaunch(world_size=2, timeout_s=30).run(nested)
+    for fn in (nested, lambda: 1):
+        with pytest.raises(TypeError, match=r"cannot send .* by pickling .*not a lambda, nor one defined"):
+            LocalLaunch(world_size=2, timeout_s=30).run(fn)
+
+
+TYPED_AT_A_PROMPT = """
+import ubep
+
+def typed_here():
+    return 1
+
+class Typed:
+    pass
+
+for fn, args in ((typed_here, ()), (repr, (Typed(),))):
+    try:
+        ubep.LocalLaunch(world_size=2, timeout_s=60).run(fn, *args)
+    except Exception as error:
+        print(type(error).__name__, str(error).replace("\\n", " "))
+"""
+
+
+def test_a_function_typed_into_python_c_is_refused_with_what_to_do():
+    """Under `python -c` (as in a REPL or a notebook) the ranks cannot import `__main__`'s names:
+    a function is refused before any rank starts; an argument of such a class fails in every rank,
+    which says why (before: "rank 0 failed: exited with code 1 and no result")."""
+    src = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([src, os.environ.get("PYTHONPATH", "")]))
+    done = subprocess.run(
+        [sys.executable, "-c", TYPED_AT_A_PROMPT], env=env, capture_output=True, text=True, timeout=120
+    )
+    refused, unloadable = done.stdout.splitlines()
+    assert refused.startswith("TypeError LocalLaunch cannot run typed_here: it is defined in an interactive")
+    assert refused.endswith("Put it in a .py file and import it from there, or run a script.")
+    assert unloadable.startswith("RankFailedError rank ")
+    assert "Can't get attribute 'Typed'" in unloadable
+    assert "could not load the function or its arguments sent by LocalLaunch" in unloadable
 
 
 def test_one_rank_runs_inline():

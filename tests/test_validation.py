@@ -116,6 +116,7 @@ CONSTRUCTOR_RULES = [
     (dict(hidden=0), ValueError, "hidden must be >= 1"),
     (dict(hidden=16.0), TypeError, "hidden must be an int"),
     (dict(num_experts=0), ValueError, "num_experts must be >= 1"),
+    (dict(num_experts=2**40), ValueError, "num_experts=1099511627776 is too large: the per-expert tables"),
     (dict(max_tokens_per_rank=-1), ValueError, "max_tokens_per_rank must be >= 1"),
     (dict(max_topk=0), ValueError, "max_topk must be >= 1"),
     (dict(protocol="nccl"), ValueError, "protocol must be one of"),
@@ -130,6 +131,11 @@ def test_constructor_rule(change, error, words):
     args = dict(hidden=H, num_experts=E, max_tokens_per_rank=T) | change
     with pytest.raises(error, match=words):
         ubep.Buffer(**args)
+
+
+def test_a_size_hint_refuses_too_many_experts_before_allocating():
+    with pytest.raises(ValueError, match="num_experts=1099511627776 is too large"):
+        ubep.Buffer.size_hint(hidden=H, num_experts=2**40, max_tokens_per_rank=T, num_ranks=8)
 
 
 @pytest.mark.parametrize(

@@ -99,6 +99,7 @@ class Buffer:
     ):
         validate.positive("hidden", hidden)
         validate.positive("num_experts", num_experts)
+        validate.expert_tables(num_experts)
         validate.positive("max_tokens_per_rank", max_tokens_per_rank)
         validate.positive("max_topk", max_topk)
         if protocol not in PROTOCOLS:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from importlib.metadata import version
 
 from ubep.bench.decode import add_parser as add_decode
 from ubep.bench.workload import DTYPES, SYSTEMS, BenchConfig
@@ -195,10 +196,21 @@ def run_bench(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="ubep", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {version('ubep')}")
     sub = parser.add_subparsers(dest="command", required=True)
     add_bench(sub)
     add_simulate(sub)
     add_plan(sub)
     add_decode(sub)
     args = parser.parse_args(argv)
+    if args.command == "decode":
+        _without_hub_progress_bars()
     return args.func(args)
+
+
+def _without_hub_progress_bars() -> None:
+    """`ubep decode` saves a model and loads it in every rank process: without this, transformers
+    draws a progress bar per load (24 in a default run) on the table's terminal, and tqdm's
+    lock in each rank leaks a semaphore at exit. Hugging Face's own switch is an environment
+    variable, which also reaches the rank processes; a value the user set is kept."""
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")

@@ -26,21 +26,21 @@ import numpy as np
 
 from ubep.topology import Topology
 
-# eta and call fitted on DeepEP's low-latency EP8/EP64 numbers (PAPER.md table); o, which those
+# eta and call fitted on DeepEP's low-latency EP8/EP64 numbers (docs/paper_figures.md); o, which those
 # barely see, chosen with them and the CloudMatrix384 points below. See ubep.sim.calibrate.
 FIT_MSG_OVERHEAD_US = 0.2
 FIT_LINK_EFFICIENCY = 1.0  # DeepEP counts bytes such that RDMA reaches its nominal 50 GB/s
 FIT_CALL_US = 34.05  # fixed cost of one dispatch or combine call (kernel start, setup)
 # Fitted on UBEP's EP64 reductions (batch 8, 128) and the scheduling ablation's first step, on
-# CloudMatrix384 (PAPER.md), see ubep.sim.calibrate: outstanding write requests per worker.
-REQUEST_BYTES = 512  # one write request on the fabric (the UB's 512 B write, PAPER.md's TFF unit)
+# CloudMatrix384 (docs/paper_figures.md), see ubep.sim.calibrate: outstanding write requests per worker.
+REQUEST_BYTES = 512  # one write request on the fabric (the UB's 512 B write, the paper's TFF unit)
 FIT_OUTSTANDING_REQUESTS = 64
 WINDOW_BYTES = FIT_OUTSTANDING_REQUESTS * REQUEST_BYTES  # one worker's bytes in flight, every class
 # Assumed (no published figure to fit against).
 POLL_US = 0.05  # checking one flag word in local memory
 PREFIX_US = 1.0  # the per-expert prefix-sum kernel
 FLAG_BYTES = 64  # a flag or count write, rounded up to one cache line
-TFF_WRITE_BYTES, TFF_FLAG_BYTES = 512, 32  # Data-as-Flag TFF: 32 B flag + 480 B payload per write (PAPER.md)
+TFF_WRITE_BYTES, TFF_FLAG_BYTES = 512, 32  # Data-as-Flag TFF: 32 B flag + 480 B payload a write (UBEP)
 SENTINEL_BYTES = 64  # Data-as-Flag SP: the sentinel line the receiver arms in each receive slot: assumed
 
 

@@ -4,8 +4,10 @@ For tests, benchmarks and users without torchrun: `LocalLaunch(world_size=8).run
 calls `fn(*args)` on every rank and returns the results in rank order. A rank
 that raises has its traceback re-raised here with its rank named, and the other
 ranks are killed; a deadline bounds the whole run. One rank runs inline.
-`fn` and `args` travel to the ranks by pickling: `fn` must be a module-level
-function (not a lambda or a nested function).
+`fn` and `args` travel to the ranks by pickling, a function by its module and
+name: `fn` must be defined at the top level of an importable module (not a
+lambda, a nested function, or a function typed into a REPL, a notebook or
+`python -c`). Anything else is refused before a rank starts, saying so.
 
 Each rank sees torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK,
 LOCAL_WORLD_SIZE, GROUP_RANK), so `ranks_per_node` can emulate several nodes.
@@ -15,13 +17,16 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import queue
+import sys
 import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from multiprocessing.reduction import ForkingPickler
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -77,13 +82,14 @@ class LocalLaunch:
     def _launch(self, fn, args, stop_on_error: bool) -> list[RankOutcome]:
         if self.world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {self.world_size}")
+        payload = _pickled(fn, args)
         ctx = _context(self.start_method)
         store = dist.TCPStore(
             "127.0.0.1", 0, None, True, timedelta(seconds=self.timeout_s), wait_for_workers=False
         )
         results: mp.Queue = ctx.Queue()
         procs = [
-            ctx.Process(target=_rank_main, args=(self, rank, store.port, fn, args, results), daemon=True)
+            ctx.Process(target=_rank_main, args=(self, rank, store.port, payload, results), daemon=True)
             for rank in range(self.world_size)
         ]
         try:
@@ -143,6 +149,27 @@ class LocalLaunch:
         return [done[r] for r in range(len(procs))]
 
 
+def _pickled(fn: Callable[..., Any], args: tuple) -> bytes:
+    """(fn, args) as the ranks will receive them; TypeError saying why and what to do where they cannot."""
+    name = getattr(fn, "__qualname__", repr(fn))
+    try:
+        payload = bytes(ForkingPickler.dumps((fn, args)))
+    except Exception as err:  # pickle raises PicklingError, AttributeError or TypeError, by object
+        raise TypeError(
+            f"LocalLaunch cannot send {name} and its arguments to the rank processes, which receive "
+            f"them by pickling ({type(err).__name__}: {err}). Pass a function defined at the top level "
+            "of a module (not a lambda, nor one defined inside another function), and picklable "
+            "arguments after it: run(fn, *args)."
+        ) from err
+    if getattr(fn, "__module__", None) == "__main__" and not hasattr(sys.modules["__main__"], "__file__"):
+        raise TypeError(
+            f"LocalLaunch cannot run {name}: it is defined in an interactive session (a REPL, a notebook "
+            "or python -c), which the rank processes cannot import; they receive a function by its "
+            "module and name. Put it in a .py file and import it from there, or run a script."
+        )
+    return payload
+
+
 def _context(start_method: str):
     """The multiprocessing context; a fork server preloads torch so each rank starts fast.
 
@@ -167,7 +194,14 @@ def _drain(results: mp.Queue, done: dict[int, RankOutcome]) -> None:
         done[outcome.rank] = outcome
 
 
-def _rank_main(launch: LocalLaunch, rank: int, port: int, fn, args, results: mp.Queue) -> None:
+UNLOADABLE = (
+    "The rank could not load the function or its arguments sent by LocalLaunch: each must be "
+    "importable here by its module and name (defined at the top level of a module this process can "
+    "import, not in a REPL, a notebook or python -c)."
+)
+
+
+def _rank_main(launch: LocalLaunch, rank: int, port: int, payload: bytes, results: mp.Queue) -> None:
     per_node = launch.ranks_per_node or launch.world_size
     os.environ.update(
         RANK=str(rank),
@@ -180,12 +214,21 @@ def _rank_main(launch: LocalLaunch, rank: int, port: int, fn, args, results: mp.
     )
     torch.set_num_threads(launch.threads_per_rank)
     try:
+        fn, args = pickle.loads(payload)
+    except BaseException:
+        _report(results, RankOutcome(rank, False, error=traceback.format_exc() + UNLOADABLE, cause="raised"))
+    try:
         timeout = timedelta(seconds=launch.timeout_s)
         store = dist.TCPStore("127.0.0.1", port, None, False, timeout)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=launch.world_size, timeout=timeout)
         outcome = RankOutcome(rank, True, result=fn(*args))
     except BaseException:
         outcome = RankOutcome(rank, False, error=traceback.format_exc(), cause="raised")
+    _report(results, outcome)
+
+
+def _report(results: mp.Queue, outcome: RankOutcome) -> NoReturn:
+    """Hand the outcome to the launcher and exit."""
     results.put(outcome)
     results.close()
     results.join_thread()

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ubep import validate
+
 
 @dataclass(frozen=True, slots=True)
 class ExpertPlacement:
@@ -50,6 +52,7 @@ class ExpertPlacement:
             raise ValueError(
                 f"num_experts ({num_experts}) must be a multiple of the group size ({num_ranks})"
             )
+        validate.expert_tables(num_experts)  # before the tables below are allocated
         experts_E = torch.arange(num_experts, dtype=torch.int64)
         local = num_experts // num_ranks
         return cls(num_ranks, experts_E // local, experts_E % local)

@@ -22,16 +22,16 @@ from pathlib import Path
 
 import numpy as np
 
-# --- Published figures (PAPER.md, "Hardware figures for a network model") ----------------
+# --- Published figures (docs/paper_figures.md, "Fabrics") ------------------------------
 CM384_LATENCY_US = (0.218, 0.929, 2.5)  # same device / one switch hop / two hops (UBEP paper, measured)
 CM384_DEVICE_GBPS = 392.0  # unidirectional UB bandwidth per NPU (CloudMatrix384 paper)
 CM384_NODES, CM384_DEVICES_PER_NODE = 48, 8  # 384 NPUs in 48 nodes of 8
 NVLINK5_DEVICE_GBPS = 900.0  # GB200 NVL72, NVLink 5, unidirectional per GPU
 NVL72_DEVICES, NVL576_RACKS = 72, 8
-H800_NVLINK_GBPS = 200.0  # H800 NVLink 4 (400 GB/s bidirectional); 150-450 GB/s achieved per PAPER.md
+H800_NVLINK_GBPS = 200.0  # H800 NVLink 4 (400 GB/s bidirectional); 150-450 GB/s achieved (paper_figures.md)
 RDMA_NIC_GBPS = 50.0  # one 400 Gb/s NIC per GPU
 HGX_DEVICES_PER_NODE = 8
-HGX_LATENCY_US = (0.2, 1.5, 3.5)  # local; NVLink ~1-2 us; RDMA ~2-5 us (midpoints of PAPER.md ranges)
+HGX_LATENCY_US = (0.2, 1.5, 3.5)  # local; NVLink ~1-2 us; RDMA ~2-5 us (midpoints of the published ranges)
 # --- Assumptions where no public figure exists (stated in docs/topology.md) -------------
 NVLINK5_LATENCY_US = (0.2, 1.0, 2.0)  # local / one NVSwitch hop / two tiers (NVL576): assumed
 HBM_COPY_GBPS = 1500.0  # device-local copy rate for reorder/reduce (HBM3-class, half of peak): assumed
@@ -147,7 +147,7 @@ def cm384(devices_per_node: int = CM384_DEVICES_PER_NODE, num_devices: int = 384
         spans=(1, devices_per_node, num_devices),
         latency_us=CM384_LATENCY_US,
         device_gbps=CM384_DEVICE_GBPS,
-        source="PAPER.md: UBEP latencies 0.22/0.93/2.5 us; CloudMatrix384 paper >= 392 GB/s per NPU",
+        source="docs/paper_figures.md: UBEP latencies 0.22/0.93/2.5 us; CloudMatrix384 >= 392 GB/s per NPU",
     )
 
 
@@ -163,7 +163,7 @@ def nvl72() -> Topology:
         spans=(1, NVL72_DEVICES),
         latency_us=NVLINK5_LATENCY_US[:2],
         device_gbps=NVLINK5_DEVICE_GBPS,
-        source="PAPER.md: NVLink 5, 900 GB/s per GPU, one switch tier; latency assumed",
+        source="docs/paper_figures.md: NVLink 5, 900 GB/s per GPU, one switch tier; latency assumed",
     )
 
 
@@ -173,7 +173,7 @@ def nvl576() -> Topology:
         spans=(1, NVL72_DEVICES, NVL72_DEVICES * NVL576_RACKS),
         latency_us=NVLINK5_LATENCY_US,
         device_gbps=NVLINK5_DEVICE_GBPS,
-        source="PAPER.md: NVLink 5, two tiers; latency assumed (no public figure)",
+        source="docs/paper_figures.md: NVLink 5, two tiers; latency assumed (no public figure)",
     )
 
 
@@ -189,7 +189,7 @@ def hgx_h800_ib(num_nodes: int = 32) -> Topology:
         name="hgx-h800-ib",
         levels=levels,
         ports_gbps=(("nvlink", H800_NVLINK_GBPS), ("rdma", RDMA_NIC_GBPS)),
-        source="PAPER.md: NVLink 150-450 GB/s achieved, ~1-2 us; RDMA ~50 GB/s per NIC, ~2-5 us",
+        source="docs/paper_figures.md: NVLink 150-450 GB/s achieved, ~1-2 us; RDMA ~50 GB/s per NIC, ~2-5 us",
     )
 
 
@@ -228,8 +228,18 @@ def preset(name: str) -> Topology:
 
 
 def from_dict(spec: dict) -> Topology:
-    """A topology from plain data (the JSON file format; see docs/topology.md)."""
-    levels = tuple(Level(**lv) for lv in spec["levels"])
+    """A topology from plain data (the JSON file format; see docs/topology.md); ValueError saying
+    what is missing or wrong."""
+    if not isinstance(spec, dict):
+        raise ValueError(f"a topology is a JSON object, got {type(spec).__name__}")
+    if missing := [key for key in ("levels", "ports_gbps") if key not in spec]:
+        raise ValueError(f"missing {' and '.join(map(repr, missing))} (the format: docs/topology.md)")
+    if not isinstance(spec["ports_gbps"], dict):
+        raise ValueError(f"ports_gbps maps port names to GB/s, got {type(spec['ports_gbps']).__name__}")
+    try:
+        levels = tuple(Level(**lv) for lv in spec["levels"])
+    except TypeError as err:  # a level that is not an object, or has unknown or missing fields
+        raise ValueError(f"levels: {err}") from None
     return Topology(
         name=spec.get("name", "custom"),
         levels=levels,
@@ -246,5 +256,8 @@ def load(name_or_path: str) -> Topology:
         return preset(name_or_path)
     path = Path(name_or_path)
     if not path.is_file():
-        raise ValueError(f"topology must be one of {PRESETS} or an existing JSON file, got {name_or_path!r}")
-    return from_dict(json.loads(path.read_text()))
+        raise ValueError(f"topology must be one of {', '.join(PRESETS)} or a JSON file, got {name_or_path!r}")
+    try:
+        return from_dict(json.loads(path.read_text()))
+    except (OSError, ValueError) as err:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise ValueError(f"topology file {name_or_path}: {err}") from None

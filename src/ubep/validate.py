@@ -14,11 +14,15 @@ combine a dispatch), which is how DeepEP is used in training.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from ubep import fp8
 
 PAYLOAD_DTYPES = (torch.bfloat16, torch.float32)
+# A Buffer's tables with one entry per expert: owner rank and local index (int64 each), masked flag.
+BYTES_PER_EXPERT = 8 + 8 + 1
 
 
 def tensor(name: str, value, dtype: torch.dtype | tuple[torch.dtype, ...], ndim: int) -> torch.Tensor:
@@ -98,6 +102,23 @@ def positive(name: str, value, minimum: int = 1) -> int:
     if value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
     return value
+
+
+def expert_tables(num_experts: int) -> None:
+    """Refuse a num_experts whose per-expert tables alone exceed this host's memory, before torch
+    tries to allocate them (num_experts=2**40 would ask for 17 TiB)."""
+    need, have = BYTES_PER_EXPERT * num_experts, host_memory_bytes()
+    if need > have:
+        raise ValueError(
+            f"num_experts={num_experts} is too large: the per-expert tables alone take "
+            f"{need / 2**30:,.0f} GiB ({BYTES_PER_EXPERT} bytes an expert), more than this host's "
+            f"{have / 2**30:,.0f} GiB of memory"
+        )
+
+
+def host_memory_bytes() -> int:
+    """This host's physical memory, in bytes."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def fp8_pair(name: str, value, hidden: int, capacity: int, rows: int | None = None):

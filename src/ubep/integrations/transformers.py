@@ -1,7 +1,7 @@
 """ubep as an expert-parallel implementation for Hugging Face transformers (>= 5.21).
 
-Importing this module registers three implementations with transformers'
-`EPImplementationInterface`; a model picks one with
+Importing this module registers the implementations below (`IMPLEMENTATIONS`)
+with transformers' `EPImplementationInterface`; a model picks one with
 `DistributedConfig(ep_size=R, fsdp_size=R, ep_implementation=...)`, or with
 `distributed_config(model_config, ep_size=R, mode=...)` here, which checks the
 model first and names the setting to change when it does not fit:

@@ -8,7 +8,7 @@
   headline    ubep against the bsp protocol on CloudMatrix384, EP64 and EP128, one
               expert per device, batches 8-128; metric: dispatch latency reduction.
 
-The published values are PAPER.md's (UBEP paper, production CloudMatrix384).
+The published values are the UBEP paper's (production CloudMatrix384), in docs/paper_figures.md.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ give its skew). Poll, prefix-sum, flag and sentinel costs are assumed, not fitte
                absolute times; the sync ablation; TensorRT-LLM NVL72 EP8; the paper's
                "24 -> 48 workers gave almost nothing".
 
-Sources: PAPER.md tables (DeepEP README; UBEP paper; TensorRT-LLM). Run
+Sources: docs/paper_figures.md (DeepEP README; UBEP paper; TensorRT-LLM). Run
 `python -m ubep.sim.calibrate` to refit (a few minutes); the fitted values live
 in costmodel.py (and ablation.py for the hot share), and docs/simulation.md keeps
 the table this prints.

@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, replace
 
 from ubep import routing, schedule, topology
 from ubep.costmodel import CostParams
 from ubep.sim import ablation, sync
+from ubep.sim.protocols import Workload
 from ubep.sim.run import MODELS, PROTOCOLS, SimConfig, SimResult, simulate, workload
 
 
@@ -80,8 +85,26 @@ def _configs(args) -> list[SimConfig]:
     return [replace(base, ranks=r, tokens=t) for r in args.ranks for t in args.tokens]
 
 
-def _runs(cfg: SimConfig, protocols_: list[str], policies: list[str], syncs: list[str]) -> list[SimResult]:
-    wl = workload(cfg)
+def _checked(args) -> list[tuple[SimConfig, Workload]]:
+    """Every (config, workload) to simulate; SystemExit with one line naming the bad argument."""
+    experts = args.experts or MODELS[args.model][1]
+    for ranks in args.ranks:
+        if ranks < 1 or experts % ranks:
+            raise SystemExit(
+                f"ubep simulate: --ranks {ranks} must divide the {experts} experts of {args.model} "
+                f"(or set --experts)"
+            )
+    if args.ablation:
+        return []  # the ablations fix their own fabric
+    try:
+        return [(cfg, workload(cfg)) for cfg in _configs(args)]
+    except ValueError as bad:  # an unknown topology, a file that is no topology, too many ranks
+        raise SystemExit(f"ubep simulate: {bad}") from None
+
+
+def _runs(
+    cfg: SimConfig, wl: Workload, protocols_: list[str], policies: list[str], syncs: list[str]
+) -> list[SimResult]:
     out = []
     for proto in protocols_:
         if proto != "ubep":
@@ -140,7 +163,7 @@ def _plot(results: list[SimResult], path: str) -> None:
 def _ablation_table(name: str, bars: list[ablation.Bar]):
     from rich.table import Table
 
-    table = Table(title=f"{name}: simulated beside the paper (PAPER.md)")
+    table = Table(title=f"{name}: simulated beside the paper (docs/paper_figures.md)")
     for col in ("", "", "simulated", "paper"):
         table.add_column(col, justify="right")
     for b in bars:
@@ -174,14 +197,22 @@ def run_ablation(args) -> int:
     return 0
 
 
+def _needs_rich(command: str) -> None:
+    """One line, not a traceback, where rich (the `bench` extra) is not installed."""
+    if importlib.util.find_spec("rich") is None:
+        raise SystemExit(f"ubep {command} needs rich: pip install 'ubep[bench]'")
+
+
 def run(args) -> int:
     """Simulate every (ranks, tokens, protocol, policy) combination; print, then save."""
+    _needs_rich("simulate")
     from rich.console import Console
 
+    runs = _checked(args)
     if args.ablation:
         return run_ablation(args)
-    configs = _configs(args)
-    results = [r for cfg in configs for r in _runs(cfg, args.protocol, args.policy, args.sync)]
+    configs = [cfg for cfg, _ in runs]
+    results = [r for cfg, wl in runs for r in _runs(cfg, wl, args.protocol, args.policy, args.sync)]
     console = Console()
     for ranks in args.ranks:
         console.print(_table(ranks, [r for r in results if r.ranks == ranks]))
@@ -211,8 +242,26 @@ def add_plan_parser(subparsers) -> None:
     p.set_defaults(func=run_plan)
 
 
+@contextmanager
+def _progress(command: str) -> Iterator[Callable[[str], None]]:
+    """Say on stderr what is simulated now: a spinner on a terminal, else one line a step."""
+    from rich.console import Console
+
+    console, start = Console(stderr=True), time.monotonic()
+
+    def line(step: str) -> str:
+        return f"{command}: simulating {step} ({time.monotonic() - start:.0f} s)"
+
+    if console.is_terminal:
+        with console.status(f"{command}: starting") as status:
+            yield lambda step: status.update(line(step))
+    else:
+        yield lambda step: console.print(line(step), highlight=False, soft_wrap=True)
+
+
 def run_plan(args) -> int:
     """Print the advice, the reasons, and predicted dispatch/combine per batch with bottlenecks."""
+    _needs_rich("plan")
     from rich.console import Console
     from rich.table import Table
 
@@ -220,8 +269,9 @@ def run_plan(args) -> int:
 
     try:
         topo = topology.load(args.topology)
-        advice, preds = plan(topo, model=args.model, ranks=args.ranks, batches=tuple(args.tokens),
-                             dispatch_dtype=args.dispatch_dtype)  # fmt: skip
+        with _progress("ubep plan") as step:
+            advice, preds = plan(topo, model=args.model, ranks=args.ranks, batches=tuple(args.tokens),
+                                 dispatch_dtype=args.dispatch_dtype, progress=step)  # fmt: skip
     except ValueError as bad:
         raise SystemExit(f"ubep plan: {bad}") from None
     console = Console()

@@ -20,7 +20,8 @@ it arrives (its upstream rate, e.g. a worker's window-limited rate); what a slow
 flow leaves unused goes to the others (max-min fair, by water-filling). Two
 equal flows on one port each get half of it. A flow is present from its head's
 arrival until its last byte has passed; a tail never leaves before its own
-upstream tail (cut-through). The per-port event loop is compiled with numba.
+upstream tail (cut-through). The per-port event loop (`fairshare.py`) is compiled with
+numba where it is installed (the `fast` extra), and runs as plain Python otherwise.
 The ejection port is the same kind of server, work-conserving but FIFO in head
 order (`fifo`, cut-through): a receiver needs all of its bytes, and the time of
 its last byte does not depend on the order in which the port serves flows, while
@@ -33,7 +34,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numba
 import numpy as np
 
 from ubep.costmodel import CostParams, port_gbps_C, worker_gbps_C
@@ -107,65 +107,6 @@ def fifo(key: np.ndarray, order: np.ndarray, head: np.ndarray, tail: np.ndarray,
     return start, tail_out
 
 
-@numba.njit(cache=True)
-def _water_fill(cap_Z: np.ndarray, capacity: float, rate_Z: np.ndarray) -> None:
-    """Max-min fair rates into rate_Z: flows capped below an equal share keep their cap, the rest
-    split what is left. Fast path: no cap below the equal share."""
-    n = cap_Z.size
-    if cap_Z.min() >= capacity / n:
-        rate_Z[:n] = capacity / n
-        return
-    left = capacity
-    order = np.argsort(cap_Z)
-    for j in range(n):
-        share = left / (n - j)
-        if cap_Z[order[j]] < share:
-            rate_Z[order[j]] = cap_Z[order[j]]
-            left -= cap_Z[order[j]]
-        else:
-            for jj in range(j, n):
-                rate_Z[order[jj]] = share
-            break
-
-
-@numba.njit(cache=True)
-def _fair_queues(starts, head, size, cap, rate, done) -> None:
-    """Processor sharing with rate caps, one server per segment [starts[q], starts[q + 1])."""
-    for q in range(starts.size - 1):
-        lo, n = starts[q], starts[q + 1] - starts[q]
-        rem = size[lo : lo + n].copy()
-        active = np.empty(n, dtype=np.int64)
-        cap_Z, r = np.empty(n), np.empty(n)
-        na, i, t = 0, 0, head[lo]
-        while i < n or na > 0:
-            if na == 0 and t < head[lo + i]:
-                t = head[lo + i]
-            while i < n and head[lo + i] <= t:
-                if rem[i] <= 0.0:
-                    done[lo + i] = t
-                else:
-                    active[na], cap_Z[na] = i, cap[lo + i]
-                    na += 1
-                i += 1
-            if na == 0:
-                continue
-            _water_fill(cap_Z[:na], rate[lo], r)
-            dt = np.inf if i >= n else head[lo + i] - t
-            for a in range(na):
-                dt = min(dt, rem[active[a]] / r[a])
-            t += dt
-            keep = 0
-            for a in range(na):
-                j = active[a]
-                rem[j] -= r[a] * dt
-                if rem[j] <= 1e-9 * size[lo + j]:
-                    done[lo + j] = t
-                else:
-                    active[keep], cap_Z[keep] = j, cap_Z[a]
-                    keep += 1
-            na = keep
-
-
 def fair_share(key: np.ndarray, head: np.ndarray, tail: np.ndarray, nbytes: np.ndarray, rate: np.ndarray):
     """One stage of fairly shared servers (one per `key`, `rate` bytes/us each); returns tail_out.
 
@@ -178,7 +119,9 @@ def fair_share(key: np.ndarray, head: np.ndarray, tail: np.ndarray, nbytes: np.n
     span = tail[idx] - h
     cap = np.where(span > 0, b / np.where(span > 0, span, 1.0), np.inf)
     done = np.empty_like(h)
-    _fair_queues(starts.astype(np.int64), h, b, cap, rate[idx].astype(float), done)
+    from ubep.sim.fairshare import fair_queues  # here, not at the top: numba loads only when a plan runs
+
+    fair_queues(starts.astype(np.int64), h, b, cap, rate[idx].astype(float), done)
     out = np.empty_like(done)
     out[idx] = np.maximum(tail[idx], done)
     return out

@@ -19,6 +19,7 @@ Legend: R ranks, C distance classes. Times in us.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -33,6 +34,11 @@ WORKER_CHOICES = (4, 8, 16, 24, 32, 48, 64, 96, 132)
 WORKERS_WITHIN = 0.03  # fewest workers within 3% of the best
 POLICY_TIE = 0.01  # policies within 1% of each other: the fabric has no distance worth exploiting
 BUSY = 0.6  # a port (or worker) busy for >= 60% of the phase's data time is "the" bottleneck
+Progress = Callable[[str], None]  # told what is simulated next (a default plan takes ~30 s on 2 cores)
+
+
+def _quiet(step: str) -> None:
+    """The default Progress: say nothing."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -56,8 +62,13 @@ def _total(r: SimResult) -> float:
     return r.dispatch_us + r.combine_us
 
 
-def _best(cfg: SimConfig, wl, choices: dict[str, tuple[str, SimConfig]]) -> tuple[str, dict[str, float]]:
-    times = {name: _total(simulate(c, proto, wl)) for name, (proto, c) in choices.items()}
+def _best(
+    cfg: SimConfig, wl, choices: dict[str, tuple[str, SimConfig]], what: str, progress: Progress
+) -> tuple[str, dict[str, float]]:
+    times = {}
+    for name, (proto, c) in choices.items():
+        progress(f"{what} {name}")
+        times[name] = _total(simulate(c, proto, wl))
     return min(times, key=times.get), times
 
 
@@ -66,18 +77,20 @@ def _has_slow_network(topo: Topology) -> bool:
     return topo.num_classes > 2 and gbps[-1] < gbps[1]
 
 
-def advise(base: SimConfig) -> Advice:
+def advise(base: SimConfig, progress: Progress = _quiet) -> Advice:
     """The protocol, sync variant, scheduler policy and worker count for `base` (at its batch)."""
     wl, reasons = workload(base), []
     protos = ("ubep", "ubep-hier", "bsp") if _has_slow_network(base.topology) else ("ubep", "bsp")
-    proto, t = _best(base, wl, {p: (p, base) for p in protos})
+    proto, t = _best(base, wl, {p: (p, base) for p in protos}, "protocol", progress)
     reasons.append("protocol: " + ", ".join(f"{p} {v:.1f} us" for p, v in t.items()))
     sync = "tff"
     if proto == "ubep":
-        sync, t = _best(base, wl, {s: ("ubep", replace(base, sync=s)) for s in DATA_AS_FLAG})
+        syncs = {s: ("ubep", replace(base, sync=s)) for s in DATA_AS_FLAG}
+        sync, t = _best(base, wl, syncs, "sync", progress)
         reasons.append("sync: " + ", ".join(f"{s} {v:.1f} us" for s, v in t.items()))
     cfg = replace(base, sync=sync)
-    policy, t = _best(cfg, wl, {p: (proto, replace(cfg, policy=p)) for p in ("ubep", "balanced")})
+    policies = {p: (proto, replace(cfg, policy=p)) for p in ("ubep", "balanced")}
+    policy, t = _best(cfg, wl, policies, "policy", progress)
     if abs(t["ubep"] - t["balanced"]) <= POLICY_TIE * t["ubep"]:
         policy = "ubep"
         reasons.append("policy: ubep and balanced tie within 1% (no distance to exploit here)")
@@ -86,7 +99,8 @@ def advise(base: SimConfig) -> Advice:
     cfg = replace(cfg, policy=policy)
     most = base.num_workers
     counts = sorted({w for w in WORKER_CHOICES if w <= most} | {most})
-    w_t = {w: _total(simulate(replace(cfg, workers=w), proto, wl)) for w in counts}
+    choices = {str(w): (proto, replace(cfg, workers=w)) for w in counts}
+    w_t = {int(w): v for w, v in _best(cfg, wl, choices, "workers per rank:", progress)[1].items()}
     best = min(w_t.values())
     workers = min(w for w, v in w_t.items() if v <= best * (1 + WORKERS_WITHIN))
     reasons.append("workers: " + ", ".join(f"{w} {v:.1f} us" for w, v in w_t.items()))
@@ -148,10 +162,12 @@ def plan(
     batches: tuple[int, ...] = (8, 16, 32, 64, 128),
     params: CostParams | None = None,
     dispatch_dtype: str = "bf16",
+    progress: Progress = _quiet,
 ) -> tuple[Advice, list[Prediction]]:
     """Advice at the largest batch, then predictions with bottlenecks for every batch.
 
-    `ranks` defaults to the most ranks of the topology that divide the model's experts.
+    `ranks` defaults to the most ranks of the topology that divide the model's experts;
+    `progress` is told each simulation before it runs.
     """
     if model not in MODELS:
         raise ValueError(f"model must be one of {sorted(MODELS)}, got {model!r}")
@@ -161,10 +177,11 @@ def plan(
         raise ValueError(f"ranks ({R}) must divide the model's {experts} experts and fit the topology")
     base = SimConfig(topology=topo, ranks=R, tokens=max(batches), hidden=hidden, experts=experts, topk=topk,
                      dispatch_dtype=dispatch_dtype, params=params or CostParams())  # fmt: skip
-    advice = advise(base)
+    advice = advise(base, progress)
     cfg = replace(base, sync=advice.sync, policy=advice.policy, workers=advice.workers)
     preds = []
     for n in batches:
+        progress(f"prediction at {n} tokens per rank")
         c = replace(cfg, tokens=n)
         r = simulate(c, advice.protocol)
         preds.append(Prediction(tokens=n, dispatch_us=r.dispatch_us, combine_us=r.combine_us,

@@ -19,7 +19,7 @@ from ubep.layout import ExpertPlacement
 from ubep.sim import hier, protocols
 from ubep.topology import Topology
 
-# hidden, routed experts, top-k (PAPER.md "MoE workloads")
+# hidden, routed experts, top-k (docs/paper_figures.md, "MoE workloads")
 MODELS = {
     "deepseek-v3": (7168, 256, 8),
     "kimi-k2": (7168, 384, 8),

@@ -2,7 +2,7 @@
 
 A *block* is everything one sender puts to one receiver in one call (one or more
 pieces, possibly from several workers). Each variant is a message pattern with
-its own costs (PAPER.md, "Data-as-Flag"; constants in costmodel.py):
+its own costs (the UBEP paper's Data-as-Flag, docs/paper_figures.md; constants in costmodel.py):
 
   tff            flag fused into every 512 B write (32 B flag + 480 B payload): the
                  payload travels 512/480 = 1.067x larger (the 6.25% tax), the receiver

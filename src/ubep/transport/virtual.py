@@ -26,10 +26,16 @@ import torch
 from ubep.errors import CommTimeoutError
 from ubep.transport.base import Header, Region
 from ubep.transport.heap import Heap, Layout
+from ubep.waiting import AbortNotice, PeerAbortedError
 
 
 class VirtualWorld:
-    """R ranks in one process: their memory, their wake-ups, and the group operations among them."""
+    """R ranks in one process: their memory, their wake-ups, and the group operations among them.
+
+    Once a rank's function raises, the world is failed: every rank blocked in a
+    group operation or a wait on a peer raises `PeerAbortedError` naming that rank,
+    at once rather than at the deadline.
+    """
 
     def __init__(self, num_ranks: int, timeout_s: float = 60.0):
         if num_ranks < 1:
@@ -39,62 +45,89 @@ class VirtualWorld:
         self._barrier = threading.Barrier(num_ranks)
         self._wakeups = [threading.Event() for _ in range(num_ranks)]
         self._slots: list[Any] = [None] * num_ranks
+        self._lock = threading.Lock()
+        self._at_barrier: set[int] = set()  # ranks inside `barrier` now
+        self._silent: list[int] | None = None  # who was missing when the barrier first broke
+        self._failure: tuple[int, BaseException] | None = None  # the first rank whose function raised
 
     def all_gather(self, rank: int, obj: Any) -> list[Any]:
         """Every rank's `obj`, in rank order (collective over the world's threads)."""
         self._slots[rank] = obj
-        self.barrier()
+        self.barrier(rank)
         everyone = list(self._slots)
-        self.barrier()  # nobody overwrites a slot before all have read
+        self.barrier(rank)  # nobody overwrites a slot before all have read
         return everyone
 
-    def barrier(self) -> None:
+    def barrier(self, rank: int) -> None:
+        """Wait for every rank; raise naming the failed rank, or the ranks that never came."""
+        with self._lock:
+            self._at_barrier.add(rank)
         try:
             self._barrier.wait(self.timeout_s)
         except threading.BrokenBarrierError:
-            raise CommTimeoutError(
-                "virtual world barrier", list(range(self.num_ranks)), self.timeout_s, []
-            ) from None
+            with self._lock:  # the first rank out sees everyone who was waiting still inside
+                if self._silent is None:
+                    self._silent = sorted(set(range(self.num_ranks)) - self._at_barrier)
+            self._raise_if_failed("virtual world barrier")
+            raise CommTimeoutError("virtual world barrier", self._silent, self.timeout_s, []) from None
+        finally:
+            with self._lock:
+                self._at_barrier.discard(rank)
 
     def ring(self, peer: int) -> None:
         self._wakeups[peer].set()
 
     def sleep(self, rank: int, timeout_s: float) -> None:
+        """Block until rung or `timeout_s` passes; raise once another rank has failed."""
+        self._raise_if_failed("virtual world (waiting on a peer)")
         event = self._wakeups[rank]
         event.wait(max(timeout_s, 0.0))
         event.clear()
+        self._raise_if_failed("virtual world (waiting on a peer)")
+
+    def _raise_if_failed(self, phase: str) -> None:
+        if self._failure is not None:
+            rank, error = self._failure
+            raise PeerAbortedError(phase, rank, AbortNotice(f"its function raised {error!r}"))
+
+    def _fail(self, rank: int, error: BaseException) -> None:
+        """Record rank's failure (the first one is the world's cause), then wake every waiting rank."""
+        with self._lock:
+            if self._failure is None:
+                self._failure = (rank, error)
+        self._barrier.abort()
+        for event in self._wakeups:
+            event.set()
 
     def run(self, fn: Callable[[VirtualRank], Any]) -> list[Any]:
-        """Run fn(rank) on every rank, each in its own thread; each rank's result, in rank order.
+        """Run fn(rank) on every rank, each in its own thread, with `rank` a `VirtualRank` (its
+        index is `rank.rank`; pass it as a Buffer's `group`); each rank's result, in rank order.
 
-        A failing rank's exception is re-raised (the first, by rank), after the
-        others finish or the world's timeout passes; the barrier is broken so no
-        rank waits for it forever.
+        The first rank to fail has its exception re-raised, naming it: the others' errors
+        only follow from it. A rank still running at the world's timeout raises
+        CommTimeoutError; its thread is a daemon, so it does not keep the interpreter alive.
         """
         results: list[Any] = [None] * self.num_ranks
-        errors: list[BaseException | None] = [None] * self.num_ranks
 
         def body(rank: int) -> None:
             try:
                 results[rank] = fn(VirtualRank(self, rank))
             except BaseException as err:  # re-raised below, in the caller's thread
-                errors[rank] = err
-                self._barrier.abort()
+                self._fail(rank, err)
 
         threads = [
-            threading.Thread(target=body, args=(r,), name=f"ubep-virtual-{r}") for r in range(self.num_ranks)
+            threading.Thread(target=body, args=(r,), name=f"ubep-virtual-{r}", daemon=True)
+            for r in range(self.num_ranks)
         ]
         for t in threads:
             t.start()
         deadline = time.monotonic() + self.timeout_s
         for t in threads:
             t.join(max(deadline - time.monotonic(), 0.0))
+        if self._failure is not None:
+            rank, error = self._failure
+            raise RuntimeError(f"virtual rank {rank} failed: {error!r}") from error
         stuck = [r for r, t in enumerate(threads) if t.is_alive()]
-        failed = [r for r, e in enumerate(errors) if e is not None]
-        if failed:
-            raise RuntimeError(f"virtual rank {failed[0]} failed: {errors[failed[0]]!r}") from errors[
-                failed[0]
-            ]
         if stuck:
             raise CommTimeoutError("virtual world run", stuck, self.timeout_s, [])
         return results

@@ -20,6 +20,8 @@ What this layer adds over ubep.Buffer, all expressed through its public calls:
   - combine `bias`: summed in float32 with the rows, one rounding at the end;
   - low-latency `zero_copy`, `round_scale` and `use_ue8m0` (`scales.py`),
     column-major received scales, `use_logfmt` (combined at full precision).
+  - `get_local_buffer_tensor`: bytes this Buffer holds for the caller (no call touches
+    them); `get_comm_stream`: the CPU stream, where every call runs in program order.
 GPU tuning knobs (SM counts, QPs, NVLink/fabric switches, chunk sizes in Config)
 are accepted and change nothing here.
 The shrink-mode mask buffer (`enable_shrink=True`) masks a rank in every ubep
@@ -141,6 +143,7 @@ class Buffer:
         self._buffers: dict[tuple, UbepBuffer] = {}  # lives as long as this Buffer, keyed by shape
         self._masked: set[int] = set()  # ranks masked in every buffer above (enable_shrink)
         self._combine_inputs: dict[tuple, torch.Tensor] = {}  # zero-copy combine buffers, by shape
+        self._raw: dict[bool, torch.Tensor] = {}  # get_local_buffer_tensor's bytes, by use_rdma_buffer
 
     def explain(self) -> str:
         """Which implementation serves this DeepEP Buffer, and the ubep Buffers built so far."""
@@ -180,6 +183,49 @@ class Buffer:
     ) -> int:
         """Exact bytes of one rank's segment for low-latency calls of these shapes (bf16 or FP8)."""
         return _segment_bytes(hidden, num_ranks, num_experts, num_max_dispatch_tokens_per_rank, True)
+
+    def get_comm_stream(self) -> torch.Stream:
+        """The stream the calls run on. DeepEP's is a CUDA side stream; ubep's calls run on the CPU,
+        in the calling thread and in program order (an `async_finish` receive half at its event's
+        wait), so this is the CPU stream: `query()` is True, `synchronize()` returns at once."""
+        return torch.Stream(device="cpu")
+
+    def get_local_buffer_tensor(
+        self,
+        dtype: torch.dtype,
+        size: torch.Size | None = None,
+        offset: int = 0,
+        use_rdma_buffer: bool = False,
+    ) -> torch.Tensor:
+        """This rank's raw buffer, `num_nvl_bytes` (or `num_rdma_bytes`) bytes, as `dtype` from byte
+        `offset`; with `size`, its first `size.numel()` elements viewed as `size` (DeepEP V1).
+
+        The bytes are allocated at the first request and kept for this Buffer's life, so every
+        request sees the same memory, as in DeepEP. Unlike DeepEP's, no call reads or writes them and
+        peers do not see them: ubep's exchanges use segments of their own. The tensor ends at the
+        buffer's end (DeepEP's runs `offset` bytes past it).
+        """
+        if not isinstance(dtype, torch.dtype):
+            raise TypeError(f"dtype must be a torch.dtype, got {type(dtype).__name__}")
+        num_bytes = self.num_rdma_bytes if use_rdma_buffer else self.num_nvl_bytes
+        item = torch.empty((), dtype=dtype).element_size()
+        if isinstance(offset, bool) or not isinstance(offset, int) or not 0 <= offset <= num_bytes:
+            raise ValueError(f"offset must be an int in [0, {num_bytes}] (bytes), got {offset!r}")
+        if offset % item:
+            raise ValueError(f"offset ({offset} bytes) must be a multiple of {dtype}'s {item} bytes")
+        if use_rdma_buffer not in self._raw:
+            self._raw[use_rdma_buffer] = torch.zeros(num_bytes, dtype=torch.uint8)
+        raw = self._raw[use_rdma_buffer]
+        tensor = raw[offset : offset + (num_bytes - offset) // item * item].view(dtype)
+        if size is None:
+            return tensor
+        size = torch.Size(size)
+        if size.numel() > tensor.numel():
+            raise ValueError(
+                f"size {tuple(size)} needs {size.numel()} elements; the buffer holds {tensor.numel()} "
+                f"of {dtype} from offset {offset}"
+            )
+        return tensor[: size.numel()].view(size)
 
     @staticmethod
     def capture() -> EventOverlap:
@@ -553,7 +599,7 @@ class Buffer:
     def destroy(self) -> None:
         """Release every shared resource (DeepEP's explicit destruction)."""
         buffers, self._buffers = self._buffers, {}
-        self._combine_inputs = {}
+        self._combine_inputs, self._raw = {}, {}
         for inner in buffers.values():
             inner.close()
 

@@ -1,0 +1,84 @@
+"""The docs say what the code and the repository hold: counts, names, claims, figures and sources."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from ubep.sim import ablation, calibrate
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _read(*path: str) -> str:
+    with open(os.path.join(ROOT, *path)) as f:
+        return f.read()
+
+
+def _flat(text: str) -> str:
+    return " ".join(text.split())
+
+
+def test_every_figure_the_simulator_compares_against_is_in_the_repository_with_its_source():
+    figures = _flat(_read("docs", "paper_figures.md"))
+    published = [
+        *ablation.PAPER_SCHEDULING_US.values(),
+        *ablation.PAPER_SYNC_RANGE,
+        *ablation.PAPER_HEADLINE.values(),
+        ablation.PAPER_EP128_MEAN_8_64,
+        *calibrate.TRTLLM_NVL72_EP8_US,
+    ]
+    for value in published:
+        assert f"{value:.1f}" in figures, value
+    eps = sorted(calibrate.DEEPEP_LL_US)
+    assert f"| EP | {' | '.join(map(str, eps))} |" in figures
+    for half, name in enumerate(("dispatch", "combine")):
+        values = " | ".join(f"{calibrate.DEEPEP_LL_US[ep][half]:g}" for ep in eps)
+        assert f"| {name} (us) | {values} |" in figures
+    for source in ("arXiv 2607.06202", "arXiv 2506.12708", "deepseek-ai/DeepEP", "TensorRT-LLM"):
+        assert source in figures
+    cited = []
+    for folder in ("src", "docs"):
+        for base, _, files in os.walk(os.path.join(ROOT, folder)):
+            cited += [f for f in files if f.endswith((".py", ".md")) and "PAPER.md" in _read(base, f)]
+    assert cited == []  # the paper's figures live in docs/paper_figures.md, not in a file we lack
+
+
+def test_the_transformers_module_lists_what_it_registers():
+    module = pytest.importorskip("ubep.integrations.transformers")  # the `frameworks` extra
+    from transformers.distributed.expert_parallel import EPImplementationInterface
+
+    listed = tuple(re.findall(r'^    "(\w+)" ', module.__doc__, re.MULTILINE))
+    assert listed == module.IMPLEMENTATIONS
+    assert set(listed) <= set(EPImplementationInterface._global_mapping)
+    assert not re.search(r"\b(two|three|five) implementations", module.__doc__)
+
+
+def test_the_decode_claim_holds_in_the_runs_it_cites():
+    """docs/frameworks.md claims ubep below the all-to-all only where its table shows it."""
+    text = _read("docs", "frameworks.md")
+    row = next(line for line in text.splitlines() if line.startswith("| `ubep` (normal mode"))
+    ratios = [float(r) for r in row.rstrip(" |").rsplit("|", 1)[1].split(",")]
+    assert len(ratios) == 4 and max(ratios) < 1
+    flat = _flat(text)
+    assert "below the built-in all-to-all's in every run" not in flat
+    assert "in each of the four runs above" in flat and "It does not hold in every run" in flat
+
+
+def test_the_readme_states_the_test_count_and_how_to_get_torch_for_cpu():
+    readme = _flat(_read("README.md"))
+    stated = int(re.search(r"\(about ([\d,]+) tests\)", readme).group(1).replace(",", ""))
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    collected = int(re.search(r"(\d+) tests? collected", done.stdout).group(1))
+    assert 0.85 * stated <= collected <= 1.15 * stated, (stated, collected)
+    assert "pip install torch --index-url <PyTorch's CPU wheel index>" in readme
