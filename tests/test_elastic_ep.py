@@ -9,7 +9,7 @@ shapes are small; every rank's inputs are gathered so the reference needs no all
 the reference helpers (DeepEP's deep_ep/utils/refs.py, math.py, gate.py) are restated here
 as plain loops; the three stream flags (previous event, async, comm-stream allocation) mean
 nothing on CPU, so the 24 data cases cycle through their 6 combinations rather than
-multiplying by them (`FULL_MODES` runs DeepEP's whole product); the performance part is left out.
+multiplying by them (`every_mode()` runs DeepEP's whole product); the performance part is left out.
 """
 
 from __future__ import annotations
@@ -539,7 +539,7 @@ def test_deep_ep_v2_ep(name: str):
 
 
 def every_mode() -> list:
-    """DeepEP's full product of modes (288 cases) on the flat domain; slow, so not collected:
+    """DeepEP's full product of modes (144 cases) on the flat domain; slow, so not collected:
     run it with `python -c "import test_elastic_ep as t; print(t.every_mode())"` from tests/."""
     args = replace(SCENARIOS["flat"][1], full_modes=True, pressure_seeds=0)
     return ubep.LocalLaunch(world_size=R, timeout_s=1800).run(test_loop, args)
