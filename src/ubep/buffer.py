@@ -20,8 +20,7 @@ import torch.distributed as dist
 from ubep import validate
 from ubep.calls import CallCounter
 from ubep.deadlines import collective_deadline
-from ubep.engine import Engine, TorchEngine, choose_engine
-from ubep.factory import Options, build
+from ubep.factory import Options, build, ready_engine
 from ubep.faults import FaultPlan, FaultPoints
 from ubep.group import GroupInfo, check_agreement, choose_transport, join_group
 from ubep.layout import ExpertPlacement, dispatch_layout, expert_counts, token_in_rank, tokens_per_node
@@ -29,7 +28,6 @@ from ubep.overlap import EventOverlap
 from ubep.protocols.base import Exchange, SendPlan, Sizing
 from ubep.protocols.ll import LLExchange
 from ubep.protocols.ll_base import LowLatencyExchange, combine_plan, dispatch_outputs, dispatch_plan
-from ubep.protocols.warmup import warm_up
 from ubep.results import (
     CombineResult,
     DispatchHandle,
@@ -111,7 +109,7 @@ class Buffer:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         self.timeout_s = float(timeout_s)
         construct_s = max(self.timeout_s, CONSTRUCTION_MIN_TIMEOUT_S)
-        self.engine, self._engine_reason = self._warm_engine(engine)  # slow (compiling): before ranks meet
+        self.engine, self._engine_reason = ready_engine(engine)  # slow (compiling): before ranks meet
         with collective_deadline(_resolve(group), construct_s, "Buffer construction (joining the group)"):
             self._info: GroupInfo = join_group(group)
         self._faults = FaultPoints(faults, self._info.rank)
@@ -172,21 +170,6 @@ class Buffer:
             "low_latency": self.low_latency,
         }
         check_agreement(self._info, mine, "Buffer")
-
-    @staticmethod
-    def _warm_engine(requested: str) -> tuple[Engine, str]:
-        """`choose_engine`, then every compiled call half loaded or compiled (`warm_up`); "auto" falls
-        back to the torch engine, with the reason, where a half does not compile here."""
-        engine, reason = choose_engine(requested)
-        if engine.name != "numba":
-            return engine, reason
-        try:
-            warm_up(engine)
-        except Exception as e:  # a numba or LLVM failure on this host
-            if requested == "numba":
-                raise
-            return TorchEngine(), f"numba's call halves failed to compile ({type(e).__name__}: {e})"
-        return engine, reason
 
     size_hint = staticmethod(size_hint)  # the shared memory a Buffer would map, before building it
 

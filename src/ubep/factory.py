@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ubep.engine import Engine
+from ubep.engine import Engine, TorchEngine, choose_engine
 from ubep.faults import FaultPoints
 from ubep.group import GroupInfo
 from ubep.protocols.base import Exchange, Sizing
@@ -24,6 +24,7 @@ from ubep.protocols.ll_dist import LLDist
 from ubep.protocols.ll_local import LLLocal
 from ubep.protocols.local import LocalExchange
 from ubep.protocols.ubep import UbepBlocks, UbepExchange
+from ubep.protocols.warmup import warm_up
 from ubep.transport.base import Header, Region
 from ubep.transport.heap import Layout
 from ubep.transport.shm import shm_heap
@@ -40,6 +41,22 @@ class Options:
     timeout_s: float
     workers: int = 1
     schedule: str = "ubep"
+
+
+def ready_engine(requested: str = "auto") -> tuple[Engine, str]:
+    """`choose_engine`, then every compiled call half loaded or compiled (`warm_up`), so that no call
+    compiles while its peers wait; "auto" falls back to the torch engine, with the reason, where a
+    half does not compile here. Slow the first time on a host: call it before the ranks meet."""
+    engine, reason = choose_engine(requested)
+    if engine.name != "numba":
+        return engine, reason
+    try:
+        warm_up(engine)
+    except Exception as e:  # a numba or LLVM failure on this host
+        if requested == "numba":
+            raise
+        return TorchEngine(), f"numba's call halves failed to compile ({type(e).__name__}: {e})"
+    return engine, reason
 
 
 def heap_blocks(sizing: Sizing, protocol: str, low_latency: bool) -> tuple[Region | Header, ...]:

@@ -22,6 +22,7 @@ from ubep.bench.workload import BenchConfig, build
 from ubep.launcher import LocalLaunch
 
 CATEGORIES = (
+    ("compiled halves", ("_halves.py:",)),  # each moves rows and waits (spins, yields) in one call
     ("row copies", ("index_select", "copy_")),
     ("combine reduction", ("built-in method torch.mm", "index_add_")),
     ("waiting", ("sched_yield", "select.select", "time.sleep", "posix.sched_yield")),

@@ -20,7 +20,7 @@ from ubep.bench.timing import latencies_us
 from ubep.bench.torch_systems import measure_rank
 from ubep.bench.turns import Conductor, Samples, round_order
 from ubep.bench.workload import BenchConfig, build
-from ubep.engine import choose_engine
+from ubep.factory import ready_engine
 from ubep.launcher import LocalLaunch
 from ubep.layout import ExpertPlacement
 from ubep.protocols.hier import boundary_bytes
@@ -80,7 +80,7 @@ def plan(cfg: BenchConfig) -> tuple[tuple[str, ...], list[str]]:
     """The systems to run and the notes for the report; compiles (or loads) the kernels once,
     here, before any rank starts."""
     systems, notes = select_systems(cfg, mpi_system.available() if "mpi" in cfg.systems else (True, ""))
-    engine, why = choose_engine("auto")
+    engine, why = ready_engine("auto")  # compiles (or loads) every kernel once, before any rank starts
     return systems, [f"engine: {engine.name} ({why})", *notes]
 
 
