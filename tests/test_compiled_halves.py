@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import sys
 
+import numpy as np
 import pytest
 import torch
 from scenarios import Scenario, expert_output
@@ -225,3 +226,32 @@ def test_no_call_compiles() -> None:
         warmed = {f.__name__: len(f.signatures) for f in halves}
     VirtualWorld(2, timeout_s=60).run(_every_kind_of_call)
     assert {f.__name__: len(f.signatures) for f in halves} == warmed
+
+
+def test_a_source_landing_during_the_gather_is_still_placed() -> None:
+    """A source can land while the gather places another: rank 1's row, once copied, is the very
+    word rank 0's payload stamp lives in (a stand-in for a peer landing mid-loop, made deterministic).
+    Every row must still be placed, not just the ones seen landed before the loop."""
+    from ubep.engine import ubep_halves as k
+
+    epoch, half, R = 5, 1, 2
+    recv_x = np.zeros((2, 8), dtype=np.uint8)  # one 8-byte row from each source
+    x0 = np.full(8, 7, dtype=np.uint8)  # rank 0's row
+    x1 = np.array([epoch], dtype=np.int64).view(np.uint8)  # rank 1's row: the epoch, as bytes
+    stamp1 = np.array([epoch], dtype=np.int64)  # rank 1 has landed
+    table = np.zeros((R, 10, 2), dtype=np.int64)
+    table[0, k.DATA, half] = recv_x[1].ctypes.data  # rank 0's stamp: where rank 1's row goes
+    table[0, k.X, half], table[1, k.X, half] = x0.ctypes.data, x1.ctypes.data
+    table[1, k.DATA, half] = stamp1.ctypes.data
+    asleep = np.zeros(R, dtype=np.int64)
+    asleep_at = np.array([asleep[0:].ctypes.data, asleep[1:].ctypes.data], dtype=np.int64)
+    status = np.zeros(6, dtype=np.int64)
+    code = k.dispatch_gather(
+        table, asleep_at, 0, epoch, half, np.arange(R), np.array([0, 1, 2]), np.ones(R, np.int64),
+        np.ones(R, np.int64), 1, 1, np.zeros(2, np.int64), np.empty((2, 0), np.int64),
+        np.empty((2, 0), np.float32), np.zeros(2, np.int64), recv_x, np.empty((2, 0), np.float32),
+        np.zeros(R + 1, np.int64), np.empty(R, np.int64), 0, 0, status,
+    )  # fmt: skip
+    assert code == k.DONE
+    assert (recv_x[0] == 7).all(), "rank 0's row was never placed"
+    assert recv_x[1].view(np.int64)[0] == epoch

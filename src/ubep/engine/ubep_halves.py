@@ -305,7 +305,10 @@ def dispatch_gather(
                     _move(scales_at + i * S * 4, s_at + t * S * 4, S * 4)
             done[p] = 1
             moved = True
-        if n == 0 or _pending(table, DATA, half, live, epoch, done, pending) == 0:
+        placed = 0
+        for p in live:  # done, not merely landed: a source may land after the loop passed it
+            placed += done[p]
+        if placed == live.size:
             return DONE
         if not moved:  # the budget ran out with sources still missing: Python sleeps, then re-enters
             status[1] = n
