@@ -249,7 +249,8 @@ def test_a_source_landing_during_the_gather_is_still_placed() -> None:
     code = k.dispatch_gather(
         table, asleep_at, 0, epoch, half, np.arange(R), np.array([0, 1, 2]), np.ones(R, np.int64),
         np.ones(R, np.int64), 1, 1, np.zeros(2, np.int64), np.empty((2, 0), np.int64),
-        np.empty((2, 0), np.float32), np.zeros(2, np.int64), recv_x, np.empty((2, 0), np.float32),
+        np.empty((2, 0), np.float32), np.zeros(2, np.int64), np.zeros(2, np.int64), np.zeros(0, np.int64),
+        recv_x, np.empty((2, 0), np.float32),
         np.zeros(R + 1, np.int64), np.empty(R, np.int64), 0, 0, status,
     )  # fmt: skip
     assert code == k.DONE

@@ -23,7 +23,14 @@ from ubep.deadlines import collective_deadline
 from ubep.factory import Options, build, ready_engine
 from ubep.faults import FaultPlan, FaultPoints
 from ubep.group import GroupInfo, check_agreement, choose_transport, join_group
-from ubep.layout import ExpertPlacement, dispatch_layout, expert_counts, token_in_rank, tokens_per_node
+from ubep.layout import (
+    ExpertPlacement,
+    aligned,
+    dispatch_layout,
+    expert_counts,
+    token_in_rank,
+    tokens_per_node,
+)
 from ubep.overlap import EventOverlap
 from ubep.protocols.base import Exchange, SendPlan, Sizing
 from ubep.protocols.ll import LLExchange
@@ -265,7 +272,11 @@ class Buffer:
             faults.at("dispatch.end", call)
         recv_x = got.recv_x_MH if got.recv_scales_MS is None else (got.recv_x_MH, got.recv_scales_MS)
         if handle is None:
-            counts = expert_counts(got.recv_topk_idx_MK, self._num_local_experts, expert_alignment)
+            counts = (
+                expert_counts(got.recv_topk_idx_MK, self._num_local_experts, expert_alignment)
+                if got.rows_per_expert_L is None
+                else aligned(got.rows_per_expert_L, expert_alignment)
+            )
             handle = DispatchHandle(
                 num_tokens=plan.x_NH.shape[0],
                 is_token_in_rank_NR=plan.is_token_in_rank_NR,

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ubep import validate
@@ -168,10 +169,12 @@ def destination_major(is_token_in_rank_NR: torch.Tensor) -> tuple[torch.Tensor, 
 def expert_counts(local_idx_MK: torch.Tensor, num_local_experts: int, alignment: int) -> list[int]:
     """Rows per local expert, each rounded up to `alignment` (a Python list of L ints)."""
     valid = local_idx_MK[local_idx_MK >= 0]
-    counts_L = torch.bincount(valid, minlength=num_local_experts)
-    if alignment > 1:
-        counts_L = (counts_L + alignment - 1) // alignment * alignment
-    return counts_L.tolist()
+    return aligned(torch.bincount(valid, minlength=num_local_experts).numpy(), alignment)
+
+
+def aligned(counts_L: np.ndarray, alignment: int) -> list[int]:
+    """Each count rounded up to a multiple of `alignment`, as a Python list."""
+    return ((counts_L + alignment - 1) // alignment * alignment).tolist()
 
 
 def prefix_offsets(counts_R: torch.Tensor) -> torch.Tensor:

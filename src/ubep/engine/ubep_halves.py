@@ -223,11 +223,14 @@ def dispatch_routes(
 
 @_jit
 def _localize(
-    table, half, live, me, prefix, counts, sent, T, Kmax, local_of_expert, recv_idx, recv_w, src_token, status
-):
-    """Every source's list for this rank and the local top-k of the listed rows (routing has landed)."""
+    table, half, live, me, prefix, counts, sent, T, Kmax, local_of_expert, recv_idx, recv_w, src_token,
+    src_rank, per_expert, status,
+):  # fmt: skip
+    """Every source's list for this rank and the local top-k of the listed rows (routing has landed);
+    each row's source rank, and the rows each local expert gets (per_expert [L])."""
     M, K = recv_idx.shape
     E = local_of_expert.size
+    per_expert[:] = 0
     for p in live:
         a = prefix[p]
         listed = _elements_at(_I64, table[p, LISTS, half] + me * T * 8, counts[p])
@@ -235,7 +238,7 @@ def _localize(
             t = listed[i]
             if t < 0 or t >= sent[p]:
                 return _fail(status, E_LIST, p, sent[p], 0, 0, 0)
-            src_token[a + i] = t
+            src_token[a + i], src_rank[a + i] = t, p
             idx = _elements_at(_I64, table[p, TOPK, half] + t * Kmax * 8, K)
             w = _elements_at(_F32, table[p, WEIGHTS, half] + t * Kmax * 4, K)
             mine = 0
@@ -246,7 +249,9 @@ def _localize(
                 local = local_of_expert[e] if e >= 0 else -1
                 recv_idx[a + i, k] = local
                 recv_w[a + i, k] = w[k] if local >= 0 else np.float32(0.0)
-                mine += local >= 0
+                if local >= 0:
+                    per_expert[local] += 1
+                    mine += 1
             if mine == 0:
                 return _fail(status, E_NONE_LOCAL, p, 0, 0, 0, 0)
     return DONE
@@ -268,20 +273,22 @@ def _check_cached(live, prefix, counts, sent, src_token, status):
 @_jit
 def dispatch_gather(
     table, asleep, me, epoch, half, live, prefix, counts, sent, T, Kmax, local_of_expert,
-    recv_idx, recv_w, src_token, recv_x, recv_scales, state, pending, spins, yields, status,
+    recv_idx, recv_w, src_token, src_rank, per_expert, recv_x, recv_scales, state, pending, spins, yields,
+    status,
 ):  # fmt: skip
     """Place every source's rows as its payload lands: first the local top-k of all (or, cached,
     the handle's rows checked), then each landed source's rows, gathered straight from its memory.
 
     recv_idx [M, K] / recv_w [M, K] (K = 0: cached, src_token then comes from the
-    handle); recv_x uint8 [M, b]; recv_scales float32 [M, S]. state int64 [R + 1]:
+    handle), src_rank [M] and per_expert [L] filled with them; recv_x uint8 [M, b];
+    recv_scales float32 [M, S]. state int64 [R + 1]:
     state[0] set once the routing is placed, state[1 + s] once source s's rows are.
     """
     if state[0] == 0:
         if recv_idx.shape[1]:
             code = _localize(
                 table, half, live, me, prefix, counts, sent, T, Kmax, local_of_expert, recv_idx, recv_w,
-                src_token, status,
+                src_token, src_rank, per_expert, status,
             )  # fmt: skip
         else:
             code = _check_cached(live, prefix, counts, sent, src_token, status)

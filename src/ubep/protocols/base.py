@@ -62,6 +62,7 @@ class Received:
     recv_topk_weights_MK: torch.Tensor | None
     route: RecvRoute
     recv_scales_MS: torch.Tensor | None = None  # FP8 scales, beside recv_x_MH's values
+    rows_per_expert_L: np.ndarray | None = None  # rows each local expert got, where the protocol counted them
 
     @classmethod
     def unpacking(cls, plan: SendPlan, rows_MX: torch.Tensor, *rest) -> Received:

@@ -24,7 +24,6 @@ from ubep.calls import CallId
 from ubep.engine import ubep_halves as k
 from ubep.errors import PeerDataError
 from ubep.faults import FaultPoints
-from ubep.layout import prefix_offsets
 from ubep.protocols import halves
 from ubep.protocols.base import CODE_DTYPES, CODE_RANGE, DTYPE_CODES, Received, SendPlan, Sizing
 from ubep.results import DispatchHandle, RecvRoute
@@ -90,9 +89,12 @@ class UbepCompiled:
         if cached:
             prefix_R1, src_token_M = handle.recv.prefix_R1, handle.recv.src_token_M
         else:
-            prefix_R1 = prefix_offsets(torch.from_numpy(counts_R))
+            prefix_R1 = torch.zeros(R + 1, dtype=torch.int64)
+            np.cumsum(counts_R, out=prefix_R1.numpy()[1:])
             src_token_M = torch.empty(int(prefix_R1[-1]), dtype=torch.int64)
         M = src_token_M.shape[0]
+        src_rank_M = handle.recv.src_rank_M if cached else torch.empty(M, dtype=torch.int64)
+        per_expert_L = np.empty(0 if cached else self.sizing.placement.num_local_experts, dtype=np.int64)
         recv_x_MH = torch.empty(M, H, dtype=x_NH.dtype)
         recv_scales_MS = None if plan.scales_NS is None else torch.empty(M, plan.scales_NS.shape[1])
         recv_idx_MK = None if cached else torch.empty(M, K, dtype=torch.int64)
@@ -101,13 +103,13 @@ class UbepCompiled:
             call, "dispatch (tokens)", mine, k.dispatch_gather, *mem, prefix_R1.numpy(), counts_R, sent_R,
             s.capacity, s.max_topk, self.local_of_expert,
             _NO_I64 if cached else recv_idx_MK.numpy(), _NO_F32 if cached else recv_w_MK.numpy(),
-            src_token_M.numpy(), recv_x_MH.view(torch.uint8).numpy(),
+            src_token_M.numpy(), src_rank_M.numpy(), per_expert_L, recv_x_MH.view(torch.uint8).numpy(),
             _NO_F32 if recv_scales_MS is None else recv_scales_MS.numpy(),
             np.zeros(R + 1, dtype=np.int64), pending, *halves.BUDGET, status,
         )  # fmt: skip
         t.check_member("dispatch")  # what was read above was whole
-        route = handle.recv if cached else RecvRoute.of(src_token_M, prefix_R1)
-        return Received(recv_x_MH, recv_idx_MK, recv_w_MK, route, recv_scales_MS)
+        route = handle.recv if cached else RecvRoute(src_token_M, prefix_R1, src_rank_M)
+        return Received(recv_x_MH, recv_idx_MK, recv_w_MK, route, recv_scales_MS, per_expert_L)
 
     # -- combine ----------------------------------------------------------------------------------
 
