@@ -10,7 +10,9 @@ Legend: see `ubep.layout`.
 
 from __future__ import annotations
 
+import functools
 import os
+import threading
 from collections.abc import Iterable
 from importlib.metadata import version
 
@@ -53,6 +55,31 @@ VERSION = version("ubep")  # from the package metadata (pyproject.toml): ranks m
 # model loading), which says nothing about a stalled exchange.
 CONSTRUCTION_MIN_TIMEOUT_S = 10.0
 PROTOCOLS = ("ubep", "bsp")
+
+
+def _one_at_a_time(method):
+    """A call of the Buffer is refused while another thread is inside one: the peers number calls
+    in one order, and the rows of overlapping calls would mix. Calls from one thread never overlap."""
+
+    @functools.wraps(method)
+    def call(self, *args, **kwargs):
+        if not self._one_call.acquire(blocking=False):
+            raise RuntimeError(
+                f"{method.__name__}: another thread is inside a call of this Buffer; calls on one Buffer "
+                "must not overlap (their rows would mix): use one Buffer per thread, or serialise the calls"
+            )
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            self._one_call.release()
+
+    return call
+
+
+@_one_at_a_time
+def _receive_half(buffer: Buffer, receive) -> None:
+    """A low-latency receive half run later (its hook, or event.wait())."""
+    receive()
 
 
 class Buffer:
@@ -153,9 +180,12 @@ class Buffer:
             self._ll: LowLatencyExchange | None = exchanges[1]
         self._calls = CallCounter()
         self._pid = os.getpid()  # the process that built it: a forked child must not call it
+        self._one_call = threading.Lock()  # held by the thread inside a call (`_one_at_a_time`)
         self._done = EventOverlap()  # the event of every call that completed before returning
         self._num_experts, self._num_local_experts = num_experts, placement.num_local_experts
         self._max_recv = self.sizing.capacity * R  # the most rows a rank can receive in one dispatch
+        self._route = getattr(self.engine, "route", None)  # the engine's compiled check-and-layout, if any
+        self._rank_of_expert_E = placement.rank_of_expert_E.numpy()
         self._masked: frozenset[int] = frozenset()  # ranks left out of every call (`mask_ranks`)
         self._masked_E = torch.zeros(num_experts, dtype=torch.bool)  # experts those ranks own
         self._masked_after = 0  # the last call before the latest mask: older handles are stale
@@ -232,6 +262,7 @@ class Buffer:
             EventOverlap(),
         )
 
+    @_one_at_a_time
     def dispatch(
         self,
         x: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
@@ -308,13 +339,19 @@ class Buffer:
         if topk_idx is None or topk_weights is None:
             raise ValueError("dispatch needs topk_idx and topk_weights unless a handle is given")
         x, scales = self._payload(x)
-        idx = validate.topk_idx(topk_idx, x.shape[0], self._num_experts, s.max_topk)
+        route = None if self._masked else self._route  # a compiled check-and-layout, where the engine has one
+        idx = validate.topk_idx(topk_idx, x.shape[0], self._num_experts, s.max_topk, values=route is None)
         w = validate.topk_weights(topk_weights, tuple(idx.shape))
-        idx, dropped = self._drop_masked(idx) if self._masked else (idx, 0)
-        is_token_in_rank_NR = token_in_rank(idx, s.placement)  # dispatch needs no per-expert counts
+        if route is not None:
+            is_token_in_rank_NR, counts_R = route(idx, self._rank_of_expert_E, self._info.world_size)
+            dropped = 0
+        else:
+            idx, dropped = self._drop_masked(idx) if self._masked else (idx, 0)
+            is_token_in_rank_NR = token_in_rank(idx, s.placement)  # dispatch needs no per-expert counts
+            counts_R = is_token_in_rank_NR.sum(dim=0)
         if num_tokens_per_rank is not None or is_token_in_rank is not None:
             validate.layout_args(num_tokens_per_rank, is_token_in_rank, is_token_in_rank_NR)
-        return SendPlan(x, idx, w, is_token_in_rank_NR, is_token_in_rank_NR.sum(dim=0), scales), dropped
+        return SendPlan(x, idx, w, is_token_in_rank_NR, counts_R, scales), dropped
 
     def _check_handle(self, handle) -> None:
         """A normal-mode handle of this Buffer, made after the latest mask."""
@@ -340,6 +377,7 @@ class Buffer:
             return validate.fp8_pair("x", x, s.hidden, s.capacity, rows=rows)
         return validate.payload("x", x, s.hidden, s.capacity, rows=rows), None
 
+    @_one_at_a_time
     def combine(
         self,
         x: torch.Tensor,
@@ -369,6 +407,7 @@ class Buffer:
 
     # -- low-latency mode -------------------------------------------------------------------------
 
+    @_one_at_a_time
     def low_latency_dispatch(
         self,
         x: torch.Tensor,
@@ -406,9 +445,12 @@ class Buffer:
             ll.abort(call, "dispatch")  # its slots and headers are its own: release them, tell the peers
             raise
         receive = ll.dispatch_send(call, plan, out)  # a failing send half tells its peers itself
-        event, hook = _halves(receive, async_finish, return_recv_hook)
+        event, hook = _halves(
+            self._later(receive, async_finish or return_recv_hook), async_finish, return_recv_hook
+        )
         return LowLatencyDispatchResult(out.recv_x, out.handle.recv_count_L, out.handle, event, hook)
 
+    @_one_at_a_time
     def low_latency_combine(
         self,
         x: torch.Tensor,
@@ -441,7 +483,9 @@ class Buffer:
             ll.abort(call, "combine")  # its slots and headers are its own: release them, tell the peers
             raise
         receive = ll.combine_send(call, plan, out)
-        event, hook = _halves(receive, async_finish, return_recv_hook)
+        event, hook = _halves(
+            self._later(receive, async_finish or return_recv_hook), async_finish, return_recv_hook
+        )
         return LowLatencyCombineResult(out, event, hook)
 
     def _ll_combine_inputs(self, x, topk_idx, topk_weights, handle) -> tuple[torch.Tensor, torch.Tensor]:
@@ -463,6 +507,10 @@ class Buffer:
             raise ValueError("topk_idx must be the one passed to the low_latency_dispatch that made handle")
         return x, validate.topk_weights(topk_weights, tuple(idx.shape))
 
+    def _later(self, receive, deferred: bool):
+        """The receive half, refused like a call while another thread is inside one when it runs later."""
+        return functools.partial(_receive_half, self, receive) if deferred else receive
+
     def _live_ll(self) -> LowLatencyExchange:
         if self._ll is None or self._exchange is None or self._retired or os.getpid() != self._pid:
             self._live()  # closed, retired or forked: its error
@@ -472,6 +520,7 @@ class Buffer:
 
     # -- shrinking around dead ranks ---------------------------------------------------------------
 
+    @_one_at_a_time
     def mask_ranks(self, ranks: Iterable[int]) -> None:
         """Leave `ranks` out of every later call (shrink around dead ranks); collective among the rest.
 

@@ -53,26 +53,32 @@ def payload(name: str, x, hidden: int, capacity: int, rows: int | None = None) -
     return x.contiguous()
 
 
-def topk_idx(value, num_tokens: int, num_experts: int, max_topk: int) -> torch.Tensor:
-    """int64 [N, K] in [-1, E), K <= max_topk, no expert twice in a row."""
+def topk_idx(value, num_tokens: int, num_experts: int, max_topk: int, values: bool = True) -> torch.Tensor:
+    """int64 [N, K] in [-1, E), K <= max_topk, no expert twice in a row (`values=False`: the caller
+    checks the values itself, in one pass with the layout: `NumbaEngine.route`)."""
     idx = tensor("topk_idx", value, torch.int64, 2)
     n, k = idx.shape
     if n != num_tokens:
         raise ValueError(f"topk_idx has {n} rows, x has {num_tokens} tokens")
     if not 0 < k <= max_topk:
         raise ValueError(f"topk_idx has top-k {k}; it must lie in [1, max_topk={max_topk}]")
-    if idx.numel():
+    if idx.numel() and values:
         lo, hi = int(idx.min()), int(idx.max())
         if lo < -1 or hi >= num_experts:
-            raise ValueError(
-                f"topk_idx values must lie in [-1, {num_experts}); found {lo if lo < -1 else hi}"
-            )
+            raise bad_expert(num_experts, lo if lo < -1 else hi)
         ordered = idx.sort(dim=1).values
         repeated = (ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] >= 0)
         if repeated.any():
-            row = int(torch.nonzero(repeated.any(dim=1))[0])
-            raise ValueError(f"topk_idx row {row} lists the same expert twice: {idx[row].tolist()}")
+            raise repeated_expert(idx, int(torch.nonzero(repeated.any(dim=1))[0]))
     return idx.contiguous()
+
+
+def bad_expert(num_experts: int, found: int) -> ValueError:
+    return ValueError(f"topk_idx values must lie in [-1, {num_experts}); found {found}")
+
+
+def repeated_expert(topk_idx_NK: torch.Tensor, row: int) -> ValueError:
+    return ValueError(f"topk_idx row {row} lists the same expert twice: {topk_idx_NK[row].tolist()}")
 
 
 def topk_weights(value, shape: tuple[int, int], name: str = "topk_weights") -> torch.Tensor:

@@ -21,6 +21,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
+from ubep import validate
 from ubep.engine import numba_kernels as kernels
 from ubep.engine.torch_engine import TorchEngine
 
@@ -121,6 +122,9 @@ class NumbaEngine:
         )
         if local_nK.tolist() != [[1, -1, -1]] or weights_nK.tolist() != [[1.0, 0.0, 0.0]]:
             raise RuntimeError("numba kernels: wrong localize_rows")
+        in_rank_NR, counts_R = self.route(torch.tensor([[3, 0], [1, -1]]), np.array([0, 0, 1, 1]), 2)
+        if in_rank_NR.tolist() != [[True, True], [True, False]] or counts_R.tolist() != [2, 1]:
+            raise RuntimeError("numba kernels: wrong route")
 
     def copy_rows(
         self,
@@ -292,6 +296,23 @@ class NumbaEngine:
             return self.fallback.reduce_blocks(blocks, tokens, out_NH)
         if bad >= 0:
             raise IndexError(f"reduce_blocks: token at position {bad} is out of range or out of order")
+
+    def route(
+        self, topk_idx_NK: torch.Tensor, rank_of_expert_E: np.ndarray, num_ranks: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(is_token_in_rank bool [N, R], tokens per rank int64 [R]) of a contiguous int64 routing,
+        after checking its values (ValueError in `ubep.validate`'s words): the values check of
+        `validate.topk_idx`, `layout.token_in_rank` and its column sums in one compiled pass."""
+        in_rank_NR = torch.empty(topk_idx_NK.shape[0], num_ranks, dtype=torch.bool)
+        counts_R, found = torch.empty(num_ranks, dtype=torch.int64), np.zeros(1, dtype=np.int64)
+        in_rank_u8, E = in_rank_NR.view(torch.uint8).numpy(), rank_of_expert_E.size
+        args = (topk_idx_NK.numpy(), rank_of_expert_E, E, in_rank_u8, counts_R.numpy(), found)
+        verdict = kernels.route_tokens(*args)
+        if verdict == kernels.BAD_EXPERT:
+            raise validate.bad_expert(rank_of_expert_E.size, int(found[0]))
+        if verdict == kernels.REPEATED:
+            raise validate.repeated_expert(topk_idx_NK, int(found[0]))
+        return in_rank_NR, counts_R
 
     def weighted_sum(self, y_NKH: torch.Tensor, w_NK: torch.Tensor, valid_NK: torch.Tensor) -> torch.Tensor:
         supported = (

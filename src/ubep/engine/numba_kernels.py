@@ -422,3 +422,40 @@ def weighted_sum(y, w, valid, out):
             for j in range(H):
                 acc[j] += widen(row[j]) * wk
     return OK
+
+
+BAD_EXPERT, REPEATED = -3, -4  # route_tokens' verdicts on a routing
+
+
+@_jit
+def route_tokens(topk, rank_of_expert, num_experts, in_rank, counts, found):
+    """Check a routing and lay it out in one pass: topk int64 [N, K] must hold ids in [-1, E) and no
+    expert twice in a row; in_rank uint8 [N, R] gets 1 where token n selects an expert on rank r,
+    counts int64 [R] the tokens per rank. Returns OK, BAD_EXPERT (found[0]: the smallest id if one
+    is below -1, else the largest) or REPEATED (found[0]: the first such row), writing nothing then.
+    Example (R = 2, experts 0-1 on rank 0, 2-3 on rank 1): row [3, 0] -> in_rank row [1, 1].
+    """
+    N, K = topk.shape
+    lo, hi = np.int64(0), np.int64(-1)
+    for t in range(N):
+        for k in range(K):
+            lo, hi = min(lo, topk[t, k]), max(hi, topk[t, k])
+    if N * K and (lo < -1 or hi >= num_experts):
+        found[0] = lo if lo < -1 else hi
+        return BAD_EXPERT
+    for t in range(N):
+        for k in range(K):
+            if topk[t, k] >= 0:
+                for j in range(k):
+                    if topk[t, j] == topk[t, k]:
+                        found[0] = t
+                        return REPEATED
+    counts[:] = 0
+    for t in range(N):
+        in_rank[t, :] = 0
+        for k in range(K):
+            if topk[t, k] >= 0:
+                in_rank[t, rank_of_expert[topk[t, k]]] = 1
+        for r in range(counts.size):
+            counts[r] += in_rank[t, r]
+    return OK

@@ -36,10 +36,10 @@ class BspCompiled(UbepCompiled):
         t = self.t
         t.check_member(phase)  # before a barrier or a put into peers' memory
         barrier, notice = t.control_words(call)
-        pending, status = halves.status_words(self.R)
+        pending, status = np.empty(self.R, dtype=np.int64), np.zeros(6, dtype=np.int64)
         target = t.barrier_target(phase, call)
         args = (barrier, notice, self.asleep, self.me, t.live_R, target, call.seq, self.wake, pending)
-        halves.run(t, call, phase, k.bsp_barrier, *args, *halves.BUDGET, status)  # a peer's abort raises
+        halves.run(t, call, phase, k.bsp_barrier, *args, *self.budget, status)  # a peer's abort raises
         if status[5]:
             t.ring_marked(self.wake)
 
@@ -67,7 +67,7 @@ class BspCompiled(UbepCompiled):
             self.faults.at("dispatch.sent", call)
         self._barrier(call, "dispatch (token send)")
         counts_R = torch.empty(R, dtype=torch.int64)
-        pending, status = halves.status_words(R)
+        pending, status = np.empty(R, dtype=np.int64), np.zeros(6, dtype=np.int64)
         code = k.bsp_verify(
             self.table, me, epoch, t.live_R, DTYPE_CODES[x_NH.dtype], K, s.max_topk, s.capacity, *CODE_RANGE,
             counts_R.numpy(), pending, status,

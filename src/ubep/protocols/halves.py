@@ -10,20 +10,24 @@ wait does; the half then resumes from its own state.
 
 from __future__ import annotations
 
-import numpy as np
+import os
 
 from ubep.calls import CallId
 from ubep.transport.heap import Heap
 from ubep.waiting import YIELD_POLLS
 
 DONE, WAITING = 0, 1  # the codes every compiled half shares
-SPIN_POLLS = 256  # polls with the spin-wait hint before a half starts yielding its core
-BUDGET = (SPIN_POLLS, YIELD_POLLS)  # (spins, yields) a half takes before handing its wait to Python
+# Polls with the spin-wait hint before a half yields its core: few where ranks outnumber cores (a
+# spinning rank would hold the core its peer needs), many where each rank has a core of its own
+# (a sleep and its wake-up cost tens of microseconds). Measured in docs/benchmarks.md ("Waiting").
+SPIN_POLLS_SHARED, SPIN_POLLS_ALONE = 256, 16384
 
 
-def status_words(num_ranks: int) -> tuple[np.ndarray, np.ndarray]:
-    """(pending int64 [R], status int64 [6]): the scratch every waiting half writes."""
-    return np.empty(num_ranks, dtype=np.int64), np.zeros(6, dtype=np.int64)
+def budget(ranks_here: int) -> tuple[int, int]:
+    """(spins, yields) a half takes before handing its wait to Python, for `ranks_here` ranks
+    on this host's usable cores."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return (SPIN_POLLS_ALONE if ranks_here <= cores else SPIN_POLLS_SHARED), YIELD_POLLS
 
 
 def run(heap: Heap, call: CallId, phase: str, half, *args) -> int:

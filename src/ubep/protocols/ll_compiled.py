@@ -40,6 +40,7 @@ class LLCompiled:
         self.me, self.R = heap.rank, heap.num_ranks
         self.table, self.asleep = heap.address_table(blocks.all())
         self.wake = np.zeros(self.R, dtype=np.uint8)
+        self.budget = halves.budget(self.R)  # every rank of a heap runs on this host
         self.row_bytes = sizing.row_bytes  # a slot's row stride in bytes
 
     def _reserve(self, call: CallId, kind: int, what: str) -> None:
@@ -49,7 +50,7 @@ class LLCompiled:
         pending, status = np.empty(self.R, dtype=np.int64), np.zeros(6, dtype=np.int64)
         args = (self.table, self.asleep, self.me, t.live_R, kind, call.epoch & 1, call.epoch, pending)
         code = halves.run(
-            t, call, f"low-latency {what} (buffer reuse)", k.ll_reserve, *args, *halves.BUDGET, status
+            t, call, f"low-latency {what} (buffer reuse)", k.ll_reserve, *args, *self.budget, status
         )
         if code == k.E_MINE:
             raise RuntimeError(
@@ -90,7 +91,7 @@ class LLCompiled:
         planes = [plane.numpy() for plane, _, _ in out.planes]
         live_R = np.zeros(self.R, dtype=np.uint8)
         live_R[t.live_R] = 1
-        pending, status = halves.status_words(self.R)
+        pending, status = np.empty(self.R, dtype=np.int64), np.zeros(6, dtype=np.int64)
         T = h.num_max_dispatch_tokens_per_rank
         try:
             code = halves.run(
@@ -120,7 +121,7 @@ class LLCompiled:
                 np.zeros(1 + h.recv_count_L.numel(), np.int64),
                 self.wake,
                 pending,
-                *halves.BUDGET,
+                *self.budget,
                 status,
             )
             if code != k.DONE:
@@ -164,7 +165,7 @@ class LLCompiled:
         s, t = self.sizing, self.t
         expected_R = torch.bincount(plan.owner_NK[plan.valid_NK], minlength=self.R)
         out = out_NH.view(torch.uint16).numpy() if out_NH.dtype == torch.bfloat16 else out_NH.numpy()
-        pending, status = halves.status_words(self.R)
+        pending, status = np.empty(self.R, dtype=np.int64), np.zeros(6, dtype=np.int64)
         try:
             code = halves.run(
                 t,
@@ -189,7 +190,7 @@ class LLCompiled:
                 np.zeros(1, np.int64),
                 self.wake,
                 pending,
-                *halves.BUDGET,
+                *self.budget,
                 status,
             )
             if code != k.DONE:

@@ -46,6 +46,8 @@ class UbepCompiled:
         self.me, self.R = heap.rank, heap.num_ranks
         self.table, self.asleep = heap.address_table(blocks.all())
         self.wake = np.zeros(self.R, dtype=np.uint8)
+        self.budget = halves.budget(self.R)  # every rank of a heap runs on this host
+        self.L = sizing.placement.num_local_experts
         self.local_of_expert = local_of_E.numpy()  # int64 [E]: local id here, -1 elsewhere
 
     def _memory(self, call: CallId) -> tuple:
@@ -80,21 +82,21 @@ class UbepCompiled:
         if self.faults.armed:
             self.faults.at("dispatch.sent", call)
         counts_R, sent_R = np.empty(R, dtype=np.int64), np.empty(R, dtype=np.int64)
-        pending, status = halves.status_words(R)
+        pending, status = np.empty(R, dtype=np.int64), np.zeros(6, dtype=np.int64)
         mine = (x_NH.dtype, K, 0)
         self._enter(
             call, "dispatch (routing)", mine, k.dispatch_routes, *mem, code, K, s.max_topk, s.capacity,
-            *CODE_RANGE, np.zeros(R, dtype=np.int64), counts_R, sent_R, pending, *halves.BUDGET, status,
+            *CODE_RANGE, np.zeros(R, dtype=np.int64), counts_R, sent_R, pending, *self.budget, status,
         )  # fmt: skip
         if cached:
             prefix_R1, src_token_M = handle.recv.prefix_R1, handle.recv.src_token_M
         else:
             prefix_R1 = torch.zeros(R + 1, dtype=torch.int64)
-            np.cumsum(counts_R, out=prefix_R1.numpy()[1:])
+            counts_R.cumsum(out=prefix_R1.numpy()[1:])
             src_token_M = torch.empty(int(prefix_R1[-1]), dtype=torch.int64)
         M = src_token_M.shape[0]
         src_rank_M = handle.recv.src_rank_M if cached else torch.empty(M, dtype=torch.int64)
-        per_expert_L = np.empty(0 if cached else self.sizing.placement.num_local_experts, dtype=np.int64)
+        per_expert_L = np.empty(0 if cached else self.L, dtype=np.int64)
         recv_x_MH = torch.empty(M, H, dtype=x_NH.dtype)
         recv_scales_MS = None if plan.scales_NS is None else torch.empty(M, plan.scales_NS.shape[1])
         recv_idx_MK = None if cached else torch.empty(M, K, dtype=torch.int64)
@@ -105,7 +107,7 @@ class UbepCompiled:
             _NO_I64 if cached else recv_idx_MK.numpy(), _NO_F32 if cached else recv_w_MK.numpy(),
             src_token_M.numpy(), src_rank_M.numpy(), per_expert_L, recv_x_MH.view(torch.uint8).numpy(),
             _NO_F32 if recv_scales_MS is None else recv_scales_MS.numpy(),
-            np.zeros(R + 1, dtype=np.int64), pending, *halves.BUDGET, status,
+            np.zeros(R + 1, dtype=np.int64), pending, *self.budget, status,
         )  # fmt: skip
         t.check_member("dispatch")  # what was read above was whole
         route = handle.recv if cached else RecvRoute(src_token_M, prefix_R1, src_rank_M)
@@ -135,13 +137,13 @@ class UbepCompiled:
         K = 0 if weights_MK is None else weights_MK.shape[1]
         out_NH = torch.empty(handle.num_tokens, x_MH.shape[1], dtype=x_MH.dtype)
         out_NK = None if K == 0 else torch.empty(handle.num_tokens, K, dtype=torch.float32)
-        pending, status = halves.status_words(R)
+        pending, status = np.empty(R, dtype=np.int64), np.zeros(6, dtype=np.int64)
         self._enter(
             call, phase, (x_MH.dtype, K, handle.seq), k.combine_reduce, *self._memory(call),
             handle.is_token_in_rank_NR.view(torch.uint8).numpy(), handle.send_counts_R.numpy(), handle.seq,
             DTYPE_CODES[x_MH.dtype], *CODE_RANGE, s.max_topk, R * s.capacity, bits_of(out_NH),
             _NO_F32 if out_NK is None else out_NK.numpy(), np.zeros(R, dtype=np.int64), pending,
-            *halves.BUDGET, status,
+            *self.budget, status,
         )  # fmt: skip
         self.t.check_member("combine")  # what was read above was whole
         return out_NH, out_NK
