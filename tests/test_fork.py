@@ -20,7 +20,9 @@ def fork_then_call(protocol: str) -> tuple[str, bool]:
     xs, idxs, ws = sc.inputs()
     ref = reference.dispatch(xs, idxs, ws, sc.num_experts)
     said = ""
-    with ubep.Buffer(hidden=64, num_experts=4, max_tokens_per_rank=8, protocol=protocol, transport="shm") as buf:
+    with ubep.Buffer(
+        hidden=64, num_experts=4, max_tokens_per_rank=8, protocol=protocol, transport="shm"
+    ) as buf:
         if me == 0:
             read, write = os.pipe()
             child = os.fork()
@@ -45,6 +47,8 @@ def fork_then_call(protocol: str) -> tuple[str, bool]:
 
 def test_forked_child_is_refused_and_the_parent_stays_exact() -> None:
     for protocol in ("ubep", "bsp"):
-        (said, exact0), (_, exact1) = ubep.LocalLaunch(world_size=2, timeout_s=60).run(fork_then_call, protocol)
+        (said, exact0), (_, exact1) = ubep.LocalLaunch(world_size=2, timeout_s=60).run(
+            fork_then_call, protocol
+        )
         assert "fork" in said and "build a Buffer in the child" in said, said
         assert exact0 and exact1

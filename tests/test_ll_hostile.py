@@ -62,18 +62,21 @@ def one_call(rank: VirtualRank, sent: threading.Barrier, value: int | None, engi
     with ubep.Buffer(
         rank, hidden=H, num_experts=E, max_tokens_per_rank=T, max_topk=K, timeout_s=TIMEOUT_S, engine=engine
     ) as buf:
+        both_past = False  # once both ranks left the barriers, breaking it would only hit a slow leaver
         try:
             d = buf.low_latency_dispatch(x_NH, topk_idx_NK, T, E, return_recv_hook=True)
             sent.wait(TIMEOUT_S)
             if value is not None and rank.rank == 0:
                 corrupt_indices_from(buf, 0, 1, value)
             sent.wait(TIMEOUT_S)
+            both_past = True
             d.hook()
             return buf.low_latency_combine(
                 expert(d.recv_x), topk_idx_NK, topk_weights_NK, d.handle
             ).combined_x
         except UbepError as error:
-            sent.abort()
+            if not both_past:
+                sent.abort()
             return error
 
 

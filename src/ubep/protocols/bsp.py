@@ -41,7 +41,6 @@ from ubep.protocols.base import (
     reduce_home,
     rows,
 )
-from ubep.protocols.bsp_compiled import BspCompiled
 from ubep.results import DispatchHandle, RecvRoute
 from ubep.transport.base import Field, Header, Region, Transport
 
@@ -112,11 +111,11 @@ class BspExchange:
         self._local_of_RE = torch.stack(
             [torch.where(placement.rank_of_expert_E == r, placement.local_index_E, -1) for r in range(self.R)]
         )
-        self._compiled = (  # each phase one compiled function, where the engine and memory allow
-            BspCompiled(transport, self.blocks, sizing, faults, self._local_of_RE)
-            if engine.name == "numba" and hasattr(transport, "address_table")
-            else None
-        )
+        self._compiled = None  # each call half one compiled function, where the engine and memory allow
+        if engine.name == "numba" and hasattr(transport, "address_table"):
+            from ubep.protocols.bsp_compiled import BspCompiled  # imports numba: only on its engine
+
+            self._compiled = BspCompiled(transport, self.blocks, sizing, faults, self._local_of_RE)
 
     def dispatch(self, call: CallId, plan: SendPlan, handle: DispatchHandle | None) -> Received:
         if self._compiled is not None:

@@ -48,7 +48,6 @@ from ubep.protocols.ll_base import (
     returned_rows,
     slot_positions,
 )
-from ubep.protocols.ll_compiled import LLCompiled
 from ubep.transport.base import Field, Header, Region, Transport
 from ubep.waiting import AbortNotice, PeerAbortedError
 
@@ -111,11 +110,11 @@ class LLExchange:
         self.t, self.engine, self.sizing = transport, engine, sizing
         self.me, self.R = transport.rank, transport.num_ranks
         self.blocks = LLBlocks.of(sizing)
-        self._compiled = (  # each half one compiled function, where the engine and memory allow
-            LLCompiled(transport, self.blocks, sizing, self._consumed)
-            if engine.name == "numba" and hasattr(transport, "address_table")
-            else None
-        )
+        self._compiled = None  # each call half one compiled function, where the engine and memory allow
+        if engine.name == "numba" and hasattr(transport, "address_table"):
+            from ubep.protocols.ll_compiled import LLCompiled  # imports numba: only on its engine
+
+            self._compiled = LLCompiled(transport, self.blocks, sizing, self._consumed)
 
     # -- buffer reuse -----------------------------------------------------------------------------
 

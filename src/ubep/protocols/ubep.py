@@ -51,7 +51,6 @@ from ubep.protocols.base import (
     rows,
     spread,
 )
-from ubep.protocols.ubep_compiled import UbepCompiled
 from ubep.results import DispatchHandle, RecvRoute
 from ubep.transport.base import Field, Header, Region, Transport
 
@@ -121,11 +120,11 @@ class UbepExchange:
         self.workers, self.policy = workers, policy
         self._topology = topology.host(cores=self.R) if workers > 1 else None
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="ubep-move") if workers > 1 else None
-        self._compiled = (  # each call half one compiled function, where the engine and memory allow
-            UbepCompiled(transport, self.blocks, sizing, faults, self._local_of_E)
-            if engine.name == "numba" and workers == 1 and hasattr(transport, "address_table")
-            else None
-        )
+        self._compiled = None  # each call half one compiled function, where the engine and memory allow
+        if engine.name == "numba" and hasattr(transport, "address_table"):
+            from ubep.protocols.ubep_compiled import UbepCompiled  # imports numba: only on its engine
+
+            self._compiled = UbepCompiled(transport, self.blocks, sizing, faults, self._local_of_E)
 
     # -- dispatch ---------------------------------------------------------------------------------
 
