@@ -14,10 +14,10 @@ from scenarios import Scenario, assert_dispatch_matches, expert_output, scenario
 
 import ubep
 from ubep import reference
+from ubep.collectives.hier import boundary_bytes, dispatch_row_bytes
 from ubep.group import GroupInfo, choose_transport
 from ubep.layout import ExpertPlacement
 from ubep.nodes import NodeMap, tokens_per_slot
-from ubep.protocols.hier import boundary_bytes, dispatch_row_bytes
 
 # -- without processes ------------------------------------------------------------------------------
 

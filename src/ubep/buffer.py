@@ -24,7 +24,7 @@ from ubep.calls import CallCounter
 from ubep.deadlines import collective_deadline
 from ubep.factory import Options, build, ready_engine
 from ubep.faults import FaultPlan, FaultPoints
-from ubep.group import GroupInfo, check_agreement, choose_transport, join_group
+from ubep.group import GroupInfo, check_agreement, choose_transport, join_group, torch_group
 from ubep.layout import (
     ExpertPlacement,
     aligned,
@@ -35,7 +35,6 @@ from ubep.layout import (
 )
 from ubep.overlap import EventOverlap
 from ubep.protocols.base import Exchange, SendPlan, Sizing
-from ubep.protocols.ll import LLExchange
 from ubep.protocols.ll_base import LowLatencyExchange, combine_plan, dispatch_outputs, dispatch_plan
 from ubep.results import (
     CombineResult,
@@ -48,7 +47,6 @@ from ubep.results import (
 )
 from ubep.schedule import POLICIES
 from ubep.sizing import size_hint
-from ubep.transport.virtual import VirtualRank
 
 VERSION = version("ubep")  # from the package metadata (pyproject.toml): ranks must run the same
 # Construction waits at least this long: ranks reach it at different times (imports,
@@ -144,7 +142,7 @@ class Buffer:
         self.timeout_s = float(timeout_s)
         construct_s = max(self.timeout_s, CONSTRUCTION_MIN_TIMEOUT_S)
         self.engine, self._engine_reason = ready_engine(engine)  # slow (compiling): before ranks meet
-        with collective_deadline(_resolve(group), construct_s, "Buffer construction (joining the group)"):
+        with collective_deadline(torch_group(group), construct_s, "Buffer construction (joining the group)"):
             self._info: GroupInfo = join_group(group)
         self._faults = FaultPoints(faults, self._info.rank)
         R = self._info.world_size
@@ -164,7 +162,7 @@ class Buffer:
         self.low_latency = bool(low_latency)
         self.workers, self.schedule = workers, schedule
         self.transport, self._transport_reason = choose_transport(transport, self._info)
-        ep_group, peers = _resolve(self._info.group), self._info.peers
+        ep_group, peers = torch_group(self._info.group), self._info.peers
         with collective_deadline(ep_group, construct_s, "Buffer construction", peers, watch=True):
             self._handshake(transport)
             options = Options(
@@ -549,8 +547,9 @@ class Buffer:
             )
         seq = mask(self._masked | gone, self._calls.seq)
         self._calls.resume(seq)
-        if isinstance(self._ll, LLExchange):
-            self._ll.resume(seq)
+        resume = getattr(self._ll, "resume", None)  # a low-latency exchange on the heap frees its halves
+        if resume is not None:
+            resume(seq)
         self._masked |= gone
         owners_E = self.sizing.placement.rank_of_expert_E
         self._masked_E = torch.isin(owners_E, torch.tensor(sorted(self._masked)))
@@ -594,15 +593,6 @@ class Buffer:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def _resolve(group) -> dist.ProcessGroup | None:
-    """The process group construction will use, where it exists already (for its deadline)."""
-    if isinstance(group, VirtualRank):
-        return None
-    if group is not None or not dist.is_initialized():
-        return group
-    return dist.group.WORLD
 
 
 def _rows(t) -> int:

@@ -1,4 +1,6 @@
-"""Assembly: one transport, one protocol and one engine for a Buffer, chosen once.
+"""Assembly: one transport, one protocol and one engine for a Buffer, chosen once, from tables:
+a protocol on a heap (its blocks, its exchange), where the heap's memory lives, or the
+collectives that stand in for a heap across hosts.
 
 The Buffer and `ubep.compat` both build through here, so what a given set of
 options constructs (and how many bytes of shared memory it maps) is decided
@@ -11,16 +13,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ubep.collectives.bsp_dist import BspDist
+from ubep.collectives.hier import HierExchange
+from ubep.collectives.ll_dist import LLDist
 from ubep.engine import Engine, TorchEngine, choose_engine
 from ubep.faults import FaultPoints
 from ubep.group import GroupInfo
 from ubep.protocols.base import Exchange, Sizing
 from ubep.protocols.bsp import BspBlocks, BspExchange
-from ubep.protocols.bsp_dist import BspDist
-from ubep.protocols.hier import HierExchange
 from ubep.protocols.ll import LLBlocks, LLExchange
 from ubep.protocols.ll_base import LowLatencyExchange
-from ubep.protocols.ll_dist import LLDist
 from ubep.protocols.ll_local import LLLocal
 from ubep.protocols.local import LocalExchange
 from ubep.protocols.ubep import UbepBlocks, UbepExchange
@@ -59,9 +61,31 @@ def ready_engine(requested: str = "auto") -> tuple[Engine, str]:
     return engine, reason
 
 
+# What each protocol declares on a heap, and how it is built over one.
+HEAP_PROTOCOLS = {
+    "ubep": (
+        UbepBlocks,
+        lambda heap, engine, s, faults, o: UbepExchange(
+            heap, engine, s, faults, workers=o.workers, policy=o.schedule
+        ),
+    ),
+    "bsp": (BspBlocks, lambda heap, engine, s, faults, o: BspExchange(heap, engine, s, faults)),
+}
+# Where a heap's memory lives: a host's shared segments, or a virtual world's arenas.
+HEAPS = {
+    "shm": lambda blocks, info, o: shm_heap(blocks, info.group, info.rank, info.world_size, o.timeout_s),
+    "virtual": lambda blocks, info, o: virtual_heap(blocks, info.group, o.timeout_s),
+}
+# Collectives, where memory is not addressable: the normal-mode exchange of each transport.
+COLLECTIVES = {
+    "dist": lambda info, s, o, engine, faults: BspDist(info.group, info.rank, s, o.timeout_s, faults),
+    "hier": lambda info, s, o, engine, faults: HierExchange(info, s, o.timeout_s, engine),
+}
+
+
 def heap_blocks(sizing: Sizing, protocol: str, low_latency: bool) -> tuple[Region | Header, ...]:
     """The memory every rank of a one-host heap holds for these options."""
-    normal = UbepBlocks.of(sizing).all() if protocol == "ubep" else BspBlocks.of(sizing).all()
+    normal = HEAP_PROTOCOLS[protocol][0].of(sizing).all()
     return normal + (LLBlocks.of(sizing).all() if low_latency else ())
 
 
@@ -77,20 +101,9 @@ def build(
     o = options
     if o.transport == "local":
         return LocalExchange(sizing), LLLocal(engine) if o.low_latency else None
-    if o.transport in ("dist", "hier"):  # across nodes: low-latency mode takes the collective path
-        if o.transport == "dist":
-            normal: Exchange = BspDist(info.group, info.rank, sizing, o.timeout_s, faults)
-        else:
-            normal = HierExchange(info, sizing, o.timeout_s, engine)
-        ll = LLDist(info.group, info.rank, sizing, engine, o.timeout_s) if o.low_latency else None
-        return normal, ll
-    blocks = heap_blocks(sizing, o.protocol, o.low_latency)
-    if o.transport == "virtual":
-        heap = virtual_heap(blocks, info.group, o.timeout_s)
-    else:
-        heap = shm_heap(blocks, info.group, info.rank, info.world_size, o.timeout_s)
-    if o.protocol == "ubep":
-        normal = UbepExchange(heap, engine, sizing, faults, workers=o.workers, policy=o.schedule)
-    else:
-        normal = BspExchange(heap, engine, sizing, faults)
+    if o.transport in COLLECTIVES:  # low-latency mode takes the collective path too
+        normal = COLLECTIVES[o.transport](info, sizing, o, engine, faults)
+        return normal, LLDist(info.group, info.rank, sizing, engine, o.timeout_s) if o.low_latency else None
+    heap = HEAPS[o.transport](heap_blocks(sizing, o.protocol, o.low_latency), info, o)
+    normal = HEAP_PROTOCOLS[o.protocol][1](heap, engine, sizing, faults, o)
     return normal, LLExchange(heap, engine, sizing) if o.low_latency else None

@@ -154,3 +154,13 @@ def choose_transport(requested: str, info: GroupInfo) -> tuple[str, str]:
             raise ValueError(f"transport='shm' is not available: {why}")
         return "dist", f"shared memory unavailable ({why})"
     return "shm", f"all {info.world_size} ranks share this host and {why}"
+
+
+def torch_group(group) -> dist.ProcessGroup | None:
+    """The torch.distributed group a Buffer's construction will use, where it exists already (for
+    its deadline); None for a virtual rank or where torch.distributed is not initialised."""
+    if isinstance(group, VirtualRank):
+        return None
+    if group is not None or not dist.is_initialized():
+        return group
+    return dist.group.WORLD

@@ -17,10 +17,10 @@ from typing import NamedTuple
 import torch
 
 from ubep import validate
+from ubep.collectives.hier import HierBlocks
 from ubep.factory import heap_bytes
 from ubep.layout import ExpertPlacement
 from ubep.protocols.base import Sizing
-from ubep.protocols.hier import HierBlocks
 from ubep.transport.heap import Layout
 
 

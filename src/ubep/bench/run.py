@@ -20,10 +20,10 @@ from ubep.bench.timing import latencies_us
 from ubep.bench.torch_systems import measure_rank
 from ubep.bench.turns import Conductor, Samples, round_order
 from ubep.bench.workload import BenchConfig, build
+from ubep.collectives.hier import boundary_bytes
 from ubep.factory import ready_engine
 from ubep.launcher import LocalLaunch
 from ubep.layout import ExpertPlacement
-from ubep.protocols.hier import boundary_bytes
 
 SINGLE_HOST = ("bsp-shm", "mpi")  # no row across emulated nodes
 NORMAL_ONLY = ("bsp-shm", "mpi")  # no low-latency mode
