@@ -29,6 +29,7 @@ import numpy as np
 
 from ubep.engine.numba_kernels import _elements_at, _jit, _move, store, widen
 from ubep.engine.numba_sync import back_off, load_acquire, store_relaxed, store_release, wake_if_asleep
+from ubep.engine.ubep_halves import CHUNK
 
 SENT, SLOTS, SLOT_INFO, RETURNED, BACK_SLOTS, DONE_WORDS, REJECTED = range(7)  # `LLBlocks.all()` order
 S_DTYPE, S_T, S_WIDTH, S_COUNTS = 1, 2, 3, 4  # sent record words (stamp at 0)
@@ -328,19 +329,22 @@ def ll_combine_recv(
             return _fail(status, E_FIELD, r, record[R_COUNT], 1, 0)
         if record[R_COUNT] != expected_R[r] or record[R_DTYPE] != code:
             return _fail(status, E_RETURNED, r, record[R_COUNT], record[R_DTYPE], expected_R[r])
-    acc = np.empty(H, dtype=np.float32)
+    acc = np.empty(CHUNK, dtype=np.float32)
     slots = table[me, BACK_SLOTS, half]
     for t in range(N):
-        acc[:] = np.float32(0.0)
-        for k in range(K):
-            if not valid[t, k]:
-                continue
-            w = np.float32(weights[t, k])
-            row = _elements_at(out[0, :0], slots + (t * Kmax + k) * row_bytes, H)
-            for j in range(H):
-                acc[j] += widen(row[j]) * w
-        out_row = out[t]
-        for j in range(H):
-            store(out_row, j, acc[j])
+        for c in range(0, H, CHUNK):  # a chunk of the row at a time (see `ubep_halves.CHUNK`)
+            width = min(CHUNK, H - c)
+            acc[:width] = np.float32(0.0)
+            for k in range(K):
+                if valid[t, k]:
+                    w = np.float32(weights[t, k])
+                    row = _elements_at(
+                        out[0, :0], slots + (t * Kmax + k) * row_bytes + c * out.itemsize, width
+                    )
+                    for j in range(width):
+                        acc[j] += widen(row[j]) * w
+            out_row = out[t, c : c + width]
+            for j in range(width):
+                store(out_row, j, acc[j])
     status[5] = _consumed(table, asleep, me, live, 1, half, epoch, wake)  # peers to ring
     return DONE
