@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
+
 from ubep.calls import CallId
 from ubep.transport.heap import Heap
 from ubep.waiting import YIELD_POLLS
@@ -45,3 +47,19 @@ def resume(heap: Heap, call: CallId, phase: str, half, *args) -> int:
         sleeper.pause(pending[: status[1]].tolist())
         code = half(*args)
     return code
+
+
+class HeapHalves:
+    """What every protocol on compiled halves keeps for one Buffer: the address table of its blocks,
+    the ASLEEP words, the marks of peers to ring, and the wait budget of this host."""
+
+    def __init__(self, heap: Heap, blocks):
+        self.t, self.blocks = heap, blocks
+        self.me, self.R = heap.rank, heap.num_ranks
+        self.table, self.asleep = heap.address_table(blocks.all())
+        self.wake = np.zeros(self.R, dtype=np.uint8)  # peers a half found asleep, to ring
+        self.budget = budget(self.R)  # every rank of a heap runs on this host
+
+    def _memory(self, call: CallId) -> tuple:
+        """What every half takes first: (table, asleep, this rank, epoch, half, live ranks)."""
+        return self.table, self.asleep, self.me, call.epoch, call.epoch & 1, self.t.live_R

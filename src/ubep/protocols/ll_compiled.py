@@ -31,16 +31,13 @@ DISPATCH, COMBINE = 0, 1
 _NO_PLANE = np.empty((0, 0, 0), dtype=np.uint8)
 
 
-class LLCompiled:
+class LLCompiled(halves.HeapHalves):
     """Low-latency halves on a heap, each one compiled function; `release(call, kind)` is the
     exchange's Python release of a half (on every failure after the send)."""
 
     def __init__(self, heap: Heap, blocks, sizing: Sizing, release: Callable[[CallId, int], None]):
-        self.t, self.blocks, self.sizing, self.release = heap, blocks, sizing, release
-        self.me, self.R = heap.rank, heap.num_ranks
-        self.table, self.asleep = heap.address_table(blocks.all())
-        self.wake = np.zeros(self.R, dtype=np.uint8)
-        self.budget = halves.budget(self.R)  # every rank of a heap runs on this host
+        super().__init__(heap, blocks)
+        self.sizing, self.release = sizing, release
         self.row_bytes = sizing.row_bytes  # a slot's row stride in bytes
 
     def _reserve(self, call: CallId, kind: int, what: str) -> None:
@@ -64,12 +61,7 @@ class LLCompiled:
         s = self.sizing
         self._reserve(call, DISPATCH, "dispatch")
         woken = k.ll_dispatch_send(
-            self.table,
-            self.asleep,
-            self.me,
-            call.epoch,
-            call.epoch & 1,
-            self.t.live_R,
+            *self._memory(call),
             plan.rows_NB.numpy(),
             plan.pair_token_P.numpy(),
             plan.pair_k_P.numpy(),
@@ -140,12 +132,7 @@ class LLCompiled:
         s = self.sizing
         self._reserve(call, COMBINE, "combine")
         woken = k.ll_combine_send(
-            self.table,
-            self.asleep,
-            self.me,
-            call.epoch,
-            call.epoch & 1,
-            self.t.live_R,
+            *self._memory(call),
             plan.x_LMB.numpy(),
             plan.local_Q.numpy(),
             plan.row_Q.numpy(),

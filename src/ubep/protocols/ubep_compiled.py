@@ -38,21 +38,14 @@ def bits_of(t: torch.Tensor) -> np.ndarray:
     return t.view(torch.uint16).numpy() if t.dtype == torch.bfloat16 else t.numpy()
 
 
-class UbepCompiled:
+class UbepCompiled(halves.HeapHalves):
     """UBEP dispatch/combine on a heap, each call half one compiled function."""
 
     def __init__(self, heap: Heap, blocks, sizing: Sizing, faults: FaultPoints, local_of_E: torch.Tensor):
-        self.t, self.blocks, self.sizing, self.faults = heap, blocks, sizing, faults
-        self.me, self.R = heap.rank, heap.num_ranks
-        self.table, self.asleep = heap.address_table(blocks.all())
-        self.wake = np.zeros(self.R, dtype=np.uint8)
-        self.budget = halves.budget(self.R)  # every rank of a heap runs on this host
+        super().__init__(heap, blocks)
+        self.sizing, self.faults = sizing, faults
         self.L = sizing.placement.num_local_experts
         self.local_of_expert = local_of_E.numpy()  # int64 [E]: local id here, -1 elsewhere
-
-    def _memory(self, call: CallId) -> tuple:
-        """What every half takes first: (table, asleep, this rank, epoch, half, live ranks)."""
-        return self.table, self.asleep, self.me, call.epoch, call.epoch & 1, self.t.live_R
 
     def _enter(self, call: CallId, phase: str, mine: tuple, half, *args) -> None:
         """Run a resumable half to DONE, or raise its error; `mine` is (dtype, top-k, dispatch seq)
