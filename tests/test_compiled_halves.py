@@ -256,3 +256,16 @@ def test_a_source_landing_during_the_gather_is_still_placed() -> None:
     assert code == k.DONE
     assert (recv_x[0] == 7).all(), "rank 0's row was never placed"
     assert recv_x[1].view(np.int64)[0] == epoch
+
+
+def _explained(rank, workers: int) -> str:
+    with ubep.Buffer(
+        rank, hidden=8, num_experts=4, max_tokens_per_rank=2, engine="numba", workers=workers
+    ) as buf:
+        return buf.explain()
+
+
+def test_mover_threads_keep_the_python_protocol() -> None:
+    """workers > 1 hands slices of rows to mover threads, which the compiled halves do not do."""
+    assert "call halves compiled" in VirtualWorld(2).run(lambda r: _explained(r, 1))[0]
+    assert "call halves step by step in Python" in VirtualWorld(2).run(lambda r: _explained(r, 2))[0]

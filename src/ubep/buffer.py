@@ -213,7 +213,8 @@ class Buffer:
         return (
             f"rank {self._info.rank}/{self._info.world_size}: protocol {self._exchange_name()} "
             f"on transport {self.transport} ({self._transport_reason}), "
-            f"engine {self.engine.name} ({self._engine_reason})"
+            f"engine {self.engine.name} ({self._engine_reason}), call halves "
+            + ("compiled" if getattr(self._exchange, "compiled_halves", False) else "step by step in Python")
         )
 
     def _exchange_name(self) -> str:

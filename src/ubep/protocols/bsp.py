@@ -117,6 +117,11 @@ class BspExchange:
 
             self._compiled = BspCompiled(transport, self.blocks, sizing, faults, self._local_of_RE)
 
+    @property
+    def compiled_halves(self) -> bool:
+        """Whether each phase runs as one compiled function (else the torch statement)."""
+        return self._compiled is not None
+
     def dispatch(self, call: CallId, plan: SendPlan, handle: DispatchHandle | None) -> Received:
         if self._compiled is not None:
             return self._compiled.dispatch(call, plan, handle)

@@ -121,10 +121,15 @@ class UbepExchange:
         self._topology = topology.host(cores=self.R) if workers > 1 else None
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="ubep-move") if workers > 1 else None
         self._compiled = None  # each call half one compiled function, where the engine and memory allow
-        if engine.name == "numba" and hasattr(transport, "address_table"):
+        if engine.name == "numba" and workers == 1 and hasattr(transport, "address_table"):
             from ubep.protocols.ubep_compiled import UbepCompiled  # imports numba: only on its engine
 
             self._compiled = UbepCompiled(transport, self.blocks, sizing, faults, self._local_of_E)
+
+    @property
+    def compiled_halves(self) -> bool:
+        """Whether each call half runs as one compiled function (else the torch statement)."""
+        return self._compiled is not None
 
     # -- dispatch ---------------------------------------------------------------------------------
 
