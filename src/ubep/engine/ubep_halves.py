@@ -115,16 +115,20 @@ def _pending(table, block, half, live, epoch, done, pending):
 def _await(table, asleep, block, half, live, me, epoch, done, pending, spins, yields, final):
     """Poll until one pending rank landed or the budget ran out; returns how many are still pending.
 
-    `final`: all must land (return only at 0); otherwise return once any pending one landed.
+    `final`: all must land (return only at 0); otherwise return as soon as any rank not done yet
+    has landed (at once if one already has).
     Leaves this rank's ASLEEP word up when it returns with pending ranks.
     """
     store_relaxed(asleep[me], 0)  # awake: publishers need not ring
-    n = first = _pending(table, block, half, live, epoch, done, pending)
+    todo = 0  # ranks not done yet: with `final` unset, one of them landed is work to do at once
+    for p in live:
+        todo += done[p] == 0
+    n = _pending(table, block, half, live, epoch, done, pending)
     step = 0
-    while n and (final or n == first) and back_off(step, spins, yields, asleep, me):
+    while n and (final or n == todo) and back_off(step, spins, yields, asleep, me):
         n = _pending(table, block, half, live, epoch, done, pending)
         step += 1
-    if n == 0 or (not final and n < first):
+    if n == 0 or (not final and n < todo):
         store_relaxed(asleep[me], 0)
     return n
 
