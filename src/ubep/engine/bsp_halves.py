@@ -27,7 +27,14 @@ from __future__ import annotations
 import numpy as np
 
 from ubep.engine.numba_kernels import _elements_at, _jit, _move
-from ubep.engine.numba_sync import back_off, load_acquire, store_relaxed, store_release, wake_if_asleep
+from ubep.engine.numba_sync import (
+    back_off,
+    load_acquire,
+    store_relaxed,
+    store_release,
+    wake_if_asleep,
+    wake_sleepers,
+)
 
 COUNTS, STAGED, STAGE_X, STAGE_SCALES, STAGE_TOKENS, STAGE_TOPK, STAGE_WEIGHTS = range(7)  # BspBlocks.all()
 NOTICE_SEQ_SHIFT = 24  # an abort notice's seq sits above this bit (`ubep.transport.heap.pack_notice`)
@@ -66,9 +73,7 @@ def bsp_barrier(barrier, notice, asleep, me, live, target, seq, wake, pending, s
     sleepers, wait for the others. status[5]: peers to ring."""
     if load_acquire(barrier[me]) < target:
         store_release(barrier[me], target)
-        for p in live:
-            if p != me:
-                status[5] += wake_if_asleep(asleep, p, wake)
+        status[5] += wake_sleepers(asleep, live, me, wake)
     store_relaxed(asleep[me], 0)
     step = 0
     n = _behind(barrier, notice, live, me, target, seq, pending)

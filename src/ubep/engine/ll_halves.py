@@ -28,7 +28,14 @@ from __future__ import annotations
 import numpy as np
 
 from ubep.engine.numba_kernels import _elements_at, _jit, _move, store, widen
-from ubep.engine.numba_sync import back_off, load_acquire, store_relaxed, store_release, wake_if_asleep
+from ubep.engine.numba_sync import (
+    back_off,
+    load_acquire,
+    store_relaxed,
+    store_release,
+    wake_if_asleep,
+    wake_sleepers,
+)
 from ubep.engine.ubep_halves import CHUNK
 
 SENT, SLOTS, SLOT_INFO, RETURNED, BACK_SLOTS, DONE_WORDS, REJECTED = range(7)  # `LLBlocks.all()` order
@@ -128,11 +135,7 @@ def _consumed(table, asleep, me, live, kind, half, epoch, wake):
     """This rank read its last byte of the call's half: peers may reuse it (and are woken to)."""
     skipped = load_acquire(_done_word(table, me, kind, half, SKIPPED))
     store_release(_done_word(table, me, kind, half, CONSUMED), max(epoch, skipped))
-    woken = 0
-    for p in live:
-        if p != me:
-            woken += wake_if_asleep(asleep, p, wake)
-    return woken
+    return wake_sleepers(asleep, live, me, wake)
 
 
 # -- dispatch ---------------------------------------------------------------------------------------

@@ -153,3 +153,16 @@ def wake_if_asleep(asleep, peer, wake):
         wake[peer] = 1
         return 1
     return 0
+
+
+@_jit
+def wake_sleepers(asleep, live, me, wake):
+    """After a stamp every live peer may wait for: fence once, then mark each peer whose ASLEEP word
+    is up in `wake`; returns how many."""
+    full_fence()
+    n = 0
+    for p in live:
+        if p != me and load_relaxed(asleep[p]) != 0:
+            wake[p] = 1
+            n += 1
+    return n

@@ -47,11 +47,11 @@ import numpy as np
 from ubep.engine.numba_kernels import _elements_at, _jit, _move, store, widen
 from ubep.engine.numba_sync import (
     back_off,
-    full_fence,
     load_acquire,
     load_relaxed,
     store_relaxed,
     store_release,
+    wake_sleepers,
 )
 
 # Blocks, in the order of `UbepBlocks.all()` (the table's second axis).
@@ -82,22 +82,10 @@ E_ROWS = (
 
 
 @_jit
-def _wake_sleepers(asleep, live, me, wake):
-    """After a stamp: fence, then mark every live peer whose ASLEEP word is up; returns how many."""
-    full_fence()
-    n = 0
-    for p in live:
-        if p != me and load_relaxed(asleep[p]) != 0:
-            wake[p] = 1
-            n += 1
-    return n
-
-
-@_jit
 def _publish(address, epoch, asleep, live, me, wake):
     """Stamp a header (release), then find the sleepers to ring."""
     store_release(address, epoch)
-    return _wake_sleepers(asleep, live, me, wake)
+    return wake_sleepers(asleep, live, me, wake)
 
 
 @_jit
