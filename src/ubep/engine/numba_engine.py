@@ -125,6 +125,30 @@ class NumbaEngine:
         in_rank_NR, counts_R = self.route(torch.tensor([[3, 0], [1, -1]]), np.array([0, 0, 1, 1]), 2)
         if in_rank_NR.tolist() != [[True, True], [True, False]] or counts_R.tolist() != [2, 1]:
             raise RuntimeError("numba kernels: wrong route")
+        self._check_block_examples()
+
+    def _check_block_examples(self) -> None:
+        """The several-source kernels on their docstring examples, for every row dtype a call reduces,
+        so that a bad cached copy of one fails here and not inside a call."""
+        a_b, c_d = torch.tensor([[1.0], [2.0]]), torch.tensor([[3.0], [4.0]])
+        gathered_31 = torch.empty(3, 1)
+        self.gather_blocks([a_b, c_d], [torch.tensor([1]), torch.tensor([0, 1])], gathered_31, [0, 1])
+        if gathered_31.tolist() != [[2.0], [3.0], [4.0]]:
+            raise RuntimeError("numba kernels: wrong gather_blocks")
+        out_idx_21, out_w_21 = torch.empty(2, 1, dtype=torch.int64), torch.empty(2, 1)
+        topks = [torch.tensor([[2]]), torch.tensor([[0], [3]])]
+        weights = [torch.tensor([[0.5]]), torch.tensor([[1.0], [2.0]])]
+        rows = [torch.tensor([0]), torch.tensor([1])]
+        self.localize_blocks(topks, weights, rows, torch.tensor([-1, -1, 0, 1]), out_idx_21, out_w_21)
+        if out_idx_21.tolist() != [[0], [1]] or out_w_21.tolist() != [[0.5], [2.0]]:
+            raise RuntimeError("numba kernels: wrong localize_blocks")
+        for row_dtype in ROW_DTYPES:
+            for out_dtype in (torch.bfloat16, torch.float32):
+                reduced_31 = torch.empty(3, 1, dtype=out_dtype)
+                blocks = [a_b.to(row_dtype), c_d[:1].to(row_dtype)]
+                self.reduce_blocks(blocks, [torch.tensor([0, 2]), torch.tensor([0])], reduced_31)
+                if reduced_31.tolist() != [[4.0], [0.0], [2.0]]:
+                    raise RuntimeError(f"numba kernels: wrong reduce_blocks for {row_dtype} into {out_dtype}")
 
     def copy_rows(
         self,
