@@ -11,6 +11,7 @@ Legend: see `ubep.layout`.
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import threading
 from collections.abc import Iterable
@@ -19,12 +20,19 @@ from importlib.metadata import version
 import torch
 import torch.distributed as dist
 
-from ubep import validate
+from ubep import settings, validate
 from ubep.calls import CallCounter
 from ubep.deadlines import collective_deadline
 from ubep.factory import Options, build, ready_engine
 from ubep.faults import FaultPlan, FaultPoints
-from ubep.group import GroupInfo, check_agreement, choose_transport, join_group, torch_group
+from ubep.group import (
+    GroupInfo,
+    all_gather_object,
+    check_agreement,
+    choose_transport,
+    join_group,
+    torch_group,
+)
 from ubep.layout import (
     ExpertPlacement,
     aligned,
@@ -36,6 +44,7 @@ from ubep.layout import (
 from ubep.overlap import EventOverlap
 from ubep.protocols.base import Exchange, SendPlan, Sizing
 from ubep.protocols.ll_base import LowLatencyExchange, combine_plan, dispatch_outputs, dispatch_plan
+from ubep.recording import RecordedExchange, RecordedLowLatency, Recorder
 from ubep.results import (
     CombineResult,
     DispatchHandle,
@@ -47,6 +56,7 @@ from ubep.results import (
 )
 from ubep.schedule import POLICIES
 from ubep.sizing import size_hint
+from ubep.stats import Stats, StatsOptions
 
 VERSION = version("ubep")  # from the package metadata (pyproject.toml): ranks must run the same
 # Construction waits at least this long: ranks reach it at different times (imports,
@@ -89,13 +99,13 @@ class Buffer:
         hidden: H, the hidden size of every token.
         num_experts: E, experts in the group; E % R == 0.
         max_tokens_per_rank: T, the most tokens any rank passes to one call.
-        transport: "auto" (shared memory within a host; across hosts "hier":
+        transport: "auto" (default; shared memory within a host; across hosts "hier":
             shared memory within each, torch.distributed between them, each token
             crossing to a node once), "shm", "hier" or "dist" (flat collectives).
             `explain()` says what was chosen and why.
-        protocol: "ubep" (asynchronous, data as flag) or "bsp" (the barrier baseline).
-        timeout_s: deadline of every wait on a peer; construction's collectives wait
-            max(timeout_s, CONSTRUCTION_MIN_TIMEOUT_S).
+        protocol: "ubep" (default; asynchronous, data as flag) or "bsp" (the barrier baseline).
+        timeout_s: deadline of every wait on a peer (default 30); construction's collectives
+            wait max(timeout_s, CONSTRUCTION_MIN_TIMEOUT_S).
         max_topk: the largest K a call may use (sizes the routing buffers).
         expert_placement: optional list of E owner ranks (default: contiguous blocks).
         low_latency: reserve the low-latency slots (shared-memory pages are only
@@ -105,8 +115,14 @@ class Buffer:
             the next source, following the token scheduler's slices (`ubep.schedule`); 1 is
             right when ranks outnumber cores.
         schedule: the scheduler's policy for several workers ("ubep", "balanced", "bsp", ...).
-        engine: the kernels that move and reduce rows: "auto" (the fastest that loads here),
-            "torch", "numba" or "triton"; `explain()` says which runs and why.
+        engine: the kernels that move and reduce rows: "auto" (default; the fastest that loads
+            here), "torch", "numba" or "triton"; `explain()` says which runs and why.
+        stats: record what every call does for `stats()` (default False; True, or a
+            `ubep.StatsOptions`); see docs/observability.md.
+
+    transport, protocol, timeout_s, engine and stats left as None come from the environment
+    (UBEP_TRANSPORT, UBEP_PROTOCOL, UBEP_TIMEOUT_S, UBEP_ENGINE, UBEP_STATS), else from the
+    defaults above; an argument given wins (`ubep.settings`, and `explain()` says which).
     """
 
     def __init__(
@@ -116,17 +132,29 @@ class Buffer:
         hidden: int,
         num_experts: int,
         max_tokens_per_rank: int,
-        transport: str = "auto",
-        protocol: str = "ubep",
-        timeout_s: float = 30.0,
+        transport: str | None = None,
+        protocol: str | None = None,
+        timeout_s: float | None = None,
         max_topk: int = 16,
         expert_placement: list[int] | torch.Tensor | None = None,
         low_latency: bool = True,
         faults: FaultPlan | None = None,
         workers: int = 1,
         schedule: str = "ubep",
-        engine: str = "auto",
+        engine: str | None = None,
+        stats: bool | StatsOptions | None = None,
     ):
+        log = settings.configure_logging()
+        self._settings = settings.resolve(
+            {
+                "transport": transport,
+                "protocol": protocol,
+                "timeout_s": timeout_s,
+                "engine": engine,
+                "stats": stats,
+            }
+        )
+        transport, protocol, timeout_s, engine, stats = (s.value for s in self._settings.values())
         validate.positive("hidden", hidden)
         validate.positive("num_experts", num_experts)
         validate.expert_tables(num_experts)
@@ -176,6 +204,10 @@ class Buffer:
             exchanges = build(self._info, self.sizing, options, self.engine, self._faults)
             self._exchange: Exchange | None = exchanges[0]
             self._ll: LowLatencyExchange | None = exchanges[1]
+        self._recorder: Recorder | None = None
+        if stats or log.isEnabledFor(logging.DEBUG):  # the debug line per call comes from the recorder
+            self._record(StatsOptions() if isinstance(stats, bool) else stats, log)
+        log.info("Buffer built: %s", self.explain())
         self._calls = CallCounter()
         self._pid = os.getpid()  # the process that built it: a forked child must not call it
         self._one_call = threading.Lock()  # held by the thread inside a call (`_one_at_a_time`)
@@ -209,13 +241,35 @@ class Buffer:
     size_hint = staticmethod(size_hint)  # the shared memory a Buffer would map, before building it
 
     def explain(self) -> str:
-        """Which transport and protocol run here, and why."""
+        """Which transport and protocol run here, and why; where each setting came from."""
         return (
             f"rank {self._info.rank}/{self._info.world_size}: protocol {self._exchange_name()} "
             f"on transport {self.transport} ({self._transport_reason}), "
             f"engine {self.engine.name} ({self._engine_reason}), call halves "
             + ("compiled" if getattr(self._exchange, "compiled_halves", False) else "step by step in Python")
+            + f"; settings: {settings.describe(self._settings)}"
         )
+
+    # -- observability ----------------------------------------------------------------------------
+
+    def _record(self, options: StatsOptions, log) -> None:
+        """Put a recorder between this Buffer and its exchanges (`ubep.recording`)."""
+        rec = Recorder(self.rank, self.num_ranks, self.num_experts, options, log)
+        self._recorder = rec
+        self._exchange = RecordedExchange(self._exchange, rec)
+        if self._ll is not None:
+            self._ll = RecordedLowLatency(self._ll, rec)
+
+    def stats(self, merge: bool = False) -> Stats:
+        """What this Buffer's calls did so far: traffic, expert load, times, the recent calls
+        (`ubep.stats.Stats`). With `merge`, every rank's, on every rank: a collective, so every
+        rank must call it at the same point between calls. Needs `stats=True` (or UBEP_STATS=1)."""
+        if self._recorder is None:
+            raise RuntimeError("this Buffer records no stats: build it with stats=True, or set UBEP_STATS=1")
+        mine = self._recorder.snapshot()
+        if not merge or self.num_ranks == 1:
+            return mine
+        return Stats.combine_ranks(all_gather_object(self._info, mine))
 
     def _exchange_name(self) -> str:
         if self.transport == "dist" and self.protocol == "ubep":

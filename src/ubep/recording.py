@@ -1,0 +1,180 @@
+"""Recording what each call does, around the exchange a Buffer built, when stats are on.
+
+    Buffer -> [RecordedExchange / RecordedLowLatency] -> protocol's exchange -> engine -> transport
+
+The wrappers stand between the Buffer and its exchanges only when `Buffer(stats=True)`
+(or `UBEP_STATS=1`, or the `ubep` logger at DEBUG); otherwise they are not there at all,
+so a Buffer without stats runs exactly the code it ran before. Everything recorded is known
+in Python before or after the call: the rows per destination from the send plan, tokens
+per expert from the routing, and three timestamps (ready, sent, end). Nothing enters the
+compiled halves. `Recorder.snapshot()` turns the counters into a `ubep.stats.Stats`.
+
+Legend: see `ubep.layout`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+
+import numpy as np
+import torch
+
+from ubep.calls import CallId
+from ubep.protocols.base import Exchange, Received, SendPlan
+from ubep.protocols.ll_base import LLCombinePlan, LLDispatchOut, LLDispatchPlan, LowLatencyExchange
+from ubep.results import DispatchHandle
+from ubep.stats import KINDS, CallRecord, Stats, StatsOptions
+
+ROUTING_BYTES = 8 + 4  # a dispatched row's top-k entry: expert id (int64) and weight (float32)
+SCALE_BYTES = 4  # an FP8 row's scale per 128 values (float32)
+
+
+class Recorder:
+    """One Buffer's counters and its recent calls; `record` runs after each call, under a lock so that
+    a scrape from another thread (`snapshot`) sees whole calls."""
+
+    def __init__(
+        self, rank: int, num_ranks: int, num_experts: int, options: StatsOptions, log: logging.Logger
+    ):
+        self.rank, self.R, self.E = rank, num_ranks, num_experts
+        self.options, self.log = options, log
+        self._lock = threading.Lock()
+        self._calls = dict.fromkeys(KINDS, 0)
+        self._time_ns = dict.fromkeys(KINDS, 0)
+        self._rows_R = np.zeros(num_ranks, dtype=np.int64)
+        self._bytes_R = np.zeros(num_ranks, dtype=np.int64)
+        self._load_LE = np.zeros((options.layers, num_experts), dtype=np.int64)
+        self._routed = 0  # dispatches with routing so far: the next one's layer slot
+        self._recent: deque[CallRecord] = deque(maxlen=options.recent)
+
+    def record(self, call: CallId, times: tuple[int, int, int], rows_R: np.ndarray, row_bytes: int,
+               tokens: int, recv_rows: int, topk_idx_NK: torch.Tensor | None = None) -> None:  # fmt: skip
+        """One finished call: times (ready, sent, end) in ns, rows sent to each rank, the routing
+        it dispatched (None: no routing, as in combine or a cached dispatch)."""
+        ready, sent, end = times
+        bytes_R = rows_R * row_bytes
+        load_E = None
+        if topk_idx_NK is not None:
+            idx = topk_idx_NK.numpy().ravel()
+            load_E = np.bincount(idx[idx >= 0], minlength=self.E)
+        rec = CallRecord(
+            call.seq, call.kind, self.rank, ready, sent, end,
+            tuple(rows_R.tolist()), tuple(bytes_R.tolist()), tokens, recv_rows,
+        )  # fmt: skip
+        with self._lock:
+            self._calls[call.kind] += 1
+            self._time_ns[call.kind] += end - ready
+            self._rows_R += rows_R
+            self._bytes_R += bytes_R
+            if load_E is not None:
+                self._load_LE[self._routed % self.options.layers] += load_E
+                self._routed += 1
+            self._recent.append(rec)
+        if self.log.isEnabledFor(logging.DEBUG):
+            self.log.debug(
+                "rank %d %s #%d: %d tokens in, %d rows (%d bytes) out [per rank %s], %s rows in, "
+                "%.1f us (%.1f us after sending)",
+                self.rank, call.kind, call.seq, tokens, int(rows_R.sum()), int(bytes_R.sum()),
+                ",".join(map(str, rec.rows_R)), recv_rows if recv_rows >= 0 else "?",
+                (end - ready) / 1e3, (end - sent) / 1e3,
+            )  # fmt: skip
+
+    def snapshot(self) -> Stats:
+        """This rank's counters and recent calls (copies)."""
+        with self._lock:
+            rows_RR = torch.zeros(self.R, self.R, dtype=torch.int64)
+            bytes_RR = torch.zeros(self.R, self.R, dtype=torch.int64)
+            rows_RR[self.rank] = torch.from_numpy(self._rows_R.copy())
+            bytes_RR[self.rank] = torch.from_numpy(self._bytes_R.copy())
+            kinds = [k for k in KINDS if self._calls[k]]
+            return Stats(
+                ranks=(self.rank,),
+                num_ranks=self.R,
+                num_experts=self.E,
+                calls={k: self._calls[k] for k in kinds},
+                time_ns={k: (self._time_ns[k],) for k in kinds},
+                traffic_rows_RR=rows_RR,
+                traffic_bytes_RR=bytes_RR,
+                expert_load_LE=torch.from_numpy(self._load_LE.copy()),
+                recent=tuple(self._recent),
+            )
+
+
+def _row_bytes(x: torch.Tensor, scales: torch.Tensor | None, topk: int) -> int:
+    """Bytes one row carries: its values, its FP8 scales, its top-k entries (ids and weights)."""
+    S = 0 if scales is None else scales.shape[1]
+    return x.shape[1] * x.element_size() + S * SCALE_BYTES + topk * ROUTING_BYTES
+
+
+class RecordedExchange:
+    """A normal-mode exchange that records each call, then answers as the exchange it wraps."""
+
+    def __init__(self, inner: Exchange, recorder: Recorder):
+        self._inner, self._rec = inner, recorder
+
+    def dispatch(self, call: CallId, plan: SendPlan, handle: DispatchHandle | None) -> Received:
+        ready = time.time_ns()
+        got = self._inner.dispatch(call, plan, handle)
+        end = time.time_ns()
+        idx = plan.topk_idx_NK
+        K = 0 if idx is None else idx.shape[1]
+        self._rec.record(
+            call, (ready, ready, end), plan.send_counts_R.numpy(), _row_bytes(plan.x_NH, plan.scales_NS, K),
+            plan.x_NH.shape[0], got.recv_x_MH.shape[0], idx,
+        )  # fmt: skip
+        return got
+
+    def combine(self, call: CallId, x_MH: torch.Tensor, handle: DispatchHandle, topk_weights_MK):
+        ready = time.time_ns()
+        out = self._inner.combine(call, x_MH, handle, topk_weights_MK)
+        end = time.time_ns()
+        rows_R = np.diff(handle.recv.prefix_R1.numpy())  # rows that came from each home go back to it
+        K = 0 if topk_weights_MK is None else topk_weights_MK.shape[1]
+        row_bytes = x_MH.shape[1] * x_MH.element_size() + K * 4
+        self._rec.record(call, (ready, ready, end), rows_R, row_bytes, x_MH.shape[0], handle.num_tokens)
+        return out
+
+    def __getattr__(self, name: str):
+        return getattr(self._inner, name)  # abort, close, mask, ...: the wrapped exchange's own
+
+
+class RecordedLowLatency:
+    """A low-latency exchange that records each call once its receive half has run."""
+
+    def __init__(self, inner: LowLatencyExchange, recorder: Recorder):
+        self._inner, self._rec = inner, recorder
+
+    def dispatch_send(self, call: CallId, plan: LLDispatchPlan, out: LLDispatchOut):
+        ready = time.time_ns()
+        receive = self._inner.dispatch_send(call, plan, out)
+        sent = time.time_ns()
+        rows_R = plan.counts_RL.sum(dim=1).numpy()
+        handle = out.handle
+
+        def received() -> None:
+            receive()
+            self._rec.record(
+                call, (ready, sent, time.time_ns()), rows_R, plan.rows_NB.shape[1], handle.num_tokens,
+                int(handle.recv_count_L.sum()), handle.topk_idx_NK,
+            )  # fmt: skip
+
+        return received
+
+    def combine_send(self, call: CallId, plan: LLCombinePlan, out_NH: torch.Tensor):
+        ready = time.time_ns()
+        receive = self._inner.combine_send(call, plan, out_NH)
+        sent = time.time_ns()
+        rows_R = plan.send_counts_R.numpy()
+
+        def received() -> None:
+            receive()
+            end = time.time_ns()
+            self._rec.record(call, (ready, sent, end), rows_R, plan.x_LMB.shape[-1], int(rows_R.sum()), -1)
+
+        return received
+
+    def __getattr__(self, name: str):
+        return getattr(self._inner, name)

@@ -1,0 +1,111 @@
+"""The settings a drop-in path cannot pass as arguments, read from the environment, with where each
+value came from.
+
+    explicit argument  >  UBEP_* environment variable  >  the documented default
+
+The compat `deep_ep.Buffer` and the transformers integration build `ubep.Buffer` without a
+timeout, engine, protocol or transport argument; a job sets them for every Buffer of a run with
+
+    UBEP_TIMEOUT_S=60 UBEP_ENGINE=numba UBEP_PROTOCOL=bsp UBEP_TRANSPORT=shm UBEP_STATS=1
+
+and `Buffer.explain()` names each value's source. `UBEP_LOG_LEVEL` sets the level of the
+`ubep` logger (`ubep.log`). The environment is read when a Buffer is built, here and nowhere
+else (torchrun's own variables are read by `ubep.group`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+LOGGER = "ubep"  # the name of the library's logger: logging.getLogger("ubep")
+LOG_LEVEL_VARIABLE = "UBEP_LOG_LEVEL"
+TRUE, FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
+
+
+@dataclass(frozen=True, slots=True)
+class Setting:
+    """One setting's value and where it came from: "argument", "UBEP_X" (the variable) or "default"."""
+
+    value: Any
+    source: str
+
+    def __str__(self) -> str:
+        where = {"argument": "argument", "default": "default"}.get(self.source, f"from {self.source}")
+        return f"{self.value!r} ({where})"
+
+
+def _flag(text: str) -> bool:
+    lowered = text.strip().lower()
+    if lowered in TRUE or lowered in FALSE:
+        return lowered in TRUE
+    raise ValueError(f"expected one of {TRUE + FALSE[:-1]}")
+
+
+def _seconds(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise ValueError("must be > 0")
+    return value
+
+
+# name -> (environment variable, its parser, the default when neither is given)
+BUFFER_SETTINGS: dict[str, tuple[str, Callable[[str], Any], Any]] = {
+    "transport": ("UBEP_TRANSPORT", str.strip, "auto"),
+    "protocol": ("UBEP_PROTOCOL", str.strip, "ubep"),
+    "timeout_s": ("UBEP_TIMEOUT_S", _seconds, 30.0),
+    "engine": ("UBEP_ENGINE", str.strip, "auto"),
+    "stats": ("UBEP_STATS", _flag, False),
+}
+
+
+def resolve(arguments: Mapping[str, Any], environ: Mapping[str, str] | None = None) -> dict[str, Setting]:
+    """Each of `BUFFER_SETTINGS`: the argument where it is not None, else its variable, else the default.
+
+    A variable that does not parse raises ValueError naming it and the rule.
+    """
+    env = os.environ if environ is None else environ
+    chosen = {}
+    for name, (variable, parse, default) in BUFFER_SETTINGS.items():
+        given = arguments.get(name)
+        if given is not None:
+            chosen[name] = Setting(given, "argument")
+        elif variable in env:
+            try:
+                chosen[name] = Setting(parse(env[variable]), variable)
+            except ValueError as why:
+                raise ValueError(f"{variable}={env[variable]!r}: {why}") from None
+        else:
+            chosen[name] = Setting(default, "default")
+    return chosen
+
+
+def describe(chosen: Mapping[str, Setting]) -> str:
+    """'transport 'auto' (default), timeout_s 60.0 (from UBEP_TIMEOUT_S), ...' for `explain()`."""
+    return ", ".join(f"{name} {setting}" for name, setting in chosen.items())
+
+
+def configure_logging(environ: Mapping[str, str] | None = None) -> logging.Logger:
+    """The `ubep` logger, at UBEP_LOG_LEVEL where that is set (a name such as DEBUG, or a number).
+
+    When the variable is set and nothing handles the logger's records yet, a handler writing
+    to stderr is added, so that the variable alone makes the lines appear (as NCCL_DEBUG
+    does); an application that configures logging itself keeps its own handlers.
+    """
+    env = os.environ if environ is None else environ
+    log = logging.getLogger(LOGGER)
+    text = env.get(LOG_LEVEL_VARIABLE, "").strip()
+    if not text:
+        return log
+    level = int(text) if text.isdigit() else logging.getLevelName(text.upper())
+    if not isinstance(level, int):
+        raise ValueError(f"{LOG_LEVEL_VARIABLE}={text!r}: expected DEBUG, INFO, WARNING, ERROR or a number")
+    log.setLevel(level)
+    if not log.hasHandlers():
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
+        log.addHandler(handler)
+    return log

@@ -1,0 +1,198 @@
+"""What a Buffer's calls did, as one typed snapshot: `Buffer(stats=True)`, then `buf.stats()`.
+
+A snapshot holds, for the ranks whose records it carries (one rank, or all of them after
+`buf.stats(merge=True)`):
+
+    calls and time       calls per kind, and the time spent in them, per rank
+    traffic_rows_RR      int64 [R, R]: rows sent from source (row) to destination (column)
+    traffic_bytes_RR     int64 [R, R]: the same in bytes (payload, FP8 scales, routing words)
+    expert_load_LE       int64 [layers, E]: tokens routed to each expert, vLLM's expert-load shape
+    recent               the last N calls of each rank, each a `CallRecord` with its timestamps
+
+Every rank sees only its own sends, so a one-rank snapshot fills only its row of the traffic
+matrices; the merged one (one collective) fills them all, and is the one that can say who
+waited for whom (`wait_matrix_RR`): on one host all ranks stamp with the same clock.
+
+Kinds of call: "dispatch", "combine" (normal mode), "ll_dispatch", "ll_combine" (low latency).
+Legend: see `ubep.layout`.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+import torch
+
+KINDS = ("dispatch", "combine", "ll_dispatch", "ll_combine")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StatsOptions:
+    """What `Buffer(stats=...)` records beyond the cumulative counters.
+
+    recent: calls kept with their timestamps, per rank (the trace, the wait matrix and the
+        straggler report read these).
+    layers: dispatches per forward pass when one Buffer serves every MoE layer in order (as
+        DeepEP's does): dispatch i counts towards layer i % layers of `expert_load_LE`.
+    """
+
+    recent: int = 1024
+    layers: int = 1
+
+    def __post_init__(self) -> None:
+        if self.recent < 0 or self.layers < 1:
+            raise ValueError(f"StatsOptions: recent must be >= 0 and layers >= 1, got {self}")
+
+
+@dataclass(frozen=True, slots=True)
+class CallRecord:
+    """One call on one rank. Times are wall-clock nanoseconds (`time.time_ns`).
+
+    ready_ns: the rank's inputs were checked and it began to send (its data may land from here);
+    sent_ns: its send half returned (low-latency calls; = ready_ns where the halves are one call);
+    end_ns: it had its results.
+    """
+
+    seq: int  # the call's number, the same on every rank
+    kind: str
+    rank: int
+    ready_ns: int
+    sent_ns: int
+    end_ns: int
+    rows_R: tuple[int, ...]  # rows this rank sent to each rank
+    bytes_R: tuple[int, ...]
+    tokens: int  # tokens this rank passed in (normal and low-latency dispatch), rows (combine)
+    recv_rows: int  # rows this rank received (-1 where not known when the call returned)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Stats:
+    """A snapshot of one rank's records, or of every rank's (`merged`). See the module doc."""
+
+    ranks: tuple[int, ...]
+    num_ranks: int
+    num_experts: int
+    calls: dict[str, int]  # per kind: calls each rank made (the same on every rank)
+    time_ns: dict[str, tuple[int, ...]]  # per kind: total time in calls, one entry per rank of `ranks`
+    traffic_rows_RR: torch.Tensor
+    traffic_bytes_RR: torch.Tensor
+    expert_load_LE: torch.Tensor
+    recent: tuple[CallRecord, ...] = field(default=())
+
+    @property
+    def merged(self) -> bool:
+        return len(self.ranks) == self.num_ranks
+
+    @property
+    def expert_load_E(self) -> torch.Tensor:
+        """int64 [E]: tokens per expert, over every layer slot."""
+        return self.expert_load_LE.sum(dim=0)
+
+    def calls_by_seq(self) -> dict[int, dict[int, CallRecord]]:
+        """The recent calls, seq -> rank -> record (only seqs that every rank of `ranks` still holds)."""
+        by_seq: dict[int, dict[int, CallRecord]] = {}
+        for rec in self.recent:
+            by_seq.setdefault(rec.seq, {})[rec.rank] = rec
+        return {s: got for s, got in sorted(by_seq.items()) if len(got) == len(self.ranks)}
+
+    def wait_matrix_RR(self, kind: str | None = None) -> torch.Tensor:
+        """float64 [R, R]: mean microseconds receiver r (row) waited for source s (column) per call.
+
+        Source s's data can land on r no sooner than s began to send; r waited for it
+        max(0, ready[s] - ready[r]) past its own start. Needs a merged snapshot on one host
+        (the ranks' clocks must agree); the mean runs over the recent calls of `kind` (all: None).
+        """
+        if not self.merged:
+            raise ValueError("the wait matrix needs every rank's records: take buf.stats(merge=True)")
+        R = self.num_ranks
+        total_RR, n = torch.zeros(R, R, dtype=torch.float64), 0
+        for got in self.calls_by_seq().values():
+            if kind is not None and got[0].kind != kind:
+                continue
+            ready_R = torch.tensor([got[r].ready_ns for r in range(R)], dtype=torch.float64)
+            total_RR += (ready_R.unsqueeze(0) - ready_R.unsqueeze(1)).clamp(min=0)
+            n += 1
+        return total_RR / max(n, 1) / 1e3
+
+    def summary(self) -> str:
+        """A few lines for a terminal: calls, time per call, traffic, the hottest experts."""
+        lines = [f"ubep stats of rank(s) {_ranks(self.ranks)} of {self.num_ranks}"]
+        for kind, count in self.calls.items():
+            per_call = statistics.mean(self.time_ns[kind]) / max(count, 1) / 1e3
+            lines.append(f"  {kind}: {count} calls, {per_call:.1f} us each (mean over ranks)")
+        rows, nbytes = int(self.traffic_rows_RR.sum()), int(self.traffic_bytes_RR.sum())
+        lines.append(f"  traffic: {rows} rows, {nbytes / 1e6:.2f} MB")
+        load = self.expert_load_E
+        if int(load.sum()):
+            top = torch.topk(load, min(3, load.numel()))
+            share = ", ".join(
+                f"expert {int(e)}: {int(c)} ({int(c) / int(load.sum()):.1%})"
+                for c, e in zip(top.values, top.indices, strict=True)
+            )
+            lines.append(f"  hottest experts: {share}")
+        return "\n".join(lines)
+
+    # -- merging and files ------------------------------------------------------------------------
+
+    @staticmethod
+    def combine_ranks(parts: list[Stats]) -> Stats:
+        """One snapshot from every rank's own (in rank order): matrices and loads summed."""
+        first = parts[0]
+        return replace(
+            first,
+            ranks=tuple(r for p in parts for r in p.ranks),
+            time_ns={k: tuple(t for p in parts for t in p.time_ns[k]) for k in first.calls},
+            traffic_rows_RR=sum((p.traffic_rows_RR for p in parts), torch.zeros_like(first.traffic_rows_RR)),
+            traffic_bytes_RR=sum(
+                (p.traffic_bytes_RR for p in parts), torch.zeros_like(first.traffic_bytes_RR)
+            ),
+            expert_load_LE=sum((p.expert_load_LE for p in parts), torch.zeros_like(first.expert_load_LE)),
+            recent=tuple(rec for p in parts for rec in p.recent),
+        )
+
+    def to_dict(self) -> dict:
+        return {
+            "ranks": list(self.ranks),
+            "num_ranks": self.num_ranks,
+            "num_experts": self.num_experts,
+            "calls": self.calls,
+            "time_ns": {k: list(v) for k, v in self.time_ns.items()},
+            "traffic_rows_RR": self.traffic_rows_RR.tolist(),
+            "traffic_bytes_RR": self.traffic_bytes_RR.tolist(),
+            "expert_load_LE": self.expert_load_LE.tolist(),
+            "recent": [asdict(rec) for rec in self.recent],
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Stats:
+        return cls(
+            ranks=tuple(d["ranks"]),
+            num_ranks=d["num_ranks"],
+            num_experts=d["num_experts"],
+            calls=dict(d["calls"]),
+            time_ns={k: tuple(v) for k, v in d["time_ns"].items()},
+            traffic_rows_RR=torch.tensor(d["traffic_rows_RR"], dtype=torch.int64),
+            traffic_bytes_RR=torch.tensor(d["traffic_bytes_RR"], dtype=torch.int64),
+            expert_load_LE=torch.tensor(d["expert_load_LE"], dtype=torch.int64),
+            recent=tuple(
+                CallRecord(**{**r, "rows_R": tuple(r["rows_R"]), "bytes_R": tuple(r["bytes_R"])})
+                for r in d["recent"]
+            ),
+        )
+
+    def save(self, path: str | Path) -> None:
+        """Write the snapshot as JSON (`ubep report PATH` reads it back)."""
+        Path(path).write_text(json.dumps(self.to_dict()))
+
+    @classmethod
+    def load(cls, path: str | Path) -> Stats:
+        return cls.from_dict(json.loads(Path(path).read_text()))
+
+
+def _ranks(ranks: tuple[int, ...]) -> str:
+    if len(ranks) > 1 and ranks == tuple(range(len(ranks))):
+        return f"0-{len(ranks) - 1}"
+    return ", ".join(map(str, ranks))
