@@ -1,6 +1,7 @@
 """The `ubep` command line: `ubep bench` compares ubep with the alternatives on this host;
 `ubep simulate` runs the same plans on a model of a superpod; `ubep decode` times a small
-MoE model's decode steps under expert parallelism."""
+MoE model's decode steps under expert parallelism; `ubep report` reads a stats file
+(`Stats.save`, `ubep bench --stats`) and names the straggler."""
 
 from __future__ import annotations
 
@@ -194,6 +195,40 @@ def run_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_report(subparsers) -> None:
+    p = subparsers.add_parser(
+        "report",
+        help="summarise a stats file and name the straggler",
+        description="Read a merged stats snapshot (buf.stats(merge=True).save(path), or ubep bench "
+        "--stats) and print its summary and straggler report; optionally export it.",
+    )
+    p.add_argument("stats", metavar="STATS.json", help="the snapshot")
+    p.add_argument("--trace", metavar="PATH.json", help="write a Perfetto / Chrome trace")
+    p.add_argument("--prometheus", metavar="PATH", help="write Prometheus text (needs prometheus_client)")
+    p.add_argument("--heatmap", metavar="PATH.png", help="draw the traffic matrix and expert load")
+    p.set_defaults(func=run_report)
+
+
+def run_report(args: argparse.Namespace) -> int:
+    from ubep import observe
+    from ubep.stats import Stats
+
+    try:
+        stats = Stats.load(args.stats)
+    except (OSError, ValueError, KeyError) as why:
+        raise SystemExit(f"ubep report: cannot read {args.stats}: {why}") from None
+    print(stats.summary())
+    print(observe.stragglers(stats).text() if stats.merged else "straggler report: needs a merged snapshot")
+    if args.trace:
+        observe.write_trace(stats, args.trace)
+    if args.prometheus:
+        with open(args.prometheus, "w") as out:
+            out.write(observe.prometheus_text(stats))
+    if args.heatmap:
+        observe.write_heatmap(stats, args.heatmap)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="ubep", description=__doc__)
     parser.add_argument("--version", action="version", version=f"%(prog)s {version('ubep')}")
@@ -202,6 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     add_simulate(sub)
     add_plan(sub)
     add_decode(sub)
+    add_report(sub)
     args = parser.parse_args(argv)
     if args.command == "decode":
         _without_hub_progress_bars()

@@ -1,0 +1,287 @@
+"""Observability: the stats a Buffer records against the reference, the straggler report against
+a delay injected on purpose, the exporters' formats against their own parsers, and the
+environment settings with their provenance.
+
+The traffic matrix and expert load are computed independently from every rank's inputs by
+`ubep.reference` (who receives which rows) and a bincount of the routing.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+import torch
+import torch.distributed as dist
+from scenarios import Scenario
+
+import ubep
+from ubep import observe, reference, settings
+from ubep.faults import FaultPlan
+from ubep.stats import Stats, StatsOptions
+from ubep.transport.virtual import VirtualWorld
+
+SC = Scenario(name="observe", num_ranks=3, num_experts=12, topk=3, hidden=40, seed=21)
+
+
+def expected_dispatch_rows(sc: Scenario) -> torch.Tensor:
+    """int64 [R, R]: rows source s (row) sends to destination d in a normal dispatch, by the reference."""
+    xs, idxs, ws, ref = sc.expected()
+    R = sc.num_ranks
+    return torch.tensor([[int((ref[d].src_rank_M == s).sum()) for d in range(R)] for s in range(R)])
+
+
+def expected_pairs(sc: Scenario) -> torch.Tensor:
+    """int64 [R, R]: (token, expert) pairs of source s whose expert lives on d (low-latency rows)."""
+    _, idxs, _ = sc.inputs()
+    R, L = sc.num_ranks, sc.num_experts // sc.num_ranks
+    out = torch.zeros(R, R, dtype=torch.int64)
+    for s, idx in enumerate(idxs):
+        owners = reference.owner_of(idx[idx >= 0], sc.num_experts, R)
+        out[s] = torch.bincount(owners, minlength=R)
+    assert L * R == sc.num_experts
+    return out
+
+
+def expected_load(sc: Scenario) -> torch.Tensor:
+    _, idxs, _ = sc.inputs()
+    every = torch.cat([idx.flatten() for idx in idxs])
+    return torch.bincount(every[every >= 0], minlength=sc.num_experts)
+
+
+def _normal_calls(buf: ubep.Buffer, sc: Scenario, me: int) -> None:
+    xs, idxs, ws = sc.inputs()
+    got = buf.dispatch(xs[me], topk_idx=idxs[me], topk_weights=ws[me])
+    buf.combine(got.recv_x, got.handle, topk_weights=got.recv_topk_weights)
+
+
+def _ll_calls(buf: ubep.Buffer, sc: Scenario, me: int) -> None:
+    xs, idxs, ws = sc.inputs()
+    got = buf.low_latency_dispatch(xs[me], idxs[me], sc.capacity, sc.num_experts)
+    buf.low_latency_combine(got.recv_x, idxs[me], ws[me], got.handle)
+
+
+def _recorded(group, sc: Scenario, mode: str, **kw) -> Stats:
+    me = group.rank if hasattr(group, "rank") else dist.get_rank()
+    with ubep.Buffer(
+        group, hidden=sc.hidden, num_experts=sc.num_experts, max_tokens_per_rank=sc.capacity, stats=True, **kw
+    ) as buf:
+        (_ll_calls if mode == "ll" else _normal_calls)(buf, sc, me)
+        return buf.stats(merge=True)
+
+
+def _check_against_reference(stats: Stats, sc: Scenario, mode: str) -> None:
+    if mode == "ll":
+        sent_RR = expected_pairs(sc)
+    else:
+        sent_RR = expected_dispatch_rows(sc)
+    assert stats.merged
+    assert torch.equal(stats.traffic_rows_RR, sent_RR + sent_RR.T)  # out in dispatch, back in combine
+    assert torch.equal(stats.expert_load_E, expected_load(sc))
+    if mode == "normal":
+        row, K = sc.hidden * 2, sc.topk  # bf16 values; top-k ids and weights out, weights back
+        want = sent_RR * (row + K * 12) + sent_RR.T * (row + K * 4)
+        assert torch.equal(stats.traffic_bytes_RR, want)
+    assert stats.calls == (
+        {"ll_dispatch": 1, "ll_combine": 1} if mode == "ll" else {"dispatch": 1, "combine": 1}
+    )
+
+
+@pytest.mark.parametrize("mode", ["normal", "ll"])
+@pytest.mark.parametrize("protocol", ["ubep", "bsp"])
+@pytest.mark.parametrize("engine", ["numba", "torch"])
+def test_traffic_and_load_match_reference_on_a_heap(mode, protocol, engine):
+    if engine == "numba":
+        pytest.importorskip("numba")
+    if mode == "ll" and protocol == "bsp":
+        pytest.skip("low-latency mode has one protocol on a heap")
+    got = VirtualWorld(SC.num_ranks, timeout_s=120).run(
+        lambda rank: _recorded(rank, SC, mode, protocol=protocol, engine=engine)
+    )
+    for stats in got:  # every rank holds the same merged snapshot
+        _check_against_reference(stats, SC, mode)
+
+
+def _over_collectives(mode: str) -> dict:
+    sc = Scenario(name="observe-dist", num_ranks=2, num_experts=8, topk=3, hidden=40, seed=22)
+    return _recorded(None, sc, mode, transport="dist").to_dict()
+
+
+@pytest.mark.timeout(240)
+def test_traffic_and_load_match_reference_over_collectives():
+    sc = Scenario(name="observe-dist", num_ranks=2, num_experts=8, topk=3, hidden=40, seed=22)
+    for mode in ("normal", "ll"):
+        got = ubep.LocalLaunch(world_size=2, timeout_s=120).run(_over_collectives, mode)
+        _check_against_reference(Stats.from_dict(got[0]), sc, mode)
+
+
+def test_expert_load_per_layer_slot():
+    """One Buffer for two layers: dispatch i counts towards layer i % 2 (vLLM's [layers, E])."""
+    first, second = SC, Scenario(name="observe-2", num_ranks=3, num_experts=12, topk=3, hidden=40, seed=23)
+
+    def two_layers(rank):
+        with ubep.Buffer(
+            rank, hidden=40, num_experts=12, max_tokens_per_rank=24, stats=StatsOptions(layers=2)
+        ) as buf:
+            for sc in (first, second, first):
+                _normal_calls(buf, sc, rank.rank)
+            return buf.stats(merge=True)
+
+    stats = VirtualWorld(3, timeout_s=120).run(two_layers)[0]
+    assert torch.equal(stats.expert_load_LE, torch.stack([2 * expected_load(first), expected_load(second)]))
+
+
+# -- the straggler report --------------------------------------------------------------------------
+
+DELAY_S, SLOW, DELAYED_CALL = 0.04, 1, 5  # call 5 is the third dispatch
+
+
+def _straggling(delay_s: float) -> dict | None:
+    me, R = dist.get_rank(), dist.get_world_size()
+    sc = Scenario(name="straggler", num_ranks=R, num_experts=4 * R, tokens=(16,) * R, seed=24)
+    plan = FaultPlan(rank=SLOW, point="dispatch.start", action="delay", call=DELAYED_CALL, delay_s=delay_s)
+    with ubep.Buffer(
+        hidden=sc.hidden,
+        num_experts=sc.num_experts,
+        max_tokens_per_rank=sc.capacity,
+        transport="shm",
+        faults=plan,
+        stats=True,
+    ) as buf:
+        for _ in range(4):
+            _normal_calls(buf, sc, me)
+        stats = buf.stats(merge=True)
+    return stats.to_dict() if me == 0 else None
+
+
+@pytest.mark.timeout(240)
+def test_straggler_report_names_the_delayed_rank_and_its_delay():
+    got = ubep.LocalLaunch(world_size=3, timeout_s=120).run(_straggling, DELAY_S)
+    stats = Stats.from_dict(got[0])
+    report = observe.stragglers(stats)
+    assert report.rank == SLOW, report.text()
+    assert report.worst.seq == DELAYED_CALL and report.half == "dispatch", report.text()
+    assert abs(report.worst.late_us - DELAY_S * 1e6) <= 0.2 * DELAY_S * 1e6, report.text()
+    assert f"rank {SLOW} held the others up most" in report.text()
+    wait_RR = stats.wait_matrix_RR("dispatch")  # the others waited for the slow rank, it for nobody
+    others = [r for r in range(3) if r != SLOW]
+    assert all(wait_RR[r, SLOW] > wait_RR[SLOW].max() for r in others), wait_RR
+
+    trace = observe.chrome_trace(stats)  # the trace shows who waited for whom
+    waits = [e for e in trace["traceEvents"] if e["name"] == f"waiting for rank {SLOW}"]
+    assert {e["pid"] for e in waits if e["args"]["seq"] == DELAYED_CALL} == set(others)
+
+
+# -- exporters -------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def merged() -> Stats:
+    return VirtualWorld(SC.num_ranks, timeout_s=120).run(lambda rank: _recorded(rank, SC, "normal"))[0]
+
+
+def test_trace_is_valid_trace_event_json(merged, tmp_path):
+    path = tmp_path / "trace.json"
+    observe.write_trace(merged, path)
+    trace = json.loads(path.read_text())
+    events = trace["traceEvents"]
+    slices = [e for e in events if e["ph"] == "X"]
+    assert {e["pid"] for e in slices} >= set(range(SC.num_ranks))
+    for e in slices:  # the fields every complete event must carry, with their types
+        assert isinstance(e["name"], str) and isinstance(e["pid"], int) and isinstance(e["tid"], int)
+        assert isinstance(e["ts"], float | int) and e["ts"] >= 0 and e["dur"] >= 0
+    names = [e for e in events if e["ph"] == "M"]
+    assert {e["args"]["name"] for e in names if e["name"] == "process_name"} == {"rank 0", "rank 1", "rank 2"}
+    calls = [e for e in slices if e["name"] in ("dispatch", "combine")]
+    assert len(calls) == 2 * SC.num_ranks  # one dispatch and one combine per rank
+
+
+def test_prometheus_text_parses_with_prometheus_client(merged):
+    parser = pytest.importorskip("prometheus_client.parser")
+    families = {f.name: f for f in parser.text_string_to_metric_families(observe.prometheus_text(merged))}
+    assert families["ubep_sent_rows"].type == "counter"
+    sent_RR = expected_dispatch_rows(SC)
+    want = sent_RR + sent_RR.T
+    for sample in families["ubep_sent_rows"].samples:
+        s, d = int(sample.labels["source"]), int(sample.labels["destination"])
+        assert sample.name == "ubep_sent_rows_total" and sample.value == want[s, d]
+    load = expected_load(SC)
+    for sample in families["ubep_expert_tokens"].samples:
+        assert sample.value == load[int(sample.labels["expert"])]
+    assert {s.labels["kind"] for s in families["ubep_calls"].samples} == {"dispatch", "combine"}
+    assert len(families["ubep_peer_wait_seconds"].samples) == SC.num_ranks**2
+
+
+def test_report_command_and_heatmap(merged, tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    from ubep.cli import main
+
+    merged.save(tmp_path / "stats.json")
+    out = tmp_path / "heat.png"
+    assert main(["report", str(tmp_path / "stats.json"), "--heatmap", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "straggler: rank" in printed and "dispatch: 1 calls" in printed
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# -- settings, provenance, logging ----------------------------------------------------------------
+
+
+def test_settings_come_from_arguments_then_environment_then_defaults():
+    env = {"UBEP_TIMEOUT_S": "7.5", "UBEP_ENGINE": "torch", "UBEP_STATS": "yes"}
+    got = settings.resolve({"engine": "numba", "protocol": None}, env)
+    assert got["engine"] == settings.Setting("numba", "argument")  # an explicit argument wins
+    assert got["timeout_s"] == settings.Setting(7.5, "UBEP_TIMEOUT_S")
+    assert got["stats"] == settings.Setting(True, "UBEP_STATS")
+    assert got["protocol"] == settings.Setting("ubep", "default")
+    for bad in ({"UBEP_TIMEOUT_S": "-1"}, {"UBEP_TIMEOUT_S": "soon"}, {"UBEP_STATS": "maybe"}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            settings.resolve({}, bad)
+
+
+def test_buffer_takes_environment_settings_and_explains_them(monkeypatch):
+    monkeypatch.setenv("UBEP_TIMEOUT_S", "12")
+    monkeypatch.setenv("UBEP_PROTOCOL", "bsp")
+    monkeypatch.setenv("UBEP_STATS", "1")
+    with ubep.Buffer(hidden=8, num_experts=4, max_tokens_per_rank=4) as buf:
+        assert buf.timeout_s == 12.0 and buf.protocol == "bsp"
+        assert "timeout_s 12.0 (from UBEP_TIMEOUT_S)" in buf.explain()
+        assert "protocol 'bsp' (from UBEP_PROTOCOL)" in buf.explain()
+        assert "engine 'auto' (default)" in buf.explain()
+        buf.stats()  # recording is on
+    with ubep.Buffer(hidden=8, num_experts=4, max_tokens_per_rank=4, timeout_s=5, stats=False) as buf:
+        assert buf.timeout_s == 5.0 and "timeout_s 5 (argument)" in buf.explain()
+        with pytest.raises(RuntimeError, match="stats=True"):
+            buf.stats()
+
+
+def test_compat_deep_ep_buffer_takes_environment_settings(monkeypatch):
+    from ubep.compat import deep_ep
+
+    monkeypatch.setenv("UBEP_TIMEOUT_S", "9")
+    monkeypatch.setenv("UBEP_STATS", "1")
+    buf = deep_ep.Buffer(None, num_nvl_bytes=1 << 20)
+    x, idx = torch.randn(4, 64).bfloat16(), torch.tensor([[0, 1], [2, 3], [1, 2], [0, 3]])
+    per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, 4)
+    buf.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                 num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=torch.ones(4, 2))  # fmt: skip
+    assert "timeout_s 9.0 (from UBEP_TIMEOUT_S)" in buf.explain()
+    assert "stats True (from UBEP_STATS)" in buf.explain()
+
+
+def test_debug_log_has_one_line_per_call(caplog):
+    caplog.set_level(logging.DEBUG, logger=settings.LOGGER)
+    with ubep.Buffer(hidden=8, num_experts=4, max_tokens_per_rank=4, stats=False) as buf:
+        got = buf.dispatch(
+            torch.ones(2, 8), topk_idx=torch.tensor([[0, 1], [2, -1]]), topk_weights=torch.ones(2, 2)
+        )
+        buf.combine(got.recv_x, got.handle)
+    lines = [r.getMessage() for r in caplog.records if r.levelno == logging.DEBUG]
+    assert len(lines) == 2, lines
+    assert lines[0].startswith("rank 0 dispatch #1: 2 tokens in, 2 rows") and "combine #2" in lines[1]
+
+
+def test_without_stats_nothing_stands_between_buffer_and_exchange():
+    with ubep.Buffer(hidden=8, num_experts=4, max_tokens_per_rank=4, stats=False) as buf:
+        assert "Recorded" not in type(buf._exchange).__name__
