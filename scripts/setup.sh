@@ -17,7 +17,7 @@ quiet_pip() {  # pip, minus the notices about index locations this machine's pip
 python3 -m venv .venv
 quiet_pip install -q --upgrade pip
 quiet_pip install -q torch==2.13.0
-extras="dev,bench,fast,device,frameworks"
+extras="dev,bench,fast,device,frameworks,observe"
 command -v mpicc >/dev/null 2>&1 && extras="$extras,mpi"
 quiet_pip install -q -e ".[$extras]"
 echo "setup: done ($(.venv/bin/python -c 'import torch; print("torch", torch.__version__)'))"

@@ -285,3 +285,45 @@ def test_debug_log_has_one_line_per_call(caplog):
 def test_without_stats_nothing_stands_between_buffer_and_exchange():
     with ubep.Buffer(hidden=8, num_experts=4, max_tokens_per_rank=4, stats=False) as buf:
         assert "Recorded" not in type(buf._exchange).__name__
+
+
+# -- the transformers integration -----------------------------------------------------------------
+
+
+def _transformers_layers(path: str) -> dict:
+    """One forward of a tiny Mixtral under EP with the settings from the environment only."""
+    import os
+
+    import transformers
+
+    import ubep.integrations.transformers as ubep_tf
+
+    os.environ |= {"UBEP_STATS": "1", "UBEP_TIMEOUT_S": "45"}  # what a job script would export
+    R, me = dist.get_world_size(), dist.get_rank()
+    config = transformers.AutoConfig.from_pretrained(path)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        path, config=config, dtype=torch.float32, distributed_config=ubep_tf.distributed_config(config, R)
+    )
+    ids = torch.randint(0, config.vocab_size, (2, 3 + me), generator=torch.Generator().manual_seed(me))
+    with torch.no_grad():
+        model(ids)
+    layers = ubep_tf.layer_stats(model, merge=True)
+    explained = model.model.layers[0].mlp.experts.ubep_ep._buffer.explain()
+    return {name: s.to_dict() for name, s in layers.items()} | {"explain": explained}
+
+
+@pytest.mark.timeout(300)
+def test_transformers_layers_record_stats_from_the_environment(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from test_transformers_ep import tiny_configs
+
+    config = tiny_configs()["mixtral"]
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(tmp_path)
+    got = ubep.LocalLaunch(world_size=2, timeout_s=240).run(_transformers_layers, str(tmp_path))[0]
+    assert "timeout_s 45.0 (from UBEP_TIMEOUT_S)" in got.pop("explain")
+    assert len(got) == config.num_hidden_layers
+    tokens = (2 * 3) + (2 * 4)  # both ranks' batches
+    for stats in map(Stats.from_dict, got.values()):
+        assert stats.calls["dispatch"] == 1
+        assert int(stats.expert_load_E.sum()) == tokens * config.num_experts_per_tok

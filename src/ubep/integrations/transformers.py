@@ -20,6 +20,9 @@ model first and names the setting to change when it does not fit:
 Every rank of the EP group holds its own batch (`fsdp_size == ep_size`, `tp_size == 1`).
 Each MoE layer gets its own ubep.Buffer, built on its first forward with room for
 `config.ubep_max_tokens_per_rank` tokens per rank (DEFAULT_MAX_TOKENS if unset).
+Timeout, engine, transport and (for "ubep") the protocol come from UBEP_TIMEOUT_S,
+UBEP_ENGINE, UBEP_TRANSPORT and UBEP_PROTOCOL (`ubep.settings`); with UBEP_STATS=1 every
+layer's Buffer records what its calls do, and `layer_stats(model)` collects it.
 Normal mode ("ubep", "ubep_bsp") also trains: the dispatch's backward is the
 combine of the gradients (of the rows and of the routing weights), the combine's
 backward a cached dispatch, as Megatron wraps DeepEP. The FP8 and low-latency
@@ -34,6 +37,7 @@ from transformers.distributed.expert_parallel import EPImplementation, EPImpleme
 
 from ubep import fp8
 from ubep.buffer import Buffer
+from ubep.stats import Stats
 
 DEFAULT_MAX_TOKENS = 256  # tokens per rank and forward: a decode batch, or a short prefill
 MAX_TOKENS_SETTING = "ubep_max_tokens_per_rank"
@@ -48,6 +52,7 @@ __all__ = [
     "UbepLowLatencyEP",
     "distributed_config",
     "expert_parallel_plan",
+    "layer_stats",
 ]
 
 
@@ -78,7 +83,7 @@ class UbepEP(EPImplementation):
     """Normal mode: dispatch, this rank's experts on the rows it got, combine (plain sums)."""
 
     use_fp8 = False
-    protocol = "ubep"
+    protocol: str | None = None  # None: UBEP_PROTOCOL where set, else "ubep"
 
     def __init__(self, experts, ep_mesh, tp_mesh):
         super().__init__(experts, ep_mesh, tp_mesh)
@@ -95,6 +100,7 @@ class UbepEP(EPImplementation):
         low_latency = getattr(config, LOW_LATENCY_TOKENS_SETTING, None)
         self.low_latency_tokens = min(self.max_tokens, int(low_latency)) if low_latency else self.max_tokens
         self._buffer: Buffer | None = None  # built collectively on the first forward
+        experts.ubep_ep = self  # where `layer_stats` finds this layer's Buffer
 
     def _buffer_for(self, hidden: int) -> Buffer:
         if self._buffer is None:
@@ -224,6 +230,18 @@ def expert_parallel_plan(model) -> dict[str, str]:
             plan |= {f"{prefix}.gate_up_proj": "grouped_gemm", f"{prefix}.down_proj": "grouped_gemm"}
             plan[prefix] = "ep_dispatch_experts"
     return plan
+
+
+def layer_stats(model, merge: bool = False) -> dict[str, Stats]:
+    """Each MoE layer's `Buffer.stats(merge)`, by module name, for the layers that have run a
+    forward with stats on (UBEP_STATS=1). With `merge`, a collective over each layer's group:
+    call it on every rank at the same point."""
+    out = {}
+    for name, module in model.named_modules():
+        ep = getattr(module, "ubep_ep", None)
+        if isinstance(ep, UbepEP) and ep._buffer is not None:
+            out[name] = ep._buffer.stats(merge)
+    return out
 
 
 EPImplementationInterface.register("ubep", UbepEP)
