@@ -18,6 +18,7 @@ def test_decode_command_writes_table_json_and_plot(tmp_path, capsys):
     argv = ["decode", "--ranks", "2", "--batch", "2", "--prompt", "3", "--steps", "2", "--warmup", "1"]
     argv += ["--repeats", "1", "--hidden", "128", "--experts", "4", "--topk", "2"]
     argv += ["--systems", "ubep,bsp,all_to_all", "--json", str(out_json), "--plot", str(out_png)]
+    argv += ["--trace", str(tmp_path / "trace.json")]
     assert main(argv) == 0
     printed = capsys.readouterr().out
     assert "ms/token" in printed and "all_to_all" in printed
@@ -28,6 +29,13 @@ def test_decode_command_writes_table_json_and_plot(tmp_path, capsys):
         assert r["ms_per_token"] > 0 and 0 < r["comm_share"] < 1
         assert abs(r["tokens_per_s"] - 2 * 2 / (r["ms_per_token"] / 1e3)) < 1e-6 * r["tokens_per_s"]
     assert out_png.stat().st_size > 0
+    for system in ("ubep", "bsp"):  # a trace per ubep system: both ranks, both MoE layers' calls
+        events = json.loads((tmp_path / f"trace-{system}.json").read_text())["traceEvents"]
+        calls = [e for e in events if e["ph"] == "X" and e["name"] in ("dispatch", "combine")]
+        assert {e["pid"] for e in calls} == {0, 1} and len(
+            {e["tid"] for e in calls}
+        ) == 2  # default: 2 MoE layers
+    assert not (tmp_path / "trace-all_to_all.json").exists()
 
 
 def test_decode_config_refusals():

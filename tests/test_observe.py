@@ -327,3 +327,25 @@ def test_transformers_layers_record_stats_from_the_environment(tmp_path):
     for stats in map(Stats.from_dict, got.values()):
         assert stats.calls["dispatch"] == 1
         assert int(stats.expert_load_E.sum()) == tokens * config.num_experts_per_tok
+
+
+# -- the bench -------------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(300)
+def test_bench_stats_row_trace_and_slowed_rank(tmp_path, capsys):
+    from ubep.cli import main
+
+    stats_path, trace_path, out = tmp_path / "stats.json", tmp_path / "trace.json", tmp_path / "bench.json"
+    shape = "--mode ll --ranks 2 --tokens 8 --hidden 256 --experts 8 --topk 2 --iters 3 --warmup 1"
+    observed = f"--stats {stats_path} --trace {trace_path} --json {out} --slow-rank 1 --delay-us 30000"
+    code = main(["bench", *shape.split(), "--systems", "ubep", *observed.split()])
+    assert code == 0
+    assert {r["system"] for r in json.loads(out.read_text())["results"]} == {"ubep", "ubep-stats"}
+    printed = capsys.readouterr().out
+    assert "stats overhead at 8 tokens/rank: ubep-stats / ubep" in printed
+    assert "straggler: rank 1 held the others up most" in printed
+    stats = Stats.load(stats_path)
+    assert stats.merged and stats.calls == {"ll_dispatch": 5, "ll_combine": 5}  # 1 checked + 4 rounds
+    assert observe.stragglers(stats).rank == 1
+    assert any(e["name"] == "receive" for e in json.loads(trace_path.read_text())["traceEvents"])

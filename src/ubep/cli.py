@@ -110,6 +110,21 @@ def add_bench(subparsers) -> None:
     p.add_argument("--json", metavar="PATH", help="write results as JSON")
     p.add_argument("--plot", metavar="PATH.png", help="plot latency against tokens per rank")
     p.add_argument("--profile", action="store_true", help="instead: where ubep's CPU time goes, per category")
+    p.add_argument(
+        "--stats",
+        metavar="PATH.json",
+        nargs="?",
+        const="ubep-stats.json",
+        help="add the row ubep-stats (ubep recording stats, in the same rounds: its x ubep is the "
+        "overhead), save its merged snapshot (default ubep-stats.json) and print the straggler report",
+    )
+    p.add_argument("--trace", metavar="PATH.json", help="write a Perfetto / Chrome trace of ubep-stats")
+    p.add_argument(
+        "--slow-rank", type=_at_least(0), default=-1, metavar="R", help="this rank sleeps before each call"
+    )
+    p.add_argument(
+        "--delay-us", type=float, default=0.0, metavar="D", help="how long the slow rank sleeps (us)"
+    )
     p.set_defaults(func=run_bench)
 
 
@@ -126,6 +141,9 @@ def run_bench(args: argparse.Namespace) -> int:
         raise SystemExit(
             f"ubep bench: --experts ({args.experts}) must be a multiple of --ranks ({args.ranks})"
         )
+    if args.slow_rank >= args.ranks or args.delay_us < 0 or (args.slow_rank >= 0) != (args.delay_us > 0):
+        raise SystemExit("ubep bench: --slow-rank R (below --ranks) and --delay-us D (> 0) go together")
+    stats_path = args.stats or (_scratch_stats() if args.trace else "")
     cfg = BenchConfig(
         ranks=args.ranks,
         tokens=args.tokens,
@@ -144,6 +162,9 @@ def run_bench(args: argparse.Namespace) -> int:
         workers=args.workers,
         schedule=args.schedule,
         timeout_s=args.timeout,
+        stats_path=stats_path,
+        slow_rank=args.slow_rank,
+        delay_us=args.delay_us,
     )
     if args.profile:
         from ubep.bench.profile import run_profile
@@ -192,7 +213,37 @@ def run_bench(args: argparse.Namespace) -> int:
     report.print_table(rows, title, notes)
     if args.plot:
         report.plot(args.plot, rows, title)
+    if stats_path:
+        _observed(stats_path, rows, args.trace)
     return 0
+
+
+def _scratch_stats() -> str:
+    """Where the ranks leave the snapshot when only a trace was asked for."""
+    import tempfile
+
+    return os.path.join(tempfile.mkdtemp(prefix="ubep-bench-stats-"), "stats.json")
+
+
+def _observed(stats_path: str, rows, trace: str | None) -> None:
+    """After a --stats run: the overhead of recording, the straggler report, the trace."""
+    from ubep import observe
+    from ubep.stats import Stats
+
+    for row in rows:
+        if row.system == "ubep-stats" and row.vs_ubep is not None:
+            low, high = row.vs_ubep_ci95
+            print(
+                f"stats overhead at {row.tokens_per_rank} tokens/rank: ubep-stats / ubep = {row.vs_ubep:.3f} "
+                f"(interval {low:.3f}-{high:.3f}), {(row.vs_ubep - 1) * 100:+.1f} % of call time"
+            )
+    if not os.path.exists(stats_path):
+        return
+    stats = Stats.load(stats_path)
+    print(observe.stragglers(stats).text())
+    if trace:
+        observe.write_trace(stats, trace)
+        print(f"trace: {trace} (open it in ui.perfetto.dev)")
 
 
 def add_report(subparsers) -> None:

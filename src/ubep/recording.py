@@ -14,6 +14,7 @@ Legend: see `ubep.layout`.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
@@ -32,9 +33,19 @@ ROUTING_BYTES = 8 + 4  # a dispatched row's top-k entry: expert id (int64) and w
 SCALE_BYTES = 4  # an FP8 row's scale per 128 values (float32)
 
 
+# How a call's counts tensor gives the rows it sent to each rank.
+ROWS, PREFIX, PER_EXPERT = 0, 1, 2  # [R] as is; [R + 1] prefix sums; [R, L] summed over L
+FOLD_ROUTINGS = 64  # routings counted into the expert load at once (a snapshot counts any left)
+
+
 class Recorder:
-    """One Buffer's counters and its recent calls; `record` runs after each call, under a lock so that
-    a scrape from another thread (`snapshot`) sees whole calls."""
+    """One Buffer's counters and its recent calls.
+
+    A call's own work is a few list operations on R numbers; the expert load, the one
+    count over every top-k entry, waits until FOLD_ROUTINGS routings are pending and then
+    takes one bincount over all of them. A lock makes a scrape from another thread
+    (`snapshot`) see whole calls.
+    """
 
     def __init__(
         self, rank: int, num_ranks: int, num_experts: int, options: StatsOptions, log: logging.Logger
@@ -44,51 +55,73 @@ class Recorder:
         self._lock = threading.Lock()
         self._calls = dict.fromkeys(KINDS, 0)
         self._time_ns = dict.fromkeys(KINDS, 0)
-        self._rows_R = np.zeros(num_ranks, dtype=np.int64)
-        self._bytes_R = np.zeros(num_ranks, dtype=np.int64)
+        self._rows_R = [0] * num_ranks
+        self._bytes_R = [0] * num_ranks
         self._load_LE = np.zeros((options.layers, num_experts), dtype=np.int64)
+        self._routings: list[tuple[int, np.ndarray]] = []  # (layer slot, top-k ids) not yet counted
         self._routed = 0  # dispatches with routing so far: the next one's layer slot
         self._recent: deque[CallRecord] = deque(maxlen=options.recent)
 
-    def record(self, call: CallId, times: tuple[int, int, int], rows_R: np.ndarray, row_bytes: int,
-               tokens: int, recv_rows: int, topk_idx_NK: torch.Tensor | None = None) -> None:  # fmt: skip
-        """One finished call: times (ready, sent, end) in ns, rows sent to each rank, the routing
-        it dispatched (None: no routing, as in combine or a cached dispatch)."""
+    def record(
+        self,
+        call: CallId,
+        times: tuple[int, int, int],
+        counts: torch.Tensor,
+        how: int,
+        row_bytes: int,
+        tokens: int,
+        recv_rows: int,
+        topk_idx_NK: torch.Tensor | None = None,
+    ) -> None:
+        """One finished call: times (ready, sent, end) in ns; the rows it sent to each rank as
+        `counts` read `how` (ROWS, PREFIX, PER_EXPERT), each of `row_bytes`; the routing it
+        dispatched (None: no routing, as in combine or a cached dispatch)."""
+        rows = _rows(counts, how)
         ready, sent, end = times
-        bytes_R = rows_R * row_bytes
-        load_E = None
-        if topk_idx_NK is not None:
-            idx = topk_idx_NK.numpy().ravel()
-            load_E = np.bincount(idx[idx >= 0], minlength=self.E)
         rec = CallRecord(
-            call.seq, call.kind, self.rank, ready, sent, end,
-            tuple(rows_R.tolist()), tuple(bytes_R.tolist()), tokens, recv_rows,
-        )  # fmt: skip
+            call.seq, call.kind, self.rank, ready, sent, end, tuple(rows), row_bytes, tokens, recv_rows
+        )
+        idx = None if topk_idx_NK is None else topk_idx_NK.numpy().ravel().copy()  # the caller may reuse it
         with self._lock:
             self._calls[call.kind] += 1
             self._time_ns[call.kind] += end - ready
-            self._rows_R += rows_R
-            self._bytes_R += bytes_R
-            if load_E is not None:
-                self._load_LE[self._routed % self.options.layers] += load_E
-                self._routed += 1
+            rows_R, bytes_R = self._rows_R, self._bytes_R
+            for r, n in enumerate(rows):
+                rows_R[r] += n
+                bytes_R[r] += n * row_bytes
             self._recent.append(rec)
+            if idx is not None:
+                self._routings.append((self._routed % self.options.layers, idx))
+                self._routed += 1
+                if len(self._routings) >= FOLD_ROUTINGS:
+                    self._count_load()
         if self.log.isEnabledFor(logging.DEBUG):
             self.log.debug(
                 "rank %d %s #%d: %d tokens in, %d rows (%d bytes) out [per rank %s], %s rows in, "
                 "%.1f us (%.1f us after sending)",
-                self.rank, call.kind, call.seq, tokens, int(rows_R.sum()), int(bytes_R.sum()),
-                ",".join(map(str, rec.rows_R)), recv_rows if recv_rows >= 0 else "?",
+                self.rank, call.kind, call.seq, tokens, sum(rows), sum(rows) * row_bytes,
+                ",".join(map(str, rows)), recv_rows if recv_rows >= 0 else "?",
                 (end - ready) / 1e3, (end - sent) / 1e3,
             )  # fmt: skip
+
+    def _count_load(self) -> None:
+        """The pending routings into the expert load, one bincount per layer slot (under the lock)."""
+        slots: dict[int, list[np.ndarray]] = {}
+        for slot, idx in self._routings:
+            slots.setdefault(slot, []).append(idx)
+        self._routings = []
+        for slot, parts in slots.items():
+            every = np.concatenate(parts)
+            self._load_LE[slot] += np.bincount(every[every >= 0], minlength=self.E)
 
     def snapshot(self) -> Stats:
         """This rank's counters and recent calls (copies)."""
         with self._lock:
+            self._count_load()
             rows_RR = torch.zeros(self.R, self.R, dtype=torch.int64)
             bytes_RR = torch.zeros(self.R, self.R, dtype=torch.int64)
-            rows_RR[self.rank] = torch.from_numpy(self._rows_R.copy())
-            bytes_RR[self.rank] = torch.from_numpy(self._bytes_R.copy())
+            rows_RR[self.rank] = torch.tensor(self._rows_R)
+            bytes_RR[self.rank] = torch.tensor(self._bytes_R)
             kinds = [k for k in KINDS if self._calls[k]]
             return Stats(
                 ranks=(self.rank,),
@@ -101,6 +134,14 @@ class Recorder:
                 expert_load_LE=torch.from_numpy(self._load_LE.copy()),
                 recent=tuple(self._recent),
             )
+
+
+def _rows(counts: torch.Tensor, how: int) -> list[int]:
+    """Rows sent to each rank, from a call's counts (R numbers: plain lists beat numpy here)."""
+    c = counts.tolist()
+    if how == PREFIX:
+        return [b - a for a, b in itertools.pairwise(c)]
+    return [sum(row) for row in c] if how == PER_EXPERT else c
 
 
 def _row_bytes(x: torch.Tensor, scales: torch.Tensor | None, topk: int) -> int:
@@ -122,7 +163,7 @@ class RecordedExchange:
         idx = plan.topk_idx_NK
         K = 0 if idx is None else idx.shape[1]
         self._rec.record(
-            call, (ready, ready, end), plan.send_counts_R.numpy(), _row_bytes(plan.x_NH, plan.scales_NS, K),
+            call, (ready, ready, end), plan.send_counts_R, ROWS, _row_bytes(plan.x_NH, plan.scales_NS, K),
             plan.x_NH.shape[0], got.recv_x_MH.shape[0], idx,
         )  # fmt: skip
         return got
@@ -131,10 +172,12 @@ class RecordedExchange:
         ready = time.time_ns()
         out = self._inner.combine(call, x_MH, handle, topk_weights_MK)
         end = time.time_ns()
-        rows_R = np.diff(handle.recv.prefix_R1.numpy())  # rows that came from each home go back to it
         K = 0 if topk_weights_MK is None else topk_weights_MK.shape[1]
         row_bytes = x_MH.shape[1] * x_MH.element_size() + K * 4
-        self._rec.record(call, (ready, ready, end), rows_R, row_bytes, x_MH.shape[0], handle.num_tokens)
+        prefix = handle.recv.prefix_R1  # rows that came from each home go back to it
+        self._rec.record(
+            call, (ready, ready, end), prefix, PREFIX, row_bytes, x_MH.shape[0], handle.num_tokens
+        )
         return out
 
     def __getattr__(self, name: str):
@@ -151,13 +194,12 @@ class RecordedLowLatency:
         ready = time.time_ns()
         receive = self._inner.dispatch_send(call, plan, out)
         sent = time.time_ns()
-        rows_R = plan.counts_RL.sum(dim=1).numpy()
-        handle = out.handle
+        counts_RL, row_bytes, handle = plan.counts_RL, plan.rows_NB.shape[1], out.handle
 
         def received() -> None:
             receive()
             self._rec.record(
-                call, (ready, sent, time.time_ns()), rows_R, plan.rows_NB.shape[1], handle.num_tokens,
+                call, (ready, sent, time.time_ns()), counts_RL, PER_EXPERT, row_bytes, handle.num_tokens,
                 int(handle.recv_count_L.sum()), handle.topk_idx_NK,
             )  # fmt: skip
 
@@ -167,12 +209,11 @@ class RecordedLowLatency:
         ready = time.time_ns()
         receive = self._inner.combine_send(call, plan, out_NH)
         sent = time.time_ns()
-        rows_R = plan.send_counts_R.numpy()
+        counts_R, row_bytes, rows = plan.send_counts_R, plan.x_LMB.shape[-1], plan.home_Q.shape[0]
 
         def received() -> None:
             receive()
-            end = time.time_ns()
-            self._rec.record(call, (ready, sent, end), rows_R, plan.x_LMB.shape[-1], int(rows_R.sum()), -1)
+            self._rec.record(call, (ready, sent, time.time_ns()), counts_R, ROWS, row_bytes, rows, -1)
 
         return received
 

@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import json
 import statistics
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -47,9 +48,9 @@ class StatsOptions:
             raise ValueError(f"StatsOptions: recent must be >= 0 and layers >= 1, got {self}")
 
 
-@dataclass(frozen=True, slots=True)
-class CallRecord:
-    """One call on one rank. Times are wall-clock nanoseconds (`time.time_ns`).
+class CallRecord(NamedTuple):
+    """One call on one rank (a NamedTuple: one is made per call). Times are wall-clock
+    nanoseconds (`time.time_ns`).
 
     ready_ns: the rank's inputs were checked and it began to send (its data may land from here);
     sent_ns: its send half returned (low-latency calls; = ready_ns where the halves are one call);
@@ -63,9 +64,13 @@ class CallRecord:
     sent_ns: int
     end_ns: int
     rows_R: tuple[int, ...]  # rows this rank sent to each rank
-    bytes_R: tuple[int, ...]
-    tokens: int  # tokens this rank passed in (normal and low-latency dispatch), rows (combine)
+    row_bytes: int  # bytes of each of those rows
+    tokens: int  # tokens this rank passed in (dispatch), rows (combine)
     recv_rows: int  # rows this rank received (-1 where not known when the call returned)
+
+    @property
+    def bytes_R(self) -> tuple[int, ...]:
+        return tuple(rows * self.row_bytes for rows in self.rows_R)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -163,7 +168,7 @@ class Stats:
             "traffic_rows_RR": self.traffic_rows_RR.tolist(),
             "traffic_bytes_RR": self.traffic_bytes_RR.tolist(),
             "expert_load_LE": self.expert_load_LE.tolist(),
-            "recent": [asdict(rec) for rec in self.recent],
+            "recent": [rec._asdict() for rec in self.recent],
         }
 
     @classmethod
@@ -177,10 +182,7 @@ class Stats:
             traffic_rows_RR=torch.tensor(d["traffic_rows_RR"], dtype=torch.int64),
             traffic_bytes_RR=torch.tensor(d["traffic_bytes_RR"], dtype=torch.int64),
             expert_load_LE=torch.tensor(d["expert_load_LE"], dtype=torch.int64),
-            recent=tuple(
-                CallRecord(**{**r, "rows_R": tuple(r["rows_R"]), "bytes_R": tuple(r["bytes_R"])})
-                for r in d["recent"]
-            ),
+            recent=tuple(CallRecord(**{**r, "rows_R": tuple(r["rows_R"])}) for r in d["recent"]),
         )
 
     def save(self, path: str | Path) -> None:

@@ -14,7 +14,9 @@ time and the time inside the EP implementation less its experts (the exchange:
 dispatch, combine and their bookkeeping). A step's time is the slowest rank's;
 time per output token is the median over steps and repeats, tokens/s counts every
 rank's sequences, and the communication share is the median of exchange / step.
-The greedy tokens must be the same under every system (checked).
+The greedy tokens must be the same under every system (checked). With a trace path
+(`--trace t.json`), every ubep layer records stats and the first repeat of each ubep
+system is written as a Perfetto trace, one file per system (t-ubep.json, ...).
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ class DecodeConfig:
     systems: tuple[str, ...] = tuple(SYSTEMS)
     seed: int = 0
     timeout_s: float = 600.0
+    trace: str = ""  # set: a Perfetto trace per ubep system, its name suffixed with the system's
 
     def validate(self) -> None:
         unknown = [s for s in self.systems if s not in SYSTEMS]
@@ -136,7 +139,23 @@ def timed(implementation: type, watch: Stopwatch) -> type:
     return Timed
 
 
-def _decode_once(path: str, system: str, cfg: DecodeConfig, mesh) -> dict:
+def trace_path(cfg: DecodeConfig, system: str) -> str:
+    """Where `system`'s trace goes: cfg.trace with the system's name before the extension."""
+    stem, dot, ext = cfg.trace.rpartition(".")
+    return f"{stem}-{system}.{ext}" if dot else f"{cfg.trace}-{system}"
+
+
+def _save_trace(model, system: str, cfg: DecodeConfig) -> None:
+    """Every MoE layer's merged stats (a collective per layer), written by rank 0 as one trace."""
+    from ubep.integrations.transformers import layer_stats
+    from ubep.observe import write_trace
+
+    layers = layer_stats(model, merge=True)
+    if layers and dist.get_rank() == 0:
+        write_trace(layers, trace_path(cfg, system))
+
+
+def _decode_once(path: str, system: str, cfg: DecodeConfig, mesh, first: bool = False) -> dict:
     """One system, one repeat on this rank: per-step wall and exchange seconds, and the greedy tokens."""
     import transformers
     from transformers.distributed.expert_parallel import EPImplementationInterface, apply_expert_parallelism
@@ -162,6 +181,8 @@ def _decode_once(path: str, system: str, cfg: DecodeConfig, mesh) -> dict:
             if step >= cfg.warmup:
                 steps_s.append(time.perf_counter() - start)
                 exchange_s.append(watch.exchange_s() - before)
+    if cfg.trace and first and system != "all_to_all":
+        _save_trace(model, system, cfg)
     for instance in watch.instances:
         if hasattr(instance, "close"):
             instance.close()
@@ -176,9 +197,9 @@ def _rank_decode(path: str, cfg: DecodeConfig) -> dict:
     torch.set_num_threads(1)
     mesh = init_device_mesh("cpu", (cfg.ranks, 1), mesh_dim_names=("ep", "tp"))
     runs: dict[str, list[dict]] = {s: [] for s in cfg.systems}
-    for _ in range(cfg.repeats):
+    for repeat in range(cfg.repeats):
         for system in cfg.systems:  # take turns, so drifting load falls on every system alike
-            runs[system].append(_decode_once(path, system, cfg, mesh))
+            runs[system].append(_decode_once(path, system, cfg, mesh, first=repeat == 0))
     return runs
 
 
@@ -221,6 +242,8 @@ def run(cfg: DecodeConfig) -> list[dict]:
         config = model_config(cfg)
         config.ubep_max_tokens_per_rank = cfg.batch * cfg.prompt  # the prefill is the largest batch
         config.ubep_low_latency_tokens_per_rank = cfg.batch  # a decode step: low-latency mode's T
+        if cfg.trace:
+            config.ubep_stats = True  # every layer's Buffer records (ubep.integrations.transformers)
         transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(path)
         per_rank = LocalLaunch(world_size=cfg.ranks, timeout_s=cfg.timeout_s).run(_rank_decode, path, cfg)
     return summarize(per_rank, cfg)
@@ -291,6 +314,9 @@ def add_parser(subparsers) -> None:
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--json", metavar="PATH", help="write results as JSON")
     p.add_argument("--plot", metavar="PATH.png", help="plot time per token, exchange against the rest")
+    p.add_argument(
+        "--trace", metavar="PATH.json", default="", help="a Perfetto trace per ubep system (PATH-SYSTEM.json)"
+    )
     p.set_defaults(func=run_decode)
 
 
@@ -300,6 +326,7 @@ def run_decode(args) -> int:
         **{n: getattr(args, n) for n in names},
         systems=tuple(s for s in args.systems.split(",") if s),
         seed=args.seed,
+        trace=args.trace,
     )
     try:
         cfg.validate()

@@ -68,6 +68,8 @@ def select_systems(cfg: BenchConfig, mpi: tuple[bool, str]) -> tuple[tuple[str, 
                 f"ll mode: no {', '.join(unsupported)} row (low-latency mode is ubep's protocol on "
                 "shared memory, or the collective path, shown as bsp-gloo)"
             )
+    if cfg.stats_path and "ubep" in systems:  # beside ubep, in the same rounds: the overhead A/B
+        systems.insert(systems.index("ubep") + 1, "ubep-stats")
     if "mpi" in systems and not mpi[0]:
         systems.remove("mpi")
         notes.append(f"mpi row skipped: {mpi[1]}")

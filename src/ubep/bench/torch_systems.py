@@ -3,7 +3,10 @@
 `measure_rank` runs on every rank: it opens every system and checks one
 dispatch and one combine of each against the reference, then times whichever
 system the conductor names, turn by turn (see `turns`), each call from a
-common start instant (see `timing`).
+common start instant (see `timing`). The row "ubep-stats" is ubep recording stats
+(`--stats`): rank 0 saves the merged snapshot once the turns are over. A slow rank
+(`--slow-rank`) sleeps before each call of every Buffer row, as a rank whose compute
+runs late would.
 """
 
 from __future__ import annotations
@@ -20,9 +23,15 @@ from ubep.bench.timing import LEAD_S
 from ubep.bench.turns import Calls, Samples, Turns, take_turns
 from ubep.bench.workload import BenchConfig, Workload, build, expected_combine
 
-BUFFER_SYSTEMS = {"ubep": ("ubep", "shm"), "bsp-shm": ("bsp", "shm"), "bsp-gloo": ("bsp", "dist")}
+BUFFER_SYSTEMS = {
+    "ubep": ("ubep", "shm"),
+    "ubep-stats": ("ubep", "shm"),
+    "bsp-shm": ("bsp", "shm"),
+    "bsp-gloo": ("bsp", "dist"),
+}
 # Low-latency mode exists as the ubep protocol on shared memory and as the collective path.
-LL_SYSTEMS = {"ubep": "shm", "bsp-gloo": "dist"}
+LL_SYSTEMS = {"ubep": "shm", "ubep-stats": "shm", "bsp-gloo": "dist"}
+STATS_SYSTEM = "ubep-stats"
 
 
 def common_start() -> float:
@@ -43,14 +52,34 @@ def verify(name: str, got: ubep.DispatchResult, combined: torch.Tensor, work: Wo
         raise AssertionError(f"{name}: combine on rank {me} differs from the reference")
 
 
-def open_buffer(name: str, cfg: BenchConfig, work: Workload, tokens: int, stack: ExitStack) -> Calls:
-    """A normal-mode Buffer for `name`, checked once against the reference."""
+def slowed(calls: Calls, cfg: BenchConfig) -> Calls:
+    """`calls`, each after a sleep of cfg.delay_us on cfg.slow_rank (unchanged elsewhere)."""
+    if dist.get_rank() != cfg.slow_rank:
+        return calls
+    delay_s = cfg.delay_us / 1e6
+
+    def late(call):
+        def run():
+            time.sleep(delay_s)
+            return call()
+
+        return run
+
+    return Calls(late(calls.dispatch), late(calls.combine))
+
+
+def open_buffer(
+    name: str, cfg: BenchConfig, work: Workload, tokens: int, stack: ExitStack, opened: dict
+) -> Calls:
+    """A normal-mode Buffer for `name`, checked once against the reference (kept in `opened`)."""
     me = dist.get_rank()
     protocol, transport = BUFFER_SYSTEMS[name]
-    if cfg.nodes > 1 and name == "ubep":
+    if cfg.nodes > 1 and name.startswith("ubep"):
         transport = "hier"  # across emulated nodes: shared memory inside, one crossing per token and node
     scheduling = (
-        {"workers": cfg.workers, "schedule": cfg.schedule} if transport == "shm" and name == "ubep" else {}
+        {"workers": cfg.workers, "schedule": cfg.schedule}
+        if transport == "shm" and name.startswith("ubep")
+        else {}
     )
     x, idx, w = work.xs[me], work.topk_idx[me], work.topk_weights[me]
     buf = stack.enter_context(
@@ -62,9 +91,11 @@ def open_buffer(name: str, cfg: BenchConfig, work: Workload, tokens: int, stack:
             protocol=protocol,
             transport=transport,
             timeout_s=cfg.timeout_s,
+            stats=name == STATS_SYSTEM,
             **scheduling,
         )
     )
+    opened[name] = buf
     got = buf.dispatch(x, topk_idx=idx, topk_weights=w)
     verify(name, got, buf.combine(got.recv_x, got.handle).combined_x, work, me)
     return Calls(
@@ -72,7 +103,9 @@ def open_buffer(name: str, cfg: BenchConfig, work: Workload, tokens: int, stack:
     )
 
 
-def open_ll(name: str, cfg: BenchConfig, work: Workload, tokens: int, stack: ExitStack) -> Calls:
+def open_ll(
+    name: str, cfg: BenchConfig, work: Workload, tokens: int, stack: ExitStack, opened: dict
+) -> Calls:
     """A low-latency Buffer for `name` (dispatch and weighted combine), checked once against the reference."""
     me = dist.get_rank()
     x, idx, w = work.xs[me], work.topk_idx[me], work.topk_weights[me]
@@ -85,8 +118,10 @@ def open_ll(name: str, cfg: BenchConfig, work: Workload, tokens: int, stack: Exi
             max_topk=cfg.topk,
             transport=LL_SYSTEMS[name],
             timeout_s=cfg.timeout_s,
+            stats=name == STATS_SYSTEM,
         )
     )
+    opened[name] = buf
     got = buf.low_latency_dispatch(x, idx, T, cfg.experts)
     combined = buf.low_latency_combine(got.recv_x, idx, w, got.handle).combined_x
     verify_ll(name, got, combined, work, T, me)
@@ -130,12 +165,18 @@ def measure_rank(cfg: BenchConfig, tokens: int, systems: tuple[str, ...], turns_
     work = build(cfg, tokens)
     open_system = open_ll if cfg.mode == "ll" else open_buffer
     turns = Turns(turns_dir, dist.get_rank(), cfg.timeout_s * 4)
+    opened: dict[str, ubep.Buffer] = {}
     with ExitStack() as stack:
         stack.callback(turns.close)
         calls = {
             name: open_floor(cfg, work)
             if name == "memcpy-floor"
-            else open_system(name, cfg, work, tokens, stack)
+            else slowed(open_system(name, cfg, work, tokens, stack, opened), cfg)
             for name in systems
         }
-        return take_turns(turns, calls, common_start)
+        samples = take_turns(turns, calls, common_start)
+        if STATS_SYSTEM in opened:  # every rank merges; rank 0 keeps the file
+            merged = opened[STATS_SYSTEM].stats(merge=True)
+            if dist.get_rank() == 0:
+                merged.save(cfg.stats_path)
+        return samples

@@ -14,7 +14,7 @@ turns round by round gives every system the same stretch of time, and round i
 of one system can be set beside round i of another (see `ratio`).
 
 Each group has a directory of named pipes: `go.<rank>` carries one byte per
-turn to that rank (the index of the system in SYSTEMS, or QUIT), and `done`
+turn to that rank (the index of the system in ROWS, or QUIT), and `done`
 one byte per rank back (also once after setup: ready). The conductor writes
 the next turn only after every rank of the group has answered. A waiting rank
 sleeps in the kernel: the group whose turn it is has the host's cores to itself.
@@ -29,7 +29,7 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 from ubep.bench.timing import timed
-from ubep.bench.workload import SYSTEMS
+from ubep.bench.workload import ROWS
 
 QUIT = 255
 POLL_S = 0.1  # how often the conductor looks at a group that is slow to answer
@@ -74,7 +74,7 @@ class Turns:
         if not readable:
             raise TimeoutError(f"no turn from the bench for {self._timeout_s:g} s")
         (code,) = os.read(self._go, 1)
-        return None if code == QUIT else SYSTEMS[code]
+        return None if code == QUIT else ROWS[code]
 
     def close(self) -> None:
         os.close(self._go)
@@ -126,7 +126,7 @@ class Conductor:
 
     def turn(self, group: str, system: str, check: Callable[[], None]) -> None:
         """One turn: every rank of `group` times `system` once; returns when all have answered."""
-        self._send(group, SYSTEMS.index(system))
+        self._send(group, ROWS.index(system))
         self._answers(group, check)
 
     def quit(self, group: str) -> None:

@@ -13,6 +13,7 @@ import torch
 from ubep import reference, routing
 
 SYSTEMS = ("ubep", "bsp-shm", "bsp-gloo", "mpi", "memcpy-floor")
+ROWS = (*SYSTEMS, "ubep-stats")  # every row a run can have: "ubep-stats" comes with --stats
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
@@ -37,6 +38,9 @@ class BenchConfig:
     workers: int = 1  # put workers per rank for the ubep row (see ubep.schedule)
     schedule: str = "ubep"  # the scheduler's policy when workers > 1
     nodes: int = 1  # emulated nodes: ranks are split evenly; traffic between them uses torch.distributed
+    stats_path: str = ""  # set: add the row "ubep-stats" (ubep recording stats), its merged snapshot here
+    slow_rank: int = -1  # >= 0: this rank sleeps delay_us before each call of every Buffer row
+    delay_us: float = 0.0
 
     def as_dict(self) -> dict:
         return asdict(self)

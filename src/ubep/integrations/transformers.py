@@ -22,7 +22,8 @@ Each MoE layer gets its own ubep.Buffer, built on its first forward with room fo
 `config.ubep_max_tokens_per_rank` tokens per rank (DEFAULT_MAX_TOKENS if unset).
 Timeout, engine, transport and (for "ubep") the protocol come from UBEP_TIMEOUT_S,
 UBEP_ENGINE, UBEP_TRANSPORT and UBEP_PROTOCOL (`ubep.settings`); with UBEP_STATS=1 every
-layer's Buffer records what its calls do, and `layer_stats(model)` collects it.
+layer's Buffer records what its calls do (or with `config.ubep_stats = True`), and
+`layer_stats(model)` collects it.
 Normal mode ("ubep", "ubep_bsp") also trains: the dispatch's backward is the
 combine of the gradients (of the rows and of the routing weights), the combine's
 backward a cached dispatch, as Megatron wraps DeepEP. The FP8 and low-latency
@@ -42,6 +43,7 @@ from ubep.stats import Stats
 DEFAULT_MAX_TOKENS = 256  # tokens per rank and forward: a decode batch, or a short prefill
 MAX_TOKENS_SETTING = "ubep_max_tokens_per_rank"
 LOW_LATENCY_TOKENS_SETTING = "ubep_low_latency_tokens_per_rank"
+STATS_SETTING = "ubep_stats"  # config.ubep_stats = True: every layer's Buffer records stats
 IMPLEMENTATIONS = ("ubep", "ubep_low_latency", "ubep_fp8", "ubep_bsp")
 
 __all__ = [
@@ -99,6 +101,7 @@ class UbepEP(EPImplementation):
         self.max_tokens = int(configured) if configured is not None else DEFAULT_MAX_TOKENS
         low_latency = getattr(config, LOW_LATENCY_TOKENS_SETTING, None)
         self.low_latency_tokens = min(self.max_tokens, int(low_latency)) if low_latency else self.max_tokens
+        self.stats = getattr(config, STATS_SETTING, None)  # None: UBEP_STATS, else off
         self._buffer: Buffer | None = None  # built collectively on the first forward
         experts.ubep_ep = self  # where `layer_stats` finds this layer's Buffer
 
@@ -110,6 +113,7 @@ class UbepEP(EPImplementation):
                 num_experts=self.num_experts,
                 max_tokens_per_rank=self.max_tokens,
                 protocol=self.protocol,
+                stats=self.stats,
             )
         return self._buffer
 
