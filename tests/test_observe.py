@@ -268,6 +268,8 @@ def test_compat_deep_ep_buffer_takes_environment_settings(monkeypatch):
                  num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=torch.ones(4, 2))  # fmt: skip
     assert "timeout_s 9.0 (from UBEP_TIMEOUT_S)" in buf.explain()
     assert "stats True (from UBEP_STATS)" in buf.explain()
+    (recorded,) = buf.stats().values()
+    assert recorded.calls == {"dispatch": 1} and recorded.expert_load_E.tolist() == [2, 2, 2, 2]
 
 
 def test_debug_log_has_one_line_per_call(caplog):
@@ -279,7 +281,7 @@ def test_debug_log_has_one_line_per_call(caplog):
         buf.combine(got.recv_x, got.handle)
     lines = [r.getMessage() for r in caplog.records if r.levelno == logging.DEBUG]
     assert len(lines) == 2, lines
-    assert lines[0].startswith("rank 0 dispatch #1: 2 tokens in, 2 rows") and "combine #2" in lines[1]
+    assert lines[0].startswith("rank 0 dispatch #1: 2 tokens in, sent 2 rows") and "combine #2" in lines[1]
 
 
 def test_without_stats_nothing_stands_between_buffer_and_exchange():

@@ -97,11 +97,11 @@ class Recorder:
                     self._count_load()
         if self.log.isEnabledFor(logging.DEBUG):
             self.log.debug(
-                "rank %d %s #%d: %d tokens in, %d rows (%d bytes) out [per rank %s], %s rows in, "
-                "%.1f us (%.1f us after sending)",
-                self.rank, call.kind, call.seq, tokens, sum(rows), sum(rows) * row_bytes,
-                ",".join(map(str, rows)), recv_rows if recv_rows >= 0 else "?",
-                (end - ready) / 1e3, (end - sent) / 1e3,
+                "rank %d %s #%d: %d %s in, sent %d rows (%d bytes) [per rank %s], received %s rows, "
+                "%.1f us in the call (%.1f us after its send half)",
+                self.rank, call.kind, call.seq, tokens, "tokens" if "dispatch" in call.kind else "rows",
+                sum(rows), sum(rows) * row_bytes, ",".join(map(str, rows)),
+                recv_rows if recv_rows >= 0 else "?", (end - ready) / 1e3, (end - sent) / 1e3,
             )  # fmt: skip
 
     def _count_load(self) -> None:

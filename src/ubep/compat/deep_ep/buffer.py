@@ -50,6 +50,7 @@ from ubep.layout import tokens_per_node
 from ubep.overlap import EventOverlap as Pending
 from ubep.protocols.base import Sizing
 from ubep.results import LowLatencyHandle
+from ubep.stats import Stats
 
 HINT_TOKENS = 4096  # tokens per rank a normal-mode size hint provides for (DeepEP's prefill size)
 MAX_TOPK = 16
@@ -149,6 +150,11 @@ class Buffer:
         """Which implementation serves this DeepEP Buffer, and the ubep Buffers built so far."""
         inner = "; ".join(f"{key}: {buf.explain()}" for key, buf in self._buffers.items()) or "none built yet"
         return f"deep_ep.Buffer served by ubep (ubep.compat.deep_ep); ubep Buffers per shape: {inner}"
+
+    def stats(self, merge: bool = False) -> dict[tuple, Stats]:
+        """Each ubep Buffer's `stats(merge)` by shape key, where recording is on (UBEP_STATS=1);
+        not DeepEP API. With `merge`, a collective per Buffer: call it on every rank at once."""
+        return {key: buf.stats(merge) for key, buf in self._buffers.items()}
 
     # -- sizing and configs -----------------------------------------------------------------------
 
