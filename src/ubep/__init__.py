@@ -31,6 +31,7 @@ from ubep.results import (
     LowLatencyHandle,
     RecvRoute,
 )
+from ubep.stats import Stats, StatsOptions
 from ubep.waiting import PeerAbortedError
 
 __version__ = version("ubep")
@@ -57,6 +58,8 @@ __all__ = [
     "RankFailedError",
     "RecvRoute",
     "SharedMemorySizeError",
+    "Stats",
+    "StatsOptions",
     "UbepError",
     "fp8",
 ]

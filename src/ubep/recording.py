@@ -180,8 +180,10 @@ class RecordedExchange:
         )
         return out
 
-    def __getattr__(self, name: str):
-        return getattr(self._inner, name)  # abort, close, mask, ...: the wrapped exchange's own
+    def __getattr__(self, name: str):  # abort, close, mask, ...: the wrapped exchange's own
+        if name == "_inner":  # not set yet (a copy being built): no recursion
+            raise AttributeError(name)
+        return getattr(self._inner, name)
 
 
 class RecordedLowLatency:
@@ -217,5 +219,7 @@ class RecordedLowLatency:
 
         return received
 
-    def __getattr__(self, name: str):
+    def __getattr__(self, name: str):  # abort, close, mask, ...: the wrapped exchange's own
+        if name == "_inner":  # not set yet (a copy being built): no recursion
+            raise AttributeError(name)
         return getattr(self._inner, name)
