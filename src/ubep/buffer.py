@@ -207,7 +207,8 @@ class Buffer:
         self._recorder: Recorder | None = None
         if stats or log.isEnabledFor(logging.DEBUG):  # the debug line per call comes from the recorder
             self._record(StatsOptions() if isinstance(stats, bool) else stats, log)
-        log.info("Buffer built: %s", self.explain())
+        if log.isEnabledFor(logging.INFO):
+            log.info("Buffer built: %s", self.explain())
         self._calls = CallCounter()
         self._pid = os.getpid()  # the process that built it: a forked child must not call it
         self._one_call = threading.Lock()  # held by the thread inside a call (`_one_at_a_time`)
