@@ -134,7 +134,7 @@ def test_expert_load_per_layer_slot():
 
 # -- the straggler report --------------------------------------------------------------------------
 
-DELAY_S, SLOW, DELAYED_CALL = 0.04, 1, 5  # call 5 is the third dispatch
+DELAY_S, SLOW, DELAYED_CALL = 0.05, 1, 5  # call 5 is the third dispatch
 
 
 def _straggling(delay_s: float) -> dict | None:
@@ -167,6 +167,9 @@ def test_straggler_report_names_the_delayed_rank_and_its_delay():
     wait_RR = stats.wait_matrix_RR("dispatch")  # the others waited for the slow rank, it for nobody
     others = [r for r in range(3) if r != SLOW]
     assert all(wait_RR[r, SLOW] > wait_RR[SLOW].max() for r in others), wait_RR
+    waited_R = stats.waited_us_R("dispatch")  # per rank: the others waited, the slow rank did not
+    assert int(waited_R.argmin()) == SLOW
+    assert all(waited_R[r] > 0.8 * DELAY_S * 1e6 / 4 for r in others)  # the delay, in one of 4 dispatches
 
     trace = observe.chrome_trace(stats)  # the trace shows who waited for whom
     waits = [e for e in trace["traceEvents"] if e["name"] == f"waiting for rank {SLOW}"]

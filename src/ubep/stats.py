@@ -122,12 +122,31 @@ class Stats:
             n += 1
         return total_RR / max(n, 1) / 1e3
 
+    def waited_us_R(self, kind: str | None = None) -> torch.Tensor:
+        """float64 [R]: mean microseconds each rank waited per call for the last peer to begin
+        sending (the row maxima of each call's waits; merged snapshots only)."""
+        if not self.merged:
+            raise ValueError("waits need every rank's records: take buf.stats(merge=True)")
+        total_R, n = torch.zeros(self.num_ranks, dtype=torch.float64), 0
+        for got in self.calls_by_seq().values():
+            if kind is None or got[0].kind == kind:
+                ready_R = torch.tensor([got[r].ready_ns for r in range(self.num_ranks)], dtype=torch.float64)
+                total_R += ready_R.max() - ready_R
+                n += 1
+        return total_R / max(n, 1) / 1e3
+
     def summary(self) -> str:
         """A few lines for a terminal: calls, time per call, traffic, the hottest experts."""
         lines = [f"ubep stats of rank(s) {_ranks(self.ranks)} of {self.num_ranks}"]
         for kind, count in self.calls.items():
             per_call = statistics.mean(self.time_ns[kind]) / max(count, 1) / 1e3
             lines.append(f"  {kind}: {count} calls, {per_call:.1f} us each (mean over ranks)")
+        if self.merged and self.num_ranks > 1 and self.recent:
+            waited = self.waited_us_R()
+            lines.append(
+                f"  waiting for the last peer: {float(waited.mean()):.1f} us per call (mean over ranks), "
+                f"most on rank {int(waited.argmax())} ({float(waited.max()):.1f} us)"
+            )
         rows, nbytes = int(self.traffic_rows_RR.sum()), int(self.traffic_bytes_RR.sum())
         lines.append(f"  traffic: {rows} rows, {nbytes / 1e6:.2f} MB")
         load = self.expert_load_E
@@ -146,10 +165,14 @@ class Stats:
     def combine_ranks(parts: list[Stats]) -> Stats:
         """One snapshot from every rank's own (in rank order): matrices and loads summed."""
         first = parts[0]
+        kinds = [k for k in KINDS if any(k in p.calls for p in parts)]  # a receive half may still be pending
         return replace(
             first,
             ranks=tuple(r for p in parts for r in p.ranks),
-            time_ns={k: tuple(t for p in parts for t in p.time_ns[k]) for k in first.calls},
+            calls={k: max(p.calls.get(k, 0) for p in parts) for k in kinds},
+            time_ns={
+                k: tuple(t for p in parts for t in p.time_ns.get(k, (0,) * len(p.ranks))) for k in kinds
+            },
             traffic_rows_RR=sum((p.traffic_rows_RR for p in parts), torch.zeros_like(first.traffic_rows_RR)),
             traffic_bytes_RR=sum(
                 (p.traffic_bytes_RR for p in parts), torch.zeros_like(first.traffic_bytes_RR)
