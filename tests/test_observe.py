@@ -103,17 +103,18 @@ def test_traffic_and_load_match_reference_on_a_heap(mode, protocol, engine):
         _check_against_reference(stats, SC, mode)
 
 
-def _over_collectives(mode: str) -> dict:
-    sc = Scenario(name="observe-dist", num_ranks=2, num_experts=8, topk=3, hidden=40, seed=22)
-    return _recorded(None, sc, mode, transport="dist").to_dict()
+DIST = Scenario(name="observe-dist", num_ranks=2, num_experts=8, topk=3, hidden=40, seed=22)
+
+
+def _over_collectives() -> dict:
+    return {mode: _recorded(None, DIST, mode, transport="dist").to_dict() for mode in ("normal", "ll")}
 
 
 @pytest.mark.timeout(240)
 def test_traffic_and_load_match_reference_over_collectives():
-    sc = Scenario(name="observe-dist", num_ranks=2, num_experts=8, topk=3, hidden=40, seed=22)
-    for mode in ("normal", "ll"):
-        got = ubep.LocalLaunch(world_size=2, timeout_s=120).run(_over_collectives, mode)
-        _check_against_reference(Stats.from_dict(got[0]), sc, mode)
+    got = ubep.LocalLaunch(world_size=2, timeout_s=120).run(_over_collectives)
+    for mode, stats in got[0].items():
+        _check_against_reference(Stats.from_dict(stats), DIST, mode)
 
 
 def test_expert_load_per_layer_slot():
