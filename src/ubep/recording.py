@@ -81,7 +81,8 @@ class Recorder:
         rec = CallRecord(
             call.seq, call.kind, self.rank, ready, sent, end, tuple(rows), row_bytes, tokens, recv_rows
         )
-        idx = None if topk_idx_NK is None else topk_idx_NK.numpy().ravel().copy()  # the caller may reuse it
+        # a copy of the routing: the caller may reuse its tensor before the load is counted
+        idx = None if topk_idx_NK is None else topk_idx_NK.cpu().numpy().ravel().copy()
         with self._lock:
             self._calls[call.kind] += 1
             self._time_ns[call.kind] += end - ready
