@@ -239,7 +239,9 @@ def test_settings_come_from_arguments_then_environment_then_defaults():
     assert got["timeout_s"] == settings.Setting(7.5, "UBEP_TIMEOUT_S")
     assert got["stats"] == settings.Setting(True, "UBEP_STATS")
     assert got["protocol"] == settings.Setting("ubep", "default")
-    for bad in ({"UBEP_TIMEOUT_S": "-1"}, {"UBEP_TIMEOUT_S": "soon"}, {"UBEP_STATS": "maybe"}):
+    bad_values = ({"UBEP_TIMEOUT_S": "-1"}, {"UBEP_TIMEOUT_S": "soon"}, {"UBEP_STATS": "maybe"},
+                  {"UBEP_PROTOCOL": "nccl"}, {"UBEP_ENGINE": "cuda"}, {"UBEP_TRANSPORT": "rdma"})  # fmt: skip
+    for bad in bad_values:
         with pytest.raises(ValueError, match=next(iter(bad))):
             settings.resolve({}, bad)
 

@@ -21,6 +21,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from ubep.engine import ENGINES
+from ubep.factory import HEAP_PROTOCOLS
+from ubep.group import TRANSPORTS
+
 LOGGER = "ubep"  # the name of the library's logger: logging.getLogger("ubep")
 LOG_LEVEL_VARIABLE = "UBEP_LOG_LEVEL"
 TRUE, FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
@@ -52,12 +56,21 @@ def _seconds(text: str) -> float:
     return value
 
 
+def _one_of(choices: tuple[str, ...]) -> Callable[[str], str]:
+    def parse(text: str) -> str:
+        if text.strip() not in choices:
+            raise ValueError(f"expected one of {choices}")
+        return text.strip()
+
+    return parse
+
+
 # name -> (environment variable, its parser, the default when neither is given)
 BUFFER_SETTINGS: dict[str, tuple[str, Callable[[str], Any], Any]] = {
-    "transport": ("UBEP_TRANSPORT", str.strip, "auto"),
-    "protocol": ("UBEP_PROTOCOL", str.strip, "ubep"),
+    "transport": ("UBEP_TRANSPORT", _one_of(TRANSPORTS), "auto"),
+    "protocol": ("UBEP_PROTOCOL", _one_of(tuple(HEAP_PROTOCOLS)), "ubep"),
     "timeout_s": ("UBEP_TIMEOUT_S", _seconds, 30.0),
-    "engine": ("UBEP_ENGINE", str.strip, "auto"),
+    "engine": ("UBEP_ENGINE", _one_of(ENGINES), "auto"),
     "stats": ("UBEP_STATS", _flag, False),
 }
 
