@@ -459,3 +459,36 @@ def route_tokens(topk, rank_of_expert, num_experts, in_rank, counts, found):
         for r in range(counts.size):
             counts[r] += in_rank[t, r]
     return OK
+
+
+@_jit
+def to_physical(topk, near, count, start, seen, out):
+    """Logical top-k -> physical top-k through one source rank's copy table (`ubep.placement.CopyMap`).
+
+    topk int64 [N, K] holds logical ids in [-1, E); near int64 [E, J] lists each expert's
+    nearest copies, count int64 [E] how many. Pairs are taken token by token, k ascending; the
+    i-th pair of expert e goes to near[e, (start + i) % count[e]], so equally near copies
+    share the pairs to within one. seen int64 [E] is scratch; -1 stays -1. Returns OK, or
+    BAD_EXPERT with found in seen[0] (the smallest id if one is below -1, else the largest),
+    writing nothing then.
+    Example (near [[4, 9]], count [2], start 1): rows [[0], [0], [0]] -> [[9], [4], [9]].
+    """
+    N, K = topk.shape
+    E = count.size
+    lo, hi = np.int64(0), np.int64(-1)
+    for t in range(N):
+        for k in range(K):
+            lo, hi = min(lo, topk[t, k]), max(hi, topk[t, k])
+    if N * K and (lo < -1 or hi >= E):
+        seen[0] = lo if lo < -1 else hi
+        return BAD_EXPERT
+    seen[:] = 0
+    for t in range(N):
+        for k in range(K):
+            e = topk[t, k]
+            if e < 0:
+                out[t, k] = -1
+            else:
+                out[t, k] = near[e, (start + seen[e]) % count[e]]
+                seen[e] += 1
+    return OK
