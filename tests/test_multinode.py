@@ -14,7 +14,7 @@ from scenarios import Scenario, assert_dispatch_matches, expert_output, scenario
 
 import ubep
 from ubep import reference
-from ubep.collectives.hier import boundary_bytes, dispatch_row_bytes
+from ubep.collectives.hier import as_bytes, boundary_bytes, columns, dispatch_row_bytes
 from ubep.group import GroupInfo, choose_transport
 from ubep.layout import ExpertPlacement
 from ubep.nodes import NodeMap, tokens_per_slot
@@ -50,6 +50,14 @@ def test_boundary_bytes_by_hand():
     assert got["dispatch_bytes_dedup"][0] == dispatch_row_bytes(8, 2, 3) == 16 + 8 + 36
     assert got["combine_bytes_flat"] == [32, 0, 32, 0]  # two bf16 rows of 8
     assert got["combine_bytes_dedup"] == [32, 0, 32, 0]  # one float32 partial of 8
+
+
+def test_columns_of_a_single_packed_row_with_odd_topk():
+    """One row of 8 + 3 * 8 + 3 * 4 = 44 bytes: each column block still views as its dtype."""
+    token, idx, w = torch.tensor([[5]]), torch.tensor([[1, 2, 3]]), torch.tensor([[0.5, 0.25, 0.125]])
+    rows_SB = torch.cat([as_bytes(token), as_bytes(idx), as_bytes(w)], dim=1)
+    got = columns(rows_SB, [(torch.int64, 1), (torch.int64, 3), (torch.float32, 3)])
+    assert [torch.equal(a, b) for a, b in zip(got, (token, idx, w), strict=True)] == [True] * 3
 
 
 def test_auto_spans_nodes_with_hier_and_dist_stays_flat():

@@ -178,7 +178,10 @@ def columns(rows_SB: torch.Tensor, widths: list[tuple[torch.dtype, int]]) -> lis
     out, at = [], 0
     for dtype, cols in widths:
         nbytes = cols * dtype.itemsize
-        out.append(rows_SB[:, at : at + nbytes].contiguous().view(dtype).view(rows_SB.shape[0], cols))
+        # clone, not contiguous(): a one-row slice counts as contiguous yet keeps the packed row's
+        # stride, which view(dtype) refuses unless it divides by the dtype's size
+        block = rows_SB[:, at : at + nbytes].clone(memory_format=torch.contiguous_format)
+        out.append(block.view(dtype).view(rows_SB.shape[0], cols))
         at += nbytes
     return out
 
