@@ -42,6 +42,7 @@ from ubep.layout import (
     tokens_per_node,
 )
 from ubep.overlap import EventOverlap
+from ubep.placement import CopyMap, Distances, Placement
 from ubep.protocols.base import Exchange, SendPlan, Sizing
 from ubep.protocols.ll_base import LowLatencyExchange, combine_plan, dispatch_outputs, dispatch_plan
 from ubep.recording import RecordedExchange, RecordedLowLatency, Recorder
@@ -221,6 +222,8 @@ class Buffer:
         self._masked_E = torch.zeros(num_experts, dtype=torch.bool)  # experts those ranks own
         self._masked_after = 0  # the last call before the latest mask: older handles are stale
         self._retired = False  # this rank masked itself out
+        self._placement: Placement | None = None  # logical experts on the Buffer's slots (`set_placement`)
+        self._copy_map: CopyMap | None = None  # this rank's logical -> physical map, with a placement
 
     # -- construction -----------------------------------------------------------------------------
 
@@ -291,6 +294,56 @@ class Buffer:
     def num_experts(self) -> int:
         return self.sizing.placement.num_experts
 
+    @property
+    def placement(self) -> Placement | None:
+        """The logical experts on this Buffer's slots (`set_placement`), or None: ids are the slots'."""
+        return self._placement
+
+    @_one_at_a_time
+    def set_placement(self, placement: Placement | None) -> None:
+        """Hold `placement`'s logical experts on this Buffer's num_experts slots from the next call on;
+        collective: every rank passes the same placement, else ConfigMismatchError on every rank.
+
+        With a placement, topk_idx holds logical ids in [0, placement.num_logical): each rank maps
+        them to the nearest copy (the same rank, then the same node, then the rest, shared evenly
+        among equally near copies; `ubep.placement.CopyMap`) before dispatching, so recv_topk_idx
+        names local slots (`placement.local_logical(rank)` says which expert each holds) and
+        combine sums what the logical routing would. None returns to physical ids. Moving the
+        expert weights is the caller's (docs/placement.md); handles of earlier dispatches must not be
+        reused across the change.
+        """
+        self._live()
+        if placement is not None and (
+            placement.num_ranks != self.num_ranks or placement.num_physical != self.num_experts
+        ):
+            raise ValueError(
+                f"placement lays out {placement.num_physical} slots on {placement.num_ranks} ranks; "
+                f"this Buffer has {self.num_experts} experts on {self.num_ranks} ranks"
+            )
+        if placement is not None and not torch.equal(
+            self.sizing.placement.rank_of_expert_E, placement.rank_of_physical_U
+        ):
+            raise ValueError("set_placement needs the Buffer's default (contiguous) expert_placement")
+        mine = {"placement": None if placement is None else placement.digest()}
+        with collective_deadline(torch_group(self._info.group), self.timeout_s, "set_placement"):
+            check_agreement(self._info, mine, "set_placement")
+        self._placement = placement
+        self._copy_map = (
+            None
+            if placement is None
+            else CopyMap.nearest(placement, self.rank, Distances.from_nodes(self._info.node_of_rank))
+        )
+
+    def _physical(self, topk_idx: torch.Tensor) -> torch.Tensor:
+        """topk_idx as slot ids: mapped through this rank's copy map when a placement is set."""
+        return topk_idx if self._copy_map is None else self._copy_map(topk_idx)
+
+    def _check_num_experts(self, num_experts: int) -> None:
+        """A call's num_experts: the logical count with a placement, else the Buffer's."""
+        want = self.num_experts if self._placement is None else self._placement.num_logical
+        if num_experts != want:
+            raise ValueError(f"num_experts is {num_experts}, the Buffer was built for {want}")
+
     # -- normal mode ------------------------------------------------------------------------------
 
     def get_dispatch_layout(
@@ -302,9 +355,9 @@ class Buffer:
         allocate_on_comm_stream: bool = False,
     ) -> LayoutResult:
         """Counts per rank and expert and the token-to-rank membership of one rank's routing."""
-        if num_experts != self.num_experts:
-            raise ValueError(f"num_experts is {num_experts}, the Buffer was built for {self.num_experts}")
-        idx = validate.topk_idx(topk_idx, _rows(topk_idx), self.num_experts, self.sizing.max_topk)
+        self._check_num_experts(num_experts)
+        idx = self._physical(topk_idx)
+        idx = validate.topk_idx(idx, _rows(idx), self.num_experts, self.sizing.max_topk)
         layout = dispatch_layout(self._drop_masked(idx)[0], self.sizing.placement)
         return LayoutResult(
             layout.num_tokens_per_rank_R,
@@ -393,6 +446,7 @@ class Buffer:
         if topk_idx is None or topk_weights is None:
             raise ValueError("dispatch needs topk_idx and topk_weights unless a handle is given")
         x, scales = self._payload(x)
+        topk_idx = self._physical(topk_idx)
         route = None if self._masked else self._route  # a compiled check-and-layout, where the engine has one
         idx = validate.topk_idx(topk_idx, x.shape[0], self._num_experts, s.max_topk, values=route is None)
         w = validate.topk_weights(topk_weights, tuple(idx.shape))
@@ -486,11 +540,10 @@ class Buffer:
         call = self._calls.next("ll_dispatch")
         try:
             s = self.sizing
-            if num_experts != self._num_experts:
-                raise ValueError(f"num_experts is {num_experts}, the Buffer was built for {self.num_experts}")
+            self._check_num_experts(num_experts)
             T = num_max_dispatch_tokens_per_rank
             x = validate.low_latency_x(x, s.hidden, T, s.capacity, use_fp8)
-            idx = validate.topk_idx(topk_idx, x.shape[0], self._num_experts, s.max_topk)
+            idx = validate.topk_idx(self._physical(topk_idx), x.shape[0], self._num_experts, s.max_topk)
             if self._masked:
                 idx = self._drop_masked(idx)[0]
             plan = dispatch_plan(x, idx, s.placement, T, use_fp8)
@@ -554,7 +607,8 @@ class Buffer:
             self._check_after_mask(handle.seq)
         M = R * handle.num_max_dispatch_tokens_per_rank
         x = validate.expert_output(x, (L, M, self.sizing.hidden))
-        idx = validate.topk_idx(topk_idx, handle.num_tokens, self._num_experts, self.sizing.max_topk)
+        idx = self._physical(topk_idx)
+        idx = validate.topk_idx(idx, handle.num_tokens, self._num_experts, self.sizing.max_topk)
         if self._masked:
             idx = self._drop_masked(idx)[0]
         if not torch.equal(idx, handle.topk_idx_NK):

@@ -9,8 +9,13 @@ copies, shared evenly among equally near ones. Under the load bound
      traffic (its sources' pairs, by distance class, `Distances.cost_RR`) is least, among ranks
      it fits under the bound; where it fits nowhere, onto the least loaded rank with room;
   2. each redundant slot, one at a time, to the (expert, rank) that lowers max(max rank load,
-     cap) most, and among equals the traffic most; the rank loads of every candidate are exact
-     under the map's rule (a new copy takes over the sources it is now nearest to).
+     cap) most, among equals the load above the bound summed over ranks, then the traffic; the
+     rank loads of every candidate are exact under the map's rule (a new copy takes over the
+     sources it is now nearest to);
+
+  3. while the busiest rank is above the bound: the one change that lowers (max rank load, load
+     above the bound) most: swap one of its experts with one of another rank's, or turn a
+     redundant copy elsewhere into a copy of one of its experts; stop when none helps.
 
 Where every source has the same mix (one popularity for all), step 2 spreads hot experts over
 nodes, so each node serves its own pairs; where sources differ, step 1 already puts each expert
@@ -80,6 +85,7 @@ def balance(load, distances: Distances, slots_per_rank: int, slack: float = LOAD
     cap = (1 + slack) * total_E.sum() / R
     ranks_of = _single_copies(demand_RE, total_E, distances, L - (R * L - E) // R, cap)
     _redundant_copies(demand_RE, ranks_of, distances, L, cap)
+    _relieve_peak(demand_RE, ranks_of, distances, cap)
     logical_of_physical = np.concatenate(
         [sorted(e for e in range(E) if r in ranks_of[e]) for r in range(R)]
     ).astype(np.int64)
@@ -130,11 +136,14 @@ def _redundant_copies(
             allowed_C[ranks_of[e]] = False
             if not allowed_C.any():
                 continue
-            peak_C = np.maximum((load_R - contrib_ER[e] + loads_CR).max(axis=1), cap) / scale
-            peak_C = np.where(allowed_C, np.round(peak_C, 9), np.inf)  # rounded: equal peaks tie
-            traffic_C = np.where(peak_C == peak_C.min(), traffic - cost_E[e] + cost_C, np.inf)
-            c = int(np.argmin(traffic_C))
-            key = (peak_C[c], traffic_C[c])  # the load bound first, then the traffic
+            rank_loads_CR = load_R - contrib_ER[e] + loads_CR
+            peak_C = np.where(
+                allowed_C, np.round(np.maximum(rank_loads_CR.max(axis=1), cap) / scale, 9), np.inf
+            )
+            excess_C = np.round(np.maximum(rank_loads_CR - cap, 0).sum(axis=1) / scale, 9)
+            key_C = np.lexsort((traffic - cost_E[e] + cost_C, excess_C, peak_C))
+            c = int(key_C[0])
+            key = (peak_C[c], excess_C[c], traffic - cost_E[e] + cost_C[c])  # load bound, excess, traffic
             if best is None or key < best:
                 best, choice = key, (e, c, loads_CR[c], cost_C[c])
         if choice is None:  # only idle experts left: any expert, any free slot
@@ -144,3 +153,77 @@ def _redundant_copies(
         e, c, contrib_ER[e], cost_E[e] = choice
         ranks_of[e].append(c)
         used_R[c] += 1
+
+
+class _Loads:
+    """Each expert's exact rank loads and traffic cost under its copies, and their totals."""
+
+    def __init__(self, demand_RE: np.ndarray, ranks_of: list[list[int]], distances: Distances, cap: float):
+        self.demand_RE, self.ranks_of, self.distances, self.cap = demand_RE, ranks_of, distances, cap
+        R, E = demand_RE.shape
+        self.contrib_ER, self.cost_E = np.zeros((E, R)), np.zeros(E)
+        for e in range(E):
+            self.contrib_ER[e], self.cost_E[e] = self.of(e, ranks_of[e])
+
+    def of(self, e: int, ranks: list[int]) -> tuple[np.ndarray, float]:
+        """(rank loads [R], traffic cost) of expert e with copies on `ranks`."""
+        per_copy, cost = served(self.demand_RE[:, e], np.asarray(ranks), self.distances)
+        loads_R = np.zeros(self.demand_RE.shape[0])
+        loads_R[ranks] = per_copy
+        return loads_R, cost
+
+    def key(self, load_R: np.ndarray, traffic: float) -> tuple[float, float, float]:
+        """What the placement minimizes, in order: max(peak, cap), the load above cap, the traffic."""
+        scale = max(self.cap, 1e-12)
+        peak = round(max(load_R.max(), self.cap) / scale, 9)
+        return peak, round(np.maximum(load_R - self.cap, 0).sum() / scale, 9), traffic
+
+    def try_change(self, changes: dict[int, list[int]]) -> tuple[tuple, dict]:
+        """The key after giving each expert in `changes` its new copies, and their new loads."""
+        load_R, traffic, new = self.contrib_ER.sum(axis=0), self.cost_E.sum(), {}
+        for e, ranks in changes.items():
+            new[e] = self.of(e, ranks)
+            load_R = load_R - self.contrib_ER[e] + new[e][0]
+            traffic += new[e][1] - self.cost_E[e]
+        return self.key(load_R, traffic), new
+
+
+def _relieve_peak(demand_RE: np.ndarray, ranks_of: list[list[int]], distances: Distances, cap: float) -> None:
+    """Step 3 (see the module): local changes around the busiest rank while it is above the bound."""
+    R, E = demand_RE.shape
+    state = _Loads(demand_RE, ranks_of, distances, cap)
+    for _ in range(4 * R):
+        load_R = state.contrib_ER.sum(axis=0)
+        h = int(np.argmax(load_R))
+        if load_R[h] <= cap:
+            return
+        best, best_change = state.key(load_R, state.cost_E.sum()), None
+        for change in _changes_around(h, ranks_of, load_R):
+            key, new = state.try_change(change)
+            if key < best:
+                best, best_change = key, (change, new)
+        if best_change is None:
+            return
+        for e, ranks in best_change[0].items():
+            ranks_of[e][:] = ranks
+            state.contrib_ER[e], state.cost_E[e] = best_change[1][e]
+
+
+def _changes_around(h: int, ranks_of: list[list[int]], load_R: np.ndarray):
+    """Candidate changes for the busiest rank h, as {expert: its new copy ranks}."""
+    on_h = [e for e, ranks in enumerate(ranks_of) if h in ranks]
+    lighter = [r for r in np.argsort(load_R, kind="stable") if load_R[r] < load_R[h]]
+    for r in lighter:
+        on_r = [e for e, ranks in enumerate(ranks_of) if r in ranks]
+        for a in on_h:
+            if r in ranks_of[a]:
+                continue
+            for b in on_r:  # swap a (on h) and b (on r)
+                if h not in ranks_of[b]:
+                    yield {
+                        a: [r if x == h else x for x in ranks_of[a]],
+                        b: [h if x == r else x for x in ranks_of[b]],
+                    }
+            for b in on_r:  # b's copy on r becomes a copy of a
+                if len(ranks_of[b]) > 1:
+                    yield {a: [*ranks_of[a], int(r)], b: [x for x in ranks_of[b] if x != r]}

@@ -10,6 +10,7 @@ both ranks; physical_of_logical_EJ = [[0, 3], [2, -1], [1, -1]], copies_E = [2, 
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 import torch
@@ -74,6 +75,12 @@ class Placement:
         """int64 [L]: the logical expert held by each of `rank`'s local slots (recv_topk_idx indexes it)."""
         L = self.slots_per_rank
         return self.logical_of_physical_U[rank * L : (rank + 1) * L]
+
+    def digest(self) -> str:
+        """A short fingerprint of the whole placement (what ranks compare in `Buffer.set_placement`)."""
+        text = f"{self.num_ranks}/{self.num_logical}/{self.logical_of_physical_U.tolist()}"
+        sha1 = hashlib.sha1(text.encode()).hexdigest()[:12]
+        return f"{self.num_physical} slots on {self.num_ranks} ranks, sha1 {sha1}"
 
     def as_dict(self) -> dict:
         """Plain data, for the agreement check of `Buffer.set_placement` and for JSON."""
