@@ -50,6 +50,17 @@ def _systems(text: str) -> tuple[str, ...]:
     return names
 
 
+def _placements(text: str) -> tuple[str, ...]:
+    from ubep.bench.placed import PLACEMENTS
+
+    names = tuple(v for v in text.split(",") if v)
+    if unknown := [n for n in names if n not in PLACEMENTS]:
+        raise argparse.ArgumentTypeError(
+            f"unknown placement(s) {unknown}; choose from {', '.join(PLACEMENTS)}"
+        )
+    return names
+
+
 def add_bench(subparsers) -> None:
     d = BenchConfig()
     p = subparsers.add_parser(
@@ -105,6 +116,13 @@ def add_bench(subparsers) -> None:
         default=d.schedule,
         help="the scheduler's policy with several workers (ubep, balanced, bsp, ...)",
     )
+    p.add_argument(
+        "--placement",
+        type=_placements,
+        default=d.placements,
+        help="comma list of none, eplb, ubep: rows with experts placed (load-only / by load and distance)",
+    )
+    p.add_argument("--redundant", type=_at_least(0), help="redundant expert slots of --placement rows (E/8)")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--timeout", type=float, default=d.timeout_s, help="per-wait deadline in seconds")
     p.add_argument("--json", metavar="PATH", help="write results as JSON")
@@ -165,6 +183,8 @@ def run_bench(args: argparse.Namespace) -> int:
         stats_path=stats_path,
         slow_rank=args.slow_rank,
         delay_us=args.delay_us,
+        placements=args.placement,
+        redundant=args.redundant,
     )
     if args.profile:
         from ubep.bench.profile import run_profile
@@ -211,6 +231,11 @@ def run_bench(args: argparse.Namespace) -> int:
             print(notes[-1])
         return 130
     report.print_table(rows, title, notes)
+    if any(p != "none" for p in cfg.placements):
+        from ubep.bench.placed import print_stats
+        from ubep.bench.workload import build
+
+        print_stats(cfg, {t: build(cfg, t) for t in cfg.tokens}, rows)
     if args.plot:
         report.plot(args.plot, rows, title)
     if stats_path:

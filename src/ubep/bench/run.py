@@ -15,7 +15,7 @@ from dataclasses import replace
 
 from rich.progress import Progress
 
-from ubep.bench import mpi_system, report
+from ubep.bench import mpi_system, placed, report
 from ubep.bench.timing import latencies_us
 from ubep.bench.torch_systems import measure_rank
 from ubep.bench.turns import Conductor, Samples, round_order
@@ -82,6 +82,10 @@ def plan(cfg: BenchConfig) -> tuple[tuple[str, ...], list[str]]:
     """The systems to run and the notes for the report; compiles (or loads) the kernels once,
     here, before any rank starts."""
     systems, notes = select_systems(cfg, mpi_system.available() if "mpi" in cfg.systems else (True, ""))
+    if placed.systems(cfg) and cfg.mode == "normal" and "ubep" in systems:
+        systems += placed.systems(cfg)
+    elif placed.systems(cfg):
+        notes.append("--placement rows need normal mode and the ubep row: none run")
     engine, why = ready_engine("auto")  # compiles (or loads) every kernel once, before any rank starts
     return systems, [f"engine: {engine.name} ({why})", *notes]
 
@@ -181,6 +185,11 @@ def measure(
     timings = take_rounds(cfg, tokens, systems, advance)
     nbytes = build(cfg, tokens).bytes_per_rank(cfg.mode)
     crossing = boundary_per_rank(cfg, tokens)
+    if cfg.nodes > 1 and placed.systems(cfg):
+        per_rank = {
+            s: x.cross_node_bytes / cfg.ranks for s, x in placed.stats(cfg, build(cfg, tokens)).items()
+        }
+        crossing |= {s: b for s, b in per_rank.items() if s != "ubep"}
     rows = []
     for system in systems:
         d, c = (latencies_us(*timings[system][op])[cfg.warmup :] for op in ("dispatch", "combine"))

@@ -19,9 +19,10 @@ import torch.distributed as dist
 
 import ubep
 from ubep import reference
+from ubep.bench import placed
 from ubep.bench.timing import LEAD_S
 from ubep.bench.turns import Calls, Samples, Turns, take_turns
-from ubep.bench.workload import BenchConfig, Workload, build, expected_combine
+from ubep.bench.workload import PLACED_SYSTEMS, BenchConfig, Workload, build, expected_combine
 
 BUFFER_SYSTEMS = {
     "ubep": ("ubep", "shm"),
@@ -72,6 +73,8 @@ def open_buffer(
     name: str, cfg: BenchConfig, work: Workload, tokens: int, stack: ExitStack, opened: dict
 ) -> Calls:
     """A normal-mode Buffer for `name`, checked once against the reference (kept in `opened`)."""
+    if name in PLACED_SYSTEMS:
+        return placed.open_placed(name, cfg, work, tokens, stack)
     me = dist.get_rank()
     protocol, transport = BUFFER_SYSTEMS[name]
     if cfg.nodes > 1 and name.startswith("ubep"):

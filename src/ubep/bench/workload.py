@@ -13,7 +13,8 @@ import torch
 from ubep import reference, routing
 
 SYSTEMS = ("ubep", "bsp-shm", "bsp-gloo", "mpi", "memcpy-floor")
-ROWS = (*SYSTEMS, "ubep-stats")  # every row a run can have: "ubep-stats" comes with --stats
+PLACED_SYSTEMS = ("ubep+eplb", "ubep+placed")  # ubep with experts placed (`--placement`, bench.placed)
+ROWS = (*SYSTEMS, "ubep-stats", *PLACED_SYSTEMS)  # every row a run can have: "ubep-stats" comes with --stats
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
@@ -41,6 +42,8 @@ class BenchConfig:
     stats_path: str = ""  # set: add the row "ubep-stats" (ubep recording stats), its merged snapshot here
     slow_rank: int = -1  # >= 0: this rank sleeps delay_us before each call of every Buffer row
     delay_us: float = 0.0
+    placements: tuple[str, ...] = ()  # expert placements to run beside the plain ubep row (bench.placed)
+    redundant: int | None = None  # redundant expert slots of those rows (None: E / 8, see bench.placed)
 
     def as_dict(self) -> dict:
         return asdict(self)
