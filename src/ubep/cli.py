@@ -120,7 +120,8 @@ def add_bench(subparsers) -> None:
         "--placement",
         type=_placements,
         default=d.placements,
-        help="comma list of none, eplb, ubep: rows with experts placed (load-only / by load and distance)",
+        help="comma list of none, eplb, eplb-global, ubep: rows with experts placed (load-only EPLB, "
+        "hierarchical or global / ubep's, by load and distance)",
     )
     p.add_argument("--redundant", type=_at_least(0), help="redundant expert slots of --placement rows (E/8)")
     p.add_argument("--seed", type=int, default=d.seed)

@@ -4,6 +4,8 @@
   ubep+eplb     the load-only balancer (`placement.eplb`, DeepSeek's hierarchical EPLB): the caller
                 maps each pair to a copy regardless of where the token is, as vLLM does, and passes
                 physical ids to a Buffer of U = E + redundant experts
+  ubep+eplb-global  the same with EPLB's global policy (one group, one node): better balanced where
+                the groups do not balance over the nodes, blind to nodes
   ubep+placed   ubep's placement (`placement.balance`) set on the Buffer (`set_placement`): the
                 Buffer maps each pair to its nearest copy before dispatching
 
@@ -26,8 +28,8 @@ from ubep.bench.turns import Calls
 from ubep.bench.workload import PLACED_SYSTEMS, BenchConfig, Workload
 from ubep.placement import CopyMap, Distances, Placement, PlacementStats, balance, eplb, measure
 
-PLACEMENTS = ("none", "eplb", "ubep")
-SYSTEM_OF = {"none": "ubep", "eplb": PLACED_SYSTEMS[0], "ubep": PLACED_SYSTEMS[1]}
+PLACEMENTS = ("none", "eplb", "eplb-global", "ubep")
+SYSTEM_OF = {"none": "ubep", **{p: f"ubep+{p}" for p in ("eplb", "eplb-global")}, "ubep": PLACED_SYSTEMS[2]}
 EPLB_GROUPS = 8  # DeepSeek-V3's expert groups (256 experts in 8), the unit EPLB packs onto nodes
 REDUNDANT_SHARE = 8  # default redundant slots: E / 8 (DeepSeek-V3's 32 for 256), rounded up to R
 
@@ -56,11 +58,13 @@ def placement_for(system: str, cfg: BenchConfig, work: Workload) -> Placement:
     L = (E + redundant(cfg)) // R
     if system == "ubep+eplb":
         return eplb(load_RE, R, L, num_nodes=cfg.nodes, num_groups=EPLB_GROUPS)
+    if system == "ubep+eplb-global":
+        return eplb(load_RE, R, L)
     return balance(load_RE, distances(cfg), L)
 
 
 def copy_map(system: str, p: Placement, rank: int, cfg: BenchConfig) -> CopyMap:
-    if system == "ubep+eplb":
+    if system != "ubep+placed":
         return CopyMap.load_only(p, rank)
     return CopyMap.nearest(p, rank, distances(cfg))
 
@@ -71,7 +75,7 @@ def stats(cfg: BenchConfig, work: Workload) -> dict[str, PlacementStats]:
     for system in ("ubep", *systems(cfg)):
         p = placement_for(system, cfg, work)
         out[system] = measure(
-            p, work.topk_idx, distances(cfg), cfg.hidden, work.xs[0].dtype, nearest=system != "ubep+eplb"
+            p, work.topk_idx, distances(cfg), cfg.hidden, work.xs[0].dtype, nearest=system == "ubep+placed"
         )
     return out
 

@@ -13,7 +13,7 @@ import torch
 from ubep import reference, routing
 
 SYSTEMS = ("ubep", "bsp-shm", "bsp-gloo", "mpi", "memcpy-floor")
-PLACED_SYSTEMS = ("ubep+eplb", "ubep+placed")  # ubep with experts placed (`--placement`, bench.placed)
+PLACED_SYSTEMS = ("ubep+eplb", "ubep+eplb-global", "ubep+placed")  # experts placed: bench.placed
 ROWS = (*SYSTEMS, "ubep-stats", *PLACED_SYSTEMS)  # every row a run can have: "ubep-stats" comes with --stats
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 

@@ -13,7 +13,7 @@ from dataclasses import asdict, replace
 
 from ubep import routing, schedule, topology
 from ubep.costmodel import CostParams
-from ubep.sim import ablation, sync
+from ubep.sim import ablation, placed, sync
 from ubep.sim.protocols import Workload
 from ubep.sim.run import MODELS, PROTOCOLS, SimConfig, SimResult, simulate, workload
 
@@ -49,6 +49,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--topk", type=int)
     p.add_argument("--dispatch-dtype", choices=("bf16", "fp8"), default="bf16")
     p.add_argument("--routing", choices=[r for r in routing.ROUTINGS if r != "hot"], default="uniform")
+    p.add_argument("--skew", type=float, default=1.0, help="zipf's exponent (default %(default)s)")
     p.add_argument("--hot-experts", type=int, default=0, help="N hot experts (overrides --routing)")
     p.add_argument(
         "--hot-share",
@@ -62,6 +63,12 @@ def add_parser(subparsers) -> None:
         choices=("scheduling", "sync", "headline"),
         help="instead: the paper's ablation (or headline reductions) beside ours; --plot saves the bars",
     )
+    p.add_argument(
+        "--placement",
+        type=_names(placed.PLACEMENTS),
+        help="instead: these expert placements (none, eplb, ubep) side by side, on the first --protocol",
+    )
+    p.add_argument("--redundant", type=int, help="redundant expert slots with --placement (default E/8)")
     p.add_argument("--json", help="write results as JSON to this path")
     p.add_argument("--plot", help="write a dispatch-latency plot (PNG) to this path")
     p.set_defaults(func=run)
@@ -77,6 +84,7 @@ def _configs(args) -> list[SimConfig]:
         topk=args.topk or topk,
         dispatch_dtype=args.dispatch_dtype,
         routing=args.routing,
+        skew=args.skew,
         hot_experts=args.hot_experts,
         hot_share=0.6 if args.hot_share is None else args.hot_share,
         workers=args.workers,
@@ -211,6 +219,8 @@ def run(args) -> int:
     runs = _checked(args)
     if args.ablation:
         return run_ablation(args)
+    if args.placement:
+        return run_placements(args, runs)
     configs = [cfg for cfg, _ in runs]
     results = [r for cfg, wl in runs for r in _runs(cfg, wl, args.protocol, args.policy, args.sync)]
     console = Console()
@@ -228,6 +238,28 @@ def run(args) -> int:
             json.dump({"config": config, "results": [r.as_dict() for r in results]}, f, indent=1)
     if args.plot:
         _plot(results, args.plot)
+    return 0
+
+
+def run_placements(args, runs: list[tuple[SimConfig, Workload]]) -> int:
+    """`--placement`: each configuration's placements side by side (table; --json the rows)."""
+    from rich.console import Console
+
+    console, rows = Console(), []
+    for cfg, wl in runs:
+        got = placed.simulate_placements(cfg, wl, args.placement, args.protocol[0], args.redundant)
+        console.print(placed.table(cfg, got, placed.redundant_slots(cfg.experts, cfg.ranks, args.redundant)))
+        for name, stats, result in got:
+            rows.append(
+                {"placement": name, **stats._asdict(), "imbalance": stats.imbalance, **result.as_dict()}
+            )
+    console.print(
+        "[dim]load: (token, expert) pairs per rank; MB across nodes: dispatch + combine per rank, one row "
+        "per (token, remote node); flat: per (token, remote rank); placed on the batch's own loads[/dim]"
+    )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"placement": rows}, f, indent=1)
     return 0
 
 

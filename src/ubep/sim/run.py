@@ -45,6 +45,7 @@ class SimConfig:
     topk: int = 8
     dispatch_dtype: str = "bf16"  # or "fp8" (per-128-channel float32 scales)
     routing: str = "uniform"  # routing.ROUTINGS, or "hot" with hot_experts / hot_share
+    skew: float = 1.0  # zipf's exponent
     hot_experts: int = 0
     hot_share: float = 0.6
     workers: int | None = None  # None: DEFAULT_WORKERS for the topology, else 32
@@ -109,7 +110,7 @@ def route_all(cfg: SimConfig) -> torch.Tensor:
         return routing.hot(X, E, K, num_hot=cfg.hot_experts, hot_share=cfg.hot_share, gen=gen)
     if cfg.routing not in ("uniform", "zipf", "deepseek-groups"):
         raise ValueError(f"routing must be uniform, zipf or deepseek-groups, got {cfg.routing!r}")
-    return routing.make(cfg.routing, X, E, K, gen)
+    return routing.make(cfg.routing, X, E, K, gen, skew=cfg.skew)
 
 
 def simulate(cfg: SimConfig, protocol: str, wl: protocols.Workload | None = None) -> SimResult:
