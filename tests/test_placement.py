@@ -267,3 +267,38 @@ def test_set_placement_refuses_a_placement_of_another_size():
             buf.dispatch(torch.ones(1, 8), topk_idx=torch.tensor([[3, 0]]), topk_weights=torch.ones(1, 2))
         buf.set_placement(None)
         assert buf.dispatch(torch.ones(1, 8), topk_idx=torch.tensor([[5, 0]]), topk_weights=torch.ones(1, 2))
+
+
+# -- where a user looks: ubep simulate / ubep bench --placement ----------------------------------------
+
+
+def test_simulate_placements_side_by_side(tmp_path):
+    import json
+
+    from ubep.cli import main
+
+    path = tmp_path / "placed.json"
+    args = ["simulate", "--topology", "cm384", "--ranks", "16", "--tokens", "16", "--routing", "zipf",
+            "--skew", "1.2", "--placement", "none,eplb,ubep", "--protocol", "ubep", "--workers", "4",
+            "--json", str(path)]  # fmt: skip
+    assert main(args) == 0
+    rows = {r["placement"]: r for r in json.loads(path.read_text())["placement"]}
+    assert set(rows) == {"none", "eplb", "ubep"}
+    assert rows["ubep"]["imbalance"] <= 1.15 < rows["none"]["imbalance"]
+    assert rows["ubep"]["cross_node_pairs"] < rows["eplb"]["cross_node_pairs"]
+    assert all(r["dispatch_us"] > 0 and r["ranks"] == 16 for r in rows.values())
+
+
+def test_bench_placement_rows_are_checked_and_timed(tmp_path):
+    import json
+
+    from ubep.cli import main
+
+    out = tmp_path / "placed.json"
+    args = ["bench", "--ranks", "4", "--nodes", "2", "--tokens", "16", "--hidden", "64", "--experts", "16",
+            "--topk", "4", "--iters", "2", "--warmup", "1", "--routing", "zipf", "--skew", "1.2",
+            "--placement", "none,eplb,ubep", "--systems", "ubep", "--json", str(out)]  # fmt: skip
+    assert main(args) == 0
+    rows = {r["system"]: r for r in json.loads(out.read_text())["results"]}
+    assert set(rows) == {"ubep", "ubep+eplb", "ubep+placed"}  # each verified against the reference first
+    assert all(r["boundary_bytes"] > 0 and r["vs_ubep"] > 0 for r in rows.values())
