@@ -26,6 +26,7 @@ PUBLIC_MODULES = (
     "ubep.layout",  # the shape legend, ExpertPlacement
     "ubep.topology",  # fabrics for the simulator and `ubep plan`
     "ubep.schedule",  # the token scheduler's policies
+    "ubep.placement",  # expert placement by load and distance, EPLB baseline, the nearest-copy map
 )
 DEFAULT_OUT = Path(__file__).resolve().parent.parent / "build" / "api"
 
