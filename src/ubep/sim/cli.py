@@ -244,11 +244,14 @@ def run(args) -> int:
 def run_placements(args, runs: list[tuple[SimConfig, Workload]]) -> int:
     """`--placement`: each configuration's placements side by side (table; --json the rows)."""
     from rich.console import Console
+    from rich.measure import Measurement
 
     console, rows = Console(), []
     for cfg, wl in runs:
         got = placed.simulate_placements(cfg, wl, args.placement, args.protocol[0], args.redundant)
-        console.print(placed.table(cfg, got, placed.redundant_slots(cfg.experts, cfg.ranks, args.redundant)))
+        table = placed.table(cfg, got, placed.redundant_slots(cfg.experts, cfg.ranks, args.redundant))
+        full = Measurement.get(console, console.options.update_width(1_000_000), table).maximum
+        Console(width=max(full, console.width if console.is_terminal else 0)).print(table)
         for name, stats, result in got:
             rows.append(
                 {"placement": name, **stats._asdict(), "imbalance": stats.imbalance, **result.as_dict()}
