@@ -26,10 +26,16 @@ from ubep.placement.table import Placement
 
 
 def _compiled():
-    """The numba kernel, or None where numba is not installed."""
+    """The numba kernel, or None where numba is not installed or the kernel fails its docstring's
+    example (a compile error, a corrupt cached copy): the torch ops then give the same ids."""
     try:
         from ubep.engine import numba_kernels
-    except ImportError:
+
+        out = np.empty((3, 1), dtype=np.int64)
+        args = (np.zeros((3, 1), dtype=np.int64), np.array([[4, 9]]), np.array([2]), 1, np.empty(1, np.int64))
+        if numba_kernels.to_physical(*args, out) != numba_kernels.OK or out.ravel().tolist() != [9, 4, 9]:
+            return None
+    except Exception:  # ImportError without numba; numba's own errors otherwise
         return None
     return numba_kernels.to_physical
 
