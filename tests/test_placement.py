@@ -116,6 +116,7 @@ def test_placement_tables():
     p = Placement.from_list([0, 2, 1, 0], num_ranks=2, num_logical=3)
     assert p.physical_of_logical_EJ().tolist() == [[0, 3], [2, -1], [1, -1]]
     assert p.copies_E.tolist() == [2, 1, 1] and p.local_logical(1).tolist() == [1, 0]
+    assert p.logical_load(torch.tensor([[1, 2, 3, 4], [0, 0, 0, 5]])).tolist() == [[5, 3, 2], [5, 0, 0]]
     with pytest.raises(ValueError, match="no copy"):
         Placement.from_list([0, 0, 1, 1], num_ranks=2, num_logical=3)
     with pytest.raises(ValueError, match="split"):

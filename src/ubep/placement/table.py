@@ -76,6 +76,13 @@ class Placement:
         L = self.slots_per_rank
         return self.logical_of_physical_U[rank * L : (rank + 1) * L]
 
+    def logical_load(self, load_XU: torch.Tensor) -> torch.Tensor:
+        """[..., E]: a load per physical slot ([..., U], such as `Buffer.stats().expert_load_E` under
+        this placement) summed per logical expert."""
+        load_XU = torch.as_tensor(load_XU)
+        out_XE = torch.zeros(*load_XU.shape[:-1], self.num_logical, dtype=load_XU.dtype)
+        return out_XE.index_add_(-1, self.logical_of_physical_U, load_XU)
+
     def digest(self) -> str:
         """A short fingerprint of the whole placement (what ranks compare in `Buffer.set_placement`)."""
         text = f"{self.num_ranks}/{self.num_logical}/{self.logical_of_physical_U.tolist()}"
