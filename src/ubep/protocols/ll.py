@@ -115,6 +115,10 @@ class LLExchange:
             from ubep.protocols.ll_compiled import LLCompiled  # imports numba: only on its engine
 
             self._compiled = LLCompiled(transport, self.blocks, sizing, self._consumed)
+        elif engine.name == "triton" and hasattr(transport, "address_table"):
+            from ubep.protocols.ll_device import LLDevice  # imports triton: only on its engine
+
+            self._compiled = LLDevice(transport, self.blocks, sizing, self._consumed, engine)
 
     # -- buffer reuse -----------------------------------------------------------------------------
 

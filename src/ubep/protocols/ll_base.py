@@ -217,6 +217,7 @@ class LLCombinePlan:
 
     send_counts_R: torch.Tensor  # int64 [R]: rows sent back to each home
     handle_seq: int = 0  # the call number of the dispatch whose handle this combine uses
+    handle: LowLatencyHandle | None = None  # that handle (device halves read its layout themselves)
 
     def to(self, home: int) -> slice:
         """The rows bound for rank `home`, as a slice of the row arrays."""
@@ -256,6 +257,7 @@ def combine_plan(
         send_counts_R=torch.bincount(home_Q, minlength=handle.num_ranks),
         num_local_experts=handle.num_local_experts,
         handle_seq=handle.seq,
+        handle=handle,
     )
 
 
