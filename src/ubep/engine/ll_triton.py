@@ -356,7 +356,8 @@ def ll_combine_send_kernel(
                 ii = i0 + tl.arange(0, IB)
                 m = ii < n
                 row = j * M + begin + ii
-                slot = tl.load(src_token + row, mask=m, other=0) * Kmax + tl.load(src_k + row, mask=m, other=0)
+                token = tl.load(src_token + row, mask=m, other=0)
+                slot = token * Kmax + tl.load(src_k + row, mask=m, other=0)
                 c0 = 0
                 while c0 < W:
                     cols = c0 + tl.arange(0, WB)

@@ -119,7 +119,8 @@ class LLDevice:
                 raise ll_status.error(self.t, self.blocks, call, phase, int(words[0]), words, mine)
             if words[k.WAITING_WORD]:
                 peer = int(words[k.WAITING_WORD]) - 1
-                raise CommTimeoutError(phase, [peer], 0.0, [], f"a device wait ran out of {self.max_spins} polls")
+                detail = f"a device wait ran out of {self.max_spins} polls"
+                raise CommTimeoutError(phase, [peer], 0.0, [], detail)
 
     def _wake(self) -> None:
         """Peers between launches sleep on their doorbells (capturable=False): ring them."""
@@ -172,7 +173,8 @@ class LLDevice:
         )  # fmt: skip
         consts = dict(WORD=_TL[dtype], LB=_pow2(L, 2), IB=16, WB=128)
         try:
-            self._half(call, "low-latency dispatch (tokens)", k.ll_dispatch_recv_kernel, (L,), args, consts, T)
+            phase = "low-latency dispatch (tokens)"
+            self._half(call, phase, k.ll_dispatch_recv_kernel, (L,), args, consts, T)
         except BaseException:
             h.recv_count_L.fill_(-1)  # not received
             self.release(call, DISPATCH)
