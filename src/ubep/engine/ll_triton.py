@@ -85,10 +85,10 @@ def _done_word(table, rank, kind, half, word):
 def _fail(status, code, peer, a, b, c):
     """Claim the status word with an error (the first program to fail wins) and write its details."""
     if tl.atomic_cas(status, 0, code, sem="relaxed", scope="gpu") == 0:
-        tl.store(status + 1, peer.to(tl.int64))
-        tl.store(status + 2, a.to(tl.int64))
-        tl.store(status + 3, b.to(tl.int64))
-        tl.store(status + 4, c.to(tl.int64))
+        tl.store(status + 1, peer)  # stored as int64, the pointer's type
+        tl.store(status + 2, a)
+        tl.store(status + 3, b)
+        tl.store(status + 4, c)
 
 
 @triton.jit

@@ -31,7 +31,7 @@ from ubep.calls import CallId
 from ubep.engine import ll_triton as k
 from ubep.errors import CommTimeoutError
 from ubep.protocols import ll_status
-from ubep.protocols.base import CODE_RANGE, DTYPE_CODES, Sizing
+from ubep.protocols.base import CODE_DTYPES, CODE_RANGE, DTYPE_CODES, Sizing
 from ubep.protocols.ll_base import LLCombinePlan, LLDispatchOut, LLDispatchPlan
 
 DISPATCH, COMBINE = 0, 1
@@ -184,23 +184,33 @@ class LLDevice:
     # -- combine ----------------------------------------------------------------------------------
 
     def combine_send(self, call: CallId, plan: LLCombinePlan, out_NH: torch.Tensor) -> Callable[[], None]:
-        """Send half: every received row's expert output back to its home; returns the receive half."""
-        s, h = self.sizing, plan.handle
-        L, M, B = plan.x_LMB.shape
+        x_LMH = plan.x_LMB.view(CODE_DTYPES[plan.code])
+        return self.combine_rows(call, x_LMH, plan.topk_weights_NK, plan.handle, out_NH)
+
+    def combine_rows(
+        self, call: CallId, x_LMH: torch.Tensor, weights_NK: torch.Tensor, handle, out_NH: torch.Tensor
+    ) -> Callable[[], None]:
+        """Send half: every row the dispatch of `handle` delivered, x_LMH [L, M, H] (bf16 or fp32), back
+        to its home; returns the receive half, which sums them into out_NH with weights_NK."""
+        s, h, code = self.sizing, handle, DTYPE_CODES[x_LMH.dtype]
+        x_LMB = x_LMH.contiguous().view(torch.uint8)
+        L, M, B = x_LMB.shape
         dtype, size = self._word(B)
         args = (
-            self.table, self._live(), self.me, call.epoch, call.epoch & 1, plan.x_LMB.view(dtype), L, M,
+            self.table, self._live(), self.me, call.epoch, call.epoch & 1, x_LMB.view(dtype), L, M,
             B // size, h.layout_range_LR2, h.recv_src_token_LM, h.recv_src_k_LM, self.R, s.max_topk,
-            s.row_bytes // size, plan.code, self._zeros(self.R), self._zeros(8), self.max_spins,
+            s.row_bytes // size, code, self._zeros(self.R), self._zeros(8), self.max_spins,
         )  # fmt: skip
         consts = dict(WORD=_TL[dtype], IB=16, WB=128)
         self._half(call, "low-latency combine (buffer reuse)", k.ll_combine_send_kernel, (self.R,), args,
-                   consts, plan.code)  # fmt: skip
+                   consts, code)  # fmt: skip
         self._wake()
-        return lambda: self._reduce(call, plan, out_NH)
+        return lambda: self._reduce(call, code, h.topk_idx_NK, weights_NK, out_NH)
 
-    def _reduce(self, call: CallId, plan: LLCombinePlan, out_NH: torch.Tensor) -> None:
-        s, topk = self.sizing, plan.handle.topk_idx_NK
+    def _reduce(
+        self, call: CallId, code: int, topk: torch.Tensor, weights_NK: torch.Tensor, out_NH: torch.Tensor
+    ) -> None:
+        s = self.sizing
         N, K = topk.shape
         valid = (topk >= 0).to(torch.int64)
         owner_NK = self.owner_E[topk.clamp(min=0)]
@@ -208,14 +218,13 @@ class LLDevice:
         out = out_NH.view(torch.int16) if out_NH.dtype == torch.bfloat16 else out_NH
         args = (
             self.table, self.me, call.epoch, call.epoch & 1, topk, K, self.owner_E, expected_R,
-            plan.topk_weights_NK, plan.code, *CODE_RANGE, s.capacity * s.max_topk, s.max_topk, s.row_bytes,
+            weights_NK, code, *CODE_RANGE, s.capacity * s.max_topk, s.max_topk, s.row_bytes,
             out, s.hidden, self._zeros(max(N, 1)), self._zeros(1), N, self._zeros(8), self.max_spins,
         )  # fmt: skip
-        consts = dict(Y_BF16=plan.code == DTYPE_CODES[torch.bfloat16], HB=_pow2(s.hidden, 16, 256))
+        consts = dict(Y_BF16=code == DTYPE_CODES[torch.bfloat16], HB=_pow2(s.hidden, 16, 256))
         try:
             if N:
-                self._half(call, "low-latency combine", k.ll_combine_recv_kernel, (N,), args, consts,
-                           plan.code)  # fmt: skip
+                self._half(call, "low-latency combine", k.ll_combine_recv_kernel, (N,), args, consts, code)
             else:
                 self.release(call, COMBINE)  # no token, no wait: the half is free at once
         except BaseException:
