@@ -48,8 +48,15 @@ REJECTED: tl.constexpr = tl.constexpr(6)
 S_COUNTS: tl.constexpr = tl.constexpr(4)  # sent record: stamp, dtype, T, width, counts[L]
 NEVER: tl.constexpr = tl.constexpr(-1)  # no polled word ever holds it: a CAS against it only reads
 
-DONE, WAITING_WORD = 0, 5  # status[0] DONE; status[5] 1 + the peer still awaited
-E_FIELD, E_REJECTED, E_T, E_FORMAT, E_COUNTS, E_TOKENS, E_RETURNED, E_MINE = 2, 3, 4, 5, 6, 7, 8, 9
+WAITING_WORD: tl.constexpr = tl.constexpr(5)  # status[5]: 1 + the peer still awaited (status[0] 0: DONE)
+E_FIELD: tl.constexpr = tl.constexpr(2)  # the codes of `ubep.protocols.ll_status`
+E_REJECTED: tl.constexpr = tl.constexpr(3)
+E_T: tl.constexpr = tl.constexpr(4)
+E_FORMAT: tl.constexpr = tl.constexpr(5)
+E_COUNTS: tl.constexpr = tl.constexpr(6)
+E_TOKENS: tl.constexpr = tl.constexpr(7)
+E_RETURNED: tl.constexpr = tl.constexpr(8)
+E_MINE: tl.constexpr = tl.constexpr(9)
 
 
 @triton.jit
@@ -66,7 +73,8 @@ def _words(address):
 @triton.jit
 def _acquire(address):
     """The int64 at `address`, read with a system-scope acquire (a compare-and-swap that never matches)."""
-    return tl.atomic_cas(_words(address), NEVER, NEVER, sem="acquire", scope="sys")
+    never = tl.full((), NEVER, tl.int64)
+    return tl.atomic_cas(_words(address), never, never, sem="acquire", scope="sys")
 
 
 @triton.jit
@@ -84,7 +92,8 @@ def _done_word(table, rank, kind, half, word):
 @triton.jit
 def _fail(status, code, peer, a, b, c):
     """Claim the status word with an error (the first program to fail wins) and write its details."""
-    if tl.atomic_cas(status, 0, code, sem="relaxed", scope="gpu") == 0:
+    unclaimed = tl.full((), 0, tl.int64)
+    if tl.atomic_cas(status, unclaimed, unclaimed + code, sem="relaxed", scope="gpu") == 0:
         tl.store(status + 1, peer)  # stored as int64, the pointer's type
         tl.store(status + 2, a)
         tl.store(status + 3, b)
@@ -170,8 +179,8 @@ def ll_dispatch_send_kernel(
         go = _wait_reusable(table, status, me, d, 0, half, epoch, max_spins) == 1
     if go:
         expert = tl.load(experts + d * L + j)
-        slots = _address(table, d, SLOTS, half) + ((me * L + j) * Tcap) * row_bytes
-        info = _words(_address(table, d, SLOT_INFO, half)) + (me * L + j) * Tcap
+        slots = _address(table, d, SLOTS, half) + (me * L + j).to(tl.int64) * Tcap * row_bytes
+        info = _words(_address(table, d, SLOT_INFO, half)) + (me * L + j).to(tl.int64) * Tcap
         ks = tl.arange(0, KB)
         count = tl.full((), 0, tl.int64)
         t0 = 0
@@ -279,8 +288,8 @@ def ll_dispatch_recv_kernel(
                 go = tl.full((), 0, tl.int32)
             else:
                 n = tl.load(_words(stamp) + S_COUNTS + j)
-                info = _words(_address(table, me, SLOT_INFO, half)) + (src * L + j) * Tcap
-                slots = (_address(table, me, SLOTS, half) + ((src * L + j) * Tcap) * row_bytes).to(
+                info = _words(_address(table, me, SLOT_INFO, half)) + (src * L + j).to(tl.int64) * Tcap
+                slots = (_address(table, me, SLOTS, half) + (src * L + j).to(tl.int64) * Tcap * row_bytes).to(
                     tl.pointer_type(WORD)
                 )
                 i0 = 0
@@ -295,18 +304,19 @@ def ll_dispatch_recv_kernel(
                     else:
                         pos = begin + ii
                         row = j * M + pos
+                        held = slots + ii[:, None].to(tl.int64) * slot_words  # this source's rows
                         c0 = 0
                         while c0 < W0:
                             cols = c0 + tl.arange(0, WB)
                             both = m[:, None] & (cols[None, :] < W0)
-                            words = tl.load(slots + ii[:, None] * slot_words + cols[None, :], mask=both)
+                            words = tl.load(held + cols[None, :], mask=both)
                             tl.store(plane0 + row[:, None] * W0 + cols[None, :], words, mask=both)
                             c0 += WB
                         c1 = 0
                         while c1 < W1:
                             cols = c1 + tl.arange(0, WB)
                             both = m[:, None] & (cols[None, :] < W1)
-                            words = tl.load(slots + ii[:, None] * slot_words + W0 + cols[None, :], mask=both)
+                            words = tl.load(held + W0 + cols[None, :], mask=both)
                             tl.store(plane1 + row[:, None] * W1 + cols[None, :], words, mask=both)
                             c1 += WB
                         tl.store(src_token + row, tokens, mask=m)
@@ -428,7 +438,7 @@ def ll_combine_recv_kernel(
                 while k < K:
                     if tl.load(topk + t * K + k) >= 0:
                         w = tl.load(weights + t * K + k)
-                        slot = back + (t * Kmax + k) * row_bytes
+                        slot = back + (t * Kmax + k).to(tl.int64) * row_bytes
                         if Y_BF16:
                             y = tl.load(slot.to(tl.pointer_type(tl.bfloat16)) + cols, mask=m, other=0.0)
                         else:
@@ -436,9 +446,9 @@ def ll_combine_recv_kernel(
                         acc = acc + y.to(tl.float32) * w
                     k += 1
                 if Y_BF16:
-                    tl.store(out + t * H + cols, _bf16_bits(acc), mask=m)
+                    tl.store(out + t.to(tl.int64) * H + cols, _bf16_bits(acc), mask=m)
                 else:
-                    tl.store(out + t * H + cols, acc, mask=m)
+                    tl.store(out + t.to(tl.int64) * H + cols, acc, mask=m)
                 c0 += HB
         if waiting == 0:
             tl.store(state + t, 1)

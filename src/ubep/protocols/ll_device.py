@@ -36,6 +36,7 @@ from ubep.protocols.ll_base import LLCombinePlan, LLDispatchOut, LLDispatchPlan
 
 DISPATCH, COMBINE = 0, 1
 WORDS = {4: torch.int32, 2: torch.int16, 1: torch.uint8}  # the widest word that divides every row
+WAITING = k.WAITING_WORD.value  # the status word naming a peer a wait ran out on (1 + its rank)
 _TL = {torch.int32: tl.int32, torch.int16: tl.int16, torch.uint8: tl.uint8}
 SYNC_SPINS = 64  # polls before a half hands its wait to the host's doorbell sleep (capturable=False)
 CAPTURE_SPINS = 2**31 - 1  # a GPU poll takes about a microsecond: a wait gives up after seconds
@@ -101,12 +102,12 @@ class LLDevice:
         sleeper = None
         while True:
             self.engine.launch(kernel, grid, *args, **consts)
-            code, awaited = (int(v) for v in status[[0, k.WAITING_WORD]].tolist())
-            if code != k.DONE:
+            code, awaited = (int(v) for v in status[[0, WAITING]].tolist())
+            if code != ll_status.DONE:
                 raise ll_status.error(self.t, self.blocks, call, phase, code, status.numpy(), mine)
             if awaited == 0:
                 return
-            status[k.WAITING_WORD] = 0
+            status[WAITING] = 0
             sleeper = sleeper or self.t.sleeper(phase, call)
             sleeper.pause([awaited - 1])  # raises past the deadline, or when the peer died or aborted
 
@@ -115,10 +116,10 @@ class LLDevice:
         unchecked, self._unchecked = self._unchecked, []
         for call, phase, status, mine in unchecked:
             words = status.cpu().numpy()
-            if words[0] != k.DONE:
+            if words[0] != ll_status.DONE:
                 raise ll_status.error(self.t, self.blocks, call, phase, int(words[0]), words, mine)
-            if words[k.WAITING_WORD]:
-                peer = int(words[k.WAITING_WORD]) - 1
+            if words[WAITING]:
+                peer = int(words[WAITING]) - 1
                 detail = f"a device wait ran out of {self.max_spins} polls"
                 raise CommTimeoutError(phase, [peer], 0.0, [], detail)
 
