@@ -214,8 +214,13 @@ def without_host_reads(_: int) -> str:
         _no_host_reads(patched := [])
         try:
             with pytest.raises(HostSync):
-                ll._compiled.dispatch_rows(buf._calls.next("ll_dispatch"), xs[me].view(torch.uint8), code,
-                                           CAPACITY, dispatch_outputs(plan, HIDDEN, R, idxs[me], E))
+                ll._compiled.dispatch_rows(
+                    buf._calls.next("ll_dispatch"),
+                    xs[me].view(torch.uint8),
+                    code,
+                    CAPACITY,
+                    dispatch_outputs(plan, HIDDEN, R, idxs[me], E),
+                )
         finally:
             _restore(patched)
     return "ok"

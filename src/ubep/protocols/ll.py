@@ -120,6 +120,17 @@ class LLExchange:
 
             self._compiled = LLDevice(transport, self.blocks, sizing, self._consumed, engine)
 
+    @property
+    def halves(self) -> str:
+        """How each call half runs here, in words (for `Buffer.explain`)."""
+        if self._compiled is None:
+            return "step by step in Python"
+        if self.engine.name == "triton":
+            return "one Triton kernel launch each" + (
+                " (the interpreter, on the CPU)" if self._compiled.device.type == "cpu" else ""
+            )
+        return "one compiled function each"
+
     # -- buffer reuse -----------------------------------------------------------------------------
 
     def _reserve(self, call: CallId, kind: int, what: str) -> None:

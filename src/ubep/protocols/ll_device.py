@@ -232,4 +232,3 @@ class LLDevice:
             self.release(call, COMBINE)
             raise
         self._wake()
-
