@@ -17,7 +17,7 @@ tl = pytest.importorskip("triton.language")
 
 from test_triton_aot import ARCHS, OPTIONS, _body, _sig  # noqa: E402  (after the skip without triton)
 
-COMMON = "table:*i64 live:*u8 me:i32 epoch:i32 half:i32"
+COMMON = "table:*i64 live:*u8 me:i32 epochs:*i64"
 # (kernel, runtime argument types, constexprs): one specialization each, as `ubep.protocols.ll_device`
 # launches it (bf16 rows as int32 words; H 7168, top-8, 32 local experts).
 SPECS = [
@@ -35,7 +35,7 @@ SPECS = [
         "slot_words:i32 code:i32 progress:*i64 status:*i64 max_spins:i32"),
      {"WORD": tl.int32, "IB": 16, "WB": 128}),
     ("ll_combine_recv_kernel", _sig(
-        "table:*i64 me:i32 epoch:i32 half:i32 topk:*i64 K:i32 owner:*i64 expected:*i64 weights:*fp32 "
+        "table:*i64 me:i32 epochs:*i64 topk:*i64 K:i32 owner:*i64 expected:*i64 weights:*fp32 "
         "code:i32 dtype_lo:i32 dtype_hi:i32 count_hi:i32 Kmax:i32 row_bytes:i32 out:*i16 H:i32 state:*i64 "
         "arrivals:*i64 programs:i32 status:*i64 max_spins:i32"),
      {"Y_BF16": True, "HB": 256}),

@@ -22,6 +22,11 @@ No host reads: every count, position and check is computed in the kernel
 from device tensors; results and errors go to device words the host reads
 after the call (`ubep.protocols.ll_device`).
 
+The call's epoch is read from a device word (`epochs`, int64 [1]), not passed
+by value, so that a captured graph's replays are successive calls: the host
+sets it, or a kernel in the graph advances it. Its parity is the half of
+every double-buffered block.
+
 Status words (int64 [8]): [0] DONE or an error code (claimed by the first
 program that fails, which then writes [1:5] = peer, what it sent, ..., expected,
 as `ll_halves`), [5] 1 + a peer some program still waits for (0: none).
@@ -81,6 +86,13 @@ def _acquire(address):
 def _release(address, value):
     """Store `value` at `address` with a system-scope release: every store before it is visible first."""
     tl.atomic_xchg(_words(address), value, sem="release", scope="sys")
+
+
+@triton.jit
+def _epoch(epochs):
+    """(the call's epoch, its half: epoch % 2), read from the device word the host or a graph set."""
+    epoch = tl.load(epochs)
+    return epoch, epoch & 1
 
 
 @triton.jit
@@ -160,7 +172,7 @@ def _arrive_and_release(table, me, kind, half, epoch, arrivals, programs):
 
 @triton.jit
 def ll_dispatch_send_kernel(
-    table, live, me, epoch, half, rows, topk, N, K, experts, L, code, T, Kmax, Tcap, slot_words,
+    table, live, me, epochs, rows, topk, N, K, experts, L, code, T, Kmax, Tcap, slot_words,
     row_bytes, W, width, arrivals, progress, status, max_spins,
     WORD: tl.constexpr, NB: tl.constexpr, KB: tl.constexpr, WB: tl.constexpr,
 ):  # fmt: skip
@@ -172,6 +184,7 @@ def ll_dispatch_send_kernel(
     [R, L] the global id of each (rank, local expert); slot_words = row_bytes / word size;
     arrivals int64 [R], progress int64 [R, L] (1: sent) start zeroed for the call.
     """
+    epoch, half = _epoch(epochs)
     d = tl.program_id(0)
     j = tl.program_id(1)
     go = (tl.load(live + d) != 0) & (tl.load(progress + d * L + j) == 0)
@@ -254,7 +267,7 @@ def _check_sent(record, status, src, L, code, T, Tcap, row_bytes, width, dtype_l
 
 @triton.jit
 def ll_dispatch_recv_kernel(
-    table, live, me, epoch, half, R, L, code, T, Kmax, Tcap, slot_words, row_bytes, width,
+    table, live, me, epochs, R, L, code, T, Kmax, Tcap, slot_words, row_bytes, width,
     dtype_lo, dtype_hi, plane0, W0, plane1, W1, M, src_token, src_rank, src_k, layout_range,
     recv_count, state, arrivals, status, max_spins,
     WORD: tl.constexpr, LB: tl.constexpr, IB: tl.constexpr, WB: tl.constexpr,
@@ -267,6 +280,7 @@ def ll_dispatch_recv_kernel(
     state int64 [L, 2] (zeroed for the call): the next source and the rows placed so far, kept when
     a wait runs out so that a second launch resumes; R + 1 once the program is finished.
     """
+    epoch, half = _epoch(epochs)
     j = tl.program_id(0)
     src = tl.load(state + j * 2)
     begin = tl.load(state + j * 2 + 1)
@@ -343,13 +357,14 @@ def ll_dispatch_recv_kernel(
 
 @triton.jit
 def ll_combine_send_kernel(
-    table, live, me, epoch, half, x, L, M, W, layout_range, src_token, src_k, R, Kmax, slot_words,
+    table, live, me, epochs, x, L, M, W, layout_range, src_token, src_k, R, Kmax, slot_words,
     code, progress, status, max_spins,
     WORD: tl.constexpr, IB: tl.constexpr, WB: tl.constexpr,
 ):  # fmt: skip
     """Program h (home rank): put each row of x [L, M, W] words that came from h (the dispatch's
     layout_range [L, R, 2]) into h's back slot token * Kmax + k, then stamp this rank's record
     in h (dtype, rows sent). progress int64 [R] (1: sent) starts zeroed for the call."""
+    epoch, half = _epoch(epochs)
     h = tl.program_id(0)
     go = (tl.load(live + h) != 0) & (tl.load(progress + h) == 0)
     if go:
@@ -388,7 +403,7 @@ def ll_combine_send_kernel(
 
 @triton.jit
 def ll_combine_recv_kernel(
-    table, me, epoch, half, topk, K, owner, expected, weights, code, dtype_lo, dtype_hi, count_hi,
+    table, me, epochs, topk, K, owner, expected, weights, code, dtype_lo, dtype_hi, count_hi,
     Kmax, row_bytes, out, H, state, arrivals, programs, status, max_spins,
     Y_BF16: tl.constexpr, HB: tl.constexpr,
 ):  # fmt: skip
@@ -399,6 +414,7 @@ def ll_combine_recv_kernel(
     owner int64 [E]: rank of each expert; expected int64 [R]: rows this rank expects from each
     rank; state int64 [N] (zeroed for the call): 1 once t is finished (a second launch skips it).
     """
+    epoch, half = _epoch(epochs)
     t = tl.program_id(0)
     if tl.load(state + t) == 0:
         go = tl.full((), 1, tl.int32)

@@ -12,7 +12,9 @@ nothing in a half reads device memory on the host. Two ways to run:
 - `capturable=True` (CUDA graphs): one launch per half, waits bounded by
   `max_spins`; nothing is read until `check()`, which turns the status words of
   the calls since the last check into the same exceptions (a wait that ran out
-  is a CommTimeoutError naming the peer).
+  is a CommTimeoutError naming the peer). The epochs are the device's own count
+  of calls of each kind, advanced in the stream, so each replay of a captured
+  graph is the next call (every rank must replay the same calls).
 
 `LLExchange` keeps the reuse words' Python side (`abort`, `resume`) and delegates here
 for engine="triton" on a heap with an address table.
@@ -76,6 +78,7 @@ class LLDevice:
         self.max_spins = max_spins or (CAPTURE_SPINS if capturable else SYNC_SPINS)
         self._unchecked: list[tuple[CallId, str, torch.Tensor, int]] = []  # capturable: to `check()`
         self._live_R: tuple[tuple[int, ...], torch.Tensor] | None = None
+        self._epochs = self._zeros(2, 1)  # capturable: the calls of each kind so far (the device's epochs)
 
     # -- launching --------------------------------------------------------------------------------
 
@@ -123,6 +126,16 @@ class LLDevice:
                 detail = f"a device wait ran out of {self.max_spins} polls"
                 raise CommTimeoutError(phase, [peer], 0.0, [], detail)
 
+    def _epoch(self, call: CallId, kind: int) -> torch.Tensor:
+        """int64 [1] on the device: the epoch both halves of this call read. Not capturable: the host's
+        (`call.epoch`). Capturable: the device's own count of calls of this kind, advanced in the
+        stream, so that every replay of a captured graph is a new call; a copy is taken for the
+        receive half, which may run after the next send."""
+        if not self.capturable:
+            return torch.tensor([call.epoch], dtype=torch.int64).to(self.device)
+        self._epochs[kind].add_(1)
+        return self._epochs[kind].clone()
+
     def _wake(self) -> None:
         """Peers between launches sleep on their doorbells (capturable=False): ring them."""
         if not self.capturable:
@@ -143,12 +156,12 @@ class LLDevice:
     ) -> Callable[[], None]:
         """Send half: rows_NB uint8 [N, b] (the tokens in wire form) to every expert their
         topk_idx (out.handle's) selects; returns the receive half."""
-        s, topk = self.sizing, out.handle.topk_idx_NK
+        s, topk, epochs = self.sizing, out.handle.topk_idx_NK, self._epoch(call, DISPATCH)
         N, b = rows_NB.shape
         dtype, size = self._word(b, *(hi - lo for _, lo, hi in out.planes))
         L = s.placement.num_local_experts
         args = (
-            self.table, self._live(), self.me, call.epoch, call.epoch & 1, rows_NB.view(dtype), topk, N,
+            self.table, self._live(), self.me, epochs, rows_NB.view(dtype), topk, N,
             topk.shape[1], self.experts_RL, L, code, T, s.max_topk, s.capacity, s.row_bytes // size,
             s.row_bytes, b // size, b, self._zeros(self.R), self._zeros(self.R, L), self._zeros(8),
             self.max_spins,
@@ -157,16 +170,18 @@ class LLDevice:
         self._half(call, "low-latency dispatch (buffer reuse)", k.ll_dispatch_send_kernel, (self.R, L),
                    args, consts, T)  # fmt: skip
         self._wake()
-        return lambda: self._receive_tokens(call, out, dtype, size)
+        return lambda: self._receive_tokens(call, epochs, out, dtype, size)
 
-    def _receive_tokens(self, call: CallId, out: LLDispatchOut, dtype: torch.dtype, size: int) -> None:
+    def _receive_tokens(
+        self, call: CallId, epochs: torch.Tensor, out: LLDispatchOut, dtype: torch.dtype, size: int
+    ) -> None:
         s, h = self.sizing, out.handle
         planes = [plane.view(dtype) for plane, _, _ in out.planes]
         plane1 = planes[1] if len(planes) > 1 else planes[0][:, :, :0]
         L, M, W0 = planes[0].shape
         T = h.num_max_dispatch_tokens_per_rank
         args = (
-            self.table, self._live(), self.me, call.epoch, call.epoch & 1, self.R, L, out.code, T,
+            self.table, self._live(), self.me, epochs, self.R, L, out.code, T,
             s.max_topk, s.capacity, s.row_bytes // size, s.row_bytes, out.row_width, *CODE_RANGE,
             planes[0], W0, plane1, plane1.shape[2], M, h.recv_src_token_LM, h.recv_src_rank_LM,
             h.recv_src_k_LM, h.layout_range_LR2, h.recv_count_L, self._zeros(L, 2), self._zeros(1),
@@ -193,12 +208,12 @@ class LLDevice:
     ) -> Callable[[], None]:
         """Send half: every row the dispatch of `handle` delivered, x_LMH [L, M, H] (bf16 or fp32), back
         to its home; returns the receive half, which sums them into out_NH with weights_NK."""
-        s, h, code = self.sizing, handle, DTYPE_CODES[x_LMH.dtype]
+        s, h, code, epochs = self.sizing, handle, DTYPE_CODES[x_LMH.dtype], self._epoch(call, COMBINE)
         x_LMB = x_LMH.contiguous().view(torch.uint8)
         L, M, B = x_LMB.shape
         dtype, size = self._word(B)
         args = (
-            self.table, self._live(), self.me, call.epoch, call.epoch & 1, x_LMB.view(dtype), L, M,
+            self.table, self._live(), self.me, epochs, x_LMB.view(dtype), L, M,
             B // size, h.layout_range_LR2, h.recv_src_token_LM, h.recv_src_k_LM, self.R, s.max_topk,
             s.row_bytes // size, code, self._zeros(self.R), self._zeros(8), self.max_spins,
         )  # fmt: skip
@@ -206,10 +221,16 @@ class LLDevice:
         self._half(call, "low-latency combine (buffer reuse)", k.ll_combine_send_kernel, (self.R,), args,
                    consts, code)  # fmt: skip
         self._wake()
-        return lambda: self._reduce(call, code, h.topk_idx_NK, weights_NK, out_NH)
+        return lambda: self._reduce(call, epochs, code, h.topk_idx_NK, weights_NK, out_NH)
 
     def _reduce(
-        self, call: CallId, code: int, topk: torch.Tensor, weights_NK: torch.Tensor, out_NH: torch.Tensor
+        self,
+        call: CallId,
+        epochs: torch.Tensor,
+        code: int,
+        topk: torch.Tensor,
+        weights_NK: torch.Tensor,
+        out_NH: torch.Tensor,
     ) -> None:
         s = self.sizing
         N, K = topk.shape
@@ -218,7 +239,7 @@ class LLDevice:
         expected_R = self._zeros(self.R).scatter_add_(0, owner_NK.flatten(), valid.flatten())
         out = out_NH.view(torch.int16) if out_NH.dtype == torch.bfloat16 else out_NH
         args = (
-            self.table, self.me, call.epoch, call.epoch & 1, topk, K, self.owner_E, expected_R,
+            self.table, self.me, epochs, topk, K, self.owner_E, expected_R,
             weights_NK, code, *CODE_RANGE, s.capacity * s.max_topk, s.max_topk, s.row_bytes,
             out, s.hidden, self._zeros(max(N, 1)), self._zeros(1), N, self._zeros(8), self.max_spins,
         )  # fmt: skip
