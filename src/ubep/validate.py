@@ -41,18 +41,10 @@ def tensor(
         raise TypeError(f"{name} must be {names}, got {str(value.dtype).removeprefix('torch.')}")
     if value.dim() != ndim:
         raise ValueError(f"{name} must have {ndim} dimensions, got shape {tuple(value.shape)}")
-    if not _on(value.device, device):
+    got = value.device
+    if got != device and not (got.type == device.type == "cuda" and None in (got.index, device.index)):
         raise ValueError(f"{name} is on {value.device}; this Buffer's tensors live on {device}")
     return value.detach() if value.requires_grad else value  # the caller's own object where possible
-
-
-def _on(got: torch.device, want: torch.device) -> bool:
-    """Whether `got` is `want` (a CUDA device without an index means the current one)."""
-    if got.type != want.type:
-        return False
-    if got.type != "cuda" or want.index is None or got.index is None:
-        return True
-    return got.index == want.index
 
 
 def payload(

@@ -66,8 +66,10 @@ def dispatch_plan(
     N = topk_idx_NK.shape[0]
     R, L = placement.num_ranks, placement.num_local_experts
     token_P, k_P = torch.nonzero(topk_idx_NK >= 0, as_tuple=True)
-    expert_P, dev = topk_idx_NK[token_P, k_P], topk_idx_NK.device
-    rank_of_E, local_of_E = placement.rank_of_expert_E.to(dev), placement.local_index_E.to(dev)
+    expert_P = topk_idx_NK[token_P, k_P]
+    rank_of_E, local_of_E = placement.rank_of_expert_E, placement.local_index_E
+    if topk_idx_NK.is_cuda:  # the placement's tables live on the CPU
+        rank_of_E, local_of_E = rank_of_E.to(topk_idx_NK.device), local_of_E.to(topk_idx_NK.device)
     bucket_P = rank_of_E[expert_P] * L + local_of_E[expert_P]
     order_P = torch.argsort(bucket_P * max(N, 1) + token_P, stable=True)
     counts_RL = torch.bincount(bucket_P, minlength=R * L).view(R, L)
@@ -236,7 +238,7 @@ def combine_plan(
 ) -> LLCombinePlan:
     """Which received rows go back where, and the home side's view of its own routing."""
     M = x_LMH.shape[1]
-    valid_LM = torch.arange(M, device=x_LMH.device) < handle.recv_count_L.long().unsqueeze(1)
+    valid_LM = torch.arange(M, device=handle.recv_count_L.device) < handle.recv_count_L.long().unsqueeze(1)
     local_Q, row_Q = torch.nonzero(valid_LM, as_tuple=True)  # sorted by (local expert, row)
     home_Q = handle.recv_src_rank_LM[local_Q, row_Q]
     order_Q = torch.argsort(home_Q, stable=True)
@@ -244,8 +246,9 @@ def combine_plan(
     idx_NK = handle.topk_idx_NK
     valid_NK = idx_NK >= 0
     safe_NK = idx_NK.clamp(min=0)
-    dev = idx_NK.device
-    rank_of_E, local_of_E = placement.rank_of_expert_E.to(dev), placement.local_index_E.to(dev)
+    rank_of_E, local_of_E = placement.rank_of_expert_E, placement.local_index_E
+    if idx_NK.is_cuda:  # the placement's tables live on the CPU
+        rank_of_E, local_of_E = rank_of_E.to(idx_NK.device), local_of_E.to(idx_NK.device)
     return LLCombinePlan(
         code=DTYPE_CODES[x_LMH.dtype],
         x_LMB=x_LMH.contiguous().view(torch.uint8),

@@ -79,6 +79,7 @@ class LLDevice:
         self._unchecked: list[tuple[CallId, str, torch.Tensor, int]] = []  # capturable: to `check()`
         self._live_R: tuple[tuple[int, ...], torch.Tensor] | None = None
         self._epochs = self._zeros(2, 1)  # capturable: the calls of each kind so far (the device's epochs)
+        self._live()  # built here: a call copies nothing to the device unless ranks were masked since
 
     # -- launching --------------------------------------------------------------------------------
 
