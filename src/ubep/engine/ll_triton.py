@@ -272,40 +272,49 @@ def ll_dispatch_recv_kernel(
     recv_count, state, arrivals, status, max_spins,
     WORD: tl.constexpr, LB: tl.constexpr, IB: tl.constexpr, WB: tl.constexpr,
 ):  # fmt: skip
-    """Program j (local expert): place each source's rows for j, in ascending source order, as the
-    source's record lands: plane0 [L, M, W0] and plane1 [L, M, W1] words receive each row's first
-    W0 and next W1 words (W1 = 0 unless FP8: values, then scales); src_token, src_rank, src_k
-    int64 [L, M], layout_range int64 [L, R, 2], recv_count int32 [L].
+    """Program (j, src): place source src's rows for local expert j after the rows of the live
+    sources before it (whose records it waits for too, to read their counts for j): plane0
+    [L, M, W0] and plane1 [L, M, W1] words receive each row's first W0 and next W1 words (W1 = 0
+    unless FP8: values, then scales); src_token, src_rank, src_k int64 [L, M], layout_range
+    int64 [L, R, 2], recv_count int32 [L] (by program (j, R - 1)).
 
-    state int64 [L, 2] (zeroed for the call): the next source and the rows placed so far, kept when
-    a wait runs out so that a second launch resumes; R + 1 once the program is finished.
+    state int64 [L, R] (zeroed for the call): 1 once the program finished, so that a launch after
+    a wait ran out runs only the programs still waiting. The last program to finish releases
+    the half.
     """
     epoch, half = _epoch(epochs)
     j = tl.program_id(0)
-    src = tl.load(state + j * 2)
-    begin = tl.load(state + j * 2 + 1)
-    go = tl.full((), 1, tl.int32) * (src <= R)
-    waiting = tl.full((), 0, tl.int32)
-    while (go != 0) & (src < R):
-        if tl.load(live + src) == 0:  # masked: sends nothing
-            tl.store(layout_range + (j * R + src) * 2, begin)
-            tl.store(layout_range + (j * R + src) * 2 + 1, tl.zeros((), tl.int64))
-            src += 1
-        else:
+    src = tl.program_id(1)
+    if tl.load(state + j * R + src) == 0:
+        go = tl.full((), 1, tl.int32)
+        waiting = tl.full((), 0, tl.int32)
+        begin = tl.full((), 0, tl.int64)
+        s = 0
+        while (go != 0) & (s <= src):  # every live source up to src has landed; count j's rows before
+            if tl.load(live + s) != 0:
+                stamp = _address(table, me, SENT, half) + s * (S_COUNTS + L) * 8
+                landed = _wait_stamp(table, status, me, s, 0, SENT, half, stamp, epoch, max_spins)
+                if landed != 1:
+                    go = tl.full((), 0, tl.int32)
+                    waiting = tl.full((), 1, tl.int32) * (landed == 0)
+                elif s < src:
+                    before = tl.load(_words(stamp) + S_COUNTS + j)
+                    if (before < 0) | (before > T):  # that source's own program reports it
+                        go = tl.full((), 0, tl.int32)
+                    else:
+                        begin += before
+            s += 1
+        n = tl.full((), 0, tl.int64)
+        if (go != 0) & (tl.load(live + src) != 0):
             stamp = _address(table, me, SENT, half) + src * (S_COUNTS + L) * 8
-            landed = _wait_stamp(table, status, me, src, 0, SENT, half, stamp, epoch, max_spins)
-            if landed != 1:
-                go = tl.full((), 0, tl.int32)
-                waiting = tl.full((), 1, tl.int32) * (landed == 0)
-            elif _check_sent(_words(stamp), status, src, L, code, T, Tcap, row_bytes, width,
-                             dtype_lo, dtype_hi, LB) == 0:  # fmt: skip
+            if _check_sent(_words(stamp), status, src, L, code, T, Tcap, row_bytes, width,
+                           dtype_lo, dtype_hi, LB) == 0:  # fmt: skip
                 go = tl.full((), 0, tl.int32)
             else:
                 n = tl.load(_words(stamp) + S_COUNTS + j)
-                info = _words(_address(table, me, SLOT_INFO, half)) + (src * L + j).to(tl.int64) * Tcap
-                slots = (_address(table, me, SLOTS, half) + (src * L + j).to(tl.int64) * Tcap * row_bytes).to(
-                    tl.pointer_type(WORD)
-                )
+                first = (src * L + j).to(tl.int64) * Tcap  # this source's slots for j
+                info = _words(_address(table, me, SLOT_INFO, half)) + first
+                slots = (_address(table, me, SLOTS, half) + first * row_bytes).to(tl.pointer_type(WORD))
                 i0 = 0
                 while (go != 0) & (i0 < n):
                     ii = i0 + tl.arange(0, IB)
@@ -316,8 +325,7 @@ def ll_dispatch_recv_kernel(
                         _fail(status, E_TOKENS, src, 0, 0, 0)
                         go = tl.full((), 0, tl.int32)
                     else:
-                        pos = begin + ii
-                        row = j * M + pos
+                        row = j * M + begin + ii
                         held = slots + ii[:, None].to(tl.int64) * slot_words  # this source's rows
                         c0 = 0
                         while c0 < W0:
@@ -337,19 +345,14 @@ def ll_dispatch_recv_kernel(
                         tl.store(src_k + row, infos % Kmax, mask=m)
                         tl.store(src_rank + row, tl.zeros((IB,), tl.int64) + src, mask=m)
                     i0 += IB
-                if go != 0:
-                    tl.store(layout_range + (j * R + src) * 2, begin)
-                    tl.store(layout_range + (j * R + src) * 2 + 1, n)
-                    begin += n
-                    src += 1
-    if (go != 0) & (src == R):
-        tl.store(recv_count + j, begin.to(tl.int32))
-    if waiting != 0:
-        tl.store(state + j * 2, src)
-        tl.store(state + j * 2 + 1, begin)
-    elif src <= R:  # finished (placed everything, or failed): arrive once
-        tl.store(state + j * 2, R + 1)
-        _arrive_and_release(table, me, 0, half, epoch, arrivals, L)
+        if go != 0:  # masked sources place nothing: (begin, 0)
+            tl.store(layout_range + (j * R + src) * 2, begin)
+            tl.store(layout_range + (j * R + src) * 2 + 1, n)
+            if src == R - 1:
+                tl.store(recv_count + j, (begin + n).to(tl.int32))
+        if waiting == 0:  # finished (placed its rows, or failed): arrive once
+            tl.store(state + j * R + src, 1)
+            _arrive_and_release(table, me, 0, half, epoch, arrivals, L * R)
 
 
 # -- combine --------------------------------------------------------------------------------------
@@ -358,47 +361,49 @@ def ll_dispatch_recv_kernel(
 @triton.jit
 def ll_combine_send_kernel(
     table, live, me, epochs, x, L, M, W, layout_range, src_token, src_k, R, Kmax, slot_words,
-    code, progress, status, max_spins,
-    WORD: tl.constexpr, IB: tl.constexpr, WB: tl.constexpr,
+    code, arrivals, progress, status, max_spins,
+    WORD: tl.constexpr, LB: tl.constexpr, IB: tl.constexpr, WB: tl.constexpr,
 ):  # fmt: skip
-    """Program h (home rank): put each row of x [L, M, W] words that came from h (the dispatch's
-    layout_range [L, R, 2]) into h's back slot token * Kmax + k, then stamp this rank's record
-    in h (dtype, rows sent). progress int64 [R] (1: sent) starts zeroed for the call."""
+    """Program (h, j): put each row of local expert j in x [L, M, W] words that came from home h
+    (the dispatch's layout_range [L, R, 2]) into h's back slot token * Kmax + k; the last of h's L
+    programs stamps this rank's record in h (dtype, rows sent). arrivals int64 [R] and progress
+    int64 [R, L] (1: sent) start zeroed for the call."""
     epoch, half = _epoch(epochs)
     h = tl.program_id(0)
-    go = (tl.load(live + h) != 0) & (tl.load(progress + h) == 0)
+    j = tl.program_id(1)
+    go = (tl.load(live + h) != 0) & (tl.load(progress + h * L + j) == 0)
     if go:
         go = _wait_reusable(table, status, me, h, 1, half, epoch, max_spins) == 1
     if go:
         back = _address(table, h, BACK_SLOTS, half).to(tl.pointer_type(WORD))
-        count = tl.full((), 0, tl.int64)
-        j = 0
-        while j < L:
-            begin = tl.load(layout_range + (j * R + h) * 2)
-            n = tl.load(layout_range + (j * R + h) * 2 + 1)
-            i0 = 0
-            while i0 < n:
-                ii = i0 + tl.arange(0, IB)
-                m = ii < n
-                row = j * M + begin + ii
-                token = tl.load(src_token + row, mask=m, other=0)
-                slot = token * Kmax + tl.load(src_k + row, mask=m, other=0)
-                c0 = 0
-                while c0 < W:
-                    cols = c0 + tl.arange(0, WB)
-                    both = m[:, None] & (cols[None, :] < W)
-                    words = tl.load(x + row[:, None] * W + cols[None, :], mask=both)
-                    tl.store(back + slot[:, None] * slot_words + cols[None, :], words, mask=both)
-                    c0 += WB
-                i0 += IB
-            count += n
-            j += 1
-        record = _words(_address(table, h, RETURNED, half)) + me * 3
-        tl.store(record + 1, code.to(tl.int64))
-        tl.store(record + 2, count)
-        tl.store(progress + h, 1)
+        begin = tl.load(layout_range + (j * R + h) * 2)
+        n = tl.load(layout_range + (j * R + h) * 2 + 1)
+        i0 = 0
+        while i0 < n:
+            ii = i0 + tl.arange(0, IB)
+            m = ii < n
+            row = j * M + begin + ii
+            token = tl.load(src_token + row, mask=m, other=0)
+            slot = token * Kmax + tl.load(src_k + row, mask=m, other=0)
+            c0 = 0
+            while c0 < W:
+                cols = c0 + tl.arange(0, WB)
+                both = m[:, None] & (cols[None, :] < W)
+                words = tl.load(x + row[:, None] * W + cols[None, :], mask=both)
+                tl.store(back + slot[:, None] * slot_words + cols[None, :], words, mask=both)
+                c0 += WB
+            i0 += IB
+        tl.store(progress + h * L + j, 1)
         tl.debug_barrier()
-        _release(_address(table, h, RETURNED, half) + me * 3 * 8, epoch)
+        arrived = tl.atomic_add(arrivals + h, 1, sem="acq_rel", scope="sys")
+        if arrived == L - 1:  # the last of h's programs: every row for h is ordered before this
+            ls = tl.arange(0, LB)
+            counts = tl.load(layout_range + (ls * R + h) * 2 + 1, mask=ls < L, other=0)
+            record = _words(_address(table, h, RETURNED, half)) + me * 3
+            tl.store(record + 1, code.to(tl.int64))
+            tl.store(record + 2, tl.sum(counts, axis=0))
+            tl.debug_barrier()
+            _release(_address(table, h, RETURNED, half) + me * 3 * 8, epoch)
 
 
 @triton.jit

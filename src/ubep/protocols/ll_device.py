@@ -1,8 +1,10 @@
 """Low-latency mode on Triton call halves: each send and receive half one kernel launch over the
 heap's address table (`ubep.engine.ll_triton`), its status turned into `ubep.protocols.ll`'s exceptions.
 
-    dispatch_send: one launch (reuse waits, puts, counts, stamps) -> receive half: one launch
-    combine_send:  one launch (reuse waits, puts, stamps)         -> receive half: one launch
+    dispatch_send: one launch, (R, L) programs: reuse waits, puts, counts, stamps
+                   -> receive half: one launch, (L, R) programs: waits, checks, placement
+    combine_send:  one launch, (R, L) programs: reuse waits, puts, stamps
+                   -> receive half: one launch, N programs: waits, checks, weighted sums
 
 Every count, position and check is computed in the kernels from device tensors;
 nothing in a half reads device memory on the host. Two ways to run:
@@ -185,13 +187,13 @@ class LLDevice:
             self.table, self._live(), self.me, epochs, self.R, L, out.code, T,
             s.max_topk, s.capacity, s.row_bytes // size, s.row_bytes, out.row_width, *CODE_RANGE,
             planes[0], W0, plane1, plane1.shape[2], M, h.recv_src_token_LM, h.recv_src_rank_LM,
-            h.recv_src_k_LM, h.layout_range_LR2, h.recv_count_L, self._zeros(L, 2), self._zeros(1),
+            h.recv_src_k_LM, h.layout_range_LR2, h.recv_count_L, self._zeros(L, self.R), self._zeros(1),
             self._zeros(8), self.max_spins,
         )  # fmt: skip
         consts = dict(WORD=_TL[dtype], LB=_pow2(L, 2), IB=16, WB=128)
         try:
             phase = "low-latency dispatch (tokens)"
-            self._half(call, phase, k.ll_dispatch_recv_kernel, (L,), args, consts, T)
+            self._half(call, phase, k.ll_dispatch_recv_kernel, (L, self.R), args, consts, T)
         except BaseException:
             h.recv_count_L.fill_(-1)  # not received
             self.release(call, DISPATCH)
@@ -216,10 +218,11 @@ class LLDevice:
         args = (
             self.table, self._live(), self.me, epochs, x_LMB.view(dtype), L, M,
             B // size, h.layout_range_LR2, h.recv_src_token_LM, h.recv_src_k_LM, self.R, s.max_topk,
-            s.row_bytes // size, code, self._zeros(self.R), self._zeros(8), self.max_spins,
+            s.row_bytes // size, code, self._zeros(self.R), self._zeros(self.R, L), self._zeros(8),
+            self.max_spins,
         )  # fmt: skip
-        consts = dict(WORD=_TL[dtype], IB=16, WB=128)
-        self._half(call, "low-latency combine (buffer reuse)", k.ll_combine_send_kernel, (self.R,), args,
+        consts = dict(WORD=_TL[dtype], LB=_pow2(L, 2), IB=16, WB=128)
+        self._half(call, "low-latency combine (buffer reuse)", k.ll_combine_send_kernel, (self.R, L), args,
                    consts, code)  # fmt: skip
         self._wake()
         return lambda: self._reduce(call, epochs, code, h.topk_idx_NK, weights_NK, out_NH)
