@@ -170,6 +170,10 @@ SCRIPT = textwrap.dedent(
             ll.combine_send(calls.next("ll_combine"), back, combined)()
             ref_y = [(want.recv_x_LMX.float() * 0.5 - 1).to(torch.bfloat16)]
             assert torch.equal(combined, reference.low_latency_combine(ref_y, [want], [idx], [w])[0])
+            if step == 1:  # a call rejected before its send (bad input): released on the device
+                rejected = calls.next("ll_dispatch")
+                ll.abort(rejected, "dispatch")
+                assert int(ll.t.view(ll.blocks.rejected, 0)[0]) == rejected.epoch
         print("CUDA BRANCH OK")
     finally:
         ll.t.close()
