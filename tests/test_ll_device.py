@@ -230,3 +230,51 @@ def without_host_reads(_: int) -> str:
 @pytest.mark.timeout(200)
 def test_a_whole_call_reads_nothing_back_on_the_host():
     assert ubep.LocalLaunch(world_size=2, timeout_s=180).run(without_host_reads, 0) == ["ok", "ok"]
+
+
+# --- errors: a rejected call, a peer with another T, a peer that never sends -------------------------
+
+
+def errors(rank, done: threading.Barrier) -> str:
+    """The device halves report what the CPU protocol reports, in its words."""
+    from test_low_latency import CAPACITY, HIDDEN, LLCase
+
+    from ubep.errors import CommTimeoutError, PeerDataError
+    from ubep.protocols.ll_base import dispatch_outputs
+    from ubep.protocols.ll_device import LLDevice
+    from ubep.waiting import PeerAbortedError
+
+    me, R, E = rank.rank, rank.world_size, 2 * rank.world_size
+    with ubep.Buffer(rank, hidden=HIDDEN, num_experts=E, max_tokens_per_rank=CAPACITY, timeout_s=60,
+                     engine="triton") as buf:  # fmt: skip
+        xs, idxs, _ = LLCase(name="T", seed=8).inputs(R, E)
+        if me == 0:  # rejected before its send; the peer learns it from the rejected word, in its kernel
+            with pytest.raises(ValueError, match="more than num_max_dispatch_tokens_per_rank=4"):
+                buf.low_latency_dispatch(xs[me][:5], idxs[me][:5], 4, E)
+        else:
+            with pytest.raises(PeerAbortedError, match="rank 0"):
+                buf.low_latency_dispatch(xs[me][:4], idxs[me][:4], 4, E)
+        T = 6 + 2 * me  # each rank passes its own T
+        with pytest.raises(PeerDataError, match=f"rank {1 - me} used T={8 - 2 * me}, this rank T={T}"):
+            buf.low_latency_dispatch(xs[me][:6], idxs[me][:6], T, E)
+        done.wait()
+        if me == 0:  # rank 1 sends nothing: a capturable wait runs out and check() names it
+            ll = buf._ll
+            device = LLDevice(ll.t, ll.blocks, buf.sizing, ll._consumed, buf.engine, True, max_spins=20)
+            device._epochs += buf._calls.next("ll_dispatch").epoch - 1  # continue the host's epochs
+            plan = type("Plan", (), {"max_tokens": CAPACITY, "code": DTYPE_CODES[torch.bfloat16]})
+            out = dispatch_outputs(plan, HIDDEN, R, idxs[me], E)
+            device.dispatch_rows(None, xs[me].view(torch.uint8), plan.code, CAPACITY, out)()
+            with pytest.raises(CommTimeoutError, match=r"no signal from rank\(s\) 1 .*20 polls"):
+                device.check()
+        done.wait()
+    return "ok"
+
+
+@interpreted
+@pytest.mark.timeout(200)
+def test_errors_are_the_cpu_protocols():
+    from ubep.transport.virtual import VirtualWorld
+
+    done = threading.Barrier(2)
+    assert VirtualWorld(2, timeout_s=120).run(lambda rank: errors(rank, done)) == ["ok", "ok"]

@@ -113,6 +113,17 @@ def _fail(status, code, peer, a, b, c):
 
 
 @triton.jit
+def _spent(status, max_spins):
+    """Polls a new wait starts with: none spent, or all of them once a program of this launch ran out
+    (the launch stops waiting either way; where programs run in turn, as in the interpreter, the
+    ones after it then do not spin in vain)."""
+    spins = tl.full((), 0, tl.int32)
+    if tl.load(status + WAITING_WORD) != 0:
+        spins = max_spins + spins
+    return spins
+
+
+@triton.jit
 def _wait_reusable(table, status, me, peer, kind, half, epoch, max_spins):
     """Wait (bounded) until `peer` consumed call epoch - 2 of this kind, which used this half.
 
@@ -124,7 +135,7 @@ def _wait_reusable(table, status, me, peer, kind, half, epoch, max_spins):
         ok = -1
     else:
         seen = _acquire(_done_word(table, peer, kind, half, 0))
-        spins = 0
+        spins = _spent(status, max_spins)
         while (seen < before) & (spins < max_spins):
             seen = _acquire(_done_word(table, peer, kind, half, 0))
             spins += 1
@@ -140,7 +151,7 @@ def _wait_stamp(table, status, me, peer, kind, header, half, stamp, epoch, max_s
     ran out (the peer is marked as awaited), -1 the peer rejected the call (an error)."""
     seen = _acquire(stamp)
     rejected = _acquire(_address(table, peer, REJECTED, 0) + kind * 8)
-    spins = 0
+    spins = _spent(status, max_spins)
     while (seen != epoch) & (rejected < epoch) & (spins < max_spins):
         seen = _acquire(stamp)
         rejected = _acquire(_address(table, peer, REJECTED, 0) + kind * 8)
