@@ -42,7 +42,9 @@ DISPATCH, COMBINE = 0, 1
 WORDS = {4: torch.int32, 2: torch.int16, 1: torch.uint8}  # the widest word that divides every row
 WAITING = k.WAITING_WORD.value  # the status word naming a peer a wait ran out on (1 + its rank)
 _TL = {torch.int32: tl.int32, torch.int16: tl.int16, torch.uint8: tl.uint8}
-SYNC_SPINS = 64  # polls before a half hands its wait to the host's doorbell sleep (capturable=False)
+# Polls before a half hands its wait to the host's doorbell sleep (capturable=False): few under the
+# interpreter (a poll there takes tens of microseconds and holds its lock), about a second on a GPU.
+SYNC_SPINS, SYNC_SPINS_GPU = 64, 2**20
 CAPTURE_SPINS = 2**31 - 1  # a GPU poll takes about a microsecond: a wait gives up after seconds
 
 
@@ -77,7 +79,8 @@ class LLDevice:
         self.experts_RL = experts_RL.to(self.device)
         self.owner_E = p.rank_of_expert_E.to(torch.int64).to(self.device)
         self.capturable = capturable
-        self.max_spins = max_spins or (CAPTURE_SPINS if capturable else SYNC_SPINS)
+        sync_spins = SYNC_SPINS if self.device.type == "cpu" else SYNC_SPINS_GPU
+        self.max_spins = max_spins or (CAPTURE_SPINS if capturable else sync_spins)
         self._unchecked: list[tuple[CallId, str, torch.Tensor, int]] = []  # capturable: to `check()`
         self._live_R: tuple[tuple[int, ...], torch.Tensor] | None = None
         self._epochs = self._zeros(2, 1)  # capturable: the calls of each kind so far (the device's epochs)
