@@ -5,7 +5,10 @@
 # PYTHONPATH if that fails. Then: the CUDA subset of the tests (pytest -m cuda, plus the AOT test with
 # this machine's triton), then the kernels' bandwidth on virtual ranks in one allocation (8 ranks,
 # H 7168, 128 tokens per rank, top-8 of 256 experts, bf16) as a fraction of the memory bandwidth.
-# Everything runs under timeouts that add up to less than 8 minutes.
+# Then low-latency mode's device halves (scripts/device_ll.py): one dispatch + combine of 8 virtual ranks
+# under torch.cuda.set_sync_debug_mode("error"), the same captured in a CUDA graph and replayed 1,000
+# times against the reference, and a per-half latency/bandwidth table.
+# Every step's timeout is cut to what is left of an 8-minute budget.
 #
 #   bash scripts/device_check.sh            # from the repository root
 #   PEAK_TBS=3.35 bash scripts/device_check.sh   # another GPU: its memory bandwidth in TB/s
@@ -15,15 +18,19 @@ PY=${PYTHON:-python3}
 PEAK_TBS=${PEAK_TBS:-4.8}
 VENV=$(mktemp -d)/venv
 status=0
+budget() {  # seconds for the next step: at most $1, and never past 470 s since the start
+    local left=$((470 - SECONDS))
+    if ((left < 5)); then echo 5; elif ((left < $1)); then echo "$left"; else echo "$1"; fi
+}
 
 echo "== machine"
-timeout 20 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
-timeout 60 "$PY" -c "import sys, torch, triton; print('python', sys.version.split()[0], '| torch', torch.__version__,
+timeout "$(budget 20)" nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
+timeout "$(budget 60)" "$PY" -c "import sys, torch, triton; print('python', sys.version.split()[0], '| torch', torch.__version__,
 '| CUDA', torch.version.cuda, '| triton', triton.__version__, '| device', torch.cuda.get_device_name(0))" || status=1
 
 echo "== install (no network: --no-deps, no build isolation)"
-if timeout 60 "$PY" -m venv --system-site-packages "$VENV" &&
-   timeout 90 "$VENV/bin/python" -m pip install -q --no-deps --no-build-isolation -e . ; then
+if timeout "$(budget 60)" "$PY" -m venv --system-site-packages "$VENV" &&
+   timeout "$(budget 90)" "$VENV/bin/python" -m pip install -q --no-deps --no-build-isolation -e . ; then
     PY="$VENV/bin/python"
 else
     echo "install failed: using PYTHONPATH=src"
@@ -31,12 +38,13 @@ else
 fi
 
 echo "== tests: the CUDA subset, and every kernel compiled ahead of time with this triton"
-timeout 240 "$PY" -m pytest -q -p no:cacheprovider -m cuda tests/test_triton_engine.py tests/test_triton_cuda_heap.py \
+timeout "$(budget 200)" "$PY" -m pytest -q -p no:cacheprovider -m cuda tests/test_triton_engine.py \
+    tests/test_triton_cuda_heap.py || status=1
+timeout "$(budget 90)" "$PY" -m pytest -q -p no:cacheprovider tests/test_triton_aot.py tests/test_ll_device_aot.py \
     || status=1
-timeout 90 "$PY" -m pytest -q -p no:cacheprovider tests/test_triton_aot.py || status=1
 
 echo "== kernel bandwidth: virtual ranks in one allocation (peak ${PEAK_TBS} TB/s)"
-timeout 150 "$PY" - 8 128 7168 8 256 20 "$PEAK_TBS" <<'EOF' || status=1
+timeout "$(budget 100)" "$PY" - 8 128 7168 8 256 20 "$PEAK_TBS" <<'EOF' || status=1
 """Each kernel's bytes moved / median time, over R virtual ranks' memory in one device allocation.
 
 dispatch: one launch gathers every receiver's rows from all ranks' regions (pointer table);
@@ -162,5 +170,8 @@ assert torch.equal(got, msg), "decode message differs"
 print("bytes: every read and write the kernel makes once; peak is the device's memory bandwidth")
 EOF
 
-echo "== device_check: $([ $status = 0 ] && echo PASSED || echo FAILED)"
+echo "== low-latency device halves: 8 virtual ranks, no host sync, CUDA graph x1000, per-half table"
+timeout "$(budget 150)" "$PY" scripts/device_ll.py --peak-tbs "$PEAK_TBS" --replays 1000 || status=1
+
+echo "== device_check: $([ $status = 0 ] && echo PASSED || echo FAILED) in ${SECONDS} s"
 exit $status

@@ -37,7 +37,7 @@ DISPATCH_RULES = [
     (dict(x=torch.zeros(4, H, dtype=torch.int32)), TypeError, ["x must be bfloat16 or float32", "int32"]),
     (dict(x=torch.zeros(4, H, 1)), ValueError, ["x must have 2 dimensions"]),
     (dict(x=torch.zeros(4, H + 1)), ValueError, ["x has hidden size 17", "built for 16"]),
-    (dict(x=torch.zeros(4, H, device="meta")), ValueError, ["x is on meta", "CPU tensors"]),
+    (dict(x=torch.zeros(4, H, device="meta")), ValueError, ["x is on meta", "tensors live on cpu"]),
     (dict(topk_idx=None), ValueError, ["dispatch needs topk_idx and topk_weights"]),
     (dict(topk_idx=torch.zeros(4, K, dtype=torch.int32)), TypeError, ["topk_idx must be int64"]),
     (dict(topk_idx=torch.zeros(3, K, dtype=torch.int64)), ValueError, ["topk_idx has 3 rows", "4 tokens"]),

@@ -58,6 +58,7 @@ from ubep.results import (
 from ubep.schedule import POLICIES
 from ubep.sizing import size_hint
 from ubep.stats import Stats, StatsOptions
+from ubep.validate import CPU
 
 VERSION = version("ubep")  # from the package metadata (pyproject.toml): ranks must run the same
 # Construction waits at least this long: ranks reach it at different times (imports,
@@ -191,6 +192,9 @@ class Buffer:
         self.low_latency = bool(low_latency)
         self.workers, self.schedule = workers, schedule
         self.transport, self._transport_reason = choose_transport(transport, self._info)
+        self.device = torch.device("cuda", torch.cuda.current_device()) if self.transport == "cuda" else CPU
+        if self.transport == "cuda" and engine == "auto":  # GPU memory: the kernels that run on it
+            self.engine, self._engine_reason = ready_engine("triton")
         ep_group, peers = torch_group(self._info.group), self._info.peers
         with collective_deadline(ep_group, construct_s, "Buffer construction", peers, watch=True):
             self._handshake(transport)
@@ -251,6 +255,7 @@ class Buffer:
             f"on transport {self.transport} ({self._transport_reason}), "
             f"engine {self.engine.name} ({self._engine_reason}), call halves "
             + ("compiled" if getattr(self._exchange, "compiled_halves", False) else "step by step in Python")
+            + (f"; low-latency halves {self._ll.halves}" if hasattr(self._ll, "halves") else "")
             + f"; settings: {settings.describe(self._settings)}"
         )
 
@@ -357,7 +362,7 @@ class Buffer:
         """Counts per rank and expert and the token-to-rank membership of one rank's routing."""
         self._check_num_experts(num_experts)
         idx = self._physical(topk_idx)
-        idx = validate.topk_idx(idx, _rows(idx), self.num_experts, self.sizing.max_topk)
+        idx = validate.topk_idx(idx, _rows(idx), self.num_experts, self.sizing.max_topk, device=self.device)
         layout = dispatch_layout(self._drop_masked(idx)[0], self.sizing.placement)
         return LayoutResult(
             layout.num_tokens_per_rank_R,
@@ -448,8 +453,10 @@ class Buffer:
         x, scales = self._payload(x)
         topk_idx = self._physical(topk_idx)
         route = None if self._masked else self._route  # a compiled check-and-layout, where the engine has one
-        idx = validate.topk_idx(topk_idx, x.shape[0], self._num_experts, s.max_topk, values=route is None)
-        w = validate.topk_weights(topk_weights, tuple(idx.shape))
+        idx = validate.topk_idx(
+            topk_idx, x.shape[0], self._num_experts, s.max_topk, values=route is None, device=self.device
+        )
+        w = validate.topk_weights(topk_weights, tuple(idx.shape), device=self.device)
         if route is not None:
             is_token_in_rank_NR, counts_R = route(idx, self._rank_of_expert_E, self._info.world_size)
             dropped = 0
@@ -458,7 +465,7 @@ class Buffer:
             is_token_in_rank_NR = token_in_rank(idx, s.placement)  # dispatch needs no per-expert counts
             counts_R = is_token_in_rank_NR.sum(dim=0)
         if num_tokens_per_rank is not None or is_token_in_rank is not None:
-            validate.layout_args(num_tokens_per_rank, is_token_in_rank, is_token_in_rank_NR)
+            validate.layout_args(num_tokens_per_rank, is_token_in_rank, is_token_in_rank_NR, self.device)
         return SendPlan(x, idx, w, is_token_in_rank_NR, counts_R, scales), dropped
 
     def _check_handle(self, handle) -> None:
@@ -482,8 +489,8 @@ class Buffer:
         """(x, None), or an FP8 pair's (values, scales), validated."""
         s = self.sizing
         if isinstance(x, tuple | list) and len(x) == 2:  # fp8.is_pair, without a call on the hot path
-            return validate.fp8_pair("x", x, s.hidden, s.capacity, rows=rows)
-        return validate.payload("x", x, s.hidden, s.capacity, rows=rows), None
+            return validate.fp8_pair("x", x, s.hidden, s.capacity, rows=rows, device=self.device)
+        return validate.payload("x", x, s.hidden, s.capacity, rows=rows, device=self.device), None
 
     @_one_at_a_time
     def combine(
@@ -502,9 +509,11 @@ class Buffer:
         try:
             self._check_handle(handle)
             M = handle.recv.num_rows
-            x = validate.payload("x", x, self.sizing.hidden, max(M, self._max_recv), rows=M)
+            x = validate.payload("x", x, self.sizing.hidden, max(M, self._max_recv), M, self.device)
             if topk_weights is not None:
-                topk_weights = validate.topk_weights(topk_weights, (M, _cols(topk_weights)))
+                topk_weights = validate.topk_weights(
+                    topk_weights, (M, _cols(topk_weights)), "topk_weights", self.device
+                )
             if faults.armed:
                 faults.at("combine.start", call)
             combined, weights = exchange.combine(call, x, handle, topk_weights)
@@ -542,8 +551,10 @@ class Buffer:
             s = self.sizing
             self._check_num_experts(num_experts)
             T = num_max_dispatch_tokens_per_rank
-            x = validate.low_latency_x(x, s.hidden, T, s.capacity, use_fp8)
-            idx = validate.topk_idx(self._physical(topk_idx), x.shape[0], self._num_experts, s.max_topk)
+            x = validate.low_latency_x(x, s.hidden, T, s.capacity, use_fp8, self.device)
+            idx = validate.topk_idx(
+                self._physical(topk_idx), x.shape[0], self._num_experts, s.max_topk, device=self.device
+            )
             if self._masked:
                 idx = self._drop_masked(idx)[0]
             plan = dispatch_plan(x, idx, s.placement, T, use_fp8)
@@ -580,9 +591,9 @@ class Buffer:
             x, w = self._ll_combine_inputs(x, topk_idx, topk_weights, handle)
             N, H = handle.num_tokens, self.sizing.hidden
             if out is None:
-                out = torch.empty(N, H, dtype=x.dtype)
+                out = torch.empty(N, H, dtype=x.dtype, device=x.device)
             else:
-                out = validate.tensor("out", out, x.dtype, 2)
+                out = validate.tensor("out", out, x.dtype, 2, self.device)
                 if tuple(out.shape) != (N, H) or not out.is_contiguous():
                     raise ValueError(f"out must be a contiguous [{N}, {H}] tensor")
             plan = combine_plan(x, w, handle, self.sizing.placement)
@@ -606,14 +617,16 @@ class Buffer:
         if handle.seq <= self._masked_after:
             self._check_after_mask(handle.seq)
         M = R * handle.num_max_dispatch_tokens_per_rank
-        x = validate.expert_output(x, (L, M, self.sizing.hidden))
+        x = validate.expert_output(x, (L, M, self.sizing.hidden), self.device)
         idx = self._physical(topk_idx)
-        idx = validate.topk_idx(idx, handle.num_tokens, self._num_experts, self.sizing.max_topk)
+        idx = validate.topk_idx(
+            idx, handle.num_tokens, self._num_experts, self.sizing.max_topk, device=self.device
+        )
         if self._masked:
             idx = self._drop_masked(idx)[0]
         if not torch.equal(idx, handle.topk_idx_NK):
             raise ValueError("topk_idx must be the one passed to the low_latency_dispatch that made handle")
-        return x, validate.topk_weights(topk_weights, tuple(idx.shape))
+        return x, validate.topk_weights(topk_weights, tuple(idx.shape), device=self.device)
 
     def _later(self, receive, deferred: bool):
         """The receive half, refused like a call while another thread is inside one when it runs later."""

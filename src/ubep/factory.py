@@ -13,6 +13,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+import torch.distributed as dist
+
 from ubep.collectives.bsp_dist import BspDist
 from ubep.collectives.hier import HierExchange
 from ubep.collectives.ll_dist import LLDist
@@ -28,6 +31,7 @@ from ubep.protocols.local import LocalExchange
 from ubep.protocols.ubep import UbepBlocks, UbepExchange
 from ubep.protocols.warmup import warm_up
 from ubep.transport.base import Header, Region
+from ubep.transport.cuda import cuda_heap
 from ubep.transport.heap import Layout
 from ubep.transport.shm import shm_heap
 from ubep.transport.virtual import virtual_heap
@@ -37,7 +41,7 @@ from ubep.transport.virtual import virtual_heap
 class Options:
     """What a Buffer was asked for, once validated."""
 
-    transport: str  # as chosen: "local", "shm", "virtual", "hier" or "dist"
+    transport: str  # as chosen: "local", "shm", "cuda", "virtual", "hier" or "dist"
     protocol: str  # "ubep" or "bsp"
     low_latency: bool
     timeout_s: float
@@ -71,11 +75,22 @@ HEAP_PROTOCOLS = {
     ),
     "bsp": (BspBlocks, lambda heap, engine, s, faults, o: BspExchange(heap, engine, s, faults)),
 }
-# Where a heap's memory lives: a host's shared segments, or a virtual world's arenas.
+# Where a heap's memory lives: a host's shared segments, a virtual world's arenas, or each GPU's
+# symmetric memory (low-latency mode's headers with it: its device halves stamp and poll them there).
 HEAPS = {
     "shm": lambda blocks, info, o: shm_heap(blocks, info.group, info.rank, info.world_size, o.timeout_s),
     "virtual": lambda blocks, info, o: virtual_heap(blocks, info.group, o.timeout_s),
+    "cuda": lambda blocks, info, o: cuda_heap(
+        blocks,
+        info.group if info.group is not None else dist.group.WORLD,
+        info.rank,
+        info.world_size,
+        o.timeout_s,
+        torch.device("cuda", torch.cuda.current_device()),
+        device_headers=DEVICE_HEADERS,
+    ),
 }
+DEVICE_HEADERS = ("ll.sent", "ll.returned")  # `LLBlocks`' headers
 # Collectives, where memory is not addressable: the normal-mode exchange of each transport.
 COLLECTIVES = {
     "dist": lambda info, s, o, engine, faults: BspDist(info.group, info.rank, s, o.timeout_s, faults),

@@ -13,6 +13,7 @@ import socket
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from ubep.deadlines import PeerPids, here
@@ -20,7 +21,7 @@ from ubep.errors import ConfigMismatchError
 from ubep.nodes import NodeMap
 from ubep.transport.virtual import VirtualRank
 
-TRANSPORTS = ("auto", "shm", "dist", "hier", "virtual")
+TRANSPORTS = ("auto", "shm", "cuda", "dist", "hier", "virtual")
 SHM_ARCHES = ("x86_64", "amd64")
 
 
@@ -109,6 +110,21 @@ def shm_supported() -> tuple[bool, str]:
     return True, "x86-64 keeps stores in order (TSO)"
 
 
+def cuda_supported(info: GroupInfo) -> tuple[bool, str]:
+    """Whether the CUDA heap can carry this group: CUDA available, an NCCL group (its tensors live on
+    GPUs, one a rank), every rank on one host (torch symmetric memory maps peers within a host)."""
+    if not torch.cuda.is_available():
+        return False, "CUDA is not available"
+    if not dist.is_initialized():
+        return False, "torch.distributed is not initialized"
+    backend = dist.get_backend(info.group if info.group is not None else dist.group.WORLD)
+    if backend != "nccl":
+        return False, f"the group's backend is {backend!r}, not 'nccl': its tensors live on the CPU"
+    if info.num_nodes > 1:
+        return False, f"the group spans {info.num_nodes} nodes; symmetric memory maps GPUs of one host"
+    return True, "an NCCL group on one host: CUDA tensors, each GPU maps its peers' (torch symmetric memory)"
+
+
 def hier_supported(info: GroupInfo) -> tuple[bool, str]:
     """Whether the hierarchical exchange can run: equal nodes, the whole world, shared memory."""
     ok, why = NodeMap(info.node_of_rank).uniform()
@@ -135,6 +151,12 @@ def choose_transport(requested: str, info: GroupInfo) -> tuple[str, str]:
         return "virtual", f"{info.world_size} virtual ranks share this process's memory"
     if requested == "virtual":
         raise ValueError("transport='virtual' needs a VirtualRank as the group (see ubep.transport.virtual)")
+    if requested == "cuda" or (requested == "auto" and info.num_nodes == 1):
+        cuda_ok, cuda_why = cuda_supported(info)
+        if cuda_ok:
+            return "cuda", cuda_why
+        if requested == "cuda":
+            raise ValueError(f"transport='cuda' is not available: {cuda_why}")
     ok, why = shm_supported()
     if requested == "dist":
         return "dist", "requested: torch.distributed collectives"

@@ -25,8 +25,14 @@ PAYLOAD_DTYPES = (torch.bfloat16, torch.float32)
 BYTES_PER_EXPERT = 8 + 8 + 1
 
 
-def tensor(name: str, value, dtype: torch.dtype | tuple[torch.dtype, ...], ndim: int) -> torch.Tensor:
-    """A CPU tensor of the given dtype(s) and rank, detached from autograd (see the module doc)."""
+CPU = torch.device("cpu")
+
+
+def tensor(
+    name: str, value, dtype: torch.dtype | tuple[torch.dtype, ...], ndim: int, device: torch.device = CPU
+) -> torch.Tensor:
+    """A tensor of the given dtype(s) and rank on `device` (the Buffer's: the CPU, or its GPU on the
+    CUDA heap), detached from autograd (see the module doc)."""
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
     allowed = dtype if isinstance(dtype, tuple) else (dtype,)
@@ -35,14 +41,17 @@ def tensor(name: str, value, dtype: torch.dtype | tuple[torch.dtype, ...], ndim:
         raise TypeError(f"{name} must be {names}, got {str(value.dtype).removeprefix('torch.')}")
     if value.dim() != ndim:
         raise ValueError(f"{name} must have {ndim} dimensions, got shape {tuple(value.shape)}")
-    if value.device.type != "cpu":
-        raise ValueError(f"{name} is on {value.device}; this Buffer's transports take CPU tensors")
+    got = value.device
+    if got != device and not (got.type == device.type == "cuda" and None in (got.index, device.index)):
+        raise ValueError(f"{name} is on {value.device}; this Buffer's tensors live on {device}")
     return value.detach() if value.requires_grad else value  # the caller's own object where possible
 
 
-def payload(name: str, x, hidden: int, capacity: int, rows: int | None = None) -> torch.Tensor:
+def payload(
+    name: str, x, hidden: int, capacity: int, rows: int | None = None, device: torch.device = CPU
+) -> torch.Tensor:
     """x [N, H]: bf16 or fp32, H == hidden, N <= capacity (and N == rows when given)."""
-    x = tensor(name, x, PAYLOAD_DTYPES, 2)
+    x = tensor(name, x, PAYLOAD_DTYPES, 2, device)
     n, h = x.shape
     if h != hidden:
         raise ValueError(f"{name} has hidden size {h}, the Buffer was built for {hidden}")
@@ -53,10 +62,12 @@ def payload(name: str, x, hidden: int, capacity: int, rows: int | None = None) -
     return x.contiguous()
 
 
-def topk_idx(value, num_tokens: int, num_experts: int, max_topk: int, values: bool = True) -> torch.Tensor:
+def topk_idx(
+    value, num_tokens: int, num_experts: int, max_topk: int, values: bool = True, device: torch.device = CPU
+) -> torch.Tensor:
     """int64 [N, K] in [-1, E), K <= max_topk, no expert twice in a row (`values=False`: the caller
     checks the values itself, in one pass with the layout: `NumbaEngine.route`)."""
-    idx = tensor("topk_idx", value, torch.int64, 2)
+    idx = tensor("topk_idx", value, torch.int64, 2, device)
     n, k = idx.shape
     if n != num_tokens:
         raise ValueError(f"topk_idx has {n} rows, x has {num_tokens} tokens")
@@ -81,23 +92,27 @@ def repeated_expert(topk_idx_NK: torch.Tensor, row: int) -> ValueError:
     return ValueError(f"topk_idx row {row} lists the same expert twice: {topk_idx_NK[row].tolist()}")
 
 
-def topk_weights(value, shape: tuple[int, int], name: str = "topk_weights") -> torch.Tensor:
+def topk_weights(
+    value, shape: tuple[int, int], name: str = "topk_weights", device: torch.device = CPU
+) -> torch.Tensor:
     """float32 with the given [rows, K] shape."""
-    w = tensor(name, value, torch.float32, 2)
+    w = tensor(name, value, torch.float32, 2, device)
     if tuple(w.shape) != tuple(shape):
         raise ValueError(f"{name} has shape {tuple(w.shape)}, expected {tuple(shape)}")
     return w.contiguous()
 
 
-def layout_args(num_tokens_per_rank, is_token_in_rank, computed_is_token_in_rank: torch.Tensor) -> None:
+def layout_args(
+    num_tokens_per_rank, is_token_in_rank, computed_is_token_in_rank: torch.Tensor, device: torch.device = CPU
+) -> None:
     """Caller-supplied layout must be what topk_idx implies (ubep derives routing from it)."""
     R = computed_is_token_in_rank.shape[1]
     if is_token_in_rank is not None:
-        given = tensor("is_token_in_rank", is_token_in_rank, torch.bool, 2)
+        given = tensor("is_token_in_rank", is_token_in_rank, torch.bool, 2, device)
         if not torch.equal(given, computed_is_token_in_rank):
             raise ValueError("is_token_in_rank does not match topk_idx (pass both from get_dispatch_layout)")
     if num_tokens_per_rank is not None:
-        given = tensor("num_tokens_per_rank", num_tokens_per_rank, (torch.int32, torch.int64), 1)
+        given = tensor("num_tokens_per_rank", num_tokens_per_rank, (torch.int32, torch.int64), 1, device)
         if given.numel() != R or not torch.equal(given.long(), computed_is_token_in_rank.sum(0)):
             raise ValueError("num_tokens_per_rank does not match topk_idx")
 
@@ -127,10 +142,12 @@ def host_memory_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def fp8_pair(name: str, value, hidden: int, capacity: int, rows: int | None = None):
+def fp8_pair(
+    name: str, value, hidden: int, capacity: int, rows: int | None = None, device: torch.device = CPU
+):
     """(values float8_e4m3fn [N, H], scales float32 [N, H // 128]): the FP8 form of x."""
-    values = tensor(f"{name}[0]", value[0], fp8.VALUE_DTYPE, 2)
-    scales = tensor(f"{name}[1]", value[1], fp8.SCALE_DTYPE, 2)
+    values = tensor(f"{name}[0]", value[0], fp8.VALUE_DTYPE, 2, device)
+    scales = tensor(f"{name}[1]", value[1], fp8.SCALE_DTYPE, 2, device)
     n, h = values.shape
     if h != hidden:
         raise ValueError(f"{name}[0] has hidden size {h}, the Buffer was built for {hidden}")
@@ -146,7 +163,9 @@ def fp8_pair(name: str, value, hidden: int, capacity: int, rows: int | None = No
     return values.contiguous(), scales.contiguous()
 
 
-def low_latency_x(x, hidden: int, max_tokens: int, capacity: int, use_fp8: bool) -> torch.Tensor:
+def low_latency_x(
+    x, hidden: int, max_tokens: int, capacity: int, use_fp8: bool, device: torch.device = CPU
+) -> torch.Tensor:
     """x [N, H] for low-latency dispatch: N <= T <= the Buffer's max_tokens_per_rank."""
     positive("num_max_dispatch_tokens_per_rank", max_tokens)
     if max_tokens > capacity:
@@ -156,19 +175,19 @@ def low_latency_x(x, hidden: int, max_tokens: int, capacity: int, use_fp8: bool)
         )
     if isinstance(x, tuple | list):
         raise TypeError("low_latency_dispatch takes x as a tensor; pass use_fp8=True to send FP8")
-    x = tensor("x", x, PAYLOAD_DTYPES, 2)
+    x = tensor("x", x, PAYLOAD_DTYPES, 2, device)
     if x.shape[0] > max_tokens:
         raise ValueError(
             f"x has {x.shape[0]} tokens, more than num_max_dispatch_tokens_per_rank={max_tokens}"
         )
     if use_fp8 and hidden % 128:
         raise ValueError(f"use_fp8 needs a hidden size that is a multiple of 128, got {hidden}")
-    return payload("x", x, hidden, max_tokens)
+    return payload("x", x, hidden, max_tokens, device=device)
 
 
-def expert_output(x, shape: tuple[int, int, int]) -> torch.Tensor:
+def expert_output(x, shape: tuple[int, int, int], device: torch.device = CPU) -> torch.Tensor:
     """The expert outputs for low-latency combine: bf16 or fp32 [L, R * T, H]."""
-    x = tensor("x", x, PAYLOAD_DTYPES, 3)
+    x = tensor("x", x, PAYLOAD_DTYPES, 3, device)
     if tuple(x.shape) != tuple(shape):
         raise ValueError(f"x must have shape [L, R * T, H] = {tuple(shape)}, got {tuple(x.shape)}")
     return x.contiguous()

@@ -105,6 +105,10 @@ class TritonEngine(PerBlock):
         else:
             kernel[grid](*args, **consts, enable_fp_fusion=False)
 
+    def launch(self, kernel, grid: tuple[int, ...], *args, **consts) -> None:
+        """Launch a kernel of another module (a protocol's call half) as this engine launches its own."""
+        self._run(kernel, grid, *args, **consts)
+
     def _device(self, *tensors: torch.Tensor) -> None:
         """The interpreter reads host memory, compiled kernels device memory: say so instead of crashing."""
         for t in tensors:

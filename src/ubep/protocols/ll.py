@@ -115,6 +115,21 @@ class LLExchange:
             from ubep.protocols.ll_compiled import LLCompiled  # imports numba: only on its engine
 
             self._compiled = LLCompiled(transport, self.blocks, sizing, self._consumed)
+        elif engine.name == "triton" and hasattr(transport, "address_table"):
+            from ubep.protocols.ll_device import LLDevice  # imports triton: only on its engine
+
+            self._compiled = LLDevice(transport, self.blocks, sizing, self._consumed, engine)
+
+    @property
+    def halves(self) -> str:
+        """How each call half runs here, in words (for `Buffer.explain`)."""
+        if self._compiled is None:
+            return "step by step in Python"
+        if self.engine.name == "triton":
+            return "one Triton kernel launch each" + (
+                " (the interpreter, on the CPU)" if self._compiled.device.type == "cpu" else ""
+            )
+        return "one compiled function each"
 
     # -- buffer reuse -----------------------------------------------------------------------------
 
@@ -151,9 +166,17 @@ class LLExchange:
 
         self.t.wait(phase, call, peers, ready)
 
+    def _own_words(self, region: Region):
+        """This rank's int64 words of a reuse region: numpy over host memory, or, where the region
+        lives on a GPU (the CUDA heap refuses `words` there), a tensor over it (writes are kernels)."""
+        try:
+            return self.t.words(region, self.me)
+        except TypeError:
+            return self.t.view(region, self.me)
+
     def _consumed(self, call: CallId, kind: int) -> None:
         """This rank read its last byte of the call's half: peers may reuse it."""
-        done = self.t.words(self.blocks.done, self.me)[kind, call.parity]
+        done = self._own_words(self.blocks.done)[kind, call.parity]
         done[CONSUMED] = max(call.epoch, int(done[SKIPPED]))
         self.t.ring()  # a peer may wait to reuse this half
 
@@ -164,9 +187,9 @@ class LLExchange:
         block's single abort word, which this rank's next rejection would overwrite
         before a peer's pending receive half got to read it.
         """
-        rejected = self.t.words(self.blocks.rejected, self.me)
+        rejected = self._own_words(self.blocks.rejected)
         rejected[KINDS[kind]] = max(int(rejected[KINDS[kind]]), call.epoch)
-        done = self.t.words(self.blocks.done, self.me)[KINDS[kind], call.parity]
+        done = self._own_words(self.blocks.done)[KINDS[kind], call.parity]
         if done[CONSUMED] >= call.epoch - 2:
             done[CONSUMED] = call.epoch
         else:
@@ -180,7 +203,7 @@ class LLExchange:
     def resume(self, seq: int) -> None:
         """After ranks were masked and the rest resume after call `seq`: every call up to it is over
         (a pending receive half from before is abandoned), so both halves are free again."""
-        done = self.t.words(self.blocks.done, self.me)
+        done = self._own_words(self.blocks.done)
         done[:, :, CONSUMED] = seq
         self.t.ring()  # a peer may wait to reuse a half
 

@@ -67,7 +67,10 @@ def dispatch_plan(
     R, L = placement.num_ranks, placement.num_local_experts
     token_P, k_P = torch.nonzero(topk_idx_NK >= 0, as_tuple=True)
     expert_P = topk_idx_NK[token_P, k_P]
-    bucket_P = placement.rank_of_expert_E[expert_P] * L + placement.local_index_E[expert_P]
+    rank_of_E, local_of_E = placement.rank_of_expert_E, placement.local_index_E
+    if topk_idx_NK.is_cuda:  # the placement's tables live on the CPU
+        rank_of_E, local_of_E = rank_of_E.to(topk_idx_NK.device), local_of_E.to(topk_idx_NK.device)
+    bucket_P = rank_of_E[expert_P] * L + local_of_E[expert_P]
     order_P = torch.argsort(bucket_P * max(N, 1) + token_P, stable=True)
     counts_RL = torch.bincount(bucket_P, minlength=R * L).view(R, L)
     return LLDispatchPlan(
@@ -76,7 +79,7 @@ def dispatch_plan(
         rows_NB,
         token_P[order_P],
         k_P[order_P],
-        placement.local_index_E[expert_P[order_P]],
+        local_of_E[expert_P[order_P]],
         counts_RL,
     )
 
@@ -103,33 +106,34 @@ def dispatch_outputs(
     num_experts: int,
     seq: int = 0,
 ) -> LLDispatchOut:
-    """Allocate recv_x (rows uninitialised), the handle (-1 until received) and byte views of recv_x."""
-    L, M = num_experts // num_ranks, num_ranks * plan.max_tokens
+    """Allocate recv_x (rows uninitialised), the handle (-1 until received) and byte views of recv_x,
+    on topk_idx's device."""
+    L, M, dev = num_experts // num_ranks, num_ranks * plan.max_tokens, topk_idx_NK.device
     if plan.code == DTYPE_CODES[fp8.VALUE_DTYPE]:
-        values = torch.empty(L, M, hidden, dtype=fp8.VALUE_DTYPE)
-        scales = torch.empty(L, M, hidden // fp8.BLOCK, dtype=fp8.SCALE_DTYPE)
+        values = torch.empty(L, M, hidden, dtype=fp8.VALUE_DTYPE, device=dev)
+        scales = torch.empty(L, M, hidden // fp8.BLOCK, dtype=fp8.SCALE_DTYPE, device=dev)
         recv_x: Payload = (values, scales)
         tensors = (values, scales)
     else:
-        recv_x = torch.empty(L, M, hidden, dtype=_dtype_of(plan.code))
+        recv_x = torch.empty(L, M, hidden, dtype=_dtype_of(plan.code), device=dev)
         tensors = (recv_x,)
     planes, lo = [], 0
     for t in tensors:
         plane = t.view(torch.uint8)  # [L, M, bytes per row]
         planes.append((plane, lo, lo + plane.shape[2]))
         lo += plane.shape[2]
-    info = torch.full((3, L, M), -1, dtype=torch.int64)
+    info = torch.full((3, L, M), -1, dtype=torch.int64, device=dev)
     handle = LowLatencyHandle(
         num_tokens=topk_idx_NK.shape[0],
         num_max_dispatch_tokens_per_rank=plan.max_tokens,
         hidden=hidden,
         num_experts=num_experts,
         topk_idx_NK=topk_idx_NK,
-        recv_count_L=torch.full((L,), -1, dtype=torch.int32),
+        recv_count_L=torch.full((L,), -1, dtype=torch.int32, device=dev),
         recv_src_token_LM=info[0],
         recv_src_rank_LM=info[1],
         recv_src_k_LM=info[2],
-        layout_range_LR2=torch.zeros(L, num_ranks, 2, dtype=torch.int64),
+        layout_range_LR2=torch.zeros(L, num_ranks, 2, dtype=torch.int64, device=dev),
         seq=seq,
     )
     return LLDispatchOut(plan.code, recv_x, tuple(planes), handle)
@@ -217,6 +221,7 @@ class LLCombinePlan:
 
     send_counts_R: torch.Tensor  # int64 [R]: rows sent back to each home
     handle_seq: int = 0  # the call number of the dispatch whose handle this combine uses
+    handle: LowLatencyHandle | None = None  # that handle (device halves read its layout themselves)
 
     def to(self, home: int) -> slice:
         """The rows bound for rank `home`, as a slice of the row arrays."""
@@ -233,7 +238,7 @@ def combine_plan(
 ) -> LLCombinePlan:
     """Which received rows go back where, and the home side's view of its own routing."""
     M = x_LMH.shape[1]
-    valid_LM = torch.arange(M) < handle.recv_count_L.long().unsqueeze(1)
+    valid_LM = torch.arange(M, device=handle.recv_count_L.device) < handle.recv_count_L.long().unsqueeze(1)
     local_Q, row_Q = torch.nonzero(valid_LM, as_tuple=True)  # sorted by (local expert, row)
     home_Q = handle.recv_src_rank_LM[local_Q, row_Q]
     order_Q = torch.argsort(home_Q, stable=True)
@@ -241,6 +246,9 @@ def combine_plan(
     idx_NK = handle.topk_idx_NK
     valid_NK = idx_NK >= 0
     safe_NK = idx_NK.clamp(min=0)
+    rank_of_E, local_of_E = placement.rank_of_expert_E, placement.local_index_E
+    if idx_NK.is_cuda:  # the placement's tables live on the CPU
+        rank_of_E, local_of_E = rank_of_E.to(idx_NK.device), local_of_E.to(idx_NK.device)
     return LLCombinePlan(
         code=DTYPE_CODES[x_LMH.dtype],
         x_LMB=x_LMH.contiguous().view(torch.uint8),
@@ -251,11 +259,12 @@ def combine_plan(
         k_Q=handle.recv_src_k_LM[local_Q, row_Q],
         topk_weights_NK=topk_weights_NK,
         valid_NK=valid_NK,
-        owner_NK=torch.where(valid_NK, placement.rank_of_expert_E[safe_NK], -1),
-        local_NK=torch.where(valid_NK, placement.local_index_E[safe_NK], -1),
+        owner_NK=torch.where(valid_NK, rank_of_E[safe_NK], -1),
+        local_NK=torch.where(valid_NK, local_of_E[safe_NK], -1),
         send_counts_R=torch.bincount(home_Q, minlength=handle.num_ranks),
         num_local_experts=handle.num_local_experts,
         handle_seq=handle.seq,
+        handle=handle,
     )
 
 

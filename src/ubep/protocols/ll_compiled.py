@@ -20,12 +20,10 @@ import torch
 
 from ubep.calls import CallId
 from ubep.engine import ll_halves as k
-from ubep.errors import PeerDataError
-from ubep.protocols import halves
+from ubep.protocols import halves, ll_status
 from ubep.protocols.base import CODE_RANGE, Sizing
 from ubep.protocols.ll_base import LLCombinePlan, LLDispatchOut, LLDispatchPlan
-from ubep.transport.heap import Heap, complaint
-from ubep.waiting import AbortNotice, PeerAbortedError
+from ubep.transport.heap import Heap
 
 DISPATCH, COMBINE = 0, 1
 _NO_PLANE = np.empty((0, 0, 0), dtype=np.uint8)
@@ -189,30 +187,6 @@ class LLCompiled(halves.HeapHalves):
             self.release(call, COMBINE)
             raise
 
-    # -- status words to exceptions ---------------------------------------------------------------
-
     def _error(self, call: CallId, phase: str, code: int, status: np.ndarray, mine: int) -> Exception:
-        """The exception (in the torch statement's words) for a half's error status; `mine` is this
-        call's T (dispatch) or wire dtype code (combine)."""
-        T = mine
-        peer, a, b, c = (int(v) for v in status[1:5])
-        if code == k.E_REJECTED:
-            return PeerAbortedError(
-                phase, peer, AbortNotice("it rejected its input for this call; see that rank's error")
-            )
-        if code == k.E_FIELD:
-            header = self.blocks.sent if call.kind == "ll_dispatch" else self.blocks.returned
-            return self.t.bad_data(call, peer, complaint(header, header.fields[b], peer, a))
-        if code == k.E_TOKENS:
-            return self.t.bad_data(
-                call, peer, f"low-latency dispatch: rank {peer} sent token indices out of range"
-            )
-        messages = {
-            k.E_T: f"low-latency dispatch: rank {peer} used T={a}, this rank T={T}",
-            k.E_FORMAT: f"low-latency dispatch: rank {peer} sent another payload format "
-            "(all ranks must pass the same dtype and use_fp8)",
-            k.E_COUNTS: f"low-latency dispatch: rank {peer} announced counts outside [0, {T}]",
-            k.E_RETURNED: f"low-latency combine: rank {peer} returned {a} rows (dtype code {b}), "
-            f"expected {c} (code {mine})",
-        }
-        return PeerDataError(messages[code])
+        """The exception for a half's error status (`ubep.protocols.ll_status`)."""
+        return ll_status.error(self.t, self.blocks, call, phase, code, status, mine)

@@ -60,6 +60,32 @@ class CudaHeap:
         nbytes = int(np.prod(shape)) * dtype.itemsize
         return self._arenas[owner][offset : offset + nbytes].view(dtype).view(shape)
 
+    @property
+    def device(self) -> torch.device:
+        """The device of this rank's arena (where compiled call halves' tensors must live)."""
+        return self._arenas[self.rank].device
+
+    def address_table(self, blocks: Sequence[Region | Header]) -> tuple[np.ndarray, np.ndarray]:
+        """(table int64 [R, len(blocks), 2], asleep int64 [R]) as `Heap.address_table`: every block's
+        device address in every rank's arena for both halves, for kernels that reach peers' memory
+        directly (`ubep.protocols.ll_device`). Every block must live on the device (headers named in
+        `device_headers`); no rank sleeps on a device word, so `asleep` is all zeros."""
+        on_host = [b.name for b in blocks if b.name not in self._device_regions]
+        if on_host:
+            raise ValueError(f"blocks {on_host} live in host memory; a device address table needs them on "
+                             "the device (cuda_heap's device_headers)")  # fmt: skip
+        table = np.empty((self.num_ranks, len(blocks), 2), dtype=np.int64)
+        for r in range(self.num_ranks):
+            base = self._arenas[r].data_ptr()
+            for b, block in enumerate(blocks):
+                for half in (0, 1):
+                    offset = self._layout.offsets[(block.name, half if block.double else 0)][0]
+                    table[r, b, half] = base + offset
+        return table, np.zeros(self.num_ranks, dtype=np.int64)
+
+    def sleeper(self, phase: str, call: CallId):
+        return self._host.sleeper(phase, call)
+
     def pointer_table(self, region: Region, call: CallId | None = None) -> torch.Tensor:
         """int64 [R] on the device: `region`'s address in every rank's memory (for one-launch gathers)."""
         key = (region.name, _half(region, call))
@@ -139,15 +165,22 @@ def cuda_heap(
     timeout_s: float,
     device: torch.device,
     host_regions: Collection[str] = (),
+    device_headers: Collection[str] = (),
 ) -> CudaHeap:
-    """Collective: every rank of `group` (one GPU each, one host) allocates and maps every rank's memory."""
+    """Collective: every rank of `group` (one GPU each, one host) allocates and maps every rank's memory.
+
+    Headers stay in host memory unless named in `device_headers`: those are laid out in the device
+    arena like a region (stamp first), for protocols whose kernels stamp and poll them there."""
     if not torch.cuda.is_available() or torch.device(device).type != "cuda":
         raise ValueError(f"the CUDA heap needs a CUDA device, got {device} (CUDA available: "
                          f"{torch.cuda.is_available()})")  # fmt: skip
     from torch.distributed import _symmetric_memory as symm_mem
 
     blocks = list(blocks)
-    on_device = [b for b in blocks if isinstance(b, Region) and b.name not in host_regions]
+    on_device = [
+        b for b in blocks
+        if (isinstance(b, Region) and b.name not in host_regions) or b.name in device_headers
+    ]  # fmt: skip
     host = shm_heap([b for b in blocks if b not in on_device], group, rank, world_size, timeout_s)
     try:
         layout = Layout(world_size, on_device)

@@ -1,0 +1,262 @@
+"""Low-latency mode on Triton call halves: each send and receive half one kernel launch over the
+heap's address table (`ubep.engine.ll_triton`), its status turned into `ubep.protocols.ll`'s exceptions.
+
+    dispatch_send: one launch, (R, L) programs: reuse waits, puts, counts, stamps
+                   -> receive half: one launch, (L, R) programs: waits, checks, placement
+    combine_send:  one launch, (R, L) programs: reuse waits, puts, stamps
+                   -> receive half: one launch, N programs: waits, checks, weighted sums
+
+Every count, position and check is computed in the kernels from device tensors;
+nothing in a half reads device memory on the host. Two ways to run:
+- `capturable=False` (tests, the interpreter): after each launch the host reads
+  the status word; a wait that ran out of spins sleeps on the doorbell under the
+  deadline, and the half is launched again (it resumes where it stopped);
+- `capturable=True` (CUDA graphs): one launch per half, waits bounded by
+  `max_spins`; nothing is read until `check()`, which turns the status words of
+  the calls since the last check into the same exceptions (a wait that ran out
+  is a CommTimeoutError naming the peer). The epochs are the device's own count
+  of calls of each kind, advanced in the stream, so each replay of a captured
+  graph is the next call (every rank must replay the same calls).
+
+`LLExchange` keeps the reuse words' Python side (`abort`, `resume`) and delegates here
+for engine="triton" on a heap with an address table.
+
+Legend: see `ubep.protocols.ll_base`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import triton.language as tl
+
+from ubep.calls import CallId
+from ubep.engine import ll_triton as k
+from ubep.errors import CommTimeoutError
+from ubep.protocols import ll_status
+from ubep.protocols.base import CODE_DTYPES, CODE_RANGE, DTYPE_CODES, Sizing
+from ubep.protocols.ll_base import LLCombinePlan, LLDispatchOut, LLDispatchPlan
+
+DISPATCH, COMBINE = 0, 1
+WORDS = {4: torch.int32, 2: torch.int16, 1: torch.uint8}  # the widest word that divides every row
+WAITING = k.WAITING_WORD.value  # the status word naming a peer a wait ran out on (1 + its rank)
+_TL = {torch.int32: tl.int32, torch.int16: tl.int16, torch.uint8: tl.uint8}
+# Polls before a half hands its wait to the host's doorbell sleep (capturable=False): few under the
+# interpreter (a poll there takes tens of microseconds and holds its lock), about a second on a GPU.
+SYNC_SPINS, SYNC_SPINS_GPU = 64, 2**20
+CAPTURE_SPINS = 2**31 - 1  # a GPU poll takes about a microsecond: a wait gives up after seconds
+
+
+def _pow2(n: int, lo: int = 1, hi: int = 1 << 30) -> int:
+    return min(max(lo, 1 << max(int(n) - 1, 0).bit_length()), hi)
+
+
+class LLDevice:
+    """Low-latency halves on a heap as Triton kernels; `release(call, kind)` is the exchange's Python
+    release of a half (on every failure after the send)."""
+
+    def __init__(
+        self,
+        heap,
+        blocks,
+        sizing: Sizing,
+        release: Callable[[CallId, int], None],
+        engine,
+        capturable: bool = False,
+        max_spins: int | None = None,
+    ):
+        self.t, self.blocks, self.sizing, self.release = heap, blocks, sizing, release
+        self.engine = engine
+        self.me, self.R = heap.rank, heap.num_ranks
+        table, _ = heap.address_table(blocks.all())
+        self.device = getattr(heap, "device", torch.device("cpu"))
+        self.table = torch.from_numpy(table).to(self.device)
+        p = sizing.placement
+        L = p.num_local_experts
+        experts_RL = torch.empty(self.R, L, dtype=torch.int64)
+        experts_RL[p.rank_of_expert_E, p.local_index_E] = torch.arange(p.num_experts)
+        self.experts_RL = experts_RL.to(self.device)
+        self.owner_E = p.rank_of_expert_E.to(torch.int64).to(self.device)
+        self.capturable = capturable
+        sync_spins = SYNC_SPINS if self.device.type == "cpu" else SYNC_SPINS_GPU
+        self.max_spins = max_spins or (CAPTURE_SPINS if capturable else sync_spins)
+        self._unchecked: list[tuple[CallId, str, torch.Tensor, int]] = []  # capturable: to `check()`
+        self._live_R: tuple[tuple[int, ...], torch.Tensor] | None = None
+        self._epochs = self._zeros(2, 1)  # capturable: the calls of each kind so far (the device's epochs)
+        self._live()  # built here: a call copies nothing to the device unless ranks were masked since
+
+    # -- launching --------------------------------------------------------------------------------
+
+    def _live(self) -> torch.Tensor:
+        """uint8 [R] on the device: 1 for each live rank (rebuilt only when the live set changes)."""
+        live = tuple(self.t.live)
+        if self._live_R is None or self._live_R[0] != live:
+            mask = torch.zeros(self.R, dtype=torch.uint8)
+            mask[list(live)] = 1
+            self._live_R = live, mask.to(self.device)
+        return self._live_R[1]
+
+    def _zeros(self, *shape: int) -> torch.Tensor:
+        return torch.zeros(shape, dtype=torch.int64, device=self.device)
+
+    def _half(self, call: CallId, phase: str, kernel, grid, args: tuple, consts: dict, mine: int) -> None:
+        """Launch one half; unless capturable, read its status and relaunch while it waits, then raise
+        its error. args end with (status, max_spins)."""
+        status = args[-2]
+        if self.capturable:
+            self.engine.launch(kernel, grid, *args, **consts)
+            self._unchecked.append((call, phase, status, mine))
+            return
+        sleeper = None
+        while True:
+            self.engine.launch(kernel, grid, *args, **consts)
+            code, awaited = (int(v) for v in status[[0, WAITING]].tolist())
+            if code != ll_status.DONE:
+                raise ll_status.error(self.t, self.blocks, call, phase, code, status.numpy(), mine)
+            if awaited == 0:
+                return
+            status[WAITING] = 0
+            sleeper = sleeper or self.t.sleeper(phase, call)
+            sleeper.pause([awaited - 1])  # raises past the deadline, or when the peer died or aborted
+
+    def check(self) -> None:
+        """Capturable halves: raise the first error (or timeout) recorded since the last check."""
+        unchecked, self._unchecked = self._unchecked, []
+        for call, phase, status, mine in unchecked:
+            words = status.cpu().numpy()
+            if words[0] != ll_status.DONE:
+                raise ll_status.error(self.t, self.blocks, call, phase, int(words[0]), words, mine)
+            if words[WAITING]:
+                peer = int(words[WAITING]) - 1
+                detail = f"a device wait ran out of {self.max_spins} polls"
+                raise CommTimeoutError(phase, [peer], 0.0, [], detail)
+
+    def _epoch(self, call: CallId, kind: int) -> torch.Tensor:
+        """int64 [1] on the device: the epoch both halves of this call read. Not capturable: the host's
+        (`call.epoch`). Capturable: the device's own count of calls of this kind, advanced in the
+        stream, so that every replay of a captured graph is a new call; a copy is taken for the
+        receive half, which may run after the next send."""
+        if not self.capturable:
+            return torch.tensor([call.epoch], dtype=torch.int64).to(self.device)
+        self._epochs[kind].add_(1)
+        return self._epochs[kind].clone()
+
+    def _wake(self) -> None:
+        """Peers between launches sleep on their doorbells (capturable=False): ring them."""
+        if not self.capturable:
+            self.t.ring()
+
+    def _word(self, *widths: int) -> tuple[torch.dtype, int]:
+        """The widest word (dtype, bytes) dividing every width in bytes and the slots' row stride."""
+        size = next(s for s in WORDS if all(w % s == 0 for w in (*widths, self.sizing.row_bytes)))
+        return WORDS[size], size
+
+    # -- dispatch ---------------------------------------------------------------------------------
+
+    def dispatch_send(self, call: CallId, plan: LLDispatchPlan, out: LLDispatchOut) -> Callable[[], None]:
+        return self.dispatch_rows(call, plan.rows_NB, plan.code, plan.max_tokens, out)
+
+    def dispatch_rows(
+        self, call: CallId, rows_NB: torch.Tensor, code: int, T: int, out: LLDispatchOut
+    ) -> Callable[[], None]:
+        """Send half: rows_NB uint8 [N, b] (the tokens in wire form) to every expert their
+        topk_idx (out.handle's) selects; returns the receive half."""
+        s, topk, epochs = self.sizing, out.handle.topk_idx_NK, self._epoch(call, DISPATCH)
+        N, b = rows_NB.shape
+        dtype, size = self._word(b, *(hi - lo for _, lo, hi in out.planes))
+        L = s.placement.num_local_experts
+        args = (
+            self.table, self._live(), self.me, epochs, rows_NB.view(dtype), topk, N,
+            topk.shape[1], self.experts_RL, L, code, T, s.max_topk, s.capacity, s.row_bytes // size,
+            s.row_bytes, b // size, b, self._zeros(self.R), self._zeros(self.R, L), self._zeros(8),
+            self.max_spins,
+        )  # fmt: skip
+        consts = dict(WORD=_TL[dtype], NB=_pow2(N, 16, 64), KB=_pow2(topk.shape[1], 2), WB=128)
+        self._half(call, "low-latency dispatch (buffer reuse)", k.ll_dispatch_send_kernel, (self.R, L),
+                   args, consts, T)  # fmt: skip
+        self._wake()
+        return lambda: self._receive_tokens(call, epochs, out, dtype, size)
+
+    def _receive_tokens(
+        self, call: CallId, epochs: torch.Tensor, out: LLDispatchOut, dtype: torch.dtype, size: int
+    ) -> None:
+        s, h = self.sizing, out.handle
+        planes = [plane.view(dtype) for plane, _, _ in out.planes]
+        plane1 = planes[1] if len(planes) > 1 else planes[0][:, :, :0]
+        L, M, W0 = planes[0].shape
+        T = h.num_max_dispatch_tokens_per_rank
+        args = (
+            self.table, self._live(), self.me, epochs, self.R, L, out.code, T,
+            s.max_topk, s.capacity, s.row_bytes // size, s.row_bytes, out.row_width, *CODE_RANGE,
+            planes[0], W0, plane1, plane1.shape[2], M, h.recv_src_token_LM, h.recv_src_rank_LM,
+            h.recv_src_k_LM, h.layout_range_LR2, h.recv_count_L, self._zeros(L, self.R), self._zeros(1),
+            self._zeros(8), self.max_spins,
+        )  # fmt: skip
+        consts = dict(WORD=_TL[dtype], LB=_pow2(L, 2), IB=16, WB=128)
+        try:
+            phase = "low-latency dispatch (tokens)"
+            self._half(call, phase, k.ll_dispatch_recv_kernel, (L, self.R), args, consts, T)
+        except BaseException:
+            h.recv_count_L.fill_(-1)  # not received
+            self.release(call, DISPATCH)
+            raise
+        self._wake()
+
+    # -- combine ----------------------------------------------------------------------------------
+
+    def combine_send(self, call: CallId, plan: LLCombinePlan, out_NH: torch.Tensor) -> Callable[[], None]:
+        x_LMH = plan.x_LMB.view(CODE_DTYPES[plan.code])
+        return self.combine_rows(call, x_LMH, plan.topk_weights_NK, plan.handle, out_NH)
+
+    def combine_rows(
+        self, call: CallId, x_LMH: torch.Tensor, weights_NK: torch.Tensor, handle, out_NH: torch.Tensor
+    ) -> Callable[[], None]:
+        """Send half: every row the dispatch of `handle` delivered, x_LMH [L, M, H] (bf16 or fp32), back
+        to its home; returns the receive half, which sums them into out_NH with weights_NK."""
+        s, h, code, epochs = self.sizing, handle, DTYPE_CODES[x_LMH.dtype], self._epoch(call, COMBINE)
+        x_LMB = x_LMH.contiguous().view(torch.uint8)
+        L, M, B = x_LMB.shape
+        dtype, size = self._word(B)
+        args = (
+            self.table, self._live(), self.me, epochs, x_LMB.view(dtype), L, M,
+            B // size, h.layout_range_LR2, h.recv_src_token_LM, h.recv_src_k_LM, self.R, s.max_topk,
+            s.row_bytes // size, code, self._zeros(self.R), self._zeros(self.R, L), self._zeros(8),
+            self.max_spins,
+        )  # fmt: skip
+        consts = dict(WORD=_TL[dtype], LB=_pow2(L, 2), IB=16, WB=128)
+        self._half(call, "low-latency combine (buffer reuse)", k.ll_combine_send_kernel, (self.R, L), args,
+                   consts, code)  # fmt: skip
+        self._wake()
+        return lambda: self._reduce(call, epochs, code, h.topk_idx_NK, weights_NK, out_NH)
+
+    def _reduce(
+        self,
+        call: CallId,
+        epochs: torch.Tensor,
+        code: int,
+        topk: torch.Tensor,
+        weights_NK: torch.Tensor,
+        out_NH: torch.Tensor,
+    ) -> None:
+        s = self.sizing
+        N, K = topk.shape
+        valid = (topk >= 0).to(torch.int64)
+        owner_NK = self.owner_E[topk.clamp(min=0)]
+        expected_R = self._zeros(self.R).scatter_add_(0, owner_NK.flatten(), valid.flatten())
+        out = out_NH.view(torch.int16) if out_NH.dtype == torch.bfloat16 else out_NH
+        args = (
+            self.table, self.me, epochs, topk, K, self.owner_E, expected_R,
+            weights_NK, code, *CODE_RANGE, s.capacity * s.max_topk, s.max_topk, s.row_bytes,
+            out, s.hidden, self._zeros(max(N, 1)), self._zeros(1), N, self._zeros(8), self.max_spins,
+        )  # fmt: skip
+        consts = dict(Y_BF16=code == DTYPE_CODES[torch.bfloat16], HB=_pow2(s.hidden, 16, 256))
+        try:
+            if N:
+                self._half(call, "low-latency combine", k.ll_combine_recv_kernel, (N,), args, consts, code)
+            else:
+                self.release(call, COMBINE)  # no token, no wait: the half is free at once
+        except BaseException:
+            self.release(call, COMBINE)
+            raise
+        self._wake()
