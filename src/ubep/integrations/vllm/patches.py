@@ -163,11 +163,9 @@ class UbepAll2AllManager(All2AllManagerBase):
 
 def _expert_map() -> torch.Tensor:
     """This rank's expert map (global id -> local slot, -1 elsewhere), the same in every MoE layer."""
-    context = get_forward_context()
     maps = []
-    for name in context.all_moe_layers or ():
-        layer = context.no_compile_layers[name]
-        expert_map = getattr(getattr(layer, "routed_experts", layer), "expert_map", None)
+    for layer in get_forward_context().no_compile_layers.values():  # attention and MoE layers, by name
+        expert_map = getattr(getattr(layer, "routed_experts", None), "expert_map", None)
         if expert_map is not None:
             maps.append(expert_map.to(torch.int32).cpu())
     if not maps:
