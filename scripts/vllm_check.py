@@ -159,7 +159,17 @@ def launch(config: str, model: str, work: str, repeats: int, timeout_s: float, d
                 "VLLM_DP_MASTER_IP": "127.0.0.1",
                 "VLLM_DP_MASTER_PORT": str(port),
             }
-        command = [sys.executable, __file__, "engine", "--model", model, "--out", out, "--repeats", str(repeats)]
+        command = [
+            sys.executable,
+            __file__,
+            "engine",
+            "--model",
+            model,
+            "--out",
+            out,
+            "--repeats",
+            str(repeats),
+        ]
         command += ["--tp", str(tp), "--dp-size", str(dp), "--dp-rank", str(rank), "--dtype", dtype]
         log = open(os.path.join(work, f"{config}-{rank}.log"), "w")
         procs.append(subprocess.Popen(command, env=rank_env, stdout=log, stderr=subprocess.STDOUT))
@@ -177,7 +187,9 @@ def launch(config: str, model: str, work: str, repeats: int, timeout_s: float, d
     failed = [i for i, p in enumerate(procs) if p.returncode != 0 or not os.path.exists(outs[i])]
     if failed:
         tail = open(os.path.join(work, f"{config}-{failed[0]}.log")).read()[-3000:]
-        raise RuntimeError(f"{config}: engine {failed[0]} failed (exit {procs[failed[0]].returncode}):\n{tail}")
+        raise RuntimeError(
+            f"{config}: engine {failed[0]} failed (exit {procs[failed[0]].returncode}):\n{tail}"
+        )
     return [json.load(open(o)) for o in outs]
 
 
@@ -194,7 +206,9 @@ def gloo_entry_point(work: str) -> str:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     check = sub.add_parser("check")
     check.add_argument("--work", required=True, help="a scratch folder: model, logs, results")
@@ -227,7 +241,9 @@ def check_all(args) -> int:
     results, errors = {}, {}
     for config in configs:
         start = time.monotonic()
-        saved = [os.path.join(args.work, f"{config}-{r}.json") for r in range(2 if config.startswith("dp2") else 1)]
+        saved = [
+            os.path.join(args.work, f"{config}-{r}.json") for r in range(2 if config.startswith("dp2") else 1)
+        ]
         if args.reuse and all(os.path.exists(s) for s in saved):
             results[config] = [json.load(open(s)) for s in saved]
             continue
