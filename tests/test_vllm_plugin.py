@@ -142,19 +142,24 @@ def manager_round(strategy: str, ep_ranks: tuple[int, ...], ep_size: int, num_ex
     return True
 
 
-@pytest.mark.parametrize(
-    "strategy,protocol", [("linear", "ubep"), ("round_robin", "ubep"), ("linear", "bsp")]
+# (vLLM placement, the group's EP ranks, EP size, experts, protocol). The last is DP=2 x TP=2 seen
+# from TP rank 1: its DP group (EP ranks 1 and 3) sums the slice's experts, and vLLM's TP
+# all-reduce adds the other slice's part afterwards.
+MANAGER_CASES = (
+    ("linear", (0, 1), 2, 8, "ubep"),
+    ("round_robin", (0, 1), 2, 8, "ubep"),
+    ("linear", (0, 1), 2, 8, "bsp"),
+    ("linear", (1, 3), 4, 16, "ubep"),
 )
-def test_manager_matches_the_whole_layer_on_two_dp_ranks(strategy, protocol):
-    launch = ubep.LocalLaunch(world_size=2, timeout_s=120)
-    assert launch.run(manager_round, strategy, (0, 1), 2, 8, protocol) == [True, True]
 
 
-def test_manager_in_a_tp_slice_gives_the_slice_part():
-    # DP=2 x TP=2 seen from TP rank 1: its DP group (EP ranks 1 and 3) sums the slice's experts;
-    # vLLM's TP all-reduce adds the other slice's part afterwards.
-    launch = ubep.LocalLaunch(world_size=2, timeout_s=120)
-    assert launch.run(manager_round, "linear", (1, 3), 4, 16, "ubep") == [True, True]
+def manager_rounds() -> list[bool]:
+    return [manager_round(*case) for case in MANAGER_CASES]
+
+
+def test_manager_matches_the_whole_layer_on_two_dp_ranks_and_in_a_tp_slice():
+    launch = ubep.LocalLaunch(world_size=2, timeout_s=300)  # one launch for every case: spawns are slow
+    assert launch.run(manager_rounds) == [[True] * len(MANAGER_CASES)] * 2
 
 
 # -- the expert-map fix -------------------------------------------------------------------------------
