@@ -98,12 +98,16 @@ class UbepAll2AllManager(All2AllManagerBase):
                 "quantized activations and LoRA, or without UBEP_VLLM"
             )
         exchange = self._exchange(is_sequence_parallel, hidden_states.shape[-1], topk_ids.shape[-1])
-        if hidden_states.shape[0] > self.max_tokens:
-            raise ValueError(
-                f"this rank's MoE layer got {hidden_states.shape[0]} tokens, more than the {self.max_tokens} "
-                "its ubep Buffer holds: raise UBEP_VLLM_MAX_TOKENS, or lower max_num_batched_tokens"
-            )
-        return exchange.dispatch(hidden_states, topk_weights, topk_ids)
+        try:
+            return exchange.dispatch(hidden_states, topk_weights, topk_ids)
+        except ValueError as error:  # the Buffer refused it and told the peers, who fail at once too
+            if hidden_states.shape[0] > self.max_tokens:
+                raise ValueError(
+                    f"this rank's MoE layer got {hidden_states.shape[0]} tokens, more than the "
+                    f"{self.max_tokens} its ubep Buffer holds: raise UBEP_VLLM_MAX_TOKENS, or lower "
+                    "max_num_batched_tokens"
+                ) from error
+            raise
 
     def combine(self, hidden_states: torch.Tensor, is_sequence_parallel: bool = False) -> torch.Tensor:
         return self._exchanges[(is_sequence_parallel, hidden_states.shape[-1])].combine(hidden_states)
