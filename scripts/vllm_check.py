@@ -6,12 +6,14 @@ configuration in fresh processes:
 
     single      one process, no parallelism (the reference text)
     tp2         tensor parallel 2 (vLLM's own CPU path)
+    tp2-ep      tensor parallel 2 + expert parallel, with the plugin's expert-map fix (without it
+                vLLM 0.32's CPU experts read out of bounds)
     dp2-ubep    data parallel 2 + expert parallel, through ubep's plugin (protocol ubep)
     dp2-bsp     the same with ubep's barrier-phased protocol
     dp2-gloo    the same through vLLM's all-gather / reduce-scatter manager, with the two
                 collectives vLLM's CPU communicator lacks filled in on gloo (vllm_gloo_fill.py)
 
-It asserts that dp2-ubep and dp2-bsp give the single process's greedy text token for token,
+It asserts that tp2-ep, dp2-ubep and dp2-bsp give the single process's greedy text token for token,
 and prints ms per decode step (medians of UBEP_VLLM_REPEATS runs) for N sequences in total
 (each DP rank decodes N / 2 of them; N = 2 leaves one per rank).
 """
@@ -31,8 +33,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 BATCHES = (2, 8, 32)  # N: sequences in the whole system
 DECODE_STEPS = 16  # timed steps: time(1 + DECODE_STEPS tokens) - time(1 token), per step
 TEXT_TOKENS = 24
-CONFIGS = ("single", "tp2", "dp2-ubep", "dp2-bsp", "dp2-gloo")
-CHECKED = ("dp2-ubep", "dp2-bsp")  # must give the single process's text
+CONFIGS = ("single", "tp2", "tp2-ep", "dp2-ubep", "dp2-bsp", "dp2-gloo")
+CHECKED = ("tp2-ep", "dp2-ubep", "dp2-bsp")  # must give the single process's text
 # DTYPE_NOTE: in bfloat16 the expert outputs are rounded per rank before the combine sums them,
 # where one process rounds each token's sum once; on random weights the near-tied logits then
 # flip a few greedy tokens late in a sequence. float32 (the default) makes the check exact.
@@ -85,7 +87,7 @@ def run_engine(args) -> None:
     llm = LLM(
         model=args.model,
         tensor_parallel_size=args.tp,
-        enable_expert_parallel=dp > 1,
+        enable_expert_parallel=args.ep or args.dp_size > 1,
         dtype=args.dtype,
         enforce_eager=True,
         max_model_len=256,
@@ -135,14 +137,14 @@ def free_port() -> int:
 def launch(config: str, model: str, work: str, repeats: int, timeout_s: float, dtype: str) -> list[dict]:
     """Run one configuration; every engine's result (DP ranks in order)."""
     dp = 2 if config.startswith("dp2") else 1
-    tp = 2 if config == "tp2" else 1
+    tp = 2 if config.startswith("tp2") else 1
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
     env.pop("UBEP_VLLM", None)
     # One core list per local rank (vLLM slices it by DP rank); "auto" would pin every rank to
     # the first NUMA node's first core on a one-node host.
     env["VLLM_CPU_OMP_THREADS_BIND"] = "0-1" if config == "single" else "0|1"
-    if config in ("dp2-ubep", "dp2-bsp"):
-        env |= {"UBEP_VLLM": "1", "UBEP_VLLM_PROTOCOL": config.removeprefix("dp2-")}
+    if config in ("tp2-ep", "dp2-ubep", "dp2-bsp"):
+        env |= {"UBEP_VLLM": "1", "UBEP_VLLM_PROTOCOL": "bsp" if config == "dp2-bsp" else "ubep"}
     if config == "dp2-gloo":
         env["PYTHONPATH"] = os.pathsep.join([gloo_entry_point(work), HERE, env.get("PYTHONPATH", "")])
     port = free_port()
@@ -171,6 +173,7 @@ def launch(config: str, model: str, work: str, repeats: int, timeout_s: float, d
             str(repeats),
         ]
         command += ["--tp", str(tp), "--dp-size", str(dp), "--dp-rank", str(rank), "--dtype", dtype]
+        command += ["--ep"] if config == "tp2-ep" else []
         log = open(os.path.join(work, f"{config}-{rank}.log"), "w")
         procs.append(subprocess.Popen(command, env=rank_env, stdout=log, stderr=subprocess.STDOUT))
     deadline = time.monotonic() + timeout_s
@@ -223,6 +226,7 @@ def main() -> int:
     engine.add_argument("--tp", type=int, default=1)
     engine.add_argument("--dp-size", type=int, default=1)
     engine.add_argument("--dp-rank", type=int, default=0)
+    engine.add_argument("--ep", action="store_true", help="enable_expert_parallel")
     for p in (check, engine):
         p.add_argument("--dtype", default="float32", help="float32: see DTYPE_NOTE; bfloat16 runs too")
     args = parser.parse_args()

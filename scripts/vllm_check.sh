@@ -11,7 +11,7 @@
 #   UBEP_VLLM_ENV      the side environment (default: $HOME/.cache/ubep-vllm-env)
 #   UBEP_VLLM_WORK     scratch: model, logs, results (default: a new folder under $TMPDIR or /tmp)
 #   UBEP_VLLM_REPEATS  timed runs per configuration and batch (default 3)
-#   UBEP_VLLM_CONFIGS  comma-separated subset of single,tp2,dp2-ubep,dp2-bsp,dp2-gloo
+#   UBEP_VLLM_CONFIGS  comma-separated subset of single,tp2,tp2-ep,dp2-ubep,dp2-bsp,dp2-gloo
 set -euo pipefail
 
 repo="$(cd "$(dirname "$0")/.." && pwd)"
@@ -33,4 +33,4 @@ export VLLM_CPU_KVCACHE_SPACE=1
 export VLLM_TARGET_DEVICE=cpu
 cd "$work"
 exec "$env_dir/bin/python" "$repo/scripts/vllm_check.py" check --work "$work" \
-    --repeats "${UBEP_VLLM_REPEATS:-3}" --configs "${UBEP_VLLM_CONFIGS:-single,tp2,dp2-ubep,dp2-bsp,dp2-gloo}"
+    --repeats "${UBEP_VLLM_REPEATS:-3}" --configs "${UBEP_VLLM_CONFIGS:-single,tp2,tp2-ep,dp2-ubep,dp2-bsp,dp2-gloo}"
