@@ -29,7 +29,7 @@ from ubep.errors import SharedMemorySizeError
 from ubep.integrations.vllm import Settings
 from ubep.integrations.vllm.routing import EPExchange, GroupExperts, localize_for_kernel
 
-logger = init_logger(__name__)
+logger = init_logger(f"vllm.{__name__}")  # under vLLM's logger, whose handler prints its processes' lines
 
 COMMUNICATOR = f"{__name__}.UbepCpuCommunicator"
 FIXED = "_ubep_expert_map_fix"  # marks an apply already wrapped (vLLM may load plugins twice)
