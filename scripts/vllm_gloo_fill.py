@@ -1,6 +1,7 @@
 """The comparison for scripts/vllm_check.py: vLLM's CPU communicator with the two collectives it
 lacks (`all_gatherv`, `reduce_scatterv`) filled in with torch.distributed on gloo, so that vLLM's
-own all-gather / reduce-scatter manager runs data parallel + expert parallel without ubep.
+own all-gather / reduce-scatter manager runs data parallel + expert parallel without ubep's
+exchange (with ubep's expert-map fix, without which the CPU experts crash).
 
 vllm_check.py registers `register` as a `vllm.general_plugins` entry point for that run only
 (a dist-info folder on PYTHONPATH); it is not part of ubep.
@@ -15,9 +16,14 @@ COMMUNICATOR = f"{__name__}.GlooFilledCpuCommunicator"
 
 
 def register() -> None:
+    """The filled-in communicator, and ubep's expert-map fix (the CPU experts crash under EP without it)."""
+    from vllm.model_executor.layers.fused_moe.experts import cpu_moe
     from vllm.platforms.cpu import CpuPlatform
 
+    from ubep.integrations.vllm.patches import with_expert_map
+
     CpuPlatform.get_device_communicator_cls = classmethod(lambda cls: COMMUNICATOR)
+    cpu_moe.CPUUnquantizedExperts.apply = with_expert_map(cpu_moe.CPUUnquantizedExperts.apply)
 
 
 def _communicator_base():
