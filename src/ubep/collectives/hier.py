@@ -153,6 +153,19 @@ class HierBlocks:
         )
 
 
+def in_node(call: CallId) -> CallId:
+    """`call` as the node-local memory sees it: stamped, and its half chosen, by the call's seq.
+
+    The seq is the one number every rank agrees on after any mismatch (a kind mismatch
+    leaves the per-kind epochs apart for good), so a wait pairs only the same call on both
+    sides: a rank whose call went wrong can never have its next call's rows taken for it.
+    Halves alternate with the seq's parity; that is safe because every call waits for every
+    node peer's stamp of that call, published only after the peer finished its previous call,
+    so no peer still reads the half of the call before the previous one.
+    """
+    return CallId(call.seq, call.seq, call.kind)
+
+
 def subgroups(nodes: NodeMap, rank: int, timeout_s: float) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
     """(rail group, node group) of `rank`. Every rank creates every group, in the same order
     (torch's rule for `new_group`); gloo, because the payloads are CPU tensors."""
@@ -308,6 +321,7 @@ class HierExchange:
     # -- inside the node: dispatch ----------------------------------------------------------------
 
     def dispatch(self, call: CallId, plan: SendPlan, handle: DispatchHandle | None) -> Received:
+        call = in_node(call)
         x_NX = plan.packed_rows()  # one tensor crosses: an FP8 pair travels as byte rows
         if handle is not None:
             return self._dispatch_cached(call, plan, x_NX, handle)
@@ -418,6 +432,7 @@ class HierExchange:
     # -- combine ----------------------------------------------------------------------------------
 
     def combine(self, call: CallId, x_MH, handle: DispatchHandle, topk_weights_MK):
+        call = in_node(call)
         route: HierRoute = handle.route
         K = 0 if topk_weights_MK is None else topk_weights_MK.shape[1]
         header = CallHeader.of(call, handle=handle.seq, dtype=DTYPE_CODES[x_MH.dtype], topk=K or NONE)
@@ -480,6 +495,7 @@ class HierExchange:
     def abort(self, call: CallId) -> None:
         """Node peers learn at once; rail peers too, from the call header, unless this rank
         has joined it already (then they time out at the next rail collective)."""
+        call = in_node(call)
         self.t.abort(call)
         self.headers.abort(call)
 
