@@ -10,6 +10,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+KINDS = {"dispatch": 1, "combine": 2, "ll_dispatch": 3, "ll_combine": 4}  # each kind's code on the wire
+METHODS = {1: "dispatch", 2: "combine", 3: "low_latency_dispatch", 4: "low_latency_combine"}  # as called
+
 
 @dataclass(frozen=True, slots=True)
 class CallId:
@@ -22,6 +25,12 @@ class CallId:
     @property
     def parity(self) -> int:
         return self.epoch % 2
+
+    def exact(self) -> CallId:
+        """This call with an epoch no other call has (2 seq + the per-kind parity), for stamps that
+        pair this very call on every rank and never a peer's next call of the kind, in the half
+        the per-kind epoch chose."""
+        return CallId(self.seq, 2 * self.seq + self.parity, self.kind)
 
 
 @dataclass(slots=True)

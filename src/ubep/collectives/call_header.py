@@ -33,15 +33,13 @@ from dataclasses import astuple, dataclass, fields
 import torch
 import torch.distributed as dist
 
-from ubep.calls import CallId
+from ubep.calls import KINDS, METHODS, CallId
 from ubep.errors import PeerDataError
 from ubep.protocols.base import CODE_DTYPES
 from ubep.waiting import AbortNotice, PeerAbortedError
 
 OK, REJECTED = 0, 1
 NONE = -1  # a word this call does not use (no handle, no top-k, no T)
-KINDS = {"dispatch": 1, "combine": 2, "ll_dispatch": 3, "ll_combine": 4}
-METHODS = {1: "dispatch", 2: "combine", 3: "low_latency_dispatch", 4: "low_latency_combine"}
 PHASES = {  # as the other phases of these calls are named in errors
     "dispatch": "dispatch",
     "combine": "combine",

@@ -123,6 +123,8 @@ class BspExchange:
         return self._compiled is not None
 
     def dispatch(self, call: CallId, plan: SendPlan, handle: DispatchHandle | None) -> Received:
+        self.t.begin(call)
+        call = call.exact()
         if self._compiled is not None:
             return self._compiled.dispatch(call, plan, handle)
         b, t = self.blocks, self.t
@@ -165,6 +167,7 @@ class BspExchange:
         b, t = self.blocks, self.t
         missing = [s for s in t.live if not t.stamped(b.staged, call, s)]
         if missing:
+            t.check_in_step(call, "dispatch (flag verification)")  # a peer in another call: say so
             raise PeerDataError(f"dispatch (flag verification): no tokens from rank(s) {missing}")
         K = 0 if plan.topk_idx_NK is None else plan.topk_idx_NK.shape[1]
         counts = [0] * self.R  # masked ranks send nothing
@@ -214,6 +217,8 @@ class BspExchange:
                 raise PeerDataError(f"dispatch: a peer sent local expert ids outside [-1, {L})")
 
     def combine(self, call: CallId, x_MH, handle: DispatchHandle, topk_weights_MK):
+        self.t.begin(call)
+        call = call.exact()
         if self._compiled is not None:
             return self._compiled.combine(call, x_MH, handle, topk_weights_MK)
         back = self.blocks.back

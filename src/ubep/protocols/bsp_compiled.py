@@ -107,6 +107,7 @@ class BspCompiled(UbepCompiled):
         peer, a, b, c = (int(v) for v in status[1:5])
         if code == k.E_MISSING:
             missing = pending[:peer].tolist()
+            self.t.check_in_step(call, "dispatch (flag verification)")  # a peer in another call: say so
             return PeerDataError(f"dispatch (flag verification): no tokens from rank(s) {missing}")
         if code == k.E_FIELD:
             header = self.blocks.counts if c else self.blocks.staged

@@ -210,6 +210,7 @@ class LLExchange:
     # -- dispatch ---------------------------------------------------------------------------------
 
     def dispatch_send(self, call: CallId, plan: LLDispatchPlan, out: LLDispatchOut) -> Callable[[], None]:
+        self.t.begin(call)
         try:
             if self._compiled is not None:
                 return self._compiled.dispatch_send(call, plan, out)
@@ -285,6 +286,7 @@ class LLExchange:
     # -- combine ----------------------------------------------------------------------------------
 
     def combine_send(self, call: CallId, plan: LLCombinePlan, out_NH: torch.Tensor) -> Callable[[], None]:
+        self.t.begin(call)
         try:
             if self._compiled is not None:
                 return self._compiled.combine_send(call, plan, out_NH)

@@ -134,6 +134,8 @@ class UbepExchange:
     # -- dispatch ---------------------------------------------------------------------------------
 
     def dispatch(self, call: CallId, plan: SendPlan, handle: DispatchHandle | None) -> Received:
+        self.t.begin(call)
+        call = call.exact()
         if self._compiled is not None:
             return self._compiled.dispatch(call, plan, handle)
         self._publish(call, plan)
@@ -314,6 +316,8 @@ class UbepExchange:
     # -- combine ----------------------------------------------------------------------------------
 
     def combine(self, call: CallId, x_MH, handle: DispatchHandle, topk_weights_MK):
+        self.t.begin(call)
+        call = call.exact()
         if self._compiled is not None:
             return self._compiled.combine(call, x_MH, handle, topk_weights_MK)
         back = self.blocks.back

@@ -146,6 +146,15 @@ class Transport(Protocol):
     def barrier(self, phase: str, call: CallId) -> None:
         """Every rank arrives before any leaves (the BSP baseline's synchronisation)."""
 
+    def begin(self, call: CallId) -> None:
+        """Record that this rank began `call`, first in every call; a wait that goes on raises
+        PeerDataError on finding a peer whose call of the same seq is another (kind, per-kind
+        number): the ranks' call sequences differ."""
+
+    def check_in_step(self, call: CallId, phase: str) -> None:
+        """Raise that PeerDataError now if a live peer began another call of `call`'s seq (for a
+        protocol whose barriers let mismatched calls pass, before it blames missing data)."""
+
     def abort(self, call: CallId, cause: int = 0, culprit: int = -1) -> None:
         """Tell peers waiting on `call` that this rank will not take part (first cause wins)."""
 

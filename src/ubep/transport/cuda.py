@@ -136,6 +136,12 @@ class CudaHeap:
         torch.cuda.current_stream(self._arenas[0].device).synchronize()  # as publish: our writes are done
         self._host.barrier(phase, call)
 
+    def begin(self, call: CallId) -> None:
+        self._host.begin(call)
+
+    def check_in_step(self, call: CallId, phase: str) -> None:
+        self._host.check_in_step(call, phase)
+
     def abort(self, call: CallId, cause: int = 0, culprit: int = -1) -> None:
         self._host.abort(call, cause, culprit)
 

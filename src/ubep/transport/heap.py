@@ -11,7 +11,9 @@ both are behind `Memory`. Everything a protocol relies on is here, once:
   dead and aborting peers;
 - the control block: the barrier word and a ring of abort notices,
   one per call (slot seq % ABORT_RING), so a notice outlives the rank's next
-  calls and a slow peer still finds it there;
+  calls and a slow peer still finds it there; and a ring of the calls the
+  rank began (kind and per-kind number, slot seq % CALL_RING), so a wait that
+  goes on finds at once a peer whose call of the same seq is another one;
 - membership: `mask` drops dead ranks from every later wait and barrier, after
   the survivors agree (in the `members` block) on whom and on the call to
   resume from.
@@ -29,23 +31,26 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from ubep.calls import CallId
+from ubep.calls import KINDS, METHODS, CallId
 from ubep.errors import CommTimeoutError, MaskedOutError, PeerDataError, UbepError
 from ubep.transport.base import Field, Header, Record, Region
 from ubep.waiting import YIELD_POLLS, AbortNotice, PeerAbortedError, ProcessId, Waiter
 
 ALIGN = 64  # bytes; every block starts on a cache line
 # Control block words: the barrier word, the word a compiled half raises while it sleeps on its
-# doorbell (publishers ring only such ranks), and (from the next cache line) a ring of abort notices.
+# doorbell (publishers ring only such ranks), (from the next cache line) a ring of abort notices,
+# then a ring of the calls begun.
 CTL_BARRIER, CTL_ASLEEP, CTL_ABORTS, ABORT_RING = 0, 1, 8, 16
-CTL_WORDS = CTL_ABORTS + ABORT_RING
+CTL_CALLS, CALL_RING = CTL_ABORTS + ABORT_RING, 16
+CTL_WORDS = CTL_CALLS + CALL_RING
 # Why a rank aborted a call; a notice packs (seq, cause, culprit + 1) into one word.
-CAUSE_OWN, CAUSE_DEAD, CAUSE_SILENT, CAUSE_BAD_DATA, CAUSE_ABORTED = 0, 1, 2, 3, 4
+CAUSE_OWN, CAUSE_DEAD, CAUSE_SILENT, CAUSE_BAD_DATA, CAUSE_ABORTED, CAUSE_OUT_OF_STEP = 0, 1, 2, 3, 4, 5
 BLAME = {
     CAUSE_DEAD: "died",
     CAUSE_SILENT: "sent nothing before the deadline",
     CAUSE_BAD_DATA: "published data that failed its checks",
     CAUSE_ABORTED: "aborted the call",  # passed on: the culprit gave up first, for its own reason
+    CAUSE_OUT_OF_STEP: "made another call (the ranks' call sequences differ)",
 }
 BARRIERS_PER_CALL = 16  # barrier targets are call.seq * this + step: ranks agree even after an abort
 
@@ -57,6 +62,16 @@ def pack_notice(seq: int, cause: int, culprit: int) -> int:
 def unpack_notice(word: int) -> tuple[int, int, int]:
     """(seq, cause, culprit) of a packed abort notice; culprit -1: none."""
     return word >> 24, (word >> 16) & 0xFF, (word & 0xFFFF) - 1
+
+
+def pack_call(call: CallId) -> int:
+    """A call-ring word: (seq, this kind's number, kind code); kind 0: a call of no known kind."""
+    return (call.seq << 32) | ((call.epoch & 0xFFFFFF) << 8) | KINDS.get(call.kind, 0)
+
+
+def unpack_call(word: int) -> tuple[int, int, int]:
+    """(seq, per-kind number, kind code) of a call-ring word."""
+    return word >> 32, (word >> 8) & 0xFFFFFF, word & 0xFF
 
 
 class Layout:
@@ -119,6 +134,7 @@ class Heap:
         self._generation = 0  # how many times membership changed
         self._peers: tuple[ProcessId | None, ...] = (None,) * num_ranks
         self._current_seq = 0
+        self._current: tuple[CallId, str] | None = None  # the call and phase of the latest wait
         self._barrier_seq = self._barrier_step = 0
 
     # -- memory -----------------------------------------------------------------------------------
@@ -232,7 +248,7 @@ class Heap:
     # -- waiting ----------------------------------------------------------------------------------
 
     def _waiter(self, phase: str, call: CallId, yields: int = YIELD_POLLS) -> Waiter:
-        self._current_seq = call.seq
+        self._current_seq, self._current = call.seq, (call, phase)
         return Waiter(
             phase,
             self.timeout_s,
@@ -325,7 +341,10 @@ class Heap:
         return (cause, culprit) if got_seq == seq else None
 
     def _aborted(self, peer: int) -> AbortNotice | None:
-        """Peer's notice if it aborted the current call (words read from a peer: checked)."""
+        """Peer's notice if it aborted the current call (words read from a peer: checked); first,
+        PeerDataError if any live rank began another call of this seq (see `begin`)."""
+        if self._current is not None:
+            self.check_in_step(*self._current)
         found = self._notice(peer, self._current_seq)
         if found is None:
             return None
@@ -345,6 +364,34 @@ class Heap:
             self.abort(call, CAUSE_ABORTED, error.peer)
         else:
             self.abort(call)
+
+    def begin(self, call: CallId) -> None:
+        """Record that this rank began `call` (its kind and per-kind number), for peers' waits."""
+        self._ctl[self.rank][CTL_CALLS + call.seq % CALL_RING] = pack_call(call)
+
+    def check_in_step(self, call: CallId, phase: str) -> None:
+        """Raise PeerDataError (and tell the peers) if a live rank began another call of this seq
+        than this rank did (another kind, or another number of its kind): the ranks' call
+        sequences went apart (a rank skipped or added a call, here or earlier), so this call can
+        never complete. The call as begun is read from the ring: a protocol may wait under the
+        call's `exact` identity."""
+        mine = unpack_call(int(self._ctl[self.rank][CTL_CALLS + call.seq % CALL_RING]))
+        if mine[0] != call.seq or not mine[2]:
+            return  # a wait of no call this rank began (or of a call of no known kind)
+        calls = {r: unpack_call(int(self._ctl[r][CTL_CALLS + call.seq % CALL_RING])) for r in self.live}
+        began = {r: c for r, c in calls.items() if c[0] == call.seq and c[2]}  # peers behind: not yet
+        other = [r for r, c in began.items() if c[1:] != mine[1:]]
+        if not other:
+            return
+        self.abort(call, CAUSE_OUT_OF_STEP, other[0])
+        by_call: dict[tuple[int, int], list[int]] = {}
+        for r, (_, number, kind) in sorted(began.items()):
+            by_call.setdefault((kind, number), []).append(r)
+        said = ", ".join(
+            f"rank(s) {', '.join(map(str, ranks))} called {METHODS[kind]} #{number}"
+            for (kind, number), ranks in by_call.items()
+        )
+        raise PeerDataError(f"{phase}: the ranks' calls #{call.seq} differ: {said}")
 
     def abort(self, call: CallId, cause: int = CAUSE_OWN, culprit: int = -1) -> None:
         if self._ctl and self._notice(self.rank, call.seq) is None:
