@@ -7,6 +7,7 @@ else the host name. This is the one place that reads the environment.
 
 from __future__ import annotations
 
+import atexit
 import os
 import platform
 import socket
@@ -48,6 +49,8 @@ def join_group(group: dist.ProcessGroup | VirtualRank | None) -> GroupInfo:
     if group is None and not dist.is_initialized():
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:
             dist.init_process_group("gloo")
+            atexit.unregister(leave_group)  # once, however many Buffers joined
+            atexit.register(leave_group)
         else:
             return GroupInfo(None, 0, 1, (0,))
     group = group or dist.group.WORLD
@@ -58,6 +61,18 @@ def join_group(group: dist.ProcessGroup | VirtualRank | None) -> GroupInfo:
     order = {k: i for i, k in enumerate(dict.fromkeys(keys))}
     peers = PeerPids.of(rank, [process for _, process in everyone])
     return GroupInfo(group, rank, world, tuple(order[k] for k in keys), peers)
+
+
+def leave_group() -> None:
+    """At exit, destroy the group `join_group` initialised, unless the program did already.
+
+    A gloo group left to the interpreter's teardown can end the process with "terminate
+    called without an active exception" after every result is in (its threads are destroyed
+    unjoined; upstream: pytorch/pytorch#190489), so torchrun reports the job FAILED. A program
+    that let ubep join torchrun's group never initialised one, so it would not destroy it.
+    """
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def all_gather_object(info: GroupInfo, obj: Any) -> list[Any]:
