@@ -156,12 +156,57 @@ def collective_deadline(
     except BaseException as error:
         if not _from_backend(error):
             raise
-        raise _timeout_error(group, timeout_s, phase, peers, error, names, watcher) from error
+        failure = _timeout_error(group, timeout_s, phase, peers, error, names, watcher)
+        if not failure.dead_peers:
+            _note_gave_up(group)  # before this rank raises, and perhaps exits
+        raise failure from error
     finally:
         if watcher is not None:
             watcher.stop()
         if backend is not None:
             backend._set_default_timeout(previous)
+
+
+GAVE_UP_KEY = "ubep-gave-up/{rank}"  # in the group's store: when this rank gave up on a collective
+
+
+def _store(group: dist.ProcessGroup | None):
+    """The group's rendezvous store, or None where torch does not expose it."""
+    try:
+        return None if group is None else dist.distributed_c10d._get_process_group_store(group)
+    except (AttributeError, RuntimeError, ValueError, KeyError):
+        return None
+
+
+def _note_gave_up(group: dist.ProcessGroup | None) -> None:
+    """Tell the group's store that this rank gave up on a collective now (wall-clock time).
+
+    A survivor whose own deadline comes later finds this rank exited; the note says it left
+    after giving up, so the survivor blames the ranks still silent instead."""
+    store = _store(group)
+    if store is None:
+        return
+    try:
+        store.set(GAVE_UP_KEY.format(rank=dist.get_rank(group)), repr(time.time()))
+    except Exception:  # the store's host may be gone: then nobody learns, as before
+        pass
+
+
+def _gave_up(group: dist.ProcessGroup | None, ranks: list[int], timeout_s: float) -> list[int]:
+    """Those of `ranks` (exited peers) that noted giving up within the last two deadlines."""
+    store = _store(group) if ranks else None
+    if store is None:
+        return []
+    recent = time.time() - 2 * timeout_s - 1.0
+    left = []
+    for r in ranks:
+        key = GAVE_UP_KEY.format(rank=r)
+        try:
+            if store.check([key]) and float(store.get(key).decode()) >= recent:
+                left.append(r)
+        except Exception:
+            continue
+    return left
 
 
 def _timeout_error(
@@ -192,6 +237,13 @@ def _timeout_error(
         dead, unordered = watcher.first_dead(0.0 if timed_out else DEATH_GRACE_S)
     else:
         dead = [] if peers is None else peers.dead() if timed_out else peers.dead_after_grace()
+    left = _gave_up(group, dead, timeout_s)
+    if left and len(left) == len(dead):  # survivors that gave up before this rank: not to blame
+        silent = [named[r] for r in range(world) if r != me and r not in left]
+        ranks = ", ".join(str(named[r]) for r in left)
+        detail = f"rank(s) {ranks} gave up waiting too, and left; torch.distributed: {said}"
+        return CommTimeoutError(phase, silent, timeout_s, [], detail)
+    dead = [r for r in dead if r not in left]
     if dead:
         time.sleep(LINGER_S)  # a slower survivor's first look must not find this rank exited too
         dead = [named[r] for r in dead]
