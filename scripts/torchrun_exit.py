@@ -5,8 +5,9 @@
 Each job lets ubep join torchrun's group (no init_process_group of its own), checks a
 dispatch and a combine against `ubep.reference`, closes the Buffer and ends; with
 `--destroy` it calls `dist.destroy_process_group()` first, as a program that initialised
-the group would. A run passes when torchrun exits 0 with every rank's result exact; a
-rank that dies at exit ("terminate called without an active exception") fails it.
+the group would. A run passes when torchrun exits 0 with every rank's result exact and
+every rank's group destroyed by the time its exit handlers end; a rank that dies at exit
+("terminate called without an active exception") fails it.
 For "hier", each half of the ranks plays one node (GROUP_RANK set from the rank).
 Prints one line per run and a summary; exits 1 if any run failed.
 """
@@ -14,6 +15,7 @@ Prints one line per run and a summary; exits 1 if any run failed.
 from __future__ import annotations
 
 import argparse
+import atexit
 import os
 import subprocess
 import sys
@@ -24,6 +26,10 @@ def job(transport: str, destroy: bool) -> None:
     """One rank of a torchrun job (torchrun sets RANK, LOCAL_WORLD_SIZE, ...)."""
     import torch
     import torch.distributed as dist
+
+    # Registered before ubep's own exit handler, so it runs after it (atexit is last in, first out).
+    rank = os.environ["RANK"]
+    atexit.register(lambda: print(f"rank {rank} group left at exit: {not dist.is_initialized()}"))
 
     import ubep
     from ubep import reference
@@ -38,7 +44,7 @@ def job(transport: str, destroy: bool) -> None:
     ws = [torch.rand(N, K, generator=gen) for _ in range(R)]
     ref = reference.dispatch(xs, idxs, ws, E)
     options = {"hidden": H, "num_experts": E, "max_tokens_per_rank": N, "transport": transport}
-    with ubep.Buffer(**options, timeout_s=60) as buf:
+    with ubep.Buffer(**options, engine="torch", timeout_s=60) as buf:  # the engine plays no part here
         me = buf.rank
         got = buf.dispatch(xs[me], topk_idx=idxs[me], topk_weights=ws[me])
         out = buf.combine(got.recv_x, got.handle).combined_x
@@ -61,10 +67,11 @@ def run_once(nproc: int, transport: str, destroy: bool, timeout_s: float) -> tup
     except subprocess.TimeoutExpired:
         return False, f"no exit within {timeout_s:g} s"
     exact = done.stdout.count(f"transport={transport} exact=True")
-    if done.returncode == 0 and exact == nproc:
+    left = done.stdout.count("group left at exit: True")
+    if done.returncode == 0 and exact == nproc and left == nproc:
         return True, "ok"
     terminate = "terminate called" in done.stderr
-    why = f"exit code {done.returncode}, {exact}/{nproc} ranks exact"
+    why = f"exit code {done.returncode}, {exact}/{nproc} ranks exact, {left}/{nproc} left the group at exit"
     return False, why + (", a rank hit terminate" if terminate else "")
 
 

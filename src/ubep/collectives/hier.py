@@ -4,14 +4,14 @@ Ranks pair up across nodes in rails (`ubep.nodes`): traffic between two nodes
 runs only between the two ranks of one rail, over torch.distributed; inside a
 node it runs over a shared-memory heap, as in `ubep_shm`.
 
-Dispatch, on rank `me` (node n, local index l), call epoch e:
+Dispatch, on rank `me` (node n, local index l), call seq s (stamps in the node: `in_node`):
   1. across: for each other node, the tokens that need any rank there cross
      once, to me's rail peer on that node: all-to-alls over the rail group of
      the counts, the routing (source token, global top-k ids, weights) and x.
   2. relay: me's *forward set* is the rows its rail peers sent (by slot, each
      block ascending) followed by its own tokens that need a rank of node n.
-     The routing goes into me's shared segment (stamp META = e) and x lands
-     there straight from the all-to-all (stamp DATA = e).
+     The routing goes into me's shared segment (stamp META = s) and x lands
+     there straight from the all-to-all (stamp DATA = s).
   3. fan out: every rank of node n reads every forward set's routing, picks
      the rows owned here, orders them by (source rank, token) as the contract
      says (the source is the token's home, not the forwarder), and pulls them.
@@ -159,9 +159,10 @@ def in_node(call: CallId) -> CallId:
     The seq is the one number every rank agrees on after any mismatch (a kind mismatch
     leaves the per-kind epochs apart for good), so a wait pairs only the same call on both
     sides: a rank whose call went wrong can never have its next call's rows taken for it.
-    Halves alternate with the seq's parity; that is safe because every call waits for every
-    node peer's stamp of that call, published only after the peer finished its previous call,
-    so no peer still reads the half of the call before the previous one.
+    Halves alternate with the seq's parity; a call writes its half only once every node peer
+    began the call before it (`HierExchange._begin`), so no peer still reads that half from
+    the call before that one. (A low-latency call between two on hier is a collective over
+    the whole group, which every rank joins after finishing its previous call.)
     """
     return CallId(call.seq, call.seq, call.kind)
 
@@ -223,6 +224,17 @@ class HierExchange:
         self.blocks = HierBlocks.of(sizing, self.G, self.P)
         self.t = shm_heap(self.blocks.all(), self.groups[1], self.local, self.P, timeout_s)
         self.headers = CallHeaders(self.groups[0], self.G, 1, self._rail_deadline, names=tuple(self.rail))
+
+    def _begin(self, call: CallId) -> CallId:
+        """`call` as the node-local memory sees it (`in_node`), once every node peer began the call
+        before it: only then has each finished reading the half this call overwrites. A call that
+        completes implies it; one that failed early (at the rail header) does not."""
+        call = in_node(call)
+        self.t.begin(call)
+        others = [p for p in range(self.P) if p != self.local]
+        if not all(self.t.began(p, call.seq - 1) for p in others):
+            self.t.wait(self._phase("previous call"), call, others, lambda p: self.t.began(p, call.seq - 1))
+        return call
 
     def _phase(self, what: str) -> str:
         return f"{what} (peers named by node-local index of ranks {self.node_ranks})"
@@ -321,7 +333,7 @@ class HierExchange:
     # -- inside the node: dispatch ----------------------------------------------------------------
 
     def dispatch(self, call: CallId, plan: SendPlan, handle: DispatchHandle | None) -> Received:
-        call = in_node(call)
+        call = self._begin(call)
         x_NX = plan.packed_rows()  # one tensor crosses: an FP8 pair travels as byte rows
         if handle is not None:
             return self._dispatch_cached(call, plan, x_NX, handle)
@@ -432,7 +444,7 @@ class HierExchange:
     # -- combine ----------------------------------------------------------------------------------
 
     def combine(self, call: CallId, x_MH, handle: DispatchHandle, topk_weights_MK):
-        call = in_node(call)
+        call = self._begin(call)
         route: HierRoute = handle.route
         K = 0 if topk_weights_MK is None else topk_weights_MK.shape[1]
         header = CallHeader.of(call, handle=handle.seq, dtype=DTYPE_CODES[x_MH.dtype], topk=K or NONE)
@@ -496,6 +508,7 @@ class HierExchange:
         """Node peers learn at once; rail peers too, from the call header, unless this rank
         has joined it already (then they time out at the next rail collective)."""
         call = in_node(call)
+        self.t.begin(call)  # node peers waiting for this rank to reach the call may go on
         self.t.abort(call)
         self.headers.abort(call)
 
