@@ -82,9 +82,12 @@ def every_case(protocol: str, engine: str) -> dict[str, list[tuple[str, float]]]
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("protocol,engine", [("ubep", "numba"), ("ubep", "torch"), ("bsp", "numba"), ("bsp", "torch")])
+@pytest.mark.parametrize(
+    "protocol,engine", [("ubep", "numba"), ("ubep", "torch"), ("bsp", "numba"), ("bsp", "torch")]
+)
 def test_mismatched_call_sequences_raise_at_once_on_every_rank(protocol, engine):
-    pytest.importorskip("numba") if engine == "numba" else None
+    if engine == "numba":
+        pytest.importorskip("numba")
     seen = ubep.LocalLaunch(world_size=2, timeout_s=90).run(every_case, protocol, engine)
     for rank, cases in enumerate(seen):
         for case, steps in cases.items():
