@@ -122,6 +122,7 @@ class HierBlocks:
     slot: Header  # inbox: per node rank, the rows it put into this rank's combine buffer
     back_x: Region  # uint8 [F * P, row bytes]: rows back, node-rank-major
     back_w: Region  # float32 [F * P, max_topk]
+    done: Region  # int64 [1]: the seq of the last call this rank is done with (`HierExchange._finish`)
 
     @classmethod
     def of(cls, s: Sizing, num_nodes: int, per_node: int) -> HierBlocks:
@@ -137,6 +138,7 @@ class HierBlocks:
             slot=Header("hier.slot", (dtype, Field("count", hi=F)), inbox=True),
             back_x=Region("hier.back_x", (F * per_node, B), torch.uint8, double=True),
             back_w=Region("hier.back_w", (F * per_node, K), torch.float32, double=True),
+            done=Region("hier.done", (1,), torch.int64),
         )
 
     def all(self) -> tuple[Region | Header, ...]:
@@ -150,6 +152,7 @@ class HierBlocks:
             self.slot,
             self.back_x,
             self.back_w,
+            self.done,
         )
 
 
@@ -160,9 +163,8 @@ def in_node(call: CallId) -> CallId:
     leaves the per-kind epochs apart for good), so a wait pairs only the same call on both
     sides: a rank whose call went wrong can never have its next call's rows taken for it.
     Halves alternate with the seq's parity; a call writes its half only once every node peer
-    began the call before it (`HierExchange._begin`), so no peer still reads that half from
-    the call before that one. (A low-latency call between two on hier is a collective over
-    the whole group, which every rank joins after finishing its previous call.)
+    is done with this rank's last call on that half (`HierExchange._begin`), so no peer still
+    reads it.
     """
     return CallId(call.seq, call.seq, call.kind)
 
@@ -224,17 +226,28 @@ class HierExchange:
         self.blocks = HierBlocks.of(sizing, self.G, self.P)
         self.t = shm_heap(self.blocks.all(), self.groups[1], self.local, self.P, timeout_s)
         self.headers = CallHeaders(self.groups[0], self.G, 1, self._rail_deadline, names=tuple(self.rail))
+        self._last_on_half = [0, 0]  # the seq of this rank's last call on each half of the node memory
 
     def _begin(self, call: CallId) -> CallId:
-        """`call` as the node-local memory sees it (`in_node`), once every node peer began the call
-        before it: only then has each finished reading the half this call overwrites. A call that
-        completes implies it; one that failed early (at the rail header) does not."""
+        """`call` as the node-local memory sees it (`in_node`), once every node peer is done with
+        this rank's last call on the same half: only then may the half be overwritten. A call
+        that completed on every rank implies it; one that failed early (at the rail header, on
+        some ranks only) does not."""
         call = in_node(call)
         self.t.begin(call)
-        others = [p for p in range(self.P) if p != self.local]
-        if not all(self.t.began(p, call.seq - 1) for p in others):
-            self.t.wait(self._phase("previous call"), call, others, lambda p: self.t.began(p, call.seq - 1))
+        before = self._last_on_half[call.parity]
+        done = [self.t.words(self.blocks.done, p) for p in range(self.P)]
+        others = [p for p in range(self.P) if p != self.local and done[p][0] < before]
+        if others:
+            self.t.wait(self._phase("previous call"), call, others, lambda p: done[p][0] >= before)
+        self._last_on_half[call.parity] = call.seq
         return call
+
+    def _finish(self, call: CallId) -> None:
+        """This rank is done with `call` (completed or given up): peers may overwrite its half."""
+        done = self.t.words(self.blocks.done, self.local)
+        done[0] = max(int(done[0]), call.seq)
+        self.t.ring()
 
     def _phase(self, what: str) -> str:
         return f"{what} (peers named by node-local index of ranks {self.node_ranks})"
@@ -334,6 +347,11 @@ class HierExchange:
 
     def dispatch(self, call: CallId, plan: SendPlan, handle: DispatchHandle | None) -> Received:
         call = self._begin(call)
+        got = self._dispatch(call, plan, handle)
+        self._finish(call)
+        return got
+
+    def _dispatch(self, call: CallId, plan: SendPlan, handle: DispatchHandle | None) -> Received:
         x_NX = plan.packed_rows()  # one tensor crosses: an FP8 pair travels as byte rows
         if handle is not None:
             return self._dispatch_cached(call, plan, x_NX, handle)
@@ -445,6 +463,11 @@ class HierExchange:
 
     def combine(self, call: CallId, x_MH, handle: DispatchHandle, topk_weights_MK):
         call = self._begin(call)
+        got = self._combine(call, x_MH, handle, topk_weights_MK)
+        self._finish(call)
+        return got
+
+    def _combine(self, call: CallId, x_MH, handle: DispatchHandle, topk_weights_MK):
         route: HierRoute = handle.route
         K = 0 if topk_weights_MK is None else topk_weights_MK.shape[1]
         header = CallHeader.of(call, handle=handle.seq, dtype=DTYPE_CODES[x_MH.dtype], topk=K or NONE)
@@ -508,7 +531,7 @@ class HierExchange:
         """Node peers learn at once; rail peers too, from the call header, unless this rank
         has joined it already (then they time out at the next rail collective)."""
         call = in_node(call)
-        self.t.begin(call)  # node peers waiting for this rank to reach the call may go on
+        self._finish(call)  # node peers waiting for this rank to be done with the call may go on
         self.t.abort(call)
         self.headers.abort(call)
 

@@ -369,11 +369,6 @@ class Heap:
         """Record that this rank began `call` (its kind and per-kind number), for peers' waits."""
         self._ctl[self.rank][CTL_CALLS + call.seq % CALL_RING] = pack_call(call)
 
-    def began(self, peer: int, seq: int) -> bool:
-        """Whether `peer` began call `seq` or a later one (`begin`; an abort of it counts where the
-        protocol begins the call it aborts)."""
-        return unpack_call(int(self._ctl[peer][CTL_CALLS + seq % CALL_RING]))[0] >= seq
-
     def check_in_step(self, call: CallId, phase: str) -> None:
         """Raise PeerDataError (and tell the peers) if a live rank began another call of this seq
         than this rank did (another kind, or another number of its kind): the ranks' call
