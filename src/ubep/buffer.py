@@ -10,6 +10,7 @@ Legend: see `ubep.layout`.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import os
@@ -710,6 +711,11 @@ class Buffer:
         exchange, self._exchange = self._exchange, None
         if exchange is not None:
             exchange.close()
+        # No reference to the process group may outlive the Buffer: `destroy_process_group` frees a
+        # gloo group only when its last reference goes, and one freed in the interpreter's teardown
+        # (a Buffer kept alive by a reference cycle until then) can abort the process at exit.
+        if getattr(self, "_info", None) is not None:
+            self._info = dataclasses.replace(self._info, group=None)
 
     def __enter__(self) -> Buffer:
         return self
