@@ -157,8 +157,8 @@ def collective_deadline(
         if not _from_backend(error):
             raise
         failure = _timeout_error(group, timeout_s, phase, peers, error, names, watcher)
-        if not failure.dead_peers:
-            _note_gave_up(group)  # before this rank raises, and perhaps exits
+        if not failure.dead_peers and _timed_out(error):
+            _note_gave_up(group)  # its deadline passed: say so before this rank raises, and perhaps exits
         raise failure from error
     finally:
         if watcher is not None:
@@ -192,21 +192,34 @@ def _note_gave_up(group: dist.ProcessGroup | None) -> None:
         pass
 
 
-def _gave_up(group: dist.ProcessGroup | None, ranks: list[int], timeout_s: float) -> list[int]:
-    """Those of `ranks` (exited peers) that noted giving up within the last two deadlines."""
+def _gave_up(
+    group: dist.ProcessGroup | None, ranks: list[int], timeout_s: float, grace_s: float = 0.0
+) -> list[int]:
+    """Those of `ranks` that noted giving up at a deadline within the last two deadlines, looking
+    again for up to `grace_s` while none has (a peer's connection closes as it raises, a moment
+    before its note is written)."""
     store = _store(group) if ranks else None
     if store is None:
         return []
-    recent = time.time() - 2 * timeout_s - 1.0
-    left = []
-    for r in ranks:
-        key = GAVE_UP_KEY.format(rank=r)
-        try:
-            if store.check([key]) and float(store.get(key).decode()) >= recent:
-                left.append(r)
-        except Exception:
-            continue
-    return left
+    end = time.monotonic() + grace_s
+    while True:
+        recent = time.time() - 2 * timeout_s - 1.0
+        left = []
+        for r in ranks:
+            key = GAVE_UP_KEY.format(rank=r)
+            try:
+                if store.check([key]) and float(store.get(key).decode()) >= recent:
+                    left.append(r)
+            except Exception:
+                continue
+        if left or time.monotonic() >= end:
+            return left
+        time.sleep(0.02)
+
+
+def _timed_out(error: BaseException) -> bool:
+    """Whether a backend failure is its deadline passing (not a broken connection)."""
+    return "timed out" in str(error).lower()
 
 
 def _timeout_error(
@@ -225,7 +238,7 @@ def _timeout_error(
     me = peers.rank if peers is not None else (dist.get_rank(group) if group is not None else 0)
     world = dist.get_world_size(group) if group is not None else 1
     named = names or tuple(range(world))
-    timed_out = "timed out" in said.lower()  # a deadline, not a broken connection: no grace
+    timed_out = _timed_out(error)  # a deadline, not a broken connection: no grace
     stopped = [] if peers is None else peers.stopped()
     if stopped:
         stopped = [named[r] for r in stopped]
@@ -238,7 +251,7 @@ def _timeout_error(
     else:
         dead = [] if peers is None else peers.dead() if timed_out else peers.dead_after_grace()
     left = _gave_up(group, dead, timeout_s)
-    if left and len(left) == len(dead):  # survivors that gave up before this rank: not to blame
+    if left and len(left) == len(dead) < world - 1:  # survivors that gave up before this one: not to blame
         silent = [named[r] for r in range(world) if r != me and r not in left]
         ranks = ", ".join(str(named[r]) for r in left)
         detail = f"rank(s) {ranks} gave up waiting too, and left; torch.distributed: {said}"
@@ -251,6 +264,12 @@ def _timeout_error(
             detail = f"all had exited when this rank first looked; torch.distributed: {said}"
             return CommTimeoutError(phase, dead, timeout_s, [], detail, lost=True)
         return CommTimeoutError(phase, dead, timeout_s, dead, f"torch.distributed: {said}")
-    others = [named[r] for r in range(world) if r != me]
+    others = [r for r in range(world) if r != me]
+    left = [] if timed_out else _gave_up(group, others, timeout_s, DEATH_GRACE_S)  # who left, if any?
+    if left and len(left) < len(others):  # they left after their own deadline: so is this one
+        silent = [named[r] for r in others if r not in left]
+        ranks = ", ".join(str(named[r]) for r in left)
+        detail = f"rank(s) {ranks} gave up waiting too, and left; torch.distributed: {said}"
+        return CommTimeoutError(phase, silent, timeout_s, [], detail)
     detail = f"torch.distributed does not say which of them; it reported: {said}"
-    return CommTimeoutError(phase, others, timeout_s, [], detail, lost=not timed_out)
+    return CommTimeoutError(phase, [named[r] for r in others], timeout_s, [], detail, lost=not timed_out)
