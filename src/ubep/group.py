@@ -8,6 +8,7 @@ else the host name. This is the one place that reads the environment.
 from __future__ import annotations
 
 import atexit
+import gc
 import os
 import platform
 import socket
@@ -54,6 +55,8 @@ def join_group(group: dist.ProcessGroup | VirtualRank | None) -> GroupInfo:
         else:
             return GroupInfo(None, 0, 1, (0,))
     group = group or dist.group.WORLD
+    atexit.unregister(collect_leftovers)  # once, however many Buffers joined
+    atexit.register(collect_leftovers)
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     everyone: list[tuple[str, tuple] | None] = [None] * world
     dist.all_gather_object(everyone, (node_key(), here()), group=group)
@@ -63,6 +66,11 @@ def join_group(group: dist.ProcessGroup | VirtualRank | None) -> GroupInfo:
     return GroupInfo(group, rank, world, tuple(order[k] for k in keys), peers)
 
 
+def collect_leftovers() -> None:
+    """At exit, free closed Buffers' leftovers held only by reference cycles (see `leave_group`)."""
+    gc.collect()
+
+
 def leave_group() -> None:
     """At exit, destroy the group `join_group` initialised, unless the program did already.
 
@@ -70,7 +78,10 @@ def leave_group() -> None:
     called without an active exception" after every result is in (its threads are destroyed
     unjoined; upstream: pytorch/pytorch#190489), so torchrun reports the job FAILED. A program
     that let ubep join torchrun's group never initialised one, so it would not destroy it.
+    Whichever group a Buffer joined, `collect_leftovers` runs at exit too, so that no
+    closed Buffer's leftovers in a reference cycle keep a destroyed group alive until teardown.
     """
+    collect_leftovers()  # their references to the group go first
     if dist.is_initialized():
         dist.destroy_process_group()
 

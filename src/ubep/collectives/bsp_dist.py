@@ -16,6 +16,7 @@ under the Buffer's deadline (`ubep.deadlines`).
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -57,10 +58,10 @@ class BspDist:
         self.faults = faults
         with collective_deadline(group, timeout_s, "Buffer construction (pid exchange)"):
             self._pids = PeerPids.gather(group, rank, self.R)
+        # deadline(phase): a partial, not a bound method, so no reference cycle keeps the group alive
+        # after close (a gloo group freed in the interpreter's teardown can abort the process)
+        self._deadline = functools.partial(collective_deadline, group, timeout_s, peers=self._pids)
         self.headers = CallHeaders(group, self.R, sizing.placement.num_local_experts, self._deadline)
-
-    def _deadline(self, phase: str):
-        return collective_deadline(self.group, self.timeout_s, phase, self._pids)
 
     def _all_to_all(
         self, phase: str, send_nX: torch.Tensor, send_counts: list[int], recv_counts: list[int]

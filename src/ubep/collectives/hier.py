@@ -31,6 +31,7 @@ S rows crossing, O own tokens kept in the node, Y columns of a partial: H or H +
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from datetime import timedelta
@@ -225,6 +226,10 @@ class HierExchange:
         self.timeout_s, self.engine = timeout_s, engine
         self.blocks = HierBlocks.of(sizing, self.G, self.P)
         self.t = shm_heap(self.blocks.all(), self.groups[1], self.local, self.P, timeout_s)
+        # A partial, not a bound method: no reference cycle keeps the groups alive after close.
+        self._rail_deadline = functools.partial(
+            collective_deadline, self.groups[0], timeout_s, names=tuple(self.rail)
+        )
         self.headers = CallHeaders(self.groups[0], self.G, 1, self._rail_deadline, names=tuple(self.rail))
         self._last_on_half = [0, 0]  # the seq of this rank's last call on each half of the node memory
 
@@ -253,9 +258,6 @@ class HierExchange:
         return f"{what} (peers named by node-local index of ranks {self.node_ranks})"
 
     # -- across nodes -----------------------------------------------------------------------------
-
-    def _rail_deadline(self, phase: str):
-        return collective_deadline(self.groups[0], self.timeout_s, phase, names=tuple(self.rail))
 
     def _rail_header(
         self, call: CallId, header: CallHeader, mine_G1: torch.Tensor | None = None

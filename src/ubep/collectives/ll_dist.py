@@ -18,6 +18,7 @@ joins the header as REJECTED, so its peers raise PeerAbortedError at once.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from datetime import timedelta
 
@@ -55,11 +56,10 @@ class LLDist:
         self.timeout_s = timeout_s
         with collective_deadline(group, timeout_s, "Buffer construction (pid exchange)"):
             self._pids = PeerPids.gather(group, rank, self.R)
+        # Every collective of this path, and every wait for one, runs under the Buffer's deadline; a
+        # partial, not a bound method, so no reference cycle keeps the group alive after close.
+        self._deadline = functools.partial(collective_deadline, group, timeout_s, peers=self._pids)
         self.headers = CallHeaders(group, self.R, self.L, self._deadline)
-
-    def _deadline(self, phase: str):
-        """Every collective of this path, and every wait for one, runs under the Buffer's deadline."""
-        return collective_deadline(self.group, self.timeout_s, phase, self._pids)
 
     def _finish(self, phase: str, works: list) -> None:
         """Wait for asynchronous collectives, at most `timeout_s` (a stalled peer is named)."""

@@ -64,13 +64,8 @@ def unpack_notice(word: int) -> tuple[int, int, int]:
     return word >> 24, (word >> 16) & 0xFF, (word & 0xFFFF) - 1
 
 
-def pack_call(call: CallId) -> int:
-    """A call-ring word: (seq, this kind's number, kind code); kind 0: a call of no known kind."""
-    return (call.seq << 32) | ((call.epoch & 0xFFFFFF) << 8) | KINDS.get(call.kind, 0)
-
-
 def unpack_call(word: int) -> tuple[int, int, int]:
-    """(seq, per-kind number, kind code) of a call-ring word."""
+    """(seq, per-kind number, kind code; 0: no known kind) of a call-ring word (`Heap.begin`)."""
     return word >> 32, (word >> 8) & 0xFFFFFF, word & 0xFF
 
 
@@ -367,7 +362,8 @@ class Heap:
 
     def begin(self, call: CallId) -> None:
         """Record that this rank began `call` (its kind and per-kind number), for peers' waits."""
-        self._ctl[self.rank][CTL_CALLS + call.seq % CALL_RING] = pack_call(call)
+        word = (call.seq << 32) | ((call.epoch & 0xFFFFFF) << 8) | KINDS.get(call.kind, 0)  # per call: inline
+        self._ctl[self.rank][CTL_CALLS + call.seq % CALL_RING] = word
 
     def check_in_step(self, call: CallId, phase: str) -> None:
         """Raise PeerDataError (and tell the peers) if a live rank began another call of this seq
