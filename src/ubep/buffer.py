@@ -346,7 +346,7 @@ class Buffer:
 
     def _check_num_experts(self, num_experts: int) -> None:
         """A call's num_experts: the logical count with a placement, else the Buffer's."""
-        want = self.num_experts if self._placement is None else self._placement.num_logical
+        want = self._num_experts if self._placement is None else self._placement.num_logical
         if num_experts != want:
             raise ValueError(f"num_experts is {num_experts}, the Buffer was built for {want}")
 

@@ -23,7 +23,7 @@ from ubep.calls import CallId
 from ubep.engine import Engine
 from ubep.engine.torch_engine import as_words
 from ubep.layout import ExpertPlacement, prefix_offsets
-from ubep.protocols.base import DTYPE_CODES
+from ubep.protocols.base import CODE_DTYPES, DTYPE_CODES
 from ubep.results import LowLatencyHandle
 
 Payload = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
@@ -115,7 +115,7 @@ def dispatch_outputs(
         recv_x: Payload = (values, scales)
         tensors = (values, scales)
     else:
-        recv_x = torch.empty(L, M, hidden, dtype=_dtype_of(plan.code), device=dev)
+        recv_x = torch.empty(L, M, hidden, dtype=CODE_DTYPES[plan.code], device=dev)
         tensors = (recv_x,)
     planes, lo = [], 0
     for t in tensors:
@@ -137,10 +137,6 @@ def dispatch_outputs(
         seq=seq,
     )
     return LLDispatchOut(plan.code, recv_x, tuple(planes), handle)
-
-
-def _dtype_of(code: int) -> torch.dtype:
-    return next(d for d, c in DTYPE_CODES.items() if c == code)
 
 
 def slot_positions(counts_L: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -296,7 +292,7 @@ def returned_rows(plan: LLCombinePlan, rows: slice | None = None) -> torch.Tenso
 
 def reduce_rows(engine: Engine, plan: LLCombinePlan, y_NKB: torch.Tensor, out_NH: torch.Tensor) -> None:
     """out = sum_k w[t, k] * y(t, k) over valid k (float32, k ascending), cast into out's dtype."""
-    y_NKH = y_NKB.view(_dtype_of(plan.code))  # [N, K, H]
+    y_NKH = y_NKB.view(CODE_DTYPES[plan.code])  # [N, K, H]
     out_NH.copy_(engine.weighted_sum(y_NKH, plan.topk_weights_NK, plan.valid_NK))
 
 
