@@ -1,5 +1,10 @@
 """After a mask, nothing from before it may touch the ranks that stay (issue 23, items 1 and 8).
 
+Item 1: a rank frozen (SIGSTOP) inside a low-latency combine's put, after its membership check,
+is masked by the others; woken, its late put lands in a survivor's memory, yet every call of the
+survivors stays exact, and it stops with MaskedOutError (`fault_soak.stop_rank` runs the episode).
+UBEP_STOP_EPISODES=200 runs the stress version (the fault soak's default run has 200 too).
+
 Item 8: a low-latency receive half (hook) issued before a mask is refused with an error
 that says so, and leaves the reuse words alone: the next low-latency calls work, exact
 against the reference restricted to the ranks that stay (`shrinkcase`).
@@ -7,8 +12,10 @@ against the reference restricted to the ranks that stay (`shrinkcase`).
 
 from __future__ import annotations
 
+import os
 import threading
 
+import fault_soak  # scripts/ is on the path (conftest.py)
 import pytest
 from shrinkcase import buffer, inputs, low_latency_call
 from test_low_latency import CAPACITY
@@ -54,3 +61,16 @@ def test_a_receive_half_from_before_a_mask_is_refused_and_the_next_calls_work(en
     left = threading.Barrier(3)
     got = VirtualWorld(3, timeout_s=20).run(lambda rank: leftover_hook(rank, engine, kind, left))
     assert got == ["exact", "exact", "left"]
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("engine", ["torch", "numba"])
+def test_a_rank_stopped_inside_its_put_and_masked_cannot_change_the_survivors_results(engine):
+    episodes = int(os.environ.get("UBEP_STOP_EPISODES", "2"))
+    cfg = fault_soak.FaultSoakConfig(world_size=3, seed=5, engine=engine)
+    checked, wrong, faults, misblamed = fault_soak.run_stops(cfg, 0, episodes)
+    assert wrong == [] and misblamed == [], (wrong, misblamed)
+    woken = [f for f in faults if f["kind"] == "stopped inside put (this rank)"]
+    assert [f["error"] for f in woken] == ["MaskedOutError"] * episodes, woken
+    assert sum(f["kind"] == "stop" for f in faults) >= episodes  # at least one survivor waited on it
+    assert checked >= episodes * 2 * 9  # per survivor: A (maybe), B and C deferred, 2 more, 1 normal
