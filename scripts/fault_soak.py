@@ -62,7 +62,7 @@ class FaultSoakConfig:
     timeout_s: float = 2.0  # the Buffer's deadline: a stall lasts 1.5x this
     seed: int = 0
     stops: int = 8  # stop-inside-put episodes after each segment (25 segments: 200)
-    stop_timeout_s: float = 1.0  # the deadline in those episodes (a frozen rank is seen at it)
+    stop_timeout_s: float = 2.0  # the deadline in those episodes (a frozen rank is seen at it)
     engine: str = "auto"
 
     def soak(self, segment: int, timeout_s: float | None = None) -> SoakConfig:
