@@ -43,10 +43,10 @@ NOTICE_SEQ_SHIFT = 24  # an abort notice's seq sits above this bit (`ubep.transp
 DONE, WAITING = 0, 1
 E_FIELD = 2  # a header word outside its bounds: (peer, value, field index, 0 = staged / 1 = counts)
 E_MISSING = 3  # after the barrier, no staging flag from status[1] ranks (in pending)
-MASKED = -1  # the send found, after a destination, that the peers masked this rank
 E_FORMAT = 4  # the peer staged another dtype or top-k: (peer, its dtype code, its K)
 E_TOKENS = 5  # a staged source token index outside [0, T)
 E_LOCAL = 6  # a staged local expert id outside [-1, L)
+MASKED = -1  # the send found, after a destination, that the peers masked this rank
 
 _I64, _F32 = np.empty(0, dtype=np.int64), np.empty(0, dtype=np.float32)
 

@@ -296,13 +296,12 @@ def ll_combine_send(
 
 
 @_jit
-def _return_slots(owner, local, valid, L, per_writer):
+def _return_slots(owner, local, valid, R, L, per_writer):
     """int64 [N, K]: the back slot of each valid y(t, k) (-1 elsewhere). Expert rank r writes the
     rows it returns to this rank in its own run of slots (r * per_writer onwards), ordered by
     (local expert, token): the order its dispatch received them in."""
     N, K = valid.shape
-    R = owner.max() + 1 if owner.size else 0
-    count = np.zeros(max(R, 1) * L, dtype=np.int64)
+    count = np.zeros(R * L, dtype=np.int64)
     for t in range(N):
         for k in range(K):
             if valid[t, k]:
@@ -359,7 +358,7 @@ def ll_combine_recv(
             return _fail(status, E_RETURNED, r, record[R_COUNT], record[R_DTYPE], expected_R[r])
     acc = np.empty(CHUNK, dtype=np.float32)
     slots = table[me, BACK_SLOTS, half]
-    slot = _return_slots(owner, local, valid, L, per_writer)
+    slot = _return_slots(owner, local, valid, R, L, per_writer)
     for t in range(N):
         for c in range(0, H, CHUNK):  # a chunk of the row at a time (see `ubep_halves.CHUNK`)
             width = min(CHUNK, H - c)
