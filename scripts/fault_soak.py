@@ -29,6 +29,7 @@ survivors blamed the right rank, and shared-memory names left behind (must be 0)
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -257,7 +258,8 @@ def stop_rank(cfg: FaultSoakConfig, segment: int, episodes: int, files: str) -> 
             try:
                 _staying_rank(buf, soak_cfg, base, victim, pids, files_at, log)
             except BaseException:
-                os.kill(pids[victim], signal.SIGCONT)  # a failing test must not leave it frozen
+                with contextlib.suppress(ProcessLookupError):  # a failing test must not leave it frozen
+                    os.kill(pids[victim], signal.SIGCONT)
                 raise
     names = [n for n in os.listdir(SHM_DIR) if segment_pid(n) in set(pids) - {os.getpid()}]
     return log, names if me == 0 else []
