@@ -63,10 +63,13 @@ def test_a_receive_half_from_before_a_mask_is_refused_and_the_next_calls_work(en
     assert got == ["exact", "exact", "left"]
 
 
-@pytest.mark.timeout(600)
+EPISODES = int(os.environ.get("UBEP_STOP_EPISODES", "2"))
+
+
+@pytest.mark.timeout(180 + 20 * EPISODES)
 @pytest.mark.parametrize("engine", ["torch", "numba"])
 def test_a_rank_stopped_inside_its_put_and_masked_cannot_change_the_survivors_results(engine):
-    episodes = int(os.environ.get("UBEP_STOP_EPISODES", "2"))
+    episodes = EPISODES
     cfg = fault_soak.FaultSoakConfig(world_size=3, seed=5, engine=engine)
     checked, wrong, faults, misblamed = fault_soak.run_stops(cfg, 0, episodes)
     assert wrong == [] and misblamed == [], (wrong, misblamed)
