@@ -75,5 +75,5 @@ def test_a_rank_stopped_inside_its_put_and_masked_cannot_change_the_survivors_re
     assert wrong == [] and misblamed == [], (wrong, misblamed)
     woken = [f for f in faults if f["kind"] == "stopped inside put (this rank)"]
     assert [f["error"] for f in woken] == ["MaskedOutError"] * episodes, woken
-    assert sum(f["kind"] == "stop" for f in faults) >= episodes  # at least one survivor waited on it
+    assert any(f["kind"] == "stop" for f in faults)  # a survivor it had not served yet waited on it
     assert checked >= episodes * 2 * 9  # per survivor: A (maybe), B and C deferred, 2 more, 1 normal
