@@ -397,7 +397,7 @@ def ll_combine_send_kernel(
             ii = i0 + tl.arange(0, IB)
             m = ii < n
             row = j * M + begin + ii
-            slot = me * per_writer + before + ii
+            slot = (me * per_writer + before + ii).to(tl.int64)
             c0 = 0
             while c0 < W:
                 cols = c0 + tl.arange(0, WB)
