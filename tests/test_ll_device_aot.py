@@ -31,12 +31,12 @@ SPECS = [
         "src_k:*i64 layout_range:*i64 recv_count:*i32 state:*i64 arrivals:*i64 status:*i64 max_spins:i32"),
      {"WORD": tl.int32, "LB": 32, "IB": 16, "WB": 128}),
     ("ll_combine_send_kernel", _sig(
-        f"{COMMON} x:*i32 L:i32 M:i32 W:i32 layout_range:*i64 src_token:*i64 src_k:*i64 R:i32 Kmax:i32 "
+        f"{COMMON} x:*i32 L:i32 M:i32 W:i32 layout_range:*i64 R:i32 per_writer:i32 "
         "slot_words:i32 code:i32 arrivals:*i64 progress:*i64 status:*i64 max_spins:i32"),
      {"WORD": tl.int32, "LB": 32, "IB": 16, "WB": 128}),
     ("ll_combine_recv_kernel", _sig(
         "table:*i64 me:i32 epochs:*i64 topk:*i64 K:i32 owner:*i64 expected:*i64 weights:*fp32 "
-        "code:i32 dtype_lo:i32 dtype_hi:i32 count_hi:i32 Kmax:i32 row_bytes:i32 out:*i16 H:i32 state:*i64 "
+        "code:i32 dtype_lo:i32 dtype_hi:i32 count_hi:i32 slots:*i64 row_bytes:i32 out:*i16 H:i32 state:*i64 "
         "arrivals:*i64 programs:i32 status:*i64 max_spins:i32"),
      {"Y_BF16": True, "HB": 256}),
 ]  # fmt: skip

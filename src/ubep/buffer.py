@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from ubep import settings, validate
-from ubep.calls import CallCounter
+from ubep.calls import CallCounter, CallId
 from ubep.deadlines import collective_deadline
 from ubep.factory import Options, build, ready_engine
 from ubep.faults import FaultPlan, FaultPoints
@@ -88,8 +88,16 @@ def _one_at_a_time(method):
 
 
 @_one_at_a_time
-def _receive_half(buffer: Buffer, receive) -> None:
-    """A low-latency receive half run later (its hook, or event.wait())."""
+def _receive_half(buffer: Buffer, call: CallId, receive) -> None:
+    """A low-latency receive half run later (its hook, or event.wait()); refused when ranks were
+    masked since its send: the call is over for the ranks that stay (`mask_ranks` freed its half,
+    which their next calls reuse), and its senders may include a masked rank."""
+    if call.seq <= buffer._masked_after:
+        raise RuntimeError(
+            f"low-latency {call.kind.removeprefix('ll_')} #{call.epoch}: its receive half (hook or "
+            f"event.wait()) was issued before rank(s) {sorted(buffer._masked)} were masked; the call "
+            "is over (its buffers serve the calls after the mask): issue it again"
+        )
     receive()
 
 
@@ -565,7 +573,7 @@ class Buffer:
             raise
         receive = ll.dispatch_send(call, plan, out)  # a failing send half tells its peers itself
         event, hook = _halves(
-            self._later(receive, async_finish or return_recv_hook), async_finish, return_recv_hook
+            self._later(call, receive, async_finish or return_recv_hook), async_finish, return_recv_hook
         )
         return LowLatencyDispatchResult(out.recv_x, out.handle.recv_count_L, out.handle, event, hook)
 
@@ -603,7 +611,7 @@ class Buffer:
             raise
         receive = ll.combine_send(call, plan, out)
         event, hook = _halves(
-            self._later(receive, async_finish or return_recv_hook), async_finish, return_recv_hook
+            self._later(call, receive, async_finish or return_recv_hook), async_finish, return_recv_hook
         )
         return LowLatencyCombineResult(out, event, hook)
 
@@ -629,9 +637,10 @@ class Buffer:
             raise ValueError("topk_idx must be the one passed to the low_latency_dispatch that made handle")
         return x, validate.topk_weights(topk_weights, tuple(idx.shape), device=self.device)
 
-    def _later(self, receive, deferred: bool):
-        """The receive half, refused like a call while another thread is inside one when it runs later."""
-        return functools.partial(_receive_half, self, receive) if deferred else receive
+    def _later(self, call: CallId, receive, deferred: bool):
+        """The receive half, refused like a call while another thread is inside one when it runs later,
+        or when ranks were masked since `call` sent."""
+        return functools.partial(_receive_half, self, call, receive) if deferred else receive
 
     def _live_ll(self) -> LowLatencyExchange:
         if self._ll is None or self._exchange is None or self._retired or os.getpid() != self._pid:

@@ -121,4 +121,4 @@ def build(
         return normal, LLDist(info.group, info.rank, sizing, engine, o.timeout_s) if o.low_latency else None
     heap = HEAPS[o.transport](heap_blocks(sizing, o.protocol, o.low_latency), info, o)
     normal = HEAP_PROTOCOLS[o.protocol][1](heap, engine, sizing, faults, o)
-    return normal, LLExchange(heap, engine, sizing) if o.low_latency else None
+    return normal, LLExchange(heap, engine, sizing, faults) if o.low_latency else None

@@ -16,6 +16,9 @@ Fault points, in the order a dispatch/combine pair passes them:
     dispatch.end     dispatch returned (between dispatch and combine)
     combine.start    before this rank sends any combine rows
     combine.mid      after it sent rows to one peer, before the others (shm protocols)
+    ll_combine.put   a low-latency combine put its rows into one home and checked its membership;
+                     the next home's rows are not put yet (shared heap: the window between a
+                     writer's check and its put, where action "stop" freezes it)
 """
 
 from __future__ import annotations
@@ -29,8 +32,16 @@ from typing import TYPE_CHECKING, TypeVar
 if TYPE_CHECKING:
     from ubep.calls import CallId
 
-POINTS = ("dispatch.start", "dispatch.count", "dispatch.sent", "dispatch.end", "combine.start", "combine.mid")
-ACTIONS = ("kill", "delay", "corrupt")
+POINTS = (
+    "dispatch.start",
+    "dispatch.count",
+    "dispatch.sent",
+    "dispatch.end",
+    "combine.start",
+    "combine.mid",
+    "ll_combine.put",
+)
+ACTIONS = ("kill", "delay", "corrupt", "stop")
 T = TypeVar("T")
 
 
@@ -41,6 +52,8 @@ class FaultPlan:
 
     kill:    SIGKILL this process (no cleanup, no goodbye), like an OOM kill.
     delay:   sleep `delay_s` seconds, then carry on (a straggler, or a stall).
+    stop:    SIGSTOP this process: it runs on when someone sends SIGCONT (preemption, a
+             debugger, a cgroup freeze), not knowing what its peers did meanwhile.
     corrupt: publish `value` instead of the true count (only at "dispatch.count").
     """
 
@@ -88,6 +101,8 @@ class FaultPoints:
             os.kill(os.getpid(), signal.SIGKILL)
         elif plan.action == "delay":
             time.sleep(plan.delay_s)
+        elif plan.action == "stop":
+            os.kill(os.getpid(), signal.SIGSTOP)
 
     def count(self, point: str, call: CallId, value: T) -> T | int:
         """The count(s) to publish at `point`: `value`, or the plan's corrupt one when due."""

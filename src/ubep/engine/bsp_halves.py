@@ -30,6 +30,7 @@ from ubep.engine.numba_kernels import _elements_at, _jit, _move
 from ubep.engine.numba_sync import (
     back_off,
     load_acquire,
+    masked_by,
     store_relaxed,
     store_release,
     wake_if_asleep,
@@ -45,6 +46,7 @@ E_MISSING = 3  # after the barrier, no staging flag from status[1] ranks (in pen
 E_FORMAT = 4  # the peer staged another dtype or top-k: (peer, its dtype code, its K)
 E_TOKENS = 5  # a staged source token index outside [0, T)
 E_LOCAL = 6  # a staged local expert id outside [-1, L)
+MASKED = -1  # the send found, after a destination, that the peers masked this rank
 
 _I64, _F32 = np.empty(0, dtype=np.int64), np.empty(0, dtype=np.float32)
 
@@ -100,11 +102,12 @@ def bsp_counts(table, me, epoch, counts):
 @_jit
 def bsp_send(
     table, asleep, me, epoch, live, x_rows, scales, topk, weights, in_rank, local_of_RE, dtype_code, Kmax, T,
-    row_bytes, wake,
+    row_bytes, wake, members, generation,
 ):  # fmt: skip
     """Push each destination's rows into its staging slot for this rank (own first, then the next
     ranks), with their token indices and local top-k as the destination sees them, then stamp its
-    `staged` inbox row. topk [N, K] (K = 0: cached dispatch); returns peers to ring."""
+    `staged` inbox row; after each destination, the membership check (`masked_by`). topk [N, K]
+    (K = 0: cached dispatch); returns peers to ring, or MASKED."""
     N, b = x_rows.shape
     K, S, R = topk.shape[1], scales.shape[1], in_rank.shape[1]
     woken = 0
@@ -140,6 +143,8 @@ def bsp_send(
         store_release(table[dst, STAGED, 0] + me * 3 * 8, epoch)  # the slot above is visible
         if dst != me:
             woken += wake_if_asleep(asleep, dst, wake)
+        if masked_by(members, live, me, generation) >= 0:
+            return MASKED
     return woken
 
 

@@ -31,6 +31,7 @@ from ubep.engine.numba_kernels import _elements_at, _jit, _move, store, widen
 from ubep.engine.numba_sync import (
     back_off,
     load_acquire,
+    masked_by,
     store_relaxed,
     store_release,
     wake_if_asleep,
@@ -52,6 +53,7 @@ E_COUNTS = 6  # dispatch: the peer announced counts above this call's T
 E_TOKENS = 7  # dispatch: the peer's slot infos name tokens out of range
 E_RETURNED = 8  # combine: the peer returned another row count or dtype: (peer, count, dtype, expected)
 E_MINE = 9  # this rank's own reuse word says an older call still awaits its receive half
+MASKED = -1  # a send half found, after a block, that the peers masked this rank: it put no more
 
 _I64 = np.empty(0, dtype=np.int64)
 
@@ -144,13 +146,14 @@ def _consumed(table, asleep, me, live, kind, half, epoch, wake):
 @_jit
 def ll_dispatch_send(
     table, asleep, me, epoch, half, live, rows, pair_token, pair_k, pair_local, counts_RL, code, T,
-    Kmax, Tcap, row_bytes, wake,
+    Kmax, Tcap, row_bytes, wake, members, generation,
 ):  # fmt: skip
     """Put every (token, expert) pair's row into its destination's slot, then stamp the record there.
 
     rows uint8 [N, b] (this rank's tokens in wire form); the pair arrays sorted by
     (destination, local expert, token); counts_RL int64 [R, L] pairs per (destination,
-    local expert). Returns how many destinations to ring (marked in `wake`).
+    local expert). After each destination's block, the membership check (`masked_by`).
+    Returns how many destinations to ring (marked in `wake`), or MASKED.
     """
     R, L = counts_RL.shape
     b = rows.shape[1]
@@ -176,6 +179,8 @@ def ll_dispatch_send(
         store_release(table[dst, SENT, half] + me * words * 8, epoch)  # the rows above are visible
         if dst != me:
             woken += wake_if_asleep(asleep, dst, wake)
+        if masked_by(members, live, me, generation) >= 0:
+            return MASKED
     return woken
 
 
@@ -256,26 +261,15 @@ def ll_dispatch_recv(
 
 @_jit
 def ll_combine_send(
-    table,
-    asleep,
-    me,
-    epoch,
-    half,
-    live,
-    x,
-    local_Q,
-    row_Q,
-    token_Q,
-    k_Q,
-    counts_R,
-    code,
-    Kmax,
-    row_bytes,
-    wake,
-):
-    """Put each received row's expert output y(t, k) into its home's slot t * Kmax + k, then stamp.
+    table, asleep, me, epoch, half, live, x, local_Q, row_Q, counts_R, code, per_writer, row_bytes, wake,
+    members, generation, first_home, last_home,
+):  # fmt: skip
+    """Put the rows each home gets back into this rank's own run of its slots, then stamp there.
 
-    x uint8 [L, M, b] (contiguous); the Q arrays sorted by home rank, counts_R rows per home.
+    x uint8 [L, M, b] (contiguous); the Q arrays sorted by (home rank, local expert, row),
+    counts_R rows per home; row i for `home` goes to home's back slot me * per_writer + i.
+    Homes in send order from first_home to last_home (a fault test splits the loop);
+    after each home's block, the membership check. Returns the homes to ring, or MASKED.
     """
     R = counts_R.size
     L, M, b = x.shape
@@ -283,11 +277,11 @@ def ll_combine_send(
     for r in range(R):
         first[r + 1] = first[r] + counts_R[r]
     woken = 0
-    for home in _others_first(live, me, R):
-        slots = table[home, BACK_SLOTS, half]
+    for home in _others_first(live, me, R)[first_home:last_home]:
+        slots = table[home, BACK_SLOTS, half] + me * per_writer * row_bytes
         for q in range(first[home], first[home + 1]):
             _move(
-                slots + (token_Q[q] * Kmax + k_Q[q]) * row_bytes,
+                slots + (q - first[home]) * row_bytes,
                 x.ctypes.data + (local_Q[q] * M + row_Q[q]) * b,
                 b,
             )
@@ -296,19 +290,49 @@ def ll_combine_send(
         store_release(table[home, RETURNED, half] + me * 3 * 8, epoch)  # the rows above are visible
         if home != me:
             woken += wake_if_asleep(asleep, home, wake)
+        if masked_by(members, live, me, generation) >= 0:
+            return MASKED
     return woken
 
 
 @_jit
+def _return_slots(owner, local, valid, R, L, per_writer):
+    """int64 [N, K]: the back slot of each valid y(t, k) (-1 elsewhere). Expert rank r writes the
+    rows it returns to this rank in its own run of slots (r * per_writer onwards), ordered by
+    (local expert, token): the order its dispatch received them in."""
+    N, K = valid.shape
+    count = np.zeros(R * L, dtype=np.int64)
+    for t in range(N):
+        for k in range(K):
+            if valid[t, k]:
+                count[owner[t, k] * L + local[t, k]] += 1
+    at = np.empty_like(count)
+    for r in range(R):
+        run = r * per_writer
+        for j in range(L):
+            at[r * L + j] = run
+            run += count[r * L + j]
+    slot = np.full((N, K), -1, dtype=np.int64)
+    for t in range(N):
+        for k in range(K):
+            if valid[t, k]:
+                i = owner[t, k] * L + local[t, k]
+                slot[t, k] = at[i]
+                at[i] += 1
+    return slot
+
+
+@_jit
 def ll_combine_recv(
-    table, asleep, me, epoch, half, live, expected_R, code, dtype_lo, dtype_hi, count_hi, Kmax, row_bytes,
-    weights, valid, out, state, wake, pending, spins, yields, status,
+    table, asleep, me, epoch, half, live, expected_R, code, dtype_lo, dtype_hi, count_hi, per_writer,
+    row_bytes, weights, valid, owner, local, L, out, state, wake, pending, spins, yields, status,
 ):  # fmt: skip
     """Once every expert rank this rank expects rows from has stamped, check them, then
     out[t] = sum over k ascending of weights[t, k] * y(t, k) where valid (float32, rounded once).
 
-    out [N, H] float32, or bf16 as uint16 bits; valid uint8 [N, K]; state int64 [1]: the
-    next rank to wait for.
+    out [N, H] float32, or bf16 as uint16 bits; valid uint8 [N, K]; owner, local int64 [N, K]:
+    the rank and local id of each selected expert (where y(t, k) lands: `_return_slots`);
+    state int64 [1]: the next rank to wait for.
     """
     R = expected_R.size
     N, H = out.shape
@@ -334,6 +358,7 @@ def ll_combine_recv(
             return _fail(status, E_RETURNED, r, record[R_COUNT], record[R_DTYPE], expected_R[r])
     acc = np.empty(CHUNK, dtype=np.float32)
     slots = table[me, BACK_SLOTS, half]
+    slot = _return_slots(owner, local, valid, R, L, per_writer)
     for t in range(N):
         for c in range(0, H, CHUNK):  # a chunk of the row at a time (see `ubep_halves.CHUNK`)
             width = min(CHUNK, H - c)
@@ -341,9 +366,7 @@ def ll_combine_recv(
             for k in range(K):
                 if valid[t, k]:
                     w = np.float32(weights[t, k])
-                    row = _elements_at(
-                        out[0, :0], slots + (t * Kmax + k) * row_bytes + c * out.itemsize, width
-                    )
+                    row = _elements_at(out[0, :0], slots + slot[t, k] * row_bytes + c * out.itemsize, width)
                     for j in range(width):
                         acc[j] += widen(row[j]) * w
             out_row = out[t, c : c + width]

@@ -371,14 +371,15 @@ def ll_dispatch_recv_kernel(
 
 @triton.jit
 def ll_combine_send_kernel(
-    table, live, me, epochs, x, L, M, W, layout_range, src_token, src_k, R, Kmax, slot_words,
+    table, live, me, epochs, x, L, M, W, layout_range, R, per_writer, slot_words,
     code, arrivals, progress, status, max_spins,
     WORD: tl.constexpr, LB: tl.constexpr, IB: tl.constexpr, WB: tl.constexpr,
 ):  # fmt: skip
     """Program (h, j): put each row of local expert j in x [L, M, W] words that came from home h
-    (the dispatch's layout_range [L, R, 2]) into h's back slot token * Kmax + k; the last of h's L
-    programs stamps this rank's record in h (dtype, rows sent). arrivals int64 [R] and progress
-    int64 [R, L] (1: sent) start zeroed for the call."""
+    (the dispatch's layout_range [L, R, 2]) into this rank's run of h's back slots (from
+    me * per_writer, ordered by local expert, then token: after the rows of experts < j); the
+    last of h's L programs stamps this rank's record in h (dtype, rows sent). arrivals int64 [R]
+    and progress int64 [R, L] (1: sent) start zeroed for the call."""
     epoch, half = _epoch(epochs)
     h = tl.program_id(0)
     j = tl.program_id(1)
@@ -389,13 +390,14 @@ def ll_combine_send_kernel(
         back = _address(table, h, BACK_SLOTS, half).to(tl.pointer_type(WORD))
         begin = tl.load(layout_range + (j * R + h) * 2)
         n = tl.load(layout_range + (j * R + h) * 2 + 1)
+        ls = tl.arange(0, LB)
+        before = tl.sum(tl.load(layout_range + (ls * R + h) * 2 + 1, mask=ls < j, other=0), axis=0)
         i0 = 0
         while i0 < n:
             ii = i0 + tl.arange(0, IB)
             m = ii < n
             row = j * M + begin + ii
-            token = tl.load(src_token + row, mask=m, other=0)
-            slot = token * Kmax + tl.load(src_k + row, mask=m, other=0)
+            slot = (me * per_writer + before + ii).to(tl.int64)
             c0 = 0
             while c0 < W:
                 cols = c0 + tl.arange(0, WB)
@@ -420,7 +422,7 @@ def ll_combine_send_kernel(
 @triton.jit
 def ll_combine_recv_kernel(
     table, me, epochs, topk, K, owner, expected, weights, code, dtype_lo, dtype_hi, count_hi,
-    Kmax, row_bytes, out, H, state, arrivals, programs, status, max_spins,
+    slots, row_bytes, out, H, state, arrivals, programs, status, max_spins,
     Y_BF16: tl.constexpr, HB: tl.constexpr,
 ):  # fmt: skip
     """Program t (token): wait for the record of every rank holding one of t's experts, check it,
@@ -428,7 +430,8 @@ def ll_combine_recv_kernel(
     (no fused multiply-add), stored as float32 or bf16 bits (int16).
 
     owner int64 [E]: rank of each expert; expected int64 [R]: rows this rank expects from each
-    rank; state int64 [N] (zeroed for the call): 1 once t is finished (a second launch skips it).
+    rank; slots int64 [N, K]: the back slot of each y(t, k) (`LLDevice.return_slots`); state int64
+    [N] (zeroed for the call): 1 once t is finished (a second launch skips it).
     """
     epoch, half = _epoch(epochs)
     t = tl.program_id(0)
@@ -470,7 +473,7 @@ def ll_combine_recv_kernel(
                 while k < K:
                     if tl.load(topk + t * K + k) >= 0:
                         w = tl.load(weights + t * K + k)
-                        slot = back + (t * Kmax + k).to(tl.int64) * row_bytes
+                        slot = back + tl.load(slots + t * K + k) * row_bytes
                         if Y_BF16:
                             y = tl.load(slot.to(tl.pointer_type(tl.bfloat16)) + cols, mask=m, other=0.0)
                         else:

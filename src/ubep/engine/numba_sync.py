@@ -166,3 +166,19 @@ def wake_sleepers(asleep, live, me, wake):
             wake[p] = 1
             n += 1
     return n
+
+
+@_jit
+def masked_by(members, live, me, generation):
+    """The first live peer whose latest membership record (`Heap.mask`: two records of [generation,
+    call seq, masked flag per rank] at members[p]) is newer than `generation` and masks this rank;
+    -1 if none. A writer checks it after each block it puts into peers' memory."""
+    words = 2 + members.size
+    for p in live:
+        if p == me:
+            continue
+        first, second = load_acquire(members[p]), load_acquire(members[p] + words * 8)
+        latest = members[p] + (0 if first > second else words * 8)
+        if max(first, second) > generation and load_relaxed(latest + (2 + me) * 8) != 0:
+            return p
+    return -1

@@ -161,6 +161,7 @@ class BspExchange:
                     t.view(b.stage_weights, dst)[me, :n, :K],
                 )
             t.publish(b.staged, call, {"dtype": DTYPE_CODES[plan.x_NH.dtype], "topk": K}, to=dst)
+            t.check_member("dispatch (token send)")  # after each block it put into a peer
 
     def _verify_and_count(self, call: CallId, plan: SendPlan) -> torch.Tensor:
         """Rows from each source, after checking every source's flag, format and counts."""

@@ -59,10 +59,10 @@ class BspCompiled(UbepCompiled):
             self.table, self.asleep, me, epoch, t.live_R, x_NH.view(torch.uint8).numpy(),
             _NO_F32 if plan.scales_NS is None else plan.scales_NS.numpy(), *(routing or (_NO_I64, _NO_F32)),
             plan.is_token_in_rank_NR.view(torch.uint8).numpy(), self.local_of_RE, DTYPE_CODES[x_NH.dtype],
-            s.max_topk, s.capacity, s.row_bytes, self.wake,
+            s.max_topk, s.capacity, s.row_bytes, self.wake, self.members, t.generation,
         )  # fmt: skip
         if woken:
-            t.ring_marked(self.wake)
+            self.sent(woken, "dispatch (token send)")
         if self.faults.armed:
             self.faults.at("dispatch.sent", call)
         self._barrier(call, "dispatch (token send)")

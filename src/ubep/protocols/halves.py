@@ -19,6 +19,7 @@ from ubep.transport.heap import Heap
 from ubep.waiting import YIELD_POLLS
 
 DONE, WAITING = 0, 1  # the codes every compiled half shares
+MASKED = -1  # a send half stopped after a block: the peers masked this rank (`numba_sync.masked_by`)
 # Polls with the spin-wait hint before a half yields its core: few where ranks outnumber cores (a
 # spinning rank would hold the core its peer needs), many where each rank has a core of its own
 # (a sleep and its wake-up cost tens of microseconds). Measured in docs/benchmarks.md ("Waiting").
@@ -59,6 +60,15 @@ class HeapHalves:
         self.table, self.asleep = heap.address_table(blocks.all())
         self.wake = np.zeros(self.R, dtype=np.uint8)  # peers a half found asleep, to ring
         self.budget = budget(self.R)  # every rank of a heap runs on this host
+        self.members = heap.members_at()  # every rank's membership records, for a writer's check
+
+    def sent(self, woken: int, phase: str) -> None:
+        """After a send half that returned `woken` != 0: ring the peers it marked; if it stopped
+        because the peers masked this rank (MASKED), raise MaskedOutError in the Python check's words."""
+        self.t.ring_marked(self.wake)
+        if woken == MASKED:
+            self.t.check_member(phase)
+            raise RuntimeError(f"{phase}: the peers masked this rank")  # check_member raised already
 
     def _memory(self, call: CallId) -> tuple:
         """What every half takes first: (table, asleep, this rank, epoch, half, live ranks)."""

@@ -9,9 +9,18 @@ Dispatch (call epoch e, half p = e % 2 of every double-buffered region):
   receive half: for each source s in ascending order, wait for its stamp, then
     copy its rows into recv_x[j, begin : begin + count], where begin is the rows
     already placed for j by sources < s. Finally publish "dispatch e consumed".
-Combine mirrors it: the expert rank puts each row y(t, k) into the home's slot
-  slot t * max_topk + k, then publishes its header in the home; the home
-  waits for the stamps of the ranks it expects rows from and reduces over k.
+Combine mirrors it: the expert rank puts the rows y(t, k) it returns to a home
+  into its own run of the home's back slots, `ll.back_slots[me]`, ordered by
+  (local expert, token) as its dispatch received them, then publishes its header
+  in the home; the home waits for the stamps of the ranks it expects rows from,
+  finds each (t, k) in its expert rank's run, and reduces over k.
+
+Every byte a rank puts into a peer lies in a block of its own there (a row of an
+inbox header, its run of slots), and a peer reads a writer's blocks only while
+the writer is live. So once the peers masked a rank, nothing it writes can reach
+their results, however late a put that was under way lands (docs/reliability.md,
+"A masked rank that wakes"); the writer also checks its membership before its first
+put and after each block, and stops with MaskedOutError.
 
 Reuse argument (two outstanding calls, double buffering). The slots for call e
 are reused by call e + 2. A sender writes call e + 2 into d only after reading
@@ -38,13 +47,14 @@ import torch
 from ubep.calls import CallId
 from ubep.engine import Engine
 from ubep.errors import PeerDataError
+from ubep.faults import NO_FAULTS, FaultPoints
 from ubep.protocols.base import CODE_RANGE, Sizing
 from ubep.protocols.ll_base import (
     LLCombinePlan,
     LLDispatchOut,
     LLDispatchPlan,
     place_source,
-    reduce_rows,
+    reduce_returned,
     returned_rows,
     slot_positions,
 )
@@ -59,6 +69,12 @@ CONSUMED, SKIPPED = 0, 1
 KINDS = {"dispatch": DISPATCH, "combine": COMBINE}
 
 
+def per_writer(s: Sizing) -> int:
+    """The most rows one expert rank returns to one home: each of T tokens selects at most
+    min(max_topk, L) of its experts (no expert twice in a row)."""
+    return s.capacity * min(s.max_topk, s.placement.num_local_experts)
+
+
 @dataclass(frozen=True, slots=True)
 class LLBlocks:
     """The memory low-latency mode declares (double-buffered slots, headers stamped per writer)."""
@@ -67,7 +83,7 @@ class LLBlocks:
     slots: Region  # uint8 [R, L, T, row bytes]: rows from each source, per local expert
     slot_info: Region  # int64 [R, L, T]: token * max_topk + k of each row
     returned: Header  # inbox, combine: per expert rank, dtype and row count
-    back_slots: Region  # uint8 [T * max_topk, row bytes]: y(t, k) at t * max_topk + k
+    back_slots: Region  # uint8 [R, T * min(max_topk, L), row bytes]: each expert rank's returned rows
     done: Region  # int64 [2, 2, 2]: see CONSUMED / SKIPPED
     rejected: Region  # int64 [2]: per kind, the last call this rank rejected
 
@@ -84,7 +100,7 @@ class LLBlocks:
             slots=Region("ll.slots", (R, L, T, B), torch.uint8, double=True),
             slot_info=Region("ll.slot_info", (R, L, T), torch.int64, double=True),
             returned=Header("ll.returned", (dtype, Field("count", hi=T * K)), inbox=True),
-            back_slots=Region("ll.back_slots", (T * K, B), torch.uint8, double=True),
+            back_slots=Region("ll.back_slots", (R, per_writer(s), B), torch.uint8, double=True),
             done=Region("ll.done", (2, 2, 2), torch.int64),
             rejected=Region("ll.rejected", (2,), torch.int64),
         )
@@ -106,15 +122,16 @@ class LLExchange:
 
     name = "ubep-ll"
 
-    def __init__(self, transport: Transport, engine: Engine, sizing: Sizing):
-        self.t, self.engine, self.sizing = transport, engine, sizing
+    def __init__(self, transport: Transport, engine: Engine, sizing: Sizing, faults: FaultPoints = NO_FAULTS):
+        self.t, self.engine, self.sizing, self.faults = transport, engine, sizing, faults
         self.me, self.R = transport.rank, transport.num_ranks
         self.blocks = LLBlocks.of(sizing)
+        self._per_writer = per_writer(sizing)
         self._compiled = None  # each call half one compiled function, where the engine and memory allow
         if engine.name == "numba" and hasattr(transport, "address_table"):
             from ubep.protocols.ll_compiled import LLCompiled  # imports numba: only on its engine
 
-            self._compiled = LLCompiled(transport, self.blocks, sizing, self._consumed)
+            self._compiled = LLCompiled(transport, self.blocks, sizing, self._consumed, faults)
         elif engine.name == "triton" and hasattr(transport, "address_table"):
             from ubep.protocols.ll_device import LLDevice  # imports triton: only on its engine
 
@@ -217,6 +234,7 @@ class LLExchange:
             self._reserve(call, DISPATCH, "dispatch")
             for dst in self._others_first():
                 self._put_tokens(call, plan, dst)
+                self.t.check_member("low-latency dispatch (send)")  # after each block it put
         except BaseException:
             self.abort(call, "dispatch")
             raise
@@ -288,11 +306,16 @@ class LLExchange:
     def combine_send(self, call: CallId, plan: LLCombinePlan, out_NH: torch.Tensor) -> Callable[[], None]:
         self.t.begin(call)
         try:
+            if int(plan.send_counts_R.max()) > self._per_writer:
+                raise too_many_returned(plan, self._per_writer)
             if self._compiled is not None:
                 return self._compiled.combine_send(call, plan, out_NH)
             self._reserve(call, COMBINE, "combine")
-            for home in self._others_first():
+            for i, home in enumerate(self._others_first()):
+                if i == 1:
+                    self.faults.at("ll_combine.put", call)  # after a block and its check (fault tests)
                 self._put_rows(call, plan, home)
+                self.t.check_member("low-latency combine (send)")  # after each block it put
         except BaseException:
             self.abort(call, "combine")
             raise
@@ -300,13 +323,13 @@ class LLExchange:
 
     def _put_rows(self, call: CallId, plan: LLCombinePlan, home: int) -> None:
         b, rows, B = self.blocks, plan.to(home), plan.x_LMB.shape[2]
-        target_Q = plan.token_Q[rows] * self.sizing.max_topk + plan.k_Q[rows]
-        slots_XB = self.t.view(b.back_slots, home, call)[:, :B]  # [T * max_topk, B]
-        self.engine.copy_rows(returned_rows(plan, rows), None, slots_XB, target_Q)
-        self.t.publish(b.returned, call, {"dtype": plan.code, "count": rows.stop - rows.start}, to=home)
+        n = rows.stop - rows.start
+        slots_XB = self.t.view(b.back_slots, home, call)[self.me, :n, :B]  # this rank's run there
+        self.engine.copy_rows(returned_rows(plan, rows), None, slots_XB, None)
+        self.t.publish(b.returned, call, {"dtype": plan.code, "count": n}, to=home)
 
     def _reduce(self, call: CallId, plan: LLCombinePlan, out_NH: torch.Tensor) -> None:
-        b, (N, K), B = self.blocks, plan.valid_NK.shape, plan.x_LMB.shape[2]
+        b, B = self.blocks, plan.x_LMB.shape[2]
         expected = {r: plan.expected_from(r) for r in range(self.R)}
         try:
             senders = [r for r, n in expected.items() if n > 0]
@@ -318,10 +341,19 @@ class LLExchange:
                         f"low-latency combine: rank {r} returned {got['count']} rows (dtype code "
                         f"{got['dtype']}), expected {expected[r]} (code {plan.code})"
                     )
-            slot_NK = (torch.arange(N).unsqueeze(1) * self.sizing.max_topk + torch.arange(K)).flatten()
-            y_NKB = torch.empty(N * K, B, dtype=torch.uint8)
-            self.engine.copy_rows(self.t.view(b.back_slots, self.me, call)[:, :B], slot_NK, y_NKB, None)
+            slots_RXB = self.t.view(b.back_slots, self.me, call)  # each sender's run, in home order
+            rows_PB = torch.cat([slots_RXB[r, : expected[r], :B] for r in senders] or [slots_RXB[0, :0, :B]])
             self.t.check_member("low-latency combine")  # the rows were whole
-            reduce_rows(self.engine, plan, y_NKB.view(N, K, B), out_NH)
+            reduce_returned(self.engine, plan, rows_PB, out_NH)
         finally:
             self._consumed(call, COMBINE)
+
+
+def too_many_returned(plan: LLCombinePlan, most: int) -> PeerDataError:
+    """An expert rank returns each home at most `most` rows (its run of the home's back slots);
+    more means the home's dispatch sent it a token twice for one expert, or too many tokens."""
+    home = int(plan.send_counts_R.argmax())
+    return PeerDataError(
+        f"low-latency combine: rank {home} sent this rank {int(plan.send_counts_R[home])} rows "
+        f"in the dispatch, more than the {most} its tokens can select here"
+    )

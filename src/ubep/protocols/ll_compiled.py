@@ -20,8 +20,10 @@ import torch
 
 from ubep.calls import CallId
 from ubep.engine import ll_halves as k
+from ubep.faults import NO_FAULTS, FaultPoints
 from ubep.protocols import halves, ll_status
 from ubep.protocols.base import CODE_RANGE, Sizing
+from ubep.protocols.ll import per_writer
 from ubep.protocols.ll_base import LLCombinePlan, LLDispatchOut, LLDispatchPlan
 from ubep.transport.heap import Heap
 
@@ -33,10 +35,18 @@ class LLCompiled(halves.HeapHalves):
     """Low-latency halves on a heap, each one compiled function; `release(call, kind)` is the
     exchange's Python release of a half (on every failure after the send)."""
 
-    def __init__(self, heap: Heap, blocks, sizing: Sizing, release: Callable[[CallId, int], None]):
+    def __init__(
+        self,
+        heap: Heap,
+        blocks,
+        sizing: Sizing,
+        release: Callable[[CallId, int], None],
+        faults: FaultPoints = NO_FAULTS,
+    ):
         super().__init__(heap, blocks)
-        self.sizing, self.release = sizing, release
+        self.sizing, self.release, self.faults = sizing, release, faults
         self.row_bytes = sizing.row_bytes  # a slot's row stride in bytes
+        self.per_writer = per_writer(sizing)  # rows in each expert rank's run of a home's back slots
 
     def _reserve(self, call: CallId, kind: int, what: str) -> None:
         """Wait until every live peer consumed call e - 2 of this kind (it used the same half)."""
@@ -71,9 +81,11 @@ class LLCompiled(halves.HeapHalves):
             s.capacity,
             self.row_bytes,
             self.wake,
+            self.members,
+            self.t.generation,
         )
         if woken:
-            self.t.ring_marked(self.wake)
+            self.sent(woken, "low-latency dispatch (send)")
         return lambda: self._receive_tokens(call, out)
 
     def _receive_tokens(self, call: CallId, out: LLDispatchOut) -> None:
@@ -127,23 +139,29 @@ class LLCompiled(halves.HeapHalves):
     # -- combine ----------------------------------------------------------------------------------
 
     def combine_send(self, call: CallId, plan: LLCombinePlan, out_NH: torch.Tensor) -> Callable[[], None]:
-        s = self.sizing
         self._reserve(call, COMBINE, "combine")
-        woken = k.ll_combine_send(
+        args = (
             *self._memory(call),
             plan.x_LMB.numpy(),
             plan.local_Q.numpy(),
             plan.row_Q.numpy(),
-            plan.token_Q.numpy(),
-            plan.k_Q.numpy(),
             plan.send_counts_R.numpy(),
             plan.code,
-            s.max_topk,
+            self.per_writer,
             self.row_bytes,
             self.wake,
+            self.members,
+            self.t.generation,
         )
-        if woken:
-            self.t.ring_marked(self.wake)
+        if self.faults.armed:  # the fault tests' stop after a block and its check: split the loop there
+            if woken := k.ll_combine_send(*args, 0, 1):
+                self.sent(woken, "low-latency combine (send)")
+            self.faults.at("ll_combine.put", call)
+            args = (*args, 1, self.R)
+        else:
+            args = (*args, 0, self.R)
+        if woken := k.ll_combine_send(*args):
+            self.sent(woken, "low-latency combine (send)")
         return lambda: self._reduce(call, plan, out_NH)
 
     def _reduce(self, call: CallId, plan: LLCombinePlan, out_NH: torch.Tensor) -> None:
@@ -167,10 +185,13 @@ class LLCompiled(halves.HeapHalves):
                 plan.code,
                 *CODE_RANGE,
                 s.capacity * s.max_topk,
-                s.max_topk,
+                self.per_writer,
                 self.row_bytes,
                 plan.topk_weights_NK.numpy(),
                 plan.valid_NK.view(torch.uint8).numpy(),
+                plan.owner_NK.numpy(),
+                plan.local_NK.numpy(),
+                plan.num_local_experts,
                 out,
                 np.zeros(1, np.int64),
                 self.wake,

@@ -36,6 +36,7 @@ from ubep.engine import ll_triton as k
 from ubep.errors import CommTimeoutError
 from ubep.protocols import ll_status
 from ubep.protocols.base import CODE_DTYPES, CODE_RANGE, DTYPE_CODES, Sizing
+from ubep.protocols.ll import per_writer
 from ubep.protocols.ll_base import LLCombinePlan, LLDispatchOut, LLDispatchPlan
 
 DISPATCH, COMBINE = 0, 1
@@ -78,6 +79,7 @@ class LLDevice:
         experts_RL[p.rank_of_expert_E, p.local_index_E] = torch.arange(p.num_experts)
         self.experts_RL = experts_RL.to(self.device)
         self.owner_E = p.rank_of_expert_E.to(torch.int64).to(self.device)
+        self.local_E = p.local_index_E.to(torch.int64).to(self.device)
         self.capturable = capturable
         sync_spins = SYNC_SPINS if self.device.type == "cpu" else SYNC_SPINS_GPU
         self.max_spins = max_spins or (CAPTURE_SPINS if capturable else sync_spins)
@@ -220,8 +222,8 @@ class LLDevice:
         dtype, size = self._word(B)
         args = (
             self.table, self._live(), self.me, epochs, x_LMB.view(dtype), L, M,
-            B // size, h.layout_range_LR2, h.recv_src_token_LM, h.recv_src_k_LM, self.R, s.max_topk,
-            s.row_bytes // size, code, self._zeros(self.R), self._zeros(self.R, L), self._zeros(8),
+            B // size, h.layout_range_LR2, self.R, per_writer(s), s.row_bytes // size, code,
+            self._zeros(self.R), self._zeros(self.R, L), self._zeros(8),
             self.max_spins,
         )  # fmt: skip
         consts = dict(WORD=_TL[dtype], LB=_pow2(L, 2), IB=16, WB=128)
@@ -229,6 +231,24 @@ class LLDevice:
                    consts, code)  # fmt: skip
         self._wake()
         return lambda: self._reduce(call, epochs, code, h.topk_idx_NK, weights_NK, out_NH)
+
+    def return_slots(
+        self, topk: torch.Tensor, owner_NK: torch.Tensor, expected_R: torch.Tensor
+    ) -> torch.Tensor:
+        """int64 [N, K]: the back slot of each y(t, k) (-1 where topk is). Expert rank r returns its
+        rows in its own run (r * per_writer onwards), ordered by (local expert, token); tensor
+        operations only, so nothing is read back on the host."""
+        N, K = topk.shape
+        valid = topk >= 0
+        local_NK = self.local_E[topk.clamp(min=0)]
+        L = self.sizing.placement.num_local_experts
+        t_NK = torch.arange(N, device=topk.device).unsqueeze(1).expand(N, K)
+        key = torch.where(valid, (owner_NK * L + local_NK) * max(N, 1) + t_NK, torch.iinfo(torch.int64).max)
+        place = torch.empty(N * K, dtype=torch.int64, device=topk.device)
+        place[torch.argsort(key.flatten())] = torch.arange(N * K, device=topk.device)  # valid ones first
+        start_R = torch.cumsum(expected_R, 0) - expected_R  # where each owner's pairs begin
+        slot = owner_NK * per_writer(self.sizing) + place.view(N, K) - start_R[owner_NK]
+        return torch.where(valid, slot, -1)
 
     def _reduce(
         self,
@@ -244,10 +264,11 @@ class LLDevice:
         valid = (topk >= 0).to(torch.int64)
         owner_NK = self.owner_E[topk.clamp(min=0)]
         expected_R = self._zeros(self.R).scatter_add_(0, owner_NK.flatten(), valid.flatten())
+        slots_NK = self.return_slots(topk, owner_NK, expected_R)
         out = out_NH.view(torch.int16) if out_NH.dtype == torch.bfloat16 else out_NH
         args = (
             self.table, self.me, epochs, topk, K, self.owner_E, expected_R,
-            weights_NK, code, *CODE_RANGE, s.capacity * s.max_topk, s.max_topk, s.row_bytes,
+            weights_NK, code, *CODE_RANGE, s.capacity * s.max_topk, slots_NK, s.row_bytes,
             out, s.hidden, self._zeros(max(N, 1)), self._zeros(1), N, self._zeros(8), self.max_spins,
         )  # fmt: skip
         consts = dict(Y_BF16=code == DTYPE_CODES[torch.bfloat16], HB=_pow2(s.hidden, 16, 256))

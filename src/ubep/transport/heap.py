@@ -126,7 +126,7 @@ class Heap:
         self._ctl_at = np.array([words.ctypes.data for words in self._ctl], dtype=np.int64)
         self.live: tuple[int, ...] = tuple(range(num_ranks))  # the ranks still taking part
         self.live_R = np.arange(num_ranks, dtype=np.int64)  # the same, for compiled halves
-        self._generation = 0  # how many times membership changed
+        self.generation = 0  # how many times membership changed: a later record masking this rank means out
         self._peers: tuple[ProcessId | None, ...] = (None,) * num_ranks
         self._current_seq = 0
         self._current: tuple[CallId, str] | None = None  # the call and phase of the latest wait
@@ -173,6 +173,12 @@ class Heap:
             [self._memory.arena(r).data_ptr() + ctl + 8 * CTL_ASLEEP for r in range(self.num_ranks)]
         )
         return table, asleep.astype(np.int64)
+
+    def members_at(self) -> np.ndarray:
+        """int64 [R]: the address of every rank's `members` block (two records of [generation, call
+        seq, masked flag per rank]), for a compiled writer's membership check (`check_member`)."""
+        at = self._layout.offsets[("members", 0)][0]
+        return np.array([self._memory.arena(r).data_ptr() + at for r in range(self.num_ranks)], np.int64)
 
     def ring_marked(self, wake_R: np.ndarray) -> None:
         """Ring every peer marked in `wake_R` (uint8 [R], as a compiled half left it); clear the marks."""
@@ -411,8 +417,8 @@ class Heap:
         """
         gone = set(ranks)
         stay = [r for r in range(self.num_ranks) if r not in gone]
-        self._generation += 1
-        g, half = self._generation, self._generation % 2
+        self.generation += 1
+        g, half = self.generation, self.generation % 2
         record = self._members[self.rank][half]
         record[1] = seq
         record[2:] = [r in gone for r in range(self.num_ranks)]
@@ -439,7 +445,7 @@ class Heap:
         return max(int(self._members[r][half][1]) for r in stay)
 
     def check_member(self, phase: str, peers: Iterable[int] | None = None) -> None:
-        mine = self._generation
+        mine = self.generation
         for p in self.live if peers is None else peers:
             records = self._members[p]
             latest = records[0] if records[0, 0] > records[1, 0] else records[1]
