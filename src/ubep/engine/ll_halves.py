@@ -27,6 +27,18 @@ from __future__ import annotations
 
 import numpy as np
 
+from ubep.engine.ll_codes import (
+    DONE,
+    E_COUNTS,
+    E_FIELD,
+    E_FORMAT,
+    E_MINE,
+    E_REJECTED,
+    E_RETURNED,
+    E_T,
+    E_TOKENS,
+    WAITING,
+)
 from ubep.engine.numba_kernels import _elements_at, _jit, _move, store, widen
 from ubep.engine.numba_sync import (
     back_off,
@@ -44,15 +56,6 @@ S_DTYPE, S_T, S_WIDTH, S_COUNTS = 1, 2, 3, 4  # sent record words (stamp at 0)
 R_DTYPE, R_COUNT = 1, 2  # returned record words
 CONSUMED, SKIPPED = 0, 1  # done words, per (kind, half): see `ubep.protocols.ll`
 
-DONE, WAITING = 0, 1
-E_FIELD = 2  # a header word outside its field's bounds: (peer, value, field index)
-E_REJECTED = 3  # the peer rejected this call: (peer)
-E_T = 4  # dispatch: the peer used another T: (peer, its T)
-E_FORMAT = 5  # dispatch: the peer sent another payload format
-E_COUNTS = 6  # dispatch: the peer announced counts above this call's T
-E_TOKENS = 7  # dispatch: the peer's slot infos name tokens out of range
-E_RETURNED = 8  # combine: the peer returned another row count or dtype: (peer, count, dtype, expected)
-E_MINE = 9  # this rank's own reuse word says an older call still awaits its receive half
 MASKED = -1  # a send half found, after a block, that the peers masked this rank: it put no more
 
 _I64 = np.empty(0, dtype=np.int64)

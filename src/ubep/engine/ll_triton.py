@@ -54,7 +54,7 @@ S_COUNTS: tl.constexpr = tl.constexpr(4)  # sent record: stamp, dtype, T, width,
 NEVER: tl.constexpr = tl.constexpr(-1)  # no polled word ever holds it: a CAS against it only reads
 
 WAITING_WORD: tl.constexpr = tl.constexpr(5)  # status[5]: 1 + the peer still awaited (status[0] 0: DONE)
-E_FIELD: tl.constexpr = tl.constexpr(2)  # the codes of `ubep.protocols.ll_status`
+E_FIELD: tl.constexpr = tl.constexpr(2)  # the codes of `ubep.engine.ll_codes`
 E_REJECTED: tl.constexpr = tl.constexpr(3)
 E_T: tl.constexpr = tl.constexpr(4)
 E_FORMAT: tl.constexpr = tl.constexpr(5)

@@ -11,20 +11,22 @@ from __future__ import annotations
 import numpy as np
 
 from ubep.calls import CallId
+from ubep.engine.ll_codes import (  # noqa: F401 (the codes are this module's words too)
+    DONE,
+    E_COUNTS,
+    E_FIELD,
+    E_FORMAT,
+    E_MINE,
+    E_REJECTED,
+    E_RETURNED,
+    E_T,
+    E_TOKENS,
+    WAITING,
+)
 from ubep.errors import PeerDataError
 from ubep.transport.base import Transport
 from ubep.transport.heap import complaint
 from ubep.waiting import AbortNotice, PeerAbortedError
-
-DONE, WAITING = 0, 1
-E_FIELD = 2  # a header word outside its field's bounds: (peer, value, field index)
-E_REJECTED = 3  # the peer rejected this call: (peer)
-E_T = 4  # dispatch: the peer used another T: (peer, its T)
-E_FORMAT = 5  # dispatch: the peer sent another payload format
-E_COUNTS = 6  # dispatch: the peer announced counts above this call's T
-E_TOKENS = 7  # dispatch: the peer's slot infos name tokens out of range
-E_RETURNED = 8  # combine: the peer returned another row count or dtype: (peer, count, dtype, expected)
-E_MINE = 9  # this rank's own reuse word says an older call still awaits its receive half
 
 
 def error(

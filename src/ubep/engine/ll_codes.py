@@ -1,0 +1,13 @@
+"""The status codes a low-latency call half returns: the numba halves, the Triton kernels and the
+host that turns them into exceptions (`ubep.protocols.ll_status`) share them. Free of numba and
+Triton, so every side can import them."""
+
+DONE, WAITING = 0, 1
+E_FIELD = 2  # a header word outside its field's bounds: (peer, value, field index)
+E_REJECTED = 3  # the peer rejected this call: (peer)
+E_T = 4  # dispatch: the peer used another T: (peer, its T)
+E_FORMAT = 5  # dispatch: the peer sent another payload format
+E_COUNTS = 6  # dispatch: the peer announced counts above this call's T
+E_TOKENS = 7  # dispatch: the peer's slot infos name tokens out of range
+E_RETURNED = 8  # combine: the peer returned another row count or dtype: (peer, count, dtype, expected)
+E_MINE = 9  # this rank's own reuse word says an older call still awaits its receive half
