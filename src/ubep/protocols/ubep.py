@@ -220,9 +220,15 @@ class UbepExchange:
             self.engine.localize_blocks(topks, weights, lists, self._local_of_E, recv_idx_MK, recv_w_MK)
         except IndexError:  # a listed token or an expert id out of range: find whose
             raise self._culprit(call, lists, topks) from None
-        if M and ((recv_idx_MK >= 0).sum(dim=1) == 0).any():
-            raise PeerDataError(
-                "dispatch: a peer listed a token for this rank that selects none of its experts"
+        selects_none_M = (recv_idx_MK >= 0).sum(dim=1) == 0
+        if M and selects_none_M.any():  # the source of the first such row: the counts run in source order
+            src = int(
+                torch.searchsorted(torch.tensor(counts).cumsum(0), selects_none_M.nonzero()[0, 0], right=True)
+            )
+            raise self.t.bad_data(
+                call,
+                src,
+                f"dispatch: rank {src} listed a token for this rank that selects none of its experts",
             )
         return torch.tensor(counts, dtype=torch.int64), recv_idx_MK, recv_w_MK, torch.cat(lists)
 
