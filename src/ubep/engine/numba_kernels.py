@@ -428,6 +428,17 @@ BAD_EXPERT, REPEATED = -3, -4  # route_tokens' verdicts on a routing
 
 
 @_jit
+def _id_range(topk):
+    """(smallest, largest) id of topk int64 [N, K], counting from (0, -1): an id outside [-1, E)
+    shows as lo < -1 or hi >= E."""
+    lo, hi = np.int64(0), np.int64(-1)
+    for t in range(topk.shape[0]):
+        for k in range(topk.shape[1]):
+            lo, hi = min(lo, topk[t, k]), max(hi, topk[t, k])
+    return lo, hi
+
+
+@_jit
 def route_tokens(topk, rank_of_expert, num_experts, in_rank, counts, found):
     """Check a routing and lay it out in one pass: topk int64 [N, K] must hold ids in [-1, E) and no
     expert twice in a row; in_rank uint8 [N, R] gets 1 where token n selects an expert on rank r,
@@ -436,10 +447,7 @@ def route_tokens(topk, rank_of_expert, num_experts, in_rank, counts, found):
     Example (R = 2, experts 0-1 on rank 0, 2-3 on rank 1): row [3, 0] -> in_rank row [1, 1].
     """
     N, K = topk.shape
-    lo, hi = np.int64(0), np.int64(-1)
-    for t in range(N):
-        for k in range(K):
-            lo, hi = min(lo, topk[t, k]), max(hi, topk[t, k])
+    lo, hi = _id_range(topk)
     if N * K and (lo < -1 or hi >= num_experts):
         found[0] = lo if lo < -1 else hi
         return BAD_EXPERT
@@ -475,10 +483,7 @@ def to_physical(topk, near, count, start, seen, out):
     """
     N, K = topk.shape
     E = count.size
-    lo, hi = np.int64(0), np.int64(-1)
-    for t in range(N):
-        for k in range(K):
-            lo, hi = min(lo, topk[t, k]), max(hi, topk[t, k])
+    lo, hi = _id_range(topk)
     if N * K and (lo < -1 or hi >= E):
         seen[0] = lo if lo < -1 else hi
         return BAD_EXPERT
