@@ -25,6 +25,18 @@ from typing import Protocol
 import torch
 
 
+class BlockIndexError(IndexError):
+    """An index out of range in one block of `localize_blocks`, named so that a caller blames the
+    block's owner from this error alone, without reading the block again (a racing writer could
+    have changed it): `block` is its position in the sequences; `what` is "row" (an index that is
+    not a row of its block) or "expert" (an expert id >= E)."""
+
+    def __init__(self, block: int, what: str):
+        said = "an index that is not a row of it" if what == "row" else "an expert id out of range"
+        super().__init__(f"localize_blocks: block {block} holds {said}")
+        self.block, self.what = block, what
+
+
 class Engine(Protocol):
     """One implementation of the kernels (`torch`, `numba`, `triton`)."""
 
@@ -70,8 +82,8 @@ class Engine(Protocol):
         """`localize_rows` for several sources at once, their rows one after another in the outputs.
 
         Source s's rows `indices[s]` of `topks[s]` and `weights[s]` fill the next
-        len(indices[s]) rows of out_idx and out_weights. IndexError where an index
-        is not a row of its source.
+        len(indices[s]) rows of out_idx and out_weights. `BlockIndexError` naming the
+        first bad block where an index is not a row of its source or an expert id is >= E.
         """
 
     def localize_rows(
@@ -152,13 +164,18 @@ class PerBlock:
         out_idx_MK: torch.Tensor,
         out_weights_MK: torch.Tensor,
     ) -> None:
-        at = 0
-        for topk_XK, weights_XK, index_n in zip(topks, weights, indices, strict=True):
+        at, E = 0, local_of_expert_E.numel()
+        for s, (topk_XK, weights_XK, index_n) in enumerate(zip(topks, weights, indices, strict=True)):
             n = index_n.numel()
             if n and (int(index_n.min()) < 0 or int(index_n.max()) >= topk_XK.shape[0]):
-                raise IndexError("localize_blocks: an index is not a row of its source")
+                raise BlockIndexError(s, "row")
+            if n and int(topk_XK[index_n].max()) >= E:  # a kernel need not check its reads (Triton)
+                raise BlockIndexError(s, "expert")
             out_idx, out_w = out_idx_MK[at : at + n], out_weights_MK[at : at + n]
-            self.localize_rows(topk_XK, weights_XK, index_n, local_of_expert_E, out_idx, out_w)
+            try:
+                self.localize_rows(topk_XK, weights_XK, index_n, local_of_expert_E, out_idx, out_w)
+            except IndexError:  # the block changed since the check above (a peer still writing it)
+                raise BlockIndexError(s, "expert") from None
             at += n
 
     def reduce_blocks(

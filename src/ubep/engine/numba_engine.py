@@ -23,6 +23,7 @@ import torch
 
 from ubep import validate
 from ubep.engine import numba_kernels as kernels
+from ubep.engine.base import BlockIndexError
 from ubep.engine.torch_engine import TorchEngine
 
 BITS = {torch.bfloat16: torch.uint16, torch.float16: torch.int16}  # numba has no 16-bit floats
@@ -289,10 +290,9 @@ class NumbaEngine:
             local_of_expert_E, out_idx_MK, out_weights_MK,
         )  # fmt: skip
         M = index_M.size
-        if bad >= M:
-            raise IndexError(f"localize_blocks: an expert id in output row {bad - M} is out of range")
-        if bad >= 0:
-            raise IndexError(f"localize_blocks: row index at position {bad} is not a row of its source")
+        if bad >= 0:  # its row's block: the last one starting at or before it
+            block = int(np.searchsorted(prefix_S1, bad - M if bad >= M else bad, side="right")) - 1
+            raise BlockIndexError(block, "expert" if bad >= M else "row")
 
     def reduce_blocks(
         self, blocks: Sequence[torch.Tensor], tokens: Sequence[torch.Tensor], out_NH: torch.Tensor

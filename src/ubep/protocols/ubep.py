@@ -35,6 +35,7 @@ import torch
 from ubep import fp8, schedule, topology
 from ubep.calls import CallId
 from ubep.engine import Engine
+from ubep.engine.base import BlockIndexError
 from ubep.errors import PeerDataError
 from ubep.faults import NO_FAULTS, FaultPoints
 from ubep.layout import prefix_offsets
@@ -210,7 +211,9 @@ class UbepExchange:
                 f"dispatch: rank {src} routed with top-k {routes['topk'][src]}, this rank with {K}"
             )
         counts, tokens = routes["counts"][:, self.me].tolist(), routes["num_tokens"].tolist()
-        lists = [t.view(b.lists, s, call)[self.me, : counts[s]] for s in range(self.R)]
+        # one copy of every source's list, read once: what is checked is what is used
+        src_token_M = torch.cat([t.view(b.lists, s, call)[self.me, : counts[s]] for s in range(self.R)])
+        lists = src_token_M.split(counts)
         M = sum(counts)
         recv_idx_MK = torch.empty(M, K, dtype=torch.int64)
         recv_w_MK = torch.empty(M, K, dtype=torch.float32)
@@ -218,8 +221,13 @@ class UbepExchange:
         weights = [t.view(b.weights, s, call)[: tokens[s], :K] for s in range(self.R)]
         try:
             self.engine.localize_blocks(topks, weights, lists, self._local_of_E, recv_idx_MK, recv_w_MK)
-        except IndexError:  # a listed token or an expert id out of range: find whose
-            raise self._culprit(call, lists, topks) from None
+        except BlockIndexError as error:  # names the source: nothing is read again
+            src, E = error.block, self.sizing.placement.num_experts
+            said = {
+                "row": f"listed tokens outside [0, {tokens[src]})",
+                "expert": f"routed to expert ids outside [-1, {E})",
+            }
+            raise self.t.bad_data(call, src, f"dispatch: rank {src} {said[error.what]}") from None
         selects_none_M = (recv_idx_MK >= 0).sum(dim=1) == 0
         if M and selects_none_M.any():  # the source of the first such row: the counts run in source order
             src = int(
@@ -230,20 +238,7 @@ class UbepExchange:
                 src,
                 f"dispatch: rank {src} listed a token for this rank that selects none of its experts",
             )
-        return torch.tensor(counts, dtype=torch.int64), recv_idx_MK, recv_w_MK, torch.cat(lists)
-
-    def _culprit(self, call: CallId, lists, topks) -> PeerDataError:
-        """The error naming the first source whose list or routing is out of range (slow path)."""
-        E = self.sizing.placement.num_experts
-        for src, (tokens_n, topk_XK) in enumerate(zip(lists, topks, strict=True)):
-            n = topk_XK.shape[0]
-            if tokens_n.numel() and (tokens_n.min() < 0 or tokens_n.max() >= n):
-                return self.t.bad_data(call, src, f"dispatch: rank {src} listed tokens outside [0, {n})")
-            if topk_XK.numel() and (topk_XK.min() < -1 or topk_XK.max() >= E):
-                return self.t.bad_data(
-                    call, src, f"dispatch: rank {src} routed to expert ids outside [-1, {E})"
-                )
-        return PeerDataError("dispatch: a peer's routing is out of range")
+        return torch.tensor(counts, dtype=torch.int64), recv_idx_MK, recv_w_MK, src_token_M
 
     def _gather_tokens(self, call, x_NH, recv_x_MH, recv_scales_MS, src_token_M, prefix, routes) -> None:
         """Copy every source's rows from its memory into their final place, as their payloads land:

@@ -347,12 +347,27 @@ class Heap:
         if self._current is not None:
             self.check_in_step(*self._current)
         found = self._notice(peer, self._current_seq)
-        if found is None:
-            return None
-        cause, culprit = found
+        return self._why(*found) if found is not None else self._left_behind(peer)
+
+    def _why(self, cause: int, culprit: int, earlier: int | None = None) -> AbortNotice:
+        """The notice of a peer that aborted this call, or the `earlier` one this rank completed."""
+        lead = "" if earlier is None else f"it failed call #{earlier}, which this rank completed: "
         if cause not in BLAME or not 0 <= culprit < self.num_ranks:
-            return AbortNotice("it rejected its input or failed; see that rank's error")
-        return AbortNotice(f"it gave up because rank {culprit} {BLAME[cause]}", culprit, cause)
+            return AbortNotice(f"{lead}it rejected its input or failed; see that rank's error")
+        return AbortNotice(f"{lead}it gave up because rank {culprit} {BLAME[cause]}", culprit, cause)
+
+    def _left_behind(self, peer: int) -> AbortNotice | None:
+        """Peer's notice for an earlier call this rank completed, while the peer has not begun the
+        current one: it raised where this rank did not (bad data only it received, or a check only
+        it made), so it is out of step and will not join this call. Words read from a peer: checked."""
+        seq = self._current_seq
+        if unpack_call(int(self._ctl[peer][CTL_CALLS + seq % CALL_RING]))[0] == seq:
+            return None  # it began this call: it takes part
+        for earlier in range(seq - 1, max(seq - ABORT_RING, -1), -1):
+            found = self._notice(peer, earlier)
+            if found is not None and self._notice(self.rank, earlier) is None:
+                return self._why(*found, earlier)
+        return None
 
     def _gave_up(self, call: CallId, error: UbepError) -> None:
         """A wait of ours failed: pass the blame on, so peers waiting on us fail fast too."""
