@@ -17,6 +17,7 @@ import torch
 
 from ubep import reference
 from ubep.engine import ENGINES, TorchEngine, choose_engine
+from ubep.engine.base import BlockIndexError
 
 ENGINE_NAMES = ["torch", "numba"]
 ROW_DTYPES = [torch.bfloat16, torch.float16, torch.float32]
@@ -461,6 +462,11 @@ def test_localize_blocks_matches_localize_rows_per_source(engine):
                 want_idx[at, k], want_w[at, k] = local, float(w_XK[row, k]) if local >= 0 else 0.0
             at += 1
     assert torch.equal(got_idx, want_idx) and torch.equal(got_w, want_w)
-    with pytest.raises(IndexError):
+    with pytest.raises(BlockIndexError) as row_error:  # block 0 has 4 rows
         engine.localize_blocks(topks, weights, [torch.tensor([4]), indices[1], indices[2]], local_of_expert_E,
                                got_idx[:3], got_w[:3])  # fmt: skip
+    assert (row_error.value.block, row_error.value.what) == (0, "row")
+    topks[2][5, 1] = 8  # an expert id >= E in block 2's second listed row, after an empty block
+    with pytest.raises(BlockIndexError) as expert_error:
+        engine.localize_blocks(topks, weights, indices, local_of_expert_E, got_idx, got_w)
+    assert (expert_error.value.block, expert_error.value.what) == (2, "expert")
