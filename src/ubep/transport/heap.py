@@ -130,6 +130,7 @@ class Heap:
         self._peers: tuple[ProcessId | None, ...] = (None,) * num_ranks
         self._current_seq = 0
         self._current: tuple[CallId, str] | None = None  # the call and phase of the latest wait
+        self._resumed_after = -1  # the seq the ranks resumed after at the latest mask (`mask`)
         self._barrier_seq = self._barrier_step = 0
 
     # -- memory -----------------------------------------------------------------------------------
@@ -359,11 +360,12 @@ class Heap:
     def _left_behind(self, peer: int) -> AbortNotice | None:
         """Peer's notice for an earlier call this rank completed, while the peer has not begun the
         current one: it raised where this rank did not (bad data only it received, or a check only
-        it made), so it is out of step and will not join this call. Words read from a peer: checked."""
+        it made), so it is out of step and will not join this call. Calls up to the latest mask do
+        not count: masking put the ranks back in step after them. Words read from a peer: checked."""
         seq = self._current_seq
         if unpack_call(int(self._ctl[peer][CTL_CALLS + seq % CALL_RING]))[0] == seq:
             return None  # it began this call: it takes part
-        for earlier in range(seq - 1, max(seq - ABORT_RING, -1), -1):
+        for earlier in range(seq - 1, max(seq - ABORT_RING, self._resumed_after, -1), -1):
             found = self._notice(peer, earlier)
             if found is not None and self._notice(self.rank, earlier) is None:
                 return self._why(*found, earlier)
@@ -457,7 +459,8 @@ class Heap:
                 raise PeerDataError(message)
         self.live = tuple(stay)
         self.live_R = np.array(stay, dtype=np.int64)
-        return max(int(self._members[r][half][1]) for r in stay)
+        self._resumed_after = max(int(self._members[r][half][1]) for r in stay)
+        return self._resumed_after
 
     def check_member(self, phase: str, peers: Iterable[int] | None = None) -> None:
         mine = self.generation
