@@ -20,7 +20,7 @@ from ubep.calls import CallId
 from ubep.compat.deep_ep import Buffer as DeepEPBuffer
 from ubep.errors import CommTimeoutError, UbepError
 from ubep.faults import FaultPlan
-from ubep.transport.heap import CAUSE_SILENT
+from ubep.transport.heap import CAUSE_OWN, CAUSE_SILENT
 from ubep.transport.virtual import VirtualRank, VirtualWorld
 
 DEAD = 2
@@ -200,31 +200,38 @@ def test_masking_needs_a_heap_and_ranks_in_range():
             buf.mask_ranks([])
 
 
-def failed_before_the_mask(rank: VirtualRank, protocol: str) -> str:
-    """Rank 1 failed the last call before a mask (its notice says so) where rank 0 completed it;
-    after the mask rank 1 starts its next call late. Rank 0 must wait for it, not take the old
-    notice for a rank left behind (the fault soak found that: the stop episodes failed)."""
+def failed_before(rank: VirtualRank, protocol: str, done: threading.Barrier, masked: set[int]) -> str:
+    """Rank 1's notice says it failed the last call where rank 0 completed it: it timed out on rank
+    2, which the ranks then mask (`masked` {2}), or it rejected its own input (no mask). Rank 1
+    then starts its next call late; rank 0 must wait for it, not take the old notice for a rank
+    left behind (the fault soak found the first case: its stop episodes failed)."""
     me = rank.rank
     with buffer(rank, protocol, timeout_s=20) as buf:
         normal_call(buf, 0, set())
         heap = buf._exchange.t
-        if me == 1:  # as if its wait in that call ran out while rank 2 stalled
-            heap.abort(CallId(heap._current_seq, 0), CAUSE_SILENT, 2)
-        buf.mask_ranks([2])
-        if me == 2:
+        if me == 1:
+            heap.abort(
+                CallId(heap._current_seq, 0), CAUSE_SILENT if masked else CAUSE_OWN, 2 if masked else -1
+            )
+        done.wait()  # every rank finished its call: masked inside it, rank 2 would raise MaskedOutError
+        if masked:
+            buf.mask_ranks(sorted(masked))
+        if me in masked:
             return ""
         if me == 1:
             time.sleep(0.3)  # several liveness checks of rank 0's wait
         try:
             for seed in range(1, 4):
-                normal_call(buf, seed, {2})
+                normal_call(buf, seed, masked)
         except UbepError as error:
             return str(error)
         return ""
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("masked", [{2}, set()], ids=["timed-out-then-mask", "rejected-own-input"])
 @pytest.mark.parametrize("protocol", ["ubep", "bsp"])
-def test_a_notice_from_before_a_mask_does_not_fail_later_calls(protocol):
-    said = VirtualWorld(3, timeout_s=100).run(lambda rank: failed_before_the_mask(rank, protocol))
+def test_an_old_notice_does_not_fail_later_calls(protocol, masked):
+    done = threading.Barrier(3)
+    said = VirtualWorld(3, timeout_s=100).run(lambda rank: failed_before(rank, protocol, done, masked))
     assert said == ["", "", ""], said

@@ -361,13 +361,15 @@ class Heap:
         """Peer's notice for an earlier call this rank completed, while the peer has not begun the
         current one: it raised where this rank did not (bad data only it received, or a check only
         it made), so it is out of step and will not join this call. Calls up to the latest mask do
-        not count: masking put the ranks back in step after them. Words read from a peer: checked."""
+        not count: masking put the ranks back in step after them; nor does a peer's rejection of its
+        own input, after which it may call again (a rank that completed needed nothing from it).
+        Words read from a peer: checked."""
         seq = self._current_seq
         if unpack_call(int(self._ctl[peer][CTL_CALLS + seq % CALL_RING]))[0] == seq:
             return None  # it began this call: it takes part
         for earlier in range(seq - 1, max(seq - ABORT_RING, self._resumed_after, -1), -1):
             found = self._notice(peer, earlier)
-            if found is not None and self._notice(self.rank, earlier) is None:
+            if found is not None and found[0] in BLAME and self._notice(self.rank, earlier) is None:
                 return self._why(*found, earlier)
         return None
 
