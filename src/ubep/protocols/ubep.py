@@ -126,11 +126,26 @@ class UbepExchange:
             from ubep.protocols.ubep_compiled import UbepCompiled  # imports numba: only on its engine
 
             self._compiled = UbepCompiled(transport, self.blocks, sizing, faults, self._local_of_E)
+        elif engine.name == "triton" and workers == 1 and hasattr(transport, "address_table"):
+            from ubep.protocols.ubep_device import UbepDevice  # imports triton: only on its engine
+
+            self._compiled = UbepDevice(transport, self.blocks, sizing, faults, self._local_of_E, engine)
 
     @property
     def compiled_halves(self) -> bool:
-        """Whether each call half runs as one compiled function (else the torch statement)."""
+        """Whether each call half runs as one compiled function or kernel (else the torch statement)."""
         return self._compiled is not None
+
+    @property
+    def halves(self) -> str:
+        """How each call half runs here, in words (for `Buffer.explain`)."""
+        if self._compiled is None:
+            return "step by step in Python"
+        if self.engine.name == "triton":
+            return "one Triton kernel launch each" + (
+                " (the interpreter, on the CPU)" if self._compiled.device.type == "cpu" else ""
+            )
+        return "compiled"
 
     # -- dispatch ---------------------------------------------------------------------------------
 
