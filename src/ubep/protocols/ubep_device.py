@@ -173,7 +173,7 @@ class UbepDevice:
         (N, H), code = x_NH.shape, DTYPE_CODES[x_NH.dtype]
         K = 0 if cached else plan.topk_idx_NK.shape[1]
         epochs, mine = self._epoch(call), (x_NH.dtype, K, 0)
-        rows_NB = x_NH.view(torch.uint8).view(N, -1)
+        rows_NB = x_NH.contiguous().view(torch.uint8)  # [N, H * itemsize]
         dtype, size = self._word(rows_NB.shape[1])
         fp8 = plan.scales_NS is not None
         scales = plan.scales_NS.view(torch.int32) if fp8 else self._zeros(N, 0, dtype=torch.int32)
@@ -216,7 +216,7 @@ class UbepDevice:
             src_rank_M = torch.full((M,), -1, dtype=torch.int64, device=dev)
             recv_idx_MK = torch.full((M, K), -1, dtype=torch.int64, device=dev)
             recv_w_MK = torch.zeros(M, K, dtype=torch.float32, device=dev)
-        x_MB = recv_x_MH.view(torch.uint8).view(M, -1).view(dtype)
+        x_MB = recv_x_MH.view(torch.uint8).view(dtype)
         scales_MS = self._zeros(M, 0, dtype=torch.int32) if recv_scales_MS is None else recv_scales_MS
         blocks = _cdiv(s.capacity, ROWS_PER_PROGRAM)
         args = (
@@ -250,7 +250,7 @@ class UbepDevice:
         """An expert rank's half of combine: its output rows and weights out once, then the stamp."""
         s, R = self.sizing, self.R
         M = x_MH.shape[0]
-        rows_MB = x_MH.contiguous().view(torch.uint8).view(M, -1)
+        rows_MB = x_MH.contiguous().view(torch.uint8)  # [M, H * itemsize]
         dtype, size = self._word(rows_MB.shape[1])
         K = 0 if topk_weights_MK is None else topk_weights_MK.shape[1]
         weights = self._zeros(M, 0, dtype=torch.float32) if K == 0 else topk_weights_MK.contiguous()
