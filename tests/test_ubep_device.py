@@ -314,3 +314,17 @@ def test_errors_are_the_cpu_protocols():
 
     done = threading.Barrier(2)
     assert VirtualWorld(2, timeout_s=120).run(lambda rank: errors(rank, done)) == ["ok", "ok"]
+
+
+# --- the device check's normal-mode step, as a dry run on the CPU ----------------------------------
+
+
+@interpreted
+@pytest.mark.timeout(200)
+def test_device_normal_script_dry_run():
+    """scripts/device_normal.py --smoke: 2 virtual ranks, num_worst_tokens, the replay loop (no graph)."""
+    root = os.path.dirname(os.path.dirname(__file__))
+    script = os.path.join(root, "scripts", "device_normal.py")
+    run = subprocess.run([sys.executable, script, "--smoke"], capture_output=True, text=True, timeout=180)
+    assert run.returncode == 0 and "device_normal: ok" in run.stdout, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "bit for bit against the reference every replay" in run.stdout, run.stdout

@@ -30,6 +30,8 @@ Legend: see `ubep.layout`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import triton.language as tl
 
@@ -168,9 +170,16 @@ class UbepDevice:
     ) -> Received:
         """One dispatch. num_worst_tokens > 0 (not with a handle): every output has that many rows and
         nothing is read on the host; a rank that receives more raises ValueError."""
+        return self.dispatch_send(call, plan, handle, num_worst_tokens)()
+
+    def dispatch_send(
+        self, call: CallId, plan: SendPlan, handle: DispatchHandle | None, num_worst_tokens: int = 0
+    ) -> Callable[[], Received]:
+        """The send half (one launch); returns the receive halves (routes, then gather), which a caller
+        running several ranks on one stream calls after every rank's send."""
         s, R, dev = self.sizing, self.R, self.device
         x_NH, cached = plan.x_NH, handle is not None
-        (N, H), code = x_NH.shape, DTYPE_CODES[x_NH.dtype]
+        N, code = x_NH.shape[0], DTYPE_CODES[x_NH.dtype]
         K = 0 if cached else plan.topk_idx_NK.shape[1]
         epochs, mine = self._epoch(call), (x_NH.dtype, K, 0)
         rows_NB = x_NH.contiguous().view(torch.uint8)  # [N, H * itemsize]
@@ -191,6 +200,15 @@ class UbepDevice:
         self._wake()
         if self.faults.armed:
             self.faults.at("dispatch.sent", call)
+        return lambda: self._receive(call, epochs, plan, handle, num_worst_tokens, dtype, mine)
+
+    def _receive(
+        self, call: CallId, epochs: torch.Tensor, plan: SendPlan, handle, num_worst_tokens: int, dtype, mine
+    ) -> Received:
+        """The receive halves of a dispatch whose send half ran: routes, the receive size, gather."""
+        s, R, dev = self.sizing, self.R, self.device
+        x_NH, cached = plan.x_NH, handle is not None
+        H, code, K = x_NH.shape[1], DTYPE_CODES[x_NH.dtype], mine[1]
         counts_R, sent_R, routes = self._zeros(R), self._zeros(R), self._zeros(R + 1)
         prefix_R1 = handle.recv.prefix_R1 if cached else self._zeros(R + 1)
         worst = 0 if cached else num_worst_tokens
@@ -204,8 +222,7 @@ class UbepDevice:
             M = handle.recv.src_token_M.shape[0]
         else:
             M = num_worst_tokens or int(prefix_R1[-1])  # the one host read, without num_worst_tokens
-        padded = cached or not num_worst_tokens  # no padding: torch.empty where the kernel fills every row
-        fill = torch.empty if padded else torch.zeros
+        fill = torch.zeros if num_worst_tokens and not cached else torch.empty  # padding rows stay 0
         recv_x_MH = fill(M, H, dtype=x_NH.dtype, device=dev)
         recv_scales_MS = None if plan.scales_NS is None else fill(M, plan.scales_NS.shape[1], device=dev)
         if cached:
@@ -238,11 +255,17 @@ class UbepDevice:
     def combine(self, call: CallId, x_MH: torch.Tensor, handle: DispatchHandle, topk_weights_MK):
         """(combined [N, H] in x's dtype, summed weights float32 [N, K] or None). x_MH may be padded
         (num_worst_tokens): only the rows the dispatch received are sent."""
+        return self.combine_send(call, x_MH, handle, topk_weights_MK)()
+
+    def combine_send(
+        self, call: CallId, x_MH: torch.Tensor, handle: DispatchHandle, topk_weights_MK
+    ) -> Callable[[], tuple[torch.Tensor, torch.Tensor | None]]:
+        """The send half (one launch); returns the reduce half."""
         epochs = self._epoch(call)
         self.send_back(call, epochs, x_MH, handle, topk_weights_MK)
         if self.faults.armed:
             self.faults.at("combine.mid", call)
-        return self.reduce_home(call, epochs, x_MH, handle, topk_weights_MK)
+        return lambda: self.reduce_home(call, epochs, x_MH, handle, topk_weights_MK)
 
     def send_back(
         self, call: CallId, epochs: torch.Tensor, x_MH: torch.Tensor, handle: DispatchHandle, topk_weights_MK
