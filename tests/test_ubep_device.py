@@ -328,3 +328,78 @@ def test_device_normal_script_dry_run():
     run = subprocess.run([sys.executable, script, "--smoke"], capture_output=True, text=True, timeout=180)
     assert run.returncode == 0 and "device_normal: ok" in run.stdout, run.stdout[-3000:] + run.stderr[-3000:]
     assert "bit for bit against the reference every replay" in run.stdout, run.stdout
+
+
+# --- the factory's CUDA branch over a stand-in for symmetric memory, kernels interpreted -------------
+
+CUDA_BRANCH = """
+import sys, types
+import torch
+import torch.distributed as dist
+
+arenas = []
+class Handle:
+    def get_buffer(self, rank, sizes, dtype, storage_offset=0):
+        return arenas[0].view(dtype)
+fake = types.ModuleType("torch.distributed._symmetric_memory")
+fake.empty = lambda n, dtype, device: arenas.append(torch.full((n,), 7, dtype=dtype)) or arenas[-1]
+fake.enable_symm_mem_for_group = lambda name: None
+fake.rendezvous = lambda tensor, group: Handle()
+sys.modules["torch.distributed._symmetric_memory"] = fake
+torch.cuda.is_available = lambda: True
+torch.cuda.current_device = lambda: 0
+torch.cuda.synchronize = lambda device=None: None
+torch.cuda.current_stream = lambda device=None: types.SimpleNamespace(synchronize=lambda: None)
+
+from ubep import reference
+from ubep.calls import CallCounter
+from ubep.engine.triton_engine import TritonEngine
+from ubep.factory import Options, build
+from ubep.faults import FaultPoints
+from ubep.group import GroupInfo
+from ubep.layout import ExpertPlacement, token_in_rank
+from ubep.protocols.base import SendPlan, Sizing
+from ubep.results import DispatchHandle
+from ubep.transport.cuda import CudaHeap
+
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+H, E, T, K = 64, 4, 6, 2
+sizing = Sizing(hidden=H, capacity=T, max_topk=K, placement=ExpertPlacement.contiguous(E, 1))
+options = Options(transport="cuda", protocol="ubep", low_latency=False, timeout_s=20)
+normal, _ = build(GroupInfo(dist.group.WORLD, 0, 1, (0,)), sizing, options, TritonEngine(), FaultPoints())
+try:
+    assert isinstance(normal.t, CudaHeap) and type(normal._compiled).__name__ == "UbepDevice"
+    table, _ = normal.t.address_table(normal.blocks.all())  # every ubep header lives in the arena
+    assert (table >= arenas[0].data_ptr()).all() and (table < arenas[0].data_ptr() + arenas[0].numel()).all()
+    g = torch.Generator().manual_seed(4)
+    calls = CallCounter()
+    for step in range(3):  # both halves of the double buffer, and one reuse
+        x = (torch.randn(5, H, generator=g) * 3).to(torch.bfloat16)
+        idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(5)])
+        idx[0, 1] = -1
+        w = torch.rand(5, K, generator=g)
+        in_rank = token_in_rank(idx, sizing.placement)
+        plan = SendPlan(x, idx, w, in_rank, in_rank.sum(0))
+        call = calls.next("dispatch")
+        got = normal.dispatch(call, plan, None)
+        want = reference.dispatch([x], [idx], [w], E)[0]
+        assert torch.equal(got.recv_x_MH, want.recv_x_MH)
+        assert torch.equal(got.recv_topk_idx_MK, want.recv_topk_idx_MK)
+        handle = DispatchHandle(5, in_rank, in_rank.sum(0), got.route, [], seq=call.seq)
+        y = (got.recv_x_MH.float() * 0.5 - 1).to(torch.bfloat16)
+        out, _ = normal.combine(calls.next("combine"), y, handle, None)
+        assert torch.equal(out, reference.combine([y], [want], [5])[0])
+    print("CUDA BRANCH OK")
+finally:
+    normal.t.close()
+    dist.destroy_process_group()
+"""
+
+
+@interpreted
+@pytest.mark.timeout(200)
+def test_the_factory_builds_normal_mode_on_the_cuda_heap():
+    """Over a stand-in for symmetric memory: ubep's headers are laid in the device arena and the
+    normal-mode halves run there (three calls: both halves of the double buffer, and a reuse)."""
+    run = subprocess.run([sys.executable, "-c", CUDA_BRANCH], capture_output=True, text=True, timeout=180)
+    assert "CUDA BRANCH OK" in run.stdout, run.stdout[-3000:] + run.stderr[-5000:]
