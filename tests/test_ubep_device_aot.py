@@ -42,7 +42,7 @@ SPECS = [
         f"{HEAD} R:i32 N:i32 in_rank:*u8 place:*i64 send_counts:*i64 seq:i32 code:i32 dtype_lo:i32 "
         "dtype_hi:i32 K:i32 Kmax:i32 rows_max:i32 out:*i16 H:i32 out_w:*fp32 state:*i64 status:*i64 "
         "max_spins:i32"),
-     {"IN_KIND": 1, "OUT_KIND": 1, "RB": 16, "KB": 8, "HB": 256}),
+     {"KIND": 1, "RB": 16, "KB": 8, "HB": 256}),
 ]  # fmt: skip
 SENDS = ("ubep_dispatch_send_kernel", "ubep_combine_send_kernel")  # they stamp; the others poll
 POLLS = tuple(name for name, *_ in SPECS if name not in SENDS)

@@ -88,10 +88,9 @@ E_OTHER_CALL: tl.constexpr = tl.constexpr(10)
 E_ROWS: tl.constexpr = tl.constexpr(11)
 E_WORST: tl.constexpr = tl.constexpr(12)
 
-# Element kinds of combine's rows (IN_KIND) and output (OUT_KIND).
+# Element kinds of combine's rows and output (the payload dtypes a Buffer accepts).
 F32: tl.constexpr = tl.constexpr(0)
 BF16: tl.constexpr = tl.constexpr(1)
-F16: tl.constexpr = tl.constexpr(2)
 
 
 @triton.jit
@@ -439,12 +438,12 @@ def ubep_combine_send_kernel(
 def ubep_combine_reduce_kernel(
     table, live, me, epochs, R, N, in_rank, place, send_counts, seq, code, dtype_lo, dtype_hi, K, Kmax,
     rows_max, out, H, out_w, state, status, max_spins,
-    IN_KIND: tl.constexpr, OUT_KIND: tl.constexpr, RB: tl.constexpr, KB: tl.constexpr, HB: tl.constexpr,
+    KIND: tl.constexpr, RB: tl.constexpr, KB: tl.constexpr, HB: tl.constexpr,
 ):  # fmt: skip
     """The home's half of combine, program t (token; max(N, 1) programs): once every live expert rank's
     back header landed, check them all as `ubep_halves.combine_reduce` does (in its order), then
     out[t] = the sum of t's rows over ranks ascending (the reference's order) in float32, unfused,
-    rounded once (OUT_KIND BF16: bf16 bits as int16, by integer rounding; else float32), and
+    rounded once (KIND BF16: bf16 bits as int16, by integer rounding; F32: float32), and
     out_w[t, :K] the sum of their weights.
 
     in_rank uint8 [N, R] and send_counts int64 [R] come from the dispatch's handle; place int64 [N, R]
@@ -514,15 +513,13 @@ def ubep_combine_reduce_kernel(
                         row = tl.load(_words(_address(table, r, BACK, half)) + B_PREFIX + me)
                         row += tl.load(place + t * R + r)
                         base = _address(table, r, Y, half)
-                        if IN_KIND == BF16:
+                        if KIND == BF16:
                             v = tl.load(base.to(tl.pointer_type(tl.bfloat16)) + row * H + cols, mask=m)
-                        elif IN_KIND == F16:
-                            v = tl.load(base.to(tl.pointer_type(tl.float16)) + row * H + cols, mask=m)
                         else:
                             v = tl.load(base.to(tl.pointer_type(tl.float32)) + row * H + cols, mask=m)
                         acc = acc + v.to(tl.float32)
                     r += 1
-                if OUT_KIND == BF16:
+                if KIND == BF16:
                     tl.store(out + t.to(tl.int64) * H + cols, _bf16_bits(acc), mask=m)
                 else:
                     tl.store(out + t.to(tl.int64) * H + cols, acc, mask=m)

@@ -297,23 +297,17 @@ class UbepDevice:
         sent_NR = in_rank_NR.to(torch.int64)
         place_NR = torch.cumsum(sent_NR, 0) - sent_NR  # t's row among the rows sent to each rank
         out_NH = torch.empty(N, H, dtype=dtype, device=dev)
-        bf16, f16 = dtype == torch.bfloat16, dtype == torch.float16
-        sums_NH = out_NH.view(torch.int16) if bf16 else out_NH  # float16: summed in float32, then rounded
-        sums_NH = torch.empty(N, H, dtype=torch.float32, device=dev) if f16 else sums_NH
-        out_NK = self._zeros(N, max(K, 0), dtype=torch.float32)
-        kinds = {torch.float32: k.F32, torch.bfloat16: k.BF16, torch.float16: k.F16}
+        bf16 = dtype == torch.bfloat16  # else float32: the payloads a Buffer accepts
+        sums_NH = out_NH.view(torch.int16) if bf16 else out_NH
+        out_NK = self._zeros(N, K, dtype=torch.float32)
         args = (
             self.table, self._live(), self.me, epochs, R, N, in_rank_NR, place_NR,
             handle.send_counts_R.to(dev), handle.seq, DTYPE_CODES[dtype], *CODE_RANGE, K, s.max_topk,
             R * s.capacity, sums_NH, H, out_NK, self._zeros(max(N, 1)), self._zeros(8), self.max_spins,
         )  # fmt: skip
-        consts = dict(
-            IN_KIND=kinds[dtype], OUT_KIND=k.BF16 if bf16 else k.F32, RB=_pow2(R + 1, 2), KB=_pow2(K, 2),
-            HB=_pow2(H, 16, 256),
-        )  # fmt: skip
+        kind = k.BF16 if bf16 else k.F32
+        consts = dict(KIND=kind, RB=_pow2(R + 1, 2), KB=_pow2(K, 2), HB=_pow2(H, 16, 256))
         mine = (dtype, K, handle.seq)
         self._half(call, "combine", k.ubep_combine_reduce_kernel, (max(N, 1),), args, consts, mine)
-        if f16:
-            out_NH.copy_(sums_NH)
         self.t.check_member("combine")  # what was read above was whole
         return out_NH, (out_NK if K else None)
