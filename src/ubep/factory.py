@@ -95,7 +95,10 @@ HEAPS = {
 }
 DEVICE_HEADERS = ("ll.sent", "ll.returned")  # `LLBlocks`' headers
 # Normal-mode protocols whose halves run as Triton kernels (engine="triton"): their headers, on the device.
-NORMAL_DEVICE_HEADERS = {"ubep": ("ubep.route", "ubep.data", "ubep.back")}  # `UbepBlocks`' headers
+NORMAL_DEVICE_HEADERS = {  # `UbepBlocks`' and `BspBlocks`' headers
+    "ubep": ("ubep.route", "ubep.data", "ubep.back"),
+    "bsp": ("bsp.counts", "bsp.staged", "bsp.back"),
+}
 # Collectives, where memory is not addressable: the normal-mode exchange of each transport.
 COLLECTIVES = {
     "dist": lambda info, s, o, engine, faults: BspDist(info.group, info.rank, s, o.timeout_s, faults),

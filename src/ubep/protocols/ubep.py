@@ -39,6 +39,7 @@ from ubep.engine.base import BlockIndexError
 from ubep.errors import PeerDataError
 from ubep.faults import NO_FAULTS, FaultPoints
 from ubep.layout import prefix_offsets
+from ubep.protocols import halves
 from ubep.protocols.base import (
     CODE_DTYPES,
     CODE_RANGE,
@@ -139,13 +140,7 @@ class UbepExchange:
     @property
     def halves(self) -> str:
         """How each call half runs here, in words (for `Buffer.explain`)."""
-        if self._compiled is None:
-            return "step by step in Python"
-        if self.engine.name == "triton":
-            return "one Triton kernel launch each" + (
-                " (the interpreter, on the CPU)" if self._compiled.device.type == "cpu" else ""
-            )
-        return "compiled"
+        return halves.describe(self._compiled, self.engine)
 
     # -- dispatch ---------------------------------------------------------------------------------
 

@@ -66,6 +66,8 @@ def _cdiv(a: int, b: int) -> int:
 class UbepDevice:
     """UBEP dispatch/combine on a heap with an address table, each call half one Triton kernel."""
 
+    REDUCE_PHASE = "combine"  # the home's wait, as the protocol names it
+
     def __init__(
         self,
         heap,
@@ -134,7 +136,7 @@ class UbepDevice:
             self.engine.launch(kernel, grid, *args, **consts)
             code, awaited = (int(v) for v in status[[0, WAITING]].tolist())
             if code != DONE:
-                raise ubep_status.error(self.t, self.blocks, call, code, status.cpu().numpy(), *mine)
+                raise self._error(call, code, status.cpu().numpy(), mine)
             if awaited == 0:
                 return
             status[WAITING] = 0
@@ -147,10 +149,14 @@ class UbepDevice:
         for call, phase, status, mine in unchecked:
             words = status.cpu().numpy()
             if words[0] != DONE:
-                raise ubep_status.error(self.t, self.blocks, call, int(words[0]), words, *mine)
+                raise self._error(call, int(words[0]), words, mine)
             if words[WAITING]:
                 detail = f"a device wait ran out of {self.max_spins} polls"
                 raise CommTimeoutError(phase, [int(words[WAITING]) - 1], 0.0, [], detail)
+
+    def _error(self, call: CallId, code: int, words, mine: tuple) -> Exception:
+        """The exception for an error status (`ubep_status`, the numba halves' words)."""
+        return ubep_status.error(self.t, self.blocks, call, code, words, *mine)
 
     def _wake(self) -> None:
         """Peers between launches sleep on their doorbells (capturable=False): ring them."""
@@ -308,6 +314,6 @@ class UbepDevice:
         kind = k.BF16 if bf16 else k.F32
         consts = dict(KIND=kind, RB=_pow2(R + 1, 2), KB=_pow2(K, 2), HB=_pow2(H, 16, 256))
         mine = (dtype, K, handle.seq)
-        self._half(call, "combine", k.ubep_combine_reduce_kernel, (max(N, 1),), args, consts, mine)
+        self._half(call, self.REDUCE_PHASE, k.ubep_combine_reduce_kernel, (max(N, 1),), args, consts, mine)
         self.t.check_member("combine")  # what was read above was whole
         return out_NH, (out_NK if K else None)
