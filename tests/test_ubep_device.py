@@ -1,8 +1,9 @@
-"""Normal mode's UBEP call halves as Triton kernels (`ubep.protocols.ubep_device` over
-`ubep.engine.ubep_triton`): one kernel launch per half over the heap's address table, bit for bit
-against `ubep.reference` and against the numba halves, across two processes sharing memory; the
-outputs padded to num_worst_tokens; a whole dispatch + combine that reads nothing back on the host;
-a peer's out-of-range count and a device wait that runs out, in the CPU protocol's words.
+"""Normal mode's call halves as Triton kernels, for both protocols (ubep: `ubep.protocols.ubep_device`
+over `ubep.engine.ubep_triton`; bsp: `ubep.protocols.bsp_device` over `ubep.engine.bsp_triton`): one
+kernel launch per half or phase over the heap's address table, bit for bit against `ubep.reference`
+and against the numba halves, across two processes sharing memory; the outputs padded to
+num_worst_tokens; a masked rank; a whole dispatch + combine that reads nothing back on the host; a
+peer's out-of-range count and a device wait that runs out, in the CPU protocol's words.
 
 On CPU the kernels run under Triton's interpreter over the shared-memory heap's host addresses:
 `test_interpreter_suite` reruns this module with TRITON_INTERPRET=1 (set before triton is imported).
@@ -24,6 +25,7 @@ import ubep
 from ubep import fp8, reference
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+PROTOCOLS = {"ubep": ("UbepDevice", "UbepCompiled"), "bsp": ("BspDevice", "BspCompiled")}  # triton, numba
 interpreted = pytest.mark.skipif(not INTERPRETED, reason="runs in test_interpreter_suite")
 
 R2 = dict(num_ranks=2, num_experts=8, hidden=32, topk=3, capacity=6)
@@ -50,19 +52,22 @@ def test_interpreter_suite():
     assert " passed" in run.stdout and " failed" not in run.stdout, run.stdout[-2000:]
 
 
-def test_codes_and_layout_are_the_numba_halves():
-    """Both kinds of halves report through `ubep_status` and address the same blocks and words."""
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_codes_and_layout_are_the_numba_halves(protocol):
+    """Both kinds of halves report through one status module and address the same blocks and words."""
     pytest.importorskip("triton")
-    from ubep.engine import ubep_codes, ubep_triton
+    import importlib
 
-    names = [n for n in dir(ubep_codes) if n.isupper()]
-    assert len(names) >= 25
+    codes = importlib.import_module(f"ubep.engine.{protocol}_codes")
+    kernels = importlib.import_module(f"ubep.engine.{protocol}_triton")
+    names = [n for n in dir(codes) if n.isupper()]
+    assert len(names) >= 13
     for n in names:
-        if hasattr(ubep_triton, n):
-            assert getattr(ubep_triton, n).value == getattr(ubep_codes, n), n
-    assert {n for n in names if n.startswith("E_")} <= {n for n in dir(ubep_triton) if n.startswith("E_")}
-    numba_halves = pytest.importorskip("ubep.engine.ubep_halves")
-    assert all(getattr(numba_halves, n) == getattr(ubep_codes, n) for n in names if hasattr(numba_halves, n))
+        if hasattr(kernels, n):
+            assert getattr(kernels, n).value == getattr(codes, n), n
+    assert {n for n in names if n.startswith("E_")} <= {n for n in dir(kernels) if n.startswith("E_")}
+    numba_halves = pytest.importorskip(f"ubep.engine.{protocol}_halves")
+    assert all(getattr(numba_halves, n) == getattr(codes, n) for n in names if hasattr(numba_halves, n))
 
 
 # --- two processes over the shared-memory heap ----------------------------------------------------
@@ -153,25 +158,27 @@ def _padded(buf: ubep.Buffer, sc: Scenario, me: int, worst: int) -> None:
 
 def against_reference_and_numba(_: int) -> list[str]:
     """Each case through Buffer(engine="triton") against the reference, then through the numba halves:
-    the same bits. Then num_worst_tokens padding, on the Triton halves."""
+    the same bits. Then num_worst_tokens padding, on the Triton halves. Both protocols."""
     me = torch.distributed.get_rank()
     checked = []
-    for sc, as_fp8 in CASES:
-        kw = dict(hidden=sc.hidden, num_experts=sc.num_experts, max_tokens_per_rank=sc.capacity, timeout_s=60)
-        with ubep.Buffer(engine="triton", low_latency=False, **kw) as buf:
-            assert type(buf._exchange._compiled).__name__ == "UbepDevice"
-            assert "call halves one Triton kernel launch each" in buf.explain(), buf.explain()
-            got = _calls(buf, sc, me, as_fp8)
-            _check_reference(sc, me, as_fp8, got)
-            if sc.name == "bf16-minus-one":
-                _padded(buf, sc, me, worst=sc.num_ranks * sc.capacity)
-                checked.append("num_worst_tokens")
-        with ubep.Buffer(engine="numba", low_latency=False, **kw) as buf:
-            assert type(buf._exchange._compiled).__name__ == "UbepCompiled"
-            want = _calls(buf, sc, me, as_fp8)
-        for a, b in zip(got, want, strict=True):
-            assert a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8)), sc.name
-        checked.append(sc.name)
+    for protocol, (triton_halves, numba_halves) in PROTOCOLS.items():
+        for sc, as_fp8 in CASES:
+            kw = dict(hidden=sc.hidden, num_experts=sc.num_experts, max_tokens_per_rank=sc.capacity,
+                      timeout_s=60, protocol=protocol, low_latency=False)  # fmt: skip
+            with ubep.Buffer(engine="triton", **kw) as buf:
+                assert type(buf._exchange._compiled).__name__ == triton_halves
+                assert "call halves one Triton kernel launch each" in buf.explain(), buf.explain()
+                got = _calls(buf, sc, me, as_fp8)
+                _check_reference(sc, me, as_fp8, got)
+                if sc.name == "bf16-minus-one":
+                    _padded(buf, sc, me, worst=sc.num_ranks * sc.capacity)
+                    checked.append(f"{protocol}:num_worst_tokens")
+            with ubep.Buffer(engine="numba", **kw) as buf:
+                assert type(buf._exchange._compiled).__name__ == numba_halves
+                want = _calls(buf, sc, me, as_fp8)
+            for a, b in zip(got, want, strict=True):
+                assert a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8)), sc.name
+            checked.append(f"{protocol}:{sc.name}")
     return checked
 
 
@@ -179,19 +186,20 @@ def against_reference_and_numba(_: int) -> list[str]:
 @pytest.mark.timeout(200)
 def test_two_processes_equal_the_reference_and_the_numba_halves():
     got = ubep.LocalLaunch(world_size=2, timeout_s=180).run(against_reference_and_numba, 0)
-    assert got == [["num_worst_tokens", "bf16-minus-one", "fp32", "fp8"]] * 2
+    cases = ["num_worst_tokens", "bf16-minus-one", "fp32", "fp8"]
+    assert got == [[f"{p}:{c}" for p in PROTOCOLS for c in cases]] * 2
 
 
 # --- a masked rank (virtual ranks: threads of one process over one heap) ---------------------------
 
 
-def masked(rank, done: threading.Barrier) -> list[int]:
+def masked(rank, done: threading.Barrier, protocol: str) -> list[int]:
     """Rank 2 leaves; ranks 0 and 1 keep calling normal mode on the device halves, exact against the
     reference restricted to them."""
     from shrinkcase import buffer, normal_call
 
-    with buffer(rank, "ubep", timeout_s=60, engine="triton", low_latency=False) as buf:
-        assert type(buf._exchange._compiled).__name__ == "UbepDevice"
+    with buffer(rank, protocol, timeout_s=60, engine="triton", low_latency=False) as buf:
+        assert type(buf._exchange._compiled).__name__ == PROTOCOLS[protocol][0]
         normal_call(buf, 1, set())
         done.wait()
         buf.mask_ranks([2])
@@ -203,24 +211,34 @@ def masked(rank, done: threading.Barrier) -> list[int]:
 
 @interpreted
 @pytest.mark.timeout(200)
-def test_masked_rank_is_left_out():
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_masked_rank_is_left_out(protocol):
     from ubep.transport.virtual import VirtualWorld
 
     done = threading.Barrier(3)
-    assert VirtualWorld(3, timeout_s=120).run(lambda rank: masked(rank, done)) == [[2], [2], []]
+    assert VirtualWorld(3, timeout_s=120).run(lambda rank: masked(rank, done, protocol)) == [[2], [2], []]
 
 
 # --- no host sync: a whole call, capturable, with every device-to-host read made to fail ----------
 
 
-def without_host_reads(_: int) -> str:
+def _capturable(buf: ubep.Buffer, max_spins: int | None = None):
+    """Capturable device halves of buf's protocol over its heap, continuing its calls."""
+    from ubep.faults import NO_FAULTS
+
+    ex = buf._exchange
+    local = ex._local_of_RE if buf.protocol == "bsp" else ex._local_of_E
+    device = type(ex._compiled)(ex.t, ex.blocks, buf.sizing, NO_FAULTS, local, buf.engine, True, max_spins)
+    device.follow(buf._calls)
+    return device
+
+
+def without_host_reads(_: int, protocol: str) -> str:
     """Each rank runs dispatch + combine with num_worst_tokens on capturable device halves with host
     reads forbidden, then checks the status words and the results; without num_worst_tokens the
     dispatch reads its one count, and the guard catches it."""
     from test_ll_device import HostSync, _no_host_reads, _restore
 
-    from ubep.faults import NO_FAULTS
-    from ubep.protocols.ubep_device import UbepDevice
     from ubep.results import DispatchHandle
 
     sc = CASES[0][0]
@@ -230,12 +248,8 @@ def without_host_reads(_: int) -> str:
     ys = [expert_output(ref[r].recv_x_MH, r) for r in range(sc.num_ranks)]
     worst = sc.num_ranks * sc.capacity
     with ubep.Buffer(hidden=sc.hidden, num_experts=sc.num_experts, max_tokens_per_rank=sc.capacity,
-                     timeout_s=60, engine="triton", low_latency=False) as buf:  # fmt: skip
-        ex = buf._exchange
-        device = UbepDevice(
-            ex.t, ex.blocks, buf.sizing, NO_FAULTS, ex._local_of_E, buf.engine, capturable=True
-        )
-        device.follow(buf._calls)
+                     timeout_s=60, engine="triton", low_latency=False, protocol=protocol) as buf:  # fmt: skip
+        device = _capturable(buf)
         plan, _ = buf._send_plan(xs[me], None, None, None, idxs[me], ws[me])
         patched: list = []
         _no_host_reads(patched)
@@ -268,24 +282,25 @@ def without_host_reads(_: int) -> str:
 
 @interpreted
 @pytest.mark.timeout(200)
-def test_a_whole_call_with_num_worst_tokens_reads_nothing_back_on_the_host():
-    assert ubep.LocalLaunch(world_size=2, timeout_s=180).run(without_host_reads, 0) == ["ok", "ok"]
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_a_whole_call_with_num_worst_tokens_reads_nothing_back_on_the_host(protocol):
+    assert ubep.LocalLaunch(world_size=2, timeout_s=180).run(without_host_reads, 0, protocol) == ["ok", "ok"]
 
 
 # --- errors: a peer's out-of-range count, a device wait that runs out -------------------------------
 
 
-def errors(rank, done: threading.Barrier) -> str:
+def errors(rank, done: threading.Barrier, protocol: str) -> str:
     """The device halves report what the CPU protocol reports, in its words."""
     from ubep.errors import CommTimeoutError, PeerDataError
-    from ubep.faults import NO_FAULTS, FaultPlan
-    from ubep.protocols.ubep_device import UbepDevice
+    from ubep.faults import FaultPlan
     from ubep.waiting import PeerAbortedError
 
     sc = CASES[0][0]
     me = rank.rank
     xs, idxs, ws = sc.inputs()
-    kw = dict(hidden=sc.hidden, num_experts=sc.num_experts, max_tokens_per_rank=sc.capacity, timeout_s=30)
+    kw = dict(hidden=sc.hidden, num_experts=sc.num_experts, max_tokens_per_rank=sc.capacity, timeout_s=30,
+              protocol=protocol)  # fmt: skip
     corrupt = FaultPlan(rank=1, point="dispatch.count", action="corrupt", value=sc.capacity + 5)
     with ubep.Buffer(rank, engine="triton", low_latency=False, faults=corrupt, **kw) as buf:
         with pytest.raises((PeerDataError, PeerAbortedError)) as caught:
@@ -296,9 +311,7 @@ def errors(rank, done: threading.Barrier) -> str:
         done.wait()
     with ubep.Buffer(rank, engine="triton", low_latency=False, **kw) as buf:
         if me == 0:  # rank 1 sends nothing: a capturable wait runs out and check() names it
-            ex = buf._exchange
-            device = UbepDevice(ex.t, ex.blocks, buf.sizing, NO_FAULTS, ex._local_of_E, buf.engine, True, 20)
-            device.follow(buf._calls)
+            device = _capturable(buf, max_spins=20)
             plan, _ = buf._send_plan(xs[me], None, None, None, idxs[me], ws[me])
             device.dispatch(buf._calls.next("dispatch"), plan, None, num_worst_tokens=12)
             with pytest.raises(CommTimeoutError, match=r"no signal from rank\(s\) 1 .*20 polls"):
@@ -309,11 +322,12 @@ def errors(rank, done: threading.Barrier) -> str:
 
 @interpreted
 @pytest.mark.timeout(200)
-def test_errors_are_the_cpu_protocols():
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_errors_are_the_cpu_protocols(protocol):
     from ubep.transport.virtual import VirtualWorld
 
     done = threading.Barrier(2)
-    assert VirtualWorld(2, timeout_s=120).run(lambda rank: errors(rank, done)) == ["ok", "ok"]
+    assert VirtualWorld(2, timeout_s=120).run(lambda rank: errors(rank, done, protocol)) == ["ok", "ok"]
 
 
 # --- the device check's normal-mode step, as a dry run on the CPU ----------------------------------
@@ -365,11 +379,11 @@ from ubep.transport.cuda import CudaHeap
 dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
 H, E, T, K = 64, 4, 6, 2
 sizing = Sizing(hidden=H, capacity=T, max_topk=K, placement=ExpertPlacement.contiguous(E, 1))
-options = Options(transport="cuda", protocol="ubep", low_latency=False, timeout_s=20)
+options = Options(transport="cuda", protocol=sys.argv[1], low_latency=False, timeout_s=20)
 normal, _ = build(GroupInfo(dist.group.WORLD, 0, 1, (0,)), sizing, options, TritonEngine(), FaultPoints())
 try:
-    assert isinstance(normal.t, CudaHeap) and type(normal._compiled).__name__ == "UbepDevice"
-    table, _ = normal.t.address_table(normal.blocks.all())  # every ubep header lives in the arena
+    assert isinstance(normal.t, CudaHeap) and type(normal._compiled).__name__ == sys.argv[2]
+    table, _ = normal.t.address_table(normal.blocks.all())  # every header lives in the arena
     assert (table >= arenas[0].data_ptr()).all() and (table < arenas[0].data_ptr() + arenas[0].numel()).all()
     g = torch.Generator().manual_seed(4)
     calls = CallCounter()
@@ -398,8 +412,10 @@ finally:
 
 @interpreted
 @pytest.mark.timeout(200)
-def test_the_factory_builds_normal_mode_on_the_cuda_heap():
-    """Over a stand-in for symmetric memory: ubep's headers are laid in the device arena and the
-    normal-mode halves run there (three calls: both halves of the double buffer, and a reuse)."""
-    run = subprocess.run([sys.executable, "-c", CUDA_BRANCH], capture_output=True, text=True, timeout=180)
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_the_factory_builds_normal_mode_on_the_cuda_heap(protocol):
+    """Over a stand-in for symmetric memory: the protocol's headers are laid in the device arena and
+    the normal-mode halves run there (three calls: both halves of ubep's double buffer, and a reuse)."""
+    cmd = [sys.executable, "-c", CUDA_BRANCH, protocol, PROTOCOLS[protocol][0]]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
     assert "CUDA BRANCH OK" in run.stdout, run.stdout[-3000:] + run.stderr[-5000:]
