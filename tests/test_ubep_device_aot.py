@@ -1,8 +1,9 @@
-"""Normal mode's UBEP call halves (`ubep.engine.ubep_triton`) compile ahead of time for sm_90 and sm_100
-(no GPU needed), and their PTX says what docs/device.md's ordering argument needs: every stamp is a
-system-scope release, preceded by a block barrier after the program's last plain store; every poll is
-a system-scope acquire; every loop that polls is bounded by `max_spins`; the sum in combine has no fused
-multiply-add, no approximate division and no flush-to-zero.
+"""Normal mode's call halves (UBEP: `ubep.engine.ubep_triton`; BSP's phases: `ubep.engine.bsp_triton`)
+compile ahead of time for sm_90 and sm_100 (no GPU needed), and their PTX says what docs/device.md's
+ordering argument needs: every stamp (and barrier word) is a system-scope release, preceded by a block
+barrier after the program's last plain store; every poll is a system-scope acquire; every loop that
+polls is bounded by `max_spins`; the sum in combine has no fused multiply-add, no approximate division
+and no flush-to-zero.
 """
 
 from __future__ import annotations
@@ -43,21 +44,40 @@ SPECS = [
         "dtype_hi:i32 K:i32 Kmax:i32 rows_max:i32 out:*i16 H:i32 out_w:*fp32 state:*i64 status:*i64 "
         "max_spins:i32"),
      {"KIND": 1, "RB": 16, "KB": 8, "HB": 256}),
+    ("bsp_counts_kernel", _sig("table:*i64 me:i32 epochs:*i64 counts:*i64 R:i32"), {"RB": 16}),
+    ("bsp_barrier_kernel", _sig("table:*i64 live:*u8 me:i32 targets:*i64 R:i32 status:*i64 max_spins:i32"),
+     {}),
+    ("bsp_send_kernel", _sig(
+        f"{HEAD} x:*i32 W:i32 b:i32 scales:*i32 S:i32 topk:*i64 weights:*fp32 N:i32 K:i32 in_rank:*u8 "
+        "R:i32 local_of_RE:*i64 E:i32 code:i32 Kmax:i32 T:i32 row_bytes:i32 arrivals:*i64 blocks:i32 "
+        "status:*i64"),
+     {"WORD": tl.int32, "NB": 64, "KB": 8, "WB": 128}),
+    ("bsp_verify_kernel", _sig(
+        f"{HEAD} R:i32 code:i32 K:i32 Kmax:i32 T:i32 dtype_lo:i32 dtype_hi:i32 counts:*i64 prefix:*i64 "
+        "worst:i32 pending:*i64 status:*i64"),
+     {"RB": 16}),
+    ("bsp_reorder_kernel", _sig(
+        "table:*i64 me:i32 prefix:*i64 R:i32 T:i32 Kmax:i32 L:i32 row_bytes:i32 recv_x:*i32 W:i32 "
+        "recv_scales:*i32 S:i32 recv_idx:*i64 recv_w:*fp32 K:i32 src_token:*i64 src_rank:*i64 status:*i64"),
+     {"WORD": tl.int32, "IB": 16, "KB": 8, "WB": 128}),
 ]  # fmt: skip
-SENDS = ("ubep_dispatch_send_kernel", "ubep_combine_send_kernel")  # they stamp; the others poll
-POLLS = tuple(name for name, *_ in SPECS if name not in SENDS)
+STAMPS = {"ubep_dispatch_send_kernel": 2, "ubep_combine_send_kernel": 1, "bsp_counts_kernel": 1,
+          "bsp_send_kernel": 1, "bsp_barrier_kernel": 1}  # fmt: skip  # system-scope releases by exchange
+POLLS = ("ubep_dispatch_routes_kernel", "ubep_dispatch_gather_kernel", "ubep_combine_reduce_kernel",
+         "bsp_barrier_kernel")  # fmt: skip  # they wait, bounded (verify reads flags once, reorder none)
 
 
 def _compile(name: str, arch: int) -> str:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from ubep.engine import ubep_triton
+    from ubep.engine import bsp_triton, ubep_triton
 
     _, sig, consts = next(s for s in SPECS if s[0] == name)
     signature = sig | {k: "constexpr" for k in consts}
+    module = bsp_triton if name.startswith("bsp_") else ubep_triton
     compiled = triton.compile(
-        ASTSource(getattr(ubep_triton, name), signature, constexprs=consts),
+        ASTSource(getattr(module, name), signature, constexprs=consts),
         target=GPUTarget("cuda", arch, 32),
         options=OPTIONS,
     )
@@ -75,9 +95,10 @@ def ptx() -> dict[tuple[str, int], list[str]]:
 
 
 def test_every_half_compiles_for_sm90_and_sm100(ptx):
-    from ubep.engine import ubep_triton
+    from ubep.engine import bsp_triton, ubep_triton
 
-    assert {n for n in dir(ubep_triton) if n.endswith("_kernel")} == {name for name, *_ in SPECS}
+    kernels = {n for module in (bsp_triton, ubep_triton) for n in dir(module) if n.endswith("_kernel")}
+    assert kernels == {name for name, *_ in SPECS}
     for (name, arch), body in ptx.items():
         assert any(line.startswith(f".target sm_{arch}") for line in body), (name, arch)
         assert any(f".entry {name}" in line for line in body), (name, arch)
@@ -86,20 +107,17 @@ def test_every_half_compiles_for_sm90_and_sm100(ptx):
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("name", [s[0] for s in SPECS])
 def test_stamps_release_after_a_barrier_and_polls_acquire_at_system_scope(ptx, name, arch):
-    """A send half's stamps are system-scope releases, each after a block barrier that follows the last
-    plain store before it (its arrivals too); a receive half's polls are system-scope acquires and it
-    releases nothing (UBEP needs no "consumed" word: see `ubep.protocols.ubep`)."""
+    """Every stamp and barrier word is a system-scope release exchange, after a block barrier that
+    follows the last plain store before it (arrivals too); every poll is a system-scope acquire. A
+    receive half releases nothing (UBEP needs no "consumed" word: see `ubep.protocols.ubep`)."""
     body = ptx[name, arch]
     atoms = [(i, line) for i, line in enumerate(body) if re.search(r"\batom\.", line)]
     releases = [(i, line) for i, line in atoms if ".release." in line or ".acq_rel." in line]
     acquires = [line for _, line in atoms if "acquire" in line]
-    if name in SENDS:
-        stamps = [line for _, line in releases if re.search(r"atom\.global\.sys\.release\.exch\.b64", line)]
-        assert len(stamps) == (2 if name == "ubep_dispatch_send_kernel" else 1), stamps  # ROUTE, DATA / BACK
-        assert not acquires, acquires
-    else:
-        assert not releases, releases
-        assert acquires and all(re.search(r"atom\.global\.acquire\.sys\.cas\.b64", a) for a in acquires)
+    stamps = [line for _, line in releases if re.search(r"atom\.global\.sys\.release\.exch\.b64", line)]
+    assert len(stamps) == STAMPS.get(name, 0), stamps  # ROUTE, DATA / BACK / counts / staged / barrier
+    assert all(re.search(r"atom\.global\.acquire\.sys\.cas\.b64", a) for a in acquires), acquires
+    assert bool(acquires) == (name in POLLS or name in ("bsp_verify_kernel", "bsp_barrier_kernel")), name
     for i, line in releases:
         assert ".sys." in line, line
         stores = [s for s, other in enumerate(body[:i]) if re.search(r"\bst\.global", other)]
