@@ -68,7 +68,7 @@ class BspDevice(UbepDevice):
         else:
             targets = torch.tensor([call.seq * BARRIERS_PER_CALL + step], dtype=torch.int64).to(self.device)
         args = (self.bsp_table, self._live(), self.me, targets, self.R, status, self.max_spins)
-        self._half(call, phase, k.bsp_barrier_kernel, (1,), args, {}, mine)
+        self._half(call, phase, k.bsp_barrier_kernel, (1,), args, {}, mine, rings=True)
 
     def _phase(self, call: CallId, phase: str, kernel, grid, args: tuple, consts: dict, mine: tuple) -> None:
         """A phase that waits for nothing: launch once; unless capturable, raise its error (args end

@@ -123,9 +123,12 @@ class UbepDevice:
         self._calls[kind].add_(1)
         return (self._calls[0:1] * 2 + self._calls[kind : kind + 1] % 2).clone()
 
-    def _half(self, call: CallId, phase: str, kernel, grid, args: tuple, consts: dict, mine: tuple) -> None:
+    def _half(
+        self, call: CallId, phase: str, kernel, grid, args: tuple, consts: dict, mine: tuple, rings=False
+    ) -> None:
         """Launch one half; unless capturable, read its status and relaunch while it waits, then raise its
-        error. args end with (status, max_spins); `mine` is (dtype, top-k, dispatch seq) for the error."""
+        error. args end with (status, max_spins); `mine` is (dtype, top-k, dispatch seq) for the error;
+        `rings`: the half publishes before it waits (a barrier), so peers asleep are rung after its launch."""
         status = args[-2]
         if self.capturable:
             self.engine.launch(kernel, grid, *args, **consts)
@@ -134,6 +137,8 @@ class UbepDevice:
         sleeper = None
         while True:
             self.engine.launch(kernel, grid, *args, **consts)
+            if rings and sleeper is None:
+                self._wake()
             code, awaited = (int(v) for v in status[[0, WAITING]].tolist())
             if code != DONE:
                 raise self._error(call, code, status.cpu().numpy(), mine)
