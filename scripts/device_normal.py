@@ -15,8 +15,8 @@ num_worst_tokens = R * T fixes every receive size, so nothing is read on the hos
 
     python scripts/device_normal.py [--smoke] [--peak-tbs 4.8] [--replays 1000]
 
---smoke runs tiny shapes on the CPU under TRITON_INTERPRET=1 (no graph, no events): a dry run of this
-script's logic, not a measurement.
+--smoke runs tiny shapes (4 and 8 tokens) on the CPU under TRITON_INTERPRET=1 (no graph, no events):
+a dry run of this script's logic, not a measurement.
 """
 
 from __future__ import annotations
@@ -54,7 +54,8 @@ def _expert(rows: torch.Tensor, rank: int) -> torch.Tensor:
 class World:
     """R virtual ranks' inputs, device halves and the reference's outputs for one token count."""
 
-    def __init__(self, R: int, T: int, H: int, K: int, E: int, device: str, seed: int = 0):
+    def __init__(self, R: int, T: int, H: int, K: int, E: int, device: str, check: bool, seed: int = 0):
+        """check: compute the reference's outputs (for `mismatches`; the timings need none)."""
         self.R, self.T, self.H, self.worst = R, T, H, R * T
         sizing = Sizing(hidden=H, capacity=T, max_topk=K, placement=ExpertPlacement.contiguous(E, R))
         p = sizing.placement
@@ -71,16 +72,17 @@ class World:
         xs = [(torch.randn(T, H, generator=g) * 3).to(torch.bfloat16) for _ in range(R)]
         idxs = [torch.rand(T, E, generator=g).topk(K, dim=1).indices for _ in range(R)]
         ws = [torch.rand(T, K, generator=g) for _ in range(R)]
-        ref = reference.dispatch(xs, idxs, ws, E)
-        want = reference.combine([_expert(d.recv_x_MH, r) for r, d in enumerate(ref)], ref, [T] * R)
         self.plans = []
         for x, idx, w in zip(xs, idxs, ws, strict=True):
             in_rank = token_in_rank(idx, p)
             x, idx, w, in_rank = (t.to(device) for t in (x, idx, w, in_rank))
             self.plans.append(SendPlan(x, idx, w, in_rank, in_rank.sum(0)))
-        self.M = [d.recv_x_MH.shape[0] for d in ref]
-        self.want_rows = [d.recv_x_MH.to(device) for d in ref]
-        self.want_sum = [s.to(device) for s in want]
+        self.M = [sum(int(p.is_token_in_rank_NR[:, r].sum()) for p in self.plans) for r in range(R)]
+        if check:
+            ref = reference.dispatch(xs, idxs, ws, E)
+            want = reference.combine([_expert(d.recv_x_MH, r) for r, d in enumerate(ref)], ref, [T] * R)
+            self.want_rows = [d.recv_x_MH.to(device) for d in ref]
+            self.want_sum = [s.to(device) for s in want]
         self.y = [torch.empty(self.worst, H, dtype=torch.bfloat16, device=device) for _ in range(R)]
         self.rows = sum(self.M)  # rows dispatched, over all ranks
         self.calls = CallCounter()
@@ -223,8 +225,8 @@ def main() -> None:
     R, H, K, E = (2, 128, 2, 4) if a.smoke else (8, 7168, 8, 256)
     # Memory: each rank's blocks hold T rows of H * 4 bytes (x) and R * T (y), twice (both halves), and
     # its outputs R * T rows of H * 2: about 3 GB a rank at 4,096 tokens, 24 GB for 8.
-    tokens = (4,) if a.smoke else (128, 4096)
-    world = World(R, tokens[0], H, K, E, device)
+    tokens = (4, 8) if a.smoke else (128, 4096)
+    world = World(R, tokens[0], H, K, E, device, check=True)
     no_host_sync(world, cuda)
     graph_replays(world, 3 if a.smoke else a.replays, cuda)
     print(
@@ -237,7 +239,7 @@ def main() -> None:
     for T in tokens:
         if T != world.T:
             del world  # one world's memory at a time
-            world = World(R, T, H, K, E, device)
+            world = World(R, T, H, K, E, device, check=False)
         timings(world, 2 if a.smoke else a.runs, a.peak_tbs * 1e12, cuda)
     print("device_normal: ok")
 
