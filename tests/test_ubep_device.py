@@ -190,6 +190,29 @@ def test_two_processes_equal_the_reference_and_the_numba_halves():
     assert got == [[f"{p}:{c}" for p in PROTOCOLS for c in cases]] * 2
 
 
+# --- the sum order: three ranks in float32 (two terms, or bf16 rows, add up exactly in any order) ----
+
+ORDER = Scenario(name="fp32-three-ranks", num_ranks=3, num_experts=6, hidden=16, topk=3,
+                 dtype=torch.float32, seed=31)  # fmt: skip  # summing ranks descending changes bits here
+
+
+def in_rank_order(rank, protocol: str) -> str:
+    sc = ORDER
+    kw = dict(hidden=sc.hidden, num_experts=sc.num_experts, max_tokens_per_rank=sc.capacity, timeout_s=60)
+    with ubep.Buffer(rank, engine="triton", protocol=protocol, low_latency=False, **kw) as buf:
+        _check_reference(sc, rank.rank, False, _calls(buf, sc, rank.rank, False))
+    return "ok"
+
+
+@interpreted
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_three_ranks_sum_in_the_references_rank_order(protocol):
+    from ubep.transport.virtual import VirtualWorld
+
+    assert VirtualWorld(3, timeout_s=120).run(lambda rank: in_rank_order(rank, protocol)) == ["ok"] * 3
+
+
 # --- a masked rank (virtual ranks: threads of one process over one heap) ---------------------------
 
 
