@@ -352,6 +352,7 @@ def ubep_dispatch_gather_kernel(
         ok = ii < count
         rows = a + ii
         if K > 0:
+            _acquire(_address(table, p, ROUTE, half))  # landed (the routes half saw it): order the reads
             listed = tl.load(_words(_address(table, p, LISTS, half)) + me * T + ii, mask=ok, other=0)
             if tl.sum((ok & ((listed < 0) | (listed >= n))).to(tl.int32), axis=0) > 0:
                 _fail(status, E_LIST, p, n, 0, 0, 0)
