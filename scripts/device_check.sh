@@ -7,7 +7,8 @@
 # H 7168, 128 tokens per rank, top-8 of 256 experts, bf16) as a fraction of the memory bandwidth.
 # Then low-latency mode's device halves (scripts/device_ll.py): one dispatch + combine of 8 virtual ranks
 # under torch.cuda.set_sync_debug_mode("error"), the same captured in a CUDA graph and replayed 1,000
-# times against the reference, and a per-half latency/bandwidth table.
+# times against the reference, and a per-half latency/bandwidth table; then the same for normal mode's
+# UBEP device halves with num_worst_tokens (scripts/device_normal.py), last, in what is left of the budget.
 # Every step's timeout is cut to what is left of an 8-minute budget.
 #
 #   bash scripts/device_check.sh            # from the repository root
@@ -41,7 +42,7 @@ echo "== tests: the CUDA subset, and every kernel compiled ahead of time with th
 timeout "$(budget 200)" "$PY" -m pytest -q -p no:cacheprovider -m cuda tests/test_triton_engine.py \
     tests/test_triton_cuda_heap.py || status=1
 timeout "$(budget 90)" "$PY" -m pytest -q -p no:cacheprovider tests/test_triton_aot.py tests/test_ll_device_aot.py \
-    || status=1
+    tests/test_ubep_device_aot.py || status=1
 
 echo "== kernel bandwidth: virtual ranks in one allocation (peak ${PEAK_TBS} TB/s)"
 timeout "$(budget 100)" "$PY" - 8 128 7168 8 256 20 "$PEAK_TBS" <<'EOF' || status=1
@@ -172,6 +173,9 @@ EOF
 
 echo "== low-latency device halves: 8 virtual ranks, no host sync, CUDA graph x1000, per-half table"
 timeout "$(budget 150)" "$PY" scripts/device_ll.py --peak-tbs "$PEAK_TBS" --replays 1000 || status=1
+
+echo "== normal-mode device halves: 8 virtual ranks, num_worst_tokens, no host sync, CUDA graph x1000, table"
+timeout "$(budget 120)" "$PY" scripts/device_normal.py --peak-tbs "$PEAK_TBS" --replays 1000 || status=1
 
 echo "== device_check: $([ $status = 0 ] && echo PASSED || echo FAILED) in ${SECONDS} s"
 exit $status

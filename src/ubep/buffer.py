@@ -263,7 +263,11 @@ class Buffer:
             f"rank {self._info.rank}/{self._info.world_size}: protocol {self._exchange_name()} "
             f"on transport {self.transport} ({self._transport_reason}), "
             f"engine {self.engine.name} ({self._engine_reason}), call halves "
-            + ("compiled" if getattr(self._exchange, "compiled_halves", False) else "step by step in Python")
+            + getattr(
+                self._exchange,
+                "halves",
+                "compiled" if getattr(self._exchange, "compiled_halves", False) else "step by step in Python",
+            )
             + (f"; low-latency halves {self._ll.halves}" if hasattr(self._ll, "halves") else "")
             + f"; settings: {settings.describe(self._settings)}"
         )

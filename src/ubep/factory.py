@@ -76,21 +76,29 @@ HEAP_PROTOCOLS = {
     "bsp": (BspBlocks, lambda heap, engine, s, faults, o: BspExchange(heap, engine, s, faults)),
 }
 # Where a heap's memory lives: a host's shared segments, a virtual world's arenas, or each GPU's
-# symmetric memory (low-latency mode's headers with it: its device halves stamp and poll them there).
+# symmetric memory (the headers of every protocol whose halves run as device kernels with it: those
+# kernels stamp and poll them there).
 HEAPS = {
-    "shm": lambda blocks, info, o: shm_heap(blocks, info.group, info.rank, info.world_size, o.timeout_s),
-    "virtual": lambda blocks, info, o: virtual_heap(blocks, info.group, o.timeout_s),
-    "cuda": lambda blocks, info, o: cuda_heap(
+    "shm": lambda blocks, info, o, headers: shm_heap(
+        blocks, info.group, info.rank, info.world_size, o.timeout_s
+    ),
+    "virtual": lambda blocks, info, o, headers: virtual_heap(blocks, info.group, o.timeout_s),
+    "cuda": lambda blocks, info, o, headers: cuda_heap(
         blocks,
         info.group if info.group is not None else dist.group.WORLD,
         info.rank,
         info.world_size,
         o.timeout_s,
         torch.device("cuda", torch.cuda.current_device()),
-        device_headers=DEVICE_HEADERS,
+        device_headers=headers,
     ),
 }
 DEVICE_HEADERS = ("ll.sent", "ll.returned")  # `LLBlocks`' headers
+# Normal-mode protocols whose halves run as Triton kernels (engine="triton"): their headers, on the device.
+NORMAL_DEVICE_HEADERS = {  # `UbepBlocks`' and `BspBlocks`' headers
+    "ubep": ("ubep.route", "ubep.data", "ubep.back"),
+    "bsp": ("bsp.counts", "bsp.staged", "bsp.back"),
+}
 # Collectives, where memory is not addressable: the normal-mode exchange of each transport.
 COLLECTIVES = {
     "dist": lambda info, s, o, engine, faults: BspDist(info.group, info.rank, s, o.timeout_s, faults),
@@ -119,6 +127,11 @@ def build(
     if o.transport in COLLECTIVES:  # low-latency mode takes the collective path too
         normal = COLLECTIVES[o.transport](info, sizing, o, engine, faults)
         return normal, LLDist(info.group, info.rank, sizing, engine, o.timeout_s) if o.low_latency else None
-    heap = HEAPS[o.transport](heap_blocks(sizing, o.protocol, o.low_latency), info, o)
+    normal_headers = (
+        NORMAL_DEVICE_HEADERS.get(o.protocol, ()) if engine.name == "triton" and o.workers == 1 else ()
+    )
+    heap = HEAPS[o.transport](
+        heap_blocks(sizing, o.protocol, o.low_latency), info, o, DEVICE_HEADERS + normal_headers
+    )
     normal = HEAP_PROTOCOLS[o.protocol][1](heap, engine, sizing, faults, o)
     return normal, LLExchange(heap, engine, sizing, faults) if o.low_latency else None

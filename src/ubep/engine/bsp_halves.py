@@ -26,6 +26,22 @@ from __future__ import annotations
 
 import numpy as np
 
+from ubep.engine.bsp_codes import (
+    COUNTS,
+    DONE,
+    E_FIELD,
+    E_FORMAT,
+    E_LOCAL,
+    E_MISSING,
+    E_TOKENS,
+    STAGE_SCALES,
+    STAGE_TOKENS,
+    STAGE_TOPK,
+    STAGE_WEIGHTS,
+    STAGE_X,
+    STAGED,
+    WAITING,
+)
 from ubep.engine.numba_kernels import _elements_at, _jit, _move
 from ubep.engine.numba_sync import (
     back_off,
@@ -37,15 +53,7 @@ from ubep.engine.numba_sync import (
     wake_sleepers,
 )
 
-COUNTS, STAGED, STAGE_X, STAGE_SCALES, STAGE_TOKENS, STAGE_TOPK, STAGE_WEIGHTS = range(7)  # BspBlocks.all()
 NOTICE_SEQ_SHIFT = 24  # an abort notice's seq sits above this bit (`ubep.transport.heap.pack_notice`)
-
-DONE, WAITING = 0, 1
-E_FIELD = 2  # a header word outside its bounds: (peer, value, field index, 0 = staged / 1 = counts)
-E_MISSING = 3  # after the barrier, no staging flag from status[1] ranks (in pending)
-E_FORMAT = 4  # the peer staged another dtype or top-k: (peer, its dtype code, its K)
-E_TOKENS = 5  # a staged source token index outside [0, T)
-E_LOCAL = 6  # a staged local expert id outside [-1, L)
 MASKED = -1  # the send found, after a destination, that the peers masked this rank
 
 _I64, _F32 = np.empty(0, dtype=np.int64), np.empty(0, dtype=np.float32)

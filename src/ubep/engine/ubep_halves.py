@@ -53,32 +53,40 @@ from ubep.engine.numba_sync import (
     store_release,
     wake_sleepers,
 )
-
-# Blocks, in the order of `UbepBlocks.all()` (the table's second axis).
-ROUTE, DATA, TOPK, WEIGHTS, LISTS, X, SCALES, BACK, Y, Y_WEIGHTS = range(10)
-# Route header words; back header words (prefix takes R + 1 words, dispatch follows).
-R_NUM, R_DTYPE, R_TOPK, R_COUNTS = 1, 2, 3, 4
-B_DTYPE, B_TOPK, B_PREFIX = 1, 2, 3
+from ubep.engine.ubep_codes import (
+    B_DTYPE,
+    B_PREFIX,
+    B_TOPK,
+    BACK,
+    DATA,
+    DONE,
+    E_COUNT,
+    E_DTYPE,
+    E_EXPERT,
+    E_FIELD,
+    E_LIST,
+    E_NONE_LOCAL,
+    E_OTHER_CALL,
+    E_ROWS,
+    E_SHORT,
+    E_TOPK,
+    LISTS,
+    R_COUNTS,
+    R_DTYPE,
+    R_NUM,
+    R_TOPK,
+    ROUTE,
+    SCALES,
+    TOPK,
+    WAITING,
+    WEIGHTS,
+    Y_WEIGHTS,
+    X,
+    Y,
+)
 
 _I64, _F32 = np.empty(0, dtype=np.int64), np.empty(0, dtype=np.float32)  # element types for raw views
 CHUNK = 256  # elements of a row summed at a time (measured: 3.5x the whole-row loop at hidden 7168)
-
-# Status codes (status[0]); status[1] is the peer, status[2:] what it sent and what was expected.
-DONE, WAITING = 0, 1
-E_FIELD = 2  # a header word outside its field's bounds: (peer, value, field index)
-E_DTYPE = 3  # the peer's payload dtype code differs: (peer, its code)
-E_TOPK = 4  # the peer routed with another top-k: (peer, its K)
-E_LIST = 5  # the peer listed a token outside [0, its N): (peer, its N)
-E_EXPERT = 6  # the peer's routing names an expert outside [-1, E)
-E_NONE_LOCAL = 7  # the peer listed a token that selects none of this rank's experts
-E_COUNT = (
-    8  # cached dispatch: the peer sends another row count than the handle expects: (peer, count, expected)
-)
-E_SHORT = 9  # cached dispatch: the peer sent fewer tokens than routed here: (peer, its N)
-E_OTHER_CALL = 10  # combine: the peer combines another dispatch's rows: (peer, its dispatch seq)
-E_ROWS = (
-    11  # combine: the peer returned another row count or format: (peer, rows, its dtype, its K, expected)
-)
 
 
 @_jit

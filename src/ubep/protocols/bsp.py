@@ -29,6 +29,7 @@ from ubep.engine import Engine
 from ubep.errors import PeerDataError
 from ubep.faults import NO_FAULTS, FaultPoints
 from ubep.layout import prefix_offsets
+from ubep.protocols import halves
 from ubep.protocols.base import (
     CODE_DTYPES,
     CODE_RANGE,
@@ -57,6 +58,7 @@ class BspBlocks:
     stage_topk: Region  # int64 [R, T, max_topk]: local ids as this rank sees them
     stage_weights: Region  # float32 [R, T, max_topk]
     back: BackBlocks
+    barrier: Region  # int64 [1]: the device phases' barrier word (the host's lives in its control block)
 
     @classmethod
     def of(cls, s: Sizing) -> BspBlocks:
@@ -80,6 +82,7 @@ class BspBlocks:
             stage_topk=Region("bsp.stage_topk", (R, T, K), torch.int64),
             stage_weights=Region("bsp.stage_weights", (R, T, K), torch.float32),
             back=BackBlocks.of("bsp", s, double=False),
+            barrier=Region("bsp.barrier", (1,), torch.int64),
         )
 
     def all(self) -> tuple[Region | Header, ...]:
@@ -95,6 +98,7 @@ class BspBlocks:
             b.back,
             b.y,
             b.y_weights,
+            self.barrier,
         )
 
 
@@ -116,11 +120,20 @@ class BspExchange:
             from ubep.protocols.bsp_compiled import BspCompiled  # imports numba: only on its engine
 
             self._compiled = BspCompiled(transport, self.blocks, sizing, faults, self._local_of_RE)
+        elif engine.name == "triton" and hasattr(transport, "address_table"):
+            from ubep.protocols.bsp_device import BspDevice  # imports triton: only on its engine
+
+            self._compiled = BspDevice(transport, self.blocks, sizing, faults, self._local_of_RE, engine)
 
     @property
     def compiled_halves(self) -> bool:
-        """Whether each phase runs as one compiled function (else the torch statement)."""
+        """Whether each phase runs as one compiled function or kernel (else the torch statement)."""
         return self._compiled is not None
+
+    @property
+    def halves(self) -> str:
+        """How each phase runs here, in words (for `Buffer.explain`)."""
+        return halves.describe(self._compiled, self.engine)
 
     def dispatch(self, call: CallId, plan: SendPlan, handle: DispatchHandle | None) -> Received:
         self.t.begin(call)

@@ -15,14 +15,13 @@ import torch
 
 from ubep.calls import CallId
 from ubep.engine import bsp_halves as k
-from ubep.errors import PeerDataError
 from ubep.faults import FaultPoints
 from ubep.layout import prefix_offsets
-from ubep.protocols import halves
-from ubep.protocols.base import CODE_DTYPES, CODE_RANGE, DTYPE_CODES, Received, SendPlan, Sizing
+from ubep.protocols import bsp_status, halves
+from ubep.protocols.base import CODE_RANGE, DTYPE_CODES, Received, SendPlan, Sizing
 from ubep.protocols.ubep_compiled import _NO_F32, _NO_I64, UbepCompiled
 from ubep.results import DispatchHandle, RecvRoute
-from ubep.transport.heap import Heap, complaint
+from ubep.transport.heap import Heap
 
 
 class BspCompiled(UbepCompiled):
@@ -73,7 +72,7 @@ class BspCompiled(UbepCompiled):
             counts_R.numpy(), pending, status,
         )  # fmt: skip
         if code != k.DONE:
-            raise self._bsp_error(call, code, status, pending, x_NH.dtype, K)
+            raise bsp_status.error(t, self.blocks, call, code, status, pending, x_NH.dtype, K)
         self._barrier(call, "dispatch (prefix sums)")
         prefix_R1 = prefix_offsets(counts_R)
         M, H = int(prefix_R1[-1]), x_NH.shape[1]
@@ -88,7 +87,7 @@ class BspCompiled(UbepCompiled):
             recv_idx.numpy(), recv_w.numpy(), src_token.numpy(), status,
         )  # fmt: skip
         if code != k.DONE:
-            raise self._bsp_error(call, code, status, pending, x_NH.dtype, K)
+            raise bsp_status.error(t, self.blocks, call, code, status, pending, x_NH.dtype, K)
         route = RecvRoute.of(src_token, prefix_R1)
         return Received(recv_x_MH, None if cached else recv_idx, None if cached else recv_w, route, scales)
 
@@ -101,21 +100,3 @@ class BspCompiled(UbepCompiled):
             self.faults.at("combine.mid", call)
         self._barrier(call, "combine (token send)")
         return self.reduce_home(call, "combine (reduce)", x_MH, handle, topk_weights_MK)
-
-    def _bsp_error(self, call: CallId, code: int, status, pending, dtype, K: int) -> PeerDataError:
-        """The exception (in the torch statement's words) for a phase's error status."""
-        peer, a, b, c = (int(v) for v in status[1:5])
-        if code == k.E_MISSING:
-            missing = pending[:peer].tolist()
-            self.t.check_in_step(call, "dispatch (flag verification)")  # a peer in another call: say so
-            return PeerDataError(f"dispatch (flag verification): no tokens from rank(s) {missing}")
-        if code == k.E_FIELD:
-            header = self.blocks.counts if c else self.blocks.staged
-            return self.t.bad_data(call, peer, complaint(header, header.fields[0 if c else b], peer, a))
-        if code == k.E_FORMAT:
-            theirs = f"{CODE_DTYPES.get(a)} with top-k {b}"
-            message = f"dispatch: rank {peer} sent {theirs}, this rank {dtype} with top-k {K}"
-            return self.t.bad_data(call, peer, message)
-        if code == k.E_TOKENS:
-            return PeerDataError(f"dispatch: a peer sent source token indices outside [0, {a})")
-        return PeerDataError(f"dispatch: a peer sent local expert ids outside [-1, {a})")

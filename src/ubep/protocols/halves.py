@@ -33,6 +33,18 @@ def budget(ranks_here: int) -> tuple[int, int]:
     return (SPIN_POLLS_ALONE if ranks_here <= cores else SPIN_POLLS_SHARED), YIELD_POLLS
 
 
+def describe(compiled, engine) -> str:
+    """How a protocol's call halves run, in words (for `Buffer.explain`): `compiled` is its compiled
+    halves or None."""
+    if compiled is None:
+        return "step by step in Python"
+    if engine.name == "triton":
+        return "one Triton kernel launch each" + (
+            " (the interpreter, on the CPU)" if compiled.device.type == "cpu" else ""
+        )
+    return "compiled"
+
+
 def run(heap: Heap, call: CallId, phase: str, half, *args) -> int:
     """Enter `half(*args)` until it stops waiting; returns DONE or its error code (details in status)."""
     code = half(*args)

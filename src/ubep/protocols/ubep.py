@@ -39,6 +39,7 @@ from ubep.engine.base import BlockIndexError
 from ubep.errors import PeerDataError
 from ubep.faults import NO_FAULTS, FaultPoints
 from ubep.layout import prefix_offsets
+from ubep.protocols import halves
 from ubep.protocols.base import (
     CODE_DTYPES,
     CODE_RANGE,
@@ -126,11 +127,20 @@ class UbepExchange:
             from ubep.protocols.ubep_compiled import UbepCompiled  # imports numba: only on its engine
 
             self._compiled = UbepCompiled(transport, self.blocks, sizing, faults, self._local_of_E)
+        elif engine.name == "triton" and workers == 1 and hasattr(transport, "address_table"):
+            from ubep.protocols.ubep_device import UbepDevice  # imports triton: only on its engine
+
+            self._compiled = UbepDevice(transport, self.blocks, sizing, faults, self._local_of_E, engine)
 
     @property
     def compiled_halves(self) -> bool:
-        """Whether each call half runs as one compiled function (else the torch statement)."""
+        """Whether each call half runs as one compiled function or kernel (else the torch statement)."""
         return self._compiled is not None
+
+    @property
+    def halves(self) -> str:
+        """How each call half runs here, in words (for `Buffer.explain`)."""
+        return halves.describe(self._compiled, self.engine)
 
     # -- dispatch ---------------------------------------------------------------------------------
 

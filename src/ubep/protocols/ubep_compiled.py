@@ -22,12 +22,11 @@ import torch
 
 from ubep.calls import CallId
 from ubep.engine import ubep_halves as k
-from ubep.errors import PeerDataError
 from ubep.faults import FaultPoints
-from ubep.protocols import halves
-from ubep.protocols.base import CODE_DTYPES, CODE_RANGE, DTYPE_CODES, Received, SendPlan, Sizing
+from ubep.protocols import halves, ubep_status
+from ubep.protocols.base import CODE_RANGE, DTYPE_CODES, Received, SendPlan, Sizing
 from ubep.results import DispatchHandle, RecvRoute
-from ubep.transport.heap import Heap, complaint
+from ubep.transport.heap import Heap
 
 _NO_I64 = np.empty((0, 0), dtype=np.int64)
 _NO_F32 = np.empty((0, 0), dtype=np.float32)
@@ -52,7 +51,7 @@ class UbepCompiled(halves.HeapHalves):
         of this rank's call, for the error's words."""
         code = halves.run(self.t, call, phase, half, *args)
         if code != k.DONE:
-            raise self._error(call, code, args[-1], *mine)
+            raise ubep_status.error(self.t, self.blocks, call, code, args[-1], *mine)
 
     # -- dispatch ---------------------------------------------------------------------------------
 
@@ -140,29 +139,3 @@ class UbepCompiled(halves.HeapHalves):
         )  # fmt: skip
         self.t.check_member("combine")  # what was read above was whole
         return out_NH, out_NK
-
-    # -- status words to exceptions ---------------------------------------------------------------
-
-    def _error(self, call: CallId, code: int, status: np.ndarray, dtype, K: int, seq: int) -> PeerDataError:
-        """The exception (in the torch statement's words) for a half's error status."""
-        peer, a, b, c, d = (int(v) for v in status[1:6])
-        if code == k.E_TOPK:
-            return PeerDataError(f"dispatch: rank {peer} routed with top-k {a}, this rank with {K}")
-        if code == k.E_FIELD:
-            header = self.blocks.route if call.kind == "dispatch" else self.blocks.back.back
-            return self.t.bad_data(call, peer, complaint(header, header.fields[b], peer, a))
-        messages = {
-            k.E_DTYPE: f"dispatch: rank {peer} sent {CODE_DTYPES.get(a)}, this rank {dtype}",
-            k.E_LIST: f"dispatch: rank {peer} listed tokens outside [0, {a})",
-            k.E_EXPERT: f"dispatch: rank {peer} routed to expert ids outside [-1, {a})",
-            k.E_NONE_LOCAL: f"dispatch: rank {peer} listed a token for this rank that selects none "
-            "of its experts",
-            k.E_COUNT: f"dispatch: rank {peer} sends {a} rows here, this rank's handle expects {b} "
-            "(all ranks must pass handles of the same dispatch)",
-            k.E_SHORT: f"dispatch: rank {peer} sent {a} tokens, fewer than routed here",
-            k.E_OTHER_CALL: f"combine: rank {peer} combines the rows of call #{a}, this rank those of #{seq} "
-            "(all ranks must pass the handle of the same dispatch)",
-            k.E_ROWS: f"combine: rank {peer} returned {a} rows of {CODE_DTYPES.get(b)} (top-k {c}), "
-            f"expected {d} of {dtype} (top-k {K})",
-        }
-        return self.t.bad_data(call, peer, messages[code])

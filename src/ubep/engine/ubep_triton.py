@@ -1,0 +1,541 @@
+"""The UBEP protocol's normal-mode call halves as Triton kernels: each half one launch over the Buffer's
+address table.
+
+    protocol (ubep: blocks, order, status words) -> [these kernels] -> memory (address table)
+
+The same halves as `ubep.engine.ubep_halves` (numba), over the same memory,
+word for word: the table (int64 [R, 10, 2]) holds the address of every block of
+`UbepBlocks.all()` in every rank's memory for both halves; headers are records
+of int64 words, stamp first (route: num_tokens, dtype, topk, counts[R]; back:
+dtype, topk, prefix[R + 1], dispatch); rows are packed at their own width
+(row t of X at t * b bytes, b = H * itemsize), top-k and weights at stride
+max_topk. So a Triton rank and a numba rank could share a call. On a GPU the
+addresses are the CUDA heap's device addresses, under Triton's interpreter the
+shared-memory heap's host addresses.
+
+    dispatch send   (R + token blocks programs): lists, own top-k, rows; the last program stamps
+                    ROUTE, then DATA
+    dispatch routes (1 program): waits for every live route stamp, checks them, counts and prefix
+    dispatch gather ((source, row block) programs): localizes the listed rows' top-k, waits for
+                    the source's DATA stamp, copies its rows straight from its memory
+    combine send    (row blocks): rows and weights into own Y; the last program stamps BACK
+    combine reduce  (token t): waits for every live BACK stamp, checks them, sums t's rows over
+                    ranks ascending in float32, unfused, rounding once
+
+Ordering (docs/device.md has the argument): a program's rows and header words
+are plain stores, then a block barrier, then a system-scope release (an arrival
+whose last arriver, having acquired every other arrival, stamps with a
+system-scope release); a reader polls a stamp with a system-scope acquire in the
+program that then reads what it covers. Buffer reuse is UBEP's own argument
+(`ubep.protocols.ubep`): call e + 2 of a kind is launched on a stream after this
+rank's receive halves of e + 1, which needed every peer's e + 1 stamps, which
+each peer's stream issued after its receive halves of e.
+
+Every poll is bounded by `max_spins`: a program that runs out marks the peer it
+waits for in status[WAITING_WORD] (1 + its rank) and stops; the host may launch
+the half again (finished programs skip, through `state`) or report a timeout.
+No host reads: every count, position and check is computed in the kernels.
+
+The call's epoch is read from a device word (`epochs`, int64 [1]): the host's,
+or one a graph advances, so a captured graph's replays are successive calls.
+
+Status words (int64 [8]): [0] DONE or an error code of `ubep.engine.ubep_codes`
+(claimed by the first program that fails, which then writes [1:6] = peer, what
+it sent, ..., expected, as `ubep_halves`), [6] 1 + a peer some program still
+waits for (0: none).
+
+Legend: see `ubep.layout`.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ubep.engine.triton_kernels import _bf16_bits
+
+# Block indices of `UbepBlocks.all()`, header words and codes: those of `ubep.engine.ubep_codes`.
+BLOCKS: tl.constexpr = tl.constexpr(10)
+ROUTE: tl.constexpr = tl.constexpr(0)
+DATA: tl.constexpr = tl.constexpr(1)
+TOPK: tl.constexpr = tl.constexpr(2)
+WEIGHTS: tl.constexpr = tl.constexpr(3)
+LISTS: tl.constexpr = tl.constexpr(4)
+X: tl.constexpr = tl.constexpr(5)
+SCALES: tl.constexpr = tl.constexpr(6)
+BACK: tl.constexpr = tl.constexpr(7)
+Y: tl.constexpr = tl.constexpr(8)
+Y_WEIGHTS: tl.constexpr = tl.constexpr(9)
+R_NUM: tl.constexpr = tl.constexpr(1)
+R_DTYPE: tl.constexpr = tl.constexpr(2)
+R_TOPK: tl.constexpr = tl.constexpr(3)
+R_COUNTS: tl.constexpr = tl.constexpr(4)
+B_DTYPE: tl.constexpr = tl.constexpr(1)
+B_TOPK: tl.constexpr = tl.constexpr(2)
+B_PREFIX: tl.constexpr = tl.constexpr(3)
+NEVER: tl.constexpr = tl.constexpr(-1)  # no stamp ever holds it: a CAS against it only reads
+
+WAITING_WORD: tl.constexpr = tl.constexpr(6)  # status[6]: 1 + the peer still awaited (status[0] 0: DONE)
+E_FIELD: tl.constexpr = tl.constexpr(2)
+E_DTYPE: tl.constexpr = tl.constexpr(3)
+E_TOPK: tl.constexpr = tl.constexpr(4)
+E_LIST: tl.constexpr = tl.constexpr(5)
+E_EXPERT: tl.constexpr = tl.constexpr(6)
+E_NONE_LOCAL: tl.constexpr = tl.constexpr(7)
+E_COUNT: tl.constexpr = tl.constexpr(8)
+E_SHORT: tl.constexpr = tl.constexpr(9)
+E_OTHER_CALL: tl.constexpr = tl.constexpr(10)
+E_ROWS: tl.constexpr = tl.constexpr(11)
+E_WORST: tl.constexpr = tl.constexpr(12)
+
+# Element kinds of combine's rows and output (the payload dtypes a Buffer accepts).
+F32: tl.constexpr = tl.constexpr(0)
+BF16: tl.constexpr = tl.constexpr(1)
+
+
+@triton.jit
+def _address(table, rank, block, half):
+    """Address (int64) of `block` in `rank`'s memory for this half."""
+    return tl.load(table + (rank * BLOCKS + block) * 2 + half)
+
+
+@triton.jit
+def _words(address):
+    return address.to(tl.pointer_type(tl.int64))
+
+
+@triton.jit
+def _acquire(address):
+    """The int64 at `address`, read with a system-scope acquire (a compare-and-swap that never matches)."""
+    never = tl.full((), NEVER, tl.int64)
+    return tl.atomic_cas(_words(address), never, never, sem="acquire", scope="sys")
+
+
+@triton.jit
+def _release(address, value):
+    """Store `value` at `address` with a system-scope release: every store before it is visible first."""
+    tl.atomic_xchg(_words(address), value, sem="release", scope="sys")
+
+
+@triton.jit
+def _epoch(epochs):
+    """(the call's epoch, its half), read from the device word the host or a graph set."""
+    epoch = tl.load(epochs)
+    return epoch, epoch & 1
+
+
+@triton.jit
+def _fail(status, code, peer, a, b, c, d):
+    """Claim the status word with an error (the first program to fail wins) and write its details."""
+    unclaimed = tl.full((), 0, tl.int64)
+    if tl.atomic_cas(status, unclaimed, unclaimed + code, sem="relaxed", scope="gpu") == 0:
+        tl.store(status + 1, peer)  # stored as int64, the pointer's type
+        tl.store(status + 2, a)
+        tl.store(status + 3, b)
+        tl.store(status + 4, c)
+        tl.store(status + 5, d)
+
+
+@triton.jit
+def _failed(status):
+    """Whether a program of this call already failed (then the rest stop early)."""
+    return tl.load(status) != 0
+
+
+@triton.jit
+def _await_stamp(stamp, epoch, status, peer, max_spins):
+    """Wait (bounded) for the stamp at `stamp` to read `epoch`: 1 landed, 0 the wait ran out (the peer
+    is marked as awaited). Once a program of this launch ran out, later waits poll once: the launch
+    stops waiting either way (where programs run in turn, as in the interpreter, none spins in vain)."""
+    seen = _acquire(stamp)
+    spins = tl.full((), 0, tl.int32)
+    if tl.load(status + WAITING_WORD) != 0:
+        spins = max_spins + spins
+    while (seen != epoch) & (spins < max_spins):
+        seen = _acquire(stamp)
+        spins += 1
+    landed = 1
+    if seen != epoch:
+        landed = 0
+        awaited = tl.full((), 1, tl.int64) + peer
+        tl.atomic_xchg(status + WAITING_WORD, awaited, sem="relaxed", scope="gpu")
+    return landed
+
+
+@triton.jit
+def _copy_words(src, dst, rows_src, rows_dst, ok, W, WB: tl.constexpr):
+    """dst[rows_dst[i], :W] = src[rows_src[i], :W] (word pointers, row stride W) where ok[i]."""
+    c0 = 0
+    while c0 < W:
+        cols = c0 + tl.arange(0, WB)
+        both = ok[:, None] & (cols[None, :] < W)
+        words = tl.load(src + rows_src[:, None] * W + cols[None, :], mask=both)
+        tl.store(dst + rows_dst[:, None] * W + cols[None, :], words, mask=both)
+        c0 += WB
+
+
+# -- dispatch -------------------------------------------------------------------------------------
+
+
+@triton.jit
+def ubep_dispatch_send_kernel(
+    table, me, epochs, x, W, scales, S, topk, weights, N, K, in_rank, counts, R, announced, code,
+    Kmax, T, arrivals, programs,
+    WORD: tl.constexpr, NB: tl.constexpr, KB: tl.constexpr, RB: tl.constexpr, WB: tl.constexpr,
+):  # fmt: skip
+    """Routing role, then token role, of one dispatch: everything this rank publishes, in its own memory.
+
+    Program r < R: the ascending list of tokens for destination r (in_rank uint8 [N, R]). Program
+    R + i: token block i's top-k (int64 [N, K]) and weights (float32 [N, K]) at stride Kmax, its rows
+    (x [N, W] words) and FP8 scales (scales [N, S] int32 words, S = 0 unless FP8). Every program
+    arrives on `arrivals` (int64 [1], zeroed for the call); the last writes the route header
+    (announced, code, K, counts int64 [R]) and stamps ROUTE, then DATA.
+    """
+    epoch, half = _epoch(epochs)
+    pid = tl.program_id(0)
+    if pid < R:
+        listed = _words(_address(table, me, LISTS, half)) + pid * T
+        at = tl.full((), 0, tl.int64)
+        t0 = 0
+        while t0 < N:
+            tokens = t0 + tl.arange(0, NB)
+            hit = tl.load(in_rank + tokens * R + pid, mask=tokens < N, other=0).to(tl.int64)
+            pos = at + tl.cumsum(hit, axis=0) - 1
+            tl.store(listed + pos, tokens.to(tl.int64), mask=hit != 0)
+            at += tl.sum(hit, axis=0)
+            t0 += NB
+    else:
+        tokens = (pid - R) * NB + tl.arange(0, NB)
+        ok = tokens < N
+        rows = tokens.to(tl.int64)
+        if K > 0:
+            ks = tl.arange(0, KB)
+            both = ok[:, None] & (ks[None, :] < K)
+            idx = tl.load(topk + rows[:, None] * K + ks[None, :], mask=both)
+            w = tl.load(weights + rows[:, None] * K + ks[None, :], mask=both)
+            own_idx = _words(_address(table, me, TOPK, half))
+            own_w = _address(table, me, WEIGHTS, half).to(tl.pointer_type(tl.float32))
+            tl.store(own_idx + rows[:, None] * Kmax + ks[None, :], idx, mask=both)
+            tl.store(own_w + rows[:, None] * Kmax + ks[None, :], w, mask=both)
+        own_x = _address(table, me, X, half).to(tl.pointer_type(WORD))
+        _copy_words(x, own_x, rows, rows, ok, W, WB)
+        own_s = _address(table, me, SCALES, half).to(tl.pointer_type(tl.int32))
+        _copy_words(scales, own_s, rows, rows, ok, S, WB)
+    tl.debug_barrier()
+    arrived = tl.atomic_add(arrivals, 1, sem="acq_rel", scope="sys")
+    if arrived == programs - 1:  # the last program: every list and row is ordered before this
+        route = _words(_address(table, me, ROUTE, half))
+        tl.store(route + R_NUM, announced)  # stored as int64, the pointer's type
+        tl.store(route + R_DTYPE, code)
+        if K > 0:
+            tl.store(route + R_TOPK, K)
+        rs = tl.arange(0, RB)
+        tl.store(route + R_COUNTS + rs, tl.load(counts + rs, mask=rs < R), mask=rs < R)
+        tl.debug_barrier()
+        _release(_address(table, me, ROUTE, half), epoch)  # routing and counts are visible
+        _release(_address(table, me, DATA, half), epoch)  # the payload is visible
+
+
+@triton.jit
+def ubep_dispatch_routes_kernel(
+    table, live, me, epochs, R, code, K, Kmax, T, dtype_lo, dtype_hi, counts, sent, prefix, worst,
+    state, status, max_spins,
+    CACHED: tl.constexpr, RB: tl.constexpr,
+):  # fmt: skip
+    """Wait for every live source's route header, check it as `ubep_halves.dispatch_routes` does (in
+    its order), and take its count for this rank: counts and sent int64 [R] (0 for masked sources);
+    unless CACHED, prefix int64 [R + 1] (rows from source s are [prefix[s], prefix[s + 1])), and with
+    worst > 0 the total must fit in `worst` rows. state int64 [R + 1] (zeroed for the call): state[s]
+    once s's stamp landed, state[R] once the routing is checked (the gather's go-ahead)."""
+    epoch, half = _epoch(epochs)
+    go = tl.full((), 1, tl.int32)
+    p = tl.full((), 0, tl.int32)
+    while (go != 0) & (p < R):
+        if (tl.load(live + p) != 0) & (tl.load(state + p) == 0):
+            stamp = _address(table, p, ROUTE, half)
+            if _await_stamp(stamp, epoch, status, p, max_spins) == 0:
+                go = tl.full((), 0, tl.int32)
+            else:
+                tl.store(state + p, 1)
+        p += 1
+    rs = tl.arange(0, RB)
+    p = tl.full((), 0, tl.int32)
+    while (go != 0) & (p < R):  # bounds, field by field in declaration order
+        if tl.load(live + p) != 0:
+            words = _words(_address(table, p, ROUTE, half))
+            num = tl.load(words + R_NUM)
+            dtype = tl.load(words + R_DTYPE)
+            topk = tl.load(words + R_TOPK)
+            theirs = tl.load(words + R_COUNTS + rs, mask=rs < R, other=0)
+            bad = (rs < R) & ((theirs < 0) | (theirs > T))
+            first_bad = tl.min(tl.where(bad, rs, RB), axis=0)
+            bad_count = tl.sum(tl.where(rs == first_bad, theirs, 0), axis=0)
+            if (num < 0) | (num > T):
+                _fail(status, E_FIELD, p, num, 0, 0, 0)
+                go = tl.full((), 0, tl.int32)
+            elif (dtype < dtype_lo) | (dtype > dtype_hi):
+                _fail(status, E_FIELD, p, dtype, 1, 0, 0)
+                go = tl.full((), 0, tl.int32)
+            elif (topk < 0) | (topk > Kmax):
+                _fail(status, E_FIELD, p, topk, 2, 0, 0)
+                go = tl.full((), 0, tl.int32)
+            elif first_bad < RB:
+                _fail(status, E_FIELD, p, bad_count, 3, 0, 0)
+                go = tl.full((), 0, tl.int32)
+        p += 1
+    p = tl.full((), 0, tl.int32)
+    while (go != 0) & (p < R):
+        if tl.load(live + p) != 0:
+            dtype = tl.load(_words(_address(table, p, ROUTE, half)) + R_DTYPE)
+            if dtype != code:
+                _fail(status, E_DTYPE, p, dtype, 0, 0, 0)
+                go = tl.full((), 0, tl.int32)
+        p += 1
+    p = tl.full((), 0, tl.int32)
+    while (go != 0) & (p < R):
+        if tl.load(live + p) != 0:
+            their_k = tl.load(_words(_address(table, p, ROUTE, half)) + R_TOPK)
+            if (K > 0) & (their_k != K):
+                _fail(status, E_TOPK, p, their_k, 0, 0, 0)
+                go = tl.full((), 0, tl.int32)
+        p += 1
+    if go != 0:
+        total = tl.full((), 0, tl.int64)
+        p = tl.full((), 0, tl.int32)
+        while p < R:
+            count = tl.full((), 0, tl.int64)
+            n = tl.full((), 0, tl.int64)
+            if tl.load(live + p) != 0:
+                words = _words(_address(table, p, ROUTE, half))
+                count = tl.load(words + R_COUNTS + me)
+                n = tl.load(words + R_NUM)
+            tl.store(counts + p, count)
+            tl.store(sent + p, n)
+            if not CACHED:
+                tl.store(prefix + p, total)
+            total += count
+            p += 1
+        if not CACHED:
+            tl.store(prefix + R, total)
+        if (worst > 0) & (total > worst):
+            _fail(status, E_WORST, -1, total, worst, 0, 0)
+        else:
+            tl.store(state + R, 1)
+
+
+@triton.jit
+def ubep_dispatch_gather_kernel(
+    table, live, me, epochs, R, T, Kmax, E, routes, counts, sent, prefix, local_of_expert, K,
+    recv_idx, recv_w, src_token, src_rank, recv_x, W, recv_scales, S, state, blocks, status, max_spins,
+    WORD: tl.constexpr, IB: tl.constexpr, KB: tl.constexpr, WB: tl.constexpr,
+):  # fmt: skip
+    """Program (source p, row block i): p's rows [i * IB, (i + 1) * IB) for this rank, as
+    `ubep_halves.dispatch_gather` places them: first their routing (K > 0: the listed tokens, their
+    local top-k recv_idx int64 [M, K] and weights recv_w float32 [M, K], src_token and src_rank int64
+    [M]; K = 0, a cached dispatch: src_token from the handle, checked), then, once p's DATA stamp
+    landed, its rows (recv_x [M, W] words) and FP8 scales (recv_scales [M, S] int32 words) straight
+    from p's memory. routes: the routes half's state (routes[R] 0: it failed or ran out, nothing
+    to do); state int64 [R, blocks] (zeroed for the call): 1 once the block is placed."""
+    epoch, half = _epoch(epochs)
+    p = tl.program_id(0)
+    i = tl.program_id(1)
+    first = i * IB
+    count = tl.load(counts + p)
+    go = tl.full((), 0, tl.int32)
+    if (tl.load(routes + R) != 0) & (tl.load(live + p) != 0) & (tl.load(state + p * blocks + i) == 0):
+        if (first < count) & (tl.load(status) == 0):
+            go = tl.full((), 1, tl.int32)
+    if go != 0:
+        a = tl.load(prefix + p)
+        n = tl.load(sent + p)
+        ii = first + tl.arange(0, IB)
+        ok = ii < count
+        rows = a + ii
+        if K > 0:
+            _acquire(_address(table, p, ROUTE, half))  # landed (the routes half saw it): order the reads
+            listed = tl.load(_words(_address(table, p, LISTS, half)) + me * T + ii, mask=ok, other=0)
+            if tl.sum((ok & ((listed < 0) | (listed >= n))).to(tl.int32), axis=0) > 0:
+                _fail(status, E_LIST, p, n, 0, 0, 0)
+                go = tl.full((), 0, tl.int32)
+            else:
+                ks = tl.arange(0, KB)
+                both = ok[:, None] & (ks[None, :] < K)
+                theirs = _words(_address(table, p, TOPK, half))
+                their_w = _address(table, p, WEIGHTS, half).to(tl.pointer_type(tl.float32))
+                e = tl.load(theirs + listed[:, None] * Kmax + ks[None, :], mask=both, other=-1)
+                w = tl.load(their_w + listed[:, None] * Kmax + ks[None, :], mask=both, other=0.0)
+                if tl.sum(tl.sum((both & ((e < -1) | (e >= E))).to(tl.int32), axis=1), axis=0) > 0:
+                    _fail(status, E_EXPERT, p, E, 0, 0, 0)
+                    go = tl.full((), 0, tl.int32)
+                else:
+                    local = tl.load(local_of_expert + e, mask=both & (e >= 0), other=-1)
+                    mine = tl.sum((local >= 0).to(tl.int32), axis=1)
+                    if tl.sum((ok & (mine == 0)).to(tl.int32), axis=0) > 0:
+                        _fail(status, E_NONE_LOCAL, p, 0, 0, 0, 0)
+                        go = tl.full((), 0, tl.int32)
+                    else:
+                        tl.store(recv_idx + rows[:, None] * K + ks[None, :], local, mask=both)
+                        tl.store(recv_w + rows[:, None] * K + ks[None, :], tl.where(local >= 0, w, 0.0),
+                                 mask=both)  # fmt: skip
+                        tl.store(src_token + rows, listed, mask=ok)
+                        tl.store(src_rank + rows, tl.zeros((IB,), tl.int64) + p, mask=ok)
+        else:  # cached: the handle's rows must be what p sends, from tokens it has
+            expected = tl.load(prefix + p + 1) - a
+            listed = tl.load(src_token + rows, mask=ok, other=0)
+            if count != expected:
+                _fail(status, E_COUNT, p, count, expected, 0, 0)
+                go = tl.full((), 0, tl.int32)
+            elif tl.sum((ok & ((listed < 0) | (listed >= n))).to(tl.int32), axis=0) > 0:
+                _fail(status, E_SHORT, p, n, 0, 0, 0)
+                go = tl.full((), 0, tl.int32)
+        if go != 0:
+            if _await_stamp(_address(table, p, DATA, half), epoch, status, p, max_spins) == 1:
+                their_x = _address(table, p, X, half).to(tl.pointer_type(WORD))
+                _copy_words(their_x, recv_x, listed, rows, ok, W, WB)
+                their_s = _address(table, p, SCALES, half).to(tl.pointer_type(tl.int32))
+                _copy_words(their_s, recv_scales, listed, rows, ok, S, WB)
+                tl.store(state + p * blocks + i, 1)
+
+
+# -- combine --------------------------------------------------------------------------------------
+
+
+@triton.jit
+def ubep_combine_send_kernel(
+    table, me, epochs, y, W, weights, K, Kmax, prefix, R, seq, code, arrivals, programs,
+    WORD: tl.constexpr, IB: tl.constexpr, KB: tl.constexpr, RB: tl.constexpr, WB: tl.constexpr,
+):  # fmt: skip
+    """An expert rank's half of combine: program i puts rows [i * IB, (i + 1) * IB) of y [M, W] words
+    (only the prefix[R] rows its dispatch received: y may be padded) and their weights (float32
+    [M, K], K may be 0) into its own Y and Y_WEIGHTS; the last program to arrive writes the back header
+    (code, K, prefix int64 [R + 1], the dispatch's seq) and stamps BACK."""
+    epoch, half = _epoch(epochs)
+    i = tl.program_id(0)
+    M = tl.load(prefix + R)
+    rows = (i * IB + tl.arange(0, IB)).to(tl.int64)
+    ok = rows < M
+    own_y = _address(table, me, Y, half).to(tl.pointer_type(WORD))
+    _copy_words(y, own_y, rows, rows, ok, W, WB)
+    if K > 0:
+        ks = tl.arange(0, KB)
+        both = ok[:, None] & (ks[None, :] < K)
+        w = tl.load(weights + rows[:, None] * K + ks[None, :], mask=both)
+        own_w = _address(table, me, Y_WEIGHTS, half).to(tl.pointer_type(tl.float32))
+        tl.store(own_w + rows[:, None] * Kmax + ks[None, :], w, mask=both)
+    tl.debug_barrier()
+    arrived = tl.atomic_add(arrivals, 1, sem="acq_rel", scope="sys")
+    if arrived == programs - 1:  # the last program: every row is ordered before this
+        back = _words(_address(table, me, BACK, half))
+        tl.store(back + B_DTYPE, code)  # stored as int64, the pointer's type
+        tl.store(back + B_TOPK, K)
+        rs = tl.arange(0, RB)
+        tl.store(back + B_PREFIX + rs, tl.load(prefix + rs, mask=rs <= R), mask=rs <= R)
+        tl.store(back + B_PREFIX + R + 1, seq)
+        tl.debug_barrier()
+        _release(_address(table, me, BACK, half), epoch)
+
+
+@triton.jit
+def ubep_combine_reduce_kernel(
+    table, live, me, epochs, R, N, in_rank, place, send_counts, seq, code, dtype_lo, dtype_hi, K, Kmax,
+    rows_max, out, H, out_w, state, status, max_spins,
+    KIND: tl.constexpr, RB: tl.constexpr, KB: tl.constexpr, HB: tl.constexpr,
+):  # fmt: skip
+    """The home's half of combine, program t (token; max(N, 1) programs): once every live expert rank's
+    back header landed, check them all as `ubep_halves.combine_reduce` does (in its order), then
+    out[t] = the sum of t's rows over ranks ascending (the reference's order) in float32, unfused,
+    rounded once (KIND BF16: bf16 bits as int16, by integer rounding; F32: float32), and
+    out_w[t, :K] the sum of their weights.
+
+    in_rank uint8 [N, R] and send_counts int64 [R] come from the dispatch's handle; place int64 [N, R]
+    is t's row among the rows this rank sent to r (an exclusive cumulative sum of in_rank). state
+    int64 [N] (zeroed for the call): 1 once t is finished (a second launch skips it).
+    """
+    epoch, half = _epoch(epochs)
+    t = tl.program_id(0)
+    if tl.load(state + t) == 0:
+        go = tl.full((), 1, tl.int32)
+        p = tl.full((), 0, tl.int32)
+        while (go != 0) & (p < R):
+            if tl.load(live + p) != 0:
+                if _await_stamp(_address(table, p, BACK, half), epoch, status, p, max_spins) == 0:
+                    go = tl.full((), 0, tl.int32)
+            p += 1
+        rs = tl.arange(0, RB)
+        p = tl.full((), 0, tl.int32)
+        while (go != 0) & (p < R):  # bounds, field by field
+            if tl.load(live + p) != 0:
+                words = _words(_address(table, p, BACK, half))
+                dtype = tl.load(words + B_DTYPE)
+                topk = tl.load(words + B_TOPK)
+                prefix = tl.load(words + B_PREFIX + rs, mask=rs <= R, other=0)
+                bad = (rs <= R) & ((prefix < 0) | (prefix > rows_max))
+                first_bad = tl.min(tl.where(bad, rs, RB), axis=0)
+                bad_value = tl.sum(tl.where(rs == first_bad, prefix, 0), axis=0)
+                if (dtype < dtype_lo) | (dtype > dtype_hi):
+                    _fail(status, E_FIELD, p, dtype, 0, 0, 0)
+                    go = tl.full((), 0, tl.int32)
+                elif (topk < 0) | (topk > Kmax):
+                    _fail(status, E_FIELD, p, topk, 1, 0, 0)
+                    go = tl.full((), 0, tl.int32)
+                elif first_bad < RB:
+                    _fail(status, E_FIELD, p, bad_value, 2, 0, 0)
+                    go = tl.full((), 0, tl.int32)
+            p += 1
+        p = tl.full((), 0, tl.int32)
+        while (go != 0) & (p < R):
+            if tl.load(live + p) != 0:
+                theirs = tl.load(_words(_address(table, p, BACK, half)) + B_PREFIX + R + 1)
+                if theirs != seq:
+                    _fail(status, E_OTHER_CALL, p, theirs, 0, 0, 0)
+                    go = tl.full((), 0, tl.int32)
+            p += 1
+        p = tl.full((), 0, tl.int32)
+        while (go != 0) & (p < R):
+            if tl.load(live + p) != 0:
+                words = _words(_address(table, p, BACK, half))
+                rows = tl.load(words + B_PREFIX + me + 1) - tl.load(words + B_PREFIX + me)
+                dtype = tl.load(words + B_DTYPE)
+                topk = tl.load(words + B_TOPK)
+                want = tl.load(send_counts + p)
+                if (rows != want) | (dtype != code) | (topk != K):
+                    _fail(status, E_ROWS, p, rows, dtype, topk, want)
+                    go = tl.full((), 0, tl.int32)
+            p += 1
+        if (go != 0) & (t < N):
+            c0 = 0
+            while c0 < H:
+                cols = c0 + tl.arange(0, HB)
+                m = cols < H
+                acc = tl.zeros((HB,), tl.float32)
+                r = tl.full((), 0, tl.int32)
+                while r < R:
+                    if tl.load(in_rank + t * R + r) != 0:
+                        row = tl.load(_words(_address(table, r, BACK, half)) + B_PREFIX + me)
+                        row += tl.load(place + t * R + r)
+                        base = _address(table, r, Y, half)
+                        if KIND == BF16:
+                            v = tl.load(base.to(tl.pointer_type(tl.bfloat16)) + row * H + cols, mask=m)
+                        else:
+                            v = tl.load(base.to(tl.pointer_type(tl.float32)) + row * H + cols, mask=m)
+                        acc = acc + v.to(tl.float32)
+                    r += 1
+                if KIND == BF16:
+                    tl.store(out + t.to(tl.int64) * H + cols, _bf16_bits(acc), mask=m)
+                else:
+                    tl.store(out + t.to(tl.int64) * H + cols, acc, mask=m)
+                c0 += HB
+            if K > 0:
+                ks = tl.arange(0, KB)
+                acc_w = tl.zeros((KB,), tl.float32)
+                r = tl.full((), 0, tl.int32)
+                while r < R:
+                    if tl.load(in_rank + t * R + r) != 0:
+                        row = tl.load(_words(_address(table, r, BACK, half)) + B_PREFIX + me)
+                        row += tl.load(place + t * R + r)
+                        w_at = _address(table, r, Y_WEIGHTS, half).to(tl.pointer_type(tl.float32))
+                        acc_w = acc_w + tl.load(w_at + row * Kmax + ks, mask=ks < K, other=0.0)
+                    r += 1
+                tl.store(out_w + t * K + ks, acc_w, mask=ks < K)
+        if (go != 0) | _failed(status):  # finished (summed, or failed): a relaunch skips it
+            tl.store(state + t, 1)

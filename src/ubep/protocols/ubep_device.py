@@ -1,0 +1,324 @@
+"""The UBEP protocol on Triton call halves: each half one kernel launch over the heap's address table
+(`ubep.engine.ubep_triton`), its status turned into the exceptions of `ubep.protocols.ubep`.
+
+    dispatch: send (lists, rows, stamps) -> routes (waits, checks, counts, prefix)
+              -> [recv size: num_worst_tokens, the handle's, or ONE count read on the host]
+              -> gather ((source, row block) programs: local top-k, rows as each source lands)
+    combine:  send (rows, weights, header, stamp) -> reduce (token programs: waits, checks, sums)
+
+The kernels keep `ubep.engine.ubep_halves`' memory layout word for word, so the
+numba halves, these and the torch statement agree bit for bit. Every count,
+position and check is computed on the device; nothing in a half reads device
+memory on the host. The receive size is the one exception, and only without
+`num_worst_tokens`: the rows a dispatch receives decide recv_x's shape, so the
+host reads that one count (prefix[R]) between the routes and the gather. With
+`num_worst_tokens` the outputs have that many rows (the padding: recv_x 0,
+recv_topk_idx -1, recv_topk_weights 0, src_token and src_rank -1), and a
+dispatch + combine reads nothing on the host. A cached dispatch takes its size
+from the handle.
+
+Two ways to run, as `ubep.protocols.ll_device`:
+- `capturable=False` (the Buffer, tests): after each launch the host reads the
+  status word; a wait that ran out of spins sleeps on the doorbell under the
+  deadline and the half is launched again (finished programs skip);
+- `capturable=True` (CUDA graphs): one launch per half, waits bounded by
+  `max_spins`; nothing is read until `check()`. The epochs are the device's own
+  count of calls, advanced in the stream (`follow` starts it from the host's).
+
+Legend: see `ubep.layout`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import triton.language as tl
+
+from ubep.calls import CallCounter, CallId
+from ubep.engine import ubep_triton as k
+from ubep.engine.ubep_codes import DONE
+from ubep.errors import CommTimeoutError
+from ubep.faults import FaultPoints
+from ubep.protocols import ubep_status
+from ubep.protocols.base import CODE_RANGE, DTYPE_CODES, Received, SendPlan, Sizing
+from ubep.results import DispatchHandle, RecvRoute
+
+WORDS = {4: torch.int32, 2: torch.int16, 1: torch.uint8}  # the widest word that divides every row
+_TL = {torch.int32: tl.int32, torch.int16: tl.int16, torch.uint8: tl.uint8}
+WAITING = k.WAITING_WORD.value  # the status word naming a peer a wait ran out on (1 + its rank)
+ROWS_PER_PROGRAM, TOKENS_PER_PROGRAM = 16, 64  # rows a gather or combine-send program moves; send tokens
+# Polls before a half hands its wait to the host's doorbell sleep (capturable=False): few under the
+# interpreter (a poll there takes tens of microseconds and holds its lock), about a second on a GPU.
+SYNC_SPINS, SYNC_SPINS_GPU = 64, 2**20
+CAPTURE_SPINS = 2**31 - 1  # a GPU poll takes about a microsecond: a wait gives up after seconds
+KINDS = {"dispatch": 1, "combine": 2}  # the device's call counters: [0] every call, [1], [2] each kind's
+
+
+def _pow2(n: int, lo: int = 1, hi: int = 1 << 30) -> int:
+    return min(max(lo, 1 << max(int(n) - 1, 0).bit_length()), hi)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class UbepDevice:
+    """UBEP dispatch/combine on a heap with an address table, each call half one Triton kernel."""
+
+    REDUCE_PHASE = "combine"  # the home's wait, as the protocol names it
+
+    def __init__(
+        self,
+        heap,
+        blocks,
+        sizing: Sizing,
+        faults: FaultPoints,
+        local_of_E: torch.Tensor,
+        engine,
+        capturable: bool = False,
+        max_spins: int | None = None,
+    ):
+        self.t, self.blocks, self.sizing, self.faults, self.engine = heap, blocks, sizing, faults, engine
+        self.me, self.R = heap.rank, heap.num_ranks
+        table, _ = heap.address_table(blocks.all())
+        self.device = getattr(heap, "device", torch.device("cpu"))
+        self.table = torch.from_numpy(table).to(self.device)
+        self.local_of_E = local_of_E.to(torch.int64).to(self.device)  # local id here, -1 elsewhere
+        self.capturable = capturable
+        sync_spins = SYNC_SPINS if self.device.type == "cpu" else SYNC_SPINS_GPU
+        self.max_spins = max_spins or (CAPTURE_SPINS if capturable else sync_spins)
+        self._unchecked: list[tuple[CallId, str, torch.Tensor, tuple]] = []  # capturable: to `check()`
+        self._live_R: tuple[tuple[int, ...], torch.Tensor] | None = None
+        self._calls = self._zeros(3)  # capturable: calls so far (all, dispatches, combines), on the device
+        self._live()
+
+    # -- launching --------------------------------------------------------------------------------
+
+    def _live(self) -> torch.Tensor:
+        """uint8 [R] on the device: 1 for each live rank (rebuilt only when the live set changes)."""
+        live = tuple(self.t.live)
+        if self._live_R is None or self._live_R[0] != live:
+            mask = torch.zeros(self.R, dtype=torch.uint8)
+            mask[list(live)] = 1
+            self._live_R = live, mask.to(self.device)
+        return self._live_R[1]
+
+    def _zeros(self, *shape: int, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+        return torch.zeros(shape, dtype=dtype, device=self.device)
+
+    def follow(self, calls: CallCounter) -> None:
+        """Capturable: continue the device's call count from the host's (before capturing)."""
+        counts = [calls.seq, *(calls.epochs.get(kind, calls.base) for kind in KINDS)]
+        self._calls.copy_(torch.tensor(counts, dtype=torch.int64))
+
+    def _epoch(self, call: CallId) -> torch.Tensor:
+        """int64 [1] on the device: the call's exact epoch (2 seq + its kind's parity, `CallId.exact`).
+        Not capturable: the host's. Capturable: from the device's own call counts, advanced in the
+        stream, so every replay of a captured graph is the next call."""
+        if not self.capturable:
+            return torch.tensor([call.exact().epoch], dtype=torch.int64).to(self.device)
+        kind = KINDS[call.kind]
+        self._calls[0].add_(1)
+        self._calls[kind].add_(1)
+        return (self._calls[0:1] * 2 + self._calls[kind : kind + 1] % 2).clone()
+
+    def _half(
+        self, call: CallId, phase: str, kernel, grid, args: tuple, consts: dict, mine: tuple, rings=False
+    ) -> None:
+        """Launch one half; unless capturable, read its status and relaunch while it waits, then raise its
+        error. args end with (status, max_spins); `mine` is (dtype, top-k, dispatch seq) for the error;
+        `rings`: the half publishes before it waits (a barrier), so peers asleep are rung after its launch."""
+        status = args[-2]
+        if self.capturable:
+            self.engine.launch(kernel, grid, *args, **consts)
+            self._unchecked.append((call, phase, status, mine))
+            return
+        sleeper = None
+        while True:
+            self.engine.launch(kernel, grid, *args, **consts)
+            if rings and sleeper is None:
+                self._wake()
+            code, awaited = (int(v) for v in status[[0, WAITING]].tolist())
+            if code != DONE:
+                raise self._error(call, code, status.cpu().numpy(), mine)
+            if awaited == 0:
+                return
+            status[WAITING] = 0
+            sleeper = sleeper or self.t.sleeper(phase, call)
+            sleeper.pause([awaited - 1])  # raises past the deadline, or when the peer died or aborted
+
+    def check(self) -> None:
+        """Capturable halves: raise the first error (or timeout) recorded since the last check."""
+        unchecked, self._unchecked = self._unchecked, []
+        for call, phase, status, mine in unchecked:
+            words = status.cpu().numpy()
+            if words[0] != DONE:
+                raise self._error(call, int(words[0]), words, mine)
+            if words[WAITING]:
+                detail = f"a device wait ran out of {self.max_spins} polls"
+                raise CommTimeoutError(phase, [int(words[WAITING]) - 1], 0.0, [], detail)
+
+    def _error(self, call: CallId, code: int, words, mine: tuple) -> Exception:
+        """The exception for an error status (`ubep_status`, the numba halves' words)."""
+        return ubep_status.error(self.t, self.blocks, call, code, words, *mine)
+
+    def _wake(self) -> None:
+        """Peers between launches sleep on their doorbells (capturable=False): ring them."""
+        if not self.capturable:
+            self.t.ring()
+
+    @staticmethod
+    def _word(*widths: int) -> tuple[torch.dtype, int]:
+        """The widest word (dtype, bytes) dividing every width in bytes."""
+        size = next(s for s in WORDS if all(w % s == 0 for w in widths))
+        return WORDS[size], size
+
+    # -- dispatch ---------------------------------------------------------------------------------
+
+    def dispatch(
+        self, call: CallId, plan: SendPlan, handle: DispatchHandle | None, num_worst_tokens: int = 0
+    ) -> Received:
+        """One dispatch. num_worst_tokens > 0 (not with a handle): every output has that many rows and
+        nothing is read on the host; a rank that receives more raises ValueError."""
+        return self.dispatch_send(call, plan, handle, num_worst_tokens)()
+
+    def dispatch_send(
+        self, call: CallId, plan: SendPlan, handle: DispatchHandle | None, num_worst_tokens: int = 0
+    ) -> Callable[[], Received]:
+        """The send half (one launch); returns the receive halves (routes, then gather), which a caller
+        running several ranks on one stream calls after every rank's send."""
+        s, R, dev = self.sizing, self.R, self.device
+        x_NH, cached = plan.x_NH, handle is not None
+        N, code = x_NH.shape[0], DTYPE_CODES[x_NH.dtype]
+        K = 0 if cached else plan.topk_idx_NK.shape[1]
+        epochs, mine = self._epoch(call), (x_NH.dtype, K, 0)
+        rows_NB = x_NH.contiguous().view(torch.uint8)  # [N, H * itemsize]
+        dtype, size = self._word(rows_NB.shape[1])
+        fp8 = plan.scales_NS is not None
+        scales = plan.scales_NS.view(torch.int32) if fp8 else self._zeros(N, 0, dtype=torch.int32)
+        topk = plan.topk_idx_NK if not cached else self._zeros(N, 0)
+        weights = plan.topk_weights_NK if not cached else self._zeros(N, 0, dtype=torch.float32)
+        announced = self.faults.count("dispatch.count", call, N) if self.faults.armed else N
+        programs = R + _cdiv(N, TOKENS_PER_PROGRAM)
+        self.engine.launch(
+            k.ubep_dispatch_send_kernel, (programs,),
+            self.table, self.me, epochs, rows_NB.view(dtype), rows_NB.shape[1] // size, scales,
+            scales.shape[1], topk, weights, N, K, plan.is_token_in_rank_NR.view(torch.uint8),
+            plan.send_counts_R.to(dev), R, announced, code, s.max_topk, s.capacity, self._zeros(1), programs,
+            WORD=_TL[dtype], NB=TOKENS_PER_PROGRAM, KB=_pow2(K, 2), RB=_pow2(R + 1, 2), WB=128,
+        )  # fmt: skip
+        self._wake()
+        if self.faults.armed:
+            self.faults.at("dispatch.sent", call)
+        return lambda: self._receive(call, epochs, plan, handle, num_worst_tokens, dtype, mine)
+
+    def _receive(
+        self, call: CallId, epochs: torch.Tensor, plan: SendPlan, handle, num_worst_tokens: int, dtype, mine
+    ) -> Received:
+        """The receive halves of a dispatch whose send half ran: routes, the receive size, gather."""
+        s, R, dev = self.sizing, self.R, self.device
+        x_NH, cached = plan.x_NH, handle is not None
+        H, code, K = x_NH.shape[1], DTYPE_CODES[x_NH.dtype], mine[1]
+        counts_R, sent_R, routes = self._zeros(R), self._zeros(R), self._zeros(R + 1)
+        prefix_R1 = handle.recv.prefix_R1 if cached else self._zeros(R + 1)
+        worst = 0 if cached else num_worst_tokens
+        args = (
+            self.table, self._live(), self.me, epochs, R, code, K, s.max_topk, s.capacity, *CODE_RANGE,
+            counts_R, sent_R, prefix_R1, worst, routes, self._zeros(8), self.max_spins,
+        )  # fmt: skip
+        consts = dict(CACHED=cached, RB=_pow2(R + 1, 2))
+        self._half(call, "dispatch (routing)", k.ubep_dispatch_routes_kernel, (1,), args, consts, mine)
+        if cached:
+            M = handle.recv.src_token_M.shape[0]
+        else:
+            M = num_worst_tokens or int(prefix_R1[-1])  # the one host read, without num_worst_tokens
+        fill = torch.zeros if num_worst_tokens and not cached else torch.empty  # padding rows stay 0
+        recv_x_MH = fill(M, H, dtype=x_NH.dtype, device=dev)
+        recv_scales_MS = None if plan.scales_NS is None else fill(M, plan.scales_NS.shape[1], device=dev)
+        if cached:
+            src_token_M, src_rank_M = handle.recv.src_token_M, handle.recv.src_rank_M
+            recv_idx_MK = recv_w_MK = None
+        else:
+            src_token_M = torch.full((M,), -1, dtype=torch.int64, device=dev)
+            src_rank_M = torch.full((M,), -1, dtype=torch.int64, device=dev)
+            recv_idx_MK = torch.full((M, K), -1, dtype=torch.int64, device=dev)
+            recv_w_MK = torch.zeros(M, K, dtype=torch.float32, device=dev)
+        x_MB = recv_x_MH.view(torch.uint8).view(dtype)
+        scales_MS = self._zeros(M, 0, dtype=torch.int32) if recv_scales_MS is None else recv_scales_MS
+        blocks = _cdiv(s.capacity, ROWS_PER_PROGRAM)
+        args = (
+            self.table, self._live(), self.me, epochs, R, s.capacity, s.max_topk, s.placement.num_experts,
+            routes, counts_R, sent_R, prefix_R1, self.local_of_E, K,
+            recv_idx_MK if recv_idx_MK is not None else self._zeros(0, 0),
+            recv_w_MK if recv_w_MK is not None else self._zeros(0, 0, dtype=torch.float32),
+            src_token_M, src_rank_M, x_MB, x_MB.shape[1], scales_MS.view(torch.int32), scales_MS.shape[1],
+            self._zeros(R, blocks), blocks, self._zeros(8), self.max_spins,
+        )  # fmt: skip
+        consts = dict(WORD=_TL[dtype], IB=ROWS_PER_PROGRAM, KB=_pow2(K, 2), WB=128)
+        self._half(call, "dispatch (tokens)", k.ubep_dispatch_gather_kernel, (R, blocks), args, consts, mine)
+        self.t.check_member("dispatch")  # what was read above was whole
+        route = handle.recv if cached else RecvRoute(src_token_M, prefix_R1, src_rank_M)
+        return Received(recv_x_MH, recv_idx_MK, recv_w_MK, route, recv_scales_MS)
+
+    # -- combine ----------------------------------------------------------------------------------
+
+    def combine(self, call: CallId, x_MH: torch.Tensor, handle: DispatchHandle, topk_weights_MK):
+        """(combined [N, H] in x's dtype, summed weights float32 [N, K] or None). x_MH may be padded
+        (num_worst_tokens): only the rows the dispatch received are sent."""
+        return self.combine_send(call, x_MH, handle, topk_weights_MK)()
+
+    def combine_send(
+        self, call: CallId, x_MH: torch.Tensor, handle: DispatchHandle, topk_weights_MK
+    ) -> Callable[[], tuple[torch.Tensor, torch.Tensor | None]]:
+        """The send half (one launch); returns the reduce half."""
+        epochs = self._epoch(call)
+        self.send_back(call, epochs, x_MH, handle, topk_weights_MK)
+        if self.faults.armed:
+            self.faults.at("combine.mid", call)
+        return lambda: self.reduce_home(call, epochs, x_MH, handle, topk_weights_MK)
+
+    def send_back(
+        self, call: CallId, epochs: torch.Tensor, x_MH: torch.Tensor, handle: DispatchHandle, topk_weights_MK
+    ) -> None:
+        """An expert rank's half of combine: its output rows and weights out once, then the stamp."""
+        s, R = self.sizing, self.R
+        M = x_MH.shape[0]
+        rows_MB = x_MH.contiguous().view(torch.uint8)  # [M, H * itemsize]
+        dtype, size = self._word(rows_MB.shape[1])
+        K = 0 if topk_weights_MK is None else topk_weights_MK.shape[1]
+        weights = self._zeros(M, 0, dtype=torch.float32) if K == 0 else topk_weights_MK.contiguous()
+        programs = max(_cdiv(M, ROWS_PER_PROGRAM), 1)
+        self.engine.launch(
+            k.ubep_combine_send_kernel, (programs,),
+            self.table, self.me, epochs, rows_MB.view(dtype), rows_MB.shape[1] // size, weights, K,
+            s.max_topk, handle.recv.prefix_R1, R, handle.seq, DTYPE_CODES[x_MH.dtype], self._zeros(1),
+            programs, WORD=_TL[dtype], IB=ROWS_PER_PROGRAM, KB=_pow2(K, 2), RB=_pow2(R + 1, 2), WB=128,
+        )  # fmt: skip
+        self._wake()
+
+    def reduce_home(
+        self, call: CallId, epochs: torch.Tensor, x_MH: torch.Tensor, handle: DispatchHandle, weights_MK
+    ):
+        """The home's half of combine (after `send_back` of the same call, with its epochs)."""
+        s, R, dev = self.sizing, self.R, self.device
+        K = 0 if weights_MK is None else weights_MK.shape[1]
+        N, H, dtype = handle.num_tokens, x_MH.shape[1], x_MH.dtype
+        in_rank_NR = handle.is_token_in_rank_NR.view(torch.uint8)
+        sent_NR = in_rank_NR.to(torch.int64)
+        place_NR = torch.cumsum(sent_NR, 0) - sent_NR  # t's row among the rows sent to each rank
+        out_NH = torch.empty(N, H, dtype=dtype, device=dev)
+        bf16 = dtype == torch.bfloat16  # else float32: the payloads a Buffer accepts
+        sums_NH = out_NH.view(torch.int16) if bf16 else out_NH
+        out_NK = self._zeros(N, K, dtype=torch.float32)
+        args = (
+            self.table, self._live(), self.me, epochs, R, N, in_rank_NR, place_NR,
+            handle.send_counts_R.to(dev), handle.seq, DTYPE_CODES[dtype], *CODE_RANGE, K, s.max_topk,
+            R * s.capacity, sums_NH, H, out_NK, self._zeros(max(N, 1)), self._zeros(8), self.max_spins,
+        )  # fmt: skip
+        kind = k.BF16 if bf16 else k.F32
+        consts = dict(KIND=kind, RB=_pow2(R + 1, 2), KB=_pow2(K, 2), HB=_pow2(H, 16, 256))
+        mine = (dtype, K, handle.seq)
+        self._half(call, self.REDUCE_PHASE, k.ubep_combine_reduce_kernel, (max(N, 1),), args, consts, mine)
+        self.t.check_member("combine")  # what was read above was whole
+        return out_NH, (out_NK if K else None)

@@ -1,0 +1,50 @@
+"""UBEP call halves' status words turned into the exceptions of `ubep.protocols.ubep`'s torch statement.
+
+The compiled halves (numba: `ubep.engine.ubep_halves`; Triton: `ubep.engine.ubep_triton`) end with a
+code and, on an error, status[1:6] = (peer, what it sent, ..., expected); both raise through here so
+that every engine reports a bad peer in the same words. This module imports neither numba nor triton.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ubep.calls import CallId
+from ubep.engine import ubep_codes as k
+from ubep.errors import PeerDataError
+from ubep.protocols.base import CODE_DTYPES
+from ubep.transport.base import Transport
+from ubep.transport.heap import complaint
+
+
+def error(
+    t: Transport, blocks, call: CallId, code: int, status: np.ndarray, dtype, K: int, seq: int
+) -> Exception:
+    """The exception for a half's error status; (dtype, K, seq) are this rank's call's payload dtype,
+    top-k and dispatch seq, for the message."""
+    peer, a, b, c, d = (int(v) for v in status[1:6])
+    if code == k.E_TOPK:
+        return PeerDataError(f"dispatch: rank {peer} routed with top-k {a}, this rank with {K}")
+    if code == k.E_WORST:
+        return ValueError(
+            f"dispatch: this rank receives {a} rows, more than num_worst_tokens={b}; "
+            "pass at least num_tokens * num_ranks"
+        )
+    if code == k.E_FIELD:
+        header = blocks.route if call.kind == "dispatch" else blocks.back.back
+        return t.bad_data(call, peer, complaint(header, header.fields[b], peer, a))
+    messages = {
+        k.E_DTYPE: f"dispatch: rank {peer} sent {CODE_DTYPES.get(a)}, this rank {dtype}",
+        k.E_LIST: f"dispatch: rank {peer} listed tokens outside [0, {a})",
+        k.E_EXPERT: f"dispatch: rank {peer} routed to expert ids outside [-1, {a})",
+        k.E_NONE_LOCAL: f"dispatch: rank {peer} listed a token for this rank that selects none "
+        "of its experts",
+        k.E_COUNT: f"dispatch: rank {peer} sends {a} rows here, this rank's handle expects {b} "
+        "(all ranks must pass handles of the same dispatch)",
+        k.E_SHORT: f"dispatch: rank {peer} sent {a} tokens, fewer than routed here",
+        k.E_OTHER_CALL: f"combine: rank {peer} combines the rows of call #{a}, this rank those of #{seq} "
+        "(all ranks must pass the handle of the same dispatch)",
+        k.E_ROWS: f"combine: rank {peer} returned {a} rows of {CODE_DTYPES.get(b)} (top-k {c}), "
+        f"expected {d} of {dtype} (top-k {K})",
+    }
+    return t.bad_data(call, peer, messages[code])

@@ -1,0 +1,444 @@
+"""Normal mode's call halves as Triton kernels, for both protocols (ubep: `ubep.protocols.ubep_device`
+over `ubep.engine.ubep_triton`; bsp: `ubep.protocols.bsp_device` over `ubep.engine.bsp_triton`): one
+kernel launch per half or phase over the heap's address table, bit for bit against `ubep.reference`
+and against the numba halves, across two processes sharing memory; the outputs padded to
+num_worst_tokens; a masked rank; a whole dispatch + combine that reads nothing back on the host; a
+peer's out-of-range count and a device wait that runs out, in the CPU protocol's words.
+
+On CPU the kernels run under Triton's interpreter over the shared-memory heap's host addresses:
+`test_interpreter_suite` reruns this module with TRITON_INTERPRET=1 (set before triton is imported).
+Shapes are tiny: the interpreter runs every program in Python.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+
+import pytest
+import torch
+from scenarios import Scenario, expert_output
+
+import ubep
+from ubep import fp8, reference
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+PROTOCOLS = {"ubep": ("UbepDevice", "UbepCompiled"), "bsp": ("BspDevice", "BspCompiled")}  # triton, numba
+interpreted = pytest.mark.skipif(not INTERPRETED, reason="runs in test_interpreter_suite")
+
+R2 = dict(num_ranks=2, num_experts=8, hidden=32, topk=3, capacity=6)
+CASES = [  # bf16 with -1 slots and a token routed nowhere; fp32; bf16 sent as FP8 (values + scales)
+    (Scenario(name="bf16-minus-one", drop=0.3, nowhere=1, seed=21, **R2), False),
+    (Scenario(name="fp32", dtype=torch.float32, seed=22, **R2), False),
+    (Scenario(name="fp8", hidden=256, num_ranks=2, num_experts=8, topk=3, capacity=6, seed=23), True),
+]
+
+
+@pytest.mark.timeout(300)
+def test_interpreter_suite():
+    """This module under TRITON_INTERPRET=1 in a fresh interpreter."""
+    if INTERPRETED:
+        pytest.skip("already the interpreter run")
+    pytest.importorskip("triton")
+    src = os.path.dirname(os.path.dirname(ubep.__file__))
+    tests = os.path.dirname(__file__)
+    path = os.pathsep.join([src, tests, os.environ.get("PYTHONPATH", "")])
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=path)
+    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__]
+    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=280)
+    assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-3000:]
+    assert " passed" in run.stdout and " failed" not in run.stdout, run.stdout[-2000:]
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_codes_and_layout_are_the_numba_halves(protocol):
+    """Both kinds of halves report through one status module and address the same blocks and words."""
+    pytest.importorskip("triton")
+    import importlib
+
+    codes = importlib.import_module(f"ubep.engine.{protocol}_codes")
+    kernels = importlib.import_module(f"ubep.engine.{protocol}_triton")
+    names = [n for n in dir(codes) if n.isupper()]
+    assert len(names) >= 13
+    for n in names:
+        if hasattr(kernels, n):
+            assert getattr(kernels, n).value == getattr(codes, n), n
+    assert {n for n in names if n.startswith("E_")} <= {n for n in dir(kernels) if n.startswith("E_")}
+    numba_halves = pytest.importorskip(f"ubep.engine.{protocol}_halves")
+    assert all(getattr(numba_halves, n) == getattr(codes, n) for n in names if hasattr(numba_halves, n))
+
+
+# --- two processes over the shared-memory heap ----------------------------------------------------
+
+
+def _payload(x: torch.Tensor, as_fp8: bool):
+    return fp8.quantize(x) if as_fp8 else x
+
+
+def _received(recv_x, as_fp8: bool, dtype: torch.dtype) -> torch.Tensor:
+    """What the experts compute on: recv_x, or the FP8 pair dequantized."""
+    return (recv_x[0].float() * recv_x[1].repeat_interleave(fp8.BLOCK, 1)).to(dtype) if as_fp8 else recv_x
+
+
+def _calls(buf: ubep.Buffer, sc: Scenario, me: int, as_fp8: bool) -> list[torch.Tensor]:
+    """A dispatch, its combine and a cached dispatch on this rank: every output, as tensors."""
+    xs, idxs, ws = sc.inputs()
+    payload = _payload(xs[me], as_fp8)
+    got = buf.dispatch(payload, topk_idx=idxs[me], topk_weights=ws[me])
+    y = expert_output(_received(got.recv_x, as_fp8, sc.dtype), me)
+    out = buf.combine(y, got.handle, topk_weights=got.recv_topk_weights)
+    again = buf.dispatch(payload, handle=got.handle)
+    pairs = (got.recv_x, again.recv_x) if as_fp8 else ((got.recv_x,), (again.recv_x,))
+    return [
+        *pairs[0], *pairs[1], got.recv_topk_idx, got.recv_topk_weights, got.handle.recv_src_token_M,
+        got.handle.recv_src_rank_M, torch.tensor(got.num_recv_tokens_per_expert_list), out.combined_x,
+        out.combined_topk_weights,
+    ]  # fmt: skip
+
+
+def _check_reference(sc: Scenario, me: int, as_fp8: bool, got: list[torch.Tensor]) -> None:
+    xs, idxs, ws = sc.inputs()
+    ref = reference.dispatch(xs, idxs, ws, sc.num_experts)
+    if as_fp8:  # values (as bytes) and scales, each through the reference
+        pairs = [fp8.quantize(x) for x in xs]
+        values = reference.dispatch([v.view(torch.uint8) for v, _ in pairs], idxs, ws, sc.num_experts)[me]
+        scales = reference.dispatch([s for _, s in pairs], idxs, ws, sc.num_experts)[me]
+        assert torch.equal(got[0].view(torch.uint8), values.recv_x_MH), sc.name
+        assert torch.equal(got[1], scales.recv_x_MH), sc.name
+        assert torch.equal(got[2].view(torch.uint8), values.recv_x_MH), f"{sc.name}: cached"
+        return
+    mine = ref[me]
+    assert torch.equal(got[0], mine.recv_x_MH) and torch.equal(got[1], mine.recv_x_MH), sc.name
+    assert torch.equal(got[2], mine.recv_topk_idx_MK) and torch.equal(got[3], mine.recv_topk_weights_MK)
+    assert torch.equal(got[4], mine.src_token_M) and torch.equal(got[5], mine.src_rank_M), sc.name
+    assert got[6].tolist() == mine.num_recv_tokens_per_expert, sc.name
+    ys = [expert_output(ref[r].recv_x_MH, r) for r in range(sc.num_ranks)]
+    assert torch.equal(got[7], reference.combine(ys, ref, [x.shape[0] for x in xs])[me]), sc.name
+    assert torch.equal(got[8], torch.where(idxs[me] >= 0, ws[me], 0.0)), sc.name
+
+
+def _padded(buf: ubep.Buffer, sc: Scenario, me: int, worst: int) -> None:
+    """The same dispatch and combine through the halves with num_worst_tokens: every output has `worst`
+    rows, the received ones first (equal to the reference's), then the padding."""
+    from ubep.results import DispatchHandle
+
+    xs, idxs, ws = sc.inputs()
+    mine = reference.dispatch(xs, idxs, ws, sc.num_experts)[me]
+    M = mine.recv_x_MH.shape[0]
+    plan, _ = buf._send_plan(xs[me], None, None, None, idxs[me], ws[me])
+    device = buf._exchange._compiled
+    call = buf._calls.next("dispatch")
+    buf._exchange.t.begin(call)  # as the exchange does, which then calls with the exact epoch
+    call = call.exact()
+    got = device.dispatch(call, plan, None, num_worst_tokens=worst)
+    assert got.recv_x_MH.shape[0] == got.recv_topk_idx_MK.shape[0] == worst
+    assert torch.equal(got.recv_x_MH[:M], mine.recv_x_MH) and not got.recv_x_MH[M:].view(torch.uint8).any()
+    assert (
+        torch.equal(got.recv_topk_idx_MK[:M], mine.recv_topk_idx_MK)
+        and (got.recv_topk_idx_MK[M:] == -1).all()
+    )
+    assert torch.equal(got.recv_topk_weights_MK[:M], mine.recv_topk_weights_MK)
+    assert torch.equal(got.route.src_token_M[:M], mine.src_token_M) and (got.route.src_rank_M[M:] == -1).all()
+    handle = DispatchHandle(
+        num_tokens=xs[me].shape[0], is_token_in_rank_NR=plan.is_token_in_rank_NR,
+        send_counts_R=plan.send_counts_R, recv=got.route, num_recv_tokens_per_expert_list=[], seq=call.seq,
+    )  # fmt: skip
+    combine = buf._calls.next("combine")
+    buf._exchange.t.begin(combine)
+    combine = combine.exact()
+    y = expert_output(got.recv_x_MH, me)  # the padding rows too: only the received ones travel
+    out, out_w = device.combine(combine, y, handle, got.recv_topk_weights_MK)
+    ref = reference.dispatch(xs, idxs, ws, sc.num_experts)
+    ys = [expert_output(ref[r].recv_x_MH, r) for r in range(sc.num_ranks)]
+    assert torch.equal(out, reference.combine(ys, ref, [x.shape[0] for x in xs])[me])
+    assert torch.equal(out_w, torch.where(idxs[me] >= 0, ws[me], 0.0))
+
+
+def against_reference_and_numba(_: int) -> list[str]:
+    """Each case through Buffer(engine="triton") against the reference, then through the numba halves:
+    the same bits. Then num_worst_tokens padding, on the Triton halves. Both protocols."""
+    me = torch.distributed.get_rank()
+    checked = []
+    for protocol, (triton_halves, numba_halves) in PROTOCOLS.items():
+        for sc, as_fp8 in CASES:
+            kw = dict(hidden=sc.hidden, num_experts=sc.num_experts, max_tokens_per_rank=sc.capacity,
+                      timeout_s=60, protocol=protocol, low_latency=False)  # fmt: skip
+            with ubep.Buffer(engine="triton", **kw) as buf:
+                assert type(buf._exchange._compiled).__name__ == triton_halves
+                assert "call halves one Triton kernel launch each" in buf.explain(), buf.explain()
+                got = _calls(buf, sc, me, as_fp8)
+                _check_reference(sc, me, as_fp8, got)
+                if sc.name == "bf16-minus-one":
+                    _padded(buf, sc, me, worst=sc.num_ranks * sc.capacity)
+                    checked.append(f"{protocol}:num_worst_tokens")
+            with ubep.Buffer(engine="numba", **kw) as buf:
+                assert type(buf._exchange._compiled).__name__ == numba_halves
+                want = _calls(buf, sc, me, as_fp8)
+            for a, b in zip(got, want, strict=True):
+                assert a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8)), sc.name
+            checked.append(f"{protocol}:{sc.name}")
+    return checked
+
+
+@interpreted
+@pytest.mark.timeout(200)
+def test_two_processes_equal_the_reference_and_the_numba_halves():
+    got = ubep.LocalLaunch(world_size=2, timeout_s=180).run(against_reference_and_numba, 0)
+    cases = ["num_worst_tokens", "bf16-minus-one", "fp32", "fp8"]
+    assert got == [[f"{p}:{c}" for p in PROTOCOLS for c in cases]] * 2
+
+
+# --- the sum order: three ranks in float32 (two terms, or bf16 rows, add up exactly in any order) ----
+
+ORDER = Scenario(name="fp32-three-ranks", num_ranks=3, num_experts=6, hidden=16, topk=3,
+                 dtype=torch.float32, seed=31)  # fmt: skip  # summing ranks descending changes bits here
+
+
+def in_rank_order(rank, protocol: str) -> str:
+    sc = ORDER
+    kw = dict(hidden=sc.hidden, num_experts=sc.num_experts, max_tokens_per_rank=sc.capacity, timeout_s=60)
+    with ubep.Buffer(rank, engine="triton", protocol=protocol, low_latency=False, **kw) as buf:
+        _check_reference(sc, rank.rank, False, _calls(buf, sc, rank.rank, False))
+    return "ok"
+
+
+@interpreted
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_three_ranks_sum_in_the_references_rank_order(protocol):
+    from ubep.transport.virtual import VirtualWorld
+
+    assert VirtualWorld(3, timeout_s=120).run(lambda rank: in_rank_order(rank, protocol)) == ["ok"] * 3
+
+
+# --- a masked rank (virtual ranks: threads of one process over one heap) ---------------------------
+
+
+def masked(rank, done: threading.Barrier, protocol: str) -> list[int]:
+    """Rank 2 leaves; ranks 0 and 1 keep calling normal mode on the device halves, exact against the
+    reference restricted to them."""
+    from shrinkcase import buffer, normal_call
+
+    with buffer(rank, protocol, timeout_s=60, engine="triton", low_latency=False) as buf:
+        assert type(buf._exchange._compiled).__name__ == PROTOCOLS[protocol][0]
+        normal_call(buf, 1, set())
+        done.wait()
+        buf.mask_ranks([2])
+        if rank.rank == 2:
+            return []
+        normal_call(buf, 2, {2})
+        return list(buf.masked_ranks)
+
+
+@interpreted
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_masked_rank_is_left_out(protocol):
+    from ubep.transport.virtual import VirtualWorld
+
+    done = threading.Barrier(3)
+    assert VirtualWorld(3, timeout_s=120).run(lambda rank: masked(rank, done, protocol)) == [[2], [2], []]
+
+
+# --- no host sync: a whole call, capturable, with every device-to-host read made to fail ----------
+
+
+def _capturable(buf: ubep.Buffer, max_spins: int | None = None):
+    """Capturable device halves of buf's protocol over its heap, continuing its calls."""
+    from ubep.faults import NO_FAULTS
+
+    ex = buf._exchange
+    local = ex._local_of_RE if buf.protocol == "bsp" else ex._local_of_E
+    device = type(ex._compiled)(ex.t, ex.blocks, buf.sizing, NO_FAULTS, local, buf.engine, True, max_spins)
+    device.follow(buf._calls)
+    return device
+
+
+def without_host_reads(_: int, protocol: str) -> str:
+    """Each rank runs dispatch + combine with num_worst_tokens on capturable device halves with host
+    reads forbidden, then checks the status words and the results; without num_worst_tokens the
+    dispatch reads its one count, and the guard catches it."""
+    from test_ll_device import HostSync, _no_host_reads, _restore
+
+    from ubep.results import DispatchHandle
+
+    sc = CASES[0][0]
+    me = torch.distributed.get_rank()
+    xs, idxs, ws = sc.inputs()
+    ref = reference.dispatch(xs, idxs, ws, sc.num_experts)
+    ys = [expert_output(ref[r].recv_x_MH, r) for r in range(sc.num_ranks)]
+    worst = sc.num_ranks * sc.capacity
+    with ubep.Buffer(hidden=sc.hidden, num_experts=sc.num_experts, max_tokens_per_rank=sc.capacity,
+                     timeout_s=60, engine="triton", low_latency=False, protocol=protocol) as buf:  # fmt: skip
+        device = _capturable(buf)
+        plan, _ = buf._send_plan(xs[me], None, None, None, idxs[me], ws[me])
+        patched: list = []
+        _no_host_reads(patched)
+        try:
+            dispatch = buf._calls.next("dispatch")
+            got = device.dispatch(dispatch, plan, None, num_worst_tokens=worst)
+            handle = DispatchHandle(
+                num_tokens=xs[me].shape[0], is_token_in_rank_NR=plan.is_token_in_rank_NR,
+                send_counts_R=plan.send_counts_R, recv=got.route, num_recv_tokens_per_expert_list=[],
+                seq=dispatch.seq,
+            )  # fmt: skip
+            y = expert_output(got.recv_x_MH, me)
+            out, out_w = device.combine(buf._calls.next("combine"), y, handle, got.recv_topk_weights_MK)
+        finally:
+            _restore(patched)
+        device.check()
+        M = ref[me].recv_x_MH.shape[0]
+        assert torch.equal(got.recv_x_MH[:M], ref[me].recv_x_MH)
+        assert torch.equal(got.recv_topk_idx_MK[:M], ref[me].recv_topk_idx_MK)
+        assert torch.equal(out, reference.combine(ys, ref, [x.shape[0] for x in xs])[me])
+        assert torch.equal(out_w, torch.where(idxs[me] >= 0, ws[me], 0.0))
+        _no_host_reads(patched := [])
+        try:  # without num_worst_tokens the receive size is read on the host: the guard sees it
+            with pytest.raises(HostSync):
+                device.dispatch(buf._calls.next("dispatch"), plan, None)
+        finally:
+            _restore(patched)
+    return "ok"
+
+
+@interpreted
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_a_whole_call_with_num_worst_tokens_reads_nothing_back_on_the_host(protocol):
+    assert ubep.LocalLaunch(world_size=2, timeout_s=180).run(without_host_reads, 0, protocol) == ["ok", "ok"]
+
+
+# --- errors: a peer's out-of-range count, a device wait that runs out -------------------------------
+
+
+def errors(rank, done: threading.Barrier, protocol: str) -> str:
+    """The device halves report what the CPU protocol reports, in its words."""
+    from ubep.errors import CommTimeoutError, PeerDataError
+    from ubep.faults import FaultPlan
+    from ubep.waiting import PeerAbortedError
+
+    sc = CASES[0][0]
+    me = rank.rank
+    xs, idxs, ws = sc.inputs()
+    kw = dict(hidden=sc.hidden, num_experts=sc.num_experts, max_tokens_per_rank=sc.capacity, timeout_s=30,
+              protocol=protocol)  # fmt: skip
+    corrupt = FaultPlan(rank=1, point="dispatch.count", action="corrupt", value=sc.capacity + 5)
+    with ubep.Buffer(rank, engine="triton", low_latency=False, faults=corrupt, **kw) as buf:
+        with pytest.raises((PeerDataError, PeerAbortedError)) as caught:
+            buf.dispatch(xs[me], topk_idx=idxs[me], topk_weights=ws[me])
+        if caught.type is PeerDataError:
+            said = f"rank 1 announced {sc.capacity + 5} tokens, capacity is {sc.capacity}"
+            assert said in str(caught.value), caught.value
+        done.wait()
+    with ubep.Buffer(rank, engine="triton", low_latency=False, **kw) as buf:
+        if me == 0:  # rank 1 sends nothing: a capturable wait runs out and check() names it
+            device = _capturable(buf, max_spins=20)
+            plan, _ = buf._send_plan(xs[me], None, None, None, idxs[me], ws[me])
+            device.dispatch(buf._calls.next("dispatch"), plan, None, num_worst_tokens=12)
+            with pytest.raises(CommTimeoutError, match=r"no signal from rank\(s\) 1 .*20 polls"):
+                device.check()
+        done.wait()
+    return "ok"
+
+
+@interpreted
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_errors_are_the_cpu_protocols(protocol):
+    from ubep.transport.virtual import VirtualWorld
+
+    done = threading.Barrier(2)
+    assert VirtualWorld(2, timeout_s=120).run(lambda rank: errors(rank, done, protocol)) == ["ok", "ok"]
+
+
+# --- the device check's normal-mode step, as a dry run on the CPU ----------------------------------
+
+
+@interpreted
+@pytest.mark.timeout(200)
+def test_device_normal_script_dry_run():
+    """scripts/device_normal.py --smoke: 2 virtual ranks, num_worst_tokens, the replay loop (no graph)."""
+    root = os.path.dirname(os.path.dirname(__file__))
+    script = os.path.join(root, "scripts", "device_normal.py")
+    run = subprocess.run([sys.executable, script, "--smoke"], capture_output=True, text=True, timeout=180)
+    assert run.returncode == 0 and "device_normal: ok" in run.stdout, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "bit for bit against the reference every replay" in run.stdout, run.stdout
+
+
+# --- the factory's CUDA branch over a stand-in for symmetric memory, kernels interpreted -------------
+
+CUDA_BRANCH = """
+import sys, types
+import torch
+import torch.distributed as dist
+
+arenas = []
+class Handle:
+    def get_buffer(self, rank, sizes, dtype, storage_offset=0):
+        return arenas[0].view(dtype)
+fake = types.ModuleType("torch.distributed._symmetric_memory")
+fake.empty = lambda n, dtype, device: arenas.append(torch.full((n,), 7, dtype=dtype)) or arenas[-1]
+fake.enable_symm_mem_for_group = lambda name: None
+fake.rendezvous = lambda tensor, group: Handle()
+sys.modules["torch.distributed._symmetric_memory"] = fake
+torch.cuda.is_available = lambda: True
+torch.cuda.current_device = lambda: 0
+torch.cuda.synchronize = lambda device=None: None
+torch.cuda.current_stream = lambda device=None: types.SimpleNamespace(synchronize=lambda: None)
+
+from ubep import reference
+from ubep.calls import CallCounter
+from ubep.engine.triton_engine import TritonEngine
+from ubep.factory import Options, build
+from ubep.faults import FaultPoints
+from ubep.group import GroupInfo
+from ubep.layout import ExpertPlacement, token_in_rank
+from ubep.protocols.base import SendPlan, Sizing
+from ubep.results import DispatchHandle
+from ubep.transport.cuda import CudaHeap
+
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+H, E, T, K = 64, 4, 6, 2
+sizing = Sizing(hidden=H, capacity=T, max_topk=K, placement=ExpertPlacement.contiguous(E, 1))
+options = Options(transport="cuda", protocol=sys.argv[1], low_latency=False, timeout_s=20)
+normal, _ = build(GroupInfo(dist.group.WORLD, 0, 1, (0,)), sizing, options, TritonEngine(), FaultPoints())
+try:
+    assert isinstance(normal.t, CudaHeap) and type(normal._compiled).__name__ == sys.argv[2]
+    table, _ = normal.t.address_table(normal.blocks.all())  # every header lives in the arena
+    assert (table >= arenas[0].data_ptr()).all() and (table < arenas[0].data_ptr() + arenas[0].numel()).all()
+    g = torch.Generator().manual_seed(4)
+    calls = CallCounter()
+    for step in range(3):  # both halves of the double buffer, and one reuse
+        x = (torch.randn(5, H, generator=g) * 3).to(torch.bfloat16)
+        idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(5)])
+        idx[0, 1] = -1
+        w = torch.rand(5, K, generator=g)
+        in_rank = token_in_rank(idx, sizing.placement)
+        plan = SendPlan(x, idx, w, in_rank, in_rank.sum(0))
+        call = calls.next("dispatch")
+        got = normal.dispatch(call, plan, None)
+        want = reference.dispatch([x], [idx], [w], E)[0]
+        assert torch.equal(got.recv_x_MH, want.recv_x_MH)
+        assert torch.equal(got.recv_topk_idx_MK, want.recv_topk_idx_MK)
+        handle = DispatchHandle(5, in_rank, in_rank.sum(0), got.route, [], seq=call.seq)
+        y = (got.recv_x_MH.float() * 0.5 - 1).to(torch.bfloat16)
+        out, _ = normal.combine(calls.next("combine"), y, handle, None)
+        assert torch.equal(out, reference.combine([y], [want], [5])[0])
+    print("CUDA BRANCH OK")
+finally:
+    normal.t.close()
+    dist.destroy_process_group()
+"""
+
+
+@interpreted
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_the_factory_builds_normal_mode_on_the_cuda_heap(protocol):
+    """Over a stand-in for symmetric memory: the protocol's headers are laid in the device arena and
+    the normal-mode halves run there (three calls: both halves of ubep's double buffer, and a reuse)."""
+    cmd = [sys.executable, "-c", CUDA_BRANCH, protocol, PROTOCOLS[protocol][0]]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
+    assert "CUDA BRANCH OK" in run.stdout, run.stdout[-3000:] + run.stderr[-5000:]
