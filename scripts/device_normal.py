@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from dataclasses import replace
 
 import torch
 from device_ll import VirtualDeviceHeap
@@ -92,7 +93,7 @@ class World:
         call = self.calls.next("dispatch")
         self._seq = call.seq
         self._recv = [
-            d.dispatch_send(call, plan, None, self.worst)
+            d.dispatch_send(call, replace(plan, num_worst_tokens=self.worst), None)
             for d, plan in zip(self.halves, self.plans, strict=True)
         ]
 

@@ -16,6 +16,7 @@ import os
 import subprocess
 import sys
 import threading
+from dataclasses import replace
 
 import pytest
 import torch
@@ -120,40 +121,29 @@ def _check_reference(sc: Scenario, me: int, as_fp8: bool, got: list[torch.Tensor
 
 
 def _padded(buf: ubep.Buffer, sc: Scenario, me: int, worst: int) -> None:
-    """The same dispatch and combine through the halves with num_worst_tokens: every output has `worst`
-    rows, the received ones first (equal to the reference's), then the padding."""
-    from ubep.results import DispatchHandle
-
+    """The same dispatch and combine through the Buffer with num_worst_tokens, which the Triton halves
+    take in their plan: every output has `worst` rows, the received ones first (equal to the
+    reference's), then the padding; combine takes the padded rows back."""
     xs, idxs, ws = sc.inputs()
     mine = reference.dispatch(xs, idxs, ws, sc.num_experts)[me]
     M = mine.recv_x_MH.shape[0]
-    plan, _ = buf._send_plan(xs[me], None, None, None, idxs[me], ws[me])
-    device = buf._exchange._compiled
-    call = buf._calls.next("dispatch")
-    buf._exchange.t.begin(call)  # as the exchange does, which then calls with the exact epoch
-    call = call.exact()
-    got = device.dispatch(call, plan, None, num_worst_tokens=worst)
-    assert got.recv_x_MH.shape[0] == got.recv_topk_idx_MK.shape[0] == worst
-    assert torch.equal(got.recv_x_MH[:M], mine.recv_x_MH) and not got.recv_x_MH[M:].view(torch.uint8).any()
+    got = buf.dispatch(xs[me], topk_idx=idxs[me], topk_weights=ws[me], num_worst_tokens=worst)
     assert (
-        torch.equal(got.recv_topk_idx_MK[:M], mine.recv_topk_idx_MK)
-        and (got.recv_topk_idx_MK[M:] == -1).all()
+        got.recv_x.shape[0] == got.recv_topk_idx.shape[0] == worst
+        and got.num_recv_tokens_per_expert_list == []
     )
-    assert torch.equal(got.recv_topk_weights_MK[:M], mine.recv_topk_weights_MK)
-    assert torch.equal(got.route.src_token_M[:M], mine.src_token_M) and (got.route.src_rank_M[M:] == -1).all()
-    handle = DispatchHandle(
-        num_tokens=xs[me].shape[0], is_token_in_rank_NR=plan.is_token_in_rank_NR,
-        send_counts_R=plan.send_counts_R, recv=got.route, num_recv_tokens_per_expert_list=[], seq=call.seq,
-    )  # fmt: skip
-    combine = buf._calls.next("combine")
-    buf._exchange.t.begin(combine)
-    combine = combine.exact()
-    y = expert_output(got.recv_x_MH, me)  # the padding rows too: only the received ones travel
-    out, out_w = device.combine(combine, y, handle, got.recv_topk_weights_MK)
+    assert torch.equal(got.recv_x[:M], mine.recv_x_MH) and not got.recv_x[M:].view(torch.uint8).any()
+    assert torch.equal(got.recv_topk_idx[:M], mine.recv_topk_idx_MK) and (got.recv_topk_idx[M:] == -1).all()
+    assert torch.equal(got.recv_topk_weights[:M], mine.recv_topk_weights_MK)
+    route = got.handle.recv  # the device route is padded too: the halves sized it without a host read
+    assert route.src_token_M.shape[0] == worst and torch.equal(route.src_token_M[:M], mine.src_token_M)
+    assert (route.src_rank_M[M:] == -1).all()
+    y = expert_output(got.recv_x, me)  # the padding rows too: only the received ones travel
+    out = buf.combine(y, got.handle, topk_weights=got.recv_topk_weights)
     ref = reference.dispatch(xs, idxs, ws, sc.num_experts)
     ys = [expert_output(ref[r].recv_x_MH, r) for r in range(sc.num_ranks)]
-    assert torch.equal(out, reference.combine(ys, ref, [x.shape[0] for x in xs])[me])
-    assert torch.equal(out_w, torch.where(idxs[me] >= 0, ws[me], 0.0))
+    assert torch.equal(out.combined_x, reference.combine(ys, ref, [x.shape[0] for x in xs])[me])
+    assert torch.equal(out.combined_topk_weights, torch.where(idxs[me] >= 0, ws[me], 0.0))
 
 
 def against_reference_and_numba(_: int) -> list[str]:
@@ -278,7 +268,7 @@ def without_host_reads(_: int, protocol: str) -> str:
         _no_host_reads(patched)
         try:
             dispatch = buf._calls.next("dispatch")
-            got = device.dispatch(dispatch, plan, None, num_worst_tokens=worst)
+            got = device.dispatch(dispatch, replace(plan, num_worst_tokens=worst), None)
             handle = DispatchHandle(
                 num_tokens=xs[me].shape[0], is_token_in_rank_NR=plan.is_token_in_rank_NR,
                 send_counts_R=plan.send_counts_R, recv=got.route, num_recv_tokens_per_expert_list=[],
@@ -336,7 +326,7 @@ def errors(rank, done: threading.Barrier, protocol: str) -> str:
         if me == 0:  # rank 1 sends nothing: a capturable wait runs out and check() names it
             device = _capturable(buf, max_spins=20)
             plan, _ = buf._send_plan(xs[me], None, None, None, idxs[me], ws[me])
-            device.dispatch(buf._calls.next("dispatch"), plan, None, num_worst_tokens=12)
+            device.dispatch(buf._calls.next("dispatch"), replace(plan, num_worst_tokens=12), None)
             with pytest.raises(CommTimeoutError, match=r"no signal from rank\(s\) 1 .*20 polls"):
                 device.check()
         done.wait()

@@ -399,6 +399,7 @@ class Buffer:
         topk_idx: torch.Tensor | None = None,
         topk_weights: torch.Tensor | None = None,
         expert_alignment: int = 1,
+        num_worst_tokens: int = 0,
         config=None,
         previous_event: EventOverlap | None = None,
         async_finish: bool = False,
@@ -409,6 +410,10 @@ class Buffer:
         With `handle` (cached dispatch), repeat that dispatch's routing for new x;
         recv_topk_idx and recv_topk_weights are then None. x may be an FP8 pair
         `(values e4m3 [N, H], scales float32 [N, H // 128])`; recv_x is then a pair too.
+        `num_worst_tokens` > 0 (as DeepEP): every output has that many rows, the rows
+        received first, then padding (recv_x 0, recv_topk_idx -1, weights 0), and
+        num_recv_tokens_per_expert_list is empty; on the Triton halves the receive size is
+        then known without a host read. A cached dispatch pads as its handle's did.
         """
         exchange, faults = self._live(), self._faults
         call = self._calls.next("dispatch")
@@ -418,9 +423,15 @@ class Buffer:
             )
             if type(expert_alignment) is not int or expert_alignment < 1:
                 validate.positive("expert_alignment", expert_alignment)
+            worst = handle.padded_to if handle is not None else num_worst_tokens
+            if num_worst_tokens and handle is None:
+                validate.positive("num_worst_tokens", num_worst_tokens)
+                plan = dataclasses.replace(plan, num_worst_tokens=num_worst_tokens)
             if faults.armed:
                 faults.at("dispatch.start", call)
             got = exchange.dispatch(call, plan, handle)
+            if worst:
+                got = got.padded(worst)
         except BaseException:
             exchange.abort(call)  # the peers fail at once instead of at their deadline
             raise
@@ -428,11 +439,12 @@ class Buffer:
             faults.at("dispatch.end", call)
         recv_x = got.recv_x_MH if got.recv_scales_MS is None else (got.recv_x_MH, got.recv_scales_MS)
         if handle is None:
-            counts = (
-                expert_counts(got.recv_topk_idx_MK, self._num_local_experts, expert_alignment)
-                if got.rows_per_expert_L is None
-                else aligned(got.rows_per_expert_L, expert_alignment)
-            )
+            if worst:  # as DeepEP: no list (counting would read the received rows on the host)
+                counts = []
+            elif got.rows_per_expert_L is None:
+                counts = expert_counts(got.recv_topk_idx_MK, self._num_local_experts, expert_alignment)
+            else:
+                counts = aligned(got.rows_per_expert_L, expert_alignment)
             handle = DispatchHandle(
                 num_tokens=plan.x_NH.shape[0],
                 is_token_in_rank_NR=plan.is_token_in_rank_NR,
@@ -441,6 +453,7 @@ class Buffer:
                 num_recv_tokens_per_expert_list=counts,
                 num_dropped=dropped,
                 seq=call.seq,
+                padded_to=worst,
             )
         return DispatchResult(
             recv_x,
@@ -521,12 +534,15 @@ class Buffer:
         call = self._calls.next("combine")
         try:
             self._check_handle(handle)
-            M = handle.recv.num_rows
+            M = handle.padded_to or handle.recv.num_rows
             x = validate.payload("x", x, self.sizing.hidden, max(M, self._max_recv), M, self.device)
             if topk_weights is not None:
                 topk_weights = validate.topk_weights(
                     topk_weights, (M, _cols(topk_weights)), "topk_weights", self.device
                 )
+            if handle.padded_to:  # the rows received go back, not the padding (a device route has it)
+                routed = handle.recv.src_token_M.shape[0]
+                x, topk_weights = x[:routed], None if topk_weights is None else topk_weights[:routed]
             if faults.armed:
                 faults.at("combine.start", call)
             combined, weights = exchange.combine(call, x, handle, topk_weights)

@@ -65,6 +65,7 @@ class DispatchHandle:
     num_recv_tokens_per_expert_list: list[int]
     num_dropped: int = 0  # top-k entries of this rank's tokens dropped: they selected a masked rank's expert
     seq: int = 0  # the dispatch's call number (CallId.seq): every rank's combine must name the same one
+    padded_to: int = 0  # num_worst_tokens: the dispatch's outputs had this many rows (0: the rows received)
 
     @property
     def recv_src_rank_M(self) -> torch.Tensor:

@@ -8,7 +8,7 @@ Legend: see `ubep.layout`.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import numpy as np
@@ -43,6 +43,9 @@ class SendPlan:
     is_token_in_rank_NR: torch.Tensor
     send_counts_R: torch.Tensor  # int64 [R]
     scales_NS: torch.Tensor | None = None  # FP8 scales; None for bf16 / fp32 payloads
+    # > 0: every receive output has this many rows (padding after the rows received), so a device
+    # dispatch learns its receive size without reading a count on the host (DeepEP's num_worst_tokens)
+    num_worst_tokens: int = 0
 
     def send_tokens(self) -> tuple[torch.Tensor, ...]:
         """Per destination rank, the ascending indices of the tokens it gets."""
@@ -64,6 +67,27 @@ class Received:
     recv_scales_MS: torch.Tensor | None = None  # FP8 scales, beside recv_x_MH's values
     rows_per_expert_L: np.ndarray | None = None  # rows each local expert got, where the protocol counted them
 
+    def padded(self, rows: int) -> Received:
+        """This result with every output `rows` rows long (num_worst_tokens): the rows received,
+        then padding (recv_x and scales 0, top-k ids -1, weights 0). A device dispatch pads in its
+        kernels already, and this returns it as it is (shapes only: nothing read on the host)."""
+        M = self.recv_x_MH.shape[0]
+        if M > rows:
+            raise more_than_worst(M, rows)
+        if M == rows:
+            return self
+
+        def pad(t: torch.Tensor | None, value: float) -> torch.Tensor | None:
+            return None if t is None else torch.cat([t, t.new_zeros(rows - M, *t.shape[1:]).fill_(value)])
+
+        return replace(
+            self,
+            recv_x_MH=pad(self.recv_x_MH, 0),
+            recv_topk_idx_MK=pad(self.recv_topk_idx_MK, -1),
+            recv_topk_weights_MK=pad(self.recv_topk_weights_MK, 0),
+            recv_scales_MS=pad(self.recv_scales_MS, 0),
+        )
+
     @classmethod
     def unpacking(cls, plan: SendPlan, rows_MX: torch.Tensor, *rest) -> Received:
         """What `packed_rows` rows became on arrival, split back into planes where FP8."""
@@ -71,6 +95,14 @@ class Received:
             return cls(rows_MX, *rest)
         values_MH, scales_MS = fp8.from_rows(rows_MX, plan.x_NH.shape[1])
         return cls(values_MH, *rest, recv_scales_MS=scales_MS)
+
+
+def more_than_worst(rows: int, num_worst_tokens: int) -> ValueError:
+    """A dispatch received more rows than its num_worst_tokens allows (every engine's words)."""
+    return ValueError(
+        f"dispatch: this rank receives {rows} rows, more than num_worst_tokens={num_worst_tokens}; "
+        "pass at least num_tokens * num_ranks"
+    )
 
 
 class Exchange(Protocol):

@@ -84,9 +84,7 @@ class BspDevice(UbepDevice):
 
     # -- dispatch ---------------------------------------------------------------------------------
 
-    def dispatch_send(
-        self, call: CallId, plan: SendPlan, handle: DispatchHandle | None, num_worst_tokens: int = 0
-    ):
+    def dispatch_send(self, call: CallId, plan: SendPlan, handle: DispatchHandle | None):
         """Counts, barrier, token send, barrier (every rank's part before any rank reads); returns the
         rest (verify, barrier, reorder). Its barriers need every rank's kernels running at once."""
         s, R, dev = self.sizing, self.R, self.device
@@ -124,7 +122,8 @@ class BspDevice(UbepDevice):
         if self.faults.armed:
             self.faults.at("dispatch.sent", call)
         self._barrier(call, "dispatch (token send)", 2, status, mine)
-        return lambda: self._verify_and_reorder(call, epochs, plan, handle, num_worst_tokens, dtype, status)
+        worst = 0 if cached else plan.num_worst_tokens
+        return lambda: self._verify_and_reorder(call, epochs, plan, handle, worst, dtype, status)
 
     def _verify_and_reorder(
         self, call: CallId, epochs: torch.Tensor, plan: SendPlan, handle, worst: int, dtype, status

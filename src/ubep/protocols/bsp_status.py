@@ -12,7 +12,7 @@ import numpy as np
 from ubep.calls import CallId
 from ubep.engine import bsp_codes as k
 from ubep.errors import PeerDataError
-from ubep.protocols.base import CODE_DTYPES
+from ubep.protocols.base import CODE_DTYPES, more_than_worst
 from ubep.transport.base import Transport
 from ubep.transport.heap import complaint
 
@@ -27,10 +27,7 @@ def error(
         t.check_in_step(call, "dispatch (flag verification)")  # a peer in another call: say so
         return PeerDataError(f"dispatch (flag verification): no tokens from rank(s) {missing}")
     if code == k.E_WORST:
-        return ValueError(
-            f"dispatch: this rank receives {a} rows, more than num_worst_tokens={b}; "
-            "pass at least num_tokens * num_ranks"
-        )
+        return more_than_worst(a, b)
     if code == k.E_FIELD:
         header = blocks.counts if c else blocks.staged
         return t.bad_data(call, peer, complaint(header, header.fields[0 if c else b], peer, a))

@@ -176,15 +176,13 @@ class UbepDevice:
 
     # -- dispatch ---------------------------------------------------------------------------------
 
-    def dispatch(
-        self, call: CallId, plan: SendPlan, handle: DispatchHandle | None, num_worst_tokens: int = 0
-    ) -> Received:
-        """One dispatch. num_worst_tokens > 0 (not with a handle): every output has that many rows and
-        nothing is read on the host; a rank that receives more raises ValueError."""
-        return self.dispatch_send(call, plan, handle, num_worst_tokens)()
+    def dispatch(self, call: CallId, plan: SendPlan, handle: DispatchHandle | None) -> Received:
+        """One dispatch. plan.num_worst_tokens > 0 (not with a handle): every output has that many rows
+        and nothing is read on the host; a rank that receives more raises ValueError."""
+        return self.dispatch_send(call, plan, handle)()
 
     def dispatch_send(
-        self, call: CallId, plan: SendPlan, handle: DispatchHandle | None, num_worst_tokens: int = 0
+        self, call: CallId, plan: SendPlan, handle: DispatchHandle | None
     ) -> Callable[[], Received]:
         """The send half (one launch); returns the receive halves (routes, then gather), which a caller
         running several ranks on one stream calls after every rank's send."""
@@ -211,18 +209,16 @@ class UbepDevice:
         self._wake()
         if self.faults.armed:
             self.faults.at("dispatch.sent", call)
-        return lambda: self._receive(call, epochs, plan, handle, num_worst_tokens, dtype, mine)
+        return lambda: self._receive(call, epochs, plan, handle, dtype, mine)
 
-    def _receive(
-        self, call: CallId, epochs: torch.Tensor, plan: SendPlan, handle, num_worst_tokens: int, dtype, mine
-    ) -> Received:
+    def _receive(self, call: CallId, epochs: torch.Tensor, plan: SendPlan, handle, dtype, mine) -> Received:
         """The receive halves of a dispatch whose send half ran: routes, the receive size, gather."""
         s, R, dev = self.sizing, self.R, self.device
         x_NH, cached = plan.x_NH, handle is not None
         H, code, K = x_NH.shape[1], DTYPE_CODES[x_NH.dtype], mine[1]
         counts_R, sent_R, routes = self._zeros(R), self._zeros(R), self._zeros(R + 1)
         prefix_R1 = handle.recv.prefix_R1 if cached else self._zeros(R + 1)
-        worst = 0 if cached else num_worst_tokens
+        worst = 0 if cached else plan.num_worst_tokens
         args = (
             self.table, self._live(), self.me, epochs, R, code, K, s.max_topk, s.capacity, *CODE_RANGE,
             counts_R, sent_R, prefix_R1, worst, routes, self._zeros(8), self.max_spins,
@@ -232,8 +228,8 @@ class UbepDevice:
         if cached:
             M = handle.recv.src_token_M.shape[0]
         else:
-            M = num_worst_tokens or int(prefix_R1[-1])  # the one host read, without num_worst_tokens
-        fill = torch.zeros if num_worst_tokens and not cached else torch.empty  # padding rows stay 0
+            M = worst or int(prefix_R1[-1])  # the one host read, without num_worst_tokens
+        fill = torch.zeros if worst else torch.empty  # padding rows stay 0
         recv_x_MH = fill(M, H, dtype=x_NH.dtype, device=dev)
         recv_scales_MS = None if plan.scales_NS is None else fill(M, plan.scales_NS.shape[1], device=dev)
         if cached:

@@ -12,7 +12,7 @@ import numpy as np
 from ubep.calls import CallId
 from ubep.engine import ubep_codes as k
 from ubep.errors import PeerDataError
-from ubep.protocols.base import CODE_DTYPES
+from ubep.protocols.base import CODE_DTYPES, more_than_worst
 from ubep.transport.base import Transport
 from ubep.transport.heap import complaint
 
@@ -26,10 +26,7 @@ def error(
     if code == k.E_TOPK:
         return PeerDataError(f"dispatch: rank {peer} routed with top-k {a}, this rank with {K}")
     if code == k.E_WORST:
-        return ValueError(
-            f"dispatch: this rank receives {a} rows, more than num_worst_tokens={b}; "
-            "pass at least num_tokens * num_ranks"
-        )
+        return more_than_worst(a, b)
     if code == k.E_FIELD:
         header = blocks.route if call.kind == "dispatch" else blocks.back.back
         return t.bad_data(call, peer, complaint(header, header.fields[b], peer, a))
