@@ -1,4 +1,6 @@
-"""Low-latency mode's device halves on R virtual ranks of one GPU: graph capture, no host sync, timings.
+"""Low-latency mode's device halves on R virtual ranks of one GPU: graph capture, no host sync, timings,
+for both data-as-flag forms of the rows ("after-data": rows, then a released stamp; "in-word": 8-byte
+words of payload and epoch, each its own flag, twice the slot bytes).
 
 Each virtual rank has its own arena (the layout of `LLBlocks`, one device allocation a rank) and its
 own capturable `LLDevice`; one address table reaches all arenas, as the CUDA heap's reaches every GPU.
@@ -9,7 +11,10 @@ One stream runs every rank's half in turn (all sends, then all receives), so no 
    replay the outputs are compared on the device with `ubep.reference` (mismatches counted there, read
    once at the end): bit for bit, every replay a new epoch.
 3. per-half latency (median over runs, all R ranks' kernels of that half) and bandwidth (bytes each
-   kernel reads and writes once) as a fraction of the memory bandwidth, per token count.
+   kernel reads and writes once, rows counted at their payload size) as a fraction of the memory
+   bandwidth, per token count and flag.
+Steps 1 and 2 run for each flag. A whole `Buffer` call is not captured here: a Buffer needs a process
+group with one rank per GPU; tests/test_ll_device.py runs one with every host read made to fail.
 
     python scripts/device_ll.py [--smoke] [--peak-tbs 4.8] [--replays 1000]
 
@@ -31,7 +36,7 @@ from ubep.engine.triton_engine import TritonEngine
 from ubep.errors import PeerDataError
 from ubep.layout import ExpertPlacement
 from ubep.protocols.base import DTYPE_CODES, Sizing
-from ubep.protocols.ll import LLBlocks
+from ubep.protocols.ll import FLAGS, IN_WORD, LLBlocks
 from ubep.protocols.ll_base import dispatch_outputs
 from ubep.protocols.ll_device import LLDevice
 from ubep.transport.heap import Layout
@@ -60,15 +65,17 @@ class VirtualDeviceHeap:
 class World:
     """R virtual ranks' inputs, device halves and the reference's outputs for one token count."""
 
-    def __init__(self, R: int, T: int, H: int, K: int, E: int, device: str, seed: int = 0):
-        self.R, self.T, self.H, self.E = R, T, H, E
+    def __init__(self, R: int, T: int, H: int, K: int, E: int, device: str, flag: str, seed: int = 0):
+        self.R, self.T, self.H, self.E, self.flag = R, T, H, E, flag
         sizing = Sizing(hidden=H, capacity=T, max_topk=K, placement=ExpertPlacement.contiguous(E, R))
-        blocks = LLBlocks.of(sizing)
+        blocks = LLBlocks.of(sizing, in_word=flag == IN_WORD)
         layout = Layout(R, blocks.all())
         arenas = [torch.zeros(layout.nbytes, dtype=torch.uint8, device=device) for _ in range(R)]
         engine = TritonEngine()
         self.halves = [
-            LLDevice(VirtualDeviceHeap(r, arenas, layout), blocks, sizing, _no_release, engine, True, 10**7)
+            LLDevice(
+                VirtualDeviceHeap(r, arenas, layout), blocks, sizing, _no_release, engine, True, 10**7, flag
+            )
             for r in range(R)
         ]
         g = torch.Generator().manual_seed(seed)
@@ -160,7 +167,10 @@ def no_host_sync(world: World, cuda: bool) -> None:
             torch.cuda.set_sync_debug_mode("default")
     world.check()
     assert int(world.mismatches()) == 0, "eager call differs from the reference"
-    print(f"no host sync: one dispatch + combine of {world.R} ranks under set_sync_debug_mode('error'): ok")
+    print(
+        f"no host sync ({world.flag}): one dispatch + combine of {world.R} ranks under "
+        "set_sync_debug_mode('error'): ok"
+    )
 
 
 def graph_replays(world: World, replays: int, cuda: bool) -> None:
@@ -187,8 +197,8 @@ def graph_replays(world: World, replays: int, cuda: bool) -> None:
     world.check()
     assert int(bad) == 0, f"{int(bad)} mismatches over {replays} replays"
     print(
-        f"graph: dispatch + combine of {world.R} ranks, {replays} replays, bit for bit against the "
-        f"reference every replay ({seconds / replays * 1e6:.1f} us a replay with the checks)"
+        f"graph ({world.flag}): dispatch + combine of {world.R} ranks, {replays} replays, bit for bit "
+        f"against the reference every replay ({seconds / replays * 1e6:.1f} us a replay with the checks)"
     )
 
 
@@ -219,8 +229,8 @@ def timings(world: World, runs: int, peak: float, cuda: bool) -> None:
     for name, _, nbytes in halves:
         s = statistics.median(results[name])
         print(
-            f"| {T:>5} | {name:<13} | {s * 1e6:10.1f} | {s * 1e6 / R:9.1f} | {nbytes / 1e6:9.1f} | "
-            f"{nbytes / s / 1e9:8.1f} | {nbytes / s / peak:6.1%} |"
+            f"| {T:>5} | {world.flag:<10} | {name:<13} | {s * 1e6:10.1f} | {s * 1e6 / R:9.1f} | "
+            f"{nbytes / 1e6:9.1f} | {nbytes / s / 1e9:8.1f} | {nbytes / s / peak:6.1%} |"
         )
 
 
@@ -235,22 +245,26 @@ def main() -> None:
     device = "cuda" if cuda else "cpu"
     R, H, K, E = (2, 128, 2, 4) if a.smoke else (8, 7168, 8, 256)
     # Memory: each rank's slots hold R * L * T rows of H * 4 bytes, twice (both halves): 2 GB a rank at
-    # 128 tokens, 7.5 GB at 512, 60 GB at 4,096 (8 ranks: 480 GB, more than one GPU holds).
-    tokens = (4,) if a.smoke else (128, 512)
-    world = World(R, tokens[0], H, K, E, device)
-    no_host_sync(world, cuda)
-    graph_replays(world, 3 if a.smoke else a.replays, cuda)
+    # 128 tokens, 7.5 GB at 512, 60 GB at 4,096 (8 ranks: 480 GB, more than one GPU holds); in word
+    # form twice that, so its table stops at 256 tokens (60 GB for 8 ranks).
+    tokens = {f: (4,) for f in FLAGS} if a.smoke else {FLAGS[0]: (128, 512), IN_WORD: (128, 256)}
+    for flag in FLAGS:
+        world = World(R, tokens[flag][0], H, K, E, device, flag)
+        no_host_sync(world, cuda)
+        graph_replays(world, 3 if a.smoke else a.replays, cuda)
+        del world  # one world's memory at a time
     print(
         f"per half, {R} virtual ranks on one device (one stream: the ranks' kernels run one after another; "
-        f"us/rank = the half's time / R), bf16, H {H}, top-{K} of {E}; bytes: every read and write once"
+        f"us/rank = the half's time / R), bf16, H {H}, top-{K} of {E}; bytes: every read and write once, "
+        "at the payload's size (in-word moves twice that through the slots)"
     )
-    print("| tokens | half | us, all ranks | us/rank | MB | GB/s | of peak |")
-    print("|---|---|---|---|---|---|---|")
-    for T in tokens:
-        if T != world.T:
-            del world  # one world's memory at a time
-            world = World(R, T, H, K, E, device)
-        timings(world, 2 if a.smoke else a.runs, a.peak_tbs * 1e12, cuda)
+    print("| tokens | flag | half | us, all ranks | us/rank | MB | GB/s | of peak |")
+    print("|---|---|---|---|---|---|---|---|")
+    for flag in FLAGS:
+        for T in tokens[flag]:
+            world = World(R, T, H, K, E, device, flag)
+            timings(world, 2 if a.smoke else a.runs, a.peak_tbs * 1e12, cuda)
+            del world
     print("device_ll: ok")
 
 

@@ -1,8 +1,10 @@
 """The low-latency call halves (`ubep.engine.ll_triton`) compile ahead of time for sm_90 and sm_100 (no GPU
 needed), and their PTX says what docs/device.md's ordering argument needs: every stamp and every
 "consumed" word is a system-scope release, preceded by a block barrier after the program's last plain
-store; every poll is a system-scope acquire; every loop that polls is bounded by `max_spins`; the sum in
-combine has no fused multiply-add, no approximate division and no flush-to-zero.
+store; every poll of a stamp is a system-scope acquire; every loop that polls is bounded by `max_spins`;
+the sum in combine has no fused multiply-add, no approximate division and no flush-to-zero. In word form
+(rows as 8-byte words of payload and epoch), the send halves write rows with relaxed system-scope 8-byte
+atomic exchanges and the receive halves poll them with volatile 8-byte loads, in loops bounded the same.
 """
 
 from __future__ import annotations
@@ -18,28 +20,36 @@ tl = pytest.importorskip("triton.language")
 from test_triton_aot import ARCHS, OPTIONS, _body, _sig  # noqa: E402  (after the skip without triton)
 
 COMMON = "table:*i64 live:*u8 me:i32 epochs:*i64"
-# (kernel, runtime argument types, constexprs): one specialization each, as `ubep.protocols.ll_device`
-# launches it (bf16 rows as int32 words; H 7168, top-8, 32 local experts).
-SPECS = [
-    ("ll_dispatch_send_kernel", _sig(
-        f"{COMMON} rows:*i32 topk:*i64 N:i32 K:i32 experts:*i64 L:i32 code:i32 T:i32 Kmax:i32 Tcap:i32 "
-        "slot_words:i32 row_bytes:i32 W:i32 width:i32 arrivals:*i64 progress:*i64 status:*i64 max_spins:i32"),
-     {"WORD": tl.int32, "NB": 64, "KB": 8, "WB": 128}),
-    ("ll_dispatch_recv_kernel", _sig(
-        f"{COMMON} R:i32 L:i32 code:i32 T:i32 Kmax:i32 Tcap:i32 slot_words:i32 row_bytes:i32 width:i32 "
-        "dtype_lo:i32 dtype_hi:i32 plane0:*i32 W0:i32 plane1:*i32 W1:i32 M:i32 src_token:*i64 src_rank:*i64 "
-        "src_k:*i64 layout_range:*i64 recv_count:*i32 state:*i64 arrivals:*i64 status:*i64 max_spins:i32"),
-     {"WORD": tl.int32, "LB": 32, "IB": 16, "WB": 128}),
-    ("ll_combine_send_kernel", _sig(
-        f"{COMMON} x:*i32 L:i32 M:i32 W:i32 layout_range:*i64 R:i32 per_writer:i32 "
-        "slot_words:i32 code:i32 arrivals:*i64 progress:*i64 status:*i64 max_spins:i32"),
-     {"WORD": tl.int32, "LB": 32, "IB": 16, "WB": 128}),
-    ("ll_combine_recv_kernel", _sig(
+# kernel -> (runtime argument types, constexprs): the specialization `ubep.protocols.ll_device` launches
+# (bf16 rows as int32 words; H 7168, top-8, 32 local experts, 8 ranks), rows after data.
+KERNELS = {
+    "ll_dispatch_send_kernel": (_sig(
+        f"{COMMON} rows:*i32 topk:*i64 N:i32 K:i32 E:i32 experts:*i64 L:i32 code:i32 T:i32 Kmax:i32 "
+        "Tcap:i32 slot_words:i32 slot_bytes:i32 W:i32 width:i32 arrivals:*i64 progress:*i64 status:*i64 "
+        "max_spins:i32"),
+     {"WORD": tl.int32, "IN_WORD": False, "NB": 64, "KB": 8, "WB": 128}),
+    "ll_dispatch_recv_kernel": (_sig(
+        f"{COMMON} R:i32 L:i32 code:i32 T:i32 Kmax:i32 Tcap:i32 slot_words:i32 slot_bytes:i32 row_bytes:i32 "
+        "width:i32 dtype_lo:i32 dtype_hi:i32 plane0:*i32 W0:i32 plane1:*i32 W1:i32 M:i32 src_token:*i64 "
+        "src_rank:*i64 src_k:*i64 layout_range:*i64 recv_count:*i32 state:*i64 arrivals:*i64 status:*i64 "
+        "max_spins:i32"),
+     {"WORD": tl.int32, "IN_WORD": False, "LB": 32, "IB": 16, "WB": 128}),
+    "ll_combine_send_kernel": (_sig(
+        f"{COMMON} x:*i32 L:i32 M:i32 W:i32 layout_range:*i64 R:i32 per_writer:i32 slot_words:i32 code:i32 "
+        "topk:*i64 given:*i64 N:i32 K:i32 recv_count:*i32 arrivals:*i64 progress:*i64 status:*i64 "
+        "max_spins:i32"),
+     {"WORD": tl.int32, "IN_WORD": False, "LB": 32, "RB": 8, "NB": 64, "KB": 8, "IB": 16, "WB": 128}),
+    "ll_combine_recv_kernel": (_sig(
         "table:*i64 me:i32 epochs:*i64 topk:*i64 K:i32 owner:*i64 expected:*i64 weights:*fp32 "
-        "code:i32 dtype_lo:i32 dtype_hi:i32 count_hi:i32 slots:*i64 row_bytes:i32 out:*i16 H:i32 state:*i64 "
+        "code:i32 dtype_lo:i32 dtype_hi:i32 count_hi:i32 slots:*i64 slot_bytes:i32 out:*i16 H:i32 state:*i64 "
         "arrivals:*i64 programs:i32 status:*i64 max_spins:i32"),
-     {"Y_BF16": True, "HB": 256}),
-]  # fmt: skip
+     {"Y_BF16": True, "IN_WORD": False, "HB": 256}),
+}  # fmt: skip
+WORD = "[in-word]"  # the suffix of a kernel's in-word specialization
+# (name, kernel, runtime argument types, constexprs): each kernel after data, and in word form
+SPECS = [(kernel, kernel, sig, consts) for kernel, (sig, consts) in KERNELS.items()] + [
+    (kernel + WORD, kernel, sig, consts | {"IN_WORD": True}) for kernel, (sig, consts) in KERNELS.items()
+]
 
 
 def _compile(name: str, arch: int) -> str:
@@ -48,10 +58,10 @@ def _compile(name: str, arch: int) -> str:
 
     from ubep.engine import ll_triton
 
-    _, sig, consts = next(s for s in SPECS if s[0] == name)
+    _, kernel, sig, consts = next(s for s in SPECS if s[0] == name)
     signature = sig | {k: "constexpr" for k in consts}
     compiled = triton.compile(
-        ASTSource(getattr(ll_triton, name), signature, constexprs=consts),
+        ASTSource(getattr(ll_triton, kernel), signature, constexprs=consts),
         target=GPUTarget("cuda", arch, 32),
         options=OPTIONS,
     )
@@ -71,10 +81,11 @@ def ptx() -> dict[tuple[str, int], list[str]]:
 def test_every_half_compiles_for_sm90_and_sm100(ptx):
     from ubep.engine import ll_triton
 
-    assert {n for n in dir(ll_triton) if n.endswith("_kernel")} == {name for name, *_ in SPECS}
+    assert {n for n in dir(ll_triton) if n.endswith("_kernel")} == set(KERNELS)
     for (name, arch), body in ptx.items():
+        kernel = name.removesuffix(WORD)
         assert any(line.startswith(f".target sm_{arch}") for line in body), (name, arch)
-        assert any(f".entry {name}" in line for line in body), (name, arch)
+        assert any(f".entry {kernel}" in line for line in body), (name, arch)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -146,16 +157,19 @@ def _loops(body: list[str]) -> list[tuple[set[int], str | None]]:
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("name", [s[0] for s in SPECS])
 def test_every_polling_loop_is_bounded_by_max_spins(ptx, name, arch):
-    """Each innermost loop that polls (an acquire in its body) leaves once a compare against the
-    `max_spins` parameter fails: its back-edge is predicated on an `and` with that compare."""
+    """Each innermost loop that polls (an acquire, or in word form a volatile load, in its body) leaves once
+    a compare against the `max_spins` parameter fails: its back-edge is predicated on an `and` with that
+    compare."""
     body = ptx[name, arch]
-    param = f"{name}_param_{list(next(s for s in SPECS if s[0] == name)[1]).index('max_spins')}"
+    _, kernel, sig, _ = next(s for s in SPECS if s[0] == name)
+    param = f"{kernel}_param_{list(sig).index('max_spins')}"
     bound = {m.group(1) for line in body if (m := re.match(rf"ld\.param\.\w+\s+(%r\d+), \[{param}\]", line))}
     assert bound, f"{param} is never loaded"
     defs = {m.group(1): line for line in body if (m := re.match(r"[\w.]+\s+(%p\d+), (.*);", line))}
     loops = _loops(body)
     innermost = [(lines, p) for lines, p in loops if not any(other < lines for other, _ in loops)]
-    polling = [(lines, p) for lines, p in innermost if any("acquire" in body[i] for i in lines)]
+    polls = ("acquire", "ld.volatile")
+    polling = [(lines, p) for lines, p in innermost if any(w in body[i] for i in lines for w in polls)]
     assert polling, f"no polling loop found in {name}"
     for lines, pred in polling:
         assert pred, f"unconditional back-edge in {name} at line {max(lines)}"
@@ -178,3 +192,23 @@ def test_the_combine_sum_is_unfused_and_ieee(ptx, arch):
     assert any(line.startswith(("mul.rn.f32", "mul.f32")) for line in body), "no float product found"
     assert not [line for line in body if line.startswith("fma.")], "a multiply and add were fused"
     assert not [line for line in body if ".ftz" in line or "div.full" in line or "div.approx" in line]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("kernel", list(KERNELS))
+def test_in_word_rows_are_relaxed_8_byte_atomics_polled_volatile(ptx, kernel, arch):
+    """In word form the send halves write rows as 8-byte words by relaxed system-scope atomic exchanges
+    (after data: none), and the receive halves poll words with volatile 8-byte loads (after data: none)."""
+    plain, word = ptx[kernel, arch], ptx[kernel + WORD, arch]
+
+    def relaxed(body):
+        return [line for line in body if re.search(r"atom\.global\.sys\.relaxed\.exch\.b64", line)]
+
+    def volatile(body):
+        return [line for line in body if re.search(r"\bld\.volatile\.global\.(b64|u64|s64)", line)]
+
+    if "_send_" in kernel:
+        assert relaxed(word) and not relaxed(plain), relaxed(plain)
+        assert not [line for line in word if re.search(r"atom\.\S*relaxed\S*exch\.b32", line)]
+    else:
+        assert volatile(word) and not volatile(plain), volatile(plain)

@@ -45,7 +45,14 @@ from ubep.layout import (
 from ubep.overlap import EventOverlap
 from ubep.placement import CopyMap, Distances, Placement
 from ubep.protocols.base import Exchange, SendPlan, Sizing
-from ubep.protocols.ll_base import LowLatencyExchange, combine_plan, dispatch_outputs, dispatch_plan
+from ubep.protocols.ll import FLAGS
+from ubep.protocols.ll_base import (
+    LowLatencyExchange,
+    combine_plan,
+    dispatch_outputs,
+    dispatch_plan,
+    wire_rows,
+)
 from ubep.recording import RecordedExchange, RecordedLowLatency, Recorder
 from ubep.results import (
     CombineResult,
@@ -130,10 +137,16 @@ class Buffer:
             here), "torch", "numba" or "triton"; `explain()` says which runs and why.
         stats: record what every call does for `stats()` (default False; True, or a
             `ubep.StatsOptions`); see docs/observability.md.
+        ll_flag: how low-latency rows carry their arrival on the Triton halves (engine "triton"):
+            "after-data" (default; rows, then a released stamp) or "in-word" (8-byte words of 4
+            payload bytes and the epoch, each its own flag; twice the slot memory). docs/device.md.
+        capturable: low-latency calls on the Triton halves read nothing back on the host, so a CUDA
+            graph can capture them; their errors (a bad topk_idx value too) raise at `check()`.
 
-    transport, protocol, timeout_s, engine and stats left as None come from the environment
-    (UBEP_TRANSPORT, UBEP_PROTOCOL, UBEP_TIMEOUT_S, UBEP_ENGINE, UBEP_STATS), else from the
-    defaults above; an argument given wins (`ubep.settings`, and `explain()` says which).
+    transport, protocol, timeout_s, engine, stats, ll_flag and capturable left as None come from the
+    environment (UBEP_TRANSPORT, UBEP_PROTOCOL, UBEP_TIMEOUT_S, UBEP_ENGINE, UBEP_STATS, UBEP_LL_FLAG,
+    UBEP_CAPTURABLE), else from the defaults above; an argument given wins (`ubep.settings`, and
+    `explain()` says which).
     """
 
     def __init__(
@@ -154,6 +167,8 @@ class Buffer:
         schedule: str = "ubep",
         engine: str | None = None,
         stats: bool | StatsOptions | None = None,
+        ll_flag: str | None = None,
+        capturable: bool | None = None,
     ):
         log = settings.configure_logging()
         self._settings = settings.resolve(
@@ -163,9 +178,13 @@ class Buffer:
                 "timeout_s": timeout_s,
                 "engine": engine,
                 "stats": stats,
+                "ll_flag": ll_flag,
+                "capturable": capturable,
             }
         )
-        transport, protocol, timeout_s, engine, stats = (s.value for s in self._settings.values())
+        transport, protocol, timeout_s, engine, stats, ll_flag, capturable = (
+            s.value for s in self._settings.values()
+        )
         validate.positive("hidden", hidden)
         validate.positive("num_experts", num_experts)
         validate.expert_tables(num_experts)
@@ -176,6 +195,9 @@ class Buffer:
         validate.positive("workers", workers)
         if schedule not in POLICIES:
             raise ValueError(f"schedule must be one of {POLICIES}, got {schedule!r}")
+        if ll_flag not in FLAGS:
+            raise ValueError(f"ll_flag must be one of {FLAGS}, got {ll_flag!r}")
+        self.ll_flag, self.capturable = ll_flag, bool(capturable)
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         self.timeout_s = float(timeout_s)
@@ -214,6 +236,8 @@ class Buffer:
                 timeout_s=self.timeout_s,
                 workers=workers,
                 schedule=schedule,
+                ll_flag=ll_flag,
+                capturable=self.capturable,
             )
             exchanges = build(self._info, self.sizing, options, self.engine, self._faults)
             self._exchange: Exchange | None = exchanges[0]
@@ -252,6 +276,7 @@ class Buffer:
             "transport": requested_transport,
             "expert_placement": self.sizing.placement.rank_of_expert_E.tolist(),
             "low_latency": self.low_latency,
+            "ll_flag": self.ll_flag,  # the slots' layout
         }
         check_agreement(self._info, mine, "Buffer")
 
@@ -576,17 +601,23 @@ class Buffer:
         """
         ll = self._live_ll()
         call = self._calls.next("ll_dispatch")
+        on_device = self._ll_on_device()
         try:
             s = self.sizing
             self._check_num_experts(num_experts)
             T = num_max_dispatch_tokens_per_rank
             x = validate.low_latency_x(x, s.hidden, T, s.capacity, use_fp8, self.device)
-            idx = validate.topk_idx(
-                self._physical(topk_idx), x.shape[0], self._num_experts, s.max_topk, device=self.device
+            idx = validate.topk_idx(  # on the device, the send kernel checks the values
+                self._physical(topk_idx),
+                x.shape[0],
+                self._num_experts,
+                s.max_topk,
+                not on_device,
+                self.device,
             )
             if self._masked:
                 idx = self._drop_masked(idx)[0]
-            plan = dispatch_plan(x, idx, s.placement, T, use_fp8)
+            plan = wire_rows(x, T, use_fp8) if on_device else dispatch_plan(x, idx, s.placement, T, use_fp8)
             out = dispatch_outputs(plan, s.hidden, self._info.world_size, idx, self._num_experts, call.seq)
         except BaseException:
             ll.abort(call, "dispatch")  # its slots and headers are its own: release them, tell the peers
@@ -616,8 +647,9 @@ class Buffer:
         """
         ll = self._live_ll()
         call = self._calls.next("ll_combine")
+        on_device = self._ll_on_device()
         try:
-            x, w = self._ll_combine_inputs(x, topk_idx, topk_weights, handle)
+            x, idx, w = self._ll_combine_inputs(x, topk_idx, topk_weights, handle, not on_device)
             N, H = handle.num_tokens, self.sizing.hidden
             if out is None:
                 out = torch.empty(N, H, dtype=x.dtype, device=x.device)
@@ -625,23 +657,31 @@ class Buffer:
                 out = validate.tensor("out", out, x.dtype, 2, self.device)
                 if tuple(out.shape) != (N, H) or not out.is_contiguous():
                     raise ValueError(f"out must be a contiguous [{N}, {H}] tensor")
-            plan = combine_plan(x, w, handle, self.sizing.placement)
+            if not on_device:
+                plan = combine_plan(x, w, handle, self.sizing.placement)
         except BaseException:
             ll.abort(call, "combine")  # its slots and headers are its own: release them, tell the peers
             raise
-        receive = ll.combine_send(call, plan, out)
+        if on_device:  # the send kernel checks the handle and topk_idx's values
+            receive = ll.combine_rows(call, x, w, handle, out, idx)
+        else:
+            receive = ll.combine_send(call, plan, out)
         event, hook = _halves(
             self._later(call, receive, async_finish or return_recv_hook), async_finish, return_recv_hook
         )
         return LowLatencyCombineResult(out, event, hook)
 
-    def _ll_combine_inputs(self, x, topk_idx, topk_weights, handle) -> tuple[torch.Tensor, torch.Tensor]:
+    def _ll_combine_inputs(
+        self, x, topk_idx, topk_weights, handle, values: bool = True
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(x, topk_idx, topk_weights) of a low-latency combine, checked; `values=False` (the device
+        halves, whose send kernel checks them) reads no value of the handle or topk_idx on the host."""
         if not isinstance(handle, LowLatencyHandle):
             raise TypeError(f"handle must come from Buffer.low_latency_dispatch, got {type(handle).__name__}")
         R, L = self._info.world_size, self._num_local_experts
         if handle.layout_range_LR2.shape[1] != R or handle.num_experts != self._num_experts:
             raise ValueError("handle comes from a Buffer with another group size or expert count")
-        if (handle.recv_count_L < 0).any():  # handle.received, without a call
+        if values and (handle.recv_count_L < 0).any():  # handle.received, without a call
             raise ValueError("handle: its dispatch was not received yet; call its hook or event.wait() first")
         if handle.seq <= self._masked_after:
             self._check_after_mask(handle.seq)
@@ -649,13 +689,27 @@ class Buffer:
         x = validate.expert_output(x, (L, M, self.sizing.hidden), self.device)
         idx = self._physical(topk_idx)
         idx = validate.topk_idx(
-            idx, handle.num_tokens, self._num_experts, self.sizing.max_topk, device=self.device
+            idx, handle.num_tokens, self._num_experts, self.sizing.max_topk, values, self.device
         )
         if self._masked:
             idx = self._drop_masked(idx)[0]
-        if not torch.equal(idx, handle.topk_idx_NK):
+        if idx.shape != handle.topk_idx_NK.shape or (values and not torch.equal(idx, handle.topk_idx_NK)):
             raise ValueError("topk_idx must be the one passed to the low_latency_dispatch that made handle")
-        return x, validate.topk_weights(topk_weights, tuple(idx.shape), device=self.device)
+        return x, idx, validate.topk_weights(topk_weights, tuple(idx.shape), device=self.device)
+
+    def _ll_on_device(self) -> bool:
+        """Low-latency calls go to Triton halves that check input values in their kernels, so the host
+        reads none (not when stats are recorded: the recorder reads the plans' counts)."""
+        return self._recorder is None and getattr(self._ll, "on_device", False)
+
+    def check(self) -> None:
+        """Raise the first error the device recorded in low-latency calls since the last check (with
+        `capturable`, where calls read nothing back on the host; a no-op otherwise): a bad topk_idx
+        value (ValueError, as on the host), a peer's bad data or rejection, or a wait that ran out of
+        polls (CommTimeoutError). Reads the device's status words: call it outside a captured graph."""
+        check = getattr(self._ll, "check", None)
+        if check is not None:
+            check()
 
     def _later(self, call: CallId, receive, deferred: bool):
         """The receive half, refused like a call while another thread is inside one when it runs later,
@@ -717,7 +771,8 @@ class Buffer:
         """topk_idx with -1 where it selects a masked rank's expert, and how many entries that drops."""
         if not self._masked:
             return topk_idx_NK, 0
-        dropped_NK = (topk_idx_NK >= 0) & self._masked_E[topk_idx_NK.clamp(min=0)]
+        E = self._masked_E.numel()  # (ids outside [0, E) stay: on the device halves, the kernel rejects them)
+        dropped_NK = (topk_idx_NK >= 0) & (topk_idx_NK < E) & self._masked_E[topk_idx_NK.clamp(0, E - 1)]
         return topk_idx_NK.masked_fill(dropped_NK, -1), int(dropped_NK.sum())
 
     # -- lifetime ---------------------------------------------------------------------------------

@@ -24,7 +24,7 @@ from ubep.faults import FaultPoints
 from ubep.group import GroupInfo
 from ubep.protocols.base import Exchange, Sizing
 from ubep.protocols.bsp import BspBlocks, BspExchange
-from ubep.protocols.ll import LLBlocks, LLExchange
+from ubep.protocols.ll import AFTER_DATA, IN_WORD, LLBlocks, LLExchange
 from ubep.protocols.ll_base import LowLatencyExchange
 from ubep.protocols.ll_local import LLLocal
 from ubep.protocols.local import LocalExchange
@@ -47,6 +47,8 @@ class Options:
     timeout_s: float
     workers: int = 1
     schedule: str = "ubep"
+    ll_flag: str = AFTER_DATA  # low-latency rows: "after-data" or "in-word" (the Triton halves only)
+    capturable: bool = False  # low-latency Triton halves that read nothing back on the host
 
 
 def ready_engine(requested: str = "auto") -> tuple[Engine, str]:
@@ -106,15 +108,19 @@ COLLECTIVES = {
 }
 
 
-def heap_blocks(sizing: Sizing, protocol: str, low_latency: bool) -> tuple[Region | Header, ...]:
+def heap_blocks(
+    sizing: Sizing, protocol: str, low_latency: bool, ll_flag: str = AFTER_DATA
+) -> tuple[Region | Header, ...]:
     """The memory every rank of a one-host heap holds for these options."""
     normal = HEAP_PROTOCOLS[protocol][0].of(sizing).all()
-    return normal + (LLBlocks.of(sizing).all() if low_latency else ())
+    return normal + (LLBlocks.of(sizing, in_word=ll_flag == IN_WORD).all() if low_latency else ())
 
 
-def heap_bytes(sizing: Sizing, protocol: str = "ubep", low_latency: bool = True) -> int:
+def heap_bytes(
+    sizing: Sizing, protocol: str = "ubep", low_latency: bool = True, ll_flag: str = AFTER_DATA
+) -> int:
     """Bytes of shared memory one rank maps for these options (the size of its segment)."""
-    return Layout(sizing.num_ranks, heap_blocks(sizing, protocol, low_latency)).nbytes
+    return Layout(sizing.num_ranks, heap_blocks(sizing, protocol, low_latency, ll_flag)).nbytes
 
 
 def build(
@@ -122,6 +128,11 @@ def build(
 ) -> tuple[Exchange, LowLatencyExchange | None]:
     """(normal-mode exchange, low-latency exchange or None); collective over the group."""
     o = options
+    if o.low_latency and (o.ll_flag != AFTER_DATA or o.capturable) and o.transport not in HEAPS:
+        raise ValueError(
+            f"ll_flag={o.ll_flag!r}, capturable={o.capturable}: these need low-latency mode's Triton halves "
+            f"on a heap (transport 'shm', 'virtual' or 'cuda'); this Buffer runs on {o.transport!r}"
+        )
     if o.transport == "local":
         return LocalExchange(sizing), LLLocal(engine) if o.low_latency else None
     if o.transport in COLLECTIVES:  # low-latency mode takes the collective path too
@@ -131,7 +142,13 @@ def build(
         NORMAL_DEVICE_HEADERS.get(o.protocol, ()) if engine.name == "triton" and o.workers == 1 else ()
     )
     heap = HEAPS[o.transport](
-        heap_blocks(sizing, o.protocol, o.low_latency), info, o, DEVICE_HEADERS + normal_headers
+        heap_blocks(sizing, o.protocol, o.low_latency, o.ll_flag), info, o, DEVICE_HEADERS + normal_headers
     )
     normal = HEAP_PROTOCOLS[o.protocol][1](heap, engine, sizing, faults, o)
-    return normal, LLExchange(heap, engine, sizing, faults) if o.low_latency else None
+    if not o.low_latency:
+        return normal, None
+    try:
+        return normal, LLExchange(heap, engine, sizing, faults, o.ll_flag, o.capturable)
+    except BaseException:
+        normal.close()  # the heap is the normal exchange's too
+        raise

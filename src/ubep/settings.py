@@ -7,6 +7,7 @@ The compat `deep_ep.Buffer` and the transformers integration build `ubep.Buffer`
 timeout, engine, protocol or transport argument; a job sets them for every Buffer of a run with
 
     UBEP_TIMEOUT_S=60 UBEP_ENGINE=numba UBEP_PROTOCOL=bsp UBEP_TRANSPORT=shm UBEP_STATS=1
+    UBEP_LL_FLAG=in-word UBEP_CAPTURABLE=1   # low-latency mode's Triton halves (docs/device.md)
 
 and `Buffer.explain()` names each value's source. `UBEP_LOG_LEVEL` sets the level of the
 `ubep` logger (`ubep.log`). The environment is read when a Buffer is built, here and nowhere
@@ -24,6 +25,7 @@ from typing import Any
 from ubep.engine import ENGINES
 from ubep.factory import HEAP_PROTOCOLS
 from ubep.group import TRANSPORTS
+from ubep.protocols.ll import FLAGS
 
 LOGGER = "ubep"  # the name of the library's logger: logging.getLogger("ubep")
 LOG_LEVEL_VARIABLE = "UBEP_LOG_LEVEL"
@@ -72,6 +74,8 @@ BUFFER_SETTINGS: dict[str, tuple[str, Callable[[str], Any], Any]] = {
     "timeout_s": ("UBEP_TIMEOUT_S", _seconds, 30.0),
     "engine": ("UBEP_ENGINE", _one_of(ENGINES), "auto"),
     "stats": ("UBEP_STATS", _flag, False),
+    "ll_flag": ("UBEP_LL_FLAG", _one_of(FLAGS), FLAGS[0]),
+    "capturable": ("UBEP_CAPTURABLE", _flag, False),
 }
 
 

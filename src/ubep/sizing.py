@@ -46,10 +46,12 @@ def size_hint(
     low_latency: bool = True,
     expert_placement: list[int] | torch.Tensor | None = None,
     num_nodes: int = 1,
+    ll_flag: str = "after-data",
 ) -> SizeHint:
     """The shared memory a Buffer with these arguments maps, for a group of `num_ranks` ranks
     on `num_nodes` hosts (more than one: the hierarchical transport, whose low-latency
-    path runs over torch.distributed and takes no shared memory)."""
+    path runs over torch.distributed and takes no shared memory). `ll_flag="in-word"`: low-latency
+    slots hold rows as epoch words, twice the bytes."""
     for name, value in (
         ("hidden", hidden),
         ("num_experts", num_experts),
@@ -72,4 +74,4 @@ def size_hint(
     per_host = num_ranks // num_nodes
     if num_nodes > 1:
         return SizeHint(Layout(per_host, HierBlocks.of(sizing, num_nodes, per_host).all()).nbytes, per_host)
-    return SizeHint(heap_bytes(sizing, protocol, low_latency), per_host)
+    return SizeHint(heap_bytes(sizing, protocol, low_latency, ll_flag), per_host)

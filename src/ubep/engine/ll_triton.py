@@ -27,6 +27,18 @@ by value, so that a captured graph's replays are successive calls: the host
 sets it, or a kernel in the graph advances it. Its parity is the half of
 every double-buffered block.
 
+Rows travel in one of the two data-as-flag forms (`IN_WORD`, a compile-time switch):
+- after data: rows as plain words, covered by the record's stamp (released after them);
+- in word: each row of B bytes as B / 4 int64 words, (epoch << 32) | 4 payload bytes, each written
+  by one relaxed system-scope 8-byte atomic, after the stamp (which then covers only the counts and
+  slot infos); a receiver polls every word it reads (volatile, bounded) until its high half is the
+  epoch. Slot rows take twice the bytes (`slot_bytes`).
+
+This rank's own inputs (topk_idx, and in combine the handle) are checked in the send kernels, by
+every program, before any of them writes: the host reads no value of them on the device path. A
+bad input fails the call (E_EXPERT, ...) and raises this rank's `rejected` word, so the peers' receive
+halves stop with E_REJECTED instead of waiting.
+
 Status words (int64 [8]): [0] DONE or an error code (claimed by the first
 program that fails, which then writes [1:5] = peer, what it sent, ..., expected,
 as `ll_halves`), [5] 1 + a peer some program still waits for (0: none).
@@ -62,6 +74,11 @@ E_COUNTS: tl.constexpr = tl.constexpr(6)
 E_TOKENS: tl.constexpr = tl.constexpr(7)
 E_RETURNED: tl.constexpr = tl.constexpr(8)
 E_MINE: tl.constexpr = tl.constexpr(9)
+E_EXPERT: tl.constexpr = tl.constexpr(10)
+E_REPEATED: tl.constexpr = tl.constexpr(11)
+E_UNRECEIVED: tl.constexpr = tl.constexpr(12)
+E_OTHER_TOPK: tl.constexpr = tl.constexpr(13)
+E_TOO_MANY: tl.constexpr = tl.constexpr(14)
 
 
 @triton.jit
@@ -124,6 +141,88 @@ def _spent(status, max_spins):
 
 
 @triton.jit
+def _awaiting(status, peer):
+    """Mark `peer` as the one a wait of this launch ran out on (the host sleeps on it, or reports it)."""
+    tl.atomic_xchg(status + WAITING_WORD, peer.to(tl.int64) + 1, sem="relaxed", scope="gpu")
+
+
+@triton.jit
+def _reject(table, me, kind, epoch):
+    """This rank's input failed a check: raise its `rejected` word for this kind to the epoch (a
+    system-scope release), so that peers' receive halves stop with E_REJECTED instead of waiting."""
+    tl.debug_barrier()
+    tl.atomic_max(_words(_address(table, me, REJECTED, 0) + kind * 8), epoch, sem="release", scope="sys")
+
+
+@triton.jit
+def _put_words(dst, words, mask, epoch):
+    """Data as flag: each int32 payload word as the int64 (epoch << 32) | payload, by one relaxed
+    system-scope 8-byte atomic, so a reader sees the old word or the whole new one."""
+    stamped = ((epoch & 0xFFFFFFFF) << 32) | words.to(tl.uint32, bitcast=True).to(tl.int64)
+    tl.atomic_xchg(dst, stamped, mask=mask, sem="relaxed", scope="sys")
+
+
+@triton.jit
+def _poll_words(src, mask, epoch, status, max_spins):
+    """Data as flag: (the int64 words at src, 1 once every masked one carries the epoch in its high
+    half, else 0 after `max_spins` more volatile reads). A word of another epoch (an older call's, or
+    memory never written) is not read as landed."""
+    want = epoch.to(tl.int32)
+    words = tl.load(src, mask=mask, other=0, volatile=True)
+    late = tl.sum(tl.ravel((mask & ((words >> 32).to(tl.int32) != want)).to(tl.int32)), axis=0)
+    spins = _spent(status, max_spins)
+    while (late > 0) & (spins < max_spins):
+        words = tl.load(src, mask=mask, other=0, volatile=True)
+        late = tl.sum(tl.ravel((mask & ((words >> 32).to(tl.int32) != want)).to(tl.int32)), axis=0)
+        spins += 1
+    return words, (late == 0).to(tl.int32)
+
+
+@triton.jit
+def _check_topk(topk, N, K, E, status, me, NB: tl.constexpr, KB: tl.constexpr):
+    """This rank's topk_idx [N, K]: every value in [-1, E), no expert twice in a row (as
+    `ubep.validate.topk_idx` on the host). 1 good, 0 failed (E_EXPERT or E_REPEATED in status)."""
+    ks = tl.arange(0, KB)
+    ok = tl.full((), 1, tl.int32)
+    t0 = 0
+    while (ok != 0) & (t0 < N):  # the range first, over every row, as the host does
+        tokens = t0 + tl.arange(0, NB)
+        inside = (tokens[:, None] < N) & (ks[None, :] < K)
+        chosen = tl.load(topk + tokens[:, None] * K + ks[None, :], mask=inside, other=-1)
+        flat = tokens[:, None] * KB + ks[None, :]
+        last = (t0 + NB) * KB  # above every flat index of the block
+        bad = tl.where(inside & ((chosen < -1) | (chosen >= E)), flat, last)
+        first = tl.min(tl.min(bad, axis=1), axis=0)
+        if first < last:
+            value = tl.sum(tl.sum(tl.where(flat == first, chosen, 0), axis=1), axis=0)
+            _fail(status, E_EXPERT, me, value, E.to(tl.int64), (first // KB).to(tl.int64))
+            ok = tl.full((), 0, tl.int32)
+        t0 += NB
+    t0 = 0
+    while (ok != 0) & (t0 < N):
+        tokens = t0 + tl.arange(0, NB)
+        inside = (tokens[:, None] < N) & (ks[None, :] < K)
+        chosen = tl.load(topk + tokens[:, None] * K + ks[None, :], mask=inside, other=-1)
+        twice = tl.zeros((NB,), tl.int32)
+        expert = tl.full((NB,), -1, tl.int64)
+        k2 = 1
+        while k2 < K:
+            other = tl.load(topk + tokens * K + k2, mask=tokens < N, other=-1)
+            same = inside & (ks[None, :] < k2) & (chosen == other[:, None]) & (other[:, None] >= 0)
+            hit = tl.max(same.to(tl.int32), axis=1)
+            expert = tl.where((twice == 0) & (hit != 0), other, expert)
+            twice = twice | hit
+            k2 += 1
+        row = tl.min(tl.where(twice != 0, tokens, N), axis=0)
+        if row < N:
+            which = tl.sum(tl.where(tokens == row, expert, 0), axis=0)
+            _fail(status, E_REPEATED, me, which, 0, row.to(tl.int64))
+            ok = tl.full((), 0, tl.int32)
+        t0 += NB
+    return ok
+
+
+@triton.jit
 def _wait_reusable(table, status, me, peer, kind, half, epoch, max_spins):
     """Wait (bounded) until `peer` consumed call epoch - 2 of this kind, which used this half.
 
@@ -140,7 +239,7 @@ def _wait_reusable(table, status, me, peer, kind, half, epoch, max_spins):
             seen = _acquire(_done_word(table, peer, kind, half, 0))
             spins += 1
         if seen < before:
-            tl.atomic_xchg(status + WAITING_WORD, peer.to(tl.int64) + 1, sem="relaxed", scope="gpu")
+            _awaiting(status, peer)
             ok = 0
     return ok
 
@@ -163,7 +262,7 @@ def _wait_stamp(table, status, me, peer, kind, header, half, stamp, epoch, max_s
             _fail(status, E_REJECTED, peer, 0, 0, 0)
             landed = -1
         else:
-            tl.atomic_xchg(status + WAITING_WORD, peer.to(tl.int64) + 1, sem="relaxed", scope="gpu")
+            _awaiting(status, peer)
     return landed
 
 
@@ -182,52 +281,59 @@ def _arrive_and_release(table, me, kind, half, epoch, arrivals, programs):
 
 
 @triton.jit
+def _hits(topk, t0, N, K, expert, count, NB: tl.constexpr, KB: tl.constexpr):
+    """Tokens t0 .. t0 + NB: (tokens, 1 where a token selected `expert`, its k, its slot: `count`
+    plus the hits before it)."""
+    tokens = t0 + tl.arange(0, NB)
+    ks = tl.arange(0, KB)
+    chosen = tl.load(
+        topk + tokens[:, None] * K + ks[None, :], mask=(tokens[:, None] < N) & (ks[None, :] < K), other=-1
+    )
+    match = chosen == expert
+    hit = tl.sum(match.to(tl.int64), axis=1)  # 0 or 1: an expert appears once in a row (checked)
+    k = tl.sum(tl.where(match, ks[None, :], 0), axis=1)
+    return tokens, hit, k, count + tl.cumsum(hit, axis=0) - 1
+
+
+@triton.jit
 def ll_dispatch_send_kernel(
-    table, live, me, epochs, rows, topk, N, K, experts, L, code, T, Kmax, Tcap, slot_words,
-    row_bytes, W, width, arrivals, progress, status, max_spins,
-    WORD: tl.constexpr, NB: tl.constexpr, KB: tl.constexpr, WB: tl.constexpr,
+    table, live, me, epochs, rows, topk, N, K, E, experts, L, code, T, Kmax, Tcap, slot_words,
+    slot_bytes, W, width, arrivals, progress, status, max_spins,
+    WORD: tl.constexpr, IN_WORD: tl.constexpr, NB: tl.constexpr, KB: tl.constexpr, WB: tl.constexpr,
 ):  # fmt: skip
     """Program (d, j): put every token that selected expert experts[d, j] into d's slots for
     (this rank, j), in token order, with token * Kmax + k beside it; the last of d's L programs
-    stamps this rank's record in d (dtype, T, width, counts).
+    stamps this rank's record in d (dtype, T, width, counts). Every program first checks the whole
+    topk (values in [-1, E), no repeats): a bad one fails the call before anything is sent.
 
     rows [N, W] words, `width` bytes (this rank's tokens in wire form); topk int64 [N, K]; experts int64
-    [R, L] the global id of each (rank, local expert); slot_words = row_bytes / word size;
-    arrivals int64 [R], progress int64 [R, L] (1: sent) start zeroed for the call.
+    [R, L] the global id of each (rank, local expert); a slot row is slot_words words of WORD (or
+    int64 words, IN_WORD), slot_bytes bytes; arrivals int64 [R], progress int64 [R, L] (1: sent) start
+    zeroed for the call. IN_WORD: rows as epoch words (int32 payloads), after the stamp.
     """
     epoch, half = _epoch(epochs)
     d = tl.program_id(0)
     j = tl.program_id(1)
     go = (tl.load(live + d) != 0) & (tl.load(progress + d * L + j) == 0)
     if go:
+        ok = _check_topk(topk, N, K, E, status, me, NB, KB)
+        if ok == 0:
+            _reject(table, me, 0, epoch)
+        go = ok == 1
+    if go:
         go = _wait_reusable(table, status, me, d, 0, half, epoch, max_spins) == 1
     if go:
         expert = tl.load(experts + d * L + j)
-        slots = _address(table, d, SLOTS, half) + (me * L + j).to(tl.int64) * Tcap * row_bytes
+        slots = _address(table, d, SLOTS, half) + (me * L + j).to(tl.int64) * Tcap * slot_bytes
         info = _words(_address(table, d, SLOT_INFO, half)) + (me * L + j).to(tl.int64) * Tcap
-        ks = tl.arange(0, KB)
         count = tl.full((), 0, tl.int64)
         t0 = 0
         while t0 < N:
-            tokens = t0 + tl.arange(0, NB)
-            chosen = tl.load(
-                topk + tokens[:, None] * K + ks[None, :],
-                mask=(tokens[:, None] < N) & (ks[None, :] < K),
-                other=-1,
-            )
-            match = chosen == expert
-            hit = tl.sum(match.to(tl.int64), axis=1)  # 0 or 1: an expert appears once in a row
-            k = tl.sum(tl.where(match, ks[None, :], 0), axis=1)
-            pos = count + tl.cumsum(hit, axis=0) - 1
+            tokens, hit, k, pos = _hits(topk, t0, N, K, expert, count, NB, KB)
             tl.store(info + pos, tokens.to(tl.int64) * Kmax + k, mask=hit != 0)
-            dst = slots.to(tl.pointer_type(WORD))
-            c0 = 0
-            while c0 < W:
-                cols = c0 + tl.arange(0, WB)
-                both = (hit[:, None] != 0) & (cols[None, :] < W)
-                words = tl.load(rows + tokens[:, None].to(tl.int64) * W + cols[None, :], mask=both)
-                tl.store(dst + pos[:, None] * slot_words + cols[None, :], words, mask=both)
-                c0 += WB
+            if not IN_WORD:  # the rows before the stamp, which covers them
+                _put_rows(rows, tokens, hit, pos, W, slots.to(tl.pointer_type(WORD)), slot_words, epoch,
+                          False, WB)  # fmt: skip
             count += tl.sum(hit, axis=0)
             t0 += NB
         record = _words(_address(table, d, SENT, half)) + me * (S_COUNTS + L)
@@ -241,6 +347,31 @@ def ll_dispatch_send_kernel(
             tl.store(record + 3, width.to(tl.int64))
             tl.debug_barrier()
             _release(_address(table, d, SENT, half) + me * (S_COUNTS + L) * 8, epoch)
+        if IN_WORD:  # each word its own flag: the rows after the stamp, which covers only counts and infos
+            count = tl.full((), 0, tl.int64)
+            t0 = 0
+            while t0 < N:
+                tokens, hit, k, pos = _hits(topk, t0, N, K, expert, count, NB, KB)
+                _put_rows(rows, tokens, hit, pos, W, slots.to(tl.pointer_type(tl.int64)), slot_words, epoch,
+                          True, WB)  # fmt: skip
+                count += tl.sum(hit, axis=0)
+                t0 += NB
+
+
+@triton.jit
+def _put_rows(rows, tokens, hit, pos, W, dst, slot_words, epoch, IN_WORD: tl.constexpr, WB: tl.constexpr):
+    """rows[tokens] (W words each, where hit) -> dst + pos * slot_words: plain stores, or epoch words."""
+    c0 = 0
+    while c0 < W:
+        cols = c0 + tl.arange(0, WB)
+        both = (hit[:, None] != 0) & (cols[None, :] < W)
+        words = tl.load(rows + tokens[:, None].to(tl.int64) * W + cols[None, :], mask=both)
+        at = dst + pos[:, None] * slot_words + cols[None, :]
+        if IN_WORD:
+            _put_words(at, words, both, epoch)
+        else:
+            tl.store(at, words, mask=both)
+        c0 += WB
 
 
 @triton.jit
@@ -277,17 +408,39 @@ def _check_sent(record, status, src, L, code, T, Tcap, row_bytes, width, dtype_l
 
 
 @triton.jit
+def _take_rows(held, lo, W, plane, row, m, epoch, status, max_spins, IN_WORD: tl.constexpr,
+               WB: tl.constexpr):  # fmt: skip
+    """Words lo .. lo + W of the slot rows `held` (pointers [IB, 1]) -> plane[row] (W words a row, where
+    m): 1 done; IN_WORD, 0 when a word did not carry the epoch within the polls (the rest is left)."""
+    landed = tl.full((), 1, tl.int32)
+    c0 = 0
+    while (landed != 0) & (c0 < W):
+        cols = c0 + tl.arange(0, WB)
+        both = m[:, None] & (cols[None, :] < W)
+        if IN_WORD:
+            words, landed = _poll_words(held + lo + cols[None, :], both, epoch, status, max_spins)
+            words = words.to(tl.int32)  # the payload: the low half
+        else:
+            words = tl.load(held + lo + cols[None, :], mask=both)
+        if landed != 0:
+            tl.store(plane + row[:, None] * W + cols[None, :], words, mask=both)
+        c0 += WB
+    return landed
+
+
+@triton.jit
 def ll_dispatch_recv_kernel(
-    table, live, me, epochs, R, L, code, T, Kmax, Tcap, slot_words, row_bytes, width,
+    table, live, me, epochs, R, L, code, T, Kmax, Tcap, slot_words, slot_bytes, row_bytes, width,
     dtype_lo, dtype_hi, plane0, W0, plane1, W1, M, src_token, src_rank, src_k, layout_range,
     recv_count, state, arrivals, status, max_spins,
-    WORD: tl.constexpr, LB: tl.constexpr, IB: tl.constexpr, WB: tl.constexpr,
+    WORD: tl.constexpr, IN_WORD: tl.constexpr, LB: tl.constexpr, IB: tl.constexpr, WB: tl.constexpr,
 ):  # fmt: skip
     """Program (j, src): place source src's rows for local expert j after the rows of the live
     sources before it (whose records it waits for too, to read their counts for j): plane0
     [L, M, W0] and plane1 [L, M, W1] words receive each row's first W0 and next W1 words (W1 = 0
     unless FP8: values, then scales); src_token, src_rank, src_k int64 [L, M], layout_range
-    int64 [L, R, 2], recv_count int32 [L] (by program (j, R - 1)).
+    int64 [L, R, 2], recv_count int32 [L] (by program (j, R - 1)). IN_WORD: slot rows are epoch words
+    (int64), polled until they carry the epoch; planes are int32 words.
 
     state int64 [L, R] (zeroed for the call): 1 once the program finished, so that a launch after
     a wait ran out runs only the programs still waiting. The last program to finish releases
@@ -325,7 +478,11 @@ def ll_dispatch_recv_kernel(
                 n = tl.load(_words(stamp) + S_COUNTS + j)
                 first = (src * L + j).to(tl.int64) * Tcap  # this source's slots for j
                 info = _words(_address(table, me, SLOT_INFO, half)) + first
-                slots = (_address(table, me, SLOTS, half) + first * row_bytes).to(tl.pointer_type(WORD))
+                slots = _address(table, me, SLOTS, half) + first * slot_bytes
+                if IN_WORD:
+                    slots = slots.to(tl.pointer_type(tl.int64))
+                else:
+                    slots = slots.to(tl.pointer_type(WORD))
                 i0 = 0
                 while (go != 0) & (i0 < n):
                     ii = i0 + tl.arange(0, IB)
@@ -338,23 +495,18 @@ def ll_dispatch_recv_kernel(
                     else:
                         row = j * M + begin + ii
                         held = slots + ii[:, None].to(tl.int64) * slot_words  # this source's rows
-                        c0 = 0
-                        while c0 < W0:
-                            cols = c0 + tl.arange(0, WB)
-                            both = m[:, None] & (cols[None, :] < W0)
-                            words = tl.load(held + cols[None, :], mask=both)
-                            tl.store(plane0 + row[:, None] * W0 + cols[None, :], words, mask=both)
-                            c0 += WB
-                        c1 = 0
-                        while c1 < W1:
-                            cols = c1 + tl.arange(0, WB)
-                            both = m[:, None] & (cols[None, :] < W1)
-                            words = tl.load(held + W0 + cols[None, :], mask=both)
-                            tl.store(plane1 + row[:, None] * W1 + cols[None, :], words, mask=both)
-                            c1 += WB
-                        tl.store(src_token + row, tokens, mask=m)
-                        tl.store(src_k + row, infos % Kmax, mask=m)
-                        tl.store(src_rank + row, tl.zeros((IB,), tl.int64) + src, mask=m)
+                        took = _take_rows(held, 0, W0, plane0, row, m, epoch, status, max_spins, IN_WORD, WB)
+                        if took != 0:
+                            took = _take_rows(held, W0, W1, plane1, row, m, epoch, status, max_spins,
+                                              IN_WORD, WB)  # fmt: skip
+                        if took == 0:  # in word: a word of these rows has not landed yet
+                            _awaiting(status, src)
+                            go = tl.full((), 0, tl.int32)
+                            waiting = tl.full((), 1, tl.int32)
+                        else:
+                            tl.store(src_token + row, tokens, mask=m)
+                            tl.store(src_k + row, infos % Kmax, mask=m)
+                            tl.store(src_rank + row, tl.zeros((IB,), tl.int64) + src, mask=m)
                     i0 += IB
         if go != 0:  # masked sources place nothing: (begin, 0)
             tl.store(layout_range + (j * R + src) * 2, begin)
@@ -370,60 +522,138 @@ def ll_dispatch_recv_kernel(
 
 
 @triton.jit
+def _check_return(topk, given, N, K, recv_count, L, layout_range, R, per_writer, status, me,
+                  LB: tl.constexpr, RB: tl.constexpr, NB: tl.constexpr, KB: tl.constexpr):  # fmt: skip
+    """A combine's own inputs, as the host checks them elsewhere: the handle's dispatch was received
+    (recv_count [L] >= 0), topk_idx `given` [N, K] is the dispatch's `topk`, and no home sent more
+    rows than its tokens can select here (the rows per home in layout_range [L, R, 2] <= per_writer).
+    1 good, 0 failed."""
+    ls = tl.arange(0, LB)
+    ok = tl.full((), 0, tl.int32)
+    if tl.min(tl.load(recv_count + ls, mask=ls < L, other=0), axis=0) < 0:
+        _fail(status, E_UNRECEIVED, me, 0, 0, 0)
+    else:
+        ks = tl.arange(0, KB)
+        row = N
+        t0 = 0
+        while (row == N) & (t0 < N):
+            tokens = t0 + tl.arange(0, NB)
+            inside = (tokens[:, None] < N) & (ks[None, :] < K)
+            at = tokens[:, None] * K + ks[None, :]
+            differs = tl.load(topk + at, mask=inside, other=0) != tl.load(given + at, mask=inside, other=0)
+            row = tl.min(tl.where(tl.max(differs.to(tl.int32), axis=1) != 0, tokens, N), axis=0)
+            t0 += NB
+        rs = tl.arange(0, RB)
+        both = (ls[:, None] < L) & (rs[None, :] < R)
+        rows = tl.sum(
+            tl.load(layout_range + (ls[:, None] * R + rs[None, :]) * 2 + 1, mask=both, other=0), axis=0
+        )
+        home = tl.min(tl.where(rows > per_writer, rs, RB), axis=0)
+        if row < N:
+            _fail(status, E_OTHER_TOPK, me, 0, 0, row.to(tl.int64))
+        elif home < RB:
+            _fail(status, E_TOO_MANY, home, tl.sum(tl.where(rs == home, rows, 0), axis=0), per_writer, 0)
+        else:
+            ok = tl.full((), 1, tl.int32)
+    return ok
+
+
+@triton.jit
 def ll_combine_send_kernel(
     table, live, me, epochs, x, L, M, W, layout_range, R, per_writer, slot_words,
-    code, arrivals, progress, status, max_spins,
-    WORD: tl.constexpr, LB: tl.constexpr, IB: tl.constexpr, WB: tl.constexpr,
+    code, topk, given, N, K, recv_count, arrivals, progress, status, max_spins,
+    WORD: tl.constexpr, IN_WORD: tl.constexpr, LB: tl.constexpr, RB: tl.constexpr, NB: tl.constexpr,
+    KB: tl.constexpr, IB: tl.constexpr, WB: tl.constexpr,
 ):  # fmt: skip
     """Program (h, j): put each row of local expert j in x [L, M, W] words that came from home h
     (the dispatch's layout_range [L, R, 2]) into this rank's run of h's back slots (from
     me * per_writer, ordered by local expert, then token: after the rows of experts < j); the
     last of h's L programs stamps this rank's record in h (dtype, rows sent). arrivals int64 [R]
-    and progress int64 [R, L] (1: sent) start zeroed for the call."""
+    and progress int64 [R, L] (1: sent) start zeroed for the call. Every program first checks the
+    call's own inputs (`_check_return`: the dispatch's topk [N, K] and recv_count [L], the combine's
+    topk `given`). IN_WORD: rows as epoch words (int32 payloads), after the stamp."""
     epoch, half = _epoch(epochs)
     h = tl.program_id(0)
     j = tl.program_id(1)
     go = (tl.load(live + h) != 0) & (tl.load(progress + h * L + j) == 0)
     if go:
+        ok = _check_return(topk, given, N, K, recv_count, L, layout_range, R, per_writer, status, me,
+                           LB, RB, NB, KB)  # fmt: skip
+        if ok == 0:
+            _reject(table, me, 1, epoch)
+        go = ok == 1
+    if go:
         go = _wait_reusable(table, status, me, h, 1, half, epoch, max_spins) == 1
     if go:
-        back = _address(table, h, BACK_SLOTS, half).to(tl.pointer_type(WORD))
+        back = _address(table, h, BACK_SLOTS, half)
         begin = tl.load(layout_range + (j * R + h) * 2)
         n = tl.load(layout_range + (j * R + h) * 2 + 1)
         ls = tl.arange(0, LB)
         before = tl.sum(tl.load(layout_range + (ls * R + h) * 2 + 1, mask=ls < j, other=0), axis=0)
-        i0 = 0
-        while i0 < n:
-            ii = i0 + tl.arange(0, IB)
-            m = ii < n
-            row = j * M + begin + ii
-            slot = (me * per_writer + before + ii).to(tl.int64)
-            c0 = 0
-            while c0 < W:
-                cols = c0 + tl.arange(0, WB)
-                both = m[:, None] & (cols[None, :] < W)
-                words = tl.load(x + row[:, None] * W + cols[None, :], mask=both)
-                tl.store(back + slot[:, None] * slot_words + cols[None, :], words, mask=both)
-                c0 += WB
-            i0 += IB
+        if not IN_WORD:  # the rows before the stamp, which covers them
+            _return_rows(x, j, M, begin, n, me * per_writer + before, W, back.to(tl.pointer_type(WORD)),
+                         slot_words, epoch, False, IB, WB)  # fmt: skip
         tl.store(progress + h * L + j, 1)
         tl.debug_barrier()
         arrived = tl.atomic_add(arrivals + h, 1, sem="acq_rel", scope="sys")
         if arrived == L - 1:  # the last of h's programs: every row for h is ordered before this
-            ls = tl.arange(0, LB)
             counts = tl.load(layout_range + (ls * R + h) * 2 + 1, mask=ls < L, other=0)
             record = _words(_address(table, h, RETURNED, half)) + me * 3
             tl.store(record + 1, code.to(tl.int64))
             tl.store(record + 2, tl.sum(counts, axis=0))
             tl.debug_barrier()
             _release(_address(table, h, RETURNED, half) + me * 3 * 8, epoch)
+        if IN_WORD:  # each word its own flag: the rows after the stamp, which covers only the count
+            _return_rows(x, j, M, begin, n, me * per_writer + before, W, back.to(tl.pointer_type(tl.int64)),
+                         slot_words, epoch, True, IB, WB)  # fmt: skip
+
+
+@triton.jit
+def _return_rows(x, j, M, begin, n, first, W, back, slot_words, epoch, IN_WORD: tl.constexpr,
+                 IB: tl.constexpr, WB: tl.constexpr):  # fmt: skip
+    """Rows begin .. begin + n of local expert j in x [L, M, W] words -> back slots first, first + 1, ...
+    (slot_words apart): plain stores, or epoch words."""
+    i0 = 0
+    while i0 < n:
+        ii = i0 + tl.arange(0, IB)
+        m = ii < n
+        row = j * M + begin + ii
+        slot = (first + ii).to(tl.int64)
+        c0 = 0
+        while c0 < W:
+            cols = c0 + tl.arange(0, WB)
+            both = m[:, None] & (cols[None, :] < W)
+            words = tl.load(x + row[:, None] * W + cols[None, :], mask=both)
+            at = back + slot[:, None] * slot_words + cols[None, :]
+            if IN_WORD:
+                _put_words(at, words, both, epoch)
+            else:
+                tl.store(at, words, mask=both)
+            c0 += WB
+        i0 += IB
+
+
+@triton.jit
+def _returned_words(slot, cols, m, epoch, status, max_spins, Y_BF16: tl.constexpr):
+    """In word: elements `cols` (where m) of the returned row whose epoch words start at address
+    `slot`, as float32, and 1 once their words carry the epoch (else 0). A bf16 row's word i holds
+    elements 2i (its low 16 bits) and 2i + 1."""
+    words64 = slot.to(tl.pointer_type(tl.int64))
+    if Y_BF16:
+        words, landed = _poll_words(words64 + (cols >> 1), m, epoch, status, max_spins)
+        bits = (words.to(tl.int32) >> ((cols & 1) * 16)) & 0xFFFF
+        y = (bits << 16).to(tl.float32, bitcast=True)  # bf16 -> float32, exactly
+    else:
+        words, landed = _poll_words(words64 + cols, m, epoch, status, max_spins)
+        y = words.to(tl.int32).to(tl.float32, bitcast=True)
+    return y, landed
 
 
 @triton.jit
 def ll_combine_recv_kernel(
     table, me, epochs, topk, K, owner, expected, weights, code, dtype_lo, dtype_hi, count_hi,
-    slots, row_bytes, out, H, state, arrivals, programs, status, max_spins,
-    Y_BF16: tl.constexpr, HB: tl.constexpr,
+    slots, slot_bytes, out, H, state, arrivals, programs, status, max_spins,
+    Y_BF16: tl.constexpr, IN_WORD: tl.constexpr, HB: tl.constexpr,
 ):  # fmt: skip
     """Program t (token): wait for the record of every rank holding one of t's experts, check it,
     then out[t] = sum over k ascending of weights[t, k] * y(t, k) where topk[t, k] >= 0, in float32
@@ -431,7 +661,8 @@ def ll_combine_recv_kernel(
 
     owner int64 [E]: rank of each expert; expected int64 [R]: rows this rank expects from each
     rank; slots int64 [N, K]: the back slot of each y(t, k) (`LLDevice.return_slots`); state int64
-    [N] (zeroed for the call): 1 once t is finished (a second launch skips it).
+    [N] (zeroed for the call): 1 once t is finished (a second launch skips it). IN_WORD: the back
+    slots hold epoch words, each polled until it carries the epoch.
     """
     epoch, half = _epoch(epochs)
     t = tl.program_id(0)
@@ -465,25 +696,33 @@ def ll_combine_recv_kernel(
         if go != 0:
             back = _address(table, me, BACK_SLOTS, half)
             c0 = 0
-            while c0 < H:
+            while (go != 0) & (c0 < H):
                 cols = c0 + tl.arange(0, HB)
                 m = cols < H
                 acc = tl.zeros((HB,), tl.float32)
                 k = 0
-                while k < K:
-                    if tl.load(topk + t * K + k) >= 0:
+                while (go != 0) & (k < K):
+                    e = tl.load(topk + t * K + k)
+                    if e >= 0:
                         w = tl.load(weights + t * K + k)
-                        slot = back + tl.load(slots + t * K + k) * row_bytes
-                        if Y_BF16:
+                        slot = back + tl.load(slots + t * K + k) * slot_bytes
+                        if IN_WORD:
+                            y, landed = _returned_words(slot, cols, m, epoch, status, max_spins, Y_BF16)
+                            if landed == 0:
+                                _awaiting(status, tl.load(owner + e))
+                                go = tl.full((), 0, tl.int32)
+                                waiting = tl.full((), 1, tl.int32)
+                        elif Y_BF16:
                             y = tl.load(slot.to(tl.pointer_type(tl.bfloat16)) + cols, mask=m, other=0.0)
                         else:
                             y = tl.load(slot.to(tl.pointer_type(tl.float32)) + cols, mask=m, other=0.0)
                         acc = acc + y.to(tl.float32) * w
                     k += 1
-                if Y_BF16:
-                    tl.store(out + t.to(tl.int64) * H + cols, _bf16_bits(acc), mask=m)
-                else:
-                    tl.store(out + t.to(tl.int64) * H + cols, acc, mask=m)
+                if go != 0:  # (in word, a word that has not landed leaves t to the next launch)
+                    if Y_BF16:
+                        tl.store(out + t.to(tl.int64) * H + cols, _bf16_bits(acc), mask=m)
+                    else:
+                        tl.store(out + t.to(tl.int64) * H + cols, acc, mask=m)
                 c0 += HB
         if waiting == 0:
             tl.store(state + t, 1)

@@ -48,6 +48,7 @@ from ubep.calls import CallId
 from ubep.engine import Engine
 from ubep.errors import PeerDataError
 from ubep.faults import NO_FAULTS, FaultPoints
+from ubep.protocols import ll_status
 from ubep.protocols.base import CODE_RANGE, Sizing
 from ubep.protocols.ll_base import (
     LLCombinePlan,
@@ -58,6 +59,7 @@ from ubep.protocols.ll_base import (
     returned_rows,
     slot_positions,
 )
+from ubep.results import LowLatencyHandle
 from ubep.transport.base import Field, Header, Region, Transport
 from ubep.waiting import AbortNotice, PeerAbortedError
 
@@ -67,6 +69,10 @@ from ubep.waiting import AbortNotice, PeerAbortedError
 DISPATCH, COMBINE = 0, 1
 CONSUMED, SKIPPED = 0, 1
 KINDS = {"dispatch": DISPATCH, "combine": COMBINE}
+# The two data-as-flag forms of rows (docs/device.md): rows, then a released stamp that covers them;
+# or 8-byte words of 4 payload bytes and the epoch, each its own flag (the Triton halves only).
+AFTER_DATA, IN_WORD = "after-data", "in-word"
+FLAGS = (AFTER_DATA, IN_WORD)
 
 
 def per_writer(s: Sizing) -> int:
@@ -88,8 +94,11 @@ class LLBlocks:
     rejected: Region  # int64 [2]: per kind, the last call this rank rejected
 
     @classmethod
-    def of(cls, s: Sizing) -> LLBlocks:
+    def of(cls, s: Sizing, in_word: bool = False) -> LLBlocks:
+        """The blocks for this sizing; `in_word`: slot rows hold every 4 bytes as an 8-byte word
+        (payload and epoch), twice the bytes."""
         R, T, K, L, B = s.num_ranks, s.capacity, s.max_topk, s.placement.num_local_experts, s.row_bytes
+        S = 2 * B if in_word else B  # bytes of a slot row
         dtype = Field("dtype", lo=CODE_RANGE[0], hi=CODE_RANGE[1])
         return cls(
             sent=Header(
@@ -97,10 +106,10 @@ class LLBlocks:
                 (dtype, Field("T", hi=T), Field("width", hi=B), Field("counts", length=L, hi=T)),
                 inbox=True,
             ),
-            slots=Region("ll.slots", (R, L, T, B), torch.uint8, double=True),
+            slots=Region("ll.slots", (R, L, T, S), torch.uint8, double=True),
             slot_info=Region("ll.slot_info", (R, L, T), torch.int64, double=True),
             returned=Header("ll.returned", (dtype, Field("count", hi=T * K)), inbox=True),
-            back_slots=Region("ll.back_slots", (R, per_writer(s), B), torch.uint8, double=True),
+            back_slots=Region("ll.back_slots", (R, per_writer(s), S), torch.uint8, double=True),
             done=Region("ll.done", (2, 2, 2), torch.int64),
             rejected=Region("ll.rejected", (2,), torch.int64),
         )
@@ -122,29 +131,55 @@ class LLExchange:
 
     name = "ubep-ll"
 
-    def __init__(self, transport: Transport, engine: Engine, sizing: Sizing, faults: FaultPoints = NO_FAULTS):
+    def __init__(
+        self,
+        transport: Transport,
+        engine: Engine,
+        sizing: Sizing,
+        faults: FaultPoints = NO_FAULTS,
+        flag: str = AFTER_DATA,
+        capturable: bool = False,
+    ):
         self.t, self.engine, self.sizing, self.faults = transport, engine, sizing, faults
         self.me, self.R = transport.rank, transport.num_ranks
-        self.blocks = LLBlocks.of(sizing)
+        self.blocks = LLBlocks.of(sizing, in_word=flag == IN_WORD)
         self._per_writer = per_writer(sizing)
         self._compiled = None  # each call half one compiled function, where the engine and memory allow
+        # on_device: the halves are Triton kernels that take wire rows, check this rank's input values
+        # themselves and read nothing back on the host (with capturable=True): `Buffer` skips its value checks
+        self.on_device = engine.name == "triton" and hasattr(transport, "address_table")
+        if (flag != AFTER_DATA or capturable) and not self.on_device:
+            raise ValueError(
+                f"flag={flag!r}, capturable={capturable}: these need low-latency mode's Triton halves "
+                "(engine 'triton' on a heap: transport 'shm', 'virtual' or 'cuda')"
+            )
         if engine.name == "numba" and hasattr(transport, "address_table"):
             from ubep.protocols.ll_compiled import LLCompiled  # imports numba: only on its engine
 
             self._compiled = LLCompiled(transport, self.blocks, sizing, self._consumed, faults)
-        elif engine.name == "triton" and hasattr(transport, "address_table"):
+        elif self.on_device:
             from ubep.protocols.ll_device import LLDevice  # imports triton: only on its engine
 
-            self._compiled = LLDevice(transport, self.blocks, sizing, self._consumed, engine)
+            self._compiled = LLDevice(
+                transport, self.blocks, sizing, self._consumed, engine, capturable, flag=flag
+            )
 
     @property
     def halves(self) -> str:
         """How each call half runs here, in words (for `Buffer.explain`)."""
         if self._compiled is None:
             return "step by step in Python"
-        if self.engine.name == "triton":
-            return "one Triton kernel launch each" + (
-                " (the interpreter, on the CPU)" if self._compiled.device.type == "cpu" else ""
+        if self.on_device:
+            d = self._compiled
+            return (
+                "one Triton kernel launch each"
+                + (" (the interpreter, on the CPU)" if d.device.type == "cpu" else "")
+                + (
+                    ", rows in 8-byte words of payload and epoch, each its own flag (in-word)"
+                    if d.in_word
+                    else ", rows then a released stamp (after-data)"
+                )
+                + (", capturable: no host read, errors at check()" if d.capturable else "")
             )
         return "one compiled function each"
 
@@ -204,6 +239,8 @@ class LLExchange:
         block's single abort word, which this rank's next rejection would overwrite
         before a peer's pending receive half got to read it.
         """
+        if self.on_device:
+            self._compiled.skip(call, KINDS[kind])
         rejected = self._own_words(self.blocks.rejected)
         rejected[KINDS[kind]] = max(int(rejected[KINDS[kind]]), call.epoch)
         done = self._own_words(self.blocks.done)[KINDS[kind], call.parity]
@@ -222,6 +259,8 @@ class LLExchange:
         (a pending receive half from before is abandoned), so both halves are free again."""
         done = self._own_words(self.blocks.done)
         done[:, :, CONSUMED] = seq
+        if self.on_device:
+            self._compiled.restart(seq)
         self.t.ring()  # a peer may wait to reuse a half
 
     # -- dispatch ---------------------------------------------------------------------------------
@@ -321,6 +360,30 @@ class LLExchange:
             raise
         return lambda: self._reduce(call, plan, out_NH)
 
+    def combine_rows(
+        self,
+        call: CallId,
+        x_LMH: torch.Tensor,
+        weights_NK: torch.Tensor,
+        handle: LowLatencyHandle,
+        out_NH: torch.Tensor,
+        topk_NK: torch.Tensor,
+    ) -> Callable[[], None]:
+        """`on_device` only: combine's send half from the expert outputs and the handle alone (no plan,
+        which reads counts on the host); the kernel checks what `combine_send`'s callers check on the
+        host (the handle received, topk_NK the dispatch's, no home over its run)."""
+        self.t.begin(call)
+        try:
+            return self._compiled.combine_rows(call, x_LMH, weights_NK, handle, out_NH, topk_NK)
+        except BaseException:
+            self.abort(call, "combine")
+            raise
+
+    def check(self) -> None:
+        """Capturable device halves: raise the first error the device recorded since the last check."""
+        if self.on_device:
+            self._compiled.check()
+
     def _put_rows(self, call: CallId, plan: LLCombinePlan, home: int) -> None:
         b, rows, B = self.blocks, plan.to(home), plan.x_LMB.shape[2]
         n = rows.stop - rows.start
@@ -353,7 +416,4 @@ def too_many_returned(plan: LLCombinePlan, most: int) -> PeerDataError:
     """An expert rank returns each home at most `most` rows (its run of the home's back slots);
     more means the home's dispatch sent it a token twice for one expert, or too many tokens."""
     home = int(plan.send_counts_R.argmax())
-    return PeerDataError(
-        f"low-latency combine: rank {home} sent this rank {int(plan.send_counts_R[home])} rows "
-        f"in the dispatch, more than the {most} its tokens can select here"
-    )
+    return ll_status.too_many_returned(home, int(plan.send_counts_R[home]), most)

@@ -53,16 +53,31 @@ class LLDispatchPlan:
         return slice(int(offsets[dst]), int(offsets[dst + 1]))
 
 
+@dataclass(frozen=True, slots=True)
+class WireRows:
+    """A low-latency dispatch's rows alone: what the device halves take (their kernels find every row's
+    destinations from topk_idx on the device; ordering the pairs here would read counts on the host)."""
+
+    max_tokens: int  # T of this call
+    code: int  # wire dtype code (float8 for FP8 pairs)
+    rows_NB: torch.Tensor  # uint8 [N, B]: this rank's tokens in wire form
+
+
+def wire_rows(x: Payload, max_tokens: int, use_fp8: bool) -> WireRows:
+    """Pack x into wire rows, quantising when asked (tensor operations only: nothing read back)."""
+    if use_fp8:
+        x = fp8.quantize(x)
+    if fp8.is_pair(x):
+        return WireRows(max_tokens, DTYPE_CODES[fp8.VALUE_DTYPE], fp8.to_rows(*x))
+    return WireRows(max_tokens, DTYPE_CODES[x.dtype], x.contiguous().view(torch.uint8))
+
+
 def dispatch_plan(
     x: Payload, topk_idx_NK: torch.Tensor, placement: ExpertPlacement, max_tokens: int, use_fp8: bool
 ) -> LLDispatchPlan:
     """Pack x into wire rows (quantising when asked) and order the (token, expert) pairs."""
-    if use_fp8:
-        x = fp8.quantize(x)
-    if fp8.is_pair(x):
-        rows_NB, code = fp8.to_rows(*x), DTYPE_CODES[fp8.VALUE_DTYPE]
-    else:
-        rows_NB, code = x.contiguous().view(torch.uint8), DTYPE_CODES[x.dtype]
+    wire = wire_rows(x, max_tokens, use_fp8)
+    rows_NB, code = wire.rows_NB, wire.code
     N = topk_idx_NK.shape[0]
     R, L = placement.num_ranks, placement.num_local_experts
     token_P, k_P = torch.nonzero(topk_idx_NK >= 0, as_tuple=True)
@@ -99,7 +114,7 @@ class LLDispatchOut:
 
 
 def dispatch_outputs(
-    plan: LLDispatchPlan,
+    plan: LLDispatchPlan | WireRows,
     hidden: int,
     num_ranks: int,
     topk_idx_NK: torch.Tensor,

@@ -18,6 +18,16 @@ nothing in a half reads device memory on the host. Two ways to run:
   of calls of each kind, advanced in the stream, so each replay of a captured
   graph is the next call (every rank must replay the same calls).
 
+Rows travel in one of the two data-as-flag forms (`flag`, docs/device.md):
+- "after-data" (default): rows, then the record's stamp (a system-scope release) that covers them;
+- "in-word": every 4 bytes of a row as an 8-byte word with the epoch in its high half, each word
+  its own flag (the receiver polls the words it reads; records keep their stamp). Slot rows take
+  twice the bytes (`LLBlocks.of(..., in_word=True)`).
+
+This rank's own inputs are checked in the send kernels (topk_idx's values and repeats; in combine,
+the handle's dispatch received and the same topk_idx): the host reads none of their values, and a
+bad one raises the host's exception after the launch (or at `check()`).
+
 `LLExchange` keeps the reuse words' Python side (`abort`, `resume`) and delegates here
 for engine="triton" on a heap with an address table.
 
@@ -36,7 +46,7 @@ from ubep.engine import ll_triton as k
 from ubep.errors import CommTimeoutError
 from ubep.protocols import ll_status
 from ubep.protocols.base import CODE_DTYPES, CODE_RANGE, DTYPE_CODES, Sizing
-from ubep.protocols.ll import per_writer
+from ubep.protocols.ll import FLAGS, IN_WORD, per_writer
 from ubep.protocols.ll_base import LLCombinePlan, LLDispatchOut, LLDispatchPlan
 
 DISPATCH, COMBINE = 0, 1
@@ -66,7 +76,16 @@ class LLDevice:
         engine,
         capturable: bool = False,
         max_spins: int | None = None,
+        flag: str = FLAGS[0],
     ):
+        if flag not in FLAGS:
+            raise ValueError(f"flag must be one of {FLAGS}, got {flag!r}")
+        if flag == IN_WORD and sizing.hidden % 2:
+            raise ValueError(
+                f"flag {IN_WORD!r} carries rows in 4-byte words: hidden must be even, got {sizing.hidden}"
+            )
+        self.flag, self.in_word = flag, flag == IN_WORD
+        self.slot_bytes = sizing.row_bytes * (2 if self.in_word else 1)  # a slot row's stride
         self.t, self.blocks, self.sizing, self.release = heap, blocks, sizing, release
         self.engine = engine
         self.me, self.R = heap.rank, heap.num_ranks
@@ -86,6 +105,7 @@ class LLDevice:
         self._unchecked: list[tuple[CallId, str, torch.Tensor, int]] = []  # capturable: to `check()`
         self._live_R: tuple[tuple[int, ...], torch.Tensor] | None = None
         self._epochs = self._zeros(2, 1)  # capturable: the calls of each kind so far (the device's epochs)
+        self._issued = [0, 0]  # capturable: the host's epoch of the last call the device counted, per kind
         self._live()  # built here: a call copies nothing to the device unless ranks were masked since
 
     # -- launching --------------------------------------------------------------------------------
@@ -142,7 +162,20 @@ class LLDevice:
         if not self.capturable:
             return torch.tensor([call.epoch], dtype=torch.int64).to(self.device)
         self._epochs[kind].add_(1)
+        self._issued[kind] = call.epoch if call is not None else self._issued[kind] + 1
         return self._epochs[kind].clone()
+
+    def restart(self, seq: int) -> None:
+        """Capturable: every kind's next call is seq + 1 (the host's `CallCounter.resume`, after a mask)."""
+        self._epochs.fill_(seq)
+        self._issued = [seq, seq]
+
+    def skip(self, call: CallId, kind: int) -> None:
+        """Capturable: a call rejected before its send still takes its epoch on the device, so that the
+        device's count of calls stays the host's (eagerly; a graph's replays advance only the device's)."""
+        if self.capturable and call.epoch > self._issued[kind]:
+            self._epochs[kind].add_(call.epoch - self._issued[kind])
+            self._issued[kind] = call.epoch
 
     def _wake(self) -> None:
         """Peers between launches sleep on their doorbells (capturable=False): ring them."""
@@ -150,7 +183,10 @@ class LLDevice:
             self.t.ring()
 
     def _word(self, *widths: int) -> tuple[torch.dtype, int]:
-        """The widest word (dtype, bytes) dividing every width in bytes and the slots' row stride."""
+        """The widest word (dtype, bytes) dividing every width in bytes and the slots' row stride; in
+        word form 4-byte payloads (every width is a multiple of 4 there: even hidden, FP8's H % 128)."""
+        if self.in_word:
+            return torch.int32, 4
         size = next(s for s in WORDS if all(w % s == 0 for w in (*widths, self.sizing.row_bytes)))
         return WORDS[size], size
 
@@ -170,11 +206,12 @@ class LLDevice:
         L = s.placement.num_local_experts
         args = (
             self.table, self._live(), self.me, epochs, rows_NB.view(dtype), topk, N,
-            topk.shape[1], self.experts_RL, L, code, T, s.max_topk, s.capacity, s.row_bytes // size,
-            s.row_bytes, b // size, b, self._zeros(self.R), self._zeros(self.R, L), self._zeros(8),
-            self.max_spins,
+            topk.shape[1], s.placement.num_experts, self.experts_RL, L, code, T, s.max_topk, s.capacity,
+            s.row_bytes // size, self.slot_bytes, b // size, b, self._zeros(self.R), self._zeros(self.R, L),
+            self._zeros(8), self.max_spins,
         )  # fmt: skip
-        consts = dict(WORD=_TL[dtype], NB=_pow2(N, 16, 64), KB=_pow2(topk.shape[1], 2), WB=128)
+        consts = dict(WORD=_TL[dtype], IN_WORD=self.in_word, NB=_pow2(N, 16, 64), KB=_pow2(topk.shape[1], 2),
+                      WB=128)  # fmt: skip
         self._half(call, "low-latency dispatch (buffer reuse)", k.ll_dispatch_send_kernel, (self.R, L),
                    args, consts, T)  # fmt: skip
         self._wake()
@@ -190,12 +227,13 @@ class LLDevice:
         T = h.num_max_dispatch_tokens_per_rank
         args = (
             self.table, self._live(), self.me, epochs, self.R, L, out.code, T,
-            s.max_topk, s.capacity, s.row_bytes // size, s.row_bytes, out.row_width, *CODE_RANGE,
+            s.max_topk, s.capacity, s.row_bytes // size, self.slot_bytes, s.row_bytes, out.row_width,
+            *CODE_RANGE,
             planes[0], W0, plane1, plane1.shape[2], M, h.recv_src_token_LM, h.recv_src_rank_LM,
             h.recv_src_k_LM, h.layout_range_LR2, h.recv_count_L, self._zeros(L, self.R), self._zeros(1),
             self._zeros(8), self.max_spins,
         )  # fmt: skip
-        consts = dict(WORD=_TL[dtype], LB=_pow2(L, 2), IB=16, WB=128)
+        consts = dict(WORD=_TL[dtype], IN_WORD=self.in_word, LB=_pow2(L, 2), IB=16, WB=128)
         try:
             phase = "low-latency dispatch (tokens)"
             self._half(call, phase, k.ll_dispatch_recv_kernel, (L, self.R), args, consts, T)
@@ -212,21 +250,31 @@ class LLDevice:
         return self.combine_rows(call, x_LMH, plan.topk_weights_NK, plan.handle, out_NH)
 
     def combine_rows(
-        self, call: CallId, x_LMH: torch.Tensor, weights_NK: torch.Tensor, handle, out_NH: torch.Tensor
+        self,
+        call: CallId,
+        x_LMH: torch.Tensor,
+        weights_NK: torch.Tensor,
+        handle,
+        out_NH: torch.Tensor,
+        topk_NK: torch.Tensor | None = None,
     ) -> Callable[[], None]:
         """Send half: every row the dispatch of `handle` delivered, x_LMH [L, M, H] (bf16 or fp32), back
-        to its home; returns the receive half, which sums them into out_NH with weights_NK."""
+        to its home; returns the receive half, which sums them into out_NH with weights_NK. topk_NK
+        (int64, the handle's shape): the combine's topk_idx, which the kernel checks is the dispatch's."""
         s, h, code, epochs = self.sizing, handle, DTYPE_CODES[x_LMH.dtype], self._epoch(call, COMBINE)
         x_LMB = x_LMH.contiguous().view(torch.uint8)
         L, M, B = x_LMB.shape
         dtype, size = self._word(B)
+        topk = h.topk_idx_NK
+        N, K = topk.shape
         args = (
             self.table, self._live(), self.me, epochs, x_LMB.view(dtype), L, M,
             B // size, h.layout_range_LR2, self.R, per_writer(s), s.row_bytes // size, code,
-            self._zeros(self.R), self._zeros(self.R, L), self._zeros(8),
-            self.max_spins,
+            topk, topk if topk_NK is None else topk_NK, N, K, h.recv_count_L,
+            self._zeros(self.R), self._zeros(self.R, L), self._zeros(8), self.max_spins,
         )  # fmt: skip
-        consts = dict(WORD=_TL[dtype], LB=_pow2(L, 2), IB=16, WB=128)
+        consts = dict(WORD=_TL[dtype], IN_WORD=self.in_word, LB=_pow2(L, 2), RB=_pow2(self.R, 2),
+                      NB=_pow2(N, 16, 64), KB=_pow2(K, 2), IB=16, WB=128)  # fmt: skip
         self._half(call, "low-latency combine (buffer reuse)", k.ll_combine_send_kernel, (self.R, L), args,
                    consts, code)  # fmt: skip
         self._wake()
@@ -261,6 +309,9 @@ class LLDevice:
     ) -> None:
         s = self.sizing
         N, K = topk.shape
+        # values the dispatch's kernel rejected (outside [-1, E)) must not index the tables: that call
+        # failed (its error comes first), and this one only has to stop without a fault
+        topk = torch.where((topk >= -1) & (topk < s.placement.num_experts), topk, -1)
         valid = (topk >= 0).to(torch.int64)
         owner_NK = self.owner_E[topk.clamp(min=0)]
         expected_R = self._zeros(self.R).scatter_add_(0, owner_NK.flatten(), valid.flatten())
@@ -268,10 +319,12 @@ class LLDevice:
         out = out_NH.view(torch.int16) if out_NH.dtype == torch.bfloat16 else out_NH
         args = (
             self.table, self.me, epochs, topk, K, self.owner_E, expected_R,
-            weights_NK, code, *CODE_RANGE, s.capacity * s.max_topk, slots_NK, s.row_bytes,
+            weights_NK, code, *CODE_RANGE, s.capacity * s.max_topk, slots_NK, self.slot_bytes,
             out, s.hidden, self._zeros(max(N, 1)), self._zeros(1), N, self._zeros(8), self.max_spins,
         )  # fmt: skip
-        consts = dict(Y_BF16=code == DTYPE_CODES[torch.bfloat16], HB=_pow2(s.hidden, 16, 256))
+        consts = dict(
+            Y_BF16=code == DTYPE_CODES[torch.bfloat16], IN_WORD=self.in_word, HB=_pow2(s.hidden, 16, 256)
+        )
         try:
             if N:
                 self._half(call, "low-latency combine", k.ll_combine_recv_kernel, (N,), args, consts, code)

@@ -14,18 +14,24 @@ from ubep.calls import CallId
 from ubep.engine.ll_codes import (  # noqa: F401 (the codes are this module's words too)
     DONE,
     E_COUNTS,
+    E_EXPERT,
     E_FIELD,
     E_FORMAT,
     E_MINE,
+    E_OTHER_TOPK,
     E_REJECTED,
+    E_REPEATED,
     E_RETURNED,
     E_T,
     E_TOKENS,
+    E_TOO_MANY,
+    E_UNRECEIVED,
     WAITING,
 )
 from ubep.errors import PeerDataError
 from ubep.transport.base import Transport
 from ubep.transport.heap import complaint
+from ubep.validate import bad_expert
 from ubep.waiting import AbortNotice, PeerAbortedError
 
 
@@ -35,6 +41,10 @@ def error(
     """The exception for a half's error status in `phase`; `mine` is this call's T (dispatch) or
     wire dtype code (combine)."""
     peer, a, b, c = (int(v) for v in status[1:5])
+    if code in OWN_INPUT:
+        return OWN_INPUT[code](a, b, c)
+    if code == E_TOO_MANY:
+        return too_many_returned(peer, a, b)
     if code == E_MINE:
         what = "dispatch" if call.kind == "ll_dispatch" else "combine"
         return RuntimeError(
@@ -61,3 +71,27 @@ def error(
         f"expected {c} (code {mine})",
     }
     return PeerDataError(messages[code])
+
+
+# This rank's own input, checked in the Triton send kernels: the host's exceptions, from (a, b, c).
+OWN_INPUT = {
+    E_EXPERT: lambda value, num_experts, row: bad_expert(num_experts, value),
+    E_REPEATED: lambda expert, _, row: ValueError(
+        f"topk_idx row {row} lists the same expert twice ({expert})"
+    ),
+    E_UNRECEIVED: lambda *_: ValueError(
+        "handle: its dispatch was not received yet; call its hook or event.wait() first"
+    ),
+    E_OTHER_TOPK: lambda _a, _b, row: ValueError(
+        f"topk_idx must be the one passed to the low_latency_dispatch that made handle (row {row} differs)"
+    ),
+}
+
+
+def too_many_returned(home: int, rows: int, most: int) -> PeerDataError:
+    """An expert rank returns each home at most `most` rows (its run of the home's back slots); more
+    means the home's dispatch sent it a token twice for one expert, or too many tokens."""
+    return PeerDataError(
+        f"low-latency combine: rank {home} sent this rank {rows} rows in the dispatch, more than the "
+        f"{most} its tokens can select here"
+    )
