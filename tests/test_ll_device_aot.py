@@ -91,11 +91,13 @@ def test_every_half_compiles_for_sm90_and_sm100(ptx):
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("name", [s[0] for s in SPECS])
 def test_releases_follow_a_barrier_and_polls_acquire_at_system_scope(ptx, name, arch):
-    """Every release (stamps, "consumed", arrivals) is system-scope and comes after a block barrier that
-    follows the program's last plain store before it; every acquire is system-scope."""
+    """Every release (stamps, "consumed", arrivals, the `rejected` word) is system-scope and comes after a
+    block barrier that follows the program's last plain store before it; every acquire is system-scope."""
     body = ptx[name, arch]
-    atoms = [(i, line) for i, line in enumerate(body) if re.search(r"\batom\.", line)]
+    atoms = [(i, line) for i, line in enumerate(body) if re.search(r"\b(atom|red)\.", line)]
     releases = [(i, line) for i, line in atoms if ".release." in line or ".acq_rel." in line]
+    if "_send_" in name:  # a rejected input raises the `rejected` word: a release reduction
+        assert any(re.search(r"red\.global\.sys\.release\.max\.s64", line) for _, line in releases), name
     stamps = [line for _, line in releases if re.search(r"atom\.global\.sys\.release\.exch\.b64", line)]
     assert stamps, f"{name}: no system-scope release exchange (stamp or consumed word)"
     for i, line in releases:
