@@ -5,7 +5,8 @@ low-latency mode over the heap's device address table with the Triton halves.
 No GPU here: the choice runs with CUDA and NCCL mocked, the device checks on the meta device, and the
 factory branch over a stand-in for torch symmetric memory (CPU arenas) with the kernels under Triton's
 interpreter, in a subprocess: one rank dispatches to and combines from itself through the CUDA heap's
-address table, checked against `ubep.reference`. The real thing runs in scripts/device_check.sh.
+address table, checked against `ubep.reference`, with rows after data and (capturable) in word form.
+The real thing runs in scripts/device_check.sh.
 """
 
 from __future__ import annotations
@@ -134,7 +135,7 @@ SCRIPT = textwrap.dedent(
     from ubep.group import GroupInfo
     from ubep.layout import ExpertPlacement
     from ubep.protocols.base import Sizing
-    from ubep.protocols.ll_base import combine_plan, dispatch_outputs, dispatch_plan
+    from ubep.protocols.ll_base import combine_plan, dispatch_outputs, dispatch_plan, wire_rows
     from ubep.transport.cuda import CudaHeap
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
@@ -174,6 +175,30 @@ SCRIPT = textwrap.dedent(
                 rejected = calls.next("ll_dispatch")
                 ll.abort(rejected, "dispatch")
                 assert int(ll.t.view(ll.blocks.rejected, 0)[0]) == rejected.epoch
+    finally:
+        ll.t.close()
+    # rows in word form, capturable: the factory sizes the slots for words; one call from wire rows
+    options = Options(transport="cuda", protocol="ubep", low_latency=True, timeout_s=20, ll_flag="in-word",
+                      capturable=True)  # fmt: skip
+    normal, ll = build(info, sizing, options, TritonEngine(), FaultPoints())
+    try:
+        assert ll._compiled.in_word and ll._compiled.capturable and "in-word" in ll.halves
+        assert ll.blocks.slots.shape[-1] == 2 * sizing.row_bytes
+        calls = CallCounter()
+        x = (torch.randn(5, H, generator=g) * 3).to(torch.bfloat16)
+        idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(5)])
+        w = torch.rand(5, K, generator=g)
+        wire = wire_rows(x, T, False)
+        out = dispatch_outputs(wire, H, 1, idx, E)
+        ll.dispatch_send(calls.next("ll_dispatch"), wire, out)()
+        y = (out.recv_x.float() * 0.5 - 1).to(torch.bfloat16)
+        combined = torch.empty(5, H, dtype=torch.bfloat16)
+        ll.combine_rows(calls.next("ll_combine"), y, w, out.handle, combined, idx)()
+        ll.check()
+        want = reference.low_latency_dispatch([x], [idx], E, T)[0]
+        assert torch.equal(out.handle.recv_count_L, want.recv_count_L)
+        ref_y = [(want.recv_x_LMX.float() * 0.5 - 1).to(torch.bfloat16)]
+        assert torch.equal(combined, reference.low_latency_combine(ref_y, [want], [idx], [w])[0])
         print("CUDA BRANCH OK")
     finally:
         ll.t.close()
