@@ -181,44 +181,41 @@ def _poll_words(src, mask, epoch, status, max_spins):
 @triton.jit
 def _check_topk(topk, N, K, E, status, me, NB: tl.constexpr, KB: tl.constexpr):
     """This rank's topk_idx [N, K]: every value in [-1, E), no expert twice in a row (as
-    `ubep.validate.topk_idx` on the host). 1 good, 0 failed (E_EXPERT or E_REPEATED in status)."""
+    `ubep.validate.topk_idx` on the host: a value out of range anywhere first, then the first row with
+    a repeat). One pass, each block of rows loaded once. 1 good, 0 failed (E_EXPERT or E_REPEATED)."""
     ks = tl.arange(0, KB)
-    ok = tl.full((), 1, tl.int32)
+    beyond = N * KB  # above every flat index (token * KB + k)
+    bad_at = beyond
+    bad_value = tl.full((), 0, tl.int64)
+    twice_row = N
+    twice_expert = tl.full((), -1, tl.int64)
     t0 = 0
-    while (ok != 0) & (t0 < N):  # the range first, over every row, as the host does
+    while t0 < N:
         tokens = t0 + tl.arange(0, NB)
         inside = (tokens[:, None] < N) & (ks[None, :] < K)
         chosen = tl.load(topk + tokens[:, None] * K + ks[None, :], mask=inside, other=-1)
         flat = tokens[:, None] * KB + ks[None, :]
-        last = (t0 + NB) * KB  # above every flat index of the block
-        bad = tl.where(inside & ((chosen < -1) | (chosen >= E)), flat, last)
-        first = tl.min(tl.min(bad, axis=1), axis=0)
-        if first < last:
-            value = tl.sum(tl.sum(tl.where(flat == first, chosen, 0), axis=1), axis=0)
-            _fail(status, E_EXPERT, me, value, E.to(tl.int64), (first // KB).to(tl.int64))
-            ok = tl.full((), 0, tl.int32)
+        first = tl.min(
+            tl.min(tl.where(inside & ((chosen < -1) | (chosen >= E)), flat, beyond), axis=1), axis=0
+        )
+        if first < bad_at:
+            bad_at = first
+            bad_value = tl.sum(tl.sum(tl.where(flat == first, chosen, 0), axis=1), axis=0)
+        earlier = ks[None, :, None] < ks[None, None, :]  # each pair (k, k') of a row once
+        same = (chosen[:, :, None] == chosen[:, None, :]) & (chosen[:, :, None] >= 0) & earlier
+        repeated = tl.max(tl.max(tl.where(same, chosen[:, :, None], -1), axis=2), axis=1)  # [NB]: -1 or one
+        row = tl.min(tl.where(repeated >= 0, tokens, N), axis=0)
+        if row < twice_row:
+            twice_row = row
+            twice_expert = tl.sum(tl.where(tokens == row, repeated, 0), axis=0)
         t0 += NB
-    t0 = 0
-    while (ok != 0) & (t0 < N):
-        tokens = t0 + tl.arange(0, NB)
-        inside = (tokens[:, None] < N) & (ks[None, :] < K)
-        chosen = tl.load(topk + tokens[:, None] * K + ks[None, :], mask=inside, other=-1)
-        twice = tl.zeros((NB,), tl.int32)
-        expert = tl.full((NB,), -1, tl.int64)
-        k2 = 1
-        while k2 < K:
-            other = tl.load(topk + tokens * K + k2, mask=tokens < N, other=-1)
-            same = inside & (ks[None, :] < k2) & (chosen == other[:, None]) & (other[:, None] >= 0)
-            hit = tl.max(same.to(tl.int32), axis=1)
-            expert = tl.where((twice == 0) & (hit != 0), other, expert)
-            twice = twice | hit
-            k2 += 1
-        row = tl.min(tl.where(twice != 0, tokens, N), axis=0)
-        if row < N:
-            which = tl.sum(tl.where(tokens == row, expert, 0), axis=0)
-            _fail(status, E_REPEATED, me, which, 0, row.to(tl.int64))
-            ok = tl.full((), 0, tl.int32)
-        t0 += NB
+    ok = tl.full((), 0, tl.int32)
+    if bad_at < beyond:
+        _fail(status, E_EXPERT, me, bad_value, E.to(tl.int64), (bad_at // KB).to(tl.int64))
+    elif twice_row < N:
+        _fail(status, E_REPEATED, me, twice_expert, 0, twice_row.to(tl.int64))
+    else:
+        ok = tl.full((), 1, tl.int32)
     return ok
 
 
