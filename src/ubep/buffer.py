@@ -616,7 +616,7 @@ class Buffer:
                 self.device,
             )
             if self._masked:
-                idx = self._drop_masked(idx)[0]
+                idx = self._drop_masked(idx, count=False)[0]
             plan = wire_rows(x, T, use_fp8) if on_device else dispatch_plan(x, idx, s.placement, T, use_fp8)
             out = dispatch_outputs(plan, s.hidden, self._info.world_size, idx, self._num_experts, call.seq)
         except BaseException:
@@ -692,7 +692,7 @@ class Buffer:
             idx, handle.num_tokens, self._num_experts, self.sizing.max_topk, values, self.device
         )
         if self._masked:
-            idx = self._drop_masked(idx)[0]
+            idx = self._drop_masked(idx, count=False)[0]
         if idx.shape != handle.topk_idx_NK.shape or (values and not torch.equal(idx, handle.topk_idx_NK)):
             raise ValueError("topk_idx must be the one passed to the low_latency_dispatch that made handle")
         return x, idx, validate.topk_weights(topk_weights, tuple(idx.shape), device=self.device)
@@ -767,13 +767,14 @@ class Buffer:
         """Ranks left out of every call (`mask_ranks`), ascending."""
         return tuple(sorted(self._masked))
 
-    def _drop_masked(self, topk_idx_NK: torch.Tensor) -> tuple[torch.Tensor, int]:
-        """topk_idx with -1 where it selects a masked rank's expert, and how many entries that drops."""
+    def _drop_masked(self, topk_idx_NK: torch.Tensor, count: bool = True) -> tuple[torch.Tensor, int]:
+        """topk_idx with -1 where it selects a masked rank's expert, and how many entries that drops
+        (0 unless `count`: counting reads back on the host)."""
         if not self._masked:
             return topk_idx_NK, 0
         E = self._masked_E.numel()  # (ids outside [0, E) stay: on the device halves, the kernel rejects them)
         dropped_NK = (topk_idx_NK >= 0) & (topk_idx_NK < E) & self._masked_E[topk_idx_NK.clamp(0, E - 1)]
-        return topk_idx_NK.masked_fill(dropped_NK, -1), int(dropped_NK.sum())
+        return topk_idx_NK.masked_fill(dropped_NK, -1), int(dropped_NK.sum()) if count else 0
 
     # -- lifetime ---------------------------------------------------------------------------------
 
