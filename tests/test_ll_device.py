@@ -363,10 +363,11 @@ def test_a_whole_call_reads_nothing_back_on_the_host():
 
 
 def buffer_without_host_reads(_: int) -> list[str]:
-    """A whole `Buffer.low_latency_dispatch` + `low_latency_combine` (capturable, both flags) with every
-    host read forbidden: the Buffer checks shapes, dtypes and devices only, and the kernels the values;
-    equal to the reference. Then rank 0 passes an expert id out of range, still without a host read:
-    `check()` raises the host's ValueError on rank 0, and on rank 1 that rank 0 rejected the call."""
+    """A whole `Buffer.low_latency_dispatch` + `low_latency_combine` (capturable, both flags; FP8 in word
+    form) with every host read forbidden: the Buffer checks shapes, dtypes and devices only, and the
+    kernels the values; equal to the reference. Then rank 0 passes an expert id out of range, still
+    without a host read: `check()` raises the host's ValueError on rank 0, and on rank 1 that rank 0
+    rejected the call."""
     from test_low_latency import CAPACITY, HIDDEN, LLCase, expert_output
 
     from ubep.waiting import PeerAbortedError
@@ -377,6 +378,9 @@ def buffer_without_host_reads(_: int) -> list[str]:
     ref = reference.low_latency_dispatch(xs, idxs, E, CAPACITY)
     ys = [expert_output(r.recv_x_LMX, rank) for rank, r in enumerate(ref)]
     want = reference.low_latency_combine(ys, ref, idxs, ws)[me]
+    qs = [fp8.quantize(x) for x in xs]  # what FP8 delivers: the reference over values and scales
+    ref_v = reference.low_latency_dispatch([q[0] for q in qs], idxs, E, CAPACITY)[me]
+    ref_s = reference.low_latency_dispatch([q[1] for q in qs], idxs, E, CAPACITY)[me]
     bad = idxs[me].clone()
     if me == 0:
         bad[0, 0] = E
@@ -385,10 +389,11 @@ def buffer_without_host_reads(_: int) -> list[str]:
         with ubep.Buffer(hidden=HIDDEN, num_experts=E, max_tokens_per_rank=CAPACITY, timeout_s=60,
                          engine="triton", ll_flag=flag, capturable=True) as buf:  # fmt: skip
             assert "capturable" in buf.explain()
+            use_fp8 = flag == "in-word"  # FP8 quantizes on the way out: tensor operations only
             patched: list = []
             _no_host_reads(patched)
             try:
-                got = buf.low_latency_dispatch(xs[me], idxs[me], CAPACITY, E)
+                got = buf.low_latency_dispatch(xs[me], idxs[me], CAPACITY, E, use_fp8=use_fp8)
                 out = buf.low_latency_combine(ys[me], idxs[me], ws[me], got.handle)
             finally:
                 _restore(patched)
@@ -396,7 +401,13 @@ def buffer_without_host_reads(_: int) -> list[str]:
             assert torch.equal(got.handle.recv_count_L, ref[me].recv_count_L)
             assert torch.equal(got.handle.layout_range_LR2, ref[me].layout_range_LR2)
             for j, c in enumerate(ref[me].recv_count_L.tolist()):
-                assert torch.equal(got.recv_x[j, :c], ref[me].recv_x_LMX[j, :c])
+                if use_fp8:
+                    assert torch.equal(
+                        got.recv_x[0][j, :c].view(torch.uint8), ref_v.recv_x_LMX[j, :c].view(torch.uint8)
+                    )
+                    assert torch.equal(got.recv_x[1][j, :c], ref_s.recv_x_LMX[j, :c])
+                else:
+                    assert torch.equal(got.recv_x[j, :c], ref[me].recv_x_LMX[j, :c])
             assert torch.equal(out.combined_x, want)
             _no_host_reads(patched := [])
             try:  # a bad call (and the combine a graph would run after it) reads nothing back either
