@@ -32,7 +32,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ubep.engine.ubep_triton import _acquire, _copy_words, _epoch, _fail, _release, _words
+from ubep.engine.triton_sync import int64_ptr, load_acquire, load_epoch, store_release
+from ubep.engine.ubep_triton import _copy_words, _fail
 
 # Block indices of `BspBlocks.all()` and codes: those of `ubep.engine.bsp_halves`.
 BLOCKS: tl.constexpr = tl.constexpr(11)
@@ -67,12 +68,12 @@ def _address(table, rank, block):
 @triton.jit
 def bsp_counts_kernel(table, me, epochs, counts, R, RB: tl.constexpr):
     """Publish this rank's row count for every destination (counts int64 [R]): the count round."""
-    epoch, _ = _epoch(epochs)
+    epoch, _ = load_epoch(epochs)
     rs = tl.arange(0, RB)
-    record = _words(_address(table, me, COUNTS))
+    record = int64_ptr(_address(table, me, COUNTS))
     tl.store(record + 1 + rs, tl.load(counts + rs, mask=rs < R), mask=rs < R)
     tl.debug_barrier()
-    _release(_address(table, me, COUNTS), epoch)
+    store_release(_address(table, me, COUNTS), epoch)
 
 
 @triton.jit
@@ -86,15 +87,15 @@ def bsp_barrier_kernel(table, live, me, targets, R, status, max_spins):
         go = tl.full((), 0, tl.int32)
     else:  # again on a relaunch: the same target
         tl.debug_barrier()
-        _release(own, target)
+        store_release(own, target)
     p = tl.full((), 0, tl.int32)
     while (go != 0) & (p < R):
         if (tl.load(live + p) != 0) & (p != me):
             word = _address(table, p, BARRIER)
-            seen = _acquire(word)
+            seen = load_acquire(word)
             spins = tl.full((), 0, tl.int32)
             while (seen < target) & (spins < max_spins):
-                seen = _acquire(word)
+                seen = load_acquire(word)
                 spins += 1
             if seen < target:
                 tl.atomic_xchg(status + 6, tl.full((), 1, tl.int64) + p, sem="relaxed", scope="gpu")
@@ -113,7 +114,7 @@ def bsp_send_kernel(
     indices and, K > 0, their local top-k as dst sees it (local_of_RE int64 [R, E]; weight 0 where not
     dst's); x [N, W] words of b bytes, scales [N, S] int32 words. The last of dst's programs writes
     the `staged` record (code, K) and stamps it. arrivals int64 [R] start zeroed for the call."""
-    epoch, _ = _epoch(epochs)
+    epoch, _ = load_epoch(epochs)
     dst = tl.program_id(0)
     i = tl.program_id(1)
     if (tl.load(live + dst) != 0) & (not _stopped(status)):
@@ -134,25 +135,25 @@ def bsp_send_kernel(
         _copy_words(x, stage_x, rows, slot - me * T, ok, W, WB)
         stage_s = _address(table, dst, STAGE_SCALES).to(tl.pointer_type(tl.int32))
         _copy_words(scales, stage_s, rows, slot, ok, S, WB)
-        tl.store(_words(_address(table, dst, STAGE_TOKENS)) + slot, rows, mask=ok)
+        tl.store(int64_ptr(_address(table, dst, STAGE_TOKENS)) + slot, rows, mask=ok)
         if K > 0:
             ks = tl.arange(0, KB)
             both = ok[:, None] & (ks[None, :] < K)
             e = tl.load(topk + rows[:, None] * K + ks[None, :], mask=both, other=-1)
             w = tl.load(weights + rows[:, None] * K + ks[None, :], mask=both, other=0.0)
             local = tl.load(local_of_RE + dst * E + e, mask=both & (e >= 0), other=-1)
-            idx_at = _words(_address(table, dst, STAGE_TOPK))
+            idx_at = int64_ptr(_address(table, dst, STAGE_TOPK))
             w_at = _address(table, dst, STAGE_WEIGHTS).to(tl.pointer_type(tl.float32))
             tl.store(idx_at + slot[:, None] * Kmax + ks[None, :], local, mask=both)
             tl.store(w_at + slot[:, None] * Kmax + ks[None, :], tl.where(local >= 0, w, 0.0), mask=both)
         tl.debug_barrier()
         arrived = tl.atomic_add(arrivals + dst, 1, sem="acq_rel", scope="sys")
         if arrived == blocks - 1:  # the last of dst's programs: every row for dst is ordered before this
-            record = _words(_address(table, dst, STAGED)) + me * 3
+            record = int64_ptr(_address(table, dst, STAGED)) + me * 3
             tl.store(record + 1, code)  # stored as int64, the pointer's type
             tl.store(record + 2, K)
             tl.debug_barrier()
-            _release(_address(table, dst, STAGED) + me * 3 * 8, epoch)
+            store_release(_address(table, dst, STAGED) + me * 3 * 8, epoch)
 
 
 @triton.jit
@@ -163,14 +164,14 @@ def bsp_verify_kernel(
     """After the token barrier: every live source's staging flag (missing ones into pending, their
     number in status[1]), its format, and its count for this rank (counts int64 [R]), in
     `bsp_halves.bsp_verify`'s order; then prefix int64 [R + 1] (with worst > 0, the total must fit)."""
-    epoch, _ = _epoch(epochs)
+    epoch, _ = load_epoch(epochs)
     n = tl.full((), 0, tl.int64)
     p = tl.full((), 0, tl.int32)
     if _stopped(status):
         p = R + p
     while p < R:
         if tl.load(live + p) != 0:
-            if _acquire(_address(table, me, STAGED) + p * 3 * 8) != epoch:
+            if load_acquire(_address(table, me, STAGED) + p * 3 * 8) != epoch:
                 tl.store(pending + n, p)
                 n += 1
         p += 1
@@ -184,10 +185,10 @@ def bsp_verify_kernel(
         while (go != 0) & (p < R):
             count = tl.full((), 0, tl.int64)
             if tl.load(live + p) != 0:
-                record = _words(_address(table, me, STAGED)) + p * 3
+                record = int64_ptr(_address(table, me, STAGED)) + p * 3
                 dtype = tl.load(record + 1)
                 their_k = tl.load(record + 2)
-                theirs = tl.load(_words(_address(table, p, COUNTS)) + 1 + rs, mask=rs < R, other=0)
+                theirs = tl.load(int64_ptr(_address(table, p, COUNTS)) + 1 + rs, mask=rs < R, other=0)
                 bad = (rs < R) & ((theirs < 0) | (theirs > T))
                 first_bad = tl.min(tl.where(bad, rs, RB), axis=0)
                 bad_count = tl.sum(tl.where(rs == first_bad, theirs, 0), axis=0)
@@ -204,7 +205,7 @@ def bsp_verify_kernel(
                     _fail(status, E_FIELD, p, bad_count, 0, 1, 0)
                     go = tl.full((), 0, tl.int32)
                 else:
-                    count = tl.load(_words(_address(table, p, COUNTS)) + 1 + me)
+                    count = tl.load(int64_ptr(_address(table, p, COUNTS)) + 1 + me)
             tl.store(counts + p, count)
             tl.store(prefix + p, total)
             total += count
@@ -239,7 +240,7 @@ def bsp_reorder_kernel(
         _copy_words(stage_x, recv_x, ii.to(tl.int64), rows, ok, W, WB)
         stage_s = _address(table, me, STAGE_SCALES).to(tl.pointer_type(tl.int32))
         _copy_words(stage_s, recv_scales, slot, rows, ok, S, WB)
-        tokens = tl.load(_words(_address(table, me, STAGE_TOKENS)) + slot, mask=ok, other=0)
+        tokens = tl.load(int64_ptr(_address(table, me, STAGE_TOKENS)) + slot, mask=ok, other=0)
         tl.store(src_token + rows, tokens, mask=ok)
         tl.store(src_rank + rows, tl.zeros((IB,), tl.int64) + src, mask=ok)
         bad_local = tl.full((), 0, tl.int32)
@@ -247,7 +248,7 @@ def bsp_reorder_kernel(
             ks = tl.arange(0, KB)
             both = ok[:, None] & (ks[None, :] < K)
             idx = tl.load(
-                _words(_address(table, me, STAGE_TOPK)) + slot[:, None] * Kmax + ks[None, :], mask=both
+                int64_ptr(_address(table, me, STAGE_TOPK)) + slot[:, None] * Kmax + ks[None, :], mask=both
             )
             w_at = _address(table, me, STAGE_WEIGHTS).to(tl.pointer_type(tl.float32))
             w = tl.load(w_at + slot[:, None] * Kmax + ks[None, :], mask=both)

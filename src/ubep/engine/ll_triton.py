@@ -52,6 +52,7 @@ import triton
 import triton.language as tl
 
 from ubep.engine.triton_kernels import _bf16_bits
+from ubep.engine.triton_sync import int64_ptr, load_acquire, load_epoch, store_release
 
 # Block indices of `LLBlocks.all()`, record words and codes: those of `ubep.engine.ll_halves`.
 BLOCKS: tl.constexpr = tl.constexpr(7)
@@ -63,7 +64,6 @@ BACK_SLOTS: tl.constexpr = tl.constexpr(4)
 DONE_WORDS: tl.constexpr = tl.constexpr(5)
 REJECTED: tl.constexpr = tl.constexpr(6)
 S_COUNTS: tl.constexpr = tl.constexpr(4)  # sent record: stamp, dtype, T, width, counts[L]
-NEVER: tl.constexpr = tl.constexpr(-1)  # no polled word ever holds it: a CAS against it only reads
 
 WAITING_WORD: tl.constexpr = tl.constexpr(5)  # status[5]: 1 + the peer still awaited (status[0] 0: DONE)
 E_FIELD: tl.constexpr = tl.constexpr(2)  # the codes of `ubep.engine.ll_codes`
@@ -85,31 +85,6 @@ E_TOO_MANY: tl.constexpr = tl.constexpr(14)
 def _address(table, rank, block, half):
     """Address (int64) of `block` in `rank`'s memory for this half."""
     return tl.load(table + (rank * BLOCKS + block) * 2 + half)
-
-
-@triton.jit
-def _words(address):
-    return address.to(tl.pointer_type(tl.int64))
-
-
-@triton.jit
-def _acquire(address):
-    """The int64 at `address`, read with a system-scope acquire (a compare-and-swap that never matches)."""
-    never = tl.full((), NEVER, tl.int64)
-    return tl.atomic_cas(_words(address), never, never, sem="acquire", scope="sys")
-
-
-@triton.jit
-def _release(address, value):
-    """Store `value` at `address` with a system-scope release: every store before it is visible first."""
-    tl.atomic_xchg(_words(address), value, sem="release", scope="sys")
-
-
-@triton.jit
-def _epoch(epochs):
-    """(the call's epoch, its half: epoch % 2), read from the device word the host or a graph set."""
-    epoch = tl.load(epochs)
-    return epoch, epoch & 1
 
 
 @triton.jit
@@ -151,7 +126,7 @@ def _reject(table, me, kind, epoch):
     """This rank's input failed a check: raise its `rejected` word for this kind to the epoch (a
     system-scope release), so that peers' receive halves stop with E_REJECTED instead of waiting."""
     tl.debug_barrier()
-    tl.atomic_max(_words(_address(table, me, REJECTED, 0) + kind * 8), epoch, sem="release", scope="sys")
+    tl.atomic_max(int64_ptr(_address(table, me, REJECTED, 0) + kind * 8), epoch, sem="release", scope="sys")
 
 
 @triton.jit
@@ -226,14 +201,14 @@ def _wait_reusable(table, status, me, peer, kind, half, epoch, max_spins):
     Returns 1 when it may be written, 0 when the wait ran out, -1 on an error (in status)."""
     before = epoch - 2
     ok = 1
-    if _acquire(_done_word(table, me, kind, half, 0)) < before:
+    if load_acquire(_done_word(table, me, kind, half, 0)) < before:
         _fail(status, E_MINE, me, before, 0, 0)
         ok = -1
     else:
-        seen = _acquire(_done_word(table, peer, kind, half, 0))
+        seen = load_acquire(_done_word(table, peer, kind, half, 0))
         spins = _spent(status, max_spins)
         while (seen < before) & (spins < max_spins):
-            seen = _acquire(_done_word(table, peer, kind, half, 0))
+            seen = load_acquire(_done_word(table, peer, kind, half, 0))
             spins += 1
         if seen < before:
             _awaiting(status, peer)
@@ -245,12 +220,12 @@ def _wait_reusable(table, status, me, peer, kind, half, epoch, max_spins):
 def _wait_stamp(table, status, me, peer, kind, header, half, stamp, epoch, max_spins):
     """Wait (bounded) for `peer`'s stamp (at address `stamp`) to read `epoch`: 1 landed, 0 the wait
     ran out (the peer is marked as awaited), -1 the peer rejected the call (an error)."""
-    seen = _acquire(stamp)
-    rejected = _acquire(_address(table, peer, REJECTED, 0) + kind * 8)
+    seen = load_acquire(stamp)
+    rejected = load_acquire(_address(table, peer, REJECTED, 0) + kind * 8)
     spins = _spent(status, max_spins)
     while (seen != epoch) & (rejected < epoch) & (spins < max_spins):
-        seen = _acquire(stamp)
-        rejected = _acquire(_address(table, peer, REJECTED, 0) + kind * 8)
+        seen = load_acquire(stamp)
+        rejected = load_acquire(_address(table, peer, REJECTED, 0) + kind * 8)
         spins += 1
     landed = 1
     if seen != epoch:
@@ -270,8 +245,8 @@ def _arrive_and_release(table, me, kind, half, epoch, arrivals, programs):
     tl.debug_barrier()
     arrived = tl.atomic_add(arrivals, 1, sem="acq_rel", scope="gpu")
     if arrived == programs - 1:
-        skipped = _acquire(_done_word(table, me, kind, half, 1))
-        _release(_done_word(table, me, kind, half, 0), tl.maximum(skipped, epoch))
+        skipped = load_acquire(_done_word(table, me, kind, half, 1))
+        store_release(_done_word(table, me, kind, half, 0), tl.maximum(skipped, epoch))
 
 
 # -- dispatch -------------------------------------------------------------------------------------
@@ -308,7 +283,7 @@ def ll_dispatch_send_kernel(
     int64 words, IN_WORD), slot_bytes bytes; arrivals int64 [R], progress int64 [R, L] (1: sent) start
     zeroed for the call. IN_WORD: rows as epoch words (int32 payloads), after the stamp.
     """
-    epoch, half = _epoch(epochs)
+    epoch, half = load_epoch(epochs)
     d = tl.program_id(0)
     j = tl.program_id(1)
     go = (tl.load(live + d) != 0) & (tl.load(progress + d * L + j) == 0)
@@ -322,7 +297,7 @@ def ll_dispatch_send_kernel(
     if go:
         expert = tl.load(experts + d * L + j)
         slots = _address(table, d, SLOTS, half) + (me * L + j).to(tl.int64) * Tcap * slot_bytes
-        info = _words(_address(table, d, SLOT_INFO, half)) + (me * L + j).to(tl.int64) * Tcap
+        info = int64_ptr(_address(table, d, SLOT_INFO, half)) + (me * L + j).to(tl.int64) * Tcap
         count = tl.full((), 0, tl.int64)
         t0 = 0
         while t0 < N:
@@ -333,7 +308,7 @@ def ll_dispatch_send_kernel(
                           False, WB)  # fmt: skip
             count += tl.sum(hit, axis=0)
             t0 += NB
-        record = _words(_address(table, d, SENT, half)) + me * (S_COUNTS + L)
+        record = int64_ptr(_address(table, d, SENT, half)) + me * (S_COUNTS + L)
         tl.store(record + S_COUNTS + j, count)
         tl.store(progress + d * L + j, 1)
         tl.debug_barrier()
@@ -343,7 +318,7 @@ def ll_dispatch_send_kernel(
             tl.store(record + 2, T.to(tl.int64))
             tl.store(record + 3, width.to(tl.int64))
             tl.debug_barrier()
-            _release(_address(table, d, SENT, half) + me * (S_COUNTS + L) * 8, epoch)
+            store_release(_address(table, d, SENT, half) + me * (S_COUNTS + L) * 8, epoch)
         if IN_WORD:  # each word its own flag: the rows after the stamp, which covers only counts and infos
             count = tl.full((), 0, tl.int64)
             t0 = 0
@@ -443,7 +418,7 @@ def ll_dispatch_recv_kernel(
     a wait ran out runs only the programs still waiting. The last program to finish releases
     the half.
     """
-    epoch, half = _epoch(epochs)
+    epoch, half = load_epoch(epochs)
     j = tl.program_id(0)
     src = tl.program_id(1)
     if tl.load(state + j * R + src) == 0:
@@ -459,7 +434,7 @@ def ll_dispatch_recv_kernel(
                     go = tl.full((), 0, tl.int32)
                     waiting = tl.full((), 1, tl.int32) * (landed == 0)
                 elif s < src:
-                    before = tl.load(_words(stamp) + S_COUNTS + j)
+                    before = tl.load(int64_ptr(stamp) + S_COUNTS + j)
                     if (before < 0) | (before > T):  # that source's own program reports it
                         go = tl.full((), 0, tl.int32)
                     else:
@@ -468,13 +443,13 @@ def ll_dispatch_recv_kernel(
         n = tl.full((), 0, tl.int64)
         if (go != 0) & (tl.load(live + src) != 0):
             stamp = _address(table, me, SENT, half) + src * (S_COUNTS + L) * 8
-            if _check_sent(_words(stamp), status, src, L, code, T, Tcap, row_bytes, width,
+            if _check_sent(int64_ptr(stamp), status, src, L, code, T, Tcap, row_bytes, width,
                            dtype_lo, dtype_hi, LB) == 0:  # fmt: skip
                 go = tl.full((), 0, tl.int32)
             else:
-                n = tl.load(_words(stamp) + S_COUNTS + j)
+                n = tl.load(int64_ptr(stamp) + S_COUNTS + j)
                 first = (src * L + j).to(tl.int64) * Tcap  # this source's slots for j
-                info = _words(_address(table, me, SLOT_INFO, half)) + first
+                info = int64_ptr(_address(table, me, SLOT_INFO, half)) + first
                 slots = _address(table, me, SLOTS, half) + first * slot_bytes
                 if IN_WORD:
                     slots = slots.to(tl.pointer_type(tl.int64))
@@ -569,7 +544,7 @@ def ll_combine_send_kernel(
     and progress int64 [R, L] (1: sent) start zeroed for the call. Every program first checks the
     call's own inputs (`_check_return`: the dispatch's topk [N, K] and recv_count [L], the combine's
     topk `given`). IN_WORD: rows as epoch words (int32 payloads), after the stamp."""
-    epoch, half = _epoch(epochs)
+    epoch, half = load_epoch(epochs)
     h = tl.program_id(0)
     j = tl.program_id(1)
     go = (tl.load(live + h) != 0) & (tl.load(progress + h * L + j) == 0)
@@ -595,11 +570,11 @@ def ll_combine_send_kernel(
         arrived = tl.atomic_add(arrivals + h, 1, sem="acq_rel", scope="sys")
         if arrived == L - 1:  # the last of h's programs: every row for h is ordered before this
             counts = tl.load(layout_range + (ls * R + h) * 2 + 1, mask=ls < L, other=0)
-            record = _words(_address(table, h, RETURNED, half)) + me * 3
+            record = int64_ptr(_address(table, h, RETURNED, half)) + me * 3
             tl.store(record + 1, code.to(tl.int64))
             tl.store(record + 2, tl.sum(counts, axis=0))
             tl.debug_barrier()
-            _release(_address(table, h, RETURNED, half) + me * 3 * 8, epoch)
+            store_release(_address(table, h, RETURNED, half) + me * 3 * 8, epoch)
         if IN_WORD:  # each word its own flag: the rows after the stamp, which covers only the count
             _return_rows(x, j, M, begin, n, me * per_writer + before, W, back.to(tl.pointer_type(tl.int64)),
                          slot_words, epoch, True, IB, WB)  # fmt: skip
@@ -661,7 +636,7 @@ def ll_combine_recv_kernel(
     [N] (zeroed for the call): 1 once t is finished (a second launch skips it). IN_WORD: the back
     slots hold epoch words, each polled until it carries the epoch.
     """
-    epoch, half = _epoch(epochs)
+    epoch, half = load_epoch(epochs)
     t = tl.program_id(0)
     if tl.load(state + t) == 0:
         go = tl.full((), 1, tl.int32)
@@ -677,8 +652,8 @@ def ll_combine_recv_kernel(
                     go = tl.full((), 0, tl.int32)
                     waiting = tl.full((), 1, tl.int32) * (landed == 0)
                 else:
-                    dtype = tl.load(_words(stamp) + 1)
-                    count = tl.load(_words(stamp) + 2)
+                    dtype = tl.load(int64_ptr(stamp) + 1)
+                    count = tl.load(int64_ptr(stamp) + 2)
                     want = tl.load(expected + r)
                     if (dtype < dtype_lo) | (dtype > dtype_hi):
                         _fail(status, E_FIELD, r, dtype, 0, 0)

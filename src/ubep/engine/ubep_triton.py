@@ -53,6 +53,7 @@ import triton
 import triton.language as tl
 
 from ubep.engine.triton_kernels import _bf16_bits
+from ubep.engine.triton_sync import int64_ptr, load_acquire, load_epoch, store_release
 
 # Block indices of `UbepBlocks.all()`, header words and codes: those of `ubep.engine.ubep_codes`.
 BLOCKS: tl.constexpr = tl.constexpr(10)
@@ -73,7 +74,6 @@ R_COUNTS: tl.constexpr = tl.constexpr(4)
 B_DTYPE: tl.constexpr = tl.constexpr(1)
 B_TOPK: tl.constexpr = tl.constexpr(2)
 B_PREFIX: tl.constexpr = tl.constexpr(3)
-NEVER: tl.constexpr = tl.constexpr(-1)  # no stamp ever holds it: a CAS against it only reads
 
 WAITING_WORD: tl.constexpr = tl.constexpr(6)  # status[6]: 1 + the peer still awaited (status[0] 0: DONE)
 E_FIELD: tl.constexpr = tl.constexpr(2)
@@ -100,31 +100,6 @@ def _address(table, rank, block, half):
 
 
 @triton.jit
-def _words(address):
-    return address.to(tl.pointer_type(tl.int64))
-
-
-@triton.jit
-def _acquire(address):
-    """The int64 at `address`, read with a system-scope acquire (a compare-and-swap that never matches)."""
-    never = tl.full((), NEVER, tl.int64)
-    return tl.atomic_cas(_words(address), never, never, sem="acquire", scope="sys")
-
-
-@triton.jit
-def _release(address, value):
-    """Store `value` at `address` with a system-scope release: every store before it is visible first."""
-    tl.atomic_xchg(_words(address), value, sem="release", scope="sys")
-
-
-@triton.jit
-def _epoch(epochs):
-    """(the call's epoch, its half), read from the device word the host or a graph set."""
-    epoch = tl.load(epochs)
-    return epoch, epoch & 1
-
-
-@triton.jit
 def _fail(status, code, peer, a, b, c, d):
     """Claim the status word with an error (the first program to fail wins) and write its details."""
     unclaimed = tl.full((), 0, tl.int64)
@@ -147,12 +122,12 @@ def _await_stamp(stamp, epoch, status, peer, max_spins):
     """Wait (bounded) for the stamp at `stamp` to read `epoch`: 1 landed, 0 the wait ran out (the peer
     is marked as awaited). Once a program of this launch ran out, later waits poll once: the launch
     stops waiting either way (where programs run in turn, as in the interpreter, none spins in vain)."""
-    seen = _acquire(stamp)
+    seen = load_acquire(stamp)
     spins = tl.full((), 0, tl.int32)
     if tl.load(status + WAITING_WORD) != 0:
         spins = max_spins + spins
     while (seen != epoch) & (spins < max_spins):
-        seen = _acquire(stamp)
+        seen = load_acquire(stamp)
         spins += 1
     landed = 1
     if seen != epoch:
@@ -191,10 +166,10 @@ def ubep_dispatch_send_kernel(
     arrives on `arrivals` (int64 [1], zeroed for the call); the last writes the route header
     (announced, code, K, counts int64 [R]) and stamps ROUTE, then DATA.
     """
-    epoch, half = _epoch(epochs)
+    epoch, half = load_epoch(epochs)
     pid = tl.program_id(0)
     if pid < R:
-        listed = _words(_address(table, me, LISTS, half)) + pid * T
+        listed = int64_ptr(_address(table, me, LISTS, half)) + pid * T
         at = tl.full((), 0, tl.int64)
         t0 = 0
         while t0 < N:
@@ -213,7 +188,7 @@ def ubep_dispatch_send_kernel(
             both = ok[:, None] & (ks[None, :] < K)
             idx = tl.load(topk + rows[:, None] * K + ks[None, :], mask=both)
             w = tl.load(weights + rows[:, None] * K + ks[None, :], mask=both)
-            own_idx = _words(_address(table, me, TOPK, half))
+            own_idx = int64_ptr(_address(table, me, TOPK, half))
             own_w = _address(table, me, WEIGHTS, half).to(tl.pointer_type(tl.float32))
             tl.store(own_idx + rows[:, None] * Kmax + ks[None, :], idx, mask=both)
             tl.store(own_w + rows[:, None] * Kmax + ks[None, :], w, mask=both)
@@ -224,7 +199,7 @@ def ubep_dispatch_send_kernel(
     tl.debug_barrier()
     arrived = tl.atomic_add(arrivals, 1, sem="acq_rel", scope="sys")
     if arrived == programs - 1:  # the last program: every list and row is ordered before this
-        route = _words(_address(table, me, ROUTE, half))
+        route = int64_ptr(_address(table, me, ROUTE, half))
         tl.store(route + R_NUM, announced)  # stored as int64, the pointer's type
         tl.store(route + R_DTYPE, code)
         if K > 0:
@@ -232,8 +207,8 @@ def ubep_dispatch_send_kernel(
         rs = tl.arange(0, RB)
         tl.store(route + R_COUNTS + rs, tl.load(counts + rs, mask=rs < R), mask=rs < R)
         tl.debug_barrier()
-        _release(_address(table, me, ROUTE, half), epoch)  # routing and counts are visible
-        _release(_address(table, me, DATA, half), epoch)  # the payload is visible
+        store_release(_address(table, me, ROUTE, half), epoch)  # routing and counts are visible
+        store_release(_address(table, me, DATA, half), epoch)  # the payload is visible
 
 
 @triton.jit
@@ -247,7 +222,7 @@ def ubep_dispatch_routes_kernel(
     unless CACHED, prefix int64 [R + 1] (rows from source s are [prefix[s], prefix[s + 1])), and with
     worst > 0 the total must fit in `worst` rows. state int64 [R + 1] (zeroed for the call): state[s]
     once s's stamp landed, state[R] once the routing is checked (the gather's go-ahead)."""
-    epoch, half = _epoch(epochs)
+    epoch, half = load_epoch(epochs)
     go = tl.full((), 1, tl.int32)
     p = tl.full((), 0, tl.int32)
     while (go != 0) & (p < R):
@@ -262,7 +237,7 @@ def ubep_dispatch_routes_kernel(
     p = tl.full((), 0, tl.int32)
     while (go != 0) & (p < R):  # bounds, field by field in declaration order
         if tl.load(live + p) != 0:
-            words = _words(_address(table, p, ROUTE, half))
+            words = int64_ptr(_address(table, p, ROUTE, half))
             num = tl.load(words + R_NUM)
             dtype = tl.load(words + R_DTYPE)
             topk = tl.load(words + R_TOPK)
@@ -286,7 +261,7 @@ def ubep_dispatch_routes_kernel(
     p = tl.full((), 0, tl.int32)
     while (go != 0) & (p < R):
         if tl.load(live + p) != 0:
-            dtype = tl.load(_words(_address(table, p, ROUTE, half)) + R_DTYPE)
+            dtype = tl.load(int64_ptr(_address(table, p, ROUTE, half)) + R_DTYPE)
             if dtype != code:
                 _fail(status, E_DTYPE, p, dtype, 0, 0, 0)
                 go = tl.full((), 0, tl.int32)
@@ -294,7 +269,7 @@ def ubep_dispatch_routes_kernel(
     p = tl.full((), 0, tl.int32)
     while (go != 0) & (p < R):
         if tl.load(live + p) != 0:
-            their_k = tl.load(_words(_address(table, p, ROUTE, half)) + R_TOPK)
+            their_k = tl.load(int64_ptr(_address(table, p, ROUTE, half)) + R_TOPK)
             if (K > 0) & (their_k != K):
                 _fail(status, E_TOPK, p, their_k, 0, 0, 0)
                 go = tl.full((), 0, tl.int32)
@@ -306,7 +281,7 @@ def ubep_dispatch_routes_kernel(
             count = tl.full((), 0, tl.int64)
             n = tl.full((), 0, tl.int64)
             if tl.load(live + p) != 0:
-                words = _words(_address(table, p, ROUTE, half))
+                words = int64_ptr(_address(table, p, ROUTE, half))
                 count = tl.load(words + R_COUNTS + me)
                 n = tl.load(words + R_NUM)
             tl.store(counts + p, count)
@@ -336,7 +311,7 @@ def ubep_dispatch_gather_kernel(
     landed, its rows (recv_x [M, W] words) and FP8 scales (recv_scales [M, S] int32 words) straight
     from p's memory. routes: the routes half's state (routes[R] 0: it failed or ran out, nothing
     to do); state int64 [R, blocks] (zeroed for the call): 1 once the block is placed."""
-    epoch, half = _epoch(epochs)
+    epoch, half = load_epoch(epochs)
     p = tl.program_id(0)
     i = tl.program_id(1)
     first = i * IB
@@ -352,15 +327,15 @@ def ubep_dispatch_gather_kernel(
         ok = ii < count
         rows = a + ii
         if K > 0:
-            _acquire(_address(table, p, ROUTE, half))  # landed (the routes half saw it): order the reads
-            listed = tl.load(_words(_address(table, p, LISTS, half)) + me * T + ii, mask=ok, other=0)
+            load_acquire(_address(table, p, ROUTE, half))  # landed (the routes half saw it): order the reads
+            listed = tl.load(int64_ptr(_address(table, p, LISTS, half)) + me * T + ii, mask=ok, other=0)
             if tl.sum((ok & ((listed < 0) | (listed >= n))).to(tl.int32), axis=0) > 0:
                 _fail(status, E_LIST, p, n, 0, 0, 0)
                 go = tl.full((), 0, tl.int32)
             else:
                 ks = tl.arange(0, KB)
                 both = ok[:, None] & (ks[None, :] < K)
-                theirs = _words(_address(table, p, TOPK, half))
+                theirs = int64_ptr(_address(table, p, TOPK, half))
                 their_w = _address(table, p, WEIGHTS, half).to(tl.pointer_type(tl.float32))
                 e = tl.load(theirs + listed[:, None] * Kmax + ks[None, :], mask=both, other=-1)
                 w = tl.load(their_w + listed[:, None] * Kmax + ks[None, :], mask=both, other=0.0)
@@ -409,7 +384,7 @@ def ubep_combine_send_kernel(
     (only the prefix[R] rows its dispatch received: y may be padded) and their weights (float32
     [M, K], K may be 0) into its own Y and Y_WEIGHTS; the last program to arrive writes the back header
     (code, K, prefix int64 [R + 1], the dispatch's seq) and stamps BACK."""
-    epoch, half = _epoch(epochs)
+    epoch, half = load_epoch(epochs)
     i = tl.program_id(0)
     M = tl.load(prefix + R)
     rows = (i * IB + tl.arange(0, IB)).to(tl.int64)
@@ -425,14 +400,14 @@ def ubep_combine_send_kernel(
     tl.debug_barrier()
     arrived = tl.atomic_add(arrivals, 1, sem="acq_rel", scope="sys")
     if arrived == programs - 1:  # the last program: every row is ordered before this
-        back = _words(_address(table, me, BACK, half))
+        back = int64_ptr(_address(table, me, BACK, half))
         tl.store(back + B_DTYPE, code)  # stored as int64, the pointer's type
         tl.store(back + B_TOPK, K)
         rs = tl.arange(0, RB)
         tl.store(back + B_PREFIX + rs, tl.load(prefix + rs, mask=rs <= R), mask=rs <= R)
         tl.store(back + B_PREFIX + R + 1, seq)
         tl.debug_barrier()
-        _release(_address(table, me, BACK, half), epoch)
+        store_release(_address(table, me, BACK, half), epoch)
 
 
 @triton.jit
@@ -451,7 +426,7 @@ def ubep_combine_reduce_kernel(
     is t's row among the rows this rank sent to r (an exclusive cumulative sum of in_rank). state
     int64 [N] (zeroed for the call): 1 once t is finished (a second launch skips it).
     """
-    epoch, half = _epoch(epochs)
+    epoch, half = load_epoch(epochs)
     t = tl.program_id(0)
     if tl.load(state + t) == 0:
         go = tl.full((), 1, tl.int32)
@@ -465,7 +440,7 @@ def ubep_combine_reduce_kernel(
         p = tl.full((), 0, tl.int32)
         while (go != 0) & (p < R):  # bounds, field by field
             if tl.load(live + p) != 0:
-                words = _words(_address(table, p, BACK, half))
+                words = int64_ptr(_address(table, p, BACK, half))
                 dtype = tl.load(words + B_DTYPE)
                 topk = tl.load(words + B_TOPK)
                 prefix = tl.load(words + B_PREFIX + rs, mask=rs <= R, other=0)
@@ -485,7 +460,7 @@ def ubep_combine_reduce_kernel(
         p = tl.full((), 0, tl.int32)
         while (go != 0) & (p < R):
             if tl.load(live + p) != 0:
-                theirs = tl.load(_words(_address(table, p, BACK, half)) + B_PREFIX + R + 1)
+                theirs = tl.load(int64_ptr(_address(table, p, BACK, half)) + B_PREFIX + R + 1)
                 if theirs != seq:
                     _fail(status, E_OTHER_CALL, p, theirs, 0, 0, 0)
                     go = tl.full((), 0, tl.int32)
@@ -493,7 +468,7 @@ def ubep_combine_reduce_kernel(
         p = tl.full((), 0, tl.int32)
         while (go != 0) & (p < R):
             if tl.load(live + p) != 0:
-                words = _words(_address(table, p, BACK, half))
+                words = int64_ptr(_address(table, p, BACK, half))
                 rows = tl.load(words + B_PREFIX + me + 1) - tl.load(words + B_PREFIX + me)
                 dtype = tl.load(words + B_DTYPE)
                 topk = tl.load(words + B_TOPK)
@@ -511,7 +486,7 @@ def ubep_combine_reduce_kernel(
                 r = tl.full((), 0, tl.int32)
                 while r < R:
                     if tl.load(in_rank + t * R + r) != 0:
-                        row = tl.load(_words(_address(table, r, BACK, half)) + B_PREFIX + me)
+                        row = tl.load(int64_ptr(_address(table, r, BACK, half)) + B_PREFIX + me)
                         row += tl.load(place + t * R + r)
                         base = _address(table, r, Y, half)
                         if KIND == BF16:
@@ -531,7 +506,7 @@ def ubep_combine_reduce_kernel(
                 r = tl.full((), 0, tl.int32)
                 while r < R:
                     if tl.load(in_rank + t * R + r) != 0:
-                        row = tl.load(_words(_address(table, r, BACK, half)) + B_PREFIX + me)
+                        row = tl.load(int64_ptr(_address(table, r, BACK, half)) + B_PREFIX + me)
                         row += tl.load(place + t * R + r)
                         w_at = _address(table, r, Y_WEIGHTS, half).to(tl.pointer_type(tl.float32))
                         acc_w = acc_w + tl.load(w_at + row * Kmax + ks, mask=ks < K, other=0.0)
