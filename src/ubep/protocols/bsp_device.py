@@ -27,7 +27,8 @@ from ubep.engine import bsp_triton as k
 from ubep.faults import FaultPoints
 from ubep.protocols import bsp_status
 from ubep.protocols.base import CODE_RANGE, DTYPE_CODES, Received, SendPlan, Sizing
-from ubep.protocols.ubep_device import _TL, ROWS_PER_PROGRAM, TOKENS_PER_PROGRAM, UbepDevice, _cdiv, _pow2
+from ubep.protocols.device_halves import TL_WORDS, cdiv, pow2
+from ubep.protocols.ubep_device import ROWS_PER_PROGRAM, TOKENS_PER_PROGRAM, UbepDevice
 from ubep.results import DispatchHandle, RecvRoute
 from ubep.transport.heap import BARRIERS_PER_CALL
 
@@ -55,9 +56,9 @@ class BspDevice(UbepDevice):
         self.local_of_RE = local_of_RE.to(torch.int64).to(self.device)  # int64 [R, E]: each rank's local ids
         self._pending = self._zeros(self.R)  # sources whose staging flag is missing (E_MISSING)
 
-    def _error(self, call: CallId, code: int, words, mine: tuple) -> Exception:
+    def _error(self, call: CallId, phase: str, code: int, words, mine: tuple) -> Exception:
         if call.kind == "combine":  # UBEP's halves
-            return super()._error(call, code, words, mine)
+            return super()._error(call, phase, code, words, mine)
         return bsp_status.error(self.t, self.blocks, call, code, words, self._pending.cpu().numpy(), *mine)
 
     def _barrier(self, call: CallId, phase: str, step: int, status: torch.Tensor, mine: tuple) -> None:
@@ -80,7 +81,7 @@ class BspDevice(UbepDevice):
             return
         code = int(status[0])
         if code:
-            raise self._error(call, code, status.cpu().numpy(), mine)
+            raise self._error(call, phase, code, status.cpu().numpy(), mine)
 
     # -- dispatch ---------------------------------------------------------------------------------
 
@@ -97,7 +98,7 @@ class BspDevice(UbepDevice):
             counts = torch.as_tensor(self.faults.count("dispatch.count", call, counts), dtype=torch.int64)
         counts = counts.to(dev).expand(R).contiguous()
         self.engine.launch(
-            k.bsp_counts_kernel, (1,), self.bsp_table, self.me, epochs, counts, R, RB=_pow2(R, 2)
+            k.bsp_counts_kernel, (1,), self.bsp_table, self.me, epochs, counts, R, RB=pow2(R, 2)
         )
         self._barrier(call, "dispatch (count exchange)", 1, status, mine)
         rows_NB = x_NH.contiguous().view(torch.uint8)  # [N, H * itemsize]
@@ -109,14 +110,14 @@ class BspDevice(UbepDevice):
         )
         topk = self._zeros(N, 0) if cached else plan.topk_idx_NK
         weights = self._zeros(N, 0, dtype=torch.float32) if cached else plan.topk_weights_NK
-        blocks = max(_cdiv(N, TOKENS_PER_PROGRAM), 1)
+        blocks = max(cdiv(N, TOKENS_PER_PROGRAM), 1)
         self.engine.launch(
             k.bsp_send_kernel, (R, blocks),
             self.bsp_table, self._live(), self.me, epochs, rows_NB.view(dtype), rows_NB.shape[1] // size,
             rows_NB.shape[1], scales, scales.shape[1], topk, weights, N, K,
             plan.is_token_in_rank_NR.view(torch.uint8), R, self.local_of_RE, s.placement.num_experts, code,
             s.max_topk, s.capacity, s.row_bytes, self._zeros(R), blocks, status,
-            WORD=_TL[dtype], NB=TOKENS_PER_PROGRAM, KB=_pow2(K, 2), WB=128,
+            WORD=TL_WORDS[dtype], NB=TOKENS_PER_PROGRAM, KB=pow2(K, 2), WB=128,
         )  # fmt: skip
         self._wake()
         if self.faults.armed:
@@ -139,7 +140,7 @@ class BspDevice(UbepDevice):
             counts_R, prefix_R1, worst, self._pending, status,
         )  # fmt: skip
         self._phase(
-            call, "dispatch (flag verification)", k.bsp_verify_kernel, (1,), args, dict(RB=_pow2(R, 2)), mine
+            call, "dispatch (flag verification)", k.bsp_verify_kernel, (1,), args, dict(RB=pow2(R, 2)), mine
         )
         self._barrier(call, "dispatch (prefix sums)", 3, status, mine)
         M = worst or int(prefix_R1[-1])  # the one host read, without num_worst_tokens
@@ -152,13 +153,13 @@ class BspDevice(UbepDevice):
         src_rank_M = torch.full((M,), -1, dtype=torch.int64, device=dev)
         x_MB = recv_x_MH.view(torch.uint8).view(dtype)
         scales_MS = self._zeros(M, 0, dtype=torch.int32) if recv_scales_MS is None else recv_scales_MS
-        blocks = _cdiv(s.capacity, ROWS_PER_PROGRAM)
+        blocks = cdiv(s.capacity, ROWS_PER_PROGRAM)
         args = (
             self.bsp_table, self.me, prefix_R1, R, s.capacity, s.max_topk, s.placement.num_local_experts,
             s.row_bytes, x_MB, x_MB.shape[1], scales_MS.view(torch.int32), scales_MS.shape[1], recv_idx_MK,
             recv_w_MK, K, src_token_M, src_rank_M, status,
         )  # fmt: skip
-        consts = dict(WORD=_TL[dtype], IB=ROWS_PER_PROGRAM, KB=_pow2(K, 2), WB=128)
+        consts = dict(WORD=TL_WORDS[dtype], IB=ROWS_PER_PROGRAM, KB=pow2(K, 2), WB=128)
         self._phase(call, "dispatch (reorder)", k.bsp_reorder_kernel, (R, blocks), args, consts, mine)
         route = RecvRoute(src_token_M, prefix_R1, src_rank_M)
         return Received(recv_x_MH, None if cached else recv_idx_MK, None if cached else recv_w_MK, route,

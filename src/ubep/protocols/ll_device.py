@@ -39,33 +39,23 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import triton.language as tl
 
 from ubep.calls import CallId
 from ubep.engine import ll_triton as k
-from ubep.errors import CommTimeoutError
 from ubep.protocols import ll_status
 from ubep.protocols.base import CODE_DTYPES, CODE_RANGE, DTYPE_CODES, Sizing
+from ubep.protocols.device_halves import TL_WORDS, WORDS, DeviceHalves, pow2
 from ubep.protocols.ll import FLAGS, IN_WORD, per_writer
 from ubep.protocols.ll_base import LLCombinePlan, LLDispatchOut, LLDispatchPlan
 
 DISPATCH, COMBINE = 0, 1
-WORDS = {4: torch.int32, 2: torch.int16, 1: torch.uint8}  # the widest word that divides every row
-WAITING = k.WAITING_WORD.value  # the status word naming a peer a wait ran out on (1 + its rank)
-_TL = {torch.int32: tl.int32, torch.int16: tl.int16, torch.uint8: tl.uint8}
-# Polls before a half hands its wait to the host's doorbell sleep (capturable=False): few under the
-# interpreter (a poll there takes tens of microseconds and holds its lock), about a second on a GPU.
-SYNC_SPINS, SYNC_SPINS_GPU = 64, 2**20
-CAPTURE_SPINS = 2**31 - 1  # a GPU poll takes about a microsecond: a wait gives up after seconds
 
 
-def _pow2(n: int, lo: int = 1, hi: int = 1 << 30) -> int:
-    return min(max(lo, 1 << max(int(n) - 1, 0).bit_length()), hi)
-
-
-class LLDevice:
+class LLDevice(DeviceHalves):
     """Low-latency halves on a heap as Triton kernels; `release(call, kind)` is the exchange's Python
     release of a half (on every failure after the send)."""
+
+    WAITING = k.WAITING_WORD.value
 
     def __init__(
         self,
@@ -86,12 +76,8 @@ class LLDevice:
             )
         self.flag, self.in_word = flag, flag == IN_WORD
         self.slot_bytes = sizing.row_bytes * (2 if self.in_word else 1)  # a slot row's stride
-        self.t, self.blocks, self.sizing, self.release = heap, blocks, sizing, release
-        self.engine = engine
-        self.me, self.R = heap.rank, heap.num_ranks
-        table, _ = heap.address_table(blocks.all())
-        self.device = getattr(heap, "device", torch.device("cpu"))
-        self.table = torch.from_numpy(table).to(self.device)
+        super().__init__(heap, blocks, engine, capturable, max_spins)
+        self.sizing, self.release = sizing, release
         p = sizing.placement
         L = p.num_local_experts
         experts_RL = torch.empty(self.R, L, dtype=torch.int64)
@@ -99,60 +85,15 @@ class LLDevice:
         self.experts_RL = experts_RL.to(self.device)
         self.owner_E = p.rank_of_expert_E.to(torch.int64).to(self.device)
         self.local_E = p.local_index_E.to(torch.int64).to(self.device)
-        self.capturable = capturable
-        sync_spins = SYNC_SPINS if self.device.type == "cpu" else SYNC_SPINS_GPU
-        self.max_spins = max_spins or (CAPTURE_SPINS if capturable else sync_spins)
-        self._unchecked: list[tuple[CallId, str, torch.Tensor, int]] = []  # capturable: to `check()`
-        self._live_R: tuple[tuple[int, ...], torch.Tensor] | None = None
         self._epochs = self._zeros(2, 1)  # capturable: the calls of each kind so far (the device's epochs)
         self._issued = [0, 0]  # capturable: the host's epoch of the last call the device counted, per kind
         self._live()  # built here: a call copies nothing to the device unless ranks were masked since
 
     # -- launching --------------------------------------------------------------------------------
 
-    def _live(self) -> torch.Tensor:
-        """uint8 [R] on the device: 1 for each live rank (rebuilt only when the live set changes)."""
-        live = tuple(self.t.live)
-        if self._live_R is None or self._live_R[0] != live:
-            mask = torch.zeros(self.R, dtype=torch.uint8)
-            mask[list(live)] = 1
-            self._live_R = live, mask.to(self.device)
-        return self._live_R[1]
-
-    def _zeros(self, *shape: int) -> torch.Tensor:
-        return torch.zeros(shape, dtype=torch.int64, device=self.device)
-
-    def _half(self, call: CallId, phase: str, kernel, grid, args: tuple, consts: dict, mine: int) -> None:
-        """Launch one half; unless capturable, read its status and relaunch while it waits, then raise
-        its error. args end with (status, max_spins)."""
-        status = args[-2]
-        if self.capturable:
-            self.engine.launch(kernel, grid, *args, **consts)
-            self._unchecked.append((call, phase, status, mine))
-            return
-        sleeper = None
-        while True:
-            self.engine.launch(kernel, grid, *args, **consts)
-            code, awaited = (int(v) for v in status[[0, WAITING]].tolist())
-            if code != ll_status.DONE:
-                raise ll_status.error(self.t, self.blocks, call, phase, code, status.numpy(), mine)
-            if awaited == 0:
-                return
-            status[WAITING] = 0
-            sleeper = sleeper or self.t.sleeper(phase, call)
-            sleeper.pause([awaited - 1])  # raises past the deadline, or when the peer died or aborted
-
-    def check(self) -> None:
-        """Capturable halves: raise the first error (or timeout) recorded since the last check."""
-        unchecked, self._unchecked = self._unchecked, []
-        for call, phase, status, mine in unchecked:
-            words = status.cpu().numpy()
-            if words[0] != ll_status.DONE:
-                raise ll_status.error(self.t, self.blocks, call, phase, int(words[0]), words, mine)
-            if words[WAITING]:
-                peer = int(words[WAITING]) - 1
-                detail = f"a device wait ran out of {self.max_spins} polls"
-                raise CommTimeoutError(phase, [peer], 0.0, [], detail)
+    def _error(self, call: CallId, phase: str, code: int, words, mine: int) -> Exception:
+        """The exception for an error status (`ll_status`, the CPU protocol's words)."""
+        return ll_status.error(self.t, self.blocks, call, phase, code, words, mine)
 
     def _epoch(self, call: CallId, kind: int) -> torch.Tensor:
         """int64 [1] on the device: the epoch both halves of this call read. Not capturable: the host's
@@ -176,11 +117,6 @@ class LLDevice:
         if self.capturable and call.epoch > self._issued[kind]:
             self._epochs[kind].add_(call.epoch - self._issued[kind])
             self._issued[kind] = call.epoch
-
-    def _wake(self) -> None:
-        """Peers between launches sleep on their doorbells (capturable=False): ring them."""
-        if not self.capturable:
-            self.t.ring()
 
     def _word(self, *widths: int) -> tuple[torch.dtype, int]:
         """The widest word (dtype, bytes) dividing every width in bytes and the slots' row stride; in
@@ -210,8 +146,8 @@ class LLDevice:
             s.row_bytes // size, self.slot_bytes, b // size, b, self._zeros(self.R), self._zeros(self.R, L),
             self._zeros(8), self.max_spins,
         )  # fmt: skip
-        consts = dict(WORD=_TL[dtype], IN_WORD=self.in_word, NB=_pow2(N, 16, 64), KB=_pow2(topk.shape[1], 2),
-                      WB=128)  # fmt: skip
+        consts = dict(WORD=TL_WORDS[dtype], IN_WORD=self.in_word, NB=pow2(N, 16, 64),
+                      KB=pow2(topk.shape[1], 2), WB=128)  # fmt: skip
         self._half(call, "low-latency dispatch (buffer reuse)", k.ll_dispatch_send_kernel, (self.R, L),
                    args, consts, T)  # fmt: skip
         self._wake()
@@ -233,7 +169,7 @@ class LLDevice:
             h.recv_src_k_LM, h.layout_range_LR2, h.recv_count_L, self._zeros(L, self.R), self._zeros(1),
             self._zeros(8), self.max_spins,
         )  # fmt: skip
-        consts = dict(WORD=_TL[dtype], IN_WORD=self.in_word, LB=_pow2(L, 2), IB=16, WB=128)
+        consts = dict(WORD=TL_WORDS[dtype], IN_WORD=self.in_word, LB=pow2(L, 2), IB=16, WB=128)
         try:
             phase = "low-latency dispatch (tokens)"
             self._half(call, phase, k.ll_dispatch_recv_kernel, (L, self.R), args, consts, T)
@@ -273,8 +209,8 @@ class LLDevice:
             topk, topk if topk_NK is None else topk_NK, N, K, h.recv_count_L,
             self._zeros(self.R), self._zeros(self.R, L), self._zeros(8), self.max_spins,
         )  # fmt: skip
-        consts = dict(WORD=_TL[dtype], IN_WORD=self.in_word, LB=_pow2(L, 2), RB=_pow2(self.R, 2),
-                      NB=_pow2(N, 16, 64), KB=_pow2(K, 2), IB=16, WB=128)  # fmt: skip
+        consts = dict(WORD=TL_WORDS[dtype], IN_WORD=self.in_word, LB=pow2(L, 2), RB=pow2(self.R, 2),
+                      NB=pow2(N, 16, 64), KB=pow2(K, 2), IB=16, WB=128)  # fmt: skip
         self._half(call, "low-latency combine (buffer reuse)", k.ll_combine_send_kernel, (self.R, L), args,
                    consts, code)  # fmt: skip
         self._wake()
@@ -323,7 +259,7 @@ class LLDevice:
             out, s.hidden, self._zeros(max(N, 1)), self._zeros(1), N, self._zeros(8), self.max_spins,
         )  # fmt: skip
         consts = dict(
-            Y_BF16=code == DTYPE_CODES[torch.bfloat16], IN_WORD=self.in_word, HB=_pow2(s.hidden, 16, 256)
+            Y_BF16=code == DTYPE_CODES[torch.bfloat16], IN_WORD=self.in_word, HB=pow2(s.hidden, 16, 256)
         )
         try:
             if N:

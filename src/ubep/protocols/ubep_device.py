@@ -33,40 +33,24 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import triton.language as tl
 
 from ubep.calls import CallCounter, CallId
 from ubep.engine import ubep_triton as k
-from ubep.engine.ubep_codes import DONE
-from ubep.errors import CommTimeoutError
 from ubep.faults import FaultPoints
 from ubep.protocols import ubep_status
 from ubep.protocols.base import CODE_RANGE, DTYPE_CODES, Received, SendPlan, Sizing
+from ubep.protocols.device_halves import TL_WORDS, WORDS, DeviceHalves, cdiv, pow2
 from ubep.results import DispatchHandle, RecvRoute
 
-WORDS = {4: torch.int32, 2: torch.int16, 1: torch.uint8}  # the widest word that divides every row
-_TL = {torch.int32: tl.int32, torch.int16: tl.int16, torch.uint8: tl.uint8}
-WAITING = k.WAITING_WORD.value  # the status word naming a peer a wait ran out on (1 + its rank)
 ROWS_PER_PROGRAM, TOKENS_PER_PROGRAM = 16, 64  # rows a gather or combine-send program moves; send tokens
-# Polls before a half hands its wait to the host's doorbell sleep (capturable=False): few under the
-# interpreter (a poll there takes tens of microseconds and holds its lock), about a second on a GPU.
-SYNC_SPINS, SYNC_SPINS_GPU = 64, 2**20
-CAPTURE_SPINS = 2**31 - 1  # a GPU poll takes about a microsecond: a wait gives up after seconds
 KINDS = {"dispatch": 1, "combine": 2}  # the device's call counters: [0] every call, [1], [2] each kind's
 
 
-def _pow2(n: int, lo: int = 1, hi: int = 1 << 30) -> int:
-    return min(max(lo, 1 << max(int(n) - 1, 0).bit_length()), hi)
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-class UbepDevice:
+class UbepDevice(DeviceHalves):
     """UBEP dispatch/combine on a heap with an address table, each call half one Triton kernel."""
 
     REDUCE_PHASE = "combine"  # the home's wait, as the protocol names it
+    WAITING = k.WAITING_WORD.value
 
     def __init__(
         self,
@@ -79,33 +63,13 @@ class UbepDevice:
         capturable: bool = False,
         max_spins: int | None = None,
     ):
-        self.t, self.blocks, self.sizing, self.faults, self.engine = heap, blocks, sizing, faults, engine
-        self.me, self.R = heap.rank, heap.num_ranks
-        table, _ = heap.address_table(blocks.all())
-        self.device = getattr(heap, "device", torch.device("cpu"))
-        self.table = torch.from_numpy(table).to(self.device)
+        super().__init__(heap, blocks, engine, capturable, max_spins)
+        self.sizing, self.faults = sizing, faults
         self.local_of_E = local_of_E.to(torch.int64).to(self.device)  # local id here, -1 elsewhere
-        self.capturable = capturable
-        sync_spins = SYNC_SPINS if self.device.type == "cpu" else SYNC_SPINS_GPU
-        self.max_spins = max_spins or (CAPTURE_SPINS if capturable else sync_spins)
-        self._unchecked: list[tuple[CallId, str, torch.Tensor, tuple]] = []  # capturable: to `check()`
-        self._live_R: tuple[tuple[int, ...], torch.Tensor] | None = None
         self._calls = self._zeros(3)  # capturable: calls so far (all, dispatches, combines), on the device
         self._live()
 
     # -- launching --------------------------------------------------------------------------------
-
-    def _live(self) -> torch.Tensor:
-        """uint8 [R] on the device: 1 for each live rank (rebuilt only when the live set changes)."""
-        live = tuple(self.t.live)
-        if self._live_R is None or self._live_R[0] != live:
-            mask = torch.zeros(self.R, dtype=torch.uint8)
-            mask[list(live)] = 1
-            self._live_R = live, mask.to(self.device)
-        return self._live_R[1]
-
-    def _zeros(self, *shape: int, dtype: torch.dtype = torch.int64) -> torch.Tensor:
-        return torch.zeros(shape, dtype=dtype, device=self.device)
 
     def follow(self, calls: CallCounter) -> None:
         """Capturable: continue the device's call count from the host's (before capturing)."""
@@ -123,50 +87,9 @@ class UbepDevice:
         self._calls[kind].add_(1)
         return (self._calls[0:1] * 2 + self._calls[kind : kind + 1] % 2).clone()
 
-    def _half(
-        self, call: CallId, phase: str, kernel, grid, args: tuple, consts: dict, mine: tuple, rings=False
-    ) -> None:
-        """Launch one half; unless capturable, read its status and relaunch while it waits, then raise its
-        error. args end with (status, max_spins); `mine` is (dtype, top-k, dispatch seq) for the error;
-        `rings`: the half publishes before it waits (a barrier), so peers asleep are rung after its launch."""
-        status = args[-2]
-        if self.capturable:
-            self.engine.launch(kernel, grid, *args, **consts)
-            self._unchecked.append((call, phase, status, mine))
-            return
-        sleeper = None
-        while True:
-            self.engine.launch(kernel, grid, *args, **consts)
-            if rings and sleeper is None:
-                self._wake()
-            code, awaited = (int(v) for v in status[[0, WAITING]].tolist())
-            if code != DONE:
-                raise self._error(call, code, status.cpu().numpy(), mine)
-            if awaited == 0:
-                return
-            status[WAITING] = 0
-            sleeper = sleeper or self.t.sleeper(phase, call)
-            sleeper.pause([awaited - 1])  # raises past the deadline, or when the peer died or aborted
-
-    def check(self) -> None:
-        """Capturable halves: raise the first error (or timeout) recorded since the last check."""
-        unchecked, self._unchecked = self._unchecked, []
-        for call, phase, status, mine in unchecked:
-            words = status.cpu().numpy()
-            if words[0] != DONE:
-                raise self._error(call, int(words[0]), words, mine)
-            if words[WAITING]:
-                detail = f"a device wait ran out of {self.max_spins} polls"
-                raise CommTimeoutError(phase, [int(words[WAITING]) - 1], 0.0, [], detail)
-
-    def _error(self, call: CallId, code: int, words, mine: tuple) -> Exception:
+    def _error(self, call: CallId, phase: str, code: int, words, mine: tuple) -> Exception:
         """The exception for an error status (`ubep_status`, the numba halves' words)."""
         return ubep_status.error(self.t, self.blocks, call, code, words, *mine)
-
-    def _wake(self) -> None:
-        """Peers between launches sleep on their doorbells (capturable=False): ring them."""
-        if not self.capturable:
-            self.t.ring()
 
     @staticmethod
     def _word(*widths: int) -> tuple[torch.dtype, int]:
@@ -198,13 +121,13 @@ class UbepDevice:
         topk = plan.topk_idx_NK if not cached else self._zeros(N, 0)
         weights = plan.topk_weights_NK if not cached else self._zeros(N, 0, dtype=torch.float32)
         announced = self.faults.count("dispatch.count", call, N) if self.faults.armed else N
-        programs = R + _cdiv(N, TOKENS_PER_PROGRAM)
+        programs = R + cdiv(N, TOKENS_PER_PROGRAM)
         self.engine.launch(
             k.ubep_dispatch_send_kernel, (programs,),
             self.table, self.me, epochs, rows_NB.view(dtype), rows_NB.shape[1] // size, scales,
             scales.shape[1], topk, weights, N, K, plan.is_token_in_rank_NR.view(torch.uint8),
             plan.send_counts_R.to(dev), R, announced, code, s.max_topk, s.capacity, self._zeros(1), programs,
-            WORD=_TL[dtype], NB=TOKENS_PER_PROGRAM, KB=_pow2(K, 2), RB=_pow2(R + 1, 2), WB=128,
+            WORD=TL_WORDS[dtype], NB=TOKENS_PER_PROGRAM, KB=pow2(K, 2), RB=pow2(R + 1, 2), WB=128,
         )  # fmt: skip
         self._wake()
         if self.faults.armed:
@@ -223,7 +146,7 @@ class UbepDevice:
             self.table, self._live(), self.me, epochs, R, code, K, s.max_topk, s.capacity, *CODE_RANGE,
             counts_R, sent_R, prefix_R1, worst, routes, self._zeros(8), self.max_spins,
         )  # fmt: skip
-        consts = dict(CACHED=cached, RB=_pow2(R + 1, 2))
+        consts = dict(CACHED=cached, RB=pow2(R + 1, 2))
         self._half(call, "dispatch (routing)", k.ubep_dispatch_routes_kernel, (1,), args, consts, mine)
         if cached:
             M = handle.recv.src_token_M.shape[0]
@@ -242,7 +165,7 @@ class UbepDevice:
             recv_w_MK = torch.zeros(M, K, dtype=torch.float32, device=dev)
         x_MB = recv_x_MH.view(torch.uint8).view(dtype)
         scales_MS = self._zeros(M, 0, dtype=torch.int32) if recv_scales_MS is None else recv_scales_MS
-        blocks = _cdiv(s.capacity, ROWS_PER_PROGRAM)
+        blocks = cdiv(s.capacity, ROWS_PER_PROGRAM)
         args = (
             self.table, self._live(), self.me, epochs, R, s.capacity, s.max_topk, s.placement.num_experts,
             routes, counts_R, sent_R, prefix_R1, self.local_of_E, K,
@@ -251,7 +174,7 @@ class UbepDevice:
             src_token_M, src_rank_M, x_MB, x_MB.shape[1], scales_MS.view(torch.int32), scales_MS.shape[1],
             self._zeros(R, blocks), blocks, self._zeros(8), self.max_spins,
         )  # fmt: skip
-        consts = dict(WORD=_TL[dtype], IB=ROWS_PER_PROGRAM, KB=_pow2(K, 2), WB=128)
+        consts = dict(WORD=TL_WORDS[dtype], IB=ROWS_PER_PROGRAM, KB=pow2(K, 2), WB=128)
         self._half(call, "dispatch (tokens)", k.ubep_dispatch_gather_kernel, (R, blocks), args, consts, mine)
         self.t.check_member("dispatch")  # what was read above was whole
         route = handle.recv if cached else RecvRoute(src_token_M, prefix_R1, src_rank_M)
@@ -284,12 +207,12 @@ class UbepDevice:
         dtype, size = self._word(rows_MB.shape[1])
         K = 0 if topk_weights_MK is None else topk_weights_MK.shape[1]
         weights = self._zeros(M, 0, dtype=torch.float32) if K == 0 else topk_weights_MK.contiguous()
-        programs = max(_cdiv(M, ROWS_PER_PROGRAM), 1)
+        programs = max(cdiv(M, ROWS_PER_PROGRAM), 1)
         self.engine.launch(
             k.ubep_combine_send_kernel, (programs,),
             self.table, self.me, epochs, rows_MB.view(dtype), rows_MB.shape[1] // size, weights, K,
             s.max_topk, handle.recv.prefix_R1, R, handle.seq, DTYPE_CODES[x_MH.dtype], self._zeros(1),
-            programs, WORD=_TL[dtype], IB=ROWS_PER_PROGRAM, KB=_pow2(K, 2), RB=_pow2(R + 1, 2), WB=128,
+            programs, WORD=TL_WORDS[dtype], IB=ROWS_PER_PROGRAM, KB=pow2(K, 2), RB=pow2(R + 1, 2), WB=128,
         )  # fmt: skip
         self._wake()
 
@@ -313,7 +236,7 @@ class UbepDevice:
             R * s.capacity, sums_NH, H, out_NK, self._zeros(max(N, 1)), self._zeros(8), self.max_spins,
         )  # fmt: skip
         kind = k.BF16 if bf16 else k.F32
-        consts = dict(KIND=kind, RB=_pow2(R + 1, 2), KB=_pow2(K, 2), HB=_pow2(H, 16, 256))
+        consts = dict(KIND=kind, RB=pow2(R + 1, 2), KB=pow2(K, 2), HB=pow2(H, 16, 256))
         mine = (dtype, K, handle.seq)
         self._half(call, self.REDUCE_PHASE, k.ubep_combine_reduce_kernel, (max(N, 1),), args, consts, mine)
         self.t.check_member("combine")  # what was read above was whole
