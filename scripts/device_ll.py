@@ -67,6 +67,8 @@ class World:
 
     def __init__(self, R: int, T: int, H: int, K: int, E: int, device: str, flag: str, seed: int = 0):
         self.R, self.T, self.H, self.E, self.flag = R, T, H, E, flag
+        self.label = f"dispatch + combine of {R} ranks ({flag})"
+        self.device = torch.device(device)
         sizing = Sizing(hidden=H, capacity=T, max_topk=K, placement=ExpertPlacement.contiguous(E, R))
         blocks = LLBlocks.of(sizing, in_word=flag == IN_WORD)
         layout = Layout(R, blocks.all())
@@ -156,7 +158,9 @@ def _valid_rows(count_L: torch.Tensor, M: int) -> torch.Tensor:
     return torch.cat([j * M + torch.arange(int(c)) for j, c in enumerate(count_L)])
 
 
-def no_host_sync(world: World, cuda: bool) -> None:
+def no_host_sync(world, cuda: bool) -> None:
+    """One eager call of `world` (any world with call, check, mismatches, label) under
+    set_sync_debug_mode('error'), then checked against the reference."""
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
@@ -167,14 +171,13 @@ def no_host_sync(world: World, cuda: bool) -> None:
             torch.cuda.set_sync_debug_mode("default")
     world.check()
     assert int(world.mismatches()) == 0, "eager call differs from the reference"
-    print(
-        f"no host sync ({world.flag}): one dispatch + combine of {world.R} ranks under "
-        "set_sync_debug_mode('error'): ok"
-    )
+    print(f"no host sync: one {world.label} under set_sync_debug_mode('error'): ok")
 
 
-def graph_replays(world: World, replays: int, cuda: bool) -> None:
-    bad = torch.zeros(1, dtype=torch.int64, device=world.x[0].device)
+def graph_replays(world, replays: int, cuda: bool) -> None:
+    """`world`'s call captured in one CUDA graph (on CPU: called), replayed `replays` times, each
+    replay checked against the reference on the device (mismatches read once at the end)."""
+    bad = torch.zeros(1, dtype=torch.int64, device=world.device)
     if cuda:
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
@@ -197,8 +200,8 @@ def graph_replays(world: World, replays: int, cuda: bool) -> None:
     world.check()
     assert int(bad) == 0, f"{int(bad)} mismatches over {replays} replays"
     print(
-        f"graph ({world.flag}): dispatch + combine of {world.R} ranks, {replays} replays, bit for bit "
-        f"against the reference every replay ({seconds / replays * 1e6:.1f} us a replay with the checks)"
+        f"graph: {world.label}, {replays} replays, bit for bit against the reference every replay "
+        f"({seconds / replays * 1e6:.1f} us a replay with the checks)"
     )
 
 

@@ -27,7 +27,7 @@ import time
 from dataclasses import replace
 
 import torch
-from device_ll import VirtualDeviceHeap
+from device_ll import VirtualDeviceHeap, graph_replays, no_host_sync
 
 from ubep import reference
 from ubep.calls import CallCounter
@@ -58,6 +58,8 @@ class World:
     def __init__(self, R: int, T: int, H: int, K: int, E: int, device: str, check: bool, seed: int = 0):
         """check: compute the reference's outputs (for `mismatches`; the timings need none)."""
         self.R, self.T, self.H, self.worst = R, T, H, R * T
+        self.label = f"normal dispatch + combine of {R} ranks (num_worst_tokens {R * T})"
+        self.device = torch.device(device)
         sizing = Sizing(hidden=H, capacity=T, max_topk=K, placement=ExpertPlacement.contiguous(E, R))
         p = sizing.placement
         blocks = UbepBlocks.of(sizing)
@@ -134,52 +136,6 @@ class World:
     def check(self):
         for d in self.halves:
             d.check()
-
-
-def no_host_sync(world: World, cuda: bool) -> None:
-    if cuda:
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")
-    try:
-        world.call()
-    finally:
-        if cuda:
-            torch.cuda.set_sync_debug_mode("default")
-    world.check()
-    assert int(world.mismatches()) == 0, "eager call differs from the reference"
-    print(
-        f"no host sync: one normal dispatch + combine of {world.R} ranks (num_worst_tokens {world.worst}) "
-        "under set_sync_debug_mode('error'): ok"
-    )
-
-
-def graph_replays(world: World, replays: int, cuda: bool) -> None:
-    bad = torch.zeros(1, dtype=torch.int64, device=world.y[0].device)
-    if cuda:
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            world.call()  # warm: every kernel compiled and loaded before capture
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            world.call()
-        replay = graph.replay
-    else:
-        replay = world.call
-    t0 = time.perf_counter()
-    for _ in range(replays):
-        replay()
-        bad += world.mismatches()
-    if cuda:
-        torch.cuda.synchronize()
-    seconds = time.perf_counter() - t0
-    world.check()
-    assert int(bad) == 0, f"{int(bad)} mismatches over {replays} replays"
-    print(
-        f"graph: normal dispatch + combine of {world.R} ranks, {replays} replays, bit for bit against the "
-        f"reference every replay ({seconds / replays * 1e6:.1f} us a replay with the checks)"
-    )
 
 
 def timings(world: World, runs: int, peak: float, cuda: bool) -> None:
