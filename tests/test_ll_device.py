@@ -12,38 +12,22 @@ every program in Python.
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 import threading
 
 import pytest
 import torch
+from interpreted import interpreted, run_interpreted
 
 import ubep
 from ubep import fp8, reference
 from ubep.protocols.base import DTYPE_CODES
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-interpreted = pytest.mark.skipif(not INTERPRETED, reason="runs in test_interpreter_suite")
-
 
 @pytest.mark.timeout(480)
 def test_interpreter_suite():
     """This module under TRITON_INTERPRET=1 in a fresh interpreter."""
-    if INTERPRETED:
-        pytest.skip("already the interpreter run")
-    pytest.importorskip("triton")
-    import ubep as package
-
-    src = os.path.dirname(os.path.dirname(package.__file__))
-    tests = os.path.dirname(__file__)
-    path = os.pathsep.join([src, tests, os.environ.get("PYTHONPATH", "")])
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=path)
-    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__]
-    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=460)  # 188 s seen at load 35
-    assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-3000:]
-    assert " passed" in run.stdout and " failed" not in run.stdout, run.stdout[-2000:]
+    run_interpreted(__file__, 460)  # 188 s seen at load 35
 
 
 def test_status_codes_are_the_numba_halves():

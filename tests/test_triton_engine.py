@@ -15,11 +15,11 @@ import textwrap
 
 import pytest
 import torch
+from interpreted import INTERPRETED, interpreter_env, run_interpreted
 
 from ubep import fp8, reference
 from ubep.engine.torch_engine import TorchEngine
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 CUDA = not INTERPRETED and torch.cuda.is_available()
 DEVICES = [
     pytest.param("cpu", marks=pytest.mark.skipif(not INTERPRETED, reason="runs in test_interpreter_suite")),
@@ -31,14 +31,7 @@ SPINS = 50  # bounded waits that are expected to time out stay short under the i
 @pytest.mark.timeout(420)
 def test_interpreter_suite():
     """This module under TRITON_INTERPRET=1 in a fresh interpreter, so no other test sees the interpreter."""
-    if INTERPRETED:
-        pytest.skip("already the interpreter run")
-    pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=_ubep_path())
-    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-m", "not cuda", "-p", "no:cacheprovider", __file__]
-    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)  # ~100 s here, unloaded
-    assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-3000:]
-    assert " passed" in run.stdout and " failed" not in run.stdout, run.stdout[-2000:]
+    run_interpreted(__file__, 400, "-m", "not cuda")  # ~100 s here, unloaded
 
 
 @pytest.fixture
@@ -46,14 +39,6 @@ def engine():
     from ubep.engine.triton_engine import TritonEngine
 
     return TritonEngine()
-
-
-def _ubep_path() -> str:
-    import ubep
-
-    return os.pathsep.join(
-        [os.path.dirname(os.path.dirname(ubep.__file__)), os.environ.get("PYTHONPATH", "")]
-    )
 
 
 def assert_same(got: torch.Tensor, want: torch.Tensor) -> None:
@@ -398,7 +383,7 @@ def test_two_processes_over_a_shared_mapping(variant, tmp_path):
     path = os.path.join(shm, f"triton-flag-test-{os.getpid()}-{variant}")
     with open(path, "wb") as f:
         f.write(bytes(64 + 6 * 128 * 4))
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=_ubep_path())
+    env = interpreter_env()
     try:
         procs = [
             subprocess.Popen(

@@ -20,14 +20,13 @@ from dataclasses import replace
 
 import pytest
 import torch
+from interpreted import interpreted, run_interpreted
 from scenarios import Scenario, expert_output
 
 import ubep
 from ubep import fp8, reference
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 PROTOCOLS = {"ubep": ("UbepDevice", "UbepCompiled"), "bsp": ("BspDevice", "BspCompiled")}  # triton, numba
-interpreted = pytest.mark.skipif(not INTERPRETED, reason="runs in test_interpreter_suite")
 
 R2 = dict(num_ranks=2, num_experts=8, hidden=32, topk=3, capacity=6)
 CASES = [  # bf16 with -1 slots and a token routed nowhere; fp32; bf16 sent as FP8 (values + scales)
@@ -40,17 +39,7 @@ CASES = [  # bf16 with -1 slots and a token routed nowhere; fp32; bf16 sent as F
 @pytest.mark.timeout(300)
 def test_interpreter_suite():
     """This module under TRITON_INTERPRET=1 in a fresh interpreter."""
-    if INTERPRETED:
-        pytest.skip("already the interpreter run")
-    pytest.importorskip("triton")
-    src = os.path.dirname(os.path.dirname(ubep.__file__))
-    tests = os.path.dirname(__file__)
-    path = os.pathsep.join([src, tests, os.environ.get("PYTHONPATH", "")])
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=path)
-    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__]
-    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=280)
-    assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-3000:]
-    assert " passed" in run.stdout and " failed" not in run.stdout, run.stdout[-2000:]
+    run_interpreted(__file__, 280)
 
 
 @pytest.mark.parametrize("protocol", PROTOCOLS)
