@@ -17,7 +17,7 @@ import pytest
 triton = pytest.importorskip("triton")
 tl = pytest.importorskip("triton.language")
 
-from test_triton_aot import ARCHS, OPTIONS, _body, _sig  # noqa: E402  (after the skip without triton)
+from test_triton_aot import ARCHS, _body, _sig, ptx_of  # noqa: E402  (after the skip without triton)
 
 COMMON = "table:*i64 live:*u8 me:i32 epochs:*i64"
 # kernel -> (runtime argument types, constexprs): the specialization `ubep.protocols.ll_device` launches
@@ -53,19 +53,10 @@ SPECS = [(kernel, kernel, sig, consts) for kernel, (sig, consts) in KERNELS.item
 
 
 def _compile(name: str, arch: int) -> str:
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     from ubep.engine import ll_triton
 
     _, kernel, sig, consts = next(s for s in SPECS if s[0] == name)
-    signature = sig | {k: "constexpr" for k in consts}
-    compiled = triton.compile(
-        ASTSource(getattr(ll_triton, kernel), signature, constexprs=consts),
-        target=GPUTarget("cuda", arch, 32),
-        options=OPTIONS,
-    )
-    return compiled.asm["ptx"]
+    return ptx_of(getattr(ll_triton, kernel), sig, consts, arch)
 
 
 @pytest.fixture(scope="module")

@@ -60,19 +60,24 @@ SPECS = [
 ]  # fmt: skip
 
 
-def _compile(name: str, arch: int) -> str:
+def ptx_of(fn, sig: dict, consts: dict, arch: int) -> str:
+    """PTX of the Triton kernel `fn` for sm_`arch`, specialized as the engine launches it: runtime
+    argument types `sig`, compile-time values `consts`, the engine's options."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from ubep.engine import triton_kernels
-
-    _, sig, consts = next(s for s in SPECS if s[0] == name)
-    fn = getattr(triton_kernels, name)
     signature = sig | {k: "constexpr" for k in consts}
     compiled = triton.compile(
         ASTSource(fn, signature, constexprs=consts), target=GPUTarget("cuda", arch, 32), options=OPTIONS
     )
     return compiled.asm["ptx"]
+
+
+def _compile(name: str, arch: int) -> str:
+    from ubep.engine import triton_kernels
+
+    _, sig, consts = next(s for s in SPECS if s[0] == name)
+    return ptx_of(getattr(triton_kernels, name), sig, consts, arch)
 
 
 @pytest.fixture(scope="module")

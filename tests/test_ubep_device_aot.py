@@ -16,7 +16,7 @@ triton = pytest.importorskip("triton")
 tl = pytest.importorskip("triton.language")
 
 from test_ll_device_aot import _conjuncts, _loops  # noqa: E402  (after the skip without triton)
-from test_triton_aot import ARCHS, OPTIONS, _body, _sig  # noqa: E402
+from test_triton_aot import ARCHS, _body, _sig, ptx_of  # noqa: E402  (after the skip without triton)
 
 HEAD = "table:*i64 live:*u8 me:i32 epochs:*i64"
 # (kernel, runtime argument types, constexprs): one specialization each, as `ubep.protocols.ubep_device`
@@ -68,20 +68,11 @@ POLLS = ("ubep_dispatch_routes_kernel", "ubep_dispatch_gather_kernel", "ubep_com
 
 
 def _compile(name: str, arch: int) -> str:
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     from ubep.engine import bsp_triton, ubep_triton
 
     _, sig, consts = next(s for s in SPECS if s[0] == name)
-    signature = sig | {k: "constexpr" for k in consts}
     module = bsp_triton if name.startswith("bsp_") else ubep_triton
-    compiled = triton.compile(
-        ASTSource(getattr(module, name), signature, constexprs=consts),
-        target=GPUTarget("cuda", arch, 32),
-        options=OPTIONS,
-    )
-    return compiled.asm["ptx"]
+    return ptx_of(getattr(module, name), sig, consts, arch)
 
 
 @pytest.fixture(scope="module")
