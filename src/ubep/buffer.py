@@ -245,6 +245,9 @@ class Buffer:
         self._recorder: Recorder | None = None
         if stats or log.isEnabledFor(logging.DEBUG):  # the debug line per call comes from the recorder
             self._record(StatsOptions() if isinstance(stats, bool) else stats, log)
+        # Low-latency calls go to Triton halves that check input values in their kernels, so the host
+        # reads none (not when stats are recorded: the recorder reads the plans' counts).
+        self._ll_device = self._recorder is None and getattr(self._ll, "on_device", False)
         if log.isEnabledFor(logging.INFO):
             log.info("Buffer built: %s", self.explain())
         self._calls = CallCounter()
@@ -601,7 +604,7 @@ class Buffer:
         """
         ll = self._live_ll()
         call = self._calls.next("ll_dispatch")
-        on_device = self._ll_on_device()
+        on_device = self._ll_device
         try:
             s = self.sizing
             self._check_num_experts(num_experts)
@@ -647,7 +650,7 @@ class Buffer:
         """
         ll = self._live_ll()
         call = self._calls.next("ll_combine")
-        on_device = self._ll_on_device()
+        on_device = self._ll_device
         try:
             x, idx, w = self._ll_combine_inputs(x, topk_idx, topk_weights, handle, not on_device)
             N, H = handle.num_tokens, self.sizing.hidden
@@ -696,11 +699,6 @@ class Buffer:
         if idx.shape != handle.topk_idx_NK.shape or (values and not torch.equal(idx, handle.topk_idx_NK)):
             raise ValueError("topk_idx must be the one passed to the low_latency_dispatch that made handle")
         return x, idx, validate.topk_weights(topk_weights, tuple(idx.shape), device=self.device)
-
-    def _ll_on_device(self) -> bool:
-        """Low-latency calls go to Triton halves that check input values in their kernels, so the host
-        reads none (not when stats are recorded: the recorder reads the plans' counts)."""
-        return self._recorder is None and getattr(self._ll, "on_device", False)
 
     def check(self) -> None:
         """Raise the first error the device recorded in low-latency calls since the last check (with

@@ -65,19 +65,23 @@ class WireRows:
 
 def wire_rows(x: Payload, max_tokens: int, use_fp8: bool) -> WireRows:
     """Pack x into wire rows, quantising when asked (tensor operations only: nothing read back)."""
+    return WireRows(max_tokens, *_packed(x, use_fp8))
+
+
+def _packed(x: Payload, use_fp8: bool) -> tuple[int, torch.Tensor]:
+    """(wire dtype code, uint8 [N, B] rows) of x, quantised when asked."""
     if use_fp8:
         x = fp8.quantize(x)
-    if fp8.is_pair(x):
-        return WireRows(max_tokens, DTYPE_CODES[fp8.VALUE_DTYPE], fp8.to_rows(*x))
-    return WireRows(max_tokens, DTYPE_CODES[x.dtype], x.contiguous().view(torch.uint8))
+    if isinstance(x, tuple | list) and len(x) == 2:  # fp8.is_pair, without a call on the hot path
+        return DTYPE_CODES[fp8.VALUE_DTYPE], fp8.to_rows(*x)
+    return DTYPE_CODES[x.dtype], x.contiguous().view(torch.uint8)
 
 
 def dispatch_plan(
     x: Payload, topk_idx_NK: torch.Tensor, placement: ExpertPlacement, max_tokens: int, use_fp8: bool
 ) -> LLDispatchPlan:
     """Pack x into wire rows (quantising when asked) and order the (token, expert) pairs."""
-    wire = wire_rows(x, max_tokens, use_fp8)
-    rows_NB, code = wire.rows_NB, wire.code
+    code, rows_NB = _packed(x, use_fp8)
     N = topk_idx_NK.shape[0]
     R, L = placement.num_ranks, placement.num_local_experts
     token_P, k_P = torch.nonzero(topk_idx_NK >= 0, as_tuple=True)
