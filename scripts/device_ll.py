@@ -205,15 +205,8 @@ def graph_replays(world, replays: int, cuda: bool) -> None:
     )
 
 
-def timings(world: World, runs: int, peak: float, cuda: bool) -> None:
-    R, T, H = world.R, world.T, world.H
-    b = H * 2
-    halves = [
-        ("dispatch send", world.dispatch_send, 2 * world.pairs * b),
-        ("dispatch recv", world.dispatch_recv, 2 * world.pairs * b + world.pairs * 24),
-        ("combine send", world.combine_send, 2 * world.pairs * b),
-        ("combine recv", world.combine_recv, world.pairs * b + R * T * H * 2),
-    ]
+def half_seconds(halves: list, runs: int, cuda: bool) -> dict[str, float]:
+    """Median seconds of each (name, fn, bytes) half over `runs` rounds (CUDA events on a GPU)."""
     results = {name: [] for name, _, _ in halves}
     for _ in range(runs):
         for name, fn, _ in halves:
@@ -228,9 +221,22 @@ def timings(world: World, runs: int, peak: float, cuda: bool) -> None:
                 t0 = time.perf_counter()
                 fn()
                 results[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(times) for name, times in results.items()}
+
+
+def timings(world: World, runs: int, peak: float, cuda: bool) -> None:
+    R, T, H = world.R, world.T, world.H
+    b = H * 2
+    halves = [
+        ("dispatch send", world.dispatch_send, 2 * world.pairs * b),
+        ("dispatch recv", world.dispatch_recv, 2 * world.pairs * b + world.pairs * 24),
+        ("combine send", world.combine_send, 2 * world.pairs * b),
+        ("combine recv", world.combine_recv, world.pairs * b + R * T * H * 2),
+    ]
+    seconds = half_seconds(halves, runs, cuda)
     world.check()
     for name, _, nbytes in halves:
-        s = statistics.median(results[name])
+        s = seconds[name]
         print(
             f"| {T:>5} | {world.flag:<10} | {name:<13} | {s * 1e6:10.1f} | {s * 1e6 / R:9.1f} | "
             f"{nbytes / 1e6:9.1f} | {nbytes / s / 1e9:8.1f} | {nbytes / s / peak:6.1%} |"

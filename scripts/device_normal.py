@@ -22,12 +22,10 @@ a dry run of this script's logic, not a measurement.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 from dataclasses import replace
 
 import torch
-from device_ll import VirtualDeviceHeap, graph_replays, no_host_sync
+from device_ll import VirtualDeviceHeap, graph_replays, half_seconds, no_host_sync
 
 from ubep import reference
 from ubep.calls import CallCounter
@@ -147,23 +145,10 @@ def timings(world: World, runs: int, peak: float, cuda: bool) -> None:
         ("combine send", world.combine_send, 2 * rows * b + 2 * R * world.worst * b),  # with the y copy
         ("combine recv", world.combine_recv, rows * b + R * T * b),
     ]
-    results = {name: [] for name, _, _ in halves}
-    for _ in range(runs):
-        for name, fn, _ in halves:
-            if cuda:
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                fn()
-                end.record()
-                end.synchronize()
-                results[name].append(start.elapsed_time(end) / 1e3)
-            else:
-                t0 = time.perf_counter()
-                fn()
-                results[name].append(time.perf_counter() - t0)
+    seconds = half_seconds(halves, runs, cuda)
     world.check()
     for name, _, nbytes in halves:
-        s = statistics.median(results[name])
+        s = seconds[name]
         print(
             f"| {T:>5} | {name:<13} | {s * 1e6:10.1f} | {s * 1e6 / R:9.1f} | {nbytes / 1e6:9.1f} | "
             f"{nbytes / s / 1e9:8.1f} | {nbytes / s / peak:6.1%} |"
