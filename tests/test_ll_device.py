@@ -70,7 +70,8 @@ def test_in_word_slots_take_twice_the_bytes():
     from ubep.factory import heap_bytes
     from ubep.layout import ExpertPlacement
     from ubep.protocols.base import Sizing
-    from ubep.protocols.ll import LLBlocks, per_writer
+    from ubep.protocols.ll import LLBlocks
+    from ubep.protocols.ll_base import per_writer
 
     s = Sizing(hidden=128, capacity=4, max_topk=2, placement=ExpertPlacement.contiguous(8, 2))
     R, L, T, B = 2, 4, 4, s.row_bytes

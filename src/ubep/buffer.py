@@ -45,8 +45,8 @@ from ubep.layout import (
 from ubep.overlap import EventOverlap
 from ubep.placement import CopyMap, Distances, Placement
 from ubep.protocols.base import Exchange, SendPlan, Sizing
-from ubep.protocols.ll import FLAGS
 from ubep.protocols.ll_base import (
+    FLAGS,
     LowLatencyExchange,
     combine_plan,
     dispatch_outputs,

@@ -51,9 +51,12 @@ from ubep.faults import NO_FAULTS, FaultPoints
 from ubep.protocols import ll_status
 from ubep.protocols.base import CODE_RANGE, Sizing
 from ubep.protocols.ll_base import (
+    AFTER_DATA,
+    IN_WORD,
     LLCombinePlan,
     LLDispatchOut,
     LLDispatchPlan,
+    per_writer,
     place_source,
     reduce_returned,
     returned_rows,
@@ -69,16 +72,6 @@ from ubep.waiting import AbortNotice, PeerAbortedError
 DISPATCH, COMBINE = 0, 1
 CONSUMED, SKIPPED = 0, 1
 KINDS = {"dispatch": DISPATCH, "combine": COMBINE}
-# The two data-as-flag forms of rows (docs/device.md): rows, then a released stamp that covers them;
-# or 8-byte words of 4 payload bytes and the epoch, each its own flag (the Triton halves only).
-AFTER_DATA, IN_WORD = "after-data", "in-word"
-FLAGS = (AFTER_DATA, IN_WORD)
-
-
-def per_writer(s: Sizing) -> int:
-    """The most rows one expert rank returns to one home: each of T tokens selects at most
-    min(max_topk, L) of its experts (no expert twice in a row)."""
-    return s.capacity * min(s.max_topk, s.placement.num_local_experts)
 
 
 @dataclass(frozen=True, slots=True)

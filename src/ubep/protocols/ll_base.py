@@ -23,10 +23,21 @@ from ubep.calls import CallId
 from ubep.engine import Engine
 from ubep.engine.torch_engine import as_words
 from ubep.layout import ExpertPlacement, prefix_offsets
-from ubep.protocols.base import CODE_DTYPES, DTYPE_CODES
+from ubep.protocols.base import CODE_DTYPES, DTYPE_CODES, Sizing
 from ubep.results import LowLatencyHandle
 
 Payload = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
+
+# The two data-as-flag forms of rows (docs/device.md): rows, then a released stamp that covers them;
+# or 8-byte words of 4 payload bytes and the epoch, each its own flag (the Triton halves only).
+AFTER_DATA, IN_WORD = "after-data", "in-word"
+FLAGS = (AFTER_DATA, IN_WORD)
+
+
+def per_writer(s: Sizing) -> int:
+    """The most rows one expert rank returns to one home: each of T tokens selects at most
+    min(max_topk, L) of its experts (no expert twice in a row)."""
+    return s.capacity * min(s.max_topk, s.placement.num_local_experts)
 
 
 def gather_rows(rows_NB: torch.Tensor, index_n: torch.Tensor) -> torch.Tensor:

@@ -23,8 +23,7 @@ from ubep.engine import ll_halves as k
 from ubep.faults import NO_FAULTS, FaultPoints
 from ubep.protocols import halves, ll_status
 from ubep.protocols.base import CODE_RANGE, Sizing
-from ubep.protocols.ll import per_writer
-from ubep.protocols.ll_base import LLCombinePlan, LLDispatchOut, LLDispatchPlan
+from ubep.protocols.ll_base import LLCombinePlan, LLDispatchOut, LLDispatchPlan, per_writer
 from ubep.transport.heap import Heap
 
 DISPATCH, COMBINE = 0, 1

@@ -45,8 +45,7 @@ from ubep.engine import ll_triton as k
 from ubep.protocols import ll_status
 from ubep.protocols.base import CODE_DTYPES, CODE_RANGE, DTYPE_CODES, Sizing
 from ubep.protocols.device_halves import TL_WORDS, WORDS, DeviceHalves, pow2
-from ubep.protocols.ll import FLAGS, IN_WORD, per_writer
-from ubep.protocols.ll_base import LLCombinePlan, LLDispatchOut, LLDispatchPlan
+from ubep.protocols.ll_base import FLAGS, IN_WORD, LLCombinePlan, LLDispatchOut, LLDispatchPlan, per_writer
 
 DISPATCH, COMBINE = 0, 1
 
