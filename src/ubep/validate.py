@@ -92,6 +92,11 @@ def repeated_expert(topk_idx_NK: torch.Tensor, row: int) -> ValueError:
     return ValueError(f"topk_idx row {row} lists the same expert twice: {topk_idx_NK[row].tolist()}")
 
 
+def repeated_in_row(row: int, expert: int) -> ValueError:
+    """`repeated_expert` as a device half reports it: the row and the expert, not the row's values."""
+    return ValueError(f"topk_idx row {row} lists the same expert twice ({expert})")
+
+
 def topk_weights(
     value, shape: tuple[int, int], name: str = "topk_weights", device: torch.device = CPU
 ) -> torch.Tensor:
@@ -115,6 +120,21 @@ def layout_args(
         given = tensor("num_tokens_per_rank", num_tokens_per_rank, (torch.int32, torch.int64), 1, device)
         if given.numel() != R or not torch.equal(given.long(), computed_is_token_in_rank.sum(0)):
             raise ValueError("num_tokens_per_rank does not match topk_idx")
+
+
+def layout_shapes(num_tokens_per_rank, is_token_in_rank, num_tokens: int, num_ranks: int, device) -> None:
+    """Caller-supplied layout of the right kind, its values unread: where the device derives the layout
+    from topk_idx itself (`Buffer` on the Triton halves), comparing them would read back on the host."""
+    if is_token_in_rank is not None:
+        given = tensor("is_token_in_rank", is_token_in_rank, torch.bool, 2, device)
+        if tuple(given.shape) != (num_tokens, num_ranks):
+            raise ValueError(
+                f"is_token_in_rank has shape {tuple(given.shape)}, expected {(num_tokens, num_ranks)}"
+            )
+    if num_tokens_per_rank is not None:
+        given = tensor("num_tokens_per_rank", num_tokens_per_rank, (torch.int32, torch.int64), 1, device)
+        if given.numel() != num_ranks:
+            raise ValueError(f"num_tokens_per_rank has {given.numel()} entries, expected {num_ranks}")
 
 
 def positive(name: str, value, minimum: int = 1) -> int:

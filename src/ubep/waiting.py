@@ -44,6 +44,13 @@ class PeerAbortedError(UbepError):
         super().__init__(f"{phase}: rank {peer} aborted the call ({notice.reason})")
 
 
+def rejected_input(phase: str, peer: int) -> PeerAbortedError:
+    """`peer` rejected its own input for this call (a device half found it: see that rank's error)."""
+    return PeerAbortedError(
+        phase, peer, AbortNotice("it rejected its input for this call; see that rank's error")
+    )
+
+
 def pid_namespace() -> int:
     """Inode of this process's PID namespace (0 where /proc cannot tell)."""
     try:

@@ -52,6 +52,7 @@ import triton
 import triton.language as tl
 
 from ubep.engine.triton_kernels import _bf16_bits
+from ubep.engine.triton_route import first_bad_topk
 from ubep.engine.triton_sync import int64_ptr, load_acquire, load_epoch, store_release
 
 # Block indices of `LLBlocks.all()`, record words and codes: those of `ubep.engine.ll_halves`.
@@ -155,37 +156,11 @@ def _poll_words(src, mask, epoch, status, max_spins):
 
 @triton.jit
 def _check_topk(topk, N, K, E, status, me, NB: tl.constexpr, KB: tl.constexpr):
-    """This rank's topk_idx [N, K]: every value in [-1, E), no expert twice in a row (as
-    `ubep.validate.topk_idx` on the host: a value out of range anywhere first, then the first row with
-    a repeat). One pass, each block of rows loaded once. 1 good, 0 failed (E_EXPERT or E_REPEATED)."""
-    ks = tl.arange(0, KB)
-    beyond = N * KB  # above every flat index (token * KB + k)
-    bad_at = beyond
-    bad_value = tl.full((), 0, tl.int64)
-    twice_row = N
-    twice_expert = tl.full((), -1, tl.int64)
-    t0 = 0
-    while t0 < N:
-        tokens = t0 + tl.arange(0, NB)
-        inside = (tokens[:, None] < N) & (ks[None, :] < K)
-        chosen = tl.load(topk + tokens[:, None] * K + ks[None, :], mask=inside, other=-1)
-        flat = tokens[:, None] * KB + ks[None, :]
-        first = tl.min(
-            tl.min(tl.where(inside & ((chosen < -1) | (chosen >= E)), flat, beyond), axis=1), axis=0
-        )
-        if first < bad_at:
-            bad_at = first
-            bad_value = tl.sum(tl.sum(tl.where(flat == first, chosen, 0), axis=1), axis=0)
-        earlier = ks[None, :, None] < ks[None, None, :]  # each pair (k, k') of a row once
-        same = (chosen[:, :, None] == chosen[:, None, :]) & (chosen[:, :, None] >= 0) & earlier
-        repeated = tl.max(tl.max(tl.where(same, chosen[:, :, None], -1), axis=2), axis=1)  # [NB]: -1 or one
-        row = tl.min(tl.where(repeated >= 0, tokens, N), axis=0)
-        if row < twice_row:
-            twice_row = row
-            twice_expert = tl.sum(tl.where(tokens == row, repeated, 0), axis=0)
-        t0 += NB
+    """This rank's topk_idx [N, K] (`triton_route.first_bad_topk`: a value out of range anywhere first,
+    then the first row with a repeat). 1 good, 0 failed (E_EXPERT or E_REPEATED)."""
+    bad_at, bad_value, twice_row, twice_expert = first_bad_topk(topk, N, K, E, NB, KB)
     ok = tl.full((), 0, tl.int32)
-    if bad_at < beyond:
+    if bad_at < N * KB:
         _fail(status, E_EXPERT, me, bad_value, E.to(tl.int64), (bad_at // KB).to(tl.int64))
     elif twice_row < N:
         _fail(status, E_REPEATED, me, twice_expert, 0, twice_row.to(tl.int64))

@@ -64,7 +64,7 @@ from ubep.protocols.ll_base import (
 )
 from ubep.results import LowLatencyHandle
 from ubep.transport.base import Field, Header, Region, Transport
-from ubep.waiting import AbortNotice, PeerAbortedError
+from ubep.waiting import rejected_input
 
 # `done[kind, half, word]`: CONSUMED, the last call of that kind whose receive half
 # finished (or that this rank rejected) on that half; SKIPPED, a rejected call whose
@@ -205,8 +205,7 @@ class LLExchange:
             if self.t.stamped(header, call, r):
                 return True
             if rejected[r][kind] >= call.epoch:
-                notice = AbortNotice("it rejected its input for this call; see that rank's error")
-                raise PeerAbortedError(phase, r, notice)
+                raise rejected_input(phase, r)
             return False
 
         self.t.wait(phase, call, peers, ready)

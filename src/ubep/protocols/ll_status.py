@@ -31,8 +31,8 @@ from ubep.engine.ll_codes import (  # noqa: F401 (the codes are this module's wo
 from ubep.errors import PeerDataError
 from ubep.transport.base import Transport
 from ubep.transport.heap import complaint
-from ubep.validate import bad_expert
-from ubep.waiting import AbortNotice, PeerAbortedError
+from ubep.validate import bad_expert, repeated_in_row
+from ubep.waiting import rejected_input
 
 
 def error(
@@ -52,11 +52,7 @@ def error(
             "(hook or event.wait()); at most two low-latency calls of a kind may be in flight"
         )
     if code == E_REJECTED:
-        return PeerAbortedError(
-            phase,
-            peer,
-            AbortNotice("it rejected its input for this call; see that rank's error"),
-        )
+        return rejected_input(phase, peer)
     if code == E_FIELD:
         header = blocks.sent if call.kind == "ll_dispatch" else blocks.returned
         return t.bad_data(call, peer, complaint(header, header.fields[b], peer, a))
@@ -76,9 +72,7 @@ def error(
 # This rank's own input, checked in the Triton send kernels: the host's exceptions, from (a, b, c).
 OWN_INPUT = {
     E_EXPERT: lambda value, num_experts, row: bad_expert(num_experts, value),
-    E_REPEATED: lambda expert, _, row: ValueError(
-        f"topk_idx row {row} lists the same expert twice ({expert})"
-    ),
+    E_REPEATED: lambda expert, _, row: repeated_in_row(row, expert),
     E_UNRECEIVED: lambda *_: ValueError(
         "handle: its dispatch was not received yet; call its hook or event.wait() first"
     ),
