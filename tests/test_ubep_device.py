@@ -225,14 +225,12 @@ def test_masked_rank_is_left_out(protocol):
 
 
 def _capturable(buf: ubep.Buffer, max_spins: int | None = None):
-    """Capturable device halves of buf's protocol over its heap, continuing its calls."""
+    """Capturable device halves of buf's protocol over its heap (they take up at the host's next call)."""
     from ubep.faults import NO_FAULTS
 
     ex = buf._exchange
     local = ex._local_of_RE if buf.protocol == "bsp" else ex._local_of_E
-    device = type(ex._compiled)(ex.t, ex.blocks, buf.sizing, NO_FAULTS, local, buf.engine, True, max_spins)
-    device.follow(buf._calls)
-    return device
+    return type(ex._compiled)(ex.t, ex.blocks, buf.sizing, NO_FAULTS, local, buf.engine, True, max_spins)
 
 
 def without_host_reads(_: int, protocol: str) -> str:
@@ -289,11 +287,102 @@ def test_a_whole_call_with_num_worst_tokens_reads_nothing_back_on_the_host(proto
     assert ubep.LocalLaunch(world_size=2, timeout_s=180).run(without_host_reads, 0, protocol) == ["ok", "ok"]
 
 
+def _layout(topk_idx_NK: torch.Tensor, num_experts: int, num_ranks: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(is_token_in_rank bool [N, R], tokens per rank int64 [R]), by a loop over tokens: the reference
+    the send kernel's layout is compared with (contiguous experts: E / R a rank)."""
+    per_rank = num_experts // num_ranks
+    in_rank = torch.zeros(topk_idx_NK.shape[0], num_ranks, dtype=torch.bool)
+    for t, row in enumerate(topk_idx_NK.tolist()):
+        for e in row:
+            if e >= 0:
+                in_rank[t, e // per_rank] = True
+    return in_rank, in_rank.sum(0)
+
+
+def buffer_without_host_reads(_: int, protocol: str) -> list[str]:
+    """Whole `Buffer` normal-mode calls, capturable, with num_worst_tokens and every host read forbidden:
+    dispatch, combine and a cached dispatch; the Buffer checks shapes, dtypes and devices, the send
+    kernel derives the layout and checks topk_idx's values. Equal to the reference. Then rank 0 passes
+    an expert id out of range and rank 1 a repeated expert, still without a host read: `check()`
+    raises the host's ValueError on the rank that passed it, and on its peer that it rejected the call.
+    Then a good call again: a rejected call leaves the group able to go on."""
+    from test_ll_device import _no_host_reads, _restore
+
+    from ubep.waiting import PeerAbortedError
+
+    sc = replace(CASES[0][0], tokens=(5, 4))  # both ranks send: each passes a bad input once
+    R, me, E = sc.num_ranks, torch.distributed.get_rank(), sc.num_experts
+    xs, idxs, ws = sc.inputs()
+    ref = reference.dispatch(xs, idxs, ws, E)
+    mine, M, worst = ref[me], ref[me].recv_x_MH.shape[0], R * sc.capacity
+    ys = [expert_output(r.recv_x_MH, rank) for rank, r in enumerate(ref)]
+    want = reference.combine(ys, ref, [x.shape[0] for x in xs])[me]
+
+    def calls(buf: ubep.Buffer, idx: torch.Tensor):
+        patched: list = []
+        _no_host_reads(patched)
+        try:
+            got = buf.dispatch(xs[me], topk_idx=idx, topk_weights=ws[me], num_worst_tokens=worst)
+            out = buf.combine(expert_output(got.recv_x, me), got.handle, topk_weights=got.recv_topk_weights)
+            again = buf.dispatch(xs[me], handle=got.handle)
+        finally:
+            _restore(patched)
+        return got, out, again
+
+    def exact(got, out, again) -> None:
+        assert torch.equal(got.recv_x[:M], mine.recv_x_MH) and torch.equal(again.recv_x[:M], mine.recv_x_MH)
+        assert not got.recv_x[M:].view(torch.uint8).any() and not again.recv_x[M:].view(torch.uint8).any()
+        assert (
+            torch.equal(got.recv_topk_idx[:M], mine.recv_topk_idx_MK) and (got.recv_topk_idx[M:] == -1).all()
+        )
+        assert torch.equal(got.recv_topk_weights[:M], mine.recv_topk_weights_MK)
+        assert torch.equal(got.handle.recv.src_token_M[:M], mine.src_token_M)
+        in_rank, counts = _layout(idxs[me], E, R)
+        assert torch.equal(got.handle.is_token_in_rank_NR, in_rank)
+        assert torch.equal(got.handle.send_counts_R, counts)
+        assert torch.equal(out.combined_x, want)
+
+    seen = []
+    kw = dict(hidden=sc.hidden, num_experts=E, max_tokens_per_rank=sc.capacity, timeout_s=60, engine="triton")
+    with ubep.Buffer(low_latency=False, protocol=protocol, capturable=True, **kw) as buf:
+        assert "capturable" in buf.explain(), buf.explain()
+        result = calls(buf, idxs[me])
+        buf.check()
+        exact(*result)
+        seen.append("exact")
+        out_of_range, repeated = idxs[me].clone(), idxs[me].clone()
+        out_of_range[0, 0] = E if me == 0 else out_of_range[0, 0]
+        if me == 1:
+            repeated[2] = torch.tensor([1, 5, 1])
+        for bad, by, said in ((out_of_range, 0, rf"values must lie in \[-1, {E}\); found {E}"),
+                              (repeated, 1, r"row 2 lists the same expert twice \(1\)")):  # fmt: skip
+            calls(buf, bad)
+            with pytest.raises(ValueError if me == by else PeerAbortedError) as caught:
+                buf.check()
+            assert caught.match(said if me == by else rf"rank {by} aborted the call \(it rejected its input")
+            seen.append(f"rejected by {by}")
+        result = calls(buf, idxs[me])
+        buf.check()
+        exact(*result)
+        seen.append("exact")
+    return seen
+
+
+@interpreted
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_a_whole_buffer_call_reads_nothing_back_and_its_kernels_check_the_values(protocol):
+    got = ubep.LocalLaunch(world_size=2, timeout_s=280).run(buffer_without_host_reads, 0, protocol)
+    assert got == [["exact", "rejected by 0", "rejected by 1", "exact"]] * 2
+
+
 # --- errors: a peer's out-of-range count, a device wait that runs out -------------------------------
 
 
 def errors(rank, done: threading.Barrier, protocol: str) -> str:
-    """The device halves report what the CPU protocol reports, in its words."""
+    """The device halves report what the CPU protocol reports, in its words: a peer's corrupt count,
+    this rank's bad topk_idx (found by the send kernel; the peer learns the call was rejected), and,
+    capturable, a wait that ran out."""
     from ubep.errors import CommTimeoutError, PeerDataError
     from ubep.faults import FaultPlan
     from ubep.waiting import PeerAbortedError
@@ -310,6 +399,16 @@ def errors(rank, done: threading.Barrier, protocol: str) -> str:
         if caught.type is PeerDataError:
             said = f"rank 1 announced {sc.capacity + 5} tokens, capacity is {sc.capacity}"
             assert said in str(caught.value), caught.value
+        done.wait()
+    with ubep.Buffer(rank, engine="triton", low_latency=False, **kw) as buf:  # the send kernel checks
+        x, idx, w = xs[me], idxs[me], ws[me]
+        if me == 1:  # one token, an expert id out of range
+            x, idx, w = xs[0][:1], torch.tensor([[0, 3, sc.num_experts + 2]]), ws[0][:1]
+        with pytest.raises(ValueError if me == 1 else PeerAbortedError) as caught:
+            buf.dispatch(x, topk_idx=idx, topk_weights=w)
+        assert caught.match(
+            rf"found {sc.num_experts + 2}" if me == 1 else r"rank 1 aborted the call \(it rejected its input"
+        )
         done.wait()
     with ubep.Buffer(rank, engine="triton", low_latency=False, **kw) as buf:
         if me == 0:  # rank 1 sends nothing: a capturable wait runs out and check() names it

@@ -20,12 +20,13 @@ from test_triton_aot import ARCHS, _body, _sig, compiled_or_skip, ptx_of  # noqa
 
 HEAD = "table:*i64 live:*u8 me:i32 epochs:*i64"
 # (kernel, runtime argument types, constexprs): one specialization each, as `ubep.protocols.ubep_device`
-# launches it (bf16 rows as int32 words; top-8, 16 ranks at most).
+# launches it (bf16 rows as int32 words; top-8, 16 ranks at most; the layout derived from top-k).
 SPECS = [
     ("ubep_dispatch_send_kernel", _sig(
         "table:*i64 me:i32 epochs:*i64 x:*i32 W:i32 scales:*i32 S:i32 topk:*i64 weights:*fp32 N:i32 K:i32 "
-        "in_rank:*u8 counts:*i64 R:i32 announced:i32 code:i32 Kmax:i32 T:i32 arrivals:*i64 programs:i32"),
-     {"WORD": tl.int32, "NB": 64, "KB": 8, "RB": 16, "WB": 128}),
+        "in_rank:*u8 counts:*i64 owner:*i64 E:i32 R:i32 announced:i32 code:i32 Kmax:i32 T:i32 arrivals:*i64 "
+        "programs:i32 status:*i64"),
+     {"WORD": tl.int32, "NB": 64, "KB": 8, "RB": 16, "WB": 128, "ROUTED": True}),
     ("ubep_dispatch_routes_kernel", _sig(
         f"{HEAD} R:i32 code:i32 K:i32 Kmax:i32 T:i32 dtype_lo:i32 dtype_hi:i32 counts:*i64 sent:*i64 "
         "prefix:*i64 worst:i32 state:*i64 status:*i64 max_spins:i32"),
@@ -44,7 +45,10 @@ SPECS = [
         "dtype_hi:i32 K:i32 Kmax:i32 rows_max:i32 out:*i16 H:i32 out_w:*fp32 state:*i64 status:*i64 "
         "max_spins:i32"),
      {"KIND": 1, "RB": 16, "KB": 8, "HB": 256}),
-    ("bsp_counts_kernel", _sig("table:*i64 me:i32 epochs:*i64 counts:*i64 R:i32"), {"RB": 16}),
+    ("bsp_counts_kernel", _sig(
+        "table:*i64 me:i32 epochs:*i64 counts:*i64 R:i32 topk:*i64 N:i32 K:i32 in_rank:*u8 owner:*i64 E:i32 "
+        "forced:i32 status:*i64"),
+     {"NB": 64, "KB": 8, "RB": 16, "ROUTED": True}),
     ("bsp_barrier_kernel", _sig("table:*i64 live:*u8 me:i32 targets:*i64 R:i32 status:*i64 max_spins:i32"),
      {}),
     ("bsp_send_kernel", _sig(
@@ -62,7 +66,8 @@ SPECS = [
      {"WORD": tl.int32, "IB": 16, "KB": 8, "WB": 128}),
 ]  # fmt: skip
 STAMPS = {"ubep_dispatch_send_kernel": 2, "ubep_combine_send_kernel": 1, "bsp_counts_kernel": 1,
-          "bsp_send_kernel": 1, "bsp_barrier_kernel": 1}  # fmt: skip  # system-scope releases by exchange
+          "bsp_send_kernel": 1, "bsp_barrier_kernel": 2}  # fmt: skip  # system-scope releases by exchange
+# (the barrier's second: a rank that rejected its own input arrives without waiting)
 POLLS = ("ubep_dispatch_routes_kernel", "ubep_dispatch_gather_kernel", "ubep_combine_reduce_kernel",
          "bsp_barrier_kernel")  # fmt: skip  # they wait, bounded (verify reads flags once, reorder none)
 

@@ -140,8 +140,9 @@ class Buffer:
         ll_flag: how low-latency rows carry their arrival on the Triton halves (engine "triton"):
             "after-data" (default; rows, then a released stamp) or "in-word" (8-byte words of 4
             payload bytes and the epoch, each its own flag; twice the slot memory). docs/device.md.
-        capturable: low-latency calls on the Triton halves read nothing back on the host, so a CUDA
-            graph can capture them; their errors (a bad topk_idx value too) raise at `check()`.
+        capturable: calls on the Triton halves read nothing back on the host, so a CUDA graph can
+            capture them (low-latency calls; normal-mode calls with `num_worst_tokens`); their
+            errors (a bad topk_idx value too) raise at `check()`. docs/device.md.
 
     transport, protocol, timeout_s, engine, stats, ll_flag and capturable left as None come from the
     environment (UBEP_TRANSPORT, UBEP_PROTOCOL, UBEP_TIMEOUT_S, UBEP_ENGINE, UBEP_STATS, UBEP_LL_FLAG,
@@ -257,9 +258,11 @@ class Buffer:
         self._num_experts, self._num_local_experts = num_experts, placement.num_local_experts
         self._max_recv = self.sizing.capacity * R  # the most rows a rank can receive in one dispatch
         self._route = getattr(self.engine, "route", None)  # the engine's compiled check-and-layout, if any
+        # The Triton halves' send kernel derives the layout and checks topk_idx's values (no host read)
+        self._layout_by_send = getattr(self._exchange, "layout_by_send", False)
         self._rank_of_expert_E = placement.rank_of_expert_E.numpy()
         self._masked: frozenset[int] = frozenset()  # ranks left out of every call (`mask_ranks`)
-        self._masked_E = torch.zeros(num_experts, dtype=torch.bool)  # experts those ranks own
+        self._masked_E = torch.zeros(num_experts, dtype=torch.bool)  # experts those ranks own (on `device`)
         self._masked_after = 0  # the last call before the latest mask: older handles are stale
         self._retired = False  # this rank masked itself out
         self._placement: Placement | None = None  # logical experts on the Buffer's slots (`set_placement`)
@@ -506,6 +509,8 @@ class Buffer:
             raise ValueError("dispatch needs topk_idx and topk_weights unless a handle is given")
         x, scales = self._payload(x)
         topk_idx = self._physical(topk_idx)
+        if self._layout_by_send:
+            return self._device_plan(x, scales, topk_idx, topk_weights, num_tokens_per_rank, is_token_in_rank)
         route = None if self._masked else self._route  # a compiled check-and-layout, where the engine has one
         idx = validate.topk_idx(
             topk_idx, x.shape[0], self._num_experts, s.max_topk, values=route is None, device=self.device
@@ -521,6 +526,26 @@ class Buffer:
         if num_tokens_per_rank is not None or is_token_in_rank is not None:
             validate.layout_args(num_tokens_per_rank, is_token_in_rank, is_token_in_rank_NR, self.device)
         return SendPlan(x, idx, w, is_token_in_rank_NR, counts_R, scales), dropped
+
+    def _device_plan(
+        self, x, scales, topk_idx, topk_weights, num_tokens_per_rank, is_token_in_rank
+    ) -> tuple[SendPlan, int]:
+        """The plan for Triton halves that derive the layout and check topk_idx's values in their send
+        kernel: shapes, dtypes and devices checked here, no value read (-1 dropped entries: not
+        counted with `capturable`, where counting would read back)."""
+        s, N, R = self.sizing, x.shape[0], self._info.world_size
+        idx = validate.topk_idx(topk_idx, N, self._num_experts, s.max_topk, values=False, device=self.device)
+        w = validate.topk_weights(topk_weights, tuple(idx.shape), device=self.device)
+        dropped = 0
+        if self._masked:
+            idx, dropped = self._drop_masked(idx, count=not self.capturable)
+            dropped = -1 if self.capturable else dropped
+        if num_tokens_per_rank is not None or is_token_in_rank is not None:
+            validate.layout_shapes(num_tokens_per_rank, is_token_in_rank, N, R, self.device)
+        # zeroed: a call whose input the kernel rejects leaves a handle that routes nothing
+        in_rank_NR = torch.zeros(N, R, dtype=torch.bool, device=self.device)
+        counts_R = torch.zeros(R, dtype=torch.int64, device=self.device)
+        return SendPlan(x, idx, w, in_rank_NR, counts_R, scales, layout_by_send=True), dropped
 
     def _check_handle(self, handle) -> None:
         """A normal-mode handle of this Buffer, made after the latest mask."""
@@ -701,13 +726,14 @@ class Buffer:
         return x, idx, validate.topk_weights(topk_weights, tuple(idx.shape), device=self.device)
 
     def check(self) -> None:
-        """Raise the first error the device recorded in low-latency calls since the last check (with
-        `capturable`, where calls read nothing back on the host; a no-op otherwise): a bad topk_idx
+        """Raise the first error the device recorded in calls since the last check, normal mode's first
+        (with `capturable`, where calls read nothing back on the host; a no-op otherwise): a bad topk_idx
         value (ValueError, as on the host), a peer's bad data or rejection, or a wait that ran out of
         polls (CommTimeoutError). Reads the device's status words: call it outside a captured graph."""
-        check = getattr(self._ll, "check", None)
-        if check is not None:
-            check()
+        for exchange in (self._exchange, self._ll):
+            check = getattr(exchange, "check", None)
+            if check is not None:
+                check()
 
     def _later(self, call: CallId, receive, deferred: bool):
         """The receive half, refused like a call while another thread is inside one when it runs later,
@@ -757,7 +783,7 @@ class Buffer:
             resume(seq)
         self._masked |= gone
         owners_E = self.sizing.placement.rank_of_expert_E
-        self._masked_E = torch.isin(owners_E, torch.tensor(sorted(self._masked)))
+        self._masked_E = torch.isin(owners_E, torch.tensor(sorted(self._masked))).to(self.device)
         self._masked_after = seq
 
     @property

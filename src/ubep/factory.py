@@ -48,7 +48,7 @@ class Options:
     workers: int = 1
     schedule: str = "ubep"
     ll_flag: str = AFTER_DATA  # low-latency rows: "after-data" or "in-word" (the Triton halves only)
-    capturable: bool = False  # low-latency Triton halves that read nothing back on the host
+    capturable: bool = False  # Triton halves (both modes) that read nothing back on the host
 
 
 def ready_engine(requested: str = "auto") -> tuple[Engine, str]:
@@ -72,10 +72,13 @@ HEAP_PROTOCOLS = {
     "ubep": (
         UbepBlocks,
         lambda heap, engine, s, faults, o: UbepExchange(
-            heap, engine, s, faults, workers=o.workers, policy=o.schedule
+            heap, engine, s, faults, workers=o.workers, policy=o.schedule, capturable=o.capturable
         ),
     ),
-    "bsp": (BspBlocks, lambda heap, engine, s, faults, o: BspExchange(heap, engine, s, faults)),
+    "bsp": (
+        BspBlocks,
+        lambda heap, engine, s, faults, o: BspExchange(heap, engine, s, faults, capturable=o.capturable),
+    ),
 }
 # Where a heap's memory lives: a host's shared segments, a virtual world's arenas, or each GPU's
 # symmetric memory (the headers of every protocol whose halves run as device kernels with it: those
@@ -128,9 +131,9 @@ def build(
 ) -> tuple[Exchange, LowLatencyExchange | None]:
     """(normal-mode exchange, low-latency exchange or None); collective over the group."""
     o = options
-    if o.low_latency and (o.ll_flag != AFTER_DATA or o.capturable) and o.transport not in HEAPS:
+    if (o.capturable or (o.low_latency and o.ll_flag != AFTER_DATA)) and o.transport not in HEAPS:
         raise ValueError(
-            f"ll_flag={o.ll_flag!r}, capturable={o.capturable}: these need low-latency mode's Triton halves "
+            f"ll_flag={o.ll_flag!r}, capturable={o.capturable}: these need the Triton halves "
             f"on a heap (transport 'shm', 'virtual' or 'cuda'); this Buffer runs on {o.transport!r}"
         )
     if o.transport == "local":

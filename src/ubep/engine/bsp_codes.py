@@ -18,3 +18,8 @@ E_FORMAT = 4  # the peer staged another dtype or top-k: (peer, its dtype code, i
 E_TOKENS = 5  # a staged source token index outside [0, T)
 E_LOCAL = 6  # a staged local expert id outside [-1, L)
 E_WORST = 12  # (device phases) more rows than num_worst_tokens: (-1, rows, num_worst_tokens)
+# The Triton phases only (a numba rank cannot share a BSP call with a Triton rank):
+E_REJECTED = 13  # the peer rejected its own input for this call (its counts record says so): (peer)
+E_OWN_EXPERT = 14  # this rank's topk_idx value outside [-1, E): (this rank, the value, E, its row)
+E_OWN_REPEATED = 15  # this rank's topk_idx row lists an expert twice: (this rank, the expert, 0, the row)
+REJECTED = -(1 << 40)  # every count of the counts record of a call whose sender rejected its input

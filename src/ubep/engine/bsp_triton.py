@@ -13,7 +13,7 @@ stride max_topk, local ids as the destination sees them). Its combine is UBEP's
 tables). The barrier word is the last block (`BspBlocks.barrier`), in device
 memory, since the host's control block is out of a GPU's reach.
 
-    counts   (1 program): own counts record, stamped
+    counts   (1 program): own counts record (and the layout from top-k, checked), stamped
     barrier  (1 program): raise own word to the target, wait (bounded) for every live peer's
     send     ((destination, token block) programs): push rows, tokens, local top-k into the
              destination's slot; the last of its programs stamps its `staged` inbox row
@@ -32,6 +32,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ubep.engine.triton_route import first_bad_topk, rank_hits
 from ubep.engine.triton_sync import int64_ptr, load_acquire, load_epoch, store_release
 from ubep.engine.ubep_triton import _copy_words, _fail
 
@@ -51,6 +52,10 @@ E_FORMAT: tl.constexpr = tl.constexpr(4)
 E_TOKENS: tl.constexpr = tl.constexpr(5)
 E_LOCAL: tl.constexpr = tl.constexpr(6)
 E_WORST: tl.constexpr = tl.constexpr(12)
+E_REJECTED: tl.constexpr = tl.constexpr(13)
+E_OWN_EXPERT: tl.constexpr = tl.constexpr(14)
+E_OWN_REPEATED: tl.constexpr = tl.constexpr(15)
+REJECTED: tl.constexpr = tl.constexpr(-(1 << 40))
 
 
 @triton.jit
@@ -66,12 +71,53 @@ def _address(table, rank, block):
 
 
 @triton.jit
-def bsp_counts_kernel(table, me, epochs, counts, R, RB: tl.constexpr):
-    """Publish this rank's row count for every destination (counts int64 [R]): the count round."""
+def bsp_counts_kernel(
+    table, me, epochs, counts, R, topk, N, K, in_rank, owner, E, forced, status,
+    NB: tl.constexpr, KB: tl.constexpr, RB: tl.constexpr, ROUTED: tl.constexpr,
+):  # fmt: skip
+    """Publish this rank's row count for every destination (counts int64 [R]): the count round.
+
+    ROUTED: the routing is topk (int64 [N, K]) alone, and in_rank (uint8 [N, R]) and counts are
+    outputs: topk's values are checked first (`triton_route.first_bad_topk`; a bad one fails the call
+    with E_OWN_EXPERT or E_OWN_REPEATED in status, and the record says REJECTED, so that the peers
+    stop), then every column of in_rank and its count are derived from topk and owner (int64 [E],
+    each expert's rank). Otherwise counts is an input. forced >= 0 publishes that count instead (a
+    fault plan's corrupt count)."""
     epoch, _ = load_epoch(epochs)
     rs = tl.arange(0, RB)
     record = int64_ptr(_address(table, me, COUNTS))
-    tl.store(record + 1 + rs, tl.load(counts + rs, mask=rs < R), mask=rs < R)
+    go = tl.full((), 1, tl.int32)
+    if ROUTED:
+        bad_at, bad_value, twice_row, twice_expert = first_bad_topk(topk, N, K, E, NB, KB)
+        if bad_at < N * KB:
+            _fail(status, E_OWN_EXPERT, me, bad_value, E, bad_at // KB, 0)
+            go = tl.full((), 0, tl.int32)
+        elif twice_row < N:
+            _fail(status, E_OWN_REPEATED, me, twice_expert, 0, twice_row, 0)
+            go = tl.full((), 0, tl.int32)
+    if go == 0:
+        tl.store(record + 1 + rs, tl.full((RB,), REJECTED, tl.int64), mask=rs < R)
+    else:
+        if ROUTED:
+            values = tl.zeros((RB,), tl.int64)
+            p = tl.full((), 0, tl.int32)
+            while p < R:
+                at = tl.full((), 0, tl.int64)
+                t0 = 0
+                while t0 < N:
+                    tokens = t0 + tl.arange(0, NB)
+                    hit = rank_hits(topk, owner, tokens, N, K, E, p, KB)
+                    tl.store(in_rank + tokens * R + p, hit.to(tl.uint8), mask=tokens < N)
+                    at += tl.sum(hit, axis=0)
+                    t0 += NB
+                values = tl.where(rs == p, at, values)
+                p += 1
+            tl.store(counts + rs, values, mask=rs < R)
+        else:
+            values = tl.load(counts + rs, mask=rs < R, other=0)
+        if forced >= 0:
+            values = tl.zeros((RB,), tl.int64) + forced
+        tl.store(record + 1 + rs, values, mask=rs < R)
     tl.debug_barrier()
     store_release(_address(table, me, COUNTS), epoch)
 
@@ -79,12 +125,16 @@ def bsp_counts_kernel(table, me, epochs, counts, R, RB: tl.constexpr):
 @triton.jit
 def bsp_barrier_kernel(table, live, me, targets, R, status, max_spins):
     """Every live rank arrives before any leaves: raise this rank's barrier word to the target (int64
-    [1], a device word), then wait (bounded) until every live peer's word reaches it."""
+    [1], a device word), then wait (bounded) until every live peer's word reaches it. A rank whose
+    call failed does neither, unless it rejected its own input: it then arrives and waits for none."""
     target = tl.load(targets)
     own = _address(table, me, BARRIER)
     go = tl.full((), 1, tl.int32)
+    code = tl.load(status)
     if _stopped(status):
         go = tl.full((), 0, tl.int32)
+        if (code == E_OWN_EXPERT) | (code == E_OWN_REPEATED):  # it still arrives, so that the peers
+            store_release(own, target)  # find its REJECTED record instead of waiting; it waits for none
     else:  # again on a relaunch: the same target
         tl.debug_barrier()
         store_release(own, target)
@@ -161,11 +211,23 @@ def bsp_verify_kernel(
     table, live, me, epochs, R, code, K, Kmax, T, dtype_lo, dtype_hi, counts, prefix, worst, pending,
     status, RB: tl.constexpr,
 ):  # fmt: skip
-    """After the token barrier: every live source's staging flag (missing ones into pending, their
-    number in status[1]), its format, and its count for this rank (counts int64 [R]), in
-    `bsp_halves.bsp_verify`'s order; then prefix int64 [R + 1] (with worst > 0, the total must fit)."""
+    """After the token barrier: a live source whose counts record says REJECTED (E_REJECTED); every
+    live source's staging flag (missing ones into pending, their number in status[1]), its format,
+    and its count for this rank (counts int64 [R]), in `bsp_halves.bsp_verify`'s order; then prefix
+    int64 [R + 1] (with worst > 0, the total must fit)."""
     epoch, _ = load_epoch(epochs)
     n = tl.full((), 0, tl.int64)
+    p = tl.full((), 0, tl.int32)
+    if _stopped(status):
+        p = R + p
+    rejected = tl.full((), -1, tl.int32)  # the first live source whose counts record says REJECTED
+    while p < R:
+        if (tl.load(live + p) != 0) & (rejected < 0):
+            if tl.load(int64_ptr(_address(table, p, COUNTS)) + 1 + me) == REJECTED:
+                rejected = p
+        p += 1
+    if rejected >= 0:
+        _fail(status, E_REJECTED, rejected, 0, 0, 0, 0)
     p = tl.full((), 0, tl.int32)
     if _stopped(status):
         p = R + p

@@ -29,3 +29,11 @@ E_ROWS = (
     11  # combine: the peer returned another row count or format: (peer, rows, its dtype, its K, expected)
 )
 E_WORST = 12  # dispatch (device halves): more rows than num_worst_tokens: (-1, rows, num_worst_tokens)
+E_REJECTED = 13  # dispatch: the peer rejected its own input for this call (its route header says so): (peer)
+# This rank's own topk_idx, checked in the Triton send half (the host reads none of its values there):
+E_OWN_EXPERT = 14  # a value outside [-1, E): (this rank, the value, E, its row)
+E_OWN_REPEATED = 15  # a row lists an expert twice: (this rank, the expert, 0, the row)
+
+# The route header's num_tokens of a call whose sender rejected its own input: no count is negative,
+# so no sender's real header says it.
+REJECTED = -(1 << 40)

@@ -67,6 +67,7 @@ from ubep.engine.ubep_codes import (
     E_LIST,
     E_NONE_LOCAL,
     E_OTHER_CALL,
+    E_REJECTED,
     E_ROWS,
     E_SHORT,
     E_TOPK,
@@ -75,6 +76,7 @@ from ubep.engine.ubep_codes import (
     R_DTYPE,
     R_NUM,
     R_TOPK,
+    REJECTED,
     ROUTE,
     SCALES,
     TOPK,
@@ -201,6 +203,8 @@ def dispatch_routes(
         counts[r], sent[r] = 0, 0
     for p in live:  # bounds, field by field in declaration order
         words = _elements_at(_I64, table[p, ROUTE, half], R_COUNTS + R)
+        if words[R_NUM] == REJECTED:  # a Triton sender that found its own input bad
+            return _fail(status, E_REJECTED, p, 0, 0, 0, 0)
         if not 0 <= words[R_NUM] <= T:
             return _fail(status, E_FIELD, p, words[R_NUM], 0, 0, 0)
         if not dtype_lo <= words[R_DTYPE] <= dtype_hi:

@@ -13,8 +13,8 @@ max_topk. So a Triton rank and a numba rank could share a call. On a GPU the
 addresses are the CUDA heap's device addresses, under Triton's interpreter the
 shared-memory heap's host addresses.
 
-    dispatch send   (R + token blocks programs): lists, own top-k, rows; the last program stamps
-                    ROUTE, then DATA
+    dispatch send   (R + token blocks programs): own top-k checked, lists (and the layout from
+                    top-k), rows; the last program stamps ROUTE, then DATA
     dispatch routes (1 program): waits for every live route stamp, checks them, counts and prefix
     dispatch gather ((source, row block) programs): localizes the listed rows' top-k, waits for
                     the source's DATA stamp, copies its rows straight from its memory
@@ -53,6 +53,7 @@ import triton
 import triton.language as tl
 
 from ubep.engine.triton_kernels import _bf16_bits
+from ubep.engine.triton_route import first_bad_topk, rank_hits
 from ubep.engine.triton_sync import int64_ptr, load_acquire, load_epoch, store_release
 
 # Block indices of `UbepBlocks.all()`, header words and codes: those of `ubep.engine.ubep_codes`.
@@ -87,6 +88,10 @@ E_SHORT: tl.constexpr = tl.constexpr(9)
 E_OTHER_CALL: tl.constexpr = tl.constexpr(10)
 E_ROWS: tl.constexpr = tl.constexpr(11)
 E_WORST: tl.constexpr = tl.constexpr(12)
+E_REJECTED: tl.constexpr = tl.constexpr(13)
+E_OWN_EXPERT: tl.constexpr = tl.constexpr(14)
+E_OWN_REPEATED: tl.constexpr = tl.constexpr(15)
+REJECTED: tl.constexpr = tl.constexpr(-(1 << 40))
 
 # Element kinds of combine's rows and output (the payload dtypes a Buffer accepts).
 F32: tl.constexpr = tl.constexpr(0)
@@ -154,9 +159,10 @@ def _copy_words(src, dst, rows_src, rows_dst, ok, W, WB: tl.constexpr):
 
 @triton.jit
 def ubep_dispatch_send_kernel(
-    table, me, epochs, x, W, scales, S, topk, weights, N, K, in_rank, counts, R, announced, code,
-    Kmax, T, arrivals, programs,
+    table, me, epochs, x, W, scales, S, topk, weights, N, K, in_rank, counts, owner, E, R, announced, code,
+    Kmax, T, arrivals, programs, status,
     WORD: tl.constexpr, NB: tl.constexpr, KB: tl.constexpr, RB: tl.constexpr, WB: tl.constexpr,
+    ROUTED: tl.constexpr,
 ):  # fmt: skip
     """Routing role, then token role, of one dispatch: everything this rank publishes, in its own memory.
 
@@ -165,21 +171,43 @@ def ubep_dispatch_send_kernel(
     (x [N, W] words) and FP8 scales (scales [N, S] int32 words, S = 0 unless FP8). Every program
     arrives on `arrivals` (int64 [1], zeroed for the call); the last writes the route header
     (announced, code, K, counts int64 [R]) and stamps ROUTE, then DATA.
+
+    ROUTED: the routing is topk alone, and in_rank and counts are outputs. Every program first checks
+    topk's values (`triton_route.first_bad_topk`); program r then derives column r of in_rank and
+    counts[r] from topk and owner (int64 [E], each expert's rank). A bad value fails the call
+    (status int64 [8]: E_OWN_EXPERT or E_OWN_REPEATED) before anything is published: the route
+    header then says REJECTED, so that the peers stop instead of waiting. Otherwise in_rank and
+    counts are inputs (a cached dispatch: the handle's).
     """
     epoch, half = load_epoch(epochs)
     pid = tl.program_id(0)
-    if pid < R:
+    go = tl.full((), 1, tl.int32)
+    if ROUTED:
+        bad_at, bad_value, twice_row, twice_expert = first_bad_topk(topk, N, K, E, NB, KB)
+        if bad_at < N * KB:
+            _fail(status, E_OWN_EXPERT, me, bad_value, E, bad_at // KB, 0)
+            go = tl.full((), 0, tl.int32)
+        elif twice_row < N:
+            _fail(status, E_OWN_REPEATED, me, twice_expert, 0, twice_row, 0)
+            go = tl.full((), 0, tl.int32)
+    if (go != 0) & (pid < R):
         listed = int64_ptr(_address(table, me, LISTS, half)) + pid * T
         at = tl.full((), 0, tl.int64)
         t0 = 0
         while t0 < N:
             tokens = t0 + tl.arange(0, NB)
-            hit = tl.load(in_rank + tokens * R + pid, mask=tokens < N, other=0).to(tl.int64)
+            if ROUTED:
+                hit = rank_hits(topk, owner, tokens, N, K, E, pid, KB)
+                tl.store(in_rank + tokens * R + pid, hit.to(tl.uint8), mask=tokens < N)
+            else:
+                hit = tl.load(in_rank + tokens * R + pid, mask=tokens < N, other=0).to(tl.int64)
             pos = at + tl.cumsum(hit, axis=0) - 1
             tl.store(listed + pos, tokens.to(tl.int64), mask=hit != 0)
             at += tl.sum(hit, axis=0)
             t0 += NB
-    else:
+        if ROUTED:
+            tl.store(counts + pid, at)
+    elif go != 0:
         tokens = (pid - R) * NB + tl.arange(0, NB)
         ok = tokens < N
         rows = tokens.to(tl.int64)
@@ -198,17 +226,21 @@ def ubep_dispatch_send_kernel(
         _copy_words(scales, own_s, rows, rows, ok, S, WB)
     tl.debug_barrier()
     arrived = tl.atomic_add(arrivals, 1, sem="acq_rel", scope="sys")
-    if arrived == programs - 1:  # the last program: every list and row is ordered before this
+    if arrived == programs - 1:  # the last program: every list, count and row is ordered before this
         route = int64_ptr(_address(table, me, ROUTE, half))
-        tl.store(route + R_NUM, announced)  # stored as int64, the pointer's type
-        tl.store(route + R_DTYPE, code)
-        if K > 0:
-            tl.store(route + R_TOPK, K)
-        rs = tl.arange(0, RB)
-        tl.store(route + R_COUNTS + rs, tl.load(counts + rs, mask=rs < R), mask=rs < R)
+        if go == 0:  # every program found the same bad value: the header says the call is rejected
+            tl.store(route + R_NUM, tl.full((), REJECTED, tl.int64))
+        else:
+            tl.store(route + R_NUM, announced)  # stored as int64, the pointer's type
+            tl.store(route + R_DTYPE, code)
+            if K > 0:
+                tl.store(route + R_TOPK, K)
+            rs = tl.arange(0, RB)
+            tl.store(route + R_COUNTS + rs, tl.load(counts + rs, mask=rs < R), mask=rs < R)
         tl.debug_barrier()
         store_release(_address(table, me, ROUTE, half), epoch)  # routing and counts are visible
-        store_release(_address(table, me, DATA, half), epoch)  # the payload is visible
+        if go != 0:
+            store_release(_address(table, me, DATA, half), epoch)  # the payload is visible
 
 
 @triton.jit
@@ -245,7 +277,10 @@ def ubep_dispatch_routes_kernel(
             bad = (rs < R) & ((theirs < 0) | (theirs > T))
             first_bad = tl.min(tl.where(bad, rs, RB), axis=0)
             bad_count = tl.sum(tl.where(rs == first_bad, theirs, 0), axis=0)
-            if (num < 0) | (num > T):
+            if num == REJECTED:
+                _fail(status, E_REJECTED, p, 0, 0, 0, 0)
+                go = tl.full((), 0, tl.int32)
+            elif (num < 0) | (num > T):
                 _fail(status, E_FIELD, p, num, 0, 0, 0)
                 go = tl.full((), 0, tl.int32)
             elif (dtype < dtype_lo) | (dtype > dtype_hi):

@@ -102,12 +102,19 @@ class BspBlocks:
         )
 
 
-class BspExchange:
+class BspExchange(halves.OnHalves):
     """Barrier-separated dispatch/combine over any transport, with any engine."""
 
     name = "bsp"
 
-    def __init__(self, transport: Transport, engine: Engine, sizing: Sizing, faults: FaultPoints = NO_FAULTS):
+    def __init__(
+        self,
+        transport: Transport,
+        engine: Engine,
+        sizing: Sizing,
+        faults: FaultPoints = NO_FAULTS,
+        capturable: bool = False,
+    ):
         self.t, self.engine, self.sizing, self.faults = transport, engine, sizing, faults
         self.me, self.R = transport.rank, transport.num_ranks
         self.blocks = BspBlocks.of(sizing)
@@ -123,17 +130,10 @@ class BspExchange:
         elif engine.name == "triton" and hasattr(transport, "address_table"):
             from ubep.protocols.bsp_device import BspDevice  # imports triton: only on its engine
 
-            self._compiled = BspDevice(transport, self.blocks, sizing, faults, self._local_of_RE, engine)
-
-    @property
-    def compiled_halves(self) -> bool:
-        """Whether each phase runs as one compiled function or kernel (else the torch statement)."""
-        return self._compiled is not None
-
-    @property
-    def halves(self) -> str:
-        """How each phase runs here, in words (for `Buffer.explain`)."""
-        return halves.describe(self._compiled, self.engine)
+            self._compiled = BspDevice(
+                transport, self.blocks, sizing, faults, self._local_of_RE, engine, capturable
+            )
+        halves.refuse_capturable(capturable, self._compiled, "bsp")
 
     def dispatch(self, call: CallId, plan: SendPlan, handle: DispatchHandle | None) -> Received:
         self.t.begin(call)

@@ -4,7 +4,7 @@ address table (`ubep.engine.bsp_triton`).
 
     dispatch: counts -> barrier -> send (push into staging slots) -> barrier
               -> verify (flags, formats, counts, prefix) -> barrier
-              -> [recv size: num_worst_tokens, or ONE count read on the host] -> reorder
+              -> [recv size: num_worst_tokens, the handle's, or ONE count read on the host] -> reorder
     combine:  barrier -> send back -> barrier -> reduce   (UBEP's Triton halves)
 
 A barrier is a kernel: this rank raises its word (`BspBlocks.barrier`, in device
@@ -71,18 +71,6 @@ class BspDevice(UbepDevice):
         args = (self.bsp_table, self._live(), self.me, targets, self.R, status, self.max_spins)
         self._half(call, phase, k.bsp_barrier_kernel, (1,), args, {}, mine, rings=True)
 
-    def _phase(self, call: CallId, phase: str, kernel, grid, args: tuple, consts: dict, mine: tuple) -> None:
-        """A phase that waits for nothing: launch once; unless capturable, raise its error (args end
-        with the call's status)."""
-        status = args[-1]
-        self.engine.launch(kernel, grid, *args, **consts)
-        if self.capturable:
-            self._unchecked.append((call, phase, status, mine))
-            return
-        code = int(status[0])
-        if code:
-            raise self._error(call, phase, code, status.cpu().numpy(), mine)
-
     # -- dispatch ---------------------------------------------------------------------------------
 
     def dispatch_send(self, call: CallId, plan: SendPlan, handle: DispatchHandle | None):
@@ -93,13 +81,16 @@ class BspDevice(UbepDevice):
         N, code = x_NH.shape[0], DTYPE_CODES[x_NH.dtype]
         K = 0 if cached else plan.topk_idx_NK.shape[1]
         epochs, status, mine = self._epoch(call), self._zeros(8), (x_NH.dtype, K)
-        counts = plan.send_counts_R
-        if self.faults.armed:  # maybe a corrupt count, the same to every destination
-            counts = torch.as_tensor(self.faults.count("dispatch.count", call, counts), dtype=torch.int64)
-        counts = counts.to(dev).expand(R).contiguous()
-        self.engine.launch(
-            k.bsp_counts_kernel, (1,), self.bsp_table, self.me, epochs, counts, R, RB=pow2(R, 2)
-        )
+        routed = plan.layout_by_send and not cached
+        counts = plan.send_counts_R if routed else plan.send_counts_R.to(dev)
+        forced = self.faults.count("dispatch.count", call, -1) if self.faults.armed else -1  # a corrupt count
+        topk, in_rank = self._zeros(N, 0) if cached else plan.topk_idx_NK, plan.is_token_in_rank_NR
+        args = (
+            self.bsp_table, self.me, epochs, counts, R, topk, N, K, in_rank.view(torch.uint8), self.owner_E,
+            s.placement.num_experts, forced, status,
+        )  # fmt: skip
+        consts = dict(NB=TOKENS_PER_PROGRAM, KB=pow2(K, 2), RB=pow2(R, 2), ROUTED=routed)
+        self._once(call, "dispatch (input)", k.bsp_counts_kernel, (1,), args, consts, mine)
         self._barrier(call, "dispatch (count exchange)", 1, status, mine)
         rows_NB = x_NH.contiguous().view(torch.uint8)  # [N, H * itemsize]
         dtype, size = self._word(rows_NB.shape[1], s.row_bytes)
@@ -108,14 +99,13 @@ class BspDevice(UbepDevice):
             if plan.scales_NS is None
             else plan.scales_NS.view(torch.int32)
         )
-        topk = self._zeros(N, 0) if cached else plan.topk_idx_NK
         weights = self._zeros(N, 0, dtype=torch.float32) if cached else plan.topk_weights_NK
         blocks = max(cdiv(N, TOKENS_PER_PROGRAM), 1)
         self.engine.launch(
             k.bsp_send_kernel, (R, blocks),
             self.bsp_table, self._live(), self.me, epochs, rows_NB.view(dtype), rows_NB.shape[1] // size,
             rows_NB.shape[1], scales, scales.shape[1], topk, weights, N, K,
-            plan.is_token_in_rank_NR.view(torch.uint8), R, self.local_of_RE, s.placement.num_experts, code,
+            in_rank.view(torch.uint8), R, self.local_of_RE, s.placement.num_experts, code,
             s.max_topk, s.capacity, s.row_bytes, self._zeros(R), blocks, status,
             WORD=TL_WORDS[dtype], NB=TOKENS_PER_PROGRAM, KB=pow2(K, 2), WB=128,
         )  # fmt: skip
@@ -123,7 +113,7 @@ class BspDevice(UbepDevice):
         if self.faults.armed:
             self.faults.at("dispatch.sent", call)
         self._barrier(call, "dispatch (token send)", 2, status, mine)
-        worst = 0 if cached else plan.num_worst_tokens
+        worst = handle.padded_to if cached else plan.num_worst_tokens  # a cached dispatch pads as its handle
         return lambda: self._verify_and_reorder(call, epochs, plan, handle, worst, dtype, status)
 
     def _verify_and_reorder(
@@ -139,11 +129,14 @@ class BspDevice(UbepDevice):
             self.bsp_table, self._live(), self.me, epochs, R, code, K, s.max_topk, s.capacity, *CODE_RANGE,
             counts_R, prefix_R1, worst, self._pending, status,
         )  # fmt: skip
-        self._phase(
+        self._once(
             call, "dispatch (flag verification)", k.bsp_verify_kernel, (1,), args, dict(RB=pow2(R, 2)), mine
         )
         self._barrier(call, "dispatch (prefix sums)", 3, status, mine)
-        M = worst or int(prefix_R1[-1])  # the one host read, without num_worst_tokens
+        if cached:
+            M = handle.recv.src_token_M.shape[0]  # its padded rows too, where it was padded
+        else:
+            M = worst or int(prefix_R1[-1])  # the one host read, without num_worst_tokens
         fill = torch.zeros if worst else torch.empty  # padding rows stay 0
         recv_x_MH = fill(M, H, dtype=x_NH.dtype, device=dev)
         recv_scales_MS = None if plan.scales_NS is None else fill(M, plan.scales_NS.shape[1], device=dev)
@@ -160,7 +153,7 @@ class BspDevice(UbepDevice):
             recv_w_MK, K, src_token_M, src_rank_M, status,
         )  # fmt: skip
         consts = dict(WORD=TL_WORDS[dtype], IB=ROWS_PER_PROGRAM, KB=pow2(K, 2), WB=128)
-        self._phase(call, "dispatch (reorder)", k.bsp_reorder_kernel, (R, blocks), args, consts, mine)
+        self._once(call, "dispatch (reorder)", k.bsp_reorder_kernel, (R, blocks), args, consts, mine)
         route = RecvRoute(src_token_M, prefix_R1, src_rank_M)
         return Received(recv_x_MH, None if cached else recv_idx_MK, None if cached else recv_w_MK, route,
                         recv_scales_MS)  # fmt: skip

@@ -15,6 +15,14 @@ from ubep.errors import PeerDataError
 from ubep.protocols.base import CODE_DTYPES, more_than_worst
 from ubep.transport.base import Transport
 from ubep.transport.heap import complaint
+from ubep.validate import bad_expert, repeated_in_row
+from ubep.waiting import rejected_input
+
+# This rank's own topk_idx, checked in the Triton counts phase: the host's exceptions, from (a, b, c).
+OWN_INPUT = {
+    k.E_OWN_EXPERT: lambda value, num_experts, row: bad_expert(num_experts, value),
+    k.E_OWN_REPEATED: lambda expert, _, row: repeated_in_row(row, expert),
+}
 
 
 def error(
@@ -22,6 +30,10 @@ def error(
 ) -> Exception:
     """The exception for a phase's error status; (dtype, K) are this rank's call's, for the message."""
     peer, a, b, c = (int(v) for v in status[1:5])
+    if code in OWN_INPUT:
+        return OWN_INPUT[code](a, b, c)
+    if code == k.E_REJECTED:
+        return rejected_input("dispatch (flag verification)", peer)
     if code == k.E_MISSING:
         missing = pending[:peer].tolist()
         t.check_in_step(call, "dispatch (flag verification)")  # a peer in another call: say so

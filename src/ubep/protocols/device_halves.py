@@ -99,6 +99,18 @@ class DeviceHalves:
             sleeper = sleeper or self.t.sleeper(phase, call)
             sleeper.pause([awaited - 1])  # raises past the deadline, or when the peer died or aborted
 
+    def _once(self, call: CallId, phase: str, kernel, grid, args: tuple, consts: dict, mine) -> None:
+        """A half or phase that waits for nothing: launch once; unless capturable, raise its error
+        (args end with its status)."""
+        status = args[-1]
+        self.engine.launch(kernel, grid, *args, **consts)
+        if self.capturable:
+            self._unchecked.append((call, phase, status, mine))
+            return
+        code = int(status[0])
+        if code:
+            raise self._error(call, phase, code, status.cpu().numpy(), mine)
+
     def check(self) -> None:
         """Capturable halves: raise the first error (or timeout) recorded since the last check."""
         unchecked, self._unchecked = self._unchecked, []

@@ -39,10 +39,50 @@ def describe(compiled, engine) -> str:
     if compiled is None:
         return "step by step in Python"
     if engine.name == "triton":
-        return "one Triton kernel launch each" + (
-            " (the interpreter, on the CPU)" if compiled.device.type == "cpu" else ""
+        return (
+            "one Triton kernel launch each"
+            + (" (the interpreter, on the CPU)" if compiled.device.type == "cpu" else "")
+            + (", capturable: no host read, errors at check()" if compiled.capturable else "")
         )
     return "compiled"
+
+
+def refuse_capturable(capturable: bool, compiled, protocol: str) -> None:
+    """A capturable normal-mode exchange needs the Triton halves: refuse any other, saying why."""
+    if capturable and getattr(compiled, "layout_by_send", False) is False:
+        raise ValueError(
+            f"capturable=True: normal mode ({protocol}) needs its Triton halves (engine 'triton' on a heap: "
+            "transport 'shm', 'virtual' or 'cuda', workers=1)"
+        )
+
+
+class OnHalves:
+    """What a normal-mode exchange tells `Buffer` of its compiled halves (`_compiled`, or None)."""
+
+    _compiled = None
+    engine = None
+
+    @property
+    def compiled_halves(self) -> bool:
+        """Whether each call half runs as one compiled function or kernel (else the torch statement)."""
+        return self._compiled is not None
+
+    @property
+    def halves(self) -> str:
+        """How each call half runs here, in words (for `Buffer.explain`)."""
+        return describe(self._compiled, self.engine)
+
+    @property
+    def layout_by_send(self) -> bool:
+        """Whether the send half derives the layout from topk_idx and checks its values itself (the
+        Triton halves), so that the Buffer reads none of them on the host (`SendPlan.layout_by_send`)."""
+        return getattr(self._compiled, "layout_by_send", False)
+
+    def check(self) -> None:
+        """Capturable halves: raise the first error their status words recorded since the last check."""
+        check = getattr(self._compiled, "check", None)
+        if check is not None:
+            check()
 
 
 def run(heap: Heap, call: CallId, phase: str, half, *args) -> int:

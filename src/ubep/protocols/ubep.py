@@ -100,7 +100,7 @@ class UbepBlocks:
         return (*own, b.back, b.y, b.y_weights)
 
 
-class UbepExchange:
+class UbepExchange(halves.OnHalves):
     """UBEP dispatch/combine over any transport, with any engine."""
 
     name = "ubep"
@@ -113,6 +113,7 @@ class UbepExchange:
         faults: FaultPoints = NO_FAULTS,
         workers: int = 1,
         policy: str = "ubep",
+        capturable: bool = False,
     ):
         self.t, self.engine, self.sizing, self.faults = transport, engine, sizing, faults
         self.me, self.R = transport.rank, transport.num_ranks
@@ -130,17 +131,10 @@ class UbepExchange:
         elif engine.name == "triton" and workers == 1 and hasattr(transport, "address_table"):
             from ubep.protocols.ubep_device import UbepDevice  # imports triton: only on its engine
 
-            self._compiled = UbepDevice(transport, self.blocks, sizing, faults, self._local_of_E, engine)
-
-    @property
-    def compiled_halves(self) -> bool:
-        """Whether each call half runs as one compiled function or kernel (else the torch statement)."""
-        return self._compiled is not None
-
-    @property
-    def halves(self) -> str:
-        """How each call half runs here, in words (for `Buffer.explain`)."""
-        return halves.describe(self._compiled, self.engine)
+            self._compiled = UbepDevice(
+                transport, self.blocks, sizing, faults, self._local_of_E, engine, capturable
+            )
+        halves.refuse_capturable(capturable, self._compiled, "ubep")
 
     # -- dispatch ---------------------------------------------------------------------------------
 

@@ -23,7 +23,7 @@ Two ways to run, as `ubep.protocols.ll_device`:
   deadline and the half is launched again (finished programs skip);
 - `capturable=True` (CUDA graphs): one launch per half, waits bounded by
   `max_spins`; nothing is read until `check()`. The epochs are the device's own
-  count of calls, advanced in the stream (`follow` starts it from the host's).
+  count of calls, advanced in the stream (`_epoch`).
 
 Legend: see `ubep.layout`.
 """
@@ -34,7 +34,7 @@ from collections.abc import Callable
 
 import torch
 
-from ubep.calls import CallCounter, CallId
+from ubep.calls import CallId
 from ubep.engine import ubep_triton as k
 from ubep.faults import FaultPoints
 from ubep.protocols import ubep_status
@@ -50,6 +50,7 @@ class UbepDevice(DeviceHalves):
     """UBEP dispatch/combine on a heap with an address table, each call half one Triton kernel."""
 
     REDUCE_PHASE = "combine"  # the home's wait, as the protocol names it
+    layout_by_send = True  # the first kernel derives the layout from topk_idx (`SendPlan.layout_by_send`)
     WAITING = k.WAITING_WORD.value
 
     def __init__(
@@ -66,25 +67,24 @@ class UbepDevice(DeviceHalves):
         super().__init__(heap, blocks, engine, capturable, max_spins)
         self.sizing, self.faults = sizing, faults
         self.local_of_E = local_of_E.to(torch.int64).to(self.device)  # local id here, -1 elsewhere
+        self.owner_E = sizing.placement.rank_of_expert_E.to(self.device)  # int64 [E]: each expert's rank
         self._calls = self._zeros(3)  # capturable: calls so far (all, dispatches, combines), on the device
+        self._issued = [0, 0, 0]  # capturable: the host's seq and kinds' parities the device last took
         self._live()
 
     # -- launching --------------------------------------------------------------------------------
 
-    def follow(self, calls: CallCounter) -> None:
-        """Capturable: continue the device's call count from the host's (before capturing)."""
-        counts = [calls.seq, *(calls.epochs.get(kind, calls.base) for kind in KINDS)]
-        self._calls.copy_(torch.tensor(counts, dtype=torch.int64))
-
     def _epoch(self, call: CallId) -> torch.Tensor:
         """int64 [1] on the device: the call's exact epoch (2 seq + its kind's parity, `CallId.exact`).
-        Not capturable: the host's. Capturable: from the device's own call counts, advanced in the
-        stream, so every replay of a captured graph is the next call."""
+        Not capturable: the host's. Capturable: from the device's own count of calls, advanced in the
+        stream, so that every replay of a captured graph is the next call. The advance is what brings
+        the device to the host's call: one call, or more where calls were rejected before reaching it."""
         if not self.capturable:
-            return torch.tensor([call.exact().epoch], dtype=torch.int64).to(self.device)
-        kind = KINDS[call.kind]
-        self._calls[0].add_(1)
-        self._calls[kind].add_(1)
+            return torch.tensor([call.epoch], dtype=torch.int64).to(self.device)
+        kind, parity = KINDS[call.kind], call.epoch - 2 * call.seq
+        self._calls[0].add_(call.seq - self._issued[0])
+        self._calls[kind].add_(1 if parity != self._issued[kind] else 2)  # only the parity counts
+        self._issued[0], self._issued[kind] = call.seq, parity
         return (self._calls[0:1] * 2 + self._calls[kind : kind + 1] % 2).clone()
 
     def _error(self, call: CallId, phase: str, code: int, words, mine: tuple) -> Exception:
@@ -100,15 +100,16 @@ class UbepDevice(DeviceHalves):
     # -- dispatch ---------------------------------------------------------------------------------
 
     def dispatch(self, call: CallId, plan: SendPlan, handle: DispatchHandle | None) -> Received:
-        """One dispatch. plan.num_worst_tokens > 0 (not with a handle): every output has that many rows
-        and nothing is read on the host; a rank that receives more raises ValueError."""
+        """One dispatch. plan.num_worst_tokens > 0 (or a handle padded to it): every output has that many
+        rows and nothing is read on the host; a rank that receives more raises ValueError."""
         return self.dispatch_send(call, plan, handle)()
 
     def dispatch_send(
         self, call: CallId, plan: SendPlan, handle: DispatchHandle | None
     ) -> Callable[[], Received]:
         """The send half (one launch); returns the receive halves (routes, then gather), which a caller
-        running several ranks on one stream calls after every rank's send."""
+        running several ranks on one stream calls after every rank's send. With plan.layout_by_send
+        the launch checks topk_idx's values and fills the plan's layout (`layout_by_send`)."""
         s, R, dev = self.sizing, self.R, self.device
         x_NH, cached = plan.x_NH, handle is not None
         N, code = x_NH.shape[0], DTYPE_CODES[x_NH.dtype]
@@ -120,16 +121,22 @@ class UbepDevice(DeviceHalves):
         scales = plan.scales_NS.view(torch.int32) if fp8 else self._zeros(N, 0, dtype=torch.int32)
         topk = plan.topk_idx_NK if not cached else self._zeros(N, 0)
         weights = plan.topk_weights_NK if not cached else self._zeros(N, 0, dtype=torch.float32)
+        routed = plan.layout_by_send and not cached
+        counts = plan.send_counts_R if routed else plan.send_counts_R.to(dev)
         announced = self.faults.count("dispatch.count", call, N) if self.faults.armed else N
         programs = R + cdiv(N, TOKENS_PER_PROGRAM)
-        self.engine.launch(
-            k.ubep_dispatch_send_kernel, (programs,),
+        args = (
             self.table, self.me, epochs, rows_NB.view(dtype), rows_NB.shape[1] // size, scales,
-            scales.shape[1], topk, weights, N, K, plan.is_token_in_rank_NR.view(torch.uint8),
-            plan.send_counts_R.to(dev), R, announced, code, s.max_topk, s.capacity, self._zeros(1), programs,
-            WORD=TL_WORDS[dtype], NB=TOKENS_PER_PROGRAM, KB=pow2(K, 2), RB=pow2(R + 1, 2), WB=128,
+            scales.shape[1], topk, weights, N, K, plan.is_token_in_rank_NR.view(torch.uint8), counts,
+            self.owner_E, s.placement.num_experts, R, announced, code, s.max_topk, s.capacity, self._zeros(1),
+            programs, self._zeros(8),
         )  # fmt: skip
-        self._wake()
+        consts = dict(WORD=TL_WORDS[dtype], NB=TOKENS_PER_PROGRAM, KB=pow2(K, 2), RB=pow2(R + 1, 2), WB=128,
+                      ROUTED=routed)  # fmt: skip
+        try:
+            self._once(call, "dispatch (input)", k.ubep_dispatch_send_kernel, (programs,), args, consts, mine)
+        finally:
+            self._wake()  # a rejected call's header is stamped too: peers asleep learn of it
         if self.faults.armed:
             self.faults.at("dispatch.sent", call)
         return lambda: self._receive(call, epochs, plan, handle, dtype, mine)
@@ -141,7 +148,7 @@ class UbepDevice(DeviceHalves):
         H, code, K = x_NH.shape[1], DTYPE_CODES[x_NH.dtype], mine[1]
         counts_R, sent_R, routes = self._zeros(R), self._zeros(R), self._zeros(R + 1)
         prefix_R1 = handle.recv.prefix_R1 if cached else self._zeros(R + 1)
-        worst = 0 if cached else plan.num_worst_tokens
+        worst = handle.padded_to if cached else plan.num_worst_tokens  # a cached dispatch pads as its handle
         args = (
             self.table, self._live(), self.me, epochs, R, code, K, s.max_topk, s.capacity, *CODE_RANGE,
             counts_R, sent_R, prefix_R1, worst, routes, self._zeros(8), self.max_spins,
@@ -149,7 +156,7 @@ class UbepDevice(DeviceHalves):
         consts = dict(CACHED=cached, RB=pow2(R + 1, 2))
         self._half(call, "dispatch (routing)", k.ubep_dispatch_routes_kernel, (1,), args, consts, mine)
         if cached:
-            M = handle.recv.src_token_M.shape[0]
+            M = handle.recv.src_token_M.shape[0]  # its padded rows too, where it was padded
         else:
             M = worst or int(prefix_R1[-1])  # the one host read, without num_worst_tokens
         fill = torch.zeros if worst else torch.empty  # padding rows stay 0

@@ -15,6 +15,14 @@ from ubep.errors import PeerDataError
 from ubep.protocols.base import CODE_DTYPES, more_than_worst
 from ubep.transport.base import Transport
 from ubep.transport.heap import complaint
+from ubep.validate import bad_expert, repeated_in_row
+from ubep.waiting import rejected_input
+
+# This rank's own topk_idx, checked in the Triton send half: the host's exceptions, from (a, b, c).
+OWN_INPUT = {
+    k.E_OWN_EXPERT: lambda value, num_experts, row: bad_expert(num_experts, value),
+    k.E_OWN_REPEATED: lambda expert, _, row: repeated_in_row(row, expert),
+}
 
 
 def error(
@@ -23,6 +31,10 @@ def error(
     """The exception for a half's error status; (dtype, K, seq) are this rank's call's payload dtype,
     top-k and dispatch seq, for the message."""
     peer, a, b, c, d = (int(v) for v in status[1:6])
+    if code in OWN_INPUT:
+        return OWN_INPUT[code](a, b, c)
+    if code == k.E_REJECTED:
+        return rejected_input("dispatch (routing)", peer)
     if code == k.E_TOPK:
         return PeerDataError(f"dispatch: rank {peer} routed with top-k {a}, this rank with {K}")
     if code == k.E_WORST:
