@@ -3,7 +3,8 @@ graph capture, timings.
 
 Each virtual rank has its own arena (the layout of `UbepBlocks`, one device allocation a rank) and its
 own capturable `UbepDevice`; one address table reaches all arenas, as the CUDA heap's reaches every GPU.
-One stream runs every rank's half in turn (all sends, then all receives), so no wait ever spins.
+One stream runs every rank's half in turn (all sends, then all receives), so no wait ever spins. The
+send kernels derive the layout from top-k and check its values, as on `Buffer`'s path.
 num_worst_tokens = R * T fixes every receive size, so nothing is read on the host.
 
 1. `torch.cuda.set_sync_debug_mode("error")` around one eager dispatch + combine: a host sync raises.
@@ -73,12 +74,16 @@ class World:
         xs = [(torch.randn(T, H, generator=g) * 3).to(torch.bfloat16) for _ in range(R)]
         idxs = [torch.rand(T, E, generator=g).topk(K, dim=1).indices for _ in range(R)]
         ws = [torch.rand(T, K, generator=g) for _ in range(R)]
-        self.plans = []
+        self.plans, self.in_rank = [], []  # the send kernels derive the layout: `Buffer`'s path
         for x, idx, w in zip(xs, idxs, ws, strict=True):
-            in_rank = token_in_rank(idx, p)
-            x, idx, w, in_rank = (t.to(device) for t in (x, idx, w, in_rank))
-            self.plans.append(SendPlan(x, idx, w, in_rank, in_rank.sum(0)))
-        self.M = [sum(int(p.is_token_in_rank_NR[:, r].sum()) for p in self.plans) for r in range(R)]
+            self.in_rank.append(token_in_rank(idx, p).to(device))  # the reference's layout
+            layout = (
+                torch.zeros(T, R, dtype=torch.bool, device=device),
+                torch.zeros(R, dtype=torch.int64, device=device),
+            )
+            x, idx, w = (t.to(device) for t in (x, idx, w))
+            self.plans.append(SendPlan(x, idx, w, *layout, layout_by_send=True))
+        self.M = [sum(int(in_rank[:, r].sum()) for in_rank in self.in_rank) for r in range(R)]
         if check:
             ref = reference.dispatch(xs, idxs, ws, E)
             want = reference.combine([_expert(d.recv_x_MH, r) for r, d in enumerate(ref)], ref, [T] * R)
@@ -129,6 +134,7 @@ class World:
             bad += (got[: self.M[r]].view(torch.int16) != self.want_rows[r].view(torch.int16)).any().long()
             bad += (got[self.M[r] :] != 0).any().long()  # the padding
             bad += (self.out[r].view(torch.int16) != self.want_sum[r].view(torch.int16)).any().long()
+            bad += (self.plans[r].is_token_in_rank_NR != self.in_rank[r]).any().long()  # the kernel's layout
         return bad
 
     def check(self):
