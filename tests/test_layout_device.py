@@ -5,15 +5,18 @@ it, and `OnlyOn` fails every op that touches a tensor on another device (a CPU t
 meta index runs silently otherwise). What passes here runs on a GPU without a host sync and without
 mixing devices. The values are checked on CPU against a plain Python loop over tokens, including
 -1 slots and ids outside [0, E), which count as "no expert" (callers check values elsewhere).
+`Buffer.get_dispatch_layout` with `capturable` is run with every host read made to fail.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
+from test_ll_device import HostSync, _no_host_reads, _restore
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+import ubep
 from ubep.layout import ExpertPlacement, dispatch_layout, token_in_rank, tokens_per_node
 
 META = torch.device("meta")
@@ -146,3 +149,36 @@ def test_tokens_per_node_matches_a_loop(node_of_rank, N):
             want[g] += 1
     got = tokens_per_node(in_rank_NR, node_of_rank)
     assert got.dtype == torch.int32 and got.tolist() == want
+
+
+# ---- Buffer.get_dispatch_layout ---------------------------------------------------------------------
+
+
+def test_capturable_get_dispatch_layout_reads_nothing_back():
+    """With `capturable`, get_dispatch_layout checks no values (dispatch's kernel does) and reads
+    nothing back on the host: ids outside [0, E) count as no expert. Without it, they raise."""
+    E, R = 8, 1
+    idx_NK = routing(10, 3, E, seed=7)
+    per_rank, per_expert, in_rank = loop_layout(idx_NK, [0] * E, R)
+    with ubep.Buffer(
+        hidden=16, num_experts=E, max_tokens_per_rank=16, low_latency=False, capturable=True
+    ) as buf:
+        patched: list = []
+        _no_host_reads(patched)
+        try:
+            got = buf.get_dispatch_layout(idx_NK, E)
+        finally:
+            _restore(patched)
+    assert got.num_tokens_per_rank.tolist() == per_rank
+    assert got.num_tokens_per_expert.tolist() == per_expert
+    assert got.is_token_in_rank.tolist() == in_rank
+    with ubep.Buffer(hidden=16, num_experts=E, max_tokens_per_rank=16, low_latency=False) as buf:
+        with pytest.raises(ValueError, match=r"topk_idx values must lie in \[-1, 8\)"):
+            buf.get_dispatch_layout(idx_NK, E)
+        patched = []
+        _no_host_reads(patched)
+        try:
+            with pytest.raises(HostSync):  # the guard sees the value check's reads
+                buf.get_dispatch_layout(idx_NK.clamp(-1, E - 1), E)
+        finally:
+            _restore(patched)

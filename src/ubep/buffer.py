@@ -258,8 +258,9 @@ class Buffer:
         self._max_recv = self.sizing.capacity * R  # the most rows a rank can receive in one dispatch
         self._route = getattr(self.engine, "route", None)  # the engine's compiled check-and-layout, if any
         self._rank_of_expert_E = placement.rank_of_expert_E.numpy()
+        self._device_placement = placement.to(self.device)  # its tables where the caller's topk_idx lives
         self._masked: frozenset[int] = frozenset()  # ranks left out of every call (`mask_ranks`)
-        self._masked_E = torch.zeros(num_experts, dtype=torch.bool)  # experts those ranks own
+        self._masked_E = torch.zeros(num_experts, dtype=torch.bool, device=self.device)  # experts they own
         self._masked_after = 0  # the last call before the latest mask: older handles are stale
         self._retired = False  # this rank masked itself out
         self._placement: Placement | None = None  # logical experts on the Buffer's slots (`set_placement`)
@@ -400,11 +401,15 @@ class Buffer:
         async_finish: bool = False,
         allocate_on_comm_stream: bool = False,
     ) -> LayoutResult:
-        """Counts per rank and expert and the token-to-rank membership of one rank's routing."""
+        """Counts per rank and expert and the token-to-rank membership of one rank's routing, computed
+        on the Buffer's device. With `capturable`, topk_idx's values are not checked here, so nothing
+        is read back on the host (dispatch's kernel checks them; ids outside [-1, num_experts) count
+        as no expert here); otherwise a bad value raises ValueError."""
         self._check_num_experts(num_experts)
         idx = self._physical(topk_idx)
-        idx = validate.topk_idx(idx, _rows(idx), self.num_experts, self.sizing.max_topk, device=self.device)
-        layout = dispatch_layout(self._drop_masked(idx)[0], self.sizing.placement)
+        E, K = self.num_experts, self.sizing.max_topk
+        idx = validate.topk_idx(idx, _rows(idx), E, K, values=not self.capturable, device=self.device)
+        layout = dispatch_layout(self._drop_masked(idx, count=False)[0], self._device_placement)
         return LayoutResult(
             layout.num_tokens_per_rank_R,
             None
@@ -757,7 +762,7 @@ class Buffer:
             resume(seq)
         self._masked |= gone
         owners_E = self.sizing.placement.rank_of_expert_E
-        self._masked_E = torch.isin(owners_E, torch.tensor(sorted(self._masked)))
+        self._masked_E = torch.isin(owners_E, torch.tensor(sorted(self._masked))).to(self.device)
         self._masked_after = seq
 
     @property
