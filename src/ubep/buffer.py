@@ -261,8 +261,9 @@ class Buffer:
         # The Triton halves' send kernel derives the layout and checks topk_idx's values (no host read)
         self._layout_by_send = getattr(self._exchange, "layout_by_send", False)
         self._rank_of_expert_E = placement.rank_of_expert_E.numpy()
+        self._device_placement = placement.to(self.device)  # its tables where the caller's topk_idx lives
         self._masked: frozenset[int] = frozenset()  # ranks left out of every call (`mask_ranks`)
-        self._masked_E = torch.zeros(num_experts, dtype=torch.bool)  # experts those ranks own (on `device`)
+        self._masked_E = torch.zeros(num_experts, dtype=torch.bool, device=self.device)  # experts they own
         self._masked_after = 0  # the last call before the latest mask: older handles are stale
         self._retired = False  # this rank masked itself out
         self._placement: Placement | None = None  # logical experts on the Buffer's slots (`set_placement`)
@@ -403,11 +404,15 @@ class Buffer:
         async_finish: bool = False,
         allocate_on_comm_stream: bool = False,
     ) -> LayoutResult:
-        """Counts per rank and expert and the token-to-rank membership of one rank's routing."""
+        """Counts per rank and expert and the token-to-rank membership of one rank's routing, computed
+        on the Buffer's device. With `capturable`, topk_idx's values are not checked here, so nothing
+        is read back on the host (dispatch's kernel checks them; ids outside [-1, num_experts) count
+        as no expert here); otherwise a bad value raises ValueError."""
         self._check_num_experts(num_experts)
         idx = self._physical(topk_idx)
-        idx = validate.topk_idx(idx, _rows(idx), self.num_experts, self.sizing.max_topk, device=self.device)
-        layout = dispatch_layout(self._drop_masked(idx)[0], self.sizing.placement)
+        E, K = self.num_experts, self.sizing.max_topk
+        idx = validate.topk_idx(idx, _rows(idx), E, K, values=not self.capturable, device=self.device)
+        layout = dispatch_layout(self._drop_masked(idx, count=False)[0], self._device_placement)
         return LayoutResult(
             layout.num_tokens_per_rank_R,
             None
@@ -521,7 +526,7 @@ class Buffer:
             dropped = 0
         else:
             idx, dropped = self._drop_masked(idx) if self._masked else (idx, 0)
-            is_token_in_rank_NR = token_in_rank(idx, s.placement)  # dispatch needs no per-expert counts
+            is_token_in_rank_NR = token_in_rank(idx, self._device_placement)  # no per-expert counts needed
             counts_R = is_token_in_rank_NR.sum(dim=0)
         if num_tokens_per_rank is not None or is_token_in_rank is not None:
             validate.layout_args(num_tokens_per_rank, is_token_in_rank, is_token_in_rank_NR, self.device)

@@ -47,6 +47,16 @@ class ExpertPlacement:
     def num_local_experts(self) -> int:
         return self.num_experts // self.num_ranks
 
+    def to(self, device: torch.device | str) -> ExpertPlacement:
+        """This placement with its tables on `device` (itself if they are there): the layout helpers
+        index the tables with topk_idx, so both must live on one device. Copies: build it once."""
+        device = torch.device(device)
+        if self.rank_of_expert_E.device == device:
+            return self
+        return ExpertPlacement(
+            self.num_ranks, self.rank_of_expert_E.to(device), self.local_index_E.to(device)
+        )
+
     @classmethod
     def contiguous(cls, num_experts: int, num_ranks: int) -> ExpertPlacement:
         if num_experts % num_ranks:
@@ -89,36 +99,70 @@ class DispatchLayout:
     is_token_in_rank_NR: torch.Tensor  # bool [N, R]
 
 
+def _owner_rank(topk_idx_NK: torch.Tensor, placement: ExpertPlacement) -> torch.Tensor:
+    """int64 [N, K]: the rank that owns each slot's expert; R for "no expert".
+
+    "No expert" is -1, and also any id outside [0, E): callers check values where they read them
+    (validation, or a kernel), so the lookup is clamped here and never indexes out of bounds (on a
+    GPU that is a device assert). The placement's tables must be on topk_idx's device
+    (`ExpertPlacement.to`); nothing is copied and nothing read back.
+    """
+    rank_E = placement.rank_of_expert_E
+    if rank_E.device != topk_idx_NK.device:
+        raise ValueError(
+            f"topk_idx is on {topk_idx_NK.device}, the expert placement's tables on {rank_E.device}: "
+            "pass placement.to(topk_idx.device)"
+        )
+    E = rank_E.numel()
+    valid_NK = (topk_idx_NK >= 0) & (topk_idx_NK < E)
+    return torch.where(valid_NK, rank_E[topk_idx_NK.clamp(0, E - 1)], placement.num_ranks)
+
+
 def token_in_rank(topk_idx_NK: torch.Tensor, placement: ExpertPlacement) -> torch.Tensor:
     """bool [N, R]: whether token n selects at least one expert on rank r.
 
     Scatters each slot's owner rank into a row of R + 1 columns; "no expert"
-    (-1) lands in the extra column, which is dropped.
+    (-1, or an id outside [0, E)) lands in the extra column, which is dropped.
+    Runs on topk_idx's device with no host read.
     """
     R = placement.num_ranks
-    owner_NK = placement.rank_of_expert_E[topk_idx_NK.clamp(min=0)]
-    owner_NK = torch.where(topk_idx_NK >= 0, owner_NK, R)
-    hit_NR1 = torch.zeros(topk_idx_NK.shape[0], R + 1, dtype=torch.bool)
+    owner_NK = _owner_rank(topk_idx_NK, placement)
+    hit_NR1 = torch.zeros(topk_idx_NK.shape[0], R + 1, dtype=torch.bool, device=topk_idx_NK.device)
     return hit_NR1.scatter_(1, owner_NK, True)[:, :R].contiguous()  # compiled halves take it as it is
 
 
 def tokens_per_node(is_token_in_rank_NR: torch.Tensor, node_of_rank: tuple[int, ...]) -> torch.Tensor:
-    """int32 [G]: tokens with at least one expert on each node (DeepEP's num_tokens_per_rdma_rank)."""
-    node_R = torch.tensor(node_of_rank, dtype=torch.int64)
-    G = int(node_R.max()) + 1
-    hit_NG = torch.zeros(is_token_in_rank_NR.shape[0], G, dtype=torch.int32)
-    hit_NG.index_add_(1, node_R, is_token_in_rank_NR.to(torch.int32))
-    return (hit_NG > 0).sum(dim=0, dtype=torch.int32)
+    """int32 [G]: tokens with at least one expert on each node (DeepEP's num_tokens_per_rdma_rank).
+
+    Each run of consecutive ranks on one node is a column slice, ORed into its node's column: only
+    Python ints index, so no table is copied to the device and nothing is read back.
+    """
+    G = max(node_of_rank) + 1
+    N, R = is_token_in_rank_NR.shape
+    hit_NG = torch.zeros(N, G, dtype=torch.bool, device=is_token_in_rank_NR.device)
+    start = 0
+    for end in range(1, R + 1):
+        if end == R or node_of_rank[end] != node_of_rank[start]:
+            hit_NG[:, node_of_rank[start]] |= is_token_in_rank_NR[:, start:end].any(dim=1)
+            start = end
+    return hit_NG.sum(dim=0, dtype=torch.int32)
 
 
 def dispatch_layout(topk_idx_NK: torch.Tensor, placement: ExpertPlacement) -> DispatchLayout:
-    """Counts and membership for one rank's routing."""
+    """Counts and membership for one rank's routing, on topk_idx's device with no host read.
+
+    Each (token, slot) pair adds 1 to its expert's bin; "no expert" (-1, or an id outside
+    [0, E)) goes to an extra bin E, which is dropped.
+    """
+    E = placement.num_experts
     is_token_in_rank_NR = token_in_rank(topk_idx_NK, placement)
-    valid = topk_idx_NK[topk_idx_NK >= 0]
-    per_expert_E = torch.bincount(valid, minlength=placement.num_experts)
+    valid_NK = (topk_idx_NK >= 0) & (topk_idx_NK < E)
+    bin_P = torch.where(valid_NK, topk_idx_NK, E).flatten()
+    per_expert_E1 = torch.zeros(E + 1, dtype=torch.int32, device=topk_idx_NK.device)
+    per_expert_E1.index_add_(0, bin_P, torch.ones_like(bin_P, dtype=torch.int32))
     return DispatchLayout(
         num_tokens_per_rank_R=is_token_in_rank_NR.sum(dim=0, dtype=torch.int32),
-        num_tokens_per_expert_E=per_expert_E.to(torch.int32),
+        num_tokens_per_expert_E=per_expert_E1[:E],
         is_token_in_rank_NR=is_token_in_rank_NR,
     )
 

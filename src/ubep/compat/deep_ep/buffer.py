@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ubep import fp8, validate
+from ubep import fp8, settings, validate
 from ubep import layout as ep_layout
 from ubep.buffer import Buffer as UbepBuffer
 from ubep.compat.deep_ep import scales
@@ -65,10 +65,13 @@ def _max_topk(num_ranks: int) -> int:
 
 
 def _segment_bytes(hidden: int, num_ranks: int, num_experts: int, tokens: int, low_latency: bool) -> int:
-    """Bytes of one rank's shared segment for a ubep.Buffer of these shapes."""
+    """Bytes of one rank's shared segment for a ubep.Buffer of these shapes built now: its protocol
+    and low-latency row form come from the environment as that Buffer's will (`ubep.settings`:
+    UBEP_PROTOCOL, UBEP_LL_FLAG; with `in-word` the low-latency slots take twice the bytes)."""
+    chosen = settings.resolve({})
     placement = ep_layout.ExpertPlacement.contiguous(num_experts, num_ranks)
     sizing = Sizing(hidden=hidden, capacity=tokens, max_topk=_max_topk(num_ranks), placement=placement)
-    return heap_bytes(sizing, "ubep", low_latency)
+    return heap_bytes(sizing, chosen["protocol"].value, low_latency, chosen["ll_flag"].value)
 
 
 def _tokens_that_fit(num_bytes: int, hidden: int, num_ranks: int) -> int:
@@ -187,7 +190,9 @@ class Buffer:
     def get_low_latency_rdma_size_hint(
         num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int, num_experts: int
     ) -> int:
-        """Exact bytes of one rank's segment for low-latency calls of these shapes (bf16 or FP8)."""
+        """Exact bytes of one rank's segment for low-latency calls of these shapes (bf16 or FP8), in the
+        protocol and row form the environment selects (UBEP_PROTOCOL, UBEP_LL_FLAG), as the Buffer
+        built at the first low-latency call takes them and as its size check uses this hint."""
         return _segment_bytes(hidden, num_ranks, num_experts, num_max_dispatch_tokens_per_rank, True)
 
     def get_comm_stream(self) -> torch.Stream:
