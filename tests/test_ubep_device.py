@@ -301,7 +301,8 @@ def _layout(topk_idx_NK: torch.Tensor, num_experts: int, num_ranks: int) -> tupl
 
 def buffer_without_host_reads(_: int, protocol: str) -> list[str]:
     """Whole `Buffer` normal-mode calls, capturable, with num_worst_tokens and every host read forbidden:
-    dispatch, combine and a cached dispatch; the Buffer checks shapes, dtypes and devices, the send
+    get_dispatch_layout, dispatch, combine and a cached dispatch; the Buffer checks shapes, dtypes and
+    devices, the send
     kernel derives the layout and checks topk_idx's values. Equal to the reference. Then rank 0 passes
     an expert id out of range and rank 1 a repeated expert, still without a host read: `check()`
     raises the host's ValueError on the rank that passed it, and on its peer that it rejected the call.
@@ -322,7 +323,11 @@ def buffer_without_host_reads(_: int, protocol: str) -> list[str]:
         patched: list = []
         _no_host_reads(patched)
         try:
-            got = buf.dispatch(xs[me], topk_idx=idx, topk_weights=ws[me], num_worst_tokens=worst)
+            layout = buf.get_dispatch_layout(idx, E)  # DeepEP's sequence: the layout, then the dispatch
+            got = buf.dispatch(
+                xs[me], num_tokens_per_rank=layout.num_tokens_per_rank, topk_idx=idx, topk_weights=ws[me],
+                is_token_in_rank=layout.is_token_in_rank, num_worst_tokens=worst,
+            )  # fmt: skip
             out = buf.combine(expert_output(got.recv_x, me), got.handle, topk_weights=got.recv_topk_weights)
             again = buf.dispatch(xs[me], handle=got.handle)
         finally:
