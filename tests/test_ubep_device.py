@@ -301,8 +301,8 @@ def _layout(topk_idx_NK: torch.Tensor, num_experts: int, num_ranks: int) -> tupl
 
 def buffer_without_host_reads(_: int, protocol: str) -> list[str]:
     """Whole `Buffer` normal-mode calls, capturable, with num_worst_tokens and every host read forbidden:
-    get_dispatch_layout, dispatch, combine and a cached dispatch; the Buffer checks shapes, dtypes and
-    devices, the send
+    get_dispatch_layout (ids outside [0, E) count as none there), dispatch, combine and a cached
+    dispatch; the Buffer checks shapes, dtypes and devices, the send
     kernel derives the layout and checks topk_idx's values. Equal to the reference. Then rank 0 passes
     an expert id out of range and rank 1 a repeated expert, still without a host read: `check()`
     raises the host's ValueError on the rank that passed it, and on its peer that it rejected the call.
@@ -332,6 +332,9 @@ def buffer_without_host_reads(_: int, protocol: str) -> list[str]:
             again = buf.dispatch(xs[me], handle=got.handle)
         finally:
             _restore(patched)
+        in_rank, counts = _layout(idx.where((idx >= -1) & (idx < E), -1), E, R)  # outside [0, E): none
+        assert torch.equal(layout.is_token_in_rank, in_rank)
+        assert layout.num_tokens_per_rank.tolist() == counts.tolist()
         return got, out, again
 
     def exact(got, out, again) -> None:

@@ -32,9 +32,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ubep.engine.triton_route import first_bad_topk, rank_hits
+from ubep.engine.triton_route import rank_hits
 from ubep.engine.triton_sync import int64_ptr, load_acquire, load_epoch, store_release
-from ubep.engine.ubep_triton import _copy_words, _fail
+from ubep.engine.ubep_triton import _copy_words, _fail, _own_topk_ok
 
 # Block indices of `BspBlocks.all()` and codes: those of `ubep.engine.bsp_halves`.
 BLOCKS: tl.constexpr = tl.constexpr(11)
@@ -88,13 +88,7 @@ def bsp_counts_kernel(
     record = int64_ptr(_address(table, me, COUNTS))
     go = tl.full((), 1, tl.int32)
     if ROUTED:
-        bad_at, bad_value, twice_row, twice_expert = first_bad_topk(topk, N, K, E, NB, KB)
-        if bad_at < N * KB:
-            _fail(status, E_OWN_EXPERT, me, bad_value, E, bad_at // KB, 0)
-            go = tl.full((), 0, tl.int32)
-        elif twice_row < N:
-            _fail(status, E_OWN_REPEATED, me, twice_expert, 0, twice_row, 0)
-            go = tl.full((), 0, tl.int32)
+        go = _own_topk_ok(topk, N, K, E, status, me, NB, KB)
     if go == 0:
         tl.store(record + 1 + rs, tl.full((RB,), REJECTED, tl.int64), mask=rs < R)
     else:

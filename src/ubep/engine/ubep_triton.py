@@ -123,6 +123,21 @@ def _failed(status):
 
 
 @triton.jit
+def _own_topk_ok(topk, N, K, E, status, me, NB: tl.constexpr, KB: tl.constexpr):
+    """This rank's topk_idx [N, K] (`triton_route.first_bad_topk`): 1 good; 0 failed, the status
+    claimed with E_OWN_EXPERT (value, E, row) or E_OWN_REPEATED (expert, 0, row)."""
+    bad_at, bad_value, twice_row, twice_expert = first_bad_topk(topk, N, K, E, NB, KB)
+    ok = tl.full((), 1, tl.int32)
+    if bad_at < N * KB:
+        _fail(status, E_OWN_EXPERT, me, bad_value, E, bad_at // KB, 0)
+        ok = tl.full((), 0, tl.int32)
+    elif twice_row < N:
+        _fail(status, E_OWN_REPEATED, me, twice_expert, 0, twice_row, 0)
+        ok = tl.full((), 0, tl.int32)
+    return ok
+
+
+@triton.jit
 def _await_stamp(stamp, epoch, status, peer, max_spins):
     """Wait (bounded) for the stamp at `stamp` to read `epoch`: 1 landed, 0 the wait ran out (the peer
     is marked as awaited). Once a program of this launch ran out, later waits poll once: the launch
@@ -183,13 +198,7 @@ def ubep_dispatch_send_kernel(
     pid = tl.program_id(0)
     go = tl.full((), 1, tl.int32)
     if ROUTED:
-        bad_at, bad_value, twice_row, twice_expert = first_bad_topk(topk, N, K, E, NB, KB)
-        if bad_at < N * KB:
-            _fail(status, E_OWN_EXPERT, me, bad_value, E, bad_at // KB, 0)
-            go = tl.full((), 0, tl.int32)
-        elif twice_row < N:
-            _fail(status, E_OWN_REPEATED, me, twice_expert, 0, twice_row, 0)
-            go = tl.full((), 0, tl.int32)
+        go = _own_topk_ok(topk, N, K, E, status, me, NB, KB)
     if (go != 0) & (pid < R):
         listed = int64_ptr(_address(table, me, LISTS, half)) + pid * T
         at = tl.full((), 0, tl.int64)
