@@ -306,9 +306,11 @@ def buffer_without_host_reads(_: int, protocol: str) -> list[str]:
     kernel derives the layout and checks topk_idx's values. Equal to the reference. Then rank 0 passes
     an expert id out of range and rank 1 a repeated expert, still without a host read: `check()`
     raises the host's ValueError on the rank that passed it, and on its peer that it rejected the call.
-    Then a good call again: a rejected call leaves the group able to go on."""
+    Then a good call again: a rejected call leaves the group able to go on. Last, the device's epochs
+    follow the host's call numbers, calls that never reached the device included."""
     from test_ll_device import _no_host_reads, _restore
 
+    from ubep.calls import CallCounter
     from ubep.waiting import PeerAbortedError
 
     sc = replace(CASES[0][0], tokens=(5, 4))  # both ranks send: each passes a bad input once
@@ -373,6 +375,13 @@ def buffer_without_host_reads(_: int, protocol: str) -> list[str]:
         buf.check()
         exact(*result)
         seen.append("exact")
+        # capturable epochs follow the host's calls, also past calls that never reached the device
+        device, host = _capturable(buf), CallCounter()
+        for kind, reaches in (("dispatch", 1), ("combine", 1), ("dispatch", 0), ("dispatch", 1),
+                              ("combine", 0), ("combine", 0), ("dispatch", 1), ("combine", 1)):  # fmt: skip
+            call = host.next(kind).exact()
+            if reaches:
+                assert int(device._epoch(call)) == call.epoch, (kind, call)
     return seen
 
 
