@@ -79,9 +79,10 @@ class UbepDevice(DeviceHalves):
         Not capturable: the host's. Capturable: from the device's own count of calls, advanced in the
         stream, so that every replay of a captured graph is the next call. The advance is what brings
         the device to the host's call: one call, or more where calls were rejected before reaching it."""
+        call = call.exact()  # (an exact call is its own exact form)
         if not self.capturable:
             return torch.tensor([call.epoch], dtype=torch.int64).to(self.device)
-        kind, parity = KINDS[call.kind], call.epoch - 2 * call.seq
+        kind, parity = KINDS[call.kind], call.parity
         self._calls[0].add_(call.seq - self._issued[0])
         self._calls[kind].add_(1 if parity != self._issued[kind] else 2)  # only the parity counts
         self._issued[0], self._issued[kind] = call.seq, parity
