@@ -224,6 +224,19 @@ def half_seconds(halves: list, runs: int, cuda: bool) -> dict[str, float]:
     return {name: statistics.median(times) for name, times in results.items()}
 
 
+def half_rows(world, halves: list, runs: int, peak: float, cuda: bool, *labels: str) -> None:
+    """Time each (name, fn, bytes) half (`half_seconds`), check the calls, and print a table row per
+    half: tokens, `labels`, the half, microseconds for all ranks and per rank, MB, GB/s, share of `peak`
+    (bytes per second)."""
+    seconds = half_seconds(halves, runs, cuda)
+    world.check()
+    for name, _, nbytes in halves:
+        s = seconds[name]
+        cells = (f"{world.T:>5}", *labels, f"{name:<13}", f"{s * 1e6:10.1f}", f"{s * 1e6 / world.R:9.1f}",
+                 f"{nbytes / 1e6:9.1f}", f"{nbytes / s / 1e9:8.1f}", f"{nbytes / s / peak:6.1%}")  # fmt: skip
+        print("| " + " | ".join(cells) + " |")
+
+
 def timings(world: World, runs: int, peak: float, cuda: bool) -> None:
     R, T, H = world.R, world.T, world.H
     b = H * 2
@@ -233,14 +246,7 @@ def timings(world: World, runs: int, peak: float, cuda: bool) -> None:
         ("combine send", world.combine_send, 2 * world.pairs * b),
         ("combine recv", world.combine_recv, world.pairs * b + R * T * H * 2),
     ]
-    seconds = half_seconds(halves, runs, cuda)
-    world.check()
-    for name, _, nbytes in halves:
-        s = seconds[name]
-        print(
-            f"| {T:>5} | {world.flag:<10} | {name:<13} | {s * 1e6:10.1f} | {s * 1e6 / R:9.1f} | "
-            f"{nbytes / 1e6:9.1f} | {nbytes / s / 1e9:8.1f} | {nbytes / s / peak:6.1%} |"
-        )
+    half_rows(world, halves, runs, peak, cuda, f"{world.flag:<10}")
 
 
 def main() -> None:

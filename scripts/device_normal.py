@@ -26,7 +26,7 @@ import argparse
 from dataclasses import replace
 
 import torch
-from device_ll import VirtualDeviceHeap, graph_replays, half_seconds, no_host_sync
+from device_ll import VirtualDeviceHeap, graph_replays, half_rows, no_host_sync
 
 from ubep import reference
 from ubep.calls import CallCounter
@@ -151,14 +151,7 @@ def timings(world: World, runs: int, peak: float, cuda: bool) -> None:
         ("combine send", world.combine_send, 2 * rows * b + 2 * R * world.worst * b),  # with the y copy
         ("combine recv", world.combine_recv, rows * b + R * T * b),
     ]
-    seconds = half_seconds(halves, runs, cuda)
-    world.check()
-    for name, _, nbytes in halves:
-        s = seconds[name]
-        print(
-            f"| {T:>5} | {name:<13} | {s * 1e6:10.1f} | {s * 1e6 / R:9.1f} | {nbytes / 1e6:9.1f} | "
-            f"{nbytes / s / 1e9:8.1f} | {nbytes / s / peak:6.1%} |"
-        )
+    half_rows(world, halves, runs, peak, cuda)
 
 
 def main() -> None:
