@@ -17,7 +17,7 @@ import pytest
 triton = pytest.importorskip("triton")
 tl = pytest.importorskip("triton.language")
 
-from test_triton_aot import ARCHS, _body, _sig, compiled_or_skip, ptx_of  # noqa: E402  (after the skip without triton)
+from test_triton_aot import ARCHS, _sig, bodies, ptx_of, unbarriered  # noqa: E402  (after the skip without triton)
 
 COMMON = "table:*i64 live:*u8 me:i32 epochs:*i64"
 # kernel -> (runtime argument types, constexprs): the specialization `ubep.protocols.ll_device` launches
@@ -62,9 +62,7 @@ def _compile(name: str, arch: int) -> str:
 @pytest.fixture(scope="module")
 def ptx() -> dict[tuple[str, int], list[str]]:
     """Instruction lines of every half for every architecture."""
-    return {
-        key: _body(code) for key, code in compiled_or_skip(_compile, [name for name, *_ in SPECS]).items()
-    }
+    return bodies(_compile, [name for name, *_ in SPECS])
 
 
 def test_every_half_compiles_for_sm90_and_sm100(ptx):
@@ -91,11 +89,9 @@ def test_releases_follow_a_barrier_and_polls_acquire_at_system_scope(ptx, name, 
         )
     stamps = [line for _, line in releases if re.search(r"atom\.global\.sys\.release\.exch\.b64", line)]
     assert stamps, f"{name}: no system-scope release exchange (stamp or consumed word)"
-    for i, line in releases:
+    for _, line in releases:
         assert ".sys." in line or ".gpu.acq_rel.add" in line, line  # own-kernel arrivals may be gpu-scope
-        stores = [s for s, other in enumerate(body[:i]) if re.search(r"\bst\.global", other)]
-        if stores:
-            assert any(other.startswith("bar.sync") for other in body[stores[-1] : i]), (name, line)
+    assert not unbarriered(body, releases), name
     acquires = [line for _, line in atoms if "acquire" in line]
     assert acquires and all(re.search(r"atom\.global\.acquire\.sys\.cas\.b64", a) for a in acquires), acquires
 

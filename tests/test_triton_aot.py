@@ -105,6 +105,22 @@ def _body(ptx: str) -> list[str]:
     return [line for line in lines if line and not line.startswith((".loc", ".file"))]
 
 
+def bodies(compile_one, names: list[str]) -> dict[tuple[str, int], list[str]]:
+    """Instruction lines (`_body`) of every name for every architecture (`compiled_or_skip`)."""
+    return {key: _body(code) for key, code in compiled_or_skip(compile_one, names).items()}
+
+
+def unbarriered(body: list[str], releases: list[tuple[int, str]]) -> list[str]:
+    """The releases (line index, line) that a plain store precedes with no block barrier between the
+    last such store and the release: each must be ordered after the stores it publishes."""
+    bad = []
+    for i, line in releases:
+        stores = [s for s, other in enumerate(body[:i]) if re.search(r"\bst\.global", other)]
+        if stores and not any(other.startswith("bar.sync") for other in body[stores[-1] : i]):
+            bad.append(line)
+    return bad
+
+
 def test_every_kernel_compiles_for_sm90_and_sm100(ptx):
     from ubep.engine import triton_kernels
 

@@ -16,7 +16,7 @@ triton = pytest.importorskip("triton")
 tl = pytest.importorskip("triton.language")
 
 from test_ll_device_aot import _conjuncts, _loops  # noqa: E402  (after the skip without triton)
-from test_triton_aot import ARCHS, _body, _sig, compiled_or_skip, ptx_of  # noqa: E402  (after the skip without triton)
+from test_triton_aot import ARCHS, _sig, bodies, ptx_of, unbarriered  # noqa: E402  (after the skip without triton)
 
 HEAD = "table:*i64 live:*u8 me:i32 epochs:*i64"
 # (kernel, runtime argument types, constexprs): one specialization each, as `ubep.protocols.ubep_device`
@@ -83,9 +83,7 @@ def _compile(name: str, arch: int) -> str:
 @pytest.fixture(scope="module")
 def ptx() -> dict[tuple[str, int], list[str]]:
     """Instruction lines of every half for every architecture."""
-    return {
-        key: _body(code) for key, code in compiled_or_skip(_compile, [name for name, *_ in SPECS]).items()
-    }
+    return bodies(_compile, [name for name, *_ in SPECS])
 
 
 def test_every_half_compiles_for_sm90_and_sm100(ptx):
@@ -112,11 +110,8 @@ def test_stamps_release_after_a_barrier_and_polls_acquire_at_system_scope(ptx, n
     assert len(stamps) == STAMPS.get(name, 0), stamps  # ROUTE, DATA / BACK / counts / staged / barrier
     assert all(re.search(r"atom\.global\.acquire\.sys\.cas\.b64", a) for a in acquires), acquires
     assert bool(acquires) == (name in POLLS or name in ("bsp_verify_kernel", "bsp_barrier_kernel")), name
-    for i, line in releases:
-        assert ".sys." in line, line
-        stores = [s for s, other in enumerate(body[:i]) if re.search(r"\bst\.global", other)]
-        if stores:
-            assert any(other.startswith("bar.sync") for other in body[stores[-1] : i]), (name, line)
+    assert all(".sys." in line for _, line in releases), releases
+    assert not unbarriered(body, releases), name
 
 
 @pytest.mark.parametrize("arch", ARCHS)
