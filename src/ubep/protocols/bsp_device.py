@@ -133,10 +133,7 @@ class BspDevice(UbepDevice):
             call, "dispatch (flag verification)", k.bsp_verify_kernel, (1,), args, dict(RB=pow2(R, 2)), mine
         )
         self._barrier(call, "dispatch (prefix sums)", 3, status, mine)
-        if cached:
-            M = handle.recv.src_token_M.shape[0]  # its padded rows too, where it was padded
-        else:
-            M = worst or int(prefix_R1[-1])  # the one host read, without num_worst_tokens
+        M = self._received_rows(handle, worst, prefix_R1)
         fill = torch.zeros if worst else torch.empty  # padding rows stay 0
         recv_x_MH = fill(M, H, dtype=x_NH.dtype, device=dev)
         recv_scales_MS = None if plan.scales_NS is None else fill(M, plan.scales_NS.shape[1], device=dev)

@@ -98,6 +98,14 @@ class UbepDevice(DeviceHalves):
         size = next(s for s in WORDS if all(w % s == 0 for w in widths))
         return WORDS[size], size
 
+    @staticmethod
+    def _received_rows(handle: DispatchHandle | None, worst: int, prefix_R1: torch.Tensor) -> int:
+        """Rows of a dispatch's outputs: a cached dispatch's handle's (its padding too), else
+        num_worst_tokens, else the one host read: the rows received (prefix_R1[R], on the device)."""
+        if handle is not None:
+            return handle.recv.src_token_M.shape[0]
+        return worst or int(prefix_R1[-1])
+
     # -- dispatch ---------------------------------------------------------------------------------
 
     def dispatch(self, call: CallId, plan: SendPlan, handle: DispatchHandle | None) -> Received:
@@ -156,10 +164,7 @@ class UbepDevice(DeviceHalves):
         )  # fmt: skip
         consts = dict(CACHED=cached, RB=pow2(R + 1, 2))
         self._half(call, "dispatch (routing)", k.ubep_dispatch_routes_kernel, (1,), args, consts, mine)
-        if cached:
-            M = handle.recv.src_token_M.shape[0]  # its padded rows too, where it was padded
-        else:
-            M = worst or int(prefix_R1[-1])  # the one host read, without num_worst_tokens
+        M = self._received_rows(handle, worst, prefix_R1)
         fill = torch.zeros if worst else torch.empty  # padding rows stay 0
         recv_x_MH = fill(M, H, dtype=x_NH.dtype, device=dev)
         recv_scales_MS = None if plan.scales_NS is None else fill(M, plan.scales_NS.shape[1], device=dev)
