@@ -214,7 +214,8 @@ def _kinds_on(rank, protocol, x, idx, w, sc) -> None:
 def test_no_call_compiles() -> None:
     """Construction warms every half up for every payload; no call then compiles one (seconds,
     with its peers waiting)."""
-    from ubep.engine import ll_halves, ubep_halves
+    from ubep.protocols.ll import numba_halves as ll_halves
+    from ubep.protocols.ubep import numba_halves as ubep_halves
 
     halves = [
         getattr(m, n)
@@ -232,7 +233,7 @@ def test_a_source_landing_during_the_gather_is_still_placed() -> None:
     """A source can land while the gather places another: rank 1's row, once copied, is the very
     word rank 0's payload stamp lives in (a stand-in for a peer landing mid-loop, made deterministic).
     Every row must still be placed, not just the ones seen landed before the loop."""
-    from ubep.engine import ubep_halves as k
+    from ubep.protocols.ubep import numba_halves as k
 
     epoch, half, R = 5, 1, 2
     recv_x = np.zeros((2, 8), dtype=np.uint8)  # one 8-byte row from each source

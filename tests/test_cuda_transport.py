@@ -135,7 +135,7 @@ SCRIPT = textwrap.dedent(
     from ubep.group import GroupInfo
     from ubep.layout import ExpertPlacement
     from ubep.protocols.base import Sizing
-    from ubep.protocols.ll_base import combine_plan, dispatch_outputs, dispatch_plan, wire_rows
+    from ubep.protocols.ll.plans import combine_plan, dispatch_outputs, dispatch_plan, wire_rows
     from ubep.transport.cuda import CudaHeap
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)

@@ -1,8 +1,9 @@
-"""Low-latency mode's Triton call halves (`ubep.protocols.ll_device` over `ubep.engine.ll_triton`): one
-kernel launch per half over the heap's address table, bit for bit against `ubep.reference` and against
-the numba halves, across two processes sharing memory, with rows after data and in word form (8-byte
-words of payload and epoch; a stale epoch is not read as landed); masked ranks; a whole `Buffer` call
-that reads nothing back on the host (capturable), and this rank's bad input caught in the kernels.
+"""Low-latency mode's Triton call halves (`ubep.protocols.ll.triton_driver` over its
+`triton_halves`): one kernel launch per half over the heap's address table, bit for bit against
+`ubep.reference` and against the numba halves, across two processes sharing memory, with rows after
+data and in word form (8-byte words of payload and epoch; a stale epoch is not read as landed);
+masked ranks; a whole `Buffer` call that reads nothing back on the host (capturable), and this rank's
+bad input caught in the kernels.
 
 On CPU the kernels run under Triton's interpreter over the shared-memory heap's host addresses, which
 the interpreter dereferences as a GPU dereferences the CUDA heap's: `test_interpreter_suite` reruns this
@@ -33,12 +34,12 @@ def test_interpreter_suite():
 def test_status_codes_are_the_numba_halves():
     """Both kinds of halves report through `ll_status`: their codes must be its codes."""
     pytest.importorskip("triton")
-    from ubep.engine import ll_triton
-    from ubep.protocols import ll_status
+    from ubep.protocols.ll import status as ll_status
+    from ubep.protocols.ll import triton_halves as ll_triton
 
     names = ["E_FIELD", "E_REJECTED", "E_T", "E_FORMAT", "E_COUNTS", "E_TOKENS", "E_RETURNED", "E_MINE"]
     assert [getattr(ll_triton, n).value for n in names] == [getattr(ll_status, n) for n in names]
-    numba_halves = pytest.importorskip("ubep.engine.ll_halves")
+    numba_halves = pytest.importorskip("ubep.protocols.ll.numba_halves")
     assert [getattr(numba_halves, n) for n in names] == [getattr(ll_status, n) for n in names]
     blocks = ["SENT", "SLOTS", "SLOT_INFO", "RETURNED", "BACK_SLOTS", "DONE_WORDS", "REJECTED", "S_COUNTS"]
     assert [getattr(ll_triton, n).value for n in blocks] == [getattr(numba_halves, n) for n in blocks]
@@ -50,8 +51,8 @@ def test_own_input_codes_raise_the_hosts_exceptions():
     import numpy as np
 
     from ubep import validate
-    from ubep.engine import ll_triton
-    from ubep.protocols import ll_status
+    from ubep.protocols.ll import status as ll_status
+    from ubep.protocols.ll import triton_halves as ll_triton
 
     names = ["E_EXPERT", "E_REPEATED", "E_UNRECEIVED", "E_OTHER_TOPK", "E_TOO_MANY"]
     assert [getattr(ll_triton, n).value for n in names] == [getattr(ll_status, n) for n in names]
@@ -71,7 +72,7 @@ def test_in_word_slots_take_twice_the_bytes():
     from ubep.layout import ExpertPlacement
     from ubep.protocols.base import Sizing
     from ubep.protocols.ll import LLBlocks
-    from ubep.protocols.ll_base import per_writer
+    from ubep.protocols.ll.plans import per_writer
 
     s = Sizing(hidden=128, capacity=4, max_topk=2, placement=ExpertPlacement.contiguous(8, 2))
     R, L, T, B = 2, 4, 4, s.row_bytes
@@ -147,8 +148,8 @@ def _stale_words(buf: ubep.Buffer, me: int, R: int, E: int) -> str:
     from test_low_latency import CAPACITY, HIDDEN, LLCase
 
     from ubep.errors import CommTimeoutError
-    from ubep.protocols.ll_base import dispatch_outputs, wire_rows
-    from ubep.protocols.ll_device import LLDevice
+    from ubep.protocols.ll.plans import dispatch_outputs, wire_rows
+    from ubep.protocols.ll.triton_driver import LLDevice
 
     ll = buf._ll
     device = LLDevice(ll.t, ll.blocks, buf.sizing, ll._consumed, buf.engine, True, 20, flag="in-word")
@@ -295,8 +296,8 @@ def without_host_reads(_: int) -> str:
     checks the status words and the results; a call on the non-capturable halves must trip the guard."""
     from test_low_latency import CAPACITY, HIDDEN, LLCase, expert_output
 
-    from ubep.protocols.ll_base import dispatch_outputs
-    from ubep.protocols.ll_device import LLDevice
+    from ubep.protocols.ll.plans import dispatch_outputs
+    from ubep.protocols.ll.triton_driver import LLDevice
 
     R, me = torch.distributed.get_world_size(), torch.distributed.get_rank()
     E = 2 * R
@@ -425,8 +426,8 @@ def errors(rank, done: threading.Barrier) -> str:
     from test_low_latency import CAPACITY, HIDDEN, LLCase
 
     from ubep.errors import CommTimeoutError, PeerDataError
-    from ubep.protocols.ll_base import dispatch_outputs
-    from ubep.protocols.ll_device import LLDevice
+    from ubep.protocols.ll.plans import dispatch_outputs
+    from ubep.protocols.ll.triton_driver import LLDevice
     from ubep.waiting import PeerAbortedError
 
     me, R, E = rank.rank, rank.world_size, 2 * rank.world_size

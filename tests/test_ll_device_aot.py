@@ -1,10 +1,11 @@
-"""The low-latency call halves (`ubep.engine.ll_triton`) compile ahead of time for sm_90 and sm_100 (no GPU
-needed), and their PTX says what docs/device.md's ordering argument needs: every stamp and every
-"consumed" word is a system-scope release, preceded by a block barrier after the program's last plain
-store; every poll of a stamp is a system-scope acquire; every loop that polls is bounded by `max_spins`;
-the sum in combine has no fused multiply-add, no approximate division and no flush-to-zero. In word form
-(rows as 8-byte words of payload and epoch), the send halves write rows with relaxed system-scope 8-byte
-atomic exchanges and the receive halves poll them with volatile 8-byte loads, in loops bounded the same.
+"""The low-latency call halves (`ubep.protocols.ll.triton_halves`) compile ahead of time for sm_90 and
+sm_100 (no GPU needed), and their PTX says what docs/device.md's ordering argument needs: every stamp
+and every "consumed" word is a system-scope release, preceded by a block barrier after the program's
+last plain store; every poll of a stamp is a system-scope acquire; every loop that polls is bounded by
+`max_spins`; the sum in combine has no fused multiply-add, no approximate division and no flush-to-zero.
+In word form (rows as 8-byte words of payload and epoch), the send halves write rows with relaxed
+system-scope 8-byte atomic exchanges and the receive halves poll them with volatile 8-byte loads, in
+loops bounded the same.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ tl = pytest.importorskip("triton.language")
 from test_triton_aot import ARCHS, _sig, bodies, ptx_of, unbarriered  # noqa: E402  (after the skip without triton)
 
 COMMON = "table:*i64 live:*u8 me:i32 epochs:*i64"
-# kernel -> (runtime argument types, constexprs): the specialization `ubep.protocols.ll_device` launches
+# kernel -> (runtime argument types, constexprs): the specialization `ll.triton_driver` launches
 # (bf16 rows as int32 words; H 7168, top-8, 32 local experts, 8 ranks), rows after data.
 KERNELS = {
     "ll_dispatch_send_kernel": (_sig(
@@ -53,7 +54,7 @@ SPECS = [(kernel, kernel, sig, consts) for kernel, (sig, consts) in KERNELS.item
 
 
 def _compile(name: str, arch: int) -> str:
-    from ubep.engine import ll_triton
+    from ubep.protocols.ll import triton_halves as ll_triton
 
     _, kernel, sig, consts = next(s for s in SPECS if s[0] == name)
     return ptx_of(getattr(ll_triton, kernel), sig, consts, arch)
@@ -66,7 +67,7 @@ def ptx() -> dict[tuple[str, int], list[str]]:
 
 
 def test_every_half_compiles_for_sm90_and_sm100(ptx):
-    from ubep.engine import ll_triton
+    from ubep.protocols.ll import triton_halves as ll_triton
 
     assert {n for n in dir(ll_triton) if n.endswith("_kernel")} == set(KERNELS)
     for (name, arch), body in ptx.items():

@@ -1,5 +1,5 @@
-"""Normal mode's call halves as Triton kernels, for both protocols (ubep: `ubep.protocols.ubep_device`
-over `ubep.engine.ubep_triton`; bsp: `ubep.protocols.bsp_device` over `ubep.engine.bsp_triton`): one
+"""Normal mode's call halves as Triton kernels, for both protocols (ubep: `ubep.protocols.ubep.triton_driver`
+over its `triton_halves`; bsp: `ubep.protocols.bsp.triton_driver` over its `triton_halves`): one
 kernel launch per half or phase over the heap's address table, bit for bit against `ubep.reference`
 and against the numba halves, across two processes sharing memory; the outputs padded to
 num_worst_tokens; a masked rank; a whole dispatch + combine that reads nothing back on the host; a

@@ -1,5 +1,6 @@
-"""Normal mode's call halves (UBEP: `ubep.engine.ubep_triton`; BSP's phases: `ubep.engine.bsp_triton`)
-compile ahead of time for sm_90 and sm_100 (no GPU needed), and their PTX says what docs/device.md's
+"""Normal mode's call halves (UBEP's: `ubep.protocols.ubep.triton_halves`; the combine's:
+`ubep.protocols.normal.triton_halves`; BSP's phases: `ubep.protocols.bsp.triton_halves`) compile
+ahead of time for sm_90 and sm_100 (no GPU needed), and their PTX says what docs/device.md's
 ordering argument needs: every stamp (and barrier word) is a system-scope release, preceded by a block
 barrier after the program's last plain store; every poll is a system-scope acquire; every loop that
 polls is bounded by `max_spins`; the sum in combine has no fused multiply-add, no approximate division
@@ -19,8 +20,8 @@ from test_ll_device_aot import _conjuncts, _loops  # noqa: E402  (after the skip
 from test_triton_aot import ARCHS, _sig, bodies, ptx_of, unbarriered  # noqa: E402  (after the skip without triton)
 
 HEAD = "table:*i64 live:*u8 me:i32 epochs:*i64"
-# (kernel, runtime argument types, constexprs): one specialization each, as `ubep.protocols.ubep_device`
-# launches it (bf16 rows as int32 words; top-8, 16 ranks at most; the layout derived from top-k).
+# (kernel, runtime argument types, constexprs): one specialization each, as the Triton drivers
+# launch it (bf16 rows as int32 words; top-8, 16 ranks at most; the layout derived from top-k).
 SPECS = [
     ("ubep_dispatch_send_kernel", _sig(
         "table:*i64 me:i32 epochs:*i64 x:*i32 W:i32 scales:*i32 S:i32 topk:*i64 weights:*fp32 N:i32 K:i32 "
@@ -36,11 +37,11 @@ SPECS = [
         "local_of_expert:*i64 K:i32 recv_idx:*i64 recv_w:*fp32 src_token:*i64 src_rank:*i64 recv_x:*i32 "
         "W:i32 recv_scales:*i32 S:i32 state:*i64 blocks:i32 status:*i64 max_spins:i32"),
      {"WORD": tl.int32, "IB": 16, "KB": 8, "WB": 128}),
-    ("ubep_combine_send_kernel", _sig(
+    ("combine_send_kernel", _sig(
         "table:*i64 me:i32 epochs:*i64 y:*i32 W:i32 weights:*fp32 K:i32 Kmax:i32 prefix:*i64 R:i32 "
         "seq:i32 code:i32 arrivals:*i64 programs:i32"),
      {"WORD": tl.int32, "IB": 16, "KB": 8, "RB": 16, "WB": 128}),
-    ("ubep_combine_reduce_kernel", _sig(
+    ("combine_reduce_kernel", _sig(
         f"{HEAD} R:i32 N:i32 in_rank:*u8 place:*i64 send_counts:*i64 seq:i32 code:i32 dtype_lo:i32 "
         "dtype_hi:i32 K:i32 Kmax:i32 rows_max:i32 out:*i16 H:i32 out_w:*fp32 state:*i64 status:*i64 "
         "max_spins:i32"),
@@ -65,18 +66,25 @@ SPECS = [
         "recv_scales:*i32 S:i32 recv_idx:*i64 recv_w:*fp32 K:i32 src_token:*i64 src_rank:*i64 status:*i64"),
      {"WORD": tl.int32, "IB": 16, "KB": 8, "WB": 128}),
 ]  # fmt: skip
-STAMPS = {"ubep_dispatch_send_kernel": 2, "ubep_combine_send_kernel": 1, "bsp_counts_kernel": 1,
+STAMPS = {"ubep_dispatch_send_kernel": 2, "combine_send_kernel": 1, "bsp_counts_kernel": 1,
           "bsp_send_kernel": 1, "bsp_barrier_kernel": 2}  # fmt: skip  # system-scope releases by exchange
 # (the barrier's second: a rank that rejected its own input arrives without waiting)
-POLLS = ("ubep_dispatch_routes_kernel", "ubep_dispatch_gather_kernel", "ubep_combine_reduce_kernel",
+POLLS = ("ubep_dispatch_routes_kernel", "ubep_dispatch_gather_kernel", "combine_reduce_kernel",
          "bsp_barrier_kernel")  # fmt: skip  # they wait, bounded (verify reads flags once, reorder none)
 
 
-def _compile(name: str, arch: int) -> str:
-    from ubep.engine import bsp_triton, ubep_triton
+def _modules() -> dict[str, object]:
+    """Each protocol's Triton halves by the prefix of their kernels' names."""
+    from ubep.protocols.bsp import triton_halves as bsp_triton
+    from ubep.protocols.normal import triton_halves as normal_triton
+    from ubep.protocols.ubep import triton_halves as ubep_triton
 
+    return {"bsp_": bsp_triton, "combine_": normal_triton, "ubep_": ubep_triton}
+
+
+def _compile(name: str, arch: int) -> str:
     _, sig, consts = next(s for s in SPECS if s[0] == name)
-    module = bsp_triton if name.startswith("bsp_") else ubep_triton
+    module = next(m for prefix, m in _modules().items() if name.startswith(prefix))
     return ptx_of(getattr(module, name), sig, consts, arch)
 
 
@@ -87,9 +95,7 @@ def ptx() -> dict[tuple[str, int], list[str]]:
 
 
 def test_every_half_compiles_for_sm90_and_sm100(ptx):
-    from ubep.engine import bsp_triton, ubep_triton
-
-    kernels = {n for module in (bsp_triton, ubep_triton) for n in dir(module) if n.endswith("_kernel")}
+    kernels = {n for module in _modules().values() for n in dir(module) if n.endswith("_kernel")}
     assert kernels == {name for name, *_ in SPECS}
     for (name, arch), body in ptx.items():
         assert any(line.startswith(f".target sm_{arch}") for line in body), (name, arch)
@@ -137,7 +143,7 @@ def test_every_polling_loop_is_bounded_by_max_spins(ptx, name, arch):
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_the_combine_sum_is_unfused_and_ieee(ptx, arch):
-    body = ptx["ubep_combine_reduce_kernel", arch]
+    body = ptx["combine_reduce_kernel", arch]
     assert any(line.startswith(("add.rn.f32", "add.f32")) for line in body), "no float sum found"
     assert not [line for line in body if line.startswith("fma.")], "a multiply and add were fused"
     assert not [line for line in body if ".ftz" in line or "div.full" in line or "div.approx" in line]

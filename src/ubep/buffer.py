@@ -45,7 +45,7 @@ from ubep.layout import (
 from ubep.overlap import EventOverlap
 from ubep.placement import CopyMap, Distances, Placement
 from ubep.protocols.base import Exchange, SendPlan, Sizing
-from ubep.protocols.ll_base import (
+from ubep.protocols.ll.plans import (
     FLAGS,
     LowLatencyExchange,
     combine_plan,

@@ -25,8 +25,8 @@ from ubep.group import GroupInfo
 from ubep.protocols.base import Exchange, Sizing
 from ubep.protocols.bsp import BspBlocks, BspExchange
 from ubep.protocols.ll import LLBlocks, LLExchange
-from ubep.protocols.ll_base import AFTER_DATA, IN_WORD, LowLatencyExchange
-from ubep.protocols.ll_local import LLLocal
+from ubep.protocols.ll.local import LLLocal
+from ubep.protocols.ll.plans import AFTER_DATA, IN_WORD, LowLatencyExchange
 from ubep.protocols.local import LocalExchange
 from ubep.protocols.ubep import UbepBlocks, UbepExchange
 from ubep.protocols.warmup import warm_up

@@ -25,7 +25,7 @@ import torch
 
 from ubep.calls import CallId
 from ubep.protocols.base import Exchange, Received, SendPlan
-from ubep.protocols.ll_base import LLCombinePlan, LLDispatchOut, LLDispatchPlan, LowLatencyExchange
+from ubep.protocols.ll.plans import LLCombinePlan, LLDispatchOut, LLDispatchPlan, LowLatencyExchange
 from ubep.results import DispatchHandle
 from ubep.stats import KINDS, CallRecord, Stats, StatsOptions
 

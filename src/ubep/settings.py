@@ -25,7 +25,7 @@ from typing import Any
 from ubep.engine import ENGINES
 from ubep.factory import HEAP_PROTOCOLS
 from ubep.group import TRANSPORTS
-from ubep.protocols.ll_base import FLAGS
+from ubep.protocols.ll.plans import FLAGS
 
 LOGGER = "ubep"  # the name of the library's logger: logging.getLogger("ubep")
 LOG_LEVEL_VARIABLE = "UBEP_LOG_LEVEL"

@@ -31,7 +31,7 @@ from ubep.deadlines import PeerPids, collective_deadline
 from ubep.engine import Engine
 from ubep.errors import PeerDataError
 from ubep.protocols.base import Sizing
-from ubep.protocols.ll_base import (
+from ubep.protocols.ll.plans import (
     LLCombinePlan,
     LLDispatchOut,
     LLDispatchPlan,

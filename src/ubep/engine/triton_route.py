@@ -2,7 +2,7 @@
 which rank. The send kernels that take the routing as topk_idx alone use them, so that the host reads
 no value of it (docs/device.md, "No host read").
 
-    protocol halves (ll_triton, ubep_triton, bsp_triton) -> [these] -> topk_idx in device memory
+    protocol halves (each protocol's triton_halves) -> [these] -> topk_idx in device memory
 
 The rules are `ubep.validate.topk_idx`'s: every value in [-1, E), no expert twice in a row.
 """

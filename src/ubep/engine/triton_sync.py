@@ -2,7 +2,7 @@
 on the GPU"): words at raw addresses of the heap's address table, system-scope acquire and release,
 and the call's epoch read from a device word.
 
-    protocol halves (ll_triton, ubep_triton, bsp_triton) -> [these] -> memory (address table)
+    protocol halves (each protocol's triton_halves) -> [these] -> memory (address table)
 
 The same ideas as `ubep.engine.numba_sync` for the numba halves.
 """

@@ -1,6 +1,5 @@
-"""What every protocol shares: the exchange interface, the send plan and what a
-dispatch receives, and the combine's home half (pull and reduce), which the
-ubep and bsp protocols run alike.
+"""What every protocol shares: the exchange interface, the sizing, the send plan and what a
+dispatch receives, the payloads' wire codes and how rows sit in a byte region.
 
 Legend: see `ubep.layout`.
 """
@@ -16,10 +15,9 @@ import torch
 
 from ubep import fp8
 from ubep.calls import CallId
-from ubep.engine import Engine
 from ubep.layout import ExpertPlacement, destination_major
 from ubep.results import DispatchHandle, RecvRoute
-from ubep.transport.base import Field, Header, Record, Region, Transport
+from ubep.transport.base import Record
 
 # Wire codes for the dtypes a payload may carry (stored next to the data).
 DTYPE_CODES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3, torch.float8_e4m3fn: 4, torch.uint8: 5}
@@ -163,31 +161,6 @@ def rows(region_XB: torch.Tensor, n: int, dtype: torch.dtype, width: int, first:
     return flat[first * row_bytes : (first + n) * row_bytes].view(dtype).view(n, width)
 
 
-@dataclass(frozen=True, slots=True)
-class BackBlocks:
-    """Combine memory: each expert rank's output rows, in the order it received them, and a header
-    with the boundaries of each home's block (`prefix`, its recv_prefix_R1)."""
-
-    back: Header
-    y: Region  # uint8 [R * T, row bytes]
-    y_weights: Region  # float32 [R * T, max_topk]
-
-    @classmethod
-    def of(cls, prefix: str, s: Sizing, double: bool) -> BackBlocks:
-        R, T, K = s.num_ranks, s.capacity, s.max_topk
-        fields = (
-            Field("dtype", lo=CODE_RANGE[0], hi=CODE_RANGE[1]),
-            Field("topk", hi=K),
-            Field("prefix", length=R + 1, hi=R * T),
-            Field("dispatch"),  # the seq of the dispatch whose handle this combine uses
-        )
-        return cls(
-            Header(f"{prefix}.back", fields, double=double),
-            Region(f"{prefix}.y", (R * T, s.row_bytes), torch.uint8, double=double),
-            Region(f"{prefix}.y_weights", (R * T, K), torch.float32, double=double),
-        )
-
-
 def spread(record: Record, peers: Sequence[int], num_ranks: int) -> dict[str, np.ndarray]:
     """`read_all`'s rows for `peers`, each moved to its rank's row of `num_ranks`; the rows of ranks
     not read (masked ones) are zero: no tokens, no rows."""
@@ -196,79 +169,3 @@ def spread(record: Record, peers: Sequence[int], num_ranks: int) -> dict[str, np
         out[name] = np.zeros((num_ranks, *rows_P.shape[1:]), dtype=rows_P.dtype)
         out[name][list(peers)] = rows_P
     return out
-
-
-def publish_back(
-    t: Transport,
-    blocks: BackBlocks,
-    call: CallId,
-    x_MH: torch.Tensor,
-    handle: DispatchHandle,
-    topk_weights_MK: torch.Tensor | None,
-) -> None:
-    """An expert rank's half of combine: its output rows (and weights) out once, then the stamp."""
-    M, H = x_MH.shape
-    rows(t.view(blocks.y, t.rank, call), M, x_MH.dtype, H).copy_(x_MH)
-    K = 0 if topk_weights_MK is None else topk_weights_MK.shape[1]
-    if K:
-        t.view(blocks.y_weights, t.rank, call)[:M, :K].copy_(topk_weights_MK)
-    values = {
-        "dtype": DTYPE_CODES[x_MH.dtype],
-        "topk": K,
-        "prefix": handle.recv_prefix_R1.tolist(),
-        "dispatch": handle.seq,
-    }
-    t.publish(blocks.back, call, values)
-
-
-def reduce_home(
-    t: Transport,
-    engine: Engine,
-    blocks: BackBlocks,
-    call: CallId,
-    handle: DispatchHandle,
-    x_MH: torch.Tensor,
-    topk_weights_MK: torch.Tensor | None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The home's half of combine, once every live expert rank's block has landed: check them all,
-    then pull every block once and sum each token's rows in float32, in ascending rank order
-    (the reference's), rounding once into x's dtype.
-
-    Returns (combined [N, H] in x's dtype, summed weights float32 [N, K] or None).
-    """
-    dtype, H = x_MH.dtype, x_MH.shape[1]
-    K = 0 if topk_weights_MK is None else topk_weights_MK.shape[1]
-    N, me = handle.num_tokens, t.rank
-    tokens = send_tokens(handle.is_token_in_rank_NR, handle.send_counts_R)
-    got = spread(t.read_all(blocks.back, call, t.live), t.live, t.num_ranks)
-    live_R = np.isin(np.arange(t.num_ranks), t.live)
-    begin_R, end_R = got["prefix"][:, me], got["prefix"][:, me + 1]
-    expected_R = np.array([tok.numel() for tok in tokens])
-    other = np.flatnonzero((got["dispatch"] != handle.seq) & live_R)
-    if other.size:
-        r = int(other[0])
-        message = (
-            f"combine: rank {r} combines the rows of call #{got['dispatch'][r]}, this rank those of "
-            f"#{handle.seq} (all ranks must pass the handle of the same dispatch)"
-        )
-        raise t.bad_data(call, r, message)
-    formats_R = (got["dtype"] != DTYPE_CODES[dtype]) | (got["topk"] != K)
-    wrong = (end_R - begin_R != expected_R) | (formats_R & live_R)
-    if wrong.any():
-        r = int(np.flatnonzero(wrong)[0])
-        sent = CODE_DTYPES.get(int(got["dtype"][r]))
-        message = (
-            f"combine: rank {r} returned {end_R[r] - begin_R[r]} rows of {sent} "
-            f"(top-k {got['topk'][r]}), expected {expected_R[r]} of {dtype} (top-k {K})"
-        )
-        raise t.bad_data(call, r, message)
-    rows_at = list(zip(begin_R.tolist(), end_R.tolist(), strict=True))
-    out_NH = torch.empty(N, H, dtype=dtype)
-    x_blocks = [rows(t.view(blocks.y, r, call), z - a, dtype, H, first=a) for r, (a, z) in enumerate(rows_at)]
-    engine.reduce_blocks(x_blocks, tokens, out_NH)
-    if not K:
-        return out_NH, None
-    out_NK = torch.empty(N, K, dtype=torch.float32)
-    w_blocks = [t.view(blocks.y_weights, r, call)[a:z, :K] for r, (a, z) in enumerate(rows_at)]
-    engine.reduce_blocks(w_blocks, tokens, out_NK)
-    return out_NH, out_NK

@@ -20,7 +20,7 @@ import triton.language as tl
 from ubep.calls import CallId
 from ubep.errors import CommTimeoutError
 
-DONE = 0  # a status word's [0] when the half finished (`ubep.engine.ll_codes`, `ubep_codes`)
+DONE = 0  # a status word's [0] when the half finished (`ubep.protocols.ll.codes`, `ubep_codes`)
 WORDS = {4: torch.int32, 2: torch.int16, 1: torch.uint8}  # the widest word that divides every row
 TL_WORDS = {torch.int32: tl.int32, torch.int16: tl.int16, torch.uint8: tl.uint8}
 # Polls before a half hands its wait to the host's doorbell sleep (capturable=False): few under the
@@ -48,7 +48,7 @@ class DeviceHalves:
     def __init__(self, heap, blocks, engine, capturable: bool, max_spins: int | None):
         self.t, self.blocks, self.engine = heap, blocks, engine
         self.me, self.R = heap.rank, heap.num_ranks
-        table, _ = heap.address_table(blocks.all())
+        table, _ = heap.address_table(blocks.table())
         self.device = getattr(heap, "device", torch.device("cpu"))
         self.table = torch.from_numpy(table).to(self.device)
         self.capturable = capturable

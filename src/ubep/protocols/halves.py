@@ -1,6 +1,6 @@
 """Entering a compiled call half: run it until it is no longer waiting, sleeping on the doorbell between.
 
-Every compiled half that waits (`ubep.engine.ubep_halves`, `bsp_halves`, `ll_halves`) takes, last,
+Every compiled half that waits (`ubep.protocols.ubep.numba_halves`, `bsp_halves`, `ll_halves`) takes, last,
 (pending, spins, yields, status) and returns DONE, WAITING (status[1] ranks in
 pending still missing, this rank's ASLEEP word armed) or an error code. Between
 entries the heap's sleeper waits on the doorbell under the deadline and raises
@@ -109,7 +109,7 @@ class HeapHalves:
     def __init__(self, heap: Heap, blocks):
         self.t, self.blocks = heap, blocks
         self.me, self.R = heap.rank, heap.num_ranks
-        self.table, self.asleep = heap.address_table(blocks.all())
+        self.table, self.asleep = heap.address_table(blocks.table())
         self.wake = np.zeros(self.R, dtype=np.uint8)  # peers a half found asleep, to ring
         self.budget = budget(self.R)  # every rank of a heap runs on this host
         self.members = heap.members_at()  # every rank's membership records, for a writer's check

@@ -22,7 +22,7 @@ from ubep.layout import ExpertPlacement, expert_counts, token_in_rank
 from ubep.protocols.base import SendPlan, Sizing
 from ubep.protocols.bsp import BspBlocks, BspExchange
 from ubep.protocols.ll import LLBlocks, LLExchange
-from ubep.protocols.ll_base import combine_plan, dispatch_outputs, dispatch_plan
+from ubep.protocols.ll.plans import combine_plan, dispatch_outputs, dispatch_plan
 from ubep.protocols.ubep import UbepBlocks, UbepExchange
 from ubep.results import DispatchHandle
 from ubep.transport.virtual import VirtualRank, VirtualWorld, virtual_heap

@@ -85,6 +85,16 @@ class Header:
     def words(self) -> int:
         return 1 + sum(f.words for f in self.fields)
 
+    def word(self, name: str) -> int:
+        """The index of field `name`'s first word (word 0 is the stamp): where compiled halves,
+        which index words rather than names, find it."""
+        at = 1
+        for f in self.fields:
+            if f.name == name:
+                return at
+            at += f.words
+        raise KeyError(f"header {self.name!r} has no field {name!r}")
+
 
 Record = Mapping[str, "int | np.ndarray"]  # a header's fields as read: ints, or int64 arrays for length > 1
 

@@ -68,7 +68,7 @@ class CudaHeap:
     def address_table(self, blocks: Sequence[Region | Header]) -> tuple[np.ndarray, np.ndarray]:
         """(table int64 [R, len(blocks), 2], asleep int64 [R]) as `Heap.address_table`: every block's
         device address in every rank's arena for both halves, for kernels that reach peers' memory
-        directly (`ubep.protocols.ll_device`). Every block must live on the device (headers named in
+        directly (`ubep.protocols.ll.triton_driver`). Every block must live on the device (headers named in
         `device_headers`); no rank sleeps on a device word, so `asleep` is all zeros."""
         on_host = [b.name for b in blocks if b.name not in self._device_regions]
         if on_host:

@@ -1,6 +1,7 @@
-"""Low-latency halves' status words turned into the exceptions of `ubep.protocols.ll`'s torch statement.
+"""Low-latency halves' status words turned into the exceptions of the torch statement
+(`ubep.protocols.ll.statement`).
 
-The compiled halves (numba: `ubep.engine.ll_halves`; Triton: `ubep.engine.ll_triton`) end with a
+The compiled halves (numba: `ubep.protocols.ll.numba_halves`; Triton: `triton_halves`) end with a
 code and, on an error, status[1:5] = (peer, what it sent, ..., expected); both raise through here so
 that every engine reports a bad peer in the same words. The codes are the halves' (tests hold them
 equal); this module imports neither numba nor triton.
@@ -11,7 +12,8 @@ from __future__ import annotations
 import numpy as np
 
 from ubep.calls import CallId
-from ubep.engine.ll_codes import (  # noqa: F401 (the codes are this module's words too)
+from ubep.errors import PeerDataError
+from ubep.protocols.ll.codes import (  # noqa: F401 (the codes are this module's words too)
     DONE,
     E_COUNTS,
     E_EXPERT,
@@ -28,7 +30,6 @@ from ubep.engine.ll_codes import (  # noqa: F401 (the codes are this module's wo
     E_UNRECEIVED,
     WAITING,
 )
-from ubep.errors import PeerDataError
 from ubep.transport.base import Transport
 from ubep.transport.heap import complaint
 from ubep.validate import bad_expert, repeated_in_row

@@ -3,12 +3,12 @@
     protocol (bsp: phases and barriers) -> [these phases] -> memory (address table)
 
 The baseline keeps its barriers, its count round and its staging copy (see
-`ubep.protocols.bsp`, the statement in torch, whose memory layout these keep word
+`ubep.protocols.bsp.statement`, the statement in torch, whose memory layout these keep word
 for word); compiled, what is left between it and UBEP is the protocol's
-difference, not Python's. Its combine is UBEP's (`ubep.engine.ubep_halves`:
-the back blocks sit at the same places of both tables), between barriers.
+difference, not Python's. Its combine is normal mode's (`ubep.protocols.normal`),
+between barriers.
 
-The table (int64 [R, 10, 2]) holds every block of `BspBlocks.all()` in every
+The table (int64 [R, 8, 2]) holds every block of `BspBlocks.table()` in every
 rank's memory; bsp's blocks are single-buffered, so both halves name the same
 address. A barrier is a compiled wait like the others: raise this rank's word
 to the call's target, then wait until every live peer's word reaches it and no
@@ -26,22 +26,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from ubep.engine.bsp_codes import (
-    COUNTS,
-    DONE,
-    E_FIELD,
-    E_FORMAT,
-    E_LOCAL,
-    E_MISSING,
-    E_TOKENS,
-    STAGE_SCALES,
-    STAGE_TOKENS,
-    STAGE_TOPK,
-    STAGE_WEIGHTS,
-    STAGE_X,
-    STAGED,
-    WAITING,
-)
 from ubep.engine.numba_kernels import _elements_at, _jit, _move
 from ubep.engine.numba_sync import (
     back_off,
@@ -52,11 +36,26 @@ from ubep.engine.numba_sync import (
     wake_if_asleep,
     wake_sleepers,
 )
+from ubep.protocols.bsp.blocks import (
+    C_COUNTS,
+    COUNTS,
+    S_DTYPE,
+    S_TOPK,
+    STAGE_SCALES,
+    STAGE_TOKENS,
+    STAGE_TOPK,
+    STAGE_WEIGHTS,
+    STAGE_X,
+    STAGED,
+    STAGED_FIELDS,
+)
+from ubep.protocols.bsp.codes import DONE, E_FIELD, E_FORMAT, E_LOCAL, E_MISSING, E_TOKENS, WAITING
 
 NOTICE_SEQ_SHIFT = 24  # an abort notice's seq sits above this bit (`ubep.transport.heap.pack_notice`)
 MASKED = -1  # the send found, after a destination, that the peers masked this rank
 
 _I64, _F32 = np.empty(0, dtype=np.int64), np.empty(0, dtype=np.float32)
+STAGED_WORDS = 1 + len(STAGED_FIELDS)  # a writer's row of the `staged` inbox: stamp, dtype, topk
 
 
 @_jit
@@ -101,9 +100,9 @@ def bsp_barrier(barrier, notice, asleep, me, live, target, seq, wake, pending, s
 def bsp_counts(table, me, epoch, counts):
     """Publish this rank's row count for every destination (the count round's message)."""
     R = counts.size
-    words = _elements_at(_I64, table[me, COUNTS, 0], 1 + R)
+    words = _elements_at(_I64, table[me, COUNTS, 0], C_COUNTS + R)
     for r in range(R):
-        words[1 + r] = counts[r]
+        words[C_COUNTS + r] = counts[r]
     store_release(table[me, COUNTS, 0], epoch)
 
 
@@ -146,9 +145,9 @@ def bsp_send(
                     idx[k] = local
                     w[k] = weights[t, k] if local >= 0 else np.float32(0.0)
             n += 1
-        record = _elements_at(_I64, table[dst, STAGED, 0] + me * 3 * 8, 3)
-        record[1], record[2] = dtype_code, K
-        store_release(table[dst, STAGED, 0] + me * 3 * 8, epoch)  # the slot above is visible
+        record = _elements_at(_I64, table[dst, STAGED, 0] + me * STAGED_WORDS * 8, STAGED_WORDS)
+        record[S_DTYPE], record[S_TOPK] = dtype_code, K
+        store_release(table[dst, STAGED, 0] + me * STAGED_WORDS * 8, epoch)  # the slot above is visible
         if dst != me:
             woken += wake_if_asleep(asleep, dst, wake)
         if masked_by(members, live, me, generation) >= 0:
@@ -162,7 +161,7 @@ def bsp_verify(table, me, epoch, live, dtype_code, K, Kmax, T, dtype_lo, dtype_h
     R = counts.size
     n = 0
     for p in live:
-        if load_acquire(table[me, STAGED, 0] + p * 3 * 8) != epoch:
+        if load_acquire(table[me, STAGED, 0] + p * STAGED_WORDS * 8) != epoch:
             pending[n] = p
             n += 1
     if n:
@@ -171,18 +170,18 @@ def bsp_verify(table, me, epoch, live, dtype_code, K, Kmax, T, dtype_lo, dtype_h
     for r in range(R):
         counts[r] = 0
     for p in live:
-        record = _elements_at(_I64, table[me, STAGED, 0] + p * 3 * 8, 3)
-        if not dtype_lo <= record[1] <= dtype_hi:
-            return _fail(status, E_FIELD, p, record[1], 0, 0)
-        if not 0 <= record[2] <= Kmax:
-            return _fail(status, E_FIELD, p, record[2], 1, 0)
-        if record[1] != dtype_code or record[2] != K:
-            return _fail(status, E_FORMAT, p, record[1], record[2], 0)
-        theirs = _elements_at(_I64, table[p, COUNTS, 0], 1 + R)
+        record = _elements_at(_I64, table[me, STAGED, 0] + p * STAGED_WORDS * 8, STAGED_WORDS)
+        if not dtype_lo <= record[S_DTYPE] <= dtype_hi:
+            return _fail(status, E_FIELD, p, record[S_DTYPE], 0, 0)
+        if not 0 <= record[S_TOPK] <= Kmax:
+            return _fail(status, E_FIELD, p, record[S_TOPK], 1, 0)
+        if record[S_DTYPE] != dtype_code or record[S_TOPK] != K:
+            return _fail(status, E_FORMAT, p, record[S_DTYPE], record[S_TOPK], 0)
+        theirs = _elements_at(_I64, table[p, COUNTS, 0], C_COUNTS + R)
         for r in range(R):
-            if not 0 <= theirs[1 + r] <= T:
-                return _fail(status, E_FIELD, p, theirs[1 + r], 0, 1)
-        counts[p] = theirs[1 + me]
+            if not 0 <= theirs[C_COUNTS + r] <= T:
+                return _fail(status, E_FIELD, p, theirs[C_COUNTS + r], 0, 1)
+        counts[p] = theirs[C_COUNTS + me]
     return DONE
 
 

@@ -19,87 +19,20 @@ Legend: see `ubep.layout`.
 from __future__ import annotations
 
 from collections.abc import Collection
-from dataclasses import dataclass
 
 import torch
 
-from ubep import fp8
 from ubep.calls import CallId
 from ubep.engine import Engine
 from ubep.errors import PeerDataError
 from ubep.faults import NO_FAULTS, FaultPoints
 from ubep.layout import prefix_offsets
 from ubep.protocols import halves
-from ubep.protocols.base import (
-    CODE_DTYPES,
-    CODE_RANGE,
-    DTYPE_CODES,
-    BackBlocks,
-    Received,
-    SendPlan,
-    Sizing,
-    publish_back,
-    reduce_home,
-    rows,
-)
+from ubep.protocols.base import CODE_DTYPES, DTYPE_CODES, Received, SendPlan, Sizing, rows
+from ubep.protocols.bsp.blocks import BspBlocks
+from ubep.protocols.normal.combine import publish_back, reduce_home
 from ubep.results import DispatchHandle, RecvRoute
-from ubep.transport.base import Field, Header, Region, Transport
-
-
-@dataclass(frozen=True, slots=True)
-class BspBlocks:
-    """The memory the baseline declares (single-buffered: barriers separate the calls)."""
-
-    counts: Header  # own: tokens for each destination
-    staged: Header  # inbox: "your slot from me is written"
-    stage_x: Region  # uint8 [R, T, row bytes]: a staging slot per source (FP8: values)
-    stage_scales: Region  # float32 [R, T, H // 128]: FP8 scales
-    stage_tokens: Region  # int64 [R, T]
-    stage_topk: Region  # int64 [R, T, max_topk]: local ids as this rank sees them
-    stage_weights: Region  # float32 [R, T, max_topk]
-    back: BackBlocks
-    barrier: Region  # int64 [1]: the device phases' barrier word (the host's lives in its control block)
-
-    @classmethod
-    def of(cls, s: Sizing) -> BspBlocks:
-        R, T, K = s.num_ranks, s.capacity, s.max_topk
-        return cls(
-            counts=Header(
-                "bsp.counts",
-                (Field("counts", length=R, hi=T, says="announced {value} tokens, capacity is {hi}"),),
-                double=False,
-                phase="dispatch",
-            ),
-            staged=Header(
-                "bsp.staged",
-                (Field("dtype", lo=CODE_RANGE[0], hi=CODE_RANGE[1]), Field("topk", hi=K)),
-                inbox=True,
-                double=False,
-            ),
-            stage_x=Region("bsp.stage_x", (R, T, s.row_bytes), torch.uint8),
-            stage_scales=Region("bsp.stage_scales", (R, T, s.hidden // fp8.BLOCK), torch.float32),
-            stage_tokens=Region("bsp.stage_tokens", (R, T), torch.int64),
-            stage_topk=Region("bsp.stage_topk", (R, T, K), torch.int64),
-            stage_weights=Region("bsp.stage_weights", (R, T, K), torch.float32),
-            back=BackBlocks.of("bsp", s, double=False),
-            barrier=Region("bsp.barrier", (1,), torch.int64),
-        )
-
-    def all(self) -> tuple[Region | Header, ...]:
-        b = self.back
-        return (
-            self.counts,
-            self.staged,
-            self.stage_x,
-            self.stage_scales,
-            self.stage_tokens,
-            self.stage_topk,
-            self.stage_weights,
-            b.back,
-            b.y,
-            b.y_weights,
-            self.barrier,
-        )
+from ubep.transport.base import Transport
 
 
 class BspExchange(halves.OnHalves):
@@ -124,11 +57,11 @@ class BspExchange(halves.OnHalves):
         )
         self._compiled = None  # each call half one compiled function, where the engine and memory allow
         if engine.name == "numba" and hasattr(transport, "address_table"):
-            from ubep.protocols.bsp_compiled import BspCompiled  # imports numba: only on its engine
+            from ubep.protocols.bsp.numba_driver import BspCompiled  # imports numba: only on its engine
 
             self._compiled = BspCompiled(transport, self.blocks, sizing, faults, self._local_of_RE)
         elif engine.name == "triton" and hasattr(transport, "address_table"):
-            from ubep.protocols.bsp_device import BspDevice  # imports triton: only on its engine
+            from ubep.protocols.bsp.triton_driver import BspDevice  # imports triton: only on its engine
 
             self._compiled = BspDevice(
                 transport, self.blocks, sizing, faults, self._local_of_RE, engine, capturable

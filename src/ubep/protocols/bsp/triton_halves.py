@@ -3,15 +3,15 @@ Buffer's address table.
 
     protocol (bsp: phases and barriers) -> [these kernels] -> memory (address table)
 
-The same phases as `ubep.engine.bsp_halves` (numba), over the same memory, word
+The same phases as `ubep.protocols.bsp.numba_halves` (numba), over the same memory, word
 for word: the table (int64 [R, 11, 2]) holds every block of `BspBlocks.all()`
 in every rank's memory (single-buffered: both halves name the same address);
 counts: stamp, counts[R]; the `staged` inbox: per source, stamp, dtype, top-k;
 a staging slot per source (rows packed at their own width, top-k and weights at
-stride max_topk, local ids as the destination sees them). Its combine is UBEP's
-(`ubep.engine.ubep_triton`: the back blocks sit at the same places of both
-tables). The barrier word is the last block (`BspBlocks.barrier`), in device
-memory, since the host's control block is out of a GPU's reach.
+stride max_topk, local ids as the destination sees them). Its combine is normal
+mode's (`ubep.protocols.normal.triton_halves`). The barrier word is the last block
+(`BspBlocks.barrier`), in device memory, since the host's control block is out of
+a GPU's reach.
 
     counts   (1 program): own counts record (and the layout from top-k, checked), stamped
     barrier  (1 program): raise own word to the target, wait (bounded) for every live peer's
@@ -20,9 +20,10 @@ memory, since the host's control block is out of a GPU's reach.
     verify   (1 program): every live source's flag, format and counts; the prefix
     reorder  ((source, row block) programs): the staging slots into recv_x, checked
 
-Ordering and status words are `ubep.engine.ubep_triton`'s (docs/device.md):
-plain stores, a block barrier, a system-scope release; system-scope acquires;
-polls bounded by `max_spins`, status[6] naming a peer a wait ran out on.
+Ordering and status words are those of `ubep.protocols.ubep.triton_halves` and
+`normal.triton_halves` (docs/device.md): plain stores, a block barrier, a
+system-scope release; system-scope acquires; polls bounded by `max_spins`,
+status[6] naming a peer a wait ran out on.
 
 Legend: see `ubep.layout`.
 """
@@ -34,28 +35,34 @@ import triton.language as tl
 
 from ubep.engine.triton_route import rank_hits
 from ubep.engine.triton_sync import int64_ptr, load_acquire, load_epoch, store_release
-from ubep.engine.ubep_triton import _copy_words, _fail, _own_topk_ok
+from ubep.protocols.bsp import blocks, codes
+from ubep.protocols.normal.triton_halves import copy_words, fail, own_topk_ok
 
-# Block indices of `BspBlocks.all()` and codes: those of `ubep.engine.bsp_halves`.
-BLOCKS: tl.constexpr = tl.constexpr(11)
-COUNTS: tl.constexpr = tl.constexpr(0)
-STAGED: tl.constexpr = tl.constexpr(1)
-STAGE_X: tl.constexpr = tl.constexpr(2)
-STAGE_SCALES: tl.constexpr = tl.constexpr(3)
-STAGE_TOKENS: tl.constexpr = tl.constexpr(4)
-STAGE_TOPK: tl.constexpr = tl.constexpr(5)
-STAGE_WEIGHTS: tl.constexpr = tl.constexpr(6)
-BARRIER: tl.constexpr = tl.constexpr(10)
-E_FIELD: tl.constexpr = tl.constexpr(2)
-E_MISSING: tl.constexpr = tl.constexpr(3)
-E_FORMAT: tl.constexpr = tl.constexpr(4)
-E_TOKENS: tl.constexpr = tl.constexpr(5)
-E_LOCAL: tl.constexpr = tl.constexpr(6)
-E_WORST: tl.constexpr = tl.constexpr(12)
-E_REJECTED: tl.constexpr = tl.constexpr(13)
-E_OWN_EXPERT: tl.constexpr = tl.constexpr(14)
-E_OWN_REPEATED: tl.constexpr = tl.constexpr(15)
-REJECTED: tl.constexpr = tl.constexpr(-(1 << 40))
+# The places of `ubep.protocols.bsp.blocks` and the codes of `ubep.protocols.bsp.codes`, as Triton
+# constants.
+BLOCKS: tl.constexpr = tl.constexpr(len(blocks.TABLE))
+COUNTS: tl.constexpr = tl.constexpr(blocks.COUNTS)
+STAGED: tl.constexpr = tl.constexpr(blocks.STAGED)
+STAGE_X: tl.constexpr = tl.constexpr(blocks.STAGE_X)
+STAGE_SCALES: tl.constexpr = tl.constexpr(blocks.STAGE_SCALES)
+STAGE_TOKENS: tl.constexpr = tl.constexpr(blocks.STAGE_TOKENS)
+STAGE_TOPK: tl.constexpr = tl.constexpr(blocks.STAGE_TOPK)
+STAGE_WEIGHTS: tl.constexpr = tl.constexpr(blocks.STAGE_WEIGHTS)
+BARRIER: tl.constexpr = tl.constexpr(blocks.BARRIER)
+C_COUNTS: tl.constexpr = tl.constexpr(blocks.C_COUNTS)  # counts record: stamp, counts[R]
+S_DTYPE: tl.constexpr = tl.constexpr(blocks.S_DTYPE)  # staged inbox row: stamp, dtype, topk
+S_TOPK: tl.constexpr = tl.constexpr(blocks.S_TOPK)
+S_WORDS: tl.constexpr = tl.constexpr(1 + len(blocks.STAGED_FIELDS))
+E_FIELD: tl.constexpr = tl.constexpr(codes.E_FIELD)
+E_MISSING: tl.constexpr = tl.constexpr(codes.E_MISSING)
+E_FORMAT: tl.constexpr = tl.constexpr(codes.E_FORMAT)
+E_TOKENS: tl.constexpr = tl.constexpr(codes.E_TOKENS)
+E_LOCAL: tl.constexpr = tl.constexpr(codes.E_LOCAL)
+E_WORST: tl.constexpr = tl.constexpr(codes.E_WORST)
+E_REJECTED: tl.constexpr = tl.constexpr(codes.E_REJECTED)
+E_OWN_EXPERT: tl.constexpr = tl.constexpr(codes.E_OWN_EXPERT)
+E_OWN_REPEATED: tl.constexpr = tl.constexpr(codes.E_OWN_REPEATED)
+REJECTED: tl.constexpr = tl.constexpr(codes.REJECTED)
 
 
 @triton.jit
@@ -88,9 +95,9 @@ def bsp_counts_kernel(
     record = int64_ptr(_address(table, me, COUNTS))
     go = tl.full((), 1, tl.int32)
     if ROUTED:
-        go = _own_topk_ok(topk, N, K, E, status, me, NB, KB)
+        go = own_topk_ok(topk, N, K, E, status, me, NB, KB)
     if go == 0:
-        tl.store(record + 1 + rs, tl.full((RB,), REJECTED, tl.int64), mask=rs < R)
+        tl.store(record + C_COUNTS + rs, tl.full((RB,), REJECTED, tl.int64), mask=rs < R)
     else:
         if ROUTED:
             values = tl.zeros((RB,), tl.int64)
@@ -111,7 +118,7 @@ def bsp_counts_kernel(
             values = tl.load(counts + rs, mask=rs < R, other=0)
         if forced >= 0:
             values = tl.zeros((RB,), tl.int64) + forced
-        tl.store(record + 1 + rs, values, mask=rs < R)
+        tl.store(record + C_COUNTS + rs, values, mask=rs < R)
     tl.debug_barrier()
     store_release(_address(table, me, COUNTS), epoch)
 
@@ -176,9 +183,9 @@ def bsp_send_kernel(
         slot = me * T + before + tl.cumsum(hit, axis=0) - 1  # row of dst's staging, for the hits
         rows = tokens.to(tl.int64)
         stage_x = (_address(table, dst, STAGE_X) + me * T * row_bytes).to(tl.pointer_type(WORD))
-        _copy_words(x, stage_x, rows, slot - me * T, ok, W, WB)
+        copy_words(x, stage_x, rows, slot - me * T, ok, W, WB)
         stage_s = _address(table, dst, STAGE_SCALES).to(tl.pointer_type(tl.int32))
-        _copy_words(scales, stage_s, rows, slot, ok, S, WB)
+        copy_words(scales, stage_s, rows, slot, ok, S, WB)
         tl.store(int64_ptr(_address(table, dst, STAGE_TOKENS)) + slot, rows, mask=ok)
         if K > 0:
             ks = tl.arange(0, KB)
@@ -193,11 +200,11 @@ def bsp_send_kernel(
         tl.debug_barrier()
         arrived = tl.atomic_add(arrivals + dst, 1, sem="acq_rel", scope="sys")
         if arrived == blocks - 1:  # the last of dst's programs: every row for dst is ordered before this
-            record = int64_ptr(_address(table, dst, STAGED)) + me * 3
-            tl.store(record + 1, code)  # stored as int64, the pointer's type
-            tl.store(record + 2, K)
+            record = int64_ptr(_address(table, dst, STAGED)) + me * S_WORDS
+            tl.store(record + S_DTYPE, code)  # stored as int64, the pointer's type
+            tl.store(record + S_TOPK, K)
             tl.debug_barrier()
-            store_release(_address(table, dst, STAGED) + me * 3 * 8, epoch)
+            store_release(_address(table, dst, STAGED) + me * S_WORDS * 8, epoch)
 
 
 @triton.jit
@@ -217,22 +224,22 @@ def bsp_verify_kernel(
     rejected = tl.full((), -1, tl.int32)  # the first live source whose counts record says REJECTED
     while p < R:
         if (tl.load(live + p) != 0) & (rejected < 0):
-            if tl.load(int64_ptr(_address(table, p, COUNTS)) + 1 + me) == REJECTED:
+            if tl.load(int64_ptr(_address(table, p, COUNTS)) + C_COUNTS + me) == REJECTED:
                 rejected = p
         p += 1
     if rejected >= 0:
-        _fail(status, E_REJECTED, rejected, 0, 0, 0, 0)
+        fail(status, E_REJECTED, rejected, 0, 0, 0, 0)
     p = tl.full((), 0, tl.int32)
     if _stopped(status):
         p = R + p
     while p < R:
         if tl.load(live + p) != 0:
-            if load_acquire(_address(table, me, STAGED) + p * 3 * 8) != epoch:
+            if load_acquire(_address(table, me, STAGED) + p * S_WORDS * 8) != epoch:
                 tl.store(pending + n, p)
                 n += 1
         p += 1
     if n > 0:
-        _fail(status, E_MISSING, n, 0, 0, 0, 0)
+        fail(status, E_MISSING, n, 0, 0, 0, 0)
     elif not _stopped(status):
         go = tl.full((), 1, tl.int32)
         rs = tl.arange(0, RB)
@@ -241,27 +248,27 @@ def bsp_verify_kernel(
         while (go != 0) & (p < R):
             count = tl.full((), 0, tl.int64)
             if tl.load(live + p) != 0:
-                record = int64_ptr(_address(table, me, STAGED)) + p * 3
-                dtype = tl.load(record + 1)
-                their_k = tl.load(record + 2)
-                theirs = tl.load(int64_ptr(_address(table, p, COUNTS)) + 1 + rs, mask=rs < R, other=0)
+                record = int64_ptr(_address(table, me, STAGED)) + p * S_WORDS
+                dtype = tl.load(record + S_DTYPE)
+                their_k = tl.load(record + S_TOPK)
+                theirs = tl.load(int64_ptr(_address(table, p, COUNTS)) + C_COUNTS + rs, mask=rs < R, other=0)
                 bad = (rs < R) & ((theirs < 0) | (theirs > T))
                 first_bad = tl.min(tl.where(bad, rs, RB), axis=0)
                 bad_count = tl.sum(tl.where(rs == first_bad, theirs, 0), axis=0)
                 if (dtype < dtype_lo) | (dtype > dtype_hi):
-                    _fail(status, E_FIELD, p, dtype, 0, 0, 0)
+                    fail(status, E_FIELD, p, dtype, 0, 0, 0)
                     go = tl.full((), 0, tl.int32)
                 elif (their_k < 0) | (their_k > Kmax):
-                    _fail(status, E_FIELD, p, their_k, 1, 0, 0)
+                    fail(status, E_FIELD, p, their_k, 1, 0, 0)
                     go = tl.full((), 0, tl.int32)
                 elif (dtype != code) | (their_k != K):
-                    _fail(status, E_FORMAT, p, dtype, their_k, 0, 0)
+                    fail(status, E_FORMAT, p, dtype, their_k, 0, 0)
                     go = tl.full((), 0, tl.int32)
                 elif first_bad < RB:
-                    _fail(status, E_FIELD, p, bad_count, 0, 1, 0)
+                    fail(status, E_FIELD, p, bad_count, 0, 1, 0)
                     go = tl.full((), 0, tl.int32)
                 else:
-                    count = tl.load(int64_ptr(_address(table, p, COUNTS)) + 1 + me)
+                    count = tl.load(int64_ptr(_address(table, p, COUNTS)) + C_COUNTS + me)
             tl.store(counts + p, count)
             tl.store(prefix + p, total)
             total += count
@@ -269,7 +276,7 @@ def bsp_verify_kernel(
         if go != 0:
             tl.store(prefix + R, total)
             if (worst > 0) & (total > worst):
-                _fail(status, E_WORST, -1, total, worst, 0, 0)
+                fail(status, E_WORST, -1, total, worst, 0, 0)
 
 
 @triton.jit
@@ -293,9 +300,9 @@ def bsp_reorder_kernel(
         rows = a + ii
         slot = (src * T + ii).to(tl.int64)
         stage_x = (_address(table, me, STAGE_X) + src * T * row_bytes).to(tl.pointer_type(WORD))
-        _copy_words(stage_x, recv_x, ii.to(tl.int64), rows, ok, W, WB)
+        copy_words(stage_x, recv_x, ii.to(tl.int64), rows, ok, W, WB)
         stage_s = _address(table, me, STAGE_SCALES).to(tl.pointer_type(tl.int32))
-        _copy_words(stage_s, recv_scales, slot, rows, ok, S, WB)
+        copy_words(stage_s, recv_scales, slot, rows, ok, S, WB)
         tokens = tl.load(int64_ptr(_address(table, me, STAGE_TOKENS)) + slot, mask=ok, other=0)
         tl.store(src_token + rows, tokens, mask=ok)
         tl.store(src_rank + rows, tl.zeros((IB,), tl.int64) + src, mask=ok)
@@ -312,6 +319,6 @@ def bsp_reorder_kernel(
             tl.store(recv_w + rows[:, None] * K + ks[None, :], w, mask=both)
             bad_local = tl.sum(tl.sum((both & ((idx < -1) | (idx >= L))).to(tl.int32), axis=1), axis=0)
         if tl.sum((ok & ((tokens < 0) | (tokens >= T))).to(tl.int32), axis=0) > 0:
-            _fail(status, E_TOKENS, -1, T, 0, 0, 0)
+            fail(status, E_TOKENS, -1, T, 0, 0, 0)
         elif bad_local > 0:
-            _fail(status, E_LOCAL, -1, L, 0, 0, 0)
+            fail(status, E_LOCAL, -1, L, 0, 0, 0)

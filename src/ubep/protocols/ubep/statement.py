@@ -27,12 +27,11 @@ from __future__ import annotations
 
 from collections.abc import Collection
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from ubep import fp8, schedule, topology
+from ubep import schedule, topology
 from ubep.calls import CallId
 from ubep.engine import Engine
 from ubep.engine.base import BlockIndexError
@@ -40,64 +39,11 @@ from ubep.errors import PeerDataError
 from ubep.faults import NO_FAULTS, FaultPoints
 from ubep.layout import prefix_offsets
 from ubep.protocols import halves
-from ubep.protocols.base import (
-    CODE_DTYPES,
-    CODE_RANGE,
-    DTYPE_CODES,
-    BackBlocks,
-    Received,
-    SendPlan,
-    Sizing,
-    publish_back,
-    reduce_home,
-    rows,
-    spread,
-)
+from ubep.protocols.base import CODE_DTYPES, DTYPE_CODES, Received, SendPlan, Sizing, rows, spread
+from ubep.protocols.normal.combine import publish_back, reduce_home
+from ubep.protocols.ubep.blocks import UbepBlocks
 from ubep.results import DispatchHandle, RecvRoute
-from ubep.transport.base import Field, Header, Region, Transport
-
-
-@dataclass(frozen=True, slots=True)
-class UbepBlocks:
-    """The memory the protocol declares (each rank holds all of it, double-buffered)."""
-
-    route: Header
-    data: Header
-    topk: Region  # int64 [T, max_topk]: own routing, global expert ids
-    weights: Region  # float32 [T, max_topk]
-    lists: Region  # int64 [R, T]: tokens for each destination, ascending
-    x: Region  # uint8 [T, row bytes]: own tokens (FP8: their values)
-    scales: Region  # float32 [T, H // 128]: FP8 scales of own tokens
-    back: BackBlocks  # combine: output rows, published once
-
-    @classmethod
-    def of(cls, s: Sizing) -> UbepBlocks:
-        R, T, K, B = s.num_ranks, s.capacity, s.max_topk, s.row_bytes
-        codes = CODE_RANGE
-        return cls(
-            route=Header(
-                "ubep.route",
-                (
-                    Field("num_tokens", hi=T, says="announced {value} tokens, capacity is {hi}"),
-                    Field("dtype", lo=codes[0], hi=codes[1]),
-                    Field("topk", hi=K),
-                    Field("counts", length=R, hi=T, says="announced {value} tokens, capacity is {hi}"),
-                ),
-                phase="dispatch",
-            ),
-            data=Header("ubep.data"),
-            topk=Region("ubep.topk", (T, K), torch.int64, double=True),
-            weights=Region("ubep.weights", (T, K), torch.float32, double=True),
-            lists=Region("ubep.lists", (R, T), torch.int64, double=True),
-            x=Region("ubep.x", (T, B), torch.uint8, double=True),
-            scales=Region("ubep.scales", (T, s.hidden // fp8.BLOCK), torch.float32, double=True),
-            back=BackBlocks.of("ubep", s, double=True),
-        )
-
-    def all(self) -> tuple[Region | Header, ...]:
-        b = self.back
-        own = (self.route, self.data, self.topk, self.weights, self.lists, self.x, self.scales)
-        return (*own, b.back, b.y, b.y_weights)
+from ubep.transport.base import Transport
 
 
 class UbepExchange(halves.OnHalves):
@@ -125,11 +71,11 @@ class UbepExchange(halves.OnHalves):
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="ubep-move") if workers > 1 else None
         self._compiled = None  # each call half one compiled function, where the engine and memory allow
         if engine.name == "numba" and workers == 1 and hasattr(transport, "address_table"):
-            from ubep.protocols.ubep_compiled import UbepCompiled  # imports numba: only on its engine
+            from ubep.protocols.ubep.numba_driver import UbepCompiled  # imports numba: only on its engine
 
             self._compiled = UbepCompiled(transport, self.blocks, sizing, faults, self._local_of_E)
         elif engine.name == "triton" and workers == 1 and hasattr(transport, "address_table"):
-            from ubep.protocols.ubep_device import UbepDevice  # imports triton: only on its engine
+            from ubep.protocols.ubep.triton_driver import UbepDevice  # imports triton: only on its engine
 
             self._compiled = UbepDevice(
                 transport, self.blocks, sizing, faults, self._local_of_E, engine, capturable

@@ -40,7 +40,6 @@ on itself; it raises instead.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
@@ -48,9 +47,10 @@ from ubep.calls import CallId
 from ubep.engine import Engine
 from ubep.errors import PeerDataError
 from ubep.faults import NO_FAULTS, FaultPoints
-from ubep.protocols import ll_status
-from ubep.protocols.base import CODE_RANGE, Sizing
-from ubep.protocols.ll_base import (
+from ubep.protocols.base import Sizing
+from ubep.protocols.ll import status as ll_status
+from ubep.protocols.ll.blocks import COMBINE, CONSUMED, DISPATCH, KINDS, SKIPPED, LLBlocks
+from ubep.protocols.ll.plans import (
     AFTER_DATA,
     IN_WORD,
     LLCombinePlan,
@@ -63,60 +63,8 @@ from ubep.protocols.ll_base import (
     slot_positions,
 )
 from ubep.results import LowLatencyHandle
-from ubep.transport.base import Field, Header, Region, Transport
+from ubep.transport.base import Header, Region, Transport
 from ubep.waiting import rejected_input
-
-# `done[kind, half, word]`: CONSUMED, the last call of that kind whose receive half
-# finished (or that this rank rejected) on that half; SKIPPED, a rejected call whose
-# half was still held by an older call, released when that older call is consumed.
-DISPATCH, COMBINE = 0, 1
-CONSUMED, SKIPPED = 0, 1
-KINDS = {"dispatch": DISPATCH, "combine": COMBINE}
-
-
-@dataclass(frozen=True, slots=True)
-class LLBlocks:
-    """The memory low-latency mode declares (double-buffered slots, headers stamped per writer)."""
-
-    sent: Header  # inbox, dispatch: per source, its per-expert counts, dtype, T and row width
-    slots: Region  # uint8 [R, L, T, row bytes]: rows from each source, per local expert
-    slot_info: Region  # int64 [R, L, T]: token * max_topk + k of each row
-    returned: Header  # inbox, combine: per expert rank, dtype and row count
-    back_slots: Region  # uint8 [R, T * min(max_topk, L), row bytes]: each expert rank's returned rows
-    done: Region  # int64 [2, 2, 2]: see CONSUMED / SKIPPED
-    rejected: Region  # int64 [2]: per kind, the last call this rank rejected
-
-    @classmethod
-    def of(cls, s: Sizing, in_word: bool = False) -> LLBlocks:
-        """The blocks for this sizing; `in_word`: slot rows hold every 4 bytes as an 8-byte word
-        (payload and epoch), twice the bytes."""
-        R, T, K, L, B = s.num_ranks, s.capacity, s.max_topk, s.placement.num_local_experts, s.row_bytes
-        S = 2 * B if in_word else B  # bytes of a slot row
-        dtype = Field("dtype", lo=CODE_RANGE[0], hi=CODE_RANGE[1])
-        return cls(
-            sent=Header(
-                "ll.sent",
-                (dtype, Field("T", hi=T), Field("width", hi=B), Field("counts", length=L, hi=T)),
-                inbox=True,
-            ),
-            slots=Region("ll.slots", (R, L, T, S), torch.uint8, double=True),
-            slot_info=Region("ll.slot_info", (R, L, T), torch.int64, double=True),
-            returned=Header("ll.returned", (dtype, Field("count", hi=T * K)), inbox=True),
-            back_slots=Region("ll.back_slots", (R, per_writer(s), S), torch.uint8, double=True),
-            done=Region("ll.done", (2, 2, 2), torch.int64),
-            rejected=Region("ll.rejected", (2,), torch.int64),
-        )
-
-    def all(self) -> tuple[Region | Header, ...]:
-        return (
-            self.sent,
-            self.slots,
-            self.slot_info,
-            self.returned,
-            self.back_slots,
-            self.done,
-            self.rejected,
-        )
 
 
 class LLExchange:
@@ -147,11 +95,11 @@ class LLExchange:
                 "(engine 'triton' on a heap: transport 'shm', 'virtual' or 'cuda')"
             )
         if engine.name == "numba" and hasattr(transport, "address_table"):
-            from ubep.protocols.ll_compiled import LLCompiled  # imports numba: only on its engine
+            from ubep.protocols.ll.numba_driver import LLCompiled  # imports numba: only on its engine
 
             self._compiled = LLCompiled(transport, self.blocks, sizing, self._consumed, faults)
         elif self.on_device:
-            from ubep.protocols.ll_device import LLDevice  # imports triton: only on its engine
+            from ubep.protocols.ll.triton_driver import LLDevice  # imports triton: only on its engine
 
             self._compiled = LLDevice(
                 transport, self.blocks, sizing, self._consumed, engine, capturable, flag=flag

@@ -1,18 +1,18 @@
-"""The BSP baseline on Triton kernels: the same barriers, count round and staging copy as
-`ubep.protocols.bsp` (the statement in torch), each phase and each barrier one launch over the heap's
-address table (`ubep.engine.bsp_triton`).
+"""The BSP baseline on Triton kernels: the same barriers, count round and staging copy as the
+statement in torch (`ubep.protocols.bsp.statement`), each phase and each barrier one launch over the
+heap's address table (`ubep.protocols.bsp.triton_halves`).
 
     dispatch: counts -> barrier -> send (push into staging slots) -> barrier
               -> verify (flags, formats, counts, prefix) -> barrier
               -> [recv size: num_worst_tokens, the handle's, or ONE count read on the host] -> reorder
-    combine:  barrier -> send back -> barrier -> reduce   (UBEP's Triton halves)
+    combine:  barrier -> send back -> barrier -> reduce   (normal mode's: `ubep.protocols.normal`)
 
 A barrier is a kernel: this rank raises its word (`BspBlocks.barrier`, in device
 memory) to a target derived from the call (seq * BARRIERS_PER_CALL + step, as the
 host's barriers), then waits, bounded, for every live peer's word. Every phase
 of a call shares one status word, and a phase finds a failed or timed-out one
 before it and does nothing. Waiting, relaunching, `capturable` and `check()` are
-`UbepDevice`'s. Unlike the UBEP halves, a Triton rank and a numba rank cannot
+`NormalDevice`'s. Unlike the UBEP halves, a Triton rank and a numba rank cannot
 share a BSP call: their barrier words differ (the numba phases use the host's).
 
 Legend: see `ubep.layout`.
@@ -23,19 +23,17 @@ from __future__ import annotations
 import torch
 
 from ubep.calls import CallId
-from ubep.engine import bsp_triton as k
 from ubep.faults import FaultPoints
-from ubep.protocols import bsp_status
 from ubep.protocols.base import CODE_RANGE, DTYPE_CODES, Received, SendPlan, Sizing
+from ubep.protocols.bsp import status as bsp_status
+from ubep.protocols.bsp import triton_halves as k
 from ubep.protocols.device_halves import TL_WORDS, cdiv, pow2
-from ubep.protocols.ubep_device import ROWS_PER_PROGRAM, TOKENS_PER_PROGRAM, UbepDevice
+from ubep.protocols.normal.triton_driver import ROWS_PER_PROGRAM, TOKENS_PER_PROGRAM, NormalDevice
 from ubep.results import DispatchHandle, RecvRoute
 from ubep.transport.heap import BARRIERS_PER_CALL
 
-BACK_BLOCKS = 10  # the blocks up to the back blocks sit where UBEP's table has them
 
-
-class BspDevice(UbepDevice):
+class BspDevice(NormalDevice):
     """Barrier-separated dispatch/combine on a heap with an address table, each phase one Triton kernel."""
 
     REDUCE_PHASE = "combine (reduce)"
@@ -52,13 +50,10 @@ class BspDevice(UbepDevice):
         max_spins: int | None = None,
     ):
         super().__init__(heap, blocks, sizing, faults, local_of_RE[heap.rank], engine, capturable, max_spins)
-        self.bsp_table, self.table = self.table, self.table[:, :BACK_BLOCKS].contiguous()  # UBEP's combine
         self.local_of_RE = local_of_RE.to(torch.int64).to(self.device)  # int64 [R, E]: each rank's local ids
         self._pending = self._zeros(self.R)  # sources whose staging flag is missing (E_MISSING)
 
-    def _error(self, call: CallId, phase: str, code: int, words, mine: tuple) -> Exception:
-        if call.kind == "combine":  # UBEP's halves
-            return super()._error(call, phase, code, words, mine)
+    def dispatch_error(self, call: CallId, phase: str, code: int, words, mine: tuple) -> Exception:
         return bsp_status.error(self.t, self.blocks, call, code, words, self._pending.cpu().numpy(), *mine)
 
     def _barrier(self, call: CallId, phase: str, step: int, status: torch.Tensor, mine: tuple) -> None:
@@ -68,7 +63,7 @@ class BspDevice(UbepDevice):
             targets = self._calls[0:1] * BARRIERS_PER_CALL + step
         else:
             targets = torch.tensor([call.seq * BARRIERS_PER_CALL + step], dtype=torch.int64).to(self.device)
-        args = (self.bsp_table, self._live(), self.me, targets, self.R, status, self.max_spins)
+        args = (self.table, self._live(), self.me, targets, self.R, status, self.max_spins)
         self._half(call, phase, k.bsp_barrier_kernel, (1,), args, {}, mine, rings=True)
 
     # -- dispatch ---------------------------------------------------------------------------------
@@ -86,7 +81,7 @@ class BspDevice(UbepDevice):
         forced = self.faults.count("dispatch.count", call, -1) if self.faults.armed else -1  # a corrupt count
         topk, in_rank = self._zeros(N, 0) if cached else plan.topk_idx_NK, plan.is_token_in_rank_NR
         args = (
-            self.bsp_table, self.me, epochs, counts, R, topk, N, K, in_rank.view(torch.uint8), self.owner_E,
+            self.table, self.me, epochs, counts, R, topk, N, K, in_rank.view(torch.uint8), self.owner_E,
             s.placement.num_experts, forced, status,
         )  # fmt: skip
         consts = dict(NB=TOKENS_PER_PROGRAM, KB=pow2(K, 2), RB=pow2(R, 2), ROUTED=routed)
@@ -103,7 +98,7 @@ class BspDevice(UbepDevice):
         blocks = max(cdiv(N, TOKENS_PER_PROGRAM), 1)
         self.engine.launch(
             k.bsp_send_kernel, (R, blocks),
-            self.bsp_table, self._live(), self.me, epochs, rows_NB.view(dtype), rows_NB.shape[1] // size,
+            self.table, self._live(), self.me, epochs, rows_NB.view(dtype), rows_NB.shape[1] // size,
             rows_NB.shape[1], scales, scales.shape[1], topk, weights, N, K,
             in_rank.view(torch.uint8), R, self.local_of_RE, s.placement.num_experts, code,
             s.max_topk, s.capacity, s.row_bytes, self._zeros(R), blocks, status,
@@ -126,7 +121,7 @@ class BspDevice(UbepDevice):
         K = 0 if cached else plan.topk_idx_NK.shape[1]
         mine, counts_R, prefix_R1 = (x_NH.dtype, K), self._zeros(R), self._zeros(R + 1)
         args = (
-            self.bsp_table, self._live(), self.me, epochs, R, code, K, s.max_topk, s.capacity, *CODE_RANGE,
+            self.table, self._live(), self.me, epochs, R, code, K, s.max_topk, s.capacity, *CODE_RANGE,
             counts_R, prefix_R1, worst, self._pending, status,
         )  # fmt: skip
         self._once(
@@ -145,7 +140,7 @@ class BspDevice(UbepDevice):
         scales_MS = self._zeros(M, 0, dtype=torch.int32) if recv_scales_MS is None else recv_scales_MS
         blocks = cdiv(s.capacity, ROWS_PER_PROGRAM)
         args = (
-            self.bsp_table, self.me, prefix_R1, R, s.capacity, s.max_topk, s.placement.num_local_experts,
+            self.table, self.me, prefix_R1, R, s.capacity, s.max_topk, s.placement.num_local_experts,
             s.row_bytes, x_MB, x_MB.shape[1], scales_MS.view(torch.int32), scales_MS.shape[1], recv_idx_MK,
             recv_w_MK, K, src_token_M, src_rank_M, status,
         )  # fmt: skip
@@ -158,7 +153,7 @@ class BspDevice(UbepDevice):
     # -- combine ----------------------------------------------------------------------------------
 
     def combine_send(self, call: CallId, x_MH: torch.Tensor, handle: DispatchHandle, topk_weights_MK):
-        """Barrier, send back, barrier; returns the reduce half (UBEP's)."""
+        """Barrier, send back, barrier; returns the reduce half (normal mode's)."""
         epochs, status = self._epoch(call), self._zeros(8)
         K = 0 if topk_weights_MK is None else topk_weights_MK.shape[1]
         mine = (x_MH.dtype, K, handle.seq)

@@ -1,6 +1,7 @@
-"""BSP phases' status words turned into the exceptions of `ubep.protocols.bsp`'s torch statement.
+"""BSP dispatch phases' status words turned into the exceptions of the torch statement
+(`ubep.protocols.bsp.statement`).
 
-The compiled phases (numba: `ubep.engine.bsp_halves`; Triton: `ubep.engine.bsp_triton`) end with a
+The compiled phases (numba: `ubep.protocols.bsp.numba_halves`; Triton: `triton_halves`) end with a
 code and, on an error, status[1:5]; both raise through here, so that every engine reports a bad peer
 in the same words. This module imports neither numba nor triton.
 """
@@ -10,19 +11,13 @@ from __future__ import annotations
 import numpy as np
 
 from ubep.calls import CallId
-from ubep.engine import bsp_codes as k
 from ubep.errors import PeerDataError
 from ubep.protocols.base import CODE_DTYPES, more_than_worst
+from ubep.protocols.bsp import codes as k
+from ubep.protocols.normal.status import OWN_INPUT
 from ubep.transport.base import Transport
 from ubep.transport.heap import complaint
-from ubep.validate import bad_expert, repeated_in_row
 from ubep.waiting import rejected_input
-
-# This rank's own topk_idx, checked in the Triton counts phase: the host's exceptions, from (a, b, c).
-OWN_INPUT = {
-    k.E_OWN_EXPERT: lambda value, num_experts, row: bad_expert(num_experts, value),
-    k.E_OWN_REPEATED: lambda expert, _, row: repeated_in_row(row, expert),
-}
 
 
 def error(

@@ -1,6 +1,7 @@
-"""UBEP call halves' status words turned into the exceptions of `ubep.protocols.ubep`'s torch statement.
+"""UBEP dispatch halves' status words turned into the exceptions of the torch statement
+(`ubep.protocols.ubep.statement`).
 
-The compiled halves (numba: `ubep.engine.ubep_halves`; Triton: `ubep.engine.ubep_triton`) end with a
+The compiled halves (numba: `ubep.protocols.ubep.numba_halves`; Triton: `triton_halves`) end with a
 code and, on an error, status[1:6] = (peer, what it sent, ..., expected); both raise through here so
 that every engine reports a bad peer in the same words. This module imports neither numba nor triton.
 """
@@ -10,27 +11,21 @@ from __future__ import annotations
 import numpy as np
 
 from ubep.calls import CallId
-from ubep.engine import ubep_codes as k
 from ubep.errors import PeerDataError
 from ubep.protocols.base import CODE_DTYPES, more_than_worst
+from ubep.protocols.normal.status import OWN_INPUT
+from ubep.protocols.ubep import codes as k
 from ubep.transport.base import Transport
 from ubep.transport.heap import complaint
-from ubep.validate import bad_expert, repeated_in_row
 from ubep.waiting import rejected_input
-
-# This rank's own topk_idx, checked in the Triton send half: the host's exceptions, from (a, b, c).
-OWN_INPUT = {
-    k.E_OWN_EXPERT: lambda value, num_experts, row: bad_expert(num_experts, value),
-    k.E_OWN_REPEATED: lambda expert, _, row: repeated_in_row(row, expert),
-}
 
 
 def error(
     t: Transport, blocks, call: CallId, code: int, status: np.ndarray, dtype, K: int, seq: int
 ) -> Exception:
-    """The exception for a half's error status; (dtype, K, seq) are this rank's call's payload dtype,
-    top-k and dispatch seq, for the message."""
-    peer, a, b, c, d = (int(v) for v in status[1:6])
+    """The exception for a dispatch half's error status; (dtype, K, seq) are this rank's call's payload
+    dtype, top-k and dispatch seq, for the message."""
+    peer, a, b, c, _ = (int(v) for v in status[1:6])
     if code in OWN_INPUT:
         return OWN_INPUT[code](a, b, c)
     if code == k.E_REJECTED:
@@ -40,8 +35,7 @@ def error(
     if code == k.E_WORST:
         return more_than_worst(a, b)
     if code == k.E_FIELD:
-        header = blocks.route if call.kind == "dispatch" else blocks.back.back
-        return t.bad_data(call, peer, complaint(header, header.fields[b], peer, a))
+        return t.bad_data(call, peer, complaint(blocks.route, blocks.route.fields[b], peer, a))
     messages = {
         k.E_DTYPE: f"dispatch: rank {peer} sent {CODE_DTYPES.get(a)}, this rank {dtype}",
         k.E_LIST: f"dispatch: rank {peer} listed tokens outside [0, {a})",
@@ -51,9 +45,5 @@ def error(
         k.E_COUNT: f"dispatch: rank {peer} sends {a} rows here, this rank's handle expects {b} "
         "(all ranks must pass handles of the same dispatch)",
         k.E_SHORT: f"dispatch: rank {peer} sent {a} tokens, fewer than routed here",
-        k.E_OTHER_CALL: f"combine: rank {peer} combines the rows of call #{a}, this rank those of #{seq} "
-        "(all ranks must pass the handle of the same dispatch)",
-        k.E_ROWS: f"combine: rank {peer} returned {a} rows of {CODE_DTYPES.get(b)} (top-k {c}), "
-        f"expected {d} of {dtype} (top-k {K})",
     }
     return t.bad_data(call, peer, messages[code])

@@ -2,14 +2,14 @@
 
     protocol (ll: slots, reuse words, status words) -> [these halves] -> memory (address table)
 
-The statement in torch is `ubep.protocols.ll` (its docstring has the reuse
+The statement in torch is `ubep.protocols.ll.statement` (its docstring has the reuse
 argument); these halves keep its memory layout word for word. The table
-(int64 [R, 7, 2]) holds the address of every block of `LLBlocks.all()` in every
+(int64 [R, 7, 2]) holds the address of every block of `LLBlocks.table()` in every
 rank's memory for both halves; headers are inbox records (the owner's memory
 holds one per writer: writer p's record at row p), stamp first, then the fields
 (sent: dtype, T, width, counts[L]; returned: dtype, count).
 
-Waiting is `ubep.engine.ubep_halves`'s: spin, yield, arm the ASLEEP word, then
+Waiting is `ubep.protocols.ubep.numba_halves`'s: spin, yield, arm the ASLEEP word, then
 return WAITING for Python to sleep on the doorbell and enter again; `state`
 keeps the progress between entries. A peer whose stamp is missing while its
 `rejected` word for this kind has reached the call's epoch rejected the call
@@ -20,14 +20,42 @@ ll_dispatch_send writes the row into rank 1's slot [0, 0, 0] with info 1 * Kmax 
 then stamps its record in rank 1's `sent` inbox, counts [1]; ll_dispatch_recv on
 rank 1 places it at recv_x[0, 0] with recv_src_token 1, recv_src_rank 0, recv_src_k 0.
 
-Legend: see `ubep.protocols.ll_base` (L local experts, P pairs, Q rows sent back).
+Legend: see `ubep.protocols.ll.plans` (L local experts, P pairs, Q rows sent back).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from ubep.engine.ll_codes import (
+from ubep.engine.numba_kernels import CHUNK, _elements_at, _jit, _move, store, widen
+from ubep.engine.numba_sync import (
+    back_off,
+    load_acquire,
+    masked_by,
+    store_relaxed,
+    store_release,
+    wake_if_asleep,
+    wake_sleepers,
+)
+from ubep.protocols.ll.blocks import (
+    BACK_SLOTS,
+    CONSUMED,
+    DONE_WORDS,
+    R_COUNT,
+    R_DTYPE,
+    REJECTED,
+    RETURNED,
+    RETURNED_FIELDS,
+    S_COUNTS,
+    S_DTYPE,
+    S_T,
+    S_WIDTH,
+    SENT,
+    SKIPPED,
+    SLOT_INFO,
+    SLOTS,
+)
+from ubep.protocols.ll.codes import (
     DONE,
     E_COUNTS,
     E_FIELD,
@@ -39,26 +67,11 @@ from ubep.engine.ll_codes import (
     E_TOKENS,
     WAITING,
 )
-from ubep.engine.numba_kernels import _elements_at, _jit, _move, store, widen
-from ubep.engine.numba_sync import (
-    back_off,
-    load_acquire,
-    masked_by,
-    store_relaxed,
-    store_release,
-    wake_if_asleep,
-    wake_sleepers,
-)
-from ubep.engine.ubep_halves import CHUNK
-
-SENT, SLOTS, SLOT_INFO, RETURNED, BACK_SLOTS, DONE_WORDS, REJECTED = range(7)  # `LLBlocks.all()` order
-S_DTYPE, S_T, S_WIDTH, S_COUNTS = 1, 2, 3, 4  # sent record words (stamp at 0)
-R_DTYPE, R_COUNT = 1, 2  # returned record words
-CONSUMED, SKIPPED = 0, 1  # done words, per (kind, half): see `ubep.protocols.ll`
 
 MASKED = -1  # a send half found, after a block, that the peers masked this rank: it put no more
 
 _I64 = np.empty(0, dtype=np.int64)
+R_WORDS = 1 + len(RETURNED_FIELDS)  # a writer's row of the `returned` inbox: stamp, dtype, count
 
 
 @_jit
@@ -288,9 +301,9 @@ def ll_combine_send(
                 x.ctypes.data + (local_Q[q] * M + row_Q[q]) * b,
                 b,
             )
-        record = _elements_at(_I64, table[home, RETURNED, half] + me * 3 * 8, 3)
+        record = _elements_at(_I64, table[home, RETURNED, half] + me * R_WORDS * 8, R_WORDS)
         record[R_DTYPE], record[R_COUNT] = code, counts_R[home]
-        store_release(table[home, RETURNED, half] + me * 3 * 8, epoch)  # the rows above are visible
+        store_release(table[home, RETURNED, half] + me * R_WORDS * 8, epoch)  # the rows above are visible
         if home != me:
             woken += wake_if_asleep(asleep, home, wake)
         if masked_by(members, live, me, generation) >= 0:
@@ -344,7 +357,7 @@ def ll_combine_recv(
         r = state[0]
         if expected_R[r] > 0:
             code_now = _landed(
-                table, asleep, me, 1, half, epoch, RETURNED, 3, r, pending, spins, yields, status
+                table, asleep, me, 1, half, epoch, RETURNED, R_WORDS, r, pending, spins, yields, status
             )
             if code_now != DONE:
                 return code_now
@@ -352,7 +365,7 @@ def ll_combine_recv(
     for r in range(R):
         if expected_R[r] == 0:
             continue
-        record = _elements_at(_I64, table[me, RETURNED, half] + r * 3 * 8, 3)
+        record = _elements_at(_I64, table[me, RETURNED, half] + r * R_WORDS * 8, R_WORDS)
         if not dtype_lo <= record[R_DTYPE] <= dtype_hi:
             return _fail(status, E_FIELD, r, record[R_DTYPE], 0, 0)
         if not 0 <= record[R_COUNT] <= count_hi:

@@ -12,7 +12,7 @@ import torch
 
 from ubep.calls import CallId
 from ubep.engine import Engine
-from ubep.protocols.ll_base import (
+from ubep.protocols.ll.plans import (
     LLCombinePlan,
     LLDispatchOut,
     LLDispatchPlan,

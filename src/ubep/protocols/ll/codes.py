@@ -1,5 +1,5 @@
 """The status codes a low-latency call half returns: the numba halves, the Triton kernels and the
-host that turns them into exceptions (`ubep.protocols.ll_status`) share them. Free of numba and
+host that turns them into exceptions (`ubep.protocols.ll.status`) share them. Free of numba and
 Triton, so every side can import them."""
 
 DONE, WAITING = 0, 1
@@ -17,3 +17,4 @@ E_REPEATED = 11  # dispatch: a topk_idx row lists an expert twice: (this rank, t
 E_UNRECEIVED = 12  # combine: the handle's dispatch was not received yet
 E_OTHER_TOPK = 13  # combine: topk_idx differs from the dispatch's: (this rank, 0, 0, the first row)
 E_TOO_MANY = 14  # combine: a home's dispatch sent more rows than its tokens can select: (home, rows, most)
+WAITING_WORD = 5  # the Triton halves' status[5]: 1 + the peer still awaited (0: none)

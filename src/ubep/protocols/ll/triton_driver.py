@@ -1,5 +1,6 @@
 """Low-latency mode on Triton call halves: each send and receive half one kernel launch over the
-heap's address table (`ubep.engine.ll_triton`), its status turned into `ubep.protocols.ll`'s exceptions.
+heap's address table (`ubep.protocols.ll.triton_halves`), its status turned into the torch
+statement's exceptions.
 
     dispatch_send: one launch, (R, L) programs: reuse waits, puts, counts, stamps
                    -> receive half: one launch, (L, R) programs: waits, checks, placement
@@ -31,7 +32,7 @@ bad one raises the host's exception after the launch (or at `check()`).
 `LLExchange` keeps the reuse words' Python side (`abort`, `resume`) and delegates here
 for engine="triton" on a heap with an address table.
 
-Legend: see `ubep.protocols.ll_base`.
+Legend: see `ubep.protocols.ll.plans`.
 """
 
 from __future__ import annotations
@@ -41,13 +42,12 @@ from collections.abc import Callable
 import torch
 
 from ubep.calls import CallId
-from ubep.engine import ll_triton as k
-from ubep.protocols import ll_status
 from ubep.protocols.base import CODE_DTYPES, CODE_RANGE, DTYPE_CODES, Sizing
 from ubep.protocols.device_halves import TL_WORDS, WORDS, DeviceHalves, pow2
-from ubep.protocols.ll_base import FLAGS, IN_WORD, LLCombinePlan, LLDispatchOut, LLDispatchPlan, per_writer
-
-DISPATCH, COMBINE = 0, 1
+from ubep.protocols.ll import status as ll_status
+from ubep.protocols.ll import triton_halves as k
+from ubep.protocols.ll.blocks import COMBINE, DISPATCH
+from ubep.protocols.ll.plans import FLAGS, IN_WORD, LLCombinePlan, LLDispatchOut, LLDispatchPlan, per_writer
 
 
 class LLDevice(DeviceHalves):

@@ -1,9 +1,9 @@
 """The BSP baseline on compiled phases: the same barriers, count round and staging copy as
-`ubep.protocols.bsp` (the statement in torch), each phase one compiled function.
+`ubep.protocols.bsp.statement` (the statement in torch), each phase one compiled function.
 
     dispatch: counts -> barrier -> send (push into staging slots) -> barrier
               -> verify (flags, formats, counts) -> barrier -> reorder (staging -> recv_x)
-    combine:  barrier -> send back -> barrier -> reduce   (UBEP's compiled halves)
+    combine:  barrier -> send back -> barrier -> reduce   (normal mode's: `ubep.protocols.normal`)
 
 Legend: see `ubep.layout`.
 """
@@ -14,21 +14,22 @@ import numpy as np
 import torch
 
 from ubep.calls import CallId
-from ubep.engine import bsp_halves as k
 from ubep.faults import FaultPoints
 from ubep.layout import prefix_offsets
-from ubep.protocols import bsp_status, halves
+from ubep.protocols import halves
 from ubep.protocols.base import CODE_RANGE, DTYPE_CODES, Received, SendPlan, Sizing
-from ubep.protocols.ubep_compiled import _NO_F32, _NO_I64, UbepCompiled
+from ubep.protocols.bsp import numba_halves as k
+from ubep.protocols.bsp import status as bsp_status
+from ubep.protocols.normal.numba_driver import NO_F32, NO_I64, NormalCompiled
 from ubep.results import DispatchHandle, RecvRoute
 from ubep.transport.heap import Heap
 
 
-class BspCompiled(UbepCompiled):
+class BspCompiled(NormalCompiled):
     """Barrier-separated dispatch/combine on a heap, each phase one compiled function."""
 
     def __init__(self, heap: Heap, blocks, sizing: Sizing, faults: FaultPoints, local_of_RE: torch.Tensor):
-        super().__init__(heap, blocks, sizing, faults, local_of_RE[heap.rank])
+        super().__init__(heap, blocks, sizing, faults)
         self.local_of_RE = local_of_RE.numpy()  # int64 [R, E]: each rank's local id of each expert
 
     def _barrier(self, call: CallId, phase: str) -> None:
@@ -56,7 +57,7 @@ class BspCompiled(UbepCompiled):
         routing = None if cached else (plan.topk_idx_NK.numpy(), plan.topk_weights_NK.numpy())
         woken = k.bsp_send(
             self.table, self.asleep, me, epoch, t.live_R, x_NH.view(torch.uint8).numpy(),
-            _NO_F32 if plan.scales_NS is None else plan.scales_NS.numpy(), *(routing or (_NO_I64, _NO_F32)),
+            NO_F32 if plan.scales_NS is None else plan.scales_NS.numpy(), *(routing or (NO_I64, NO_F32)),
             plan.is_token_in_rank_NR.view(torch.uint8).numpy(), self.local_of_RE, DTYPE_CODES[x_NH.dtype],
             s.max_topk, s.capacity, s.row_bytes, self.wake, self.members, t.generation,
         )  # fmt: skip
@@ -83,7 +84,7 @@ class BspCompiled(UbepCompiled):
         src_token = torch.empty(M, dtype=torch.int64)
         code = k.bsp_reorder(
             self.table, me, prefix_R1.numpy(), s.capacity, s.max_topk, s.placement.num_local_experts,
-            s.row_bytes, recv_x_MH.view(torch.uint8).numpy(), _NO_F32 if scales is None else scales.numpy(),
+            s.row_bytes, recv_x_MH.view(torch.uint8).numpy(), NO_F32 if scales is None else scales.numpy(),
             recv_idx.numpy(), recv_w.numpy(), src_token.numpy(), status,
         )  # fmt: skip
         if code != k.DONE:

@@ -2,7 +2,7 @@
 
     protocol (ll: slots, reuse words, status words) -> [these kernels] -> memory (address table)
 
-The same halves as `ubep.engine.ll_halves` (numba), over the same memory,
+The same halves as `ubep.protocols.ll.numba_halves` (numba), over the same memory,
 word for word: the table (int64 [R, 7, 2]) holds the address of every block of
 `LLBlocks.all()` in every rank's memory for both halves; headers are inbox
 records, stamp first. On a GPU the addresses are device addresses (the CUDA
@@ -20,7 +20,7 @@ host may launch the half again (it resumes from `state`) or report a timeout.
 
 No host reads: every count, position and check is computed in the kernel
 from device tensors; results and errors go to device words the host reads
-after the call (`ubep.protocols.ll_device`).
+after the call (`ubep.protocols.ll.triton_driver`).
 
 The call's epoch is read from a device word (`epochs`, int64 [1]), not passed
 by value, so that a captured graph's replays are successive calls: the host
@@ -43,7 +43,7 @@ Status words (int64 [8]): [0] DONE or an error code (claimed by the first
 program that fails, which then writes [1:5] = peer, what it sent, ..., expected,
 as `ll_halves`), [5] 1 + a peer some program still waits for (0: none).
 
-Legend: see `ubep.protocols.ll_base` (L local experts, M = R * T rows per expert).
+Legend: see `ubep.protocols.ll.plans` (L local experts, M = R * T rows per expert).
 """
 
 from __future__ import annotations
@@ -54,32 +54,40 @@ import triton.language as tl
 from ubep.engine.triton_kernels import _bf16_bits
 from ubep.engine.triton_route import first_bad_topk
 from ubep.engine.triton_sync import int64_ptr, load_acquire, load_epoch, store_release
+from ubep.protocols.ll import blocks, codes
 
-# Block indices of `LLBlocks.all()`, record words and codes: those of `ubep.engine.ll_halves`.
-BLOCKS: tl.constexpr = tl.constexpr(7)
-SENT: tl.constexpr = tl.constexpr(0)
-SLOTS: tl.constexpr = tl.constexpr(1)
-SLOT_INFO: tl.constexpr = tl.constexpr(2)
-RETURNED: tl.constexpr = tl.constexpr(3)
-BACK_SLOTS: tl.constexpr = tl.constexpr(4)
-DONE_WORDS: tl.constexpr = tl.constexpr(5)
-REJECTED: tl.constexpr = tl.constexpr(6)
-S_COUNTS: tl.constexpr = tl.constexpr(4)  # sent record: stamp, dtype, T, width, counts[L]
+# The places of `ubep.protocols.ll.blocks` and the codes of `ubep.protocols.ll.codes`, as Triton constants.
+BLOCKS: tl.constexpr = tl.constexpr(len(blocks.TABLE))
+SENT: tl.constexpr = tl.constexpr(blocks.SENT)
+SLOTS: tl.constexpr = tl.constexpr(blocks.SLOTS)
+SLOT_INFO: tl.constexpr = tl.constexpr(blocks.SLOT_INFO)
+RETURNED: tl.constexpr = tl.constexpr(blocks.RETURNED)
+BACK_SLOTS: tl.constexpr = tl.constexpr(blocks.BACK_SLOTS)
+DONE_WORDS: tl.constexpr = tl.constexpr(blocks.DONE_WORDS)
+REJECTED: tl.constexpr = tl.constexpr(blocks.REJECTED)
+CONSUMED: tl.constexpr = tl.constexpr(blocks.CONSUMED)
+S_DTYPE: tl.constexpr = tl.constexpr(blocks.S_DTYPE)  # sent record: stamp, dtype, T, width, counts[L]
+S_T: tl.constexpr = tl.constexpr(blocks.S_T)
+S_WIDTH: tl.constexpr = tl.constexpr(blocks.S_WIDTH)
+S_COUNTS: tl.constexpr = tl.constexpr(blocks.S_COUNTS)
+R_DTYPE: tl.constexpr = tl.constexpr(blocks.R_DTYPE)  # returned record: stamp, dtype, count
+R_COUNT: tl.constexpr = tl.constexpr(blocks.R_COUNT)
+R_WORDS: tl.constexpr = tl.constexpr(1 + len(blocks.RETURNED_FIELDS))
 
-WAITING_WORD: tl.constexpr = tl.constexpr(5)  # status[5]: 1 + the peer still awaited (status[0] 0: DONE)
-E_FIELD: tl.constexpr = tl.constexpr(2)  # the codes of `ubep.engine.ll_codes`
-E_REJECTED: tl.constexpr = tl.constexpr(3)
-E_T: tl.constexpr = tl.constexpr(4)
-E_FORMAT: tl.constexpr = tl.constexpr(5)
-E_COUNTS: tl.constexpr = tl.constexpr(6)
-E_TOKENS: tl.constexpr = tl.constexpr(7)
-E_RETURNED: tl.constexpr = tl.constexpr(8)
-E_MINE: tl.constexpr = tl.constexpr(9)
-E_EXPERT: tl.constexpr = tl.constexpr(10)
-E_REPEATED: tl.constexpr = tl.constexpr(11)
-E_UNRECEIVED: tl.constexpr = tl.constexpr(12)
-E_OTHER_TOPK: tl.constexpr = tl.constexpr(13)
-E_TOO_MANY: tl.constexpr = tl.constexpr(14)
+WAITING_WORD: tl.constexpr = tl.constexpr(codes.WAITING_WORD)  # status[5]: 1 + the peer still awaited
+E_FIELD: tl.constexpr = tl.constexpr(codes.E_FIELD)
+E_REJECTED: tl.constexpr = tl.constexpr(codes.E_REJECTED)
+E_T: tl.constexpr = tl.constexpr(codes.E_T)
+E_FORMAT: tl.constexpr = tl.constexpr(codes.E_FORMAT)
+E_COUNTS: tl.constexpr = tl.constexpr(codes.E_COUNTS)
+E_TOKENS: tl.constexpr = tl.constexpr(codes.E_TOKENS)
+E_RETURNED: tl.constexpr = tl.constexpr(codes.E_RETURNED)
+E_MINE: tl.constexpr = tl.constexpr(codes.E_MINE)
+E_EXPERT: tl.constexpr = tl.constexpr(codes.E_EXPERT)
+E_REPEATED: tl.constexpr = tl.constexpr(codes.E_REPEATED)
+E_UNRECEIVED: tl.constexpr = tl.constexpr(codes.E_UNRECEIVED)
+E_OTHER_TOPK: tl.constexpr = tl.constexpr(codes.E_OTHER_TOPK)
+E_TOO_MANY: tl.constexpr = tl.constexpr(codes.E_TOO_MANY)
 
 
 @triton.jit
@@ -176,14 +184,14 @@ def _wait_reusable(table, status, me, peer, kind, half, epoch, max_spins):
     Returns 1 when it may be written, 0 when the wait ran out, -1 on an error (in status)."""
     before = epoch - 2
     ok = 1
-    if load_acquire(_done_word(table, me, kind, half, 0)) < before:
+    if load_acquire(_done_word(table, me, kind, half, CONSUMED)) < before:
         _fail(status, E_MINE, me, before, 0, 0)
         ok = -1
     else:
-        seen = load_acquire(_done_word(table, peer, kind, half, 0))
+        seen = load_acquire(_done_word(table, peer, kind, half, CONSUMED))
         spins = _spent(status, max_spins)
         while (seen < before) & (spins < max_spins):
-            seen = load_acquire(_done_word(table, peer, kind, half, 0))
+            seen = load_acquire(_done_word(table, peer, kind, half, CONSUMED))
             spins += 1
         if seen < before:
             _awaiting(status, peer)
@@ -221,7 +229,7 @@ def _arrive_and_release(table, me, kind, half, epoch, arrivals, programs):
     arrived = tl.atomic_add(arrivals, 1, sem="acq_rel", scope="gpu")
     if arrived == programs - 1:
         skipped = load_acquire(_done_word(table, me, kind, half, 1))
-        store_release(_done_word(table, me, kind, half, 0), tl.maximum(skipped, epoch))
+        store_release(_done_word(table, me, kind, half, CONSUMED), tl.maximum(skipped, epoch))
 
 
 # -- dispatch -------------------------------------------------------------------------------------
@@ -289,9 +297,9 @@ def ll_dispatch_send_kernel(
         tl.debug_barrier()
         arrived = tl.atomic_add(arrivals + d, 1, sem="acq_rel", scope="sys")
         if arrived == L - 1:  # the last of d's programs: every row for d is ordered before this
-            tl.store(record + 1, code.to(tl.int64))
-            tl.store(record + 2, T.to(tl.int64))
-            tl.store(record + 3, width.to(tl.int64))
+            tl.store(record + S_DTYPE, code.to(tl.int64))
+            tl.store(record + S_T, T.to(tl.int64))
+            tl.store(record + S_WIDTH, width.to(tl.int64))
             tl.debug_barrier()
             store_release(_address(table, d, SENT, half) + me * (S_COUNTS + L) * 8, epoch)
         if IN_WORD:  # each word its own flag: the rows after the stamp, which covers only counts and infos
@@ -325,9 +333,9 @@ def _put_rows(rows, tokens, hit, pos, W, dst, slot_words, epoch, IN_WORD: tl.con
 def _check_sent(record, status, src, L, code, T, Tcap, row_bytes, width, dtype_lo, dtype_hi,
                 LB: tl.constexpr):  # fmt: skip
     """`ll_halves.ll_dispatch_recv`'s checks of a landed record, in its order: 1 good, 0 failed."""
-    dtype = tl.load(record + 1)
-    their_T = tl.load(record + 2)
-    their_width = tl.load(record + 3)
+    dtype = tl.load(record + S_DTYPE)
+    their_T = tl.load(record + S_T)
+    their_width = tl.load(record + S_WIDTH)
     ls = tl.arange(0, LB)
     counts = tl.load(record + S_COUNTS + ls, mask=ls < L, other=0)
     bad = (ls < L) & ((counts < 0) | (counts > Tcap))
@@ -545,11 +553,11 @@ def ll_combine_send_kernel(
         arrived = tl.atomic_add(arrivals + h, 1, sem="acq_rel", scope="sys")
         if arrived == L - 1:  # the last of h's programs: every row for h is ordered before this
             counts = tl.load(layout_range + (ls * R + h) * 2 + 1, mask=ls < L, other=0)
-            record = int64_ptr(_address(table, h, RETURNED, half)) + me * 3
-            tl.store(record + 1, code.to(tl.int64))
-            tl.store(record + 2, tl.sum(counts, axis=0))
+            record = int64_ptr(_address(table, h, RETURNED, half)) + me * R_WORDS
+            tl.store(record + R_DTYPE, code.to(tl.int64))
+            tl.store(record + R_COUNT, tl.sum(counts, axis=0))
             tl.debug_barrier()
-            store_release(_address(table, h, RETURNED, half) + me * 3 * 8, epoch)
+            store_release(_address(table, h, RETURNED, half) + me * R_WORDS * 8, epoch)
         if IN_WORD:  # each word its own flag: the rows after the stamp, which covers only the count
             _return_rows(x, j, M, begin, n, me * per_writer + before, W, back.to(tl.pointer_type(tl.int64)),
                          slot_words, epoch, True, IB, WB)  # fmt: skip
@@ -621,14 +629,14 @@ def ll_combine_recv_kernel(
             e = tl.load(topk + t * K + k)
             if e >= 0:
                 r = tl.load(owner + e)
-                stamp = _address(table, me, RETURNED, half) + r * 3 * 8
+                stamp = _address(table, me, RETURNED, half) + r * R_WORDS * 8
                 landed = _wait_stamp(table, status, me, r, 1, RETURNED, half, stamp, epoch, max_spins)
                 if landed != 1:
                     go = tl.full((), 0, tl.int32)
                     waiting = tl.full((), 1, tl.int32) * (landed == 0)
                 else:
-                    dtype = tl.load(int64_ptr(stamp) + 1)
-                    count = tl.load(int64_ptr(stamp) + 2)
+                    dtype = tl.load(int64_ptr(stamp) + R_DTYPE)
+                    count = tl.load(int64_ptr(stamp) + R_COUNT)
                     want = tl.load(expected + r)
                     if (dtype < dtype_lo) | (dtype > dtype_hi):
                         _fail(status, E_FIELD, r, dtype, 0, 0)

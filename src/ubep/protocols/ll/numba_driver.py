@@ -4,11 +4,11 @@ while it waits), its status turned into the exceptions and words of `ubep.protoc
     dispatch_send: reserve (peers consumed call e - 2) -> puts + stamps -> receive half (the hook)
     combine_send:  reserve -> puts + stamps -> receive half (wait, check, weighted sum)
 
-The halves are `ubep.engine.ll_halves`; `LLExchange` keeps the torch statement,
+The halves are `ubep.protocols.ll.numba_halves`; `LLExchange` keeps the torch statement,
 the reuse words' Python side (`abort`, `resume`) and delegates here where the
 engine and the memory allow.
 
-Legend: see `ubep.protocols.ll_base`.
+Legend: see `ubep.protocols.ll.plans`.
 """
 
 from __future__ import annotations
@@ -19,14 +19,15 @@ import numpy as np
 import torch
 
 from ubep.calls import CallId
-from ubep.engine import ll_halves as k
 from ubep.faults import NO_FAULTS, FaultPoints
-from ubep.protocols import halves, ll_status
+from ubep.protocols import halves
 from ubep.protocols.base import CODE_RANGE, Sizing
-from ubep.protocols.ll_base import LLCombinePlan, LLDispatchOut, LLDispatchPlan, per_writer
+from ubep.protocols.ll import numba_halves as k
+from ubep.protocols.ll import status as ll_status
+from ubep.protocols.ll.blocks import COMBINE, DISPATCH
+from ubep.protocols.ll.plans import LLCombinePlan, LLDispatchOut, LLDispatchPlan, per_writer
 from ubep.transport.heap import Heap
 
-DISPATCH, COMBINE = 0, 1
 _NO_PLANE = np.empty((0, 0, 0), dtype=np.uint8)
 
 
@@ -208,5 +209,5 @@ class LLCompiled(halves.HeapHalves):
             raise
 
     def _error(self, call: CallId, phase: str, code: int, status: np.ndarray, mine: int) -> Exception:
-        """The exception for a half's error status (`ubep.protocols.ll_status`)."""
+        """The exception for a half's error status (`ubep.protocols.ll.status`)."""
         return ll_status.error(self.t, self.blocks, call, phase, code, status, mine)
