@@ -37,8 +37,8 @@ from ubep.errors import PeerDataError
 from ubep.layout import ExpertPlacement
 from ubep.protocols.base import DTYPE_CODES, Sizing
 from ubep.protocols.ll import LLBlocks
-from ubep.protocols.ll_base import FLAGS, IN_WORD, dispatch_outputs
-from ubep.protocols.ll_device import LLDevice
+from ubep.protocols.ll.plans import FLAGS, IN_WORD, dispatch_outputs
+from ubep.protocols.ll.triton_driver import LLDevice
 from ubep.transport.heap import Layout
 
 

@@ -35,7 +35,7 @@ from ubep.faults import NO_FAULTS
 from ubep.layout import ExpertPlacement, token_in_rank
 from ubep.protocols.base import SendPlan, Sizing
 from ubep.protocols.ubep import UbepBlocks
-from ubep.protocols.ubep_device import UbepDevice
+from ubep.protocols.ubep.triton_driver import UbepDevice
 from ubep.results import DispatchHandle
 from ubep.transport.heap import Layout
 
