@@ -44,20 +44,25 @@ def test_interpreter_suite():
 
 @pytest.mark.parametrize("protocol", PROTOCOLS)
 def test_codes_and_layout_are_the_numba_halves(protocol):
-    """Both kinds of halves report through one status module and address the same blocks and words."""
+    """Both kinds of halves report through one status module and address the same blocks and words
+    (the dispatch halves the protocol's own; the combine normal mode's, which both protocols run)."""
     pytest.importorskip("triton")
     import importlib
 
-    codes = importlib.import_module(f"ubep.engine.{protocol}_codes")
-    kernels = importlib.import_module(f"ubep.engine.{protocol}_triton")
-    names = [n for n in dir(codes) if n.isupper()]
+    package = f"ubep.protocols.{protocol}"
+    codes = importlib.import_module(f"{package}.codes")
+    blocks = importlib.import_module(f"{package}.blocks")
+    kernels = [importlib.import_module(f"{p}.triton_halves") for p in (package, "ubep.protocols.normal")]
+    names = [n for m in (codes, blocks) for n in dir(m) if n.isupper() and isinstance(getattr(m, n), int)]
     assert len(names) >= 13
-    for n in names:
-        if hasattr(kernels, n):
-            assert getattr(kernels, n).value == getattr(codes, n), n
-    assert {n for n in names if n.startswith("E_")} <= {n for n in dir(kernels) if n.startswith("E_")}
-    numba_halves = pytest.importorskip(f"ubep.engine.{protocol}_halves")
-    assert all(getattr(numba_halves, n) == getattr(codes, n) for n in names if hasattr(numba_halves, n))
+    declared = {n: getattr(codes, n, getattr(blocks, n, None)) for n in names}
+    for n, value in declared.items():
+        if hasattr(kernels[0], n):
+            assert getattr(kernels[0], n).value == value, n
+    in_kernels = {n for k in kernels for n in dir(k) if n.startswith("E_")}
+    assert {n for n in names if n.startswith("E_")} <= in_kernels
+    numba_halves = pytest.importorskip(f"{package}.numba_halves")
+    assert all(getattr(numba_halves, n) == v for n, v in declared.items() if hasattr(numba_halves, n))
 
 
 # --- two processes over the shared-memory heap ----------------------------------------------------
