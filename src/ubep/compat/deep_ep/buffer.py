@@ -43,7 +43,7 @@ from ubep import layout as ep_layout
 from ubep.buffer import Buffer as UbepBuffer
 from ubep.compat.deep_ep import scales
 from ubep.compat.deep_ep.handles import LowLatencyView, NormalHandle, normal_handle
-from ubep.compat.deep_ep.utils import EventHandle, EventOverlap, pending_event, wait_previous
+from ubep.compat.deep_ep.utils.event import EventHandle, EventOverlap, pending_event, wait_previous
 from ubep.factory import heap_bytes
 from ubep.group import join_group
 from ubep.layout import tokens_per_node
@@ -111,7 +111,13 @@ class Config:
 
 
 class Buffer:
-    """DeepEP's `deep_ep.Buffer`, byte-sized; every rank of `group` constructs it."""
+    """DeepEP's `deep_ep.Buffer`, byte-sized; every rank of `group` constructs it.
+
+    The arguments after `allow_mnnvl` are keyword-only: DeepEP V1 puts `use_fabric` there and
+    DeepEP 2.1 dropped it, so a positional value would mean a different argument in each; passed
+    by position they raise TypeError here rather than be read as the wrong one. `use_fabric` is
+    accepted (by keyword) and, like the other GPU switches, changes nothing.
+    """
 
     num_sms: int = DEFAULT_NUM_SMS  # DeepEP's class-wide SM budget; only feeds the default Config here
 
@@ -124,6 +130,7 @@ class Buffer:
         num_qps_per_rank: int = 24,
         allow_nvlink_for_low_latency_mode: bool = True,
         allow_mnnvl: bool = False,
+        *,
         use_fabric: bool = False,
         explicitly_destroy: bool = False,
         enable_shrink: bool = False,
