@@ -32,6 +32,7 @@ raises (naming it), and the next calls run without the masked ranks.
 
 from __future__ import annotations
 
+import textwrap
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -157,9 +158,13 @@ class Buffer:
         self._raw: dict[bool, torch.Tensor] = {}  # get_local_buffer_tensor's bytes, by use_rdma_buffer
 
     def explain(self) -> str:
-        """Which implementation serves this DeepEP Buffer, and the ubep Buffers built so far."""
-        inner = "; ".join(f"{key}: {buf.explain()}" for key, buf in self._buffers.items()) or "none built yet"
-        return f"deep_ep.Buffer served by ubep (ubep.compat.deep_ep); ubep Buffers per shape: {inner}"
+        """Which implementation serves this DeepEP Buffer, and the ubep Buffers built so far (each
+        `ubep.Buffer.explain()` under its shape key, indented)."""
+        inner = [f"  {key}:\n" + textwrap.indent(buf.explain(), "    ") for key, buf in self._buffers.items()]
+        return "\n".join(
+            ["deep_ep.Buffer served by ubep (ubep.compat.deep_ep); ubep Buffers per shape:"]
+            + (inner or ["  none built yet"])
+        )
 
     def stats(self, merge: bool = False) -> dict[tuple, Stats]:
         """Each ubep Buffer's `stats(merge)` by shape key, where recording is on (UBEP_STATS=1);
