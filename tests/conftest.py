@@ -1,6 +1,8 @@
 import os
 import sys
 
+import pytest
+
 # Test helpers (scenarios.py), the examples and scripts import by name, here and in the
 # rank processes, which unpickle module-level functions by their module's name.
 HERE = os.path.dirname(__file__)
@@ -15,3 +17,15 @@ def pytest_sessionstart(session) -> None:
     from ubep.engine import choose_engine
 
     choose_engine("auto")
+
+
+@pytest.fixture
+def no_deep_ep():
+    """No `deep_ep` module loaded during the test; every `deep_ep` name is restored afterwards."""
+    saved = {k: v for k, v in sys.modules.items() if k == "deep_ep" or k.startswith("deep_ep.")}
+    for k in saved:
+        del sys.modules[k]
+    yield
+    for k in [k for k in sys.modules if k == "deep_ep" or k.startswith("deep_ep.")]:
+        del sys.modules[k]
+    sys.modules.update(saved)

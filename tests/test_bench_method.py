@@ -11,6 +11,7 @@ import threading
 import time
 from dataclasses import replace
 from datetime import UTC, datetime
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -343,3 +344,35 @@ def test_a_finished_sweep_says_complete(tmp_path, monkeypatch):
     assert main(["bench", "--ranks", "2", "--experts", "8", "--tokens", "8,16", "--json", str(path)]) == 0
     data = json.loads(path.read_text())
     assert data["complete"] is True and [r["tokens_per_rank"] for r in data["results"]] == [8, 16]
+
+
+def _peak_rss() -> int:
+    """This process's peak resident set since the last `_reset_peak_rss()` (VmHWM), in bytes."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+
+
+def _reset_peak_rss() -> None:
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # Linux: the peak resident set restarts from the current one
+
+
+def test_low_latency_check_takes_one_ranks_rows_not_every_ranks():
+    """The bench's low-latency check held every rank's [L, R * T, H] rows on every rank: 3.8 GB a rank
+    at its default shape, 30 GB over 8 ranks, which ran the host out of memory. At 8 ranks here, every
+    rank's rows are 8 x 16 MiB; the check's peak must stay near one rank's."""
+    from ubep import reference
+    from ubep.bench.torch_systems import verify_ll
+    from ubep.bench.workload import build
+
+    cfg, me, T = BenchConfig(ranks=8, tokens=(64,), hidden=4096, experts=32, topk=8), 3, 64
+    work = build(cfg, T)
+    mine = reference.low_latency_dispatch(work.xs, work.topk_idx, cfg.experts, T)[me]  # the others freed
+    got = SimpleNamespace(recv_count=mine.recv_count_L, recv_x=mine.recv_x_LMX)
+    x, idx = work.xs[me], work.topk_idx[me]
+    combined = reference.weighted_sum(x[:, None].expand(T, 8, 4096), work.topk_weights[me], idx >= 0)
+    _reset_peak_rss()
+    before = _peak_rss()
+    verify_ll("ubep", got, combined.to(x.dtype), work, T, me)
+    grown = _peak_rss() - before
+    assert grown < 4 * mine.recv_x_LMX.nbytes, (grown, mine.recv_x_LMX.nbytes)

@@ -4,16 +4,21 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
 from importlib.metadata import version
+from typing import NamedTuple
 
 import pytest
 
+from ubep.bench.workload import BenchConfig
 from ubep.cli import main
+from ubep.extras import install_hint
 
-SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SRC = os.path.join(ROOT, "src")
 ENV = dict(os.environ, PYTHONPATH=os.pathsep.join([SRC, os.environ.get("PYTHONPATH", "")]))
 
 WITHOUT_NUMBA = """
@@ -106,9 +111,9 @@ def test_plan_says_what_it_simulates_as_it_goes(tmp_path, capsys):
     assert "small, qwen3-30b: protocol" in out  # the advice itself stays on stdout
 
 
-def test_decode_prints_its_table_and_nothing_else():
+def test_decode_prints_its_table_and_its_progress_and_nothing_else():
     """No transformers loading bars (one per model load, in every rank) and no leaked-semaphore
-    warning at exit (tqdm's lock in the rank processes)."""
+    warning at exit (tqdm's lock in the rank processes); a progress line per system and run on stderr."""
     pytest.importorskip("transformers")  # the `frameworks` extra
     tiny = ["--steps", "1", "--warmup", "1", "--repeats", "1", "--systems", "ubep,all_to_all"]
     env = {k: v for k, v in ENV.items() if k != "HF_HUB_DISABLE_PROGRESS_BARS"}
@@ -116,13 +121,87 @@ def test_decode_prints_its_table_and_nothing_else():
         [sys.executable, "-m", "ubep", "decode", *tiny], env=env, capture_output=True, text=True, timeout=240
     )
     assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stderr == ""
+    progress = done.stderr.splitlines()  # a line per system and run, nothing else
+    assert [line.split(",")[0] for line in progress] == ["ubep decode: ubep", "ubep decode: all_to_all"]
+    assert all(re.search(r"run 1 of 1: [\d.]+ ms/token on rank 0 \(\d+ s\)$", line) for line in progress)
     assert done.stdout.splitlines()[1].split()[:2] == ["system", "ms/token"]
 
 
-@pytest.mark.parametrize("command", ["simulate", "plan"])
-def test_simulate_and_plan_without_rich_say_which_extra_to_install(monkeypatch, command):
-    monkeypatch.setitem(sys.modules, "rich", None)  # as after a plain `pip install ubep`
+@pytest.fixture
+def without_rich(monkeypatch):
+    """As after a plain install, without the `bench` extra: importing rich (or any part) raises."""
+    for name in [n for n in sys.modules if n == "rich" or n.startswith("rich.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "rich", None)
+
+
+def test_simulate_runs_without_rich_and_labels_its_ratio_as_dispatch(without_rich, capsys):
+    assert main(["simulate", "--ranks", "8", "--tokens", "8"]) == 0
+    header, rule, *rows = capsys.readouterr().out.splitlines()[1:]
+    assert header.split("  ")[-1] == "dispatch vs bsp"  # the ratio compares dispatch times only
+    assert set(rule) == {"-", " "} and [r.split()[1] for r in rows] == ["ubep", "bsp"]
+
+
+def test_plan_runs_without_rich_and_says_what_its_totals_are(without_rich, tmp_path, capsys):
+    fabric = tmp_path / "small.json"
+    fabric.write_text(json.dumps(SMALL_FABRIC))
+    assert main(["plan", "--topology", str(fabric), "--model", "qwen3-30b", "--tokens", "8,16"]) == 0
+    out = capsys.readouterr().out
+    assert "dispatch + combine at 16 tokens per rank" in out  # the largest batch, where it chose
+    start = out.index("workers per rank:")
+    workers = out[start : out.index("\n", out.index("predicted") - 2)].replace("workers per rank:", "")
+    lines = workers.strip().splitlines()
+    entries = [e for line in lines for e in line.strip().rstrip(",").split(", ")]
+    assert all(re.fullmatch(r"\d+\.\d us at \d+", e) for e in entries), lines  # no entry cut by a line break
+    assert [int(e.split()[-1]) for e in entries] == sorted(int(e.split()[-1]) for e in entries)
+
+
+def test_bench_without_rich_names_the_extra_and_how_to_install_it(without_rich):
     with pytest.raises(SystemExit) as done:
-        main([command, "--tokens", "8"])
-    assert done.value.code == f"ubep {command} needs rich: pip install 'ubep[bench]'"
+        main(["bench", "--tokens", "8"])
+    assert (
+        done.value.code == "ubep bench needs rich (the 'bench' extra: pip install '.[bench]' in ubep's clone)"
+    )
+
+
+def test_every_install_hint_names_the_clone_not_a_package_index():
+    """ubep is on no package index: no text tells anyone to `pip install ubep`, and every hint in the
+    code for an extra is worded as `ubep.extras.install_hint` words it."""
+    texts = {}
+    for folder in ("src", "docs"):
+        for base, _, files in os.walk(os.path.join(ROOT, folder)):
+            texts |= {os.path.join(base, f): "" for f in files if f.endswith((".py", ".md"))}
+    for path in [*texts, os.path.join(ROOT, "README.md"), os.path.join(ROOT, "CHANGELOG.md")]:
+        with open(path) as f:
+            texts[path] = f.read()
+    for path, text in texts.items():
+        assert not re.search(r"pip install ['\"]?ubep\b", text), path
+        assert "'ubep[" not in text and '"ubep[' not in text, path
+    for path, text in texts.items():  # the code's literal hints, and extras.py's one wording of them
+        if path.endswith(".py") and not path.endswith(os.path.join("ubep", "extras.py")):
+            for extra in re.findall(r"pip install '\.\[(\w+)\]'", text):
+                assert install_hint(extra) in text, (path, extra)
+
+
+class FakeRow(NamedTuple):
+    system: str
+    dispatch_us: float
+    combine_us: float
+
+
+def test_bench_says_a_line_per_stage_and_system_when_no_bar_can_be_drawn(monkeypatch, capsys):
+    from ubep.bench import run
+
+    def measure(cfg, tokens, systems, advance):
+        for _ in range(cfg.warmup + cfg.iters):
+            advance()
+        return [FakeRow(s, 10.0 * tokens, 20.0) for s in systems]
+
+    monkeypatch.setattr(run, "measure", measure)
+    got = []
+    cfg = BenchConfig(ranks=2, tokens=(8, 16), iters=3, warmup=1)
+    run.run(cfg, ("ubep", "bsp-shm"), got.append)  # stderr is captured: not a terminal
+    lines = capsys.readouterr().err.splitlines()
+    assert len(got) == 2 and len(lines) == 2 * (2 + 2)  # per size: start, checked, one per system
+    assert all(re.fullmatch(r"ubep bench: (8|16) tokens/rank: .* \(\d+ s\)", line) for line in lines), lines
+    assert "ubep: dispatch 160.0 us, combine 20.0 us" in lines[-2] and "bsp-shm" in lines[-1]

@@ -416,13 +416,11 @@ def test_vllm_prepare_finalize_and_sglang_low_latency():
     assert ubep.LocalLaunch(world_size=2, timeout_s=150).run(vllm_program) == [True, True]
 
 
-def test_install_never_shadows_a_real_deep_ep(tmp_path, monkeypatch):
+def test_install_never_shadows_a_real_deep_ep(tmp_path, monkeypatch, no_deep_ep):
     real = tmp_path / "deep_ep"
     real.mkdir()
     (real / "__init__.py").write_text("")
     monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.delitem(sys.modules, "deep_ep", raising=False)
-    monkeypatch.delitem(sys.modules, "deep_ep.utils", raising=False)
     assert "is the real DeepEP" in explain_deep_ep()
     with pytest.raises(RuntimeError, match="a real DeepEP is installed"):
         install_as_deep_ep()

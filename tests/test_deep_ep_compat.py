@@ -220,4 +220,5 @@ def test_the_documented_fp8_defaults_match_the_code():
     theirs = inspect.signature(Buffer.low_latency_dispatch).parameters["use_fp8"].default
     assert f"including DeepEP's default, `use_fp8={theirs}`, in `low_latency_dispatch`" in text
     assert f"`ubep.Buffer.low_latency_dispatch` defaults to `use_fp8={ours}`" in text
-    assert "DeepEP's V1 Python API" in text
+    assert "The layer covers both of DeepEP's Python APIs" in text  # V1's Buffer and V2's ElasticBuffer
+    assert "is not covered" not in text  # section 1 once said V2 was not, while section 1b covered it

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ast
+import inspect
 import os
 import re
 import subprocess
@@ -9,6 +11,7 @@ import sys
 
 import pytest
 
+import ubep
 from ubep.sim import ablation, calibrate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -82,3 +85,28 @@ def test_the_readme_states_the_test_count_and_how_to_get_torch_for_cpu():
     collected = int(re.search(r"(\d+) tests? collected", done.stdout).group(1))
     assert 0.85 * stated <= collected <= 1.15 * stated, (stated, collected)
     assert "pip install torch --index-url <PyTorch's CPU wheel index>" in readme
+
+
+def _stated_signature(text: str) -> list[tuple[str, inspect._ParameterKind, object]]:
+    """(name, kind, default) of each parameter a `Buffer(...)` text states (`inspect.Parameter.empty`
+    where it states none), parsed as Python."""
+    args = ast.parse(f"def f({' '.join(text.split())}): pass").body[0].args
+    positional = [inspect.Parameter.empty] * (len(args.args) - len(args.defaults)) + args.defaults
+    kw_only = [inspect.Parameter.empty if d is None else d for d in args.kw_defaults]  # None: no default
+    return [
+        *(
+            (a.arg, inspect.Parameter.POSITIONAL_OR_KEYWORD, d)
+            for a, d in zip(args.args, positional, strict=True)
+        ),
+        *((a.arg, inspect.Parameter.KEYWORD_ONLY, d) for a, d in zip(args.kwonlyargs, kw_only, strict=True)),
+    ]
+
+
+def test_the_readme_states_buffers_signature_as_the_code_has_it():
+    stated_text = re.search(r"- `Buffer\((group=None, \*.*?)\)`:", _read("README.md"), re.S).group(1)
+    stated = [
+        (name, kind, d if d is inspect.Parameter.empty else ast.literal_eval(d))
+        for name, kind, d in _stated_signature(stated_text)
+    ]
+    actual = [(p.name, p.kind, p.default) for p in inspect.signature(ubep.Buffer).parameters.values()]
+    assert stated == actual

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 
 import pytest
 import torch
@@ -229,6 +230,69 @@ def test_report_command_and_heatmap(merged, tmp_path, capsys):
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_heatmap_reads_true_scales_whole_ranks_and_whole_labels(merged):
+    pytest.importorskip("matplotlib")
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    from ubep.observe.heatmap import heatmap_figure
+
+    fig = heatmap_figure(merged)
+    FigureCanvasAgg(fig).draw()  # lays the figure out, as saving it does
+    renderer, box = fig.canvas.get_renderer(), fig.bbox
+    axes = [ax for ax in fig.axes if ax.get_images()]  # the panels, not their colour bars
+    assert len(axes) == 3
+    for ax in axes:
+        (image,) = ax.get_images()
+        assert image.norm.vmin == 0  # the colour scale starts at zero, not at the smallest cell
+        rows, cols = image.get_array().shape
+        for ticks, n in ((ax.get_xticks(), cols), (ax.get_yticks(), rows)):
+            shown = [t for t in ticks if -0.5 <= t <= n - 0.5]
+            assert shown and all(float(t).is_integer() for t in shown), list(ticks)
+        for label in (ax.xaxis.label, ax.yaxis.label):
+            extent = label.get_window_extent(renderer)
+            assert box.x0 <= extent.x0 and extent.x1 <= box.x1 and box.y0 <= extent.y0, label.get_text()
+
+
+def test_report_names_every_file_it_wrote(merged, tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    pytest.importorskip("prometheus_client")
+    from ubep.cli import main
+
+    merged.save(tmp_path / "stats.json")
+    paths = {
+        "--trace": tmp_path / "t.json",
+        "--prometheus": tmp_path / "m.prom",
+        "--heatmap": tmp_path / "h.png",
+    }
+    exports = [arg for flag, path in paths.items() for arg in (flag, str(path))]
+    assert main(["report", str(tmp_path / "stats.json"), *exports]) == 0
+    wrote = [
+        line.split()[1].rstrip(":")
+        for line in capsys.readouterr().out.splitlines()
+        if line.startswith("wrote ")
+    ]
+    assert wrote == [str(p) for p in paths.values()] and all(p.stat().st_size > 0 for p in paths.values())
+
+
+MISSING_EXTRAS = [("--heatmap", "matplotlib", "observe"), ("--prometheus", "prometheus_client", "observe")]
+
+
+@pytest.mark.parametrize(("flag", "module", "extra"), MISSING_EXTRAS)
+def test_report_refuses_a_missing_extra_before_it_prints_anything(
+    merged, tmp_path, capsys, monkeypatch, flag, module, extra
+):
+    from ubep.cli import main
+
+    monkeypatch.setitem(sys.modules, module, None)  # as without the extra: importing it raises
+    merged.save(tmp_path / "stats.json")
+    with pytest.raises(SystemExit) as done:
+        main(["report", str(tmp_path / "stats.json"), flag, str(tmp_path / "out")])
+    assert done.value.code == (
+        f"ubep report {flag} needs {module} (the {extra!r} extra: pip install '.[{extra}]' in ubep's clone)"
+    )
+    assert capsys.readouterr().out == "" and not (tmp_path / "out").exists()
+
+
 # -- settings, provenance, logging ----------------------------------------------------------------
 
 
@@ -255,6 +319,12 @@ def test_buffer_takes_environment_settings_and_explains_them(monkeypatch):
         assert "timeout_s 12.0 (from UBEP_TIMEOUT_S)" in buf.explain()
         assert "protocol 'bsp' (from UBEP_PROTOCOL)" in buf.explain()
         assert "engine 'auto' (default)" in buf.explain()
+        lines = buf.explain().splitlines()  # one line per topic, one per setting
+        assert [line.split()[0] for line in lines[1:5]] == ["transport", "engine", "call", "settings"]
+        assert (
+            "    timeout_s 12.0 (from UBEP_TIMEOUT_S)" in lines
+            and "    stats True (from UBEP_STATS)" in lines
+        )
         buf.stats()  # recording is on
     with ubep.Buffer(hidden=8, num_experts=4, max_tokens_per_rank=4, timeout_s=5, stats=False) as buf:
         assert buf.timeout_s == 5.0 and "timeout_s 5 (argument)" in buf.explain()

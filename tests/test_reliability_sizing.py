@@ -10,7 +10,15 @@ import os
 import pytest
 
 from ubep.errors import SharedMemorySizeError
-from ubep.shm import Creator, Introduction, cgroup_free_bytes, check_room, segment_creator, segment_name
+from ubep.shm import (
+    Creator,
+    Introduction,
+    cgroup_free_bytes,
+    check_room,
+    memory_free_bytes,
+    segment_creator,
+    segment_name,
+)
 from ubep.sizing import size_hint
 
 GiB = 2**30
@@ -61,8 +69,8 @@ def test_cgroup_v1_headroom_and_no_limit(tmp_path):
     assert cgroup_free_bytes(proc, root) is None
 
 
-def intro(shm_free: int, cgroup_free: int | None) -> Introduction:
-    return Introduction(Creator.this_process(), "t", shm_free, cgroup_free)
+def intro(shm_free: int, cgroup_free: int | None, memory_free: int | None = None) -> Introduction:
+    return Introduction(Creator.this_process(), "t", shm_free, cgroup_free, memory_free)
 
 
 def test_room_check_names_the_bytes_the_limit_and_the_arguments():
@@ -79,6 +87,26 @@ def test_room_check_names_the_bytes_the_limit_and_the_arguments():
     assert "the memory cgroup's limit leaves 3221225472 bytes" in message
     assert "max_tokens_per_rank" in message and "low_latency=False" in message
     assert isinstance(error, ValueError)
+
+
+def test_room_check_counts_the_hosts_available_memory_where_dev_shm_is_larger():
+    """/dev/shm as large as RAM (here 24 GiB on a 24 GiB host) let 8 x 2.25 GiB of low-latency
+    segments through while the host had less memory to give: the bench then ran out of memory."""
+    with pytest.raises(SharedMemorySizeError) as caught:
+        check_room(9 * GiB // 4, [intro(24 * GiB, None, 16 * GiB)] * 8)
+    assert (caught.value.needed, caught.value.free) == (18 * GiB, 16 * GiB)
+    assert "the host's available memory (MemAvailable + SwapFree) is 17179869184 bytes" in str(caught.value)
+    check_room(GiB, [intro(24 * GiB, None, 16 * GiB)] * 8)  # 8 GiB fits
+    check_room(GiB, [intro(24 * GiB, None, None)] * 8)  # /proc/meminfo unreadable: /dev/shm decides
+
+
+def test_available_memory_is_memavailable_plus_free_swap(tmp_path):
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       24684148 kB\nMemAvailable:   20000000 kB\nSwapFree:        1000 kB\n")
+    assert memory_free_bytes(str(meminfo)) == (20000000 + 1000) * 1024
+    meminfo.write_text("MemTotal:       24684148 kB\n")  # a kernel too old to say
+    assert memory_free_bytes(str(meminfo)) is None
+    assert memory_free_bytes(str(tmp_path / "none")) is None
 
 
 def test_size_hint_follows_the_arguments_that_the_error_names():

@@ -39,7 +39,7 @@ DISPATCH_RULES = [
     (dict(x=torch.zeros(4, H + 1)), ValueError, ["x has hidden size 17", "built for 16"]),
     (dict(x=torch.zeros(4, H, device="meta")), ValueError, ["x is on meta", "tensors live on cpu"]),
     (dict(topk_idx=None), ValueError, ["dispatch needs topk_idx and topk_weights"]),
-    (dict(topk_idx=torch.zeros(4, K, dtype=torch.int32)), TypeError, ["topk_idx must be int64"]),
+    (dict(topk_idx=torch.zeros(4, K, dtype=torch.int16)), TypeError, ["topk_idx must be int64 or int32"]),
     (dict(topk_idx=torch.zeros(3, K, dtype=torch.int64)), ValueError, ["topk_idx has 3 rows", "4 tokens"]),
     (dict(topk_idx=torch.zeros(4, 5, dtype=torch.int64)), ValueError, ["top-k 5", "max_topk=4"]),
     (dict(topk_idx=torch.full((4, K), E)), ValueError, ["topk_idx values must lie in [-1, 8)", "found 8"]),

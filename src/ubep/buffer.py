@@ -290,19 +290,23 @@ class Buffer:
     size_hint = staticmethod(size_hint)  # the shared memory a Buffer would map, before building it
 
     def explain(self) -> str:
-        """Which transport and protocol run here, and why; where each setting came from."""
-        return (
-            f"rank {self._info.rank}/{self._info.world_size}: protocol {self._exchange_name()} "
-            f"on transport {self.transport} ({self._transport_reason}), "
-            f"engine {self.engine.name} ({self._engine_reason}), call halves "
-            + getattr(
-                self._exchange,
-                "halves",
-                "compiled" if getattr(self._exchange, "compiled_halves", False) else "step by step in Python",
-            )
-            + (f"; low-latency halves {self._ll.halves}" if hasattr(self._ll, "halves") else "")
-            + f"; settings: {settings.describe(self._settings)}"
+        """Which transport, protocol and engine run here, and why; where each setting came from.
+        One line per topic, each setting on a line of its own."""
+        halves = getattr(
+            self._exchange,
+            "halves",
+            "compiled" if getattr(self._exchange, "compiled_halves", False) else "step by step in Python",
         )
+        lines = [
+            f"rank {self._info.rank}/{self._info.world_size}: protocol {self._exchange_name()}",
+            f"  transport {self.transport} ({self._transport_reason})",
+            f"  engine {self.engine.name} ({self._engine_reason})",
+            f"  call halves {halves}",
+            *([f"  low-latency halves {self._ll.halves}"] if hasattr(self._ll, "halves") else []),
+            "  settings (each value and where it came from):",
+            *(f"    {name} {setting}" for name, setting in self._settings.items()),
+        ]
+        return "\n".join(lines)
 
     # -- observability ----------------------------------------------------------------------------
 

@@ -11,6 +11,7 @@ from importlib.metadata import version
 
 from ubep.bench.decode import add_parser as add_decode
 from ubep.bench.workload import DTYPES, SYSTEMS, BenchConfig
+from ubep.extras import require
 from ubep.routing import ROUTINGS
 from ubep.schedule import POLICIES
 from ubep.sim.cli import add_parser as add_simulate
@@ -148,11 +149,11 @@ def add_bench(subparsers) -> None:
 
 
 def run_bench(args: argparse.Namespace) -> int:
-    try:
-        from ubep.bench import report
-        from ubep.bench.run import plan, run
-    except ModuleNotFoundError as missing:  # rich and matplotlib come with the `bench` extra
-        raise SystemExit(f"ubep bench needs {missing.name}: pip install 'ubep[bench]'") from None
+    require("ubep bench", "rich", "bench")
+    if args.plot:
+        require("ubep bench --plot", "matplotlib", "bench")
+    from ubep.bench import report
+    from ubep.bench.run import plan, run
 
     if args.ranks % args.nodes:
         raise SystemExit(f"ubep bench: --ranks ({args.ranks}) must split evenly into --nodes ({args.nodes})")
@@ -240,7 +241,7 @@ def run_bench(args: argparse.Namespace) -> int:
     if args.plot:
         report.plot(args.plot, rows, title)
     if stats_path:
-        _observed(stats_path, rows, args.trace)
+        _observed(stats_path, rows, args.trace, kept=bool(args.stats))
     return 0
 
 
@@ -251,8 +252,9 @@ def _scratch_stats() -> str:
     return os.path.join(tempfile.mkdtemp(prefix="ubep-bench-stats-"), "stats.json")
 
 
-def _observed(stats_path: str, rows, trace: str | None) -> None:
-    """After a --stats run: the overhead of recording, the straggler report, the trace."""
+def _observed(stats_path: str, rows, trace: str | None, kept: bool) -> None:
+    """After a --stats run: the overhead of recording, the straggler report, the trace; `kept`: the
+    snapshot was asked for (else it is scratch, for the trace alone)."""
     from ubep import observe
     from ubep.stats import Stats
 
@@ -267,9 +269,11 @@ def _observed(stats_path: str, rows, trace: str | None) -> None:
         return
     stats = Stats.load(stats_path)
     print(observe.stragglers(stats).text())
+    if kept:
+        print(f"wrote {stats_path}: the merged stats snapshot (ubep report reads it)")
     if trace:
         observe.write_trace(stats, trace)
-        print(f"trace: {trace} (open it in ui.perfetto.dev)")
+        print(f"wrote {trace}: Perfetto / Chrome trace (open it in ui.perfetto.dev)")
 
 
 def add_report(subparsers) -> None:
@@ -281,12 +285,25 @@ def add_report(subparsers) -> None:
     )
     p.add_argument("stats", metavar="STATS.json", help="the snapshot")
     p.add_argument("--trace", metavar="PATH.json", help="write a Perfetto / Chrome trace")
-    p.add_argument("--prometheus", metavar="PATH", help="write Prometheus text (needs prometheus_client)")
-    p.add_argument("--heatmap", metavar="PATH.png", help="draw the traffic matrix and expert load")
+    p.add_argument(
+        "--prometheus",
+        metavar="PATH",
+        help="write Prometheus text (needs prometheus_client: the observe extra)",
+    )
+    p.add_argument(
+        "--heatmap",
+        metavar="PATH.png",
+        help="draw the traffic matrix and expert load (needs matplotlib: the observe extra)",
+    )
     p.set_defaults(func=run_report)
 
 
 def run_report(args: argparse.Namespace) -> int:
+    """The summary and straggler report on stdout, then each export, one line per file written."""
+    if args.prometheus:
+        require("ubep report --prometheus", "prometheus_client", "observe")
+    if args.heatmap:
+        require("ubep report --heatmap", "matplotlib", "observe")
     from ubep import observe
     from ubep.stats import Stats
 
@@ -298,11 +315,14 @@ def run_report(args: argparse.Namespace) -> int:
     print(observe.stragglers(stats).text() if stats.merged else "straggler report: needs a merged snapshot")
     if args.trace:
         observe.write_trace(stats, args.trace)
+        print(f"wrote {args.trace}: Perfetto / Chrome trace (open it in ui.perfetto.dev)")
     if args.prometheus:
         with open(args.prometheus, "w") as out:
             out.write(observe.prometheus_text(stats))
+        print(f"wrote {args.prometheus}: Prometheus text exposition")
     if args.heatmap:
         observe.write_heatmap(stats, args.heatmap)
+        print(f"wrote {args.heatmap}: heatmap of the traffic matrix and expert load")
     return 0
 
 

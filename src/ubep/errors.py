@@ -60,7 +60,8 @@ class MaskedOutError(UbepError):
 
 
 class SharedMemorySizeError(ValueError):
-    """A Buffer's shared segments do not fit this host's /dev/shm or its cgroup's memory limit.
+    """A Buffer's shared segments do not fit this host's /dev/shm, its cgroup's memory limit or its
+    available memory.
 
     Raised on every rank at construction, before any segment exists; `needed` and
     `free` are bytes for the whole host (every local rank's segment).

@@ -9,6 +9,7 @@ Legend: see `ubep.layout` (N tokens, H hidden, K top-k, R ranks, E experts, M ro
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
@@ -155,15 +156,17 @@ def low_latency_dispatch(
     num_experts: int,
     num_max_tokens: int,
     rank_of_expert=None,
+    destinations: Sequence[int] | None = None,
 ) -> list[RefLowLatency]:
-    """Every rank's low-latency dispatch result: one row per (token, selected expert) pair."""
+    """Every rank's low-latency dispatch result: one row per (token, selected expert) pair; with
+    `destinations`, only those ranks' results, in that order (each holds [L, R * T, H] rows)."""
     R, T = len(xs), num_max_tokens
     L = num_experts // R
     experts = torch.arange(num_experts)
     owners = owner_of(experts, num_experts, R, rank_of_expert)
     local_ids = local_id_of(experts, num_experts, R, rank_of_expert)
     results = []
-    for dst in range(R):
+    for dst in range(R) if destinations is None else destinations:
         recv = torch.zeros(L, R * T, xs[0].shape[1], dtype=xs[0].dtype)
         info = torch.full((3, L, R * T), -1, dtype=torch.int64)  # token, rank, k
         ranges = torch.zeros(L, R, 2, dtype=torch.int64)

@@ -100,11 +100,6 @@ def resolve(arguments: Mapping[str, Any], environ: Mapping[str, str] | None = No
     return chosen
 
 
-def describe(chosen: Mapping[str, Setting]) -> str:
-    """'transport 'auto' (default), timeout_s 60.0 (from UBEP_TIMEOUT_S), ...' for `explain()`."""
-    return ", ".join(f"{name} {setting}" for name, setting in chosen.items())
-
-
 def configure_logging(environ: Mapping[str, str] | None = None) -> logging.Logger:
     """The `ubep` logger, at UBEP_LOG_LEVEL where that is set (a name such as DEBUG, or a number).
 

@@ -45,6 +45,7 @@ from ubep.errors import SharedMemorySizeError
 from ubep.waiting import AbortNotice, PeerAbortedError, ProcessId, pid_namespace, start_time
 
 SHM_DIR = "/dev/shm"
+MEMINFO = "/proc/meminfo"
 CGROUP_ROOT = "/sys/fs/cgroup"
 NAME_PREFIX = "ubep-"
 ALIGN = 64  # bytes; regions start on cache-line boundaries
@@ -141,6 +142,20 @@ def shm_free_bytes() -> int:
     return info.f_bavail * info.f_frsize
 
 
+def memory_free_bytes(meminfo: str = MEMINFO) -> int | None:
+    """What the host can still give a new page without killing anything: MemAvailable plus SwapFree
+    (/proc/meminfo; a shared-memory page lives in RAM or swap). None where it cannot be read.
+
+    /dev/shm is often as large as RAM (or larger, in containers), so its free bytes alone let
+    segments through that would run the host out of memory once touched."""
+    try:
+        with open(meminfo) as f:
+            fields = dict(line.split(":", 1) for line in f if ":" in line)
+        return sum(int(fields[key].split()[0]) * 1024 for key in ("MemAvailable", "SwapFree"))
+    except (OSError, KeyError, ValueError):
+        return None
+
+
 def _headroom(directory: str, limit_file: str, usage_file: str, inactive_key: str) -> int | None:
     """limit - working set of one memory cgroup directory; None: no limit there (or unreadable).
 
@@ -209,21 +224,34 @@ class Introduction:
     token: str  # random; all ranks' tokens make the job's secret
     shm_free: int
     cgroup_free: int | None
+    memory_free: int | None = None  # `memory_free_bytes()`: the host's available memory
 
     @classmethod
     def here(cls) -> Introduction:
-        return cls(Creator.this_process(), secrets.token_hex(16), shm_free_bytes(), cgroup_free_bytes())
+        return cls(
+            Creator.this_process(),
+            secrets.token_hex(16),
+            shm_free_bytes(),
+            cgroup_free_bytes(),
+            memory_free_bytes(),
+        )
 
 
 def check_room(segment_bytes: int, everyone: list[Introduction]) -> None:
-    """Raise SharedMemorySizeError unless every rank's segment fits the least room any rank sees.
+    """Raise SharedMemorySizeError unless every rank's segment fits the least room any rank sees: in
+    /dev/shm, under the memory cgroup's limit, and in the host's available memory (a segment may
+    take every page it maps, though calls touch far fewer: docs/reliability.md, "Footprint").
 
     Every rank sees the same introductions, so every rank raises, or none does."""
     needed = segment_bytes * len(everyone)
     free, where = min(i.shm_free for i in everyone), f"{SHM_DIR} has"
-    limits = [i.cgroup_free for i in everyone if i.cgroup_free is not None]
-    if limits and min(limits) < free:
-        free, where = min(limits), "the memory cgroup's limit leaves"
+    for limit, said in (
+        ([i.cgroup_free for i in everyone], "the memory cgroup's limit leaves"),
+        ([i.memory_free for i in everyone], "the host's available memory (MemAvailable + SwapFree) is"),
+    ):
+        known = [v for v in limit if v is not None]
+        if known and min(known) < free:
+            free, where = min(known), said
     if needed > free:
         raise SharedMemorySizeError(
             f"Buffer construction: the shared segments need {needed} bytes ({_mib(needed)}) on this host "

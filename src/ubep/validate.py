@@ -66,8 +66,11 @@ def topk_idx(
     value, num_tokens: int, num_experts: int, max_topk: int, values: bool = True, device: torch.device = CPU
 ) -> torch.Tensor:
     """int64 [N, K] in [-1, E), K <= max_topk, no expert twice in a row (`values=False`: the caller
-    checks the values itself, in one pass with the layout: `NumbaEngine.route`)."""
-    idx = tensor("topk_idx", value, torch.int64, 2, device)
+    checks the values itself, in one pass with the layout: `NumbaEngine.route`). int32 ids (vLLM's
+    `topk_ids`) are widened here, once; every later step reads the int64 copy returned."""
+    idx = tensor("topk_idx", value, (torch.int64, torch.int32), 2, device)
+    if idx.dtype == torch.int32:
+        idx = idx.to(torch.int64)
     n, k = idx.shape
     if n != num_tokens:
         raise ValueError(f"topk_idx has {n} rows, x has {num_tokens} tokens")

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import statistics
+import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass
@@ -30,6 +31,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.distributed as dist
 
+from ubep.extras import install_hint, require
 from ubep.launcher import LocalLaunch
 
 # system name -> transformers EP implementation name
@@ -197,9 +199,14 @@ def _rank_decode(path: str, cfg: DecodeConfig) -> dict:
     torch.set_num_threads(1)
     mesh = init_device_mesh("cpu", (cfg.ranks, 1), mesh_dim_names=("ep", "tp"))
     runs: dict[str, list[dict]] = {s: [] for s in cfg.systems}
+    start = time.monotonic()
     for repeat in range(cfg.repeats):
         for system in cfg.systems:  # take turns, so drifting load falls on every system alike
             runs[system].append(_decode_once(path, system, cfg, mesh, first=repeat == 0))
+            if dist.get_rank() == 0:  # a line per system and run, so a log is never silent for long
+                step_ms = 1e3 * statistics.median(runs[system][-1]["step_s"])
+                print(f"ubep decode: {system}, run {repeat + 1} of {cfg.repeats}: {step_ms:.2f} ms/token on "
+                      f"rank 0 ({time.monotonic() - start:.0f} s)", file=sys.stderr, flush=True)  # fmt: skip
     return runs
 
 
@@ -328,13 +335,15 @@ def run_decode(args) -> int:
         seed=args.seed,
         trace=args.trace,
     )
+    if args.plot:
+        require("ubep decode --plot", "matplotlib", "bench")
     try:
         cfg.validate()
         import transformers  # noqa: F401
     except ValueError as error:
         raise SystemExit(f"ubep decode: {error}") from None
     except ImportError:
-        raise SystemExit("ubep decode needs transformers: pip install 'ubep[frameworks]'") from None
+        raise SystemExit(f"ubep decode needs transformers ({install_hint('frameworks')})") from None
     rows = run(cfg)
     print_rows(rows, cfg)
     if args.json:

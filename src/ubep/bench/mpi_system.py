@@ -24,6 +24,7 @@ import torch
 from ubep.bench.timing import LEAD_S
 from ubep.bench.turns import Calls, Turns, take_turns
 from ubep.bench.workload import BenchConfig, build, expected_combine
+from ubep.extras import install_hint
 from ubep.layout import ExpertPlacement, destination_major, dispatch_layout, localize_for_destinations
 
 STOP_S = 10.0  # how long the job gets to end after QUIT, and again after SIGTERM
@@ -34,7 +35,7 @@ def available() -> tuple[bool, str]:
     if shutil.which("mpirun") is None:
         return False, "mpirun not found (scripts/setup.sh installs Open MPI)"
     if importlib.util.find_spec("mpi4py") is None:
-        return False, "mpi4py not installed (pip install 'ubep[mpi]')"
+        return False, f"mpi4py not installed ({install_hint('mpi')})"
     return True, "Open MPI with mpi4py"
 
 

@@ -8,11 +8,14 @@ run(cfg, ...)      per batch size: start the groups, `warmup + iters` rounds of 
 
 from __future__ import annotations
 
+import sys
 import tempfile
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import replace
 
+from rich.console import Console
 from rich.progress import Progress
 
 from ubep.bench import mpi_system, placed, report
@@ -199,9 +202,48 @@ def measure(
 
 
 def run(cfg: BenchConfig, systems: tuple[str, ...], measured: Callable[[list[report.Row]], None]) -> None:
-    """Every batch size in turn; `measured` gets each one's rows as soon as they are in."""
-    with Progress(transient=True) as progress:
+    """Every batch size in turn; `measured` gets each one's rows as soon as they are in. Progress goes
+    to stderr: a bar on a terminal, else lines (`Lines`), so a log is never silent for long."""
+    if not sys.stderr.isatty():
+        lines = Lines(cfg, systems)
+        for tokens in cfg.tokens:
+            lines.starting(tokens)
+            rows = measure(cfg, tokens, systems, lines.advance)
+            lines.measured(rows)
+            measured(rows)
+        return
+    with Progress(console=Console(stderr=True), transient=True) as progress:
         task = progress.add_task("benchmarking", total=len(cfg.tokens) * (cfg.warmup + cfg.iters))
         for tokens in cfg.tokens:
             progress.update(task, description=f"{tokens} tokens/rank, rounds of {', '.join(systems)}")
             measured(measure(cfg, tokens, systems, lambda: progress.advance(task)))
+
+
+class Lines:
+    """Progress as lines on stderr, where no bar can be drawn: per batch size, when its ranks start,
+    when every system has been checked and the timed rounds begin, and one line per system with its
+    result, each with the seconds since the start."""
+
+    def __init__(self, cfg: BenchConfig, systems: tuple[str, ...]):
+        self._cfg, self._systems, self._start = cfg, systems, time.monotonic()
+        self._tokens, self._rounds = 0, 0
+
+    def _say(self, text: str) -> None:
+        print(f"ubep bench: {self._tokens} tokens/rank: {text} ({time.monotonic() - self._start:.0f} s)",
+              file=sys.stderr, flush=True)  # fmt: skip
+
+    def starting(self, tokens: int) -> None:
+        self._tokens, self._rounds = tokens, 0
+        self._say(
+            f"starting {self._cfg.ranks} ranks; checking {', '.join(self._systems)} against the reference"
+        )
+
+    def advance(self) -> None:
+        self._rounds += 1
+        if self._rounds == 1:
+            rounds = self._cfg.warmup + self._cfg.iters
+            self._say(f"every system checked; round 1 of {rounds} done ({self._cfg.warmup} warm-up)")
+
+    def measured(self, rows: list[report.Row]) -> None:
+        for row in rows:
+            self._say(f"{row.system}: dispatch {row.dispatch_us:.1f} us, combine {row.combine_us:.1f} us")

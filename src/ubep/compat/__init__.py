@@ -8,8 +8,11 @@ told `replace_real=True`. `explain_deep_ep()` says which `deep_ep` is active.
 
 from __future__ import annotations
 
+import importlib
+import pkgutil
 import sys
 from importlib.machinery import PathFinder
+from types import ModuleType
 
 COMPAT_NAME = "ubep.compat.deep_ep"
 
@@ -24,7 +27,8 @@ def _real_deep_ep_origin() -> str | None:
 
 
 def install_as_deep_ep(replace_real: bool = False) -> str:
-    """Make `import deep_ep` and `import deep_ep.utils` give ubep's DeepEP layer; returns `explain_deep_ep()`.
+    """Make `import deep_ep` and its submodules (`deep_ep.utils`, `deep_ep.utils.event`,
+    `deep_ep.buffers.elastic`, ...) give ubep's DeepEP layer; returns `explain_deep_ep()`.
 
     Raises RuntimeError when a real DeepEP is installed, unless `replace_real=True`.
     """
@@ -34,11 +38,20 @@ def install_as_deep_ep(replace_real: bool = False) -> str:
             f"a real DeepEP is installed ({real}); ubep will not shadow it. Use it, or call "
             "install_as_deep_ep(replace_real=True) to run this process's `import deep_ep` on ubep"
         )
-    from ubep.compat import deep_ep
-
-    sys.modules["deep_ep"] = deep_ep
-    sys.modules["deep_ep.utils"] = deep_ep.utils
+    sys.modules.update(deep_ep_modules())
     return explain_deep_ep()
+
+
+def deep_ep_modules() -> dict[str, ModuleType]:
+    """Every module of ubep's DeepEP layer, by the name `import deep_ep...` reaches it under.
+
+    All of them go into `sys.modules` at once: a submodule imported later through the
+    `deep_ep` name alone would be loaded a second time, with classes of its own."""
+    package = importlib.import_module(COMPAT_NAME)
+    found = {"deep_ep": package}
+    for info in pkgutil.walk_packages(package.__path__, prefix=COMPAT_NAME + "."):
+        found["deep_ep" + info.name.removeprefix(COMPAT_NAME)] = importlib.import_module(info.name)
+    return found
 
 
 def explain_deep_ep() -> str:

@@ -33,7 +33,9 @@ def choose_engine(requested: str = "auto") -> tuple[Engine, str]:
         from ubep.engine.numba_engine import NumbaEngine
     except ImportError as e:
         if requested == "numba":
-            raise ImportError("engine='numba' needs numba (pip install 'ubep[fast]')") from e
+            raise ImportError(
+                "engine='numba' needs numba (the 'fast' extra: pip install '.[fast]' in ubep's clone)"
+            ) from e
         return TorchEngine(), f"numba not installed ({e})"
     engine = NumbaEngine()
     try:

@@ -1,9 +1,11 @@
-"""`ubep simulate`: run the protocols' plans on a superpod model, print/save the results."""
+"""`ubep simulate` and `ubep plan`: run the protocols' plans on a superpod model, print/save the results.
+
+Both print plain-text tables (`ubep.sim.table`) and need no extra; `--plot` needs matplotlib.
+"""
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import sys
 import time
@@ -13,9 +15,11 @@ from dataclasses import asdict, replace
 
 from ubep import routing, schedule, topology
 from ubep.costmodel import CostParams
+from ubep.extras import require
 from ubep.sim import ablation, placed, sync
 from ubep.sim.protocols import Workload
 from ubep.sim.run import MODELS, PROTOCOLS, SimConfig, SimResult, simulate, workload
+from ubep.sim.table import render
 
 
 def _ints(text: str) -> list[int]:
@@ -123,12 +127,10 @@ def _runs(
     return out
 
 
-def _table(ranks: int, results: list[SimResult]):
-    from rich.table import Table
-
-    table = Table(title=f"EP{ranks} on {results[0].topology} ({results[0].workers} workers/device)")
-    for col in ("tokens", "protocol", "dispatch us", "combine us", "slowest worker us", "ubep vs bsp"):
-        table.add_column(col, justify="right")
+def _table(ranks: int, results: list[SimResult]) -> str:
+    """One EP size's results; "dispatch vs bsp" is ubep's dispatch time against bsp's (combine aside)."""
+    columns = ["tokens", "protocol", "dispatch us", "combine us", "slowest worker us", "dispatch vs bsp"]
+    rows = []
     for r in results:
         bsp = next(
             (b for b in results if b.protocol == "bsp" and b.tokens_per_rank == r.tokens_per_rank), None
@@ -140,9 +142,10 @@ def _table(ranks: int, results: list[SimResult]):
         )
         name = r.protocol if r.protocol != "ubep" or r.policy == "ubep" else f"ubep/{r.policy}"
         name += f"/{r.sync}" if r.protocol == "ubep" and r.sync != "tff" else ""
-        table.add_row(str(r.tokens_per_rank), name, f"{r.dispatch_us:.1f}", f"{r.combine_us:.1f}",
-                      f"{r.dispatch_worker_us:.1f}", gain)  # fmt: skip
-    return table
+        rows.append([str(r.tokens_per_rank), name, f"{r.dispatch_us:.1f}", f"{r.combine_us:.1f}",
+                     f"{r.dispatch_worker_us:.1f}", gain])  # fmt: skip
+    title = f"EP{ranks} on {results[0].topology} ({results[0].workers} workers/device)"
+    return render(title, columns, rows, left=("protocol",))
 
 
 def _plot(results: list[SimResult], path: str) -> None:
@@ -168,22 +171,17 @@ def _plot(results: list[SimResult], path: str) -> None:
     plt.close(fig)
 
 
-def _ablation_table(name: str, bars: list[ablation.Bar]):
-    from rich.table import Table
-
-    table = Table(title=f"{name}: simulated beside the paper (docs/paper_figures.md)")
-    for col in ("", "", "simulated", "paper"):
-        table.add_column(col, justify="right")
-    for b in bars:
-        pub = "" if b.published is None else f"{b.published:.1f}"
-        table.add_row(b.group, b.label, f"{b.simulated:.1f}", pub)
-    return table
+def _ablation_table(name: str, bars: list[ablation.Bar]) -> str:
+    rows = [
+        [b.group, b.label, f"{b.simulated:.1f}", "" if b.published is None else f"{b.published:.1f}"]
+        for b in bars
+    ]
+    title = f"{name}: simulated beside the paper (docs/paper_figures.md)"
+    return render(title, ["case", "variant", "simulated", "paper"], rows, left=("case", "variant"))
 
 
 def run_ablation(args) -> int:
     """`--ablation`: the paper's numbers beside the simulator's, as a table and (--plot) bars."""
-    from rich.console import Console
-
     params = CostParams()
     if args.ablation == "scheduling":
         hot = ablation.FIT_HOT_SHARE if args.hot_share is None else args.hot_share
@@ -196,7 +194,7 @@ def run_ablation(args) -> int:
     else:
         bars = ablation.headline(params, batches=args.tokens, eps=args.ranks)
         title, band = "ubep vs bsp, CM384, one expert per device: dispatch change (%)", None
-    Console().print(_ablation_table(args.ablation, bars))
+    print(_ablation_table(args.ablation, bars))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"ablation": args.ablation, "bars": [asdict(b) for b in bars]}, f, indent=1)
@@ -205,17 +203,10 @@ def run_ablation(args) -> int:
     return 0
 
 
-def _needs_rich(command: str) -> None:
-    """One line, not a traceback, where rich (the `bench` extra) is not installed."""
-    if importlib.util.find_spec("rich") is None:
-        raise SystemExit(f"ubep {command} needs rich: pip install 'ubep[bench]'")
-
-
 def run(args) -> int:
     """Simulate every (ranks, tokens, protocol, policy) combination; print, then save."""
-    _needs_rich("simulate")
-    from rich.console import Console
-
+    if args.plot:
+        require("ubep simulate --plot", "matplotlib", "bench")
     runs = _checked(args)
     if args.ablation:
         return run_ablation(args)
@@ -223,9 +214,8 @@ def run(args) -> int:
         return run_placements(args, runs)
     configs = [cfg for cfg, _ in runs]
     results = [r for cfg, wl in runs for r in _runs(cfg, wl, args.protocol, args.policy, args.sync)]
-    console = Console()
     for ranks in args.ranks:
-        console.print(_table(ranks, [r for r in results if r.ranks == ranks]))
+        print(_table(ranks, [r for r in results if r.ranks == ranks]))
     if args.json:
         cfg = configs[0]
         config = {
@@ -243,22 +233,17 @@ def run(args) -> int:
 
 def run_placements(args, runs: list[tuple[SimConfig, Workload]]) -> int:
     """`--placement`: each configuration's placements side by side (table; --json the rows)."""
-    from rich.console import Console
-    from rich.measure import Measurement
-
-    console, rows = Console(), []
+    rows = []
     for cfg, wl in runs:
         got = placed.simulate_placements(cfg, wl, args.placement, args.protocol[0], args.redundant)
-        table = placed.table(cfg, got, placed.redundant_slots(cfg.experts, cfg.ranks, args.redundant))
-        full = Measurement.get(console, console.options.update_width(1_000_000), table).maximum
-        Console(width=max(full, console.width if console.is_terminal else 0)).print(table)
+        print(placed.table(cfg, got, placed.redundant_slots(cfg.experts, cfg.ranks, args.redundant)))
         for name, stats, result in got:
             rows.append(
                 {"placement": name, **stats._asdict(), "imbalance": stats.imbalance, **result.as_dict()}
             )
-    console.print(
-        "[dim]load: (token, expert) pairs per rank; MB across nodes: dispatch + combine per rank, one row "
-        "per (token, remote node); flat: per (token, remote rank); placed on the batch's own loads[/dim]"
+    print(
+        "load: (token, expert) pairs per rank; MB across nodes: dispatch + combine per rank, one row "
+        "per (token, remote node); flat: per (token, remote rank); placed on the batch's own loads"
     )
     if args.json:
         with open(args.json, "w") as f:
@@ -279,27 +264,46 @@ def add_plan_parser(subparsers) -> None:
 
 @contextmanager
 def _progress(command: str) -> Iterator[Callable[[str], None]]:
-    """Say on stderr what is simulated now: a spinner on a terminal, else one line a step."""
-    from rich.console import Console
+    """Say on stderr what is simulated now: one line rewritten in place on a terminal, else a line a step."""
+    start, terminal, width = time.monotonic(), sys.stderr.isatty(), 0
 
-    console, start = Console(stderr=True), time.monotonic()
+    def step(what: str) -> None:
+        nonlocal width
+        line = f"{command}: simulating {what} ({time.monotonic() - start:.0f} s)"
+        if terminal:
+            sys.stderr.write("\r" + line.ljust(width))
+            width = len(line)
+        else:
+            sys.stderr.write(line + "\n")
+        sys.stderr.flush()
 
-    def line(step: str) -> str:
-        return f"{command}: simulating {step} ({time.monotonic() - start:.0f} s)"
+    try:
+        yield step
+    finally:
+        if terminal and width:
+            sys.stderr.write("\r" + " " * width + "\r")  # the advice replaces the progress line
+            sys.stderr.flush()
 
-    if console.is_terminal:
-        with console.status(f"{command}: starting") as status:
-            yield lambda step: status.update(line(step))
-    else:
-        yield lambda step: console.print(line(step), highlight=False, soft_wrap=True)
+
+WRAP = 100  # the advice's lines break between entries, never inside one
+
+
+def _between_entries(reason: str) -> str:
+    """'kind: a, b, c' indented, broken after an entry's comma where it passes WRAP, never inside one."""
+    kind, _, rest = reason.partition(": ")
+    entries = rest.split(", ")
+    lines, line = [], f"    {kind}:"
+    for i, entry in enumerate(entries):
+        piece = entry + ("," if i < len(entries) - 1 else "")
+        if i and len(line) + 1 + len(piece) > WRAP:
+            lines.append(line)
+            line = " " * (len(kind) + 5)
+        line += " " + piece
+    return "\n".join([*lines, line])
 
 
 def run_plan(args) -> int:
-    """Print the advice, the reasons, and predicted dispatch/combine per batch with bottlenecks."""
-    _needs_rich("plan")
-    from rich.console import Console
-    from rich.table import Table
-
+    """Print the advice, what each choice took, and predicted dispatch/combine per batch with bottlenecks."""
     from ubep.sim.plan import plan
 
     try:
@@ -309,17 +313,14 @@ def run_plan(args) -> int:
                                  dispatch_dtype=args.dispatch_dtype, progress=step)  # fmt: skip
     except ValueError as bad:
         raise SystemExit(f"ubep plan: {bad}") from None
-    console = Console()
-    console.print(f"[bold]{topo.name}[/], {args.model}: protocol {advice.protocol}, sync {advice.sync}, "
-                  f"policy {advice.policy}, {advice.workers} workers per rank")  # fmt: skip
+    print(f"{topo.name}, {args.model}: protocol {advice.protocol}, sync {advice.sync}, "
+          f"policy {advice.policy}, {advice.workers} workers per rank")  # fmt: skip
+    print(f"  dispatch + combine at {advice.tokens} tokens per rank (simulated), for each choice tried:")
     for line in advice.reasons:
-        console.print(f"  {line}")
-    table = Table(title="predicted (simulated)")
-    for col in ("tokens", "dispatch us", "combine us", "dispatch bottleneck"):
-        table.add_column(col, justify="right" if col != "dispatch bottleneck" else "left")
-    for p in preds:
-        table.add_row(str(p.tokens), f"{p.dispatch_us:.1f}", f"{p.combine_us:.1f}", p.bottleneck)
-    console.print(table)
+        print(_between_entries(line))
+    rows = [[str(p.tokens), f"{p.dispatch_us:.1f}", f"{p.combine_us:.1f}", p.bottleneck] for p in preds]
+    columns = ["tokens", "dispatch us", "combine us", "dispatch bottleneck"]
+    print(render("predicted (simulated)", columns, rows, left=("dispatch bottleneck",)))
     return 0
 
 

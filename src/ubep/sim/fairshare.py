@@ -1,8 +1,8 @@
 """The fair-share servers' event loop (`engine.fair_share`): max-min fair rates by water-filling.
 
 Compiled with numba where it is installed (the `fast` extra). Without it the
-same loops run as plain Python: exact, and slower (the command line and the
-simulator work after a plain `pip install ubep`).
+same loops run as plain Python: exact, and slower (the simulator, `ubep simulate` and
+`ubep plan` work after a plain install).
 Z: flows at one server (legend in layout.py).
 """
 

@@ -19,6 +19,7 @@ from ubep.placement import Distances, Placement, PlacementStats, balance, eplb, 
 from ubep.placement.measure import physical_routing
 from ubep.sim.protocols import Workload
 from ubep.sim.run import SimConfig, SimResult, simulate
+from ubep.sim.table import render
 
 PLACEMENTS = ("none", "eplb", "eplb-global", "ubep")
 EPLB_GROUPS = 8  # DeepSeek-V3's expert groups, the unit EPLB packs onto nodes
@@ -65,24 +66,22 @@ def simulate_placements(
     return out
 
 
-def table(cfg: SimConfig, runs: list[tuple[str, PlacementStats, SimResult]], redundant: int):
-    from rich.table import Table
-
-    t = Table(
-        title=f"placement on {cfg.topology.name}, EP{cfg.ranks}, {cfg.tokens} tokens/rank, "
+def table(cfg: SimConfig, runs: list[tuple[str, PlacementStats, SimResult]], redundant: int) -> str:
+    """The placements side by side, as plain text (`ubep.sim.table`)."""
+    title = (
+        f"placement on {cfg.topology.name}, EP{cfg.ranks}, {cfg.tokens} tokens/rank, "
         f"{cfg.routing} routing, {redundant} redundant slots ({runs[0][2].protocol} protocol, simulated)"
     )
-    for col in ("placement", "max/mean load", "MB across nodes", "flat MB", "dispatch us", "combine us"):
-        t.add_column(col, justify="left" if col == "placement" else "right")
-    t.add_column("d+c x none", justify="right")
+    columns = ["placement", "max/mean load", "MB across nodes", "flat MB", "dispatch us", "combine us"]
     base = next((r for n, _, r in runs if n == "none"), None)
+    rows = []
     for name, s, r in runs:
         ratio = (
             "-"
             if base is None
             else f"{(r.dispatch_us + r.combine_us) / (base.dispatch_us + base.combine_us):.2f}"
         )
-        t.add_row(
+        rows.append([
             name,
             f"{s.imbalance:.3f}",
             f"{s.cross_node_bytes / cfg.ranks / 1e6:.3f}",
@@ -90,5 +89,5 @@ def table(cfg: SimConfig, runs: list[tuple[str, PlacementStats, SimResult]], red
             f"{r.dispatch_us:.1f}",
             f"{r.combine_us:.1f}",
             ratio,
-        )
-    return t
+        ])  # fmt: skip
+    return render(title, [*columns, "d+c x none"], rows, left=("placement",))

@@ -43,6 +43,10 @@ def _quiet(step: str) -> None:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Advice:
+    """The choices, and per kind of choice what each candidate took: dispatch + combine at `tokens`
+    tokens per rank (us), in `reasons` lines such as "protocol: ubep 173.5 us, bsp 303.6 us"."""
+
+    tokens: int
     protocol: str
     sync: str
     policy: str
@@ -103,8 +107,10 @@ def advise(base: SimConfig, progress: Progress = _quiet) -> Advice:
     w_t = {int(w): v for w, v in _best(cfg, wl, choices, "workers per rank:", progress)[1].items()}
     best = min(w_t.values())
     workers = min(w for w, v in w_t.items() if v <= best * (1 + WORKERS_WITHIN))
-    reasons.append("workers: " + ", ".join(f"{w} {v:.1f} us" for w, v in w_t.items()))
-    return Advice(protocol=proto, sync=sync, policy=policy, workers=workers, reasons=tuple(reasons))
+    reasons.append("workers per rank: " + ", ".join(f"{v:.1f} us at {w}" for w, v in w_t.items()))
+    return Advice(
+        tokens=base.tokens, protocol=proto, sync=sync, policy=policy, workers=workers, reasons=tuple(reasons)
+    )
 
 
 def port_busy_us(cfg: SimConfig, protocol: str) -> dict[str, float]:

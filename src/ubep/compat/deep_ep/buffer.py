@@ -32,6 +32,7 @@ raises (naming it), and the next calls run without the masked ranks.
 
 from __future__ import annotations
 
+import textwrap
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -43,7 +44,8 @@ from ubep import layout as ep_layout
 from ubep.buffer import Buffer as UbepBuffer
 from ubep.compat.deep_ep import scales
 from ubep.compat.deep_ep.handles import LowLatencyView, NormalHandle, normal_handle
-from ubep.compat.deep_ep.utils import EventHandle, EventOverlap, pending_event, wait_previous
+from ubep.compat.deep_ep.utils.event import EventHandle, EventOverlap, pending_event, wait_previous
+from ubep.errors import SharedMemorySizeError
 from ubep.factory import heap_bytes
 from ubep.group import join_group
 from ubep.layout import tokens_per_node
@@ -54,6 +56,8 @@ from ubep.stats import Stats
 
 HINT_TOKENS = 4096  # tokens per rank a normal-mode size hint provides for (DeepEP's prefill size)
 MAX_TOPK = 16
+LL_MAX_TOPK = 11  # DeepEP's low-latency kernels take top-k <= 11 (kNumMaxTopK in internode_ll.cu)
+HINT_BYTES_PER_CHANNEL = 2  # DeepEP's hidden_bytes = hidden * max(element_size, 2): 2 for bf16 and FP8
 DEFAULT_NUM_SMS = 20  # DeepEP's default SM budget: Config.num_sms // 2 channels shape the handle
 
 __all__ = ["Buffer", "Config"]
@@ -65,12 +69,14 @@ def _max_topk(num_ranks: int) -> int:
 
 
 def _segment_bytes(hidden: int, num_ranks: int, num_experts: int, tokens: int, low_latency: bool) -> int:
-    """Bytes of one rank's shared segment for a ubep.Buffer of these shapes built now: its protocol
-    and low-latency row form come from the environment as that Buffer's will (`ubep.settings`:
-    UBEP_PROTOCOL, UBEP_LL_FLAG; with `in-word` the low-latency slots take twice the bytes)."""
+    """Bytes of one rank's shared segment for a ubep.Buffer of these shapes built now (the normal-mode
+    Buffer with low_latency=False, the low-latency one with it): its protocol and low-latency row form
+    come from the environment as that Buffer's will (`ubep.settings`: UBEP_PROTOCOL, UBEP_LL_FLAG; with
+    `in-word` the low-latency slots take twice the bytes)."""
     chosen = settings.resolve({})
     placement = ep_layout.ExpertPlacement.contiguous(num_experts, num_ranks)
-    sizing = Sizing(hidden=hidden, capacity=tokens, max_topk=_max_topk(num_ranks), placement=placement)
+    max_topk = LL_MAX_TOPK if low_latency else _max_topk(num_ranks)
+    sizing = Sizing(hidden=hidden, capacity=tokens, max_topk=max_topk, placement=placement)
     return heap_bytes(sizing, chosen["protocol"].value, low_latency, chosen["ll_flag"].value)
 
 
@@ -97,13 +103,17 @@ class Config:
     num_max_rdma_chunked_recv_tokens: int = 256
 
     def get_nvl_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
-        """Bytes for HINT_TOKENS tokens per rank of `hidden_bytes` bytes each, whatever the payload.
+        """The segment a normal-mode Buffer maps for HINT_TOKENS tokens per rank of hidden
+        `hidden_bytes / 2`, exactly, and no more.
 
-        The hint cannot tell bf16 (2 bytes a channel) from FP8 (1 byte a channel plus
-        scales), so it sizes for the smaller element: hidden_bytes channels.
+        DeepEP's callers pass `hidden * max(element_size, 2)` (its docs' `get_hidden_bytes`,
+        Megatron's), so that is the hidden size for bf16 and FP8 alike; ubep's segment depends on
+        the hidden size, not on the payload's type. A caller passing one byte a channel for FP8
+        gets room for half the tokens.
         """
         validate.positive("hidden_bytes", hidden_bytes)
-        return _segment_bytes(hidden_bytes, num_ranks, num_ranks, HINT_TOKENS, low_latency=False)
+        hidden = -(-hidden_bytes // HINT_BYTES_PER_CHANNEL)
+        return _segment_bytes(hidden, num_ranks, num_ranks, HINT_TOKENS, low_latency=False)
 
     def get_rdma_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
         """Between hosts ubep uses torch.distributed, which needs no registered buffer."""
@@ -111,7 +121,13 @@ class Config:
 
 
 class Buffer:
-    """DeepEP's `deep_ep.Buffer`, byte-sized; every rank of `group` constructs it."""
+    """DeepEP's `deep_ep.Buffer`, byte-sized; every rank of `group` constructs it.
+
+    The arguments after `allow_mnnvl` are keyword-only: DeepEP V1 puts `use_fabric` there and
+    DeepEP 2.1 dropped it, so a positional value would mean a different argument in each; passed
+    by position they raise TypeError here rather than be read as the wrong one. `use_fabric` is
+    accepted (by keyword) and, like the other GPU switches, changes nothing.
+    """
 
     num_sms: int = DEFAULT_NUM_SMS  # DeepEP's class-wide SM budget; only feeds the default Config here
 
@@ -124,6 +140,7 @@ class Buffer:
         num_qps_per_rank: int = 24,
         allow_nvlink_for_low_latency_mode: bool = True,
         allow_mnnvl: bool = False,
+        *,
         use_fabric: bool = False,
         explicitly_destroy: bool = False,
         enable_shrink: bool = False,
@@ -150,9 +167,13 @@ class Buffer:
         self._raw: dict[bool, torch.Tensor] = {}  # get_local_buffer_tensor's bytes, by use_rdma_buffer
 
     def explain(self) -> str:
-        """Which implementation serves this DeepEP Buffer, and the ubep Buffers built so far."""
-        inner = "; ".join(f"{key}: {buf.explain()}" for key, buf in self._buffers.items()) or "none built yet"
-        return f"deep_ep.Buffer served by ubep (ubep.compat.deep_ep); ubep Buffers per shape: {inner}"
+        """Which implementation serves this DeepEP Buffer, and the ubep Buffers built so far (each
+        `ubep.Buffer.explain()` under its shape key, indented)."""
+        inner = [f"  {key}:\n" + textwrap.indent(buf.explain(), "    ") for key, buf in self._buffers.items()]
+        return "\n".join(
+            ["deep_ep.Buffer served by ubep (ubep.compat.deep_ep); ubep Buffers per shape:"]
+            + (inner or ["  none built yet"])
+        )
 
     def stats(self, merge: bool = False) -> dict[tuple, Stats]:
         """Each ubep Buffer's `stats(merge)` by shape key, where recording is on (UBEP_STATS=1);
@@ -190,9 +211,10 @@ class Buffer:
     def get_low_latency_rdma_size_hint(
         num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int, num_experts: int
     ) -> int:
-        """Exact bytes of one rank's segment for low-latency calls of these shapes (bf16 or FP8), in the
-        protocol and row form the environment selects (UBEP_PROTOCOL, UBEP_LL_FLAG), as the Buffer
-        built at the first low-latency call takes them and as its size check uses this hint."""
+        """Exact bytes of one rank's segment for low-latency calls of these shapes (bf16 or FP8, top-k up
+        to DeepEP's low-latency limit of 11), in the protocol and row form the environment selects
+        (UBEP_PROTOCOL, UBEP_LL_FLAG), as the Buffer built at the first low-latency call takes them and
+        as its size check uses this hint."""
         return _segment_bytes(hidden, num_ranks, num_experts, num_max_dispatch_tokens_per_rank, True)
 
     def get_comm_stream(self) -> torch.Stream:
@@ -254,8 +276,8 @@ class Buffer:
                     f"num_nvl_bytes={self.num_nvl_bytes} holds no token of hidden size {hidden}; "
                     "size it with Config.get_nvl_buffer_size_hint"
                 )
-            self._buffers[key] = UbepBuffer(
-                self.group,
+            self._buffers[key] = self._built(
+                f"num_nvl_bytes={self.num_nvl_bytes} ({tokens} tokens per rank)",
                 hidden=hidden,
                 num_experts=num_experts,
                 max_tokens_per_rank=tokens,
@@ -276,14 +298,28 @@ class Buffer:
                     f"num_rdma_bytes={self.num_rdma_bytes} is too small for T={max_tokens}, hidden={hidden}, "
                     f"{num_experts} experts: get_low_latency_rdma_size_hint gives {need}"
                 )
-            self._buffers[key] = UbepBuffer(
-                self.group,
+            self._buffers[key] = self._built(
+                f"num_rdma_bytes={self.num_rdma_bytes} (low-latency, T={max_tokens})",
                 hidden=hidden,
                 num_experts=num_experts,
                 max_tokens_per_rank=max_tokens,
-                max_topk=_max_topk(self.group_size),
+                max_topk=LL_MAX_TOPK,
             )
         return self._buffers[key]
+
+    def _built(self, sized_by: str, **sizes) -> UbepBuffer:
+        """A ubep.Buffer of these sizes on this group; when its segments cannot fit the host, the
+        error (raised on every rank before anything is mapped) says which DeepEP argument sized it."""
+        try:
+            return UbepBuffer(self.group, **sizes)
+        except SharedMemorySizeError as error:
+            raise SharedMemorySizeError(
+                f"deep_ep.Buffer: {sized_by} sizes each rank's shared segment; {error}. Lower it (the "
+                "size hints give what ubep needs for their shapes and no more; see docs/reliability.md, "
+                "'Footprint')",
+                error.needed,
+                error.free,
+            ) from error
 
     # -- normal mode ------------------------------------------------------------------------------
 
@@ -350,14 +386,21 @@ class Buffer:
                 f"num_worst_tokens={num_worst_tokens} is fewer than the {int(worst_R.max())} tokens rank "
                 f"{int(worst_R.argmax())} receives; pass at least num_tokens * num_ranks"
             )
-        got = inner.dispatch(
-            x,
-            topk_idx=idx,
-            topk_weights=weights,
-            num_tokens_per_rank=num_tokens_per_rank,
-            is_token_in_rank=sent_NR,
-            expert_alignment=expert_alignment,
-        )
+        try:  # the inner Buffer refuses (and tells the peers) before any byte moves
+            got = inner.dispatch(
+                x,
+                topk_idx=idx,
+                topk_weights=weights,
+                num_tokens_per_rank=num_tokens_per_rank,
+                is_token_in_rank=sent_NR,
+                expert_alignment=expert_alignment,
+            )
+        except ValueError as error:
+            if sent_NR.shape[0] > inner.sizing.capacity:  # in DeepEP's terms: bytes, not a token count
+                raise _too_many(
+                    sent_NR.shape[0], inner.sizing.capacity, self.num_nvl_bytes, hidden
+                ) from error
+            raise
         rows = num_worst_tokens or received
         channels = (config.num_sms if config is not None else Buffer.num_sms) // 2
         view = normal_handle(got.handle, counts_RX, channels, E, rows)
@@ -622,6 +665,15 @@ class Buffer:
 
 
 _NO_UNMASK = "a masked rank cannot rejoin this Buffer's exchanges: build a new Buffer with every rank"
+
+
+def _too_many(num_tokens: int, capacity: int, num_nvl_bytes: int, hidden: int) -> ValueError:
+    """x had more tokens than the bytes hold (DeepEP streams any count through its ring buffer; ubep holds
+    a call's tokens at once)."""
+    return ValueError(
+        f"x has {num_tokens} tokens; num_nvl_bytes={num_nvl_bytes} holds {capacity} tokens per rank at "
+        f"hidden {hidden} (Config.get_nvl_buffer_size_hint sizes for {HINT_TOKENS}): pass more bytes"
+    )
 
 
 def _nothing() -> None:

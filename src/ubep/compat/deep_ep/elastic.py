@@ -21,6 +21,7 @@ Legend: see `elastic_handle`.
 
 from __future__ import annotations
 
+import math
 import weakref
 
 import torch
@@ -38,11 +39,13 @@ from ubep.compat.deep_ep.elastic_handle import (
     lanes_per_rank,
     stream_counts,
 )
-from ubep.compat.deep_ep.utils import EventHandle, EventOverlap
+from ubep.compat.deep_ep.utils.envs import domain_of
+from ubep.compat.deep_ep.utils.event import EventHandle, EventOverlap
 from ubep.group import all_gather_object, join_group
 
 MAX_TOPK = 32  # DeepEP V2's kernels take at most 32 lanes; it sizes num_topk=0 for 32
 BUFFER_ALIGNMENT = 2 << 20  # DeepEP's 2 MB buffer granularity
+ENTRY_ALIGNMENT = 32  # DeepEP aligns Engram entries, PP tensors and AGRS tensors to 32 bytes (LDG.256)
 CPU_NUM_SMS = 20  # what get_theoretical_num_sms answers: no SMs here, a value handles can carry
 SF_PACKS_PER_TMA_ROW = 4  # DeepEP aligns column-major scale columns to 16 bytes of 4-byte packs
 QPS_DIRECT, QPS_HYBRID = 17, 65  # DeepEP's default QP allocations (recorded, never used)
@@ -100,7 +103,7 @@ class ElasticBuffer:
         self.num_allocated_qps = num_allocated_qps or (QPS_HYBRID if allow_hybrid_mode else QPS_DIRECT)
         self.num_cpu_timeout_secs = num_cpu_timeout_secs
         self.explicitly_destroy = bool(explicitly_destroy)
-        self.num_rdma_ranks, self.num_nvlink_ranks = self._physical_domain()
+        self.num_rdma_ranks, self.num_nvlink_ranks = domain_of(self._info.node_of_rank)
         self.num_scaleout_ranks, self.num_scaleup_ranks = self.get_logical_domain_size()
         self.scaleout_rank_idx = self.rank_idx // self.num_scaleup_ranks
         self.scaleup_rank_idx = self.rank_idx % self.num_scaleup_ranks
@@ -110,19 +113,6 @@ class ElasticBuffer:
             weakref.finalize(self, _close_all, self._buffers)
 
     # -- domains, sizing, lifetime ----------------------------------------------------------------
-
-    def _physical_domain(self) -> tuple[int, int]:
-        """(nodes, ranks per node) from ubep's node map; nodes must hold consecutive, equal rank blocks."""
-        nodes = self._info.node_of_rank
-        num_nodes = len(set(nodes))
-        per_node = self.num_ranks // num_nodes
-        blocks = all(node == r // per_node for r, node in enumerate(nodes))
-        if not blocks or per_node * num_nodes != self.num_ranks:
-            raise ValueError(
-                f"ranks must fill nodes in equal consecutive blocks (rank = node * ranks_per_node + local), "
-                f"got node of each rank {list(nodes)}"
-            )
-        return num_nodes, per_node
 
     def get_physical_domain_size(self) -> tuple[int, int]:
         """(nodes, ranks per node): DeepEP's (RDMA ranks, NVLink ranks)."""
@@ -152,6 +142,41 @@ class ElasticBuffer:
         home = _segment_bytes(hidden, R, R * K, T, low_latency=False)
         return align(one + home, BUFFER_ALIGNMENT)
 
+    # DeepEP's sizes for its Engram, PP and AGRS buffers: the same figures, for code that sizes
+    # before it builds; those features themselves raise NotImplementedError here.
+
+    @staticmethod
+    def get_engram_storage_size_hint(
+        num_entries: int, hidden: int, num_max_tokens_per_rank: int, dtype: torch.dtype = torch.bfloat16
+    ) -> tuple[int, int]:
+        """(GPU bytes, CPU bytes) DeepEP sizes an Engram store with: entries of `hidden` elements, each
+        aligned to 32 bytes, for the received tokens and for the entries, both 2 MB aligned."""
+        entry = align(hidden * dtype.itemsize, ENTRY_ALIGNMENT)
+        return align(entry * num_max_tokens_per_rank, BUFFER_ALIGNMENT), align(
+            entry * num_entries, BUFFER_ALIGNMENT
+        )
+
+    @staticmethod
+    def get_pp_buffer_size_hint(num_max_tensor_bytes: int, num_max_inflight_tensors: int) -> int:
+        """DeepEP's PP bytes: send and receive buffers for the previous and next rank, 2 MB aligned."""
+        tensor = align(num_max_tensor_bytes, ENTRY_ALIGNMENT)
+        return align(tensor * num_max_inflight_tensors * 2 * 2, BUFFER_ALIGNMENT)
+
+    @staticmethod
+    def get_agrs_num_max_session_bytes(group, shapes, dtype: torch.dtype) -> int:
+        """DeepEP's bytes of one all-gather session: each gathered tensor (R times the local `shapes`,
+        one shape or a sequence of them) rounded up to 32 bytes."""
+        many = isinstance(shapes[0], tuple)  # a torch.Size is a tuple too
+        R = _group_size(group)
+        return sum(
+            align(R * math.prod(s) * dtype.itemsize, ENTRY_ALIGNMENT) for s in (shapes if many else (shapes,))
+        )
+
+    @staticmethod
+    def get_agrs_buffer_size_hint(group, num_max_session_bytes: int) -> int:
+        """DeepEP's AGRS buffer bytes: the session's bytes, 2 MB aligned."""
+        return align(num_max_session_bytes, BUFFER_ALIGNMENT)
+
     def get_theoretical_num_sms(self, num_experts: int, num_topk: int, *args, **kwargs) -> int:
         """DeepEP sizes SM counts by a bandwidth model of the GPU; here a fixed, recorded value."""
         return CPU_NUM_SMS
@@ -165,6 +190,11 @@ class ElasticBuffer:
     def capture() -> EventHandle:
         """An event on "everything issued so far": CPU work is already ordered by the program."""
         return EventHandle()
+
+    def get_comm_stream(self) -> torch.Stream:
+        """The stream the calls run on: DeepEP's is a CUDA side stream; ubep's calls run on the CPU, in
+        the calling thread and in program order, so this is the CPU stream (`query()` is True)."""
+        return torch.Stream(device="cpu")
 
     def barrier(self, use_comm_stream: bool = True, with_cpu_sync: bool = False, sequential: bool = True):
         """Wait until every rank of the group reaches this barrier."""
@@ -448,6 +478,7 @@ class ElasticBuffer:
         raise NotImplementedError("ElasticBuffer here serves EP dispatch/combine; AGRS is not provided")
 
     all_gather = create_agrs_session = destroy_agrs_session = agrs_set_config
+    agrs_new_session = agrs_get_inplace_tensor = agrs_set_config
 
 
 # -- helpers --------------------------------------------------------------------------------------
