@@ -134,6 +134,16 @@ def _elements_at(typingctx, like, address, length):
 
 
 @_jit
+def words_once(address, n):
+    """n int64 words at a raw address (a peer's header or record), copied once into a new array: a half
+    checks the copy and uses only the copy, which the peer cannot rewrite between the check and the use."""
+    out = np.empty(n, dtype=np.int64)
+    if n:
+        _move(out.ctypes.data, address, n * 8)
+    return out
+
+
+@_jit
 def unit_rows(a, written):
     """Rows (the last axis) are unit-stride, and, for a written matrix, no two rows share memory."""
     if a.size == 0:  # numpy gives empty arrays zero strides; there is nothing to touch

@@ -23,5 +23,5 @@ from ubep.protocols.normal.codes import (  # noqa: F401 (the shared codes are th
 
 E_MISSING = 3  # after the barrier, no staging flag from status[1] ranks (in pending)
 E_FORMAT = 4  # the peer staged another dtype or top-k: (peer, its dtype code, its K)
-E_TOKENS = 5  # a staged source token index outside [0, T)
-E_LOCAL = 6  # a staged local expert id outside [-1, L)
+E_TOKENS = 5  # a staged source token index outside [0, T): (the source whose slot holds it, T)
+E_LOCAL = 6  # a staged local expert id outside [-1, L): (the source whose slot holds it, L)

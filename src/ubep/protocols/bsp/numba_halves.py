@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ubep.engine.numba_kernels import _elements_at, _jit, _move
+from ubep.engine.numba_kernels import _elements_at, _jit, _move, words_once
 from ubep.engine.numba_sync import (
     back_off,
     load_acquire,
@@ -170,14 +170,14 @@ def bsp_verify(table, me, epoch, live, dtype_code, K, Kmax, T, dtype_lo, dtype_h
     for r in range(R):
         counts[r] = 0
     for p in live:
-        record = _elements_at(_I64, table[me, STAGED, 0] + p * STAGED_WORDS * 8, STAGED_WORDS)
+        record = words_once(table[me, STAGED, 0] + p * STAGED_WORDS * 8, STAGED_WORDS)  # checked: this copy
         if not dtype_lo <= record[S_DTYPE] <= dtype_hi:
             return _fail(status, E_FIELD, p, record[S_DTYPE], 0, 0)
         if not 0 <= record[S_TOPK] <= Kmax:
             return _fail(status, E_FIELD, p, record[S_TOPK], 1, 0)
         if record[S_DTYPE] != dtype_code or record[S_TOPK] != K:
             return _fail(status, E_FORMAT, p, record[S_DTYPE], record[S_TOPK], 0)
-        theirs = _elements_at(_I64, table[p, COUNTS, 0], C_COUNTS + R)
+        theirs = words_once(table[p, COUNTS, 0], C_COUNTS + R)  # checked and used: this copy
         for r in range(R):
             if not 0 <= theirs[C_COUNTS + r] <= T:
                 return _fail(status, E_FIELD, p, theirs[C_COUNTS + r], 0, 1)
@@ -198,6 +198,9 @@ def bsp_reorder(
             continue
         _move(recv_x.ctypes.data + a * b, table[me, STAGE_X, 0] + src * T * row_bytes, n * b)
         _move(src_token.ctypes.data + a * 8, table[me, STAGE_TOKENS, 0] + src * T * 8, n * 8)
+        for i in range(a, a + n):  # the copy, checked: the staging slot is src's to write
+            if src_token[i] < 0 or src_token[i] >= T:
+                return _fail(status, E_TOKENS, src, T, 0, 0)
         if S:
             staged = table[me, STAGE_SCALES, 0] + src * T * S * 4
             _move(recv_scales.ctypes.data + a * S * 4, staged, n * S * 4)
@@ -205,13 +208,9 @@ def bsp_reorder(
             idx = _elements_at(_I64, table[me, STAGE_TOPK, 0] + (src * T + i) * Kmax * 8, K)
             w = _elements_at(_F32, table[me, STAGE_WEIGHTS, 0] + (src * T + i) * Kmax * 4, K)
             for k in range(K):
-                recv_idx[a + i, k] = idx[k]
+                local = idx[k]
+                if local < -1 or local >= L:
+                    return _fail(status, E_LOCAL, src, L, 0, 0)
+                recv_idx[a + i, k] = local
                 recv_w[a + i, k] = w[k]
-    for i in range(src_token.size):
-        if src_token[i] < 0 or src_token[i] >= T:
-            return _fail(status, E_TOKENS, -1, T, 0, 0)
-    for i in range(recv_idx.shape[0]):
-        for k in range(K):
-            if recv_idx[i, k] < -1 or recv_idx[i, k] >= L:
-                return _fail(status, E_LOCAL, -1, L, 0, 0)
     return DONE

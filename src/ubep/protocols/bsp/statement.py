@@ -149,19 +149,24 @@ class BspExchange(halves.OnHalves):
             if not cached:
                 recv_idx[a:z] = t.view(b.stage_topk, self.me)[src, : z - a, :K]
                 recv_w[a:z] = t.view(b.stage_weights, self.me)[src, : z - a, :K]
-        self._check_received(call, src_token, recv_idx)
+            self._check_received(call, src, src_token[a:z], None if cached else recv_idx[a:z])
         return Received(recv_x, recv_idx, recv_w, RecvRoute.of(src_token, prefix_R1), scales)
 
     def _check_received(
-        self, call: CallId, src_token_M: torch.Tensor, recv_idx_MK: torch.Tensor | None
+        self, call: CallId, src: int, src_token_M: torch.Tensor, recv_idx_MK: torch.Tensor | None
     ) -> None:
-        """Token indices and local expert ids written by peers must be in range before use."""
+        """Token indices and local expert ids `src` staged here, as copied (the copy is what is used),
+        must be in range; a bad one blames `src`, whose slot it is."""
         T, L = self.sizing.capacity, self.sizing.placement.num_local_experts
         if src_token_M.numel() and (src_token_M.min() < 0 or src_token_M.max() >= T):
-            raise PeerDataError(f"dispatch: a peer sent source token indices outside [0, {T})")
+            raise self.t.bad_data(
+                call, src, f"dispatch: rank {src} sent source token indices outside [0, {T})"
+            )
         if recv_idx_MK is not None and recv_idx_MK.numel():
             if recv_idx_MK.min() < -1 or recv_idx_MK.max() >= L:
-                raise PeerDataError(f"dispatch: a peer sent local expert ids outside [-1, {L})")
+                raise self.t.bad_data(
+                    call, src, f"dispatch: rank {src} sent local expert ids outside [-1, {L})"
+                )
 
     def combine(self, call: CallId, x_MH, handle: DispatchHandle, topk_weights_MK):
         self.t.begin(call)

@@ -44,5 +44,5 @@ def error(
             call, peer, f"dispatch: rank {peer} sent {theirs}, this rank {dtype} with top-k {K}"
         )
     if code == k.E_TOKENS:
-        return PeerDataError(f"dispatch: a peer sent source token indices outside [0, {a})")
-    return PeerDataError(f"dispatch: a peer sent local expert ids outside [-1, {a})")
+        return t.bad_data(call, peer, f"dispatch: rank {peer} sent source token indices outside [0, {a})")
+    return t.bad_data(call, peer, f"dispatch: rank {peer} sent local expert ids outside [-1, {a})")

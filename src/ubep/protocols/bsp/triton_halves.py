@@ -214,7 +214,7 @@ def bsp_verify_kernel(
 ):  # fmt: skip
     """After the token barrier: a live source whose counts record says REJECTED (E_REJECTED); every
     live source's staging flag (missing ones into pending, their number in status[1]), its format,
-    and its count for this rank (counts int64 [R]), in `bsp_halves.bsp_verify`'s order; then prefix
+    and its count for this rank (counts int64 [R]), in the numba `bsp_verify`'s order; then prefix
     int64 [R + 1] (with worst > 0, the total must fit)."""
     epoch, _ = load_epoch(epochs)
     n = tl.full((), 0, tl.int64)
@@ -267,8 +267,8 @@ def bsp_verify_kernel(
                 elif first_bad < RB:
                     fail(status, E_FIELD, p, bad_count, 0, 1, 0)
                     go = tl.full((), 0, tl.int32)
-                else:
-                    count = tl.load(int64_ptr(_address(table, p, COUNTS)) + C_COUNTS + me)
+                else:  # the count as loaded above and checked: never loaded again
+                    count = tl.sum(tl.where(rs == me, theirs, 0), axis=0)
             tl.store(counts + p, count)
             tl.store(prefix + p, total)
             total += count
@@ -289,7 +289,7 @@ def bsp_reorder_kernel(
     their final place (recv_x [M, W] words, recv_scales [M, S] int32 words, src_token and src_rank
     int64 [M], K > 0:
     recv_idx int64 [M, K] and recv_w float32 [M, K]), then their token indices and local ids checked
-    (`bsp_halves.bsp_reorder`'s checks). Runs only when every phase before it succeeded."""
+    (the numba `bsp_reorder`'s checks, naming the source). Runs only when every phase before it succeeded."""
     src = tl.program_id(0)
     i = tl.program_id(1)
     a = tl.load(prefix + src)
@@ -319,6 +319,6 @@ def bsp_reorder_kernel(
             tl.store(recv_w + rows[:, None] * K + ks[None, :], w, mask=both)
             bad_local = tl.sum(tl.sum((both & ((idx < -1) | (idx >= L))).to(tl.int32), axis=1), axis=0)
         if tl.sum((ok & ((tokens < 0) | (tokens >= T))).to(tl.int32), axis=0) > 0:
-            fail(status, E_TOKENS, -1, T, 0, 0, 0)
+            fail(status, E_TOKENS, src, T, 0, 0, 0)
         elif bad_local > 0:
-            fail(status, E_LOCAL, -1, L, 0, 0, 0)
+            fail(status, E_LOCAL, src, L, 0, 0, 0)

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ubep.engine.numba_kernels import CHUNK, _elements_at, _jit, _move, store, widen
+from ubep.engine.numba_kernels import CHUNK, _elements_at, _jit, _move, store, widen, words_once
 from ubep.engine.numba_sync import (
     back_off,
     load_acquire,
@@ -230,7 +230,7 @@ def ll_dispatch_recv(
         )
         if code_now != DONE:
             return code_now
-        record = _elements_at(_I64, table[me, SENT, half] + src * words * 8, words)
+        record = words_once(table[me, SENT, half] + src * words * 8, words)  # checked and used: this copy
         if not dtype_lo <= record[S_DTYPE] <= dtype_hi:
             return _fail(status, E_FIELD, src, record[S_DTYPE], 0, 0)
         if not 0 <= record[S_T] <= Tcap:
@@ -248,21 +248,22 @@ def ll_dispatch_recv(
             if record[S_COUNTS + j] > T:
                 return _fail(status, E_COUNTS, src, 0, 0, 0)
         info = _elements_at(_I64, table[me, SLOT_INFO, half] + src * L * Tcap * 8, L * Tcap)
-        for j in range(L):
-            for i in range(record[S_COUNTS + j]):
-                if info[j * Tcap + i] < 0 or info[j * Tcap + i] // Kmax >= T:
-                    return _fail(status, E_TOKENS, src, 0, 0, 0)
         slots = table[me, SLOTS, half] + src * L * Tcap * row_bytes
-        for j in range(L):
+        for j in range(L):  # each row's info read once: checked, then placed from the same value
             n = record[S_COUNTS + j]
             for i in range(n):
+                slot_info = info[j * Tcap + i]
+                if slot_info < 0 or slot_info // Kmax >= T:
+                    return _fail(status, E_TOKENS, src, 0, 0, 0)
                 row, pos = slots + (j * Tcap + i) * row_bytes, begin[j] + i
                 _move(plane0[j, pos].ctypes.data, row, w0)
                 if w1:
                     _move(plane1[j, pos].ctypes.data, row + w0, w1)
-                src_token[j, pos] = info[j * Tcap + i] // Kmax
-                src_k[j, pos] = info[j * Tcap + i] % Kmax
+                src_token[j, pos] = slot_info // Kmax
+                src_k[j, pos] = slot_info % Kmax
                 src_rank[j, pos] = src
+        for j in range(L):
+            n = record[S_COUNTS + j]
             layout_range[j, src, 0], layout_range[j, src, 1] = begin[j], n
             begin[j] += n
         state[0] += 1
@@ -365,7 +366,7 @@ def ll_combine_recv(
     for r in range(R):
         if expected_R[r] == 0:
             continue
-        record = _elements_at(_I64, table[me, RETURNED, half] + r * R_WORDS * 8, R_WORDS)
+        record = words_once(table[me, RETURNED, half] + r * R_WORDS * 8, R_WORDS)  # checked: this copy
         if not dtype_lo <= record[R_DTYPE] <= dtype_hi:
             return _fail(status, E_FIELD, r, record[R_DTYPE], 0, 0)
         if not 0 <= record[R_COUNT] <= count_hi:

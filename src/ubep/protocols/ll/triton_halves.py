@@ -330,9 +330,10 @@ def _put_rows(rows, tokens, hit, pos, W, dst, slot_words, epoch, IN_WORD: tl.con
 
 
 @triton.jit
-def _check_sent(record, status, src, L, code, T, Tcap, row_bytes, width, dtype_lo, dtype_hi,
+def _check_sent(record, status, src, j, L, code, T, Tcap, row_bytes, width, dtype_lo, dtype_hi,
                 LB: tl.constexpr):  # fmt: skip
-    """`ll_halves.ll_dispatch_recv`'s checks of a landed record, in its order: 1 good, 0 failed."""
+    """The numba `ll_dispatch_recv`'s checks of a landed record, in its order: (1 good or 0 failed, the
+    record's count for local expert j). Every word is loaded once: the count returned is the one checked."""
     dtype = tl.load(record + S_DTYPE)
     their_T = tl.load(record + S_T)
     their_width = tl.load(record + S_WIDTH)
@@ -359,7 +360,7 @@ def _check_sent(record, status, src, L, code, T, Tcap, row_bytes, width, dtype_l
         _fail(status, E_COUNTS, src, 0, 0, 0)
     else:
         ok = 1
-    return ok
+    return ok, tl.sum(tl.where(ls == j, counts, 0), axis=0)
 
 
 @triton.jit
@@ -417,8 +418,9 @@ def ll_dispatch_recv_kernel(
                     go = tl.full((), 0, tl.int32)
                     waiting = tl.full((), 1, tl.int32) * (landed == 0)
                 elif s < src:
-                    before = tl.load(int64_ptr(stamp) + S_COUNTS + j)
-                    if (before < 0) | (before > T):  # that source's own program reports it
+                    before = tl.load(int64_ptr(stamp) + S_COUNTS + j)  # loaded once: checked, then used
+                    if (before < 0) | (before > T):  # (that source's own program may have seen another)
+                        _fail(status, E_FIELD, s, before, 3, 0)
                         go = tl.full((), 0, tl.int32)
                     else:
                         begin += before
@@ -426,11 +428,12 @@ def ll_dispatch_recv_kernel(
         n = tl.full((), 0, tl.int64)
         if (go != 0) & (tl.load(live + src) != 0):
             stamp = _address(table, me, SENT, half) + src * (S_COUNTS + L) * 8
-            if _check_sent(int64_ptr(stamp), status, src, L, code, T, Tcap, row_bytes, width,
-                           dtype_lo, dtype_hi, LB) == 0:  # fmt: skip
+            ok, count = _check_sent(int64_ptr(stamp), status, src, j, L, code, T, Tcap, row_bytes, width,
+                                    dtype_lo, dtype_hi, LB)  # fmt: skip
+            if ok == 0:
                 go = tl.full((), 0, tl.int32)
             else:
-                n = tl.load(int64_ptr(stamp) + S_COUNTS + j)
+                n = count
                 first = (src * L + j).to(tl.int64) * Tcap  # this source's slots for j
                 info = int64_ptr(_address(table, me, SLOT_INFO, half)) + first
                 slots = _address(table, me, SLOTS, half) + first * slot_bytes

@@ -29,11 +29,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from ubep.engine.numba_kernels import CHUNK, _elements_at, _jit, _move, store, widen
+from ubep.engine.numba_kernels import CHUNK, _elements_at, _jit, _move, store, widen, words_once
 from ubep.engine.numba_sync import (
     back_off,
     load_acquire,
-    load_relaxed,
     store_relaxed,
     store_release,
     wake_sleepers,
@@ -134,8 +133,11 @@ def combine_reduce(
     if n:
         status[1] = n
         return WAITING
+    back_RW = np.zeros((R, B_PREFIX + R + 2), dtype=np.int64)  # each live peer's header, copied once
+    for p in live:
+        back_RW[p] = words_once(table[p, BACK, half], B_PREFIX + R + 2)
     for p in live:  # bounds, field by field
-        words = _elements_at(_I64, table[p, BACK, half], B_PREFIX + R + 2)
+        words = back_RW[p]
         if not dtype_lo <= words[B_DTYPE] <= dtype_hi:
             return fail(status, E_FIELD, p, words[B_DTYPE], 0, 0, 0)
         if not 0 <= words[B_TOPK] <= Kmax:
@@ -144,12 +146,12 @@ def combine_reduce(
             if not 0 <= words[B_PREFIX + r] <= rows_max:
                 return fail(status, E_FIELD, p, words[B_PREFIX + r], 2, 0, 0)
     for p in live:
-        theirs = load_relaxed(table[p, BACK, half] + (B_PREFIX + R + 1) * 8)
+        theirs = back_RW[p, B_PREFIX + R + 1]
         if theirs != dispatch_seq:
             return fail(status, E_OTHER_CALL, p, theirs, 0, 0, 0)
     begin = np.zeros(R, dtype=np.int64)
     for p in live:
-        words = _elements_at(_I64, table[p, BACK, half], B_PREFIX + R + 2)
+        words = back_RW[p]
         begin[p] = words[B_PREFIX + me]
         rows = words[B_PREFIX + me + 1] - begin[p]
         if rows != send_counts[p] or words[B_DTYPE] != dtype_code or words[B_TOPK] != K:

@@ -183,6 +183,11 @@ def combine_reduce_kernel(
                     go = tl.full((), 0, tl.int32)
             p += 1
         rs = tl.arange(0, RB)
+        begins = tl.zeros((RB,), tl.int64)  # each live rank's header words, loaded once: checked, then used
+        rows_R = tl.zeros((RB,), tl.int64)
+        dtypes = tl.zeros((RB,), tl.int64)
+        topks = tl.zeros((RB,), tl.int64)
+        seqs = tl.zeros((RB,), tl.int64)
         p = tl.full((), 0, tl.int32)
         while (go != 0) & (p < R):  # bounds, field by field
             if tl.load(live + p) != 0:
@@ -190,6 +195,13 @@ def combine_reduce_kernel(
                 dtype = tl.load(words + B_DTYPE)
                 topk = tl.load(words + B_TOPK)
                 prefix = tl.load(words + B_PREFIX + rs, mask=rs <= R, other=0)
+                theirs = tl.load(words + B_PREFIX + R + 1)
+                begin = tl.sum(tl.where(rs == me, prefix, 0), axis=0)
+                begins = tl.where(rs == p, begin, begins)
+                rows_R = tl.where(rs == p, tl.sum(tl.where(rs == me + 1, prefix, 0), axis=0) - begin, rows_R)
+                dtypes = tl.where(rs == p, dtype, dtypes)
+                topks = tl.where(rs == p, topk, topks)
+                seqs = tl.where(rs == p, theirs, seqs)
                 bad = (rs <= R) & ((prefix < 0) | (prefix > rows_max))
                 first_bad = tl.min(tl.where(bad, rs, RB), axis=0)
                 bad_value = tl.sum(tl.where(rs == first_bad, prefix, 0), axis=0)
@@ -206,7 +218,7 @@ def combine_reduce_kernel(
         p = tl.full((), 0, tl.int32)
         while (go != 0) & (p < R):
             if tl.load(live + p) != 0:
-                theirs = tl.load(int64_ptr(_address(table, p, BACK, half)) + B_PREFIX + R + 1)
+                theirs = tl.sum(tl.where(rs == p, seqs, 0), axis=0)
                 if theirs != seq:
                     fail(status, E_OTHER_CALL, p, theirs, 0, 0, 0)
                     go = tl.full((), 0, tl.int32)
@@ -214,10 +226,9 @@ def combine_reduce_kernel(
         p = tl.full((), 0, tl.int32)
         while (go != 0) & (p < R):
             if tl.load(live + p) != 0:
-                words = int64_ptr(_address(table, p, BACK, half))
-                rows = tl.load(words + B_PREFIX + me + 1) - tl.load(words + B_PREFIX + me)
-                dtype = tl.load(words + B_DTYPE)
-                topk = tl.load(words + B_TOPK)
+                rows = tl.sum(tl.where(rs == p, rows_R, 0), axis=0)
+                dtype = tl.sum(tl.where(rs == p, dtypes, 0), axis=0)
+                topk = tl.sum(tl.where(rs == p, topks, 0), axis=0)
                 want = tl.load(send_counts + p)
                 if (rows != want) | (dtype != code) | (topk != K):
                     fail(status, E_ROWS, p, rows, dtype, topk, want)
@@ -232,8 +243,7 @@ def combine_reduce_kernel(
                 r = tl.full((), 0, tl.int32)
                 while r < R:
                     if tl.load(in_rank + t * R + r) != 0:
-                        row = tl.load(int64_ptr(_address(table, r, BACK, half)) + B_PREFIX + me)
-                        row += tl.load(place + t * R + r)
+                        row = tl.sum(tl.where(rs == r, begins, 0), axis=0) + tl.load(place + t * R + r)
                         base = _address(table, r, Y, half)
                         if KIND == BF16:
                             v = tl.load(base.to(tl.pointer_type(tl.bfloat16)) + row * H + cols, mask=m)
@@ -252,8 +262,7 @@ def combine_reduce_kernel(
                 r = tl.full((), 0, tl.int32)
                 while r < R:
                     if tl.load(in_rank + t * R + r) != 0:
-                        row = tl.load(int64_ptr(_address(table, r, BACK, half)) + B_PREFIX + me)
-                        row += tl.load(place + t * R + r)
+                        row = tl.sum(tl.where(rs == r, begins, 0), axis=0) + tl.load(place + t * R + r)
                         w_at = _address(table, r, Y_WEIGHTS, half).to(tl.pointer_type(tl.float32))
                         acc_w = acc_w + tl.load(w_at + row * Kmax + ks, mask=ks < K, other=0.0)
                     r += 1

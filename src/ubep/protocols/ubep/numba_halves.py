@@ -39,8 +39,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ubep.engine.numba_kernels import _elements_at, _jit, _move
-from ubep.engine.numba_sync import load_acquire, load_relaxed
+from ubep.engine.numba_kernels import _elements_at, _jit, _move, words_once
+from ubep.engine.numba_sync import load_acquire
 from ubep.protocols.normal.numba_halves import await_stamps, fail, publish
 from ubep.protocols.ubep.blocks import (
     DATA,
@@ -137,8 +137,11 @@ def dispatch_routes(
         return WAITING
     for r in range(R):
         counts[r], sent[r] = 0, 0
+    route_RW = np.zeros((R, R_COUNTS + R), dtype=np.int64)  # each live peer's header, copied once
+    for p in live:
+        route_RW[p] = words_once(table[p, ROUTE, half], R_COUNTS + R)
     for p in live:  # bounds, field by field in declaration order
-        words = _elements_at(_I64, table[p, ROUTE, half], R_COUNTS + R)
+        words = route_RW[p]
         if words[R_NUM] == REJECTED:  # a Triton sender that found its own input bad
             return fail(status, E_REJECTED, p, 0, 0, 0, 0)
         if not 0 <= words[R_NUM] <= T:
@@ -152,13 +155,11 @@ def dispatch_routes(
                 return fail(status, E_FIELD, p, words[R_COUNTS + r], 3, 0, 0)
         counts[p], sent[p] = words[R_COUNTS + me], words[R_NUM]
     for p in live:
-        code = load_relaxed(table[p, ROUTE, half] + R_DTYPE * 8)
-        if code != dtype_code:
-            return fail(status, E_DTYPE, p, code, 0, 0, 0)
+        if route_RW[p, R_DTYPE] != dtype_code:
+            return fail(status, E_DTYPE, p, route_RW[p, R_DTYPE], 0, 0, 0)
     for p in live:
-        their_k = load_relaxed(table[p, ROUTE, half] + R_TOPK * 8)
-        if K and their_k != K:
-            return fail(status, E_TOPK, p, their_k, 0, 0, 0)
+        if K and route_RW[p, R_TOPK] != K:
+            return fail(status, E_TOPK, p, route_RW[p, R_TOPK], 0, 0, 0)
     return DONE
 
 

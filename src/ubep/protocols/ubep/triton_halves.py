@@ -181,7 +181,7 @@ def ubep_dispatch_routes_kernel(
     state, status, max_spins,
     CACHED: tl.constexpr, RB: tl.constexpr,
 ):  # fmt: skip
-    """Wait for every live source's route header, check it as `ubep_halves.dispatch_routes` does (in
+    """Wait for every live source's route header, check it as the numba `dispatch_routes` does (in
     its order), and take its count for this rank: counts and sent int64 [R] (0 for masked sources);
     unless CACHED, prefix int64 [R + 1] (rows from source s are [prefix[s], prefix[s + 1])), and with
     worst > 0 the total must fit in `worst` rows. state int64 [R + 1] (zeroed for the call): state[s]
@@ -198,14 +198,21 @@ def ubep_dispatch_routes_kernel(
                 tl.store(state + p, 1)
         p += 1
     rs = tl.arange(0, RB)
+    dtypes = tl.zeros((RB,), tl.int64)  # each live source's header words, loaded once: checked, then used
+    topks = tl.zeros((RB,), tl.int64)
     p = tl.full((), 0, tl.int32)
     while (go != 0) & (p < R):  # bounds, field by field in declaration order
+        count = tl.full((), 0, tl.int64)
+        num = tl.full((), 0, tl.int64)
         if tl.load(live + p) != 0:
             words = int64_ptr(_address(table, p, ROUTE, half))
             num = tl.load(words + R_NUM)
             dtype = tl.load(words + R_DTYPE)
             topk = tl.load(words + R_TOPK)
             theirs = tl.load(words + R_COUNTS + rs, mask=rs < R, other=0)
+            dtypes = tl.where(rs == p, dtype, dtypes)
+            topks = tl.where(rs == p, topk, topks)
+            count = tl.sum(tl.where(rs == me, theirs, 0), axis=0)
             bad = (rs < R) & ((theirs < 0) | (theirs > T))
             first_bad = tl.min(tl.where(bad, rs, RB), axis=0)
             bad_count = tl.sum(tl.where(rs == first_bad, theirs, 0), axis=0)
@@ -224,11 +231,13 @@ def ubep_dispatch_routes_kernel(
             elif first_bad < RB:
                 fail(status, E_FIELD, p, bad_count, 3, 0, 0)
                 go = tl.full((), 0, tl.int32)
+        tl.store(counts + p, count)  # the loaded copies (a failed call uses none of them)
+        tl.store(sent + p, num)
         p += 1
     p = tl.full((), 0, tl.int32)
     while (go != 0) & (p < R):
         if tl.load(live + p) != 0:
-            dtype = tl.load(int64_ptr(_address(table, p, ROUTE, half)) + R_DTYPE)
+            dtype = tl.sum(tl.where(rs == p, dtypes, 0), axis=0)
             if dtype != code:
                 fail(status, E_DTYPE, p, dtype, 0, 0, 0)
                 go = tl.full((), 0, tl.int32)
@@ -236,7 +245,7 @@ def ubep_dispatch_routes_kernel(
     p = tl.full((), 0, tl.int32)
     while (go != 0) & (p < R):
         if tl.load(live + p) != 0:
-            their_k = tl.load(int64_ptr(_address(table, p, ROUTE, half)) + R_TOPK)
+            their_k = tl.sum(tl.where(rs == p, topks, 0), axis=0)
             if (K > 0) & (their_k != K):
                 fail(status, E_TOPK, p, their_k, 0, 0, 0)
                 go = tl.full((), 0, tl.int32)
@@ -245,17 +254,9 @@ def ubep_dispatch_routes_kernel(
         total = tl.full((), 0, tl.int64)
         p = tl.full((), 0, tl.int32)
         while p < R:
-            count = tl.full((), 0, tl.int64)
-            n = tl.full((), 0, tl.int64)
-            if tl.load(live + p) != 0:
-                words = int64_ptr(_address(table, p, ROUTE, half))
-                count = tl.load(words + R_COUNTS + me)
-                n = tl.load(words + R_NUM)
-            tl.store(counts + p, count)
-            tl.store(sent + p, n)
             if not CACHED:
                 tl.store(prefix + p, total)
-            total += count
+            total += tl.load(counts + p)
             p += 1
         if not CACHED:
             tl.store(prefix + R, total)
