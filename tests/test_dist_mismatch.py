@@ -16,7 +16,7 @@ from scenarios import Scenario, expert_output
 import ubep
 from ubep import reference
 from ubep.calls import CallId
-from ubep.collectives.call_header import CallHeader, check
+from ubep.protocols.call_header import CallHeader, check
 from ubep.protocols.base import DTYPE_CODES
 
 R, E, T = 2, 8, 6

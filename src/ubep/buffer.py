@@ -143,11 +143,14 @@ class Buffer:
         capturable: calls on the Triton halves read nothing back on the host, so a CUDA graph can
             capture them (low-latency calls; normal-mode calls with `num_worst_tokens`); their
             errors (a bad topk_idx value too) raise at `check()`. docs/device.md.
+        fabric: how bytes reach ranks on other hosts, where protocol "ubep" crosses hosts: "gloo"
+            (torch.distributed point-to-point over TCP; "auto" takes it) or "nixl" (NIXL one-sided
+            writes over UCX: TCP, InfiniBand, EFA; the `nixl` extra). docs/multinode.md.
 
-    transport, protocol, timeout_s, engine, stats, ll_flag and capturable left as None come from the
-    environment (UBEP_TRANSPORT, UBEP_PROTOCOL, UBEP_TIMEOUT_S, UBEP_ENGINE, UBEP_STATS, UBEP_LL_FLAG,
-    UBEP_CAPTURABLE), else from the defaults above; an argument given wins (`ubep.settings`, and
-    `explain()` says which).
+    transport, protocol, timeout_s, engine, stats, ll_flag, capturable and fabric left as None come
+    from the environment (UBEP_TRANSPORT, UBEP_PROTOCOL, UBEP_TIMEOUT_S, UBEP_ENGINE, UBEP_STATS,
+    UBEP_LL_FLAG, UBEP_CAPTURABLE, UBEP_FABRIC), else from the defaults above; an argument given wins
+    (`ubep.settings`, and `explain()` says which).
     """
 
     def __init__(
@@ -170,6 +173,7 @@ class Buffer:
         stats: bool | StatsOptions | None = None,
         ll_flag: str | None = None,
         capturable: bool | None = None,
+        fabric: str | None = None,
     ):
         log = settings.configure_logging()
         self._settings = settings.resolve(
@@ -181,9 +185,10 @@ class Buffer:
                 "stats": stats,
                 "ll_flag": ll_flag,
                 "capturable": capturable,
+                "fabric": fabric,
             }
         )
-        transport, protocol, timeout_s, engine, stats, ll_flag, capturable = (
+        transport, protocol, timeout_s, engine, stats, ll_flag, capturable, fabric = (
             s.value for s in self._settings.values()
         )
         validate.positive("hidden", hidden)
@@ -239,6 +244,7 @@ class Buffer:
                 schedule=schedule,
                 ll_flag=ll_flag,
                 capturable=self.capturable,
+                fabric=fabric,
             )
             exchanges = build(self._info, self.sizing, options, self.engine, self._faults)
             self._exchange: Exchange | None = exchanges[0]
@@ -330,10 +336,13 @@ class Buffer:
         return Stats.combine_ranks(all_gather_object(self._info, mine))
 
     def _exchange_name(self) -> str:
-        if self.transport == "dist" and self.protocol == "ubep":
-            return "bsp (collectives are bulk-synchronous; ubep's protocol needs the shared heap)"
+        across = getattr(self._exchange, "across_hosts", None)  # what crosses hosts, and how
+        if across is not None:
+            return f"{self.protocol} ({across})"
         if self.transport == "hier":
             return "hier (rail all-to-all across nodes, pull/put on shared memory within a node)"
+        if self.transport == "dist":
+            return "bsp (torch.distributed all-to-all collectives: the bulk-synchronous baseline)"
         return self.protocol if self.transport != "local" else "local"
 
     @property

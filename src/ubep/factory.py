@@ -20,15 +20,20 @@ from ubep.collectives.bsp_dist import BspDist
 from ubep.collectives.hier import HierExchange
 from ubep.collectives.ll_dist import LLDist
 from ubep.engine import Engine, TorchEngine, choose_engine
+from ubep.fabric import open_fabric
 from ubep.faults import FaultPoints
 from ubep.group import GroupInfo
 from ubep.protocols.base import Exchange, Sizing
 from ubep.protocols.bsp import BspBlocks, BspExchange
 from ubep.protocols.ll import LLBlocks, LLExchange
+from ubep.protocols.ll.fabric import LLFabric
+from ubep.protocols.ll.fabric import lanes as ll_fabric_lanes
 from ubep.protocols.ll.local import LLLocal
 from ubep.protocols.ll.plans import AFTER_DATA, IN_WORD, LowLatencyExchange
 from ubep.protocols.local import LocalExchange
 from ubep.protocols.ubep import UbepBlocks, UbepExchange
+from ubep.protocols.ubep.fabric import UbepFabric
+from ubep.protocols.ubep.fabric import lanes as fabric_lanes
 from ubep.protocols.warmup import warm_up
 from ubep.transport.base import Header, Region
 from ubep.transport.cuda import cuda_heap
@@ -49,6 +54,7 @@ class Options:
     schedule: str = "ubep"
     ll_flag: str = AFTER_DATA  # low-latency rows: "after-data" or "in-word" (the Triton halves only)
     capturable: bool = False  # Triton halves (both modes) that read nothing back on the host
+    fabric: str = "auto"  # how bytes reach other hosts (`ubep.fabric`): "auto", "gloo" or "nixl"
 
 
 def ready_engine(requested: str = "auto") -> tuple[Engine, str]:
@@ -104,11 +110,31 @@ NORMAL_DEVICE_HEADERS = {  # `UbepBlocks`' and `BspBlocks`' headers
     "ubep": ("ubep.route", "ubep.data", "ubep.back"),
     "bsp": ("bsp.counts", "bsp.staged", "bsp.back"),
 }
-# Collectives, where memory is not addressable: the normal-mode exchange of each transport.
-COLLECTIVES = {
-    "dist": lambda info, s, o, engine, faults: BspDist(info.group, info.rank, s, o.timeout_s, faults),
-    "hier": lambda info, s, o, engine, faults: HierExchange(info, s, o.timeout_s, engine),
+
+
+def ubep_over_fabric(
+    info: GroupInfo, sizing: Sizing, o: Options, engine: Engine
+) -> tuple[UbepFabric, LLFabric | None]:
+    """UBEP with every peer over one fabric (transport "dist"), both modes on its lanes (so a peer
+    in a call of another kind is named): collective to build."""
+    lanes = fabric_lanes(sizing) + (ll_fabric_lanes(sizing) if o.low_latency else ())
+    fabric, reason = open_fabric(o.fabric, info.group, info.rank, info.world_size, lanes, o.timeout_s)
+    return UbepFabric(fabric, engine, sizing, reason), LLFabric(
+        fabric, engine, sizing
+    ) if o.low_latency else None
+
+
+# Where memory is not addressable (across hosts): the normal-mode exchange of each transport and
+# protocol. ubep's messages go over a fabric, with no collective inside a call; bsp keeps the
+# torch.distributed collectives, the bulk-synchronous baseline.
+ACROSS_HOSTS = {
+    ("dist", "bsp"): lambda info, s, o, engine, faults: BspDist(
+        info.group, info.rank, s, o.timeout_s, faults
+    ),
+    ("hier", "ubep"): lambda info, s, o, engine, faults: HierExchange(info, s, o.timeout_s, engine),
+    ("hier", "bsp"): lambda info, s, o, engine, faults: HierExchange(info, s, o.timeout_s, engine),
 }
+COLLECTIVES = ("dist", "hier")
 
 
 def heap_blocks(
@@ -138,8 +164,10 @@ def build(
         )
     if o.transport == "local":
         return LocalExchange(sizing), LLLocal(engine) if o.low_latency else None
+    if (o.transport, o.protocol) == ("dist", "ubep"):
+        return ubep_over_fabric(info, sizing, o, engine)
     if o.transport in COLLECTIVES:  # low-latency mode takes the collective path too
-        normal = COLLECTIVES[o.transport](info, sizing, o, engine, faults)
+        normal = ACROSS_HOSTS[o.transport, o.protocol](info, sizing, o, engine, faults)
         return normal, LLDist(info.group, info.rank, sizing, engine, o.timeout_s) if o.low_latency else None
     normal_headers = (
         NORMAL_DEVICE_HEADERS.get(o.protocol, ()) if engine.name == "triton" and o.workers == 1 else ()

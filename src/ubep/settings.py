@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ubep.engine import ENGINES
+from ubep.fabric import FABRICS
 from ubep.factory import HEAP_PROTOCOLS
 from ubep.group import TRANSPORTS
 from ubep.protocols.ll.plans import FLAGS
@@ -76,6 +77,7 @@ BUFFER_SETTINGS: dict[str, tuple[str, Callable[[str], Any], Any]] = {
     "stats": ("UBEP_STATS", _flag, False),
     "ll_flag": ("UBEP_LL_FLAG", _one_of(FLAGS), FLAGS[0]),
     "capturable": ("UBEP_CAPTURABLE", _flag, False),
+    "fabric": ("UBEP_FABRIC", _one_of(FABRICS), "auto"),
 }
 
 

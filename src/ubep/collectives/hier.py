@@ -41,7 +41,6 @@ import torch
 import torch.distributed as dist
 
 from ubep.calls import CallId
-from ubep.collectives.call_header import NONE, CallHeader, CallHeaders
 from ubep.deadlines import collective_deadline
 from ubep.engine import Engine
 from ubep.errors import PeerDataError
@@ -55,6 +54,7 @@ from ubep.layout import (
 )
 from ubep.nodes import NodeMap, tokens_per_slot
 from ubep.protocols.base import CODE_DTYPES, CODE_RANGE, DTYPE_CODES, Received, SendPlan, Sizing, rows
+from ubep.protocols.call_header import NONE, CallHeader, CallHeaders
 from ubep.results import DispatchHandle, RecvRoute
 from ubep.transport.base import Field, Header, Region
 from ubep.transport.shm import shm_heap
@@ -262,7 +262,7 @@ class HierExchange:
     def _rail_header(
         self, call: CallId, header: CallHeader, mine_G1: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """The call header over the rail (`ubep.collectives.call_header`), first in every call half:
+        """The call header over the rail (`ubep.protocols.call_header`), first in every call half:
         rail peers whose calls differ raise before any variable-size collective, and node peers
         learn at once. Returns the word each rail peer sent here (int64 [G, 1])."""
         try:

@@ -122,6 +122,13 @@ class CallHeaders:
         return recv_RW
 
 
+def check_peer(where: str, me: int, mine: torch.Tensor, peer: int, theirs: torch.Tensor) -> None:
+    """`check` of one peer's header (int64 [WORDS]) against this rank's, the rows in rank order, so
+    that every rank words a difference alike (a message-based path sees one peer at a time)."""
+    rows, names = ((mine, theirs), (me, peer)) if me < peer else ((theirs, mine), (peer, me))
+    check(torch.stack(rows), where, names)
+
+
 def phase(call: CallId) -> str:
     return f"{PHASES[call.kind]} (call header)"
 

@@ -1,0 +1,44 @@
+"""The fabric floor: bytes to ranks on other hosts, as messages (`ubep.fabric.base`).
+
+    protocol -> [fabric: gloo | nixl] -> the wire
+
+`open_fabric` builds the engine a Buffer asks for and says why: "gloo"
+(torch.distributed point-to-point over TCP, no new dependency, the default) or
+"nixl" (NIXL one-sided writes with notifications over UCX: TCP, InfiniBand,
+EFA; the `nixl` extra). No protocol imports an engine: they take a `Fabric`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch.distributed as dist
+
+from ubep.fabric.base import Fabric, Lane, Message, Outgoing
+
+FABRICS = ("auto", "gloo", "nixl")
+
+
+def open_fabric(
+    requested: str,
+    group: dist.ProcessGroup | None,
+    rank: int,
+    num_ranks: int,
+    lanes: Sequence[Lane],
+    timeout_s: float,
+) -> tuple[Fabric, str]:
+    """(fabric, reason), collective over the group; ValueError names the choices, ImportError the
+    extra a missing engine needs."""
+    if requested not in FABRICS:
+        raise ValueError(f"fabric must be one of {FABRICS}, got {requested!r}")
+    if requested == "nixl":
+        from ubep.fabric.nixl import NixlFabric  # imported here: nixl is optional
+
+        return NixlFabric(group, rank, num_ranks, lanes, timeout_s), "requested"
+    from ubep.fabric.gloo import GlooFabric
+
+    reason = "requested" if requested == "gloo" else "the default: torch.distributed point-to-point, no extra"
+    return GlooFabric(group, rank, num_ranks, lanes, timeout_s), reason
+
+
+__all__ = ["FABRICS", "Fabric", "Lane", "Message", "Outgoing", "open_fabric"]

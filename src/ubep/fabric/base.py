@@ -1,0 +1,105 @@
+"""The fabric floor: how bytes reach a rank on another host.
+
+    protocol (ubep across hosts) -> [fabric] -> the wire (gloo: TCP; nixl: UCX over TCP, InfiniBand, EFA)
+
+A fabric carries *messages on lanes*. A lane is one kind of message (a
+dispatch's rows, a combine's rows, ...) between every pair of ranks of the
+group: each rank has, for every peer, an inbox of the lane's size per buffer
+half (the call's seq parity), registered once at construction. `outbox` gives
+this rank's message of a call to one peer to fill in place (rows are gathered
+straight into it), and `send` sends it: its bytes, then the notice that they
+are there (data as flag). A message is int64 header words chosen by the
+protocol (so counts and routing travel with the rows), then its payload bytes.
+`arrivals` yields each peer's message of a call as it lands, in arrival order,
+under the Buffer's deadline, with the dead-peer and abort checks; `release`
+hands the inbox back for a later call. No call of a fabric is collective:
+nothing waits for a peer that has nothing to send this rank.
+
+Every message is framed with the call it belongs to (seq, kind): a message of
+an older call (one this rank gave up on) is dropped, never taken for a later
+one, and a peer ahead of this rank is named. A rank that gives up on a call
+tells its peers at once (`abort`), as the shared-memory transport does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from ubep.calls import CallId
+
+
+@dataclass(frozen=True, slots=True)
+class Lane:
+    """One kind of message: at most `words` int64 header words and `nbytes` payload bytes, from every
+    peer to every peer, double-buffered by the call's seq parity (calls s and s + 1 may overlap)."""
+
+    name: str
+    words: int
+    nbytes: int
+
+
+@dataclass(slots=True)
+class Outgoing:
+    """A message being written: fill `header` (int64 [words]) and `payload` (uint8 [nbytes]) in place,
+    then `Fabric.send` it. `key` is the engine's own (where it goes)."""
+
+    header: torch.Tensor
+    payload: torch.Tensor
+    key: object
+
+
+@dataclass(frozen=True, slots=True)
+class Message:
+    """One peer's message of one call, as it landed: its header words (a copy, int64) and its payload
+    (a view of this rank's inbox, valid until `release`)."""
+
+    peer: int
+    header: torch.Tensor  # int64 [words]
+    payload: torch.Tensor  # uint8 [nbytes sent]
+
+
+class Fabric(Protocol):
+    """One rank's end of the fabric: its inboxes, its puts, its waits."""
+
+    name: str
+    rank: int
+    num_ranks: int
+
+    def outbox(self, lane: str, peer: int, call: CallId, words: int, nbytes: int) -> Outgoing:
+        """This rank's message of `call` on `lane` to `peer`, to fill: `words` header words, `nbytes`
+        payload bytes (the lane's limits at most). Its memory is the engine's (registered)."""
+
+    def send(self, out: Outgoing) -> None:
+        """Send a filled message; returns at once: no sender waits for its receiver."""
+
+    def arrivals(
+        self,
+        lane: str,
+        call: CallId,
+        peers: Iterable[int],
+        phase: str,
+        other_call: Callable[[int, torch.Tensor], None] | None = None,
+    ) -> Iterator[Message]:
+        """Each of `peers`' messages of `call` on `lane`, once, as it lands (arrival order). Raises
+        CommTimeoutError naming the silent or dead peers at the deadline, PeerAbortedError when a
+        pending peer gave up on the call, PeerDataError when a peer is in another call. A pending
+        peer's message of the same seq on another lane (a call of another kind) goes to
+        `other_call(peer, its header)`, which raises in the protocol's words."""
+
+    def release(self, lane: str, peer: int, call: CallId) -> None:
+        """This rank is done with `peer`'s message of `call` on `lane`: its inbox may take a later one."""
+
+    def begin(self, call: CallId) -> None:
+        """This rank begins `call` (before its first message of it): inboxes still holding an older
+        call's message, one this rank gave up on, are freed for the peers' later messages."""
+
+    def abort(self, call: CallId, culprit: int | None = None, rejected: bool = False) -> None:
+        """Tell every peer that this rank gives up on `call`, blaming `culprit` (None: itself;
+        `rejected`: it rejected its own input for the call, before sending anything)."""
+
+    def close(self) -> None:
+        """Release every inbox and connection; idempotent."""

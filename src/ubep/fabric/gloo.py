@@ -1,0 +1,284 @@
+"""The gloo fabric: messages as torch.distributed point-to-point sends over TCP (no new dependency).
+
+    protocol -> [GlooFabric: isend / pre-posted irecv per (lane, peer, half)] -> gloo -> TCP
+
+gloo sends a message only once its receiver has posted a receive for it (the
+receiver tells the sender), so every inbox is posted in advance: both halves of
+every lane at construction, each again as soon as this rank releases it. A
+sender never waits for its receiver to reach the call. A receive may be larger
+than the message, so an inbox is posted at the lane's largest size and the
+message's frame says how much of it landed.
+
+Data as flag. gloo's receive completes only when the receiver waits on it, and a
+wait with a timeout closes the connection, so a receiver never waits on one that
+has not landed: it watches the inbox itself. gloo writes a message into it in
+order, so the frame's last word (the call's seq, zeroed before the inbox is
+posted) says the frame is there, and a trailer after the payload (a word derived
+from the seq and kind, which stale bytes match with odds of 2^-64) says the
+whole message is; then the wait returns at once.
+
+Frame (int64 words, before the protocol's header): header words, payload bytes,
+kind, seq. The fabric has a group of its own (so its tags meet no
+collective of the Buffer's group), and one more receive per peer for abort
+notices (seq, culprit), polled while waiting.
+
+What it can tell of failures: a peer on this host that died is named at once
+(its process is gone); any other silent peer, stopped or dead, at the deadline
+(a receive that never lands cannot be told from one that is late). Nothing here
+busy-polls: a wait yields, then sleeps (`ubep.waiting.Waiter`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from ubep.calls import KINDS, METHODS, CallId
+from ubep.deadlines import PeerPids, collective_deadline
+from ubep.errors import PeerDataError
+from ubep.fabric.base import Lane, Message, Outgoing
+from ubep.waiting import AbortNotice, Waiter
+
+FRAME = 4  # int64 words before the header: header words, payload bytes, kind, seq (last: it says the
+WORDS, NBYTES, KIND, SEQ = range(FRAME)  # frame has landed)
+NOTICE = 3  # an abort notice: culprit + 1 (0: the sender itself), 2 kind + rejected, seq (last: landed)
+CONTROL_TAG = 1  # lane i, half h: tag 2 + 2 i + h
+
+
+def _bytes_of(lane: Lane) -> int:
+    """An inbox: frame, header, payload (8-byte aligned), trailer."""
+    return 8 * (FRAME + lane.words + 1) + _aligned(lane.nbytes)
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // 8) * 8
+
+
+def _notice(culprit: int, kind: int, rejected: int, seq: int) -> AbortNotice:
+    """What a peer's abort notice says (culprit -1: the peer gave up on its own)."""
+    if rejected:
+        reason = f"it rejected its input for {METHODS.get(kind, kind)} (call #{seq}); see its error"
+    else:
+        reason = "it gave up on the call" if culprit < 0 else f"it gave up because rank {culprit} failed"
+    return AbortNotice(reason, None if culprit < 0 else culprit)
+
+
+def _trailer(seq: int, kind: int) -> int:
+    """The word after a message's payload: a 64-bit mix of its seq and kind, as int64."""
+    mixed = (seq * 0x9E3779B97F4A7C15 + kind * 0xBF58476D1CE4E5B9 + 0x94D049BB133111EB) % (1 << 64)
+    return mixed - (1 << 64) if mixed >= 1 << 63 else mixed
+
+
+@dataclass(slots=True)
+class _Inbox:
+    """One posted receive: its buffer and the work that completes when a message lands in it."""
+
+    buffer: torch.Tensor  # uint8 [frame + header + payload], the lane's largest
+    work: object | None = None
+    waited: bool = False  # its receive was waited on (a second wait would wait for another message)
+
+
+class GlooFabric:
+    """One rank's end of the fabric over a gloo group of its own. Collective to build."""
+
+    name = "gloo"
+
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None,
+        rank: int,
+        num_ranks: int,
+        lanes: Sequence[Lane],
+        timeout_s: float,
+    ):
+        self.rank, self.num_ranks, self.timeout_s = rank, num_ranks, timeout_s
+        self.lanes = {lane.name: i for i, lane in enumerate(lanes)}
+        self._lanes = tuple(lanes)
+        ranks = list(range(num_ranks)) if group is None else dist.get_process_group_ranks(group)
+        with collective_deadline(group, timeout_s, "Buffer construction (fabric)"):
+            self.group = dist.new_group(ranks, timeout=timedelta(seconds=timeout_s), backend="gloo")
+            self._pids = PeerPids.gather(self.group, rank, num_ranks)
+        self._global = ranks  # group rank -> global rank, for point-to-point calls
+        self.peers = [p for p in range(num_ranks) if p != rank]
+        self._inbox = {
+            (i, p, h): _Inbox(torch.empty(_bytes_of(lane), dtype=torch.uint8))
+            for i, lane in enumerate(lanes)
+            for p in self.peers
+            for h in (0, 1)
+        }
+        self._free: dict[int, list[torch.Tensor]] = {i: [] for i in range(len(lanes))}  # outbox buffers
+        self._in_flight: dict[int, list[tuple[int, int, torch.Tensor, object]]] = {p: [] for p in self.peers}
+        self._control = {p: _Inbox(torch.zeros(NOTICE, dtype=torch.int64)) for p in self.peers}
+        self._notices: dict[tuple[int, int], AbortNotice] = {}  # (peer, seq) -> its notice
+        self._closed = False
+        for key in self._inbox:
+            self._post(key)
+        for p in self.peers:
+            self._post_control(p)
+
+    # -- receiving --------------------------------------------------------------------------------
+
+    def _post(self, key: tuple[int, int, int]) -> None:
+        lane, peer, half = key
+        box = self._inbox[key]
+        box.buffer[8 * SEQ : 8 * (SEQ + 1)].zero_()  # no message yet (a seq is never 0)
+        box.waited = False
+        box.work = dist.irecv(box.buffer, src=self._global[peer], group=self.group, tag=2 + 2 * lane + half)
+
+    def _post_control(self, peer: int) -> None:
+        box = self._control[peer]
+        box.buffer.zero_()
+        box.work = dist.irecv(box.buffer, src=self._global[peer], group=self.group, tag=CONTROL_TAG)
+
+    def _frame(self, lane: int, peer: int, half: int) -> tuple[int, int, int, int] | None:
+        """(seq, kind, header words, payload bytes) of the message in an inbox once all of it has landed
+        (its receive then completed), else None. A frame out of the lane's bounds blames the peer."""
+        box = self._inbox[(lane, peer, half)]
+        frame = box.buffer[: 8 * FRAME].view(torch.int64)
+        seq = int(frame[SEQ])
+        if seq == 0:
+            return None
+        words, nbytes, kind = int(frame[WORDS]), int(frame[NBYTES]), int(frame[KIND])
+        limit = self._lanes[lane]
+        if not (0 <= words <= limit.words and 0 <= nbytes <= limit.nbytes):
+            raise PeerDataError(f"rank {peer} framed a message of {words} words and {nbytes} bytes")
+        at = 8 * (FRAME + words) + _aligned(nbytes)
+        if int(box.buffer[at : at + 8].view(torch.int64)[0]) != _trailer(seq, kind):
+            return None  # the frame is here, the rest is still landing
+        if not box.waited:
+            box.work.wait()  # it has landed: returns at once
+            box.waited = True
+        return seq, kind, words, nbytes
+
+    def _abort_of(self, call: CallId):
+        """Waiter's peer_abort: a notice `peer` sent about this call (seen on its control receive)."""
+
+        def notice(peer: int) -> AbortNotice | None:
+            box = self._control[peer]
+            while int(box.buffer[NOTICE - 1]) != 0:  # the seq, last: the notice has landed
+                box.work.wait()
+                culprit, how, seq = (int(v) for v in box.buffer)
+                self._notices[(peer, seq)] = _notice(culprit - 1, how // 2, how % 2, seq)
+                self._post_control(peer)
+            return self._notices.get((peer, call.seq))
+
+        return notice
+
+    def arrivals(
+        self,
+        lane: str,
+        call: CallId,
+        peers: Iterable[int],
+        phase: str,
+        other_call: Callable[[int, torch.Tensor], None] | None = None,
+    ) -> Iterator[Message]:
+        i, half = self.lanes[lane], call.seq % 2
+        pending = [p for p in peers if p != self.rank]
+        waiter = Waiter(phase, self.timeout_s, lambda p: p in self._pids.dead(), self._abort_of(call))
+        while pending:
+            landed = []
+            for p in pending:
+                while (frame := self._frame(i, p, half)) is not None:
+                    seq, kind, words, nbytes = frame
+                    if seq < call.seq:  # an older call's message, one this rank gave up on: dropped
+                        self._post((i, p, half))
+                        continue
+                    if seq != call.seq or kind != KINDS[call.kind]:
+                        raise PeerDataError(
+                            f"{phase}: rank {p} sent a message of call #{seq} ({kind}), this rank is in "
+                            f"call #{call.seq} ({call.kind}): the ranks' calls are out of step"
+                        )
+                    landed.append((p, words, nbytes))
+                    self._retire(p, seq)
+                    break
+            for p, words, nbytes in landed:
+                pending.remove(p)
+                buffer = self._inbox[(i, p, half)].buffer
+                at = 8 * (FRAME + words)
+                header = buffer[8 * FRAME : at].view(torch.int64).clone()  # read once: checked, then used
+                yield Message(p, header, buffer[at : at + nbytes])
+            if pending and not landed:
+                self._other_calls(i, call, pending, other_call)
+                waiter.pause(pending)
+
+    def _other_calls(self, lane: int, call: CallId, pending: list[int], other_call) -> None:
+        """A pending peer's landed message of this seq on another lane: `other_call` raises on it."""
+        if other_call is None:
+            return
+        for (i, p, h), box in self._inbox.items():
+            if (
+                i != lane
+                and p in pending
+                and (frame := self._frame(i, p, h)) is not None
+                and frame[0] == call.seq
+            ):
+                words = frame[2]
+                other_call(p, box.buffer[8 * FRAME : 8 * (FRAME + words)].view(torch.int64).clone())
+
+    def release(self, lane: str, peer: int, call: CallId) -> None:
+        self._post((self.lanes[lane], peer, call.seq % 2))
+
+    def begin(self, call: CallId) -> None:
+        """Before this rank's first message of `call`: every inbox still holding a message of an older
+        call (one this rank gave up on) is posted again, so no peer's later message waits behind it."""
+        for i, p, h in list(self._inbox):
+            frame = self._frame(i, p, h)
+            if frame is not None and frame[0] < call.seq:
+                self._post((i, p, h))
+
+    # -- sending ----------------------------------------------------------------------------------
+
+    def outbox(self, lane: str, peer: int, call: CallId, words: int, nbytes: int) -> Outgoing:
+        """A message to fill for `peer`, in a buffer no send in flight uses."""
+        i = self.lanes[lane]
+        free = self._free[i]
+        buffer = free.pop() if free else torch.empty(_bytes_of(self._lanes[i]), dtype=torch.uint8)
+        frame = buffer[: 8 * FRAME].view(torch.int64)
+        frame[SEQ], frame[KIND], frame[WORDS], frame[NBYTES] = call.seq, KINDS[call.kind], words, nbytes
+        at, end = 8 * (FRAME + words), 8 * (FRAME + words) + _aligned(nbytes)
+        buffer[end : end + 8].view(torch.int64)[0] = _trailer(call.seq, KINDS[call.kind])
+        key = (i, peer, call.seq, end + 8)
+        return Outgoing(buffer[8 * FRAME : at].view(torch.int64), buffer[at : at + nbytes], (key, buffer))
+
+    def send(self, out: Outgoing) -> None:
+        """Send a filled message; returns at once. Its buffer stays in flight until the peer shows it
+        moved past the call (`_retire`): gloo's send has no completion to poll, and a wait on one
+        whose receiver has not posted would time out and close the connection."""
+        (lane, peer, seq, size), buffer = out.key
+        tag = 2 + 2 * lane + seq % 2
+        work = dist.isend(buffer[:size], dst=self._global[peer], group=self.group, tag=tag)
+        self._in_flight[peer].append((seq, lane, buffer, work))
+
+    def _retire(self, peer: int, seq: int) -> None:
+        """`peer` sent a message of call `seq`: it began that call, having posted again every inbox of an
+        older one (`begin`), so this rank's sends to it of older calls have left: their buffers are free."""
+        keep = []
+        for sent in self._in_flight[peer]:
+            sent_seq, lane, buffer, work = sent
+            if sent_seq < seq:
+                work.wait()  # it has left: returns at once
+                if lane >= 0:
+                    self._free[lane].append(buffer)
+            else:
+                keep.append(sent)
+        self._in_flight[peer] = keep
+
+    def abort(self, call: CallId, culprit: int | None = None, rejected: bool = False) -> None:
+        how = 2 * KINDS[call.kind] + rejected
+        notice = torch.tensor([0 if culprit is None else culprit + 1, how, call.seq], dtype=torch.int64)
+        for p in self.peers:
+            try:
+                work = dist.isend(notice, dst=self._global[p], group=self.group, tag=CONTROL_TAG)
+            except RuntimeError:
+                continue  # a peer already gone: it needs no notice
+            self._in_flight[p].append((call.seq, -1, notice, work))  # lane -1: kept, not pooled
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        dist.destroy_process_group(self.group)
