@@ -1,0 +1,217 @@
+"""Results never depend on torch's default dtype, nor where tensors land on its default device.
+
+Many MoE programs call `torch.set_default_dtype(torch.bfloat16)` (DeepEP V2's tests do). Every
+tensor ubep makes names its dtype (the input's it mirrors; float32 for weights, scales and sums;
+int64 or int32 for indices) and its device, so:
+
+- the same calls under a float32 and under a bfloat16 default give the same results, bit for
+  bit, each default an independent run from the same inputs; FP8 scales arrive as they were sent;
+- with "meta" as the default device as well, they still do: no tensor lands on the default
+  device (whole exchanges on virtual ranks).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+import ubep
+from ubep import fp8
+from ubep.transport.virtual import VirtualWorld
+
+R, H, E, T, K = 2, 512, 8, 6, 3  # H: a multiple of 512 for packed UE8M0 scales
+Sent = list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, fp8.Fp8Pair]]  # per rank: x, idx, w, FP8 pair
+
+
+# ---- running the same calls under both defaults -------------------------------------------------
+
+
+@pytest.fixture
+def defaults():
+    """Restore torch's default dtype and device after the test, whatever it set."""
+    dtype, device = torch.get_default_dtype(), torch.get_default_device()
+    yield
+    torch.set_default_dtype(dtype)
+    torch.set_default_device(device)
+
+
+def under(dtype: torch.dtype, run: Callable[[], Any], device: str | None = None) -> Any:
+    """run() with `dtype` as the default dtype (process-wide) and `device` as this thread's default
+    device; both restored after."""
+    before_dtype, before_device = torch.get_default_dtype(), torch.get_default_device()
+    torch.set_default_dtype(dtype)
+    if device is not None:
+        torch.set_default_device(device)
+    try:
+        return run()
+    finally:
+        torch.set_default_dtype(before_dtype)
+        torch.set_default_device(before_device)
+
+
+def both_defaults(run: Callable[[], Any]) -> tuple[Any, Any]:
+    """(run() under a float32 default, run() under a bfloat16 default): two independent runs."""
+    return under(torch.float32, run), under(torch.bfloat16, run)
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def assert_same(want: dict, got: dict, where: str) -> None:
+    """Every tensor of `got` has the dtype, shape and bytes of the one of `want` named alike."""
+    assert want.keys() == got.keys(), where
+    for name, a in want.items():
+        b = got[name]
+        if a is None or b is None:
+            assert a is None and b is None, f"{where}: {name}"
+            continue
+        assert (b.dtype, b.shape, b.device) == (a.dtype, a.shape, a.device), f"{where}: {name}"
+        if not torch.equal(bits(a), bits(b)):
+            i = int((bits(a) != bits(b)).nonzero()[0]) // a.element_size()  # the first element that differs
+            flat_a, flat_b = a.detach().reshape(-1), b.detach().reshape(-1)
+            pytest.fail(
+                f"{where}: {name} differs from element {i}: {flat_a[i : i + 4]} became {flat_b[i : i + 4]}"
+            )
+
+
+class Kept(dict):
+    """Results by name, cloned as they come (FP8 pairs as their two tensors)."""
+
+    def add(self, name: str, *values) -> None:
+        for i, value in enumerate(values):
+            key = f"{name}.{i}"
+            if isinstance(value, tuple):
+                for j, part in enumerate(value):
+                    self[f"{key}.{j}"] = part.detach().clone()
+            elif isinstance(value, list):
+                self[key] = torch.tensor(value, dtype=torch.int64, device="cpu")
+            else:
+                self[key] = None if value is None else value.detach().clone()
+
+
+def make_inputs(seed: int = 37) -> Sent:
+    """Every rank's (x float32, topk_idx, topk_weights, FP8 pair of x), made with explicit dtypes."""
+    gen = torch.Generator().manual_seed(seed)
+    sent = []
+    for r in range(R):
+        n = T - r
+        idx = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(n)])
+        idx[torch.rand(n, K, generator=gen, dtype=torch.float32) < 0.2] = -1
+        x = torch.randn(n, H, generator=gen, dtype=torch.float32) * 3
+        w = torch.rand(n, K, generator=gen, dtype=torch.float32)
+        sent.append((x, idx, w, fp8.quantize(x)))
+    return sent
+
+
+def rows_for(me: int, idx_NK: torch.Tensor) -> torch.Tensor:
+    """The tokens a source sends rank `me` (an expert there), ascending: normal mode's row order."""
+    L = E // R
+    return ((idx_NK >= me * L) & (idx_NK < (me + 1) * L)).any(dim=1).nonzero().flatten()
+
+
+def assert_scales_arrive_as_sent(kept: dict, sent: Sent, me: int, name: str, factor: float = 1.0) -> None:
+    want = torch.cat([s[3][1][rows_for(me, s[1])] for s in sent]) * factor
+    got = kept[f"{name}.0.1"][: want.shape[0]]  # rows past them: padding
+    same = got.dtype == torch.float32 and torch.equal(bits(got), bits(want))
+    assert same, (
+        f"rank {me}: {name} scales {want.flatten()[:4].tolist()} arrived as {got.flatten()[:4].tolist()}"
+    )
+
+
+def valid_rows(recv_count_L: torch.Tensor) -> torch.Tensor:
+    """bool [L, R * T]: the low-latency rows that hold data."""
+    M = R * T
+    return torch.arange(M, dtype=torch.int64, device="cpu") < recv_count_L.unsqueeze(1)
+
+
+def pick(recv, valid_LM: torch.Tensor):
+    return tuple(t[valid_LM] for t in recv) if isinstance(recv, tuple) else recv[valid_LM]
+
+
+# ---- ubep.Buffer: both protocols, both CPU engines, FP8, cached dispatch, low-latency mode ------
+
+
+def core_calls(group, me: int, sent: Sent, protocol: str, engine: str | None, transport: str | None) -> Kept:
+    x, idx, w, pair = sent[me]
+    kept = Kept()
+    with ubep.Buffer(
+        group,
+        hidden=H,
+        num_experts=E,
+        max_tokens_per_rank=T,
+        protocol=protocol,
+        engine=engine,
+        transport=transport,
+        stats=True,
+    ) as buf:
+        per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, E)
+        kept.add("layout", per_rank, per_expert, in_rank)
+        for name, payload, again in (
+            ("bf16", x.bfloat16(), x.bfloat16() * 2),
+            ("f32", x, x * 2),
+            ("fp8", pair, (pair[0], pair[1] * 2)),
+        ):
+            got = buf.dispatch(
+                payload,
+                topk_idx=idx,
+                topk_weights=w,
+                num_tokens_per_rank=per_rank,
+                is_token_in_rank=in_rank,
+                num_tokens_per_expert=per_expert,
+            )
+            kept.add(
+                name,
+                got.recv_x,
+                got.recv_topk_idx,
+                got.recv_topk_weights,
+                got.num_recv_tokens_per_expert_list,
+            )
+            kept.add(f"{name} cached", buf.dispatch(again, handle=got.handle).recv_x)
+            if name != "fp8":
+                back = buf.combine(got.recv_x * 3, got.handle, got.recv_topk_weights)
+                kept.add(f"{name} combine", back.combined_x, back.combined_topk_weights)
+        for use_fp8 in (True, False):
+            got = buf.low_latency_dispatch(x.bfloat16(), idx, T, E, use_fp8=use_fp8)
+            valid_LM = valid_rows(got.recv_count)
+            kept.add(f"ll fp8={use_fp8}", pick(got.recv_x, valid_LM), got.recv_count)
+        back = buf.low_latency_combine(got.recv_x * 3, idx, w, got.handle)
+        kept.add("ll combine", back.combined_x)
+        stats = buf.stats()
+        kept.add("stats", stats.traffic_rows_RR, stats.traffic_bytes_RR, stats.expert_load_LE)
+    return kept
+
+
+def virtual_core(sent: Sent, protocol: str, engine: str, device: str | None = None) -> list[Kept]:
+    def rank_calls(rank) -> Kept:
+        if device is not None:  # the default device is per thread
+            torch.set_default_device(device)
+        return core_calls(rank, rank.rank, sent, protocol, engine, None)
+
+    return VirtualWorld(R, timeout_s=120).run(rank_calls)
+
+
+CORE = [("ubep", "torch"), ("ubep", "numba"), ("bsp", "torch"), ("bsp", "numba")]
+
+
+@pytest.mark.parametrize(("protocol", "engine"), CORE)
+def test_buffer_calls_are_the_same_under_a_bfloat16_default(protocol, engine, defaults):
+    sent = make_inputs()
+    want, got = both_defaults(lambda: virtual_core(sent, protocol, engine))
+    for me in range(R):
+        assert_scales_arrive_as_sent(got[me], sent, me, "fp8")
+        assert_scales_arrive_as_sent(got[me], sent, me, "fp8 cached", factor=2.0)
+        assert_same(want[me], got[me], f"{protocol}/{engine} rank {me}")
+
+
+@pytest.mark.parametrize(("protocol", "engine"), CORE)
+def test_buffer_calls_allocate_nothing_on_the_default_device(protocol, engine, defaults):
+    """With "meta" as every rank thread's default device, each tensor still lands on x's device."""
+    sent = make_inputs()
+    want = virtual_core(sent, protocol, engine)
+    got = under(torch.bfloat16, lambda: virtual_core(sent, protocol, engine, device="meta"))
+    for me in range(R):
+        assert_same(want[me], got[me], f"rank {me}")
