@@ -7,7 +7,8 @@ int64 or int32 for indices) and its device, so:
 - the same calls under a float32 and under a bfloat16 default give the same results, bit for
   bit, each default an independent run from the same inputs; FP8 scales arrive as they were sent;
 - with "meta" as the default device as well, they still do: no tensor lands on the default
-  device (whole exchanges on virtual ranks).
+  device (whole exchanges on virtual ranks; DeepEP's layers and the collectives in rank
+  processes).
 """
 
 from __future__ import annotations
@@ -17,9 +18,11 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import ubep
 from ubep import fp8
+from ubep.compat import deep_ep
 from ubep.transport.virtual import VirtualWorld
 
 R, H, E, T, K = 2, 512, 8, 6, 3  # H: a multiple of 512 for packed UE8M0 scales
@@ -215,3 +218,142 @@ def test_buffer_calls_allocate_nothing_on_the_default_device(protocol, engine, d
     got = under(torch.bfloat16, lambda: virtual_core(sent, protocol, engine, device="meta"))
     for me in range(R):
         assert_same(want[me], got[me], f"rank {me}")
+
+
+# ---- DeepEP's Buffer (V1) and ElasticBuffer (V2), across nodes: in rank processes --------------
+
+
+def v1_calls(me: int, sent: Sent) -> Kept:
+    """DeepEP V1: layout, dispatch and combine (with bias, without top-k, FP8 padded to
+    num_worst_tokens, cached), low-latency FP8 in every scale form, bf16, zero-copy combine."""
+    x, idx, w, pair = sent[me]
+    kept = Kept()
+    nvl = deep_ep.Buffer.get_dispatch_config(R).get_nvl_buffer_size_hint(H * 2, R)
+    rdma = deep_ep.Buffer.get_low_latency_rdma_size_hint(T, H, R, E)
+    buf = deep_ep.Buffer(None, nvl, rdma, low_latency_mode=True, explicitly_destroy=True, enable_shrink=True)
+    per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, E)
+    layout_args = dict(
+        num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert
+    )
+    recv_x, recv_idx, recv_w, counts, handle, _ = buf.dispatch(
+        x.bfloat16(), topk_idx=idx, topk_weights=w, **layout_args
+    )
+    kept.add("dispatch", recv_x, recv_idx, recv_w, counts)
+    bias = (x * 0.5).bfloat16()
+    kept.add("combine", *buf.combine(recv_x * 3, handle, recv_w)[:2])
+    kept.add("combine bias", *buf.combine(recv_x * 3, handle, recv_w, bias=(bias, bias))[:2])
+    kept.add("by rank", *buf.dispatch(x.bfloat16(), **layout_args)[:4])  # no top-k: is_token_in_rank routes
+    got = buf.dispatch(pair, topk_idx=idx, topk_weights=w, num_worst_tokens=R * T, **layout_args)
+    kept.add("fp8 worst", *got[:3])
+    kept.add("fp8 cached", buf.dispatch((pair[0], pair[1] * 2), handle=got[4])[0])
+    stats_L = torch.zeros(E // R, dtype=torch.int32, device="cpu")
+    for round_scale, ue8m0 in ((False, False), (True, False), (True, True)):
+        recv, count, ll_handle, _, _ = buf.low_latency_dispatch(
+            x.bfloat16(), idx, T, E, stats_L, round_scale=round_scale, use_ue8m0=ue8m0
+        )
+        kept.add(f"ll fp8 round={round_scale} ue8m0={ue8m0}", pick(recv, valid_rows(count)), count)
+    recv, count, ll_handle, _, _ = buf.low_latency_dispatch(x.bfloat16(), idx, T, E, use_fp8=False)
+    kept.add("ll bf16", recv[valid_rows(count)], stats_L)
+    kept.add("ll combine", buf.low_latency_combine(recv * 3, idx, w, ll_handle)[0])
+    buf.get_next_low_latency_combine_buffer(ll_handle).copy_(recv * 5)
+    kept.add("ll zero copy", buf.low_latency_combine(recv, idx, w, ll_handle, zero_copy=True)[0])
+    mask_R = torch.ones(R, dtype=torch.int32, device="cpu")
+    buf.low_latency_query_mask_buffer(mask_R)
+    kept.add("mask", mask_R)
+    buf.destroy()
+    return kept
+
+
+def elastic_calls(me: int, sent: Sent, hybrid: bool) -> Kept:
+    """DeepEP V2, with and without multiple reduction: dispatch (weighted, cached, expanded and
+    cached expanded with zero padding, unweighted, FP8 with column-major scales, without CPU sync)
+    and combine (with the received weights as DeepEP's test passes them, with bias, expanded)."""
+    x, idx, w, pair = sent[me]
+    kept = Kept()
+    for multiple in (True, False):
+        buf = deep_ep.ElasticBuffer(
+            None,
+            num_max_tokens_per_rank=T,
+            hidden=H,
+            allow_hybrid_mode=hybrid,
+            allow_multiple_reduction=multiple,
+            explicitly_destroy=True,
+            num_cpu_timeout_secs=60,
+        )
+        kept.add(f"{multiple} domain", list(buf.get_logical_domain_size()))
+        routed = dict(topk_idx=idx, num_experts=E, num_max_tokens_per_rank=T)
+        recv_x, recv_idx, recv_w, handle, _ = buf.dispatch(x.bfloat16(), topk_weights=w, **routed)
+        kept.add(f"{multiple} dispatch", recv_x, recv_idx, recv_w, handle.recv_src_metadata)
+        kept.add(
+            f"{multiple} dispatch handle", handle.dst_buffer_slot_idx, handle.psum_num_recv_tokens_per_expert
+        )
+        kept.add(f"{multiple} cached", buf.dispatch(x.bfloat16() * 2, handle=handle)[0])
+        bias = (x * 0.5).bfloat16()
+        kept.add(f"{multiple} combine", *buf.combine(recv_x * 3, handle, topk_weights=recv_w)[:2])
+        kept.add(f"{multiple} combine bias", *buf.combine(recv_x * 3, handle, bias=(bias, bias))[:2])
+        ex_x, _, ex_w, ex_handle, _ = buf.dispatch(
+            x.bfloat16(), topk_weights=w, do_expand=True, expert_alignment=2, **routed
+        )
+        kept.add(f"{multiple} expand", ex_x, ex_w, ex_handle.recv_src_metadata)
+        cached = buf.dispatch(
+            x.bfloat16(), handle=ex_handle, topk_weights=w, do_expand=True, do_zero_padding=True
+        )
+        kept.add(f"{multiple} expand cached", cached[0], cached[2])
+        ex_weights = dict(topk_weights=ex_w) if multiple else {}
+        kept.add(f"{multiple} expand combine", *buf.combine(ex_x * 3, ex_handle, bias=bias, **ex_weights)[:2])
+        kept.add(f"{multiple} unweighted", *buf.dispatch(x.bfloat16(), **routed)[:3])
+        got = buf.dispatch(pair, topk_weights=w, use_tma_aligned_col_major_sf=True, **routed)
+        kept.add(f"{multiple} fp8", *got[:3])
+        kept.add(
+            f"{multiple} no sync",
+            *buf.dispatch(x.bfloat16(), topk_weights=w, do_cpu_sync=False, **routed)[:3],
+        )
+        buf.destroy()
+    return kept
+
+
+def compared_in_rank(
+    seed: int, calls: Callable[[int, Sent], Kept], fp8_names: tuple[str, ...], meta: bool = True
+) -> int:
+    """In a rank process: calls() under a float32 default, then under a bfloat16 default (and with
+    `meta`, also with "meta" as the default device), compared bit for bit, FP8 scales checked against
+    those sent; the number of tensors compared (tensors stay in the process that made them)."""
+    me, sent = dist.get_rank(), make_inputs(seed)
+    want = under(torch.float32, lambda: calls(me, sent))
+    for device in (None, "meta") if meta else (None,):
+        got = under(torch.bfloat16, lambda: calls(me, sent), device)
+        for name in fp8_names:
+            assert_scales_arrive_as_sent(got, sent, me, name)
+        assert_same(want, got, f"rank {me}, bfloat16 default, default device {device}")
+    return len(want)
+
+
+def one_node_calls(me: int, sent: Sent) -> Kept:
+    kept = v1_calls(me, sent)
+    for name, t in elastic_calls(me, sent, hybrid=False).items():
+        kept[f"elastic {name}"] = t
+    return kept
+
+
+def two_node_calls(me: int, sent: Sent) -> Kept:
+    """On two emulated nodes: ElasticBuffer in hybrid mode, ubep.Buffer across nodes ("hier") and
+    over torch.distributed ("dist")."""
+    kept = elastic_calls(me, sent, hybrid=True)
+    assert kept["True domain.0"].tolist() == [2, 1]  # hybrid: two scale-out ranks
+    for transport in ("hier", "dist"):
+        for name, t in core_calls(None, me, sent, "bsp", None, transport).items():
+            kept[f"{transport} {name}"] = t
+    return kept
+
+
+def test_deep_ep_buffers_are_the_same_under_a_bfloat16_default():
+    names = ("fp8 worst", "elastic True fp8", "elastic False fp8")
+    compared = ubep.LocalLaunch(world_size=R, timeout_s=240).run(compared_in_rank, 38, one_node_calls, names)
+    assert compared[0] == compared[1] > 0
+
+
+def test_hybrid_mode_and_the_collectives_are_the_same_under_a_bfloat16_default():
+    names = ("True fp8", "hier fp8", "dist fp8")
+    launch = ubep.LocalLaunch(world_size=R, ranks_per_node=1, timeout_s=240)
+    compared = launch.run(compared_in_rank, 40, two_node_calls, names)
+    assert compared[0] == compared[1] > 0
