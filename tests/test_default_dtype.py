@@ -7,12 +7,13 @@ int64 or int32 for indices) and its device, so:
 - the same calls under a float32 and under a bfloat16 default give the same results, bit for
   bit, each default an independent run from the same inputs; FP8 scales arrive as they were sent;
 - with "meta" as the default device as well, they still do: no tensor lands on the default
-  device (whole exchanges on virtual ranks; DeepEP's layers and the collectives in rank
-  processes).
+  device (layout, the reference, routing, FP8 packing, placement, stats; whole exchanges on
+  virtual ranks; DeepEP's layers and the collectives in rank processes).
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -21,8 +22,11 @@ import torch
 import torch.distributed as dist
 
 import ubep
-from ubep import fp8
+from ubep import fp8, layout, reference, routing
 from ubep.compat import deep_ep
+from ubep.compat.deep_ep import scales
+from ubep.placement import CopyMap, Distances, Placement, balance, eplb, measure
+from ubep.stats import Stats
 from ubep.transport.virtual import VirtualWorld
 
 R, H, E, T, K = 2, 512, 8, 6, 3  # H: a multiple of 512 for packed UE8M0 scales
@@ -357,3 +361,117 @@ def test_hybrid_mode_and_the_collectives_are_the_same_under_a_bfloat16_default()
     launch = ubep.LocalLaunch(world_size=R, ranks_per_node=1, timeout_s=240)
     compared = launch.run(compared_in_rank, 40, two_node_calls, names)
     assert compared[0] == compared[1] > 0
+
+
+# ---- pure functions: layout, reference, routing, FP8, placement, stats --------------------------
+
+
+def pure_calls(sent: Sent) -> Kept:
+    """Every rank's layout and reference results, routing drawn from a seed, FP8 packing, a
+    placement and its copy maps, a stats snapshot read back."""
+    kept = Kept()
+    xs, idxs, ws = [s[0] for s in sent], [s[1] for s in sent], [s[2] for s in sent]
+    placement = layout.ExpertPlacement.contiguous(E, R)
+    got = layout.dispatch_layout(idxs[0], placement)
+    kept.add("layout", got.num_tokens_per_rank_R, got.num_tokens_per_expert_E, got.is_token_in_rank_NR)
+    kept.add("from ranks", layout.ExpertPlacement.from_ranks([1, 0] * (E // 2), R).rank_of_expert_E)
+    ref = reference.dispatch(xs, idxs, ws, E)
+    ys = [r.recv_x_MH * 2 for r in ref]
+    kept.add("reference", *ref[0][:3], *reference.combine(ys, ref, [x.shape[0] for x in xs]))
+    placed = reference.dispatch(xs, idxs, ws, E, rank_of_expert=[1, 0] * (E // 2))
+    kept.add("reference placed", *placed[1][:3])
+    ll = reference.low_latency_dispatch(xs, idxs, E, T)
+    kept.add(
+        "reference ll",
+        ll[0].recv_x_LMX,
+        *reference.low_latency_combine([r.recv_x_LMX for r in ll], ll, idxs, ws),
+    )
+    gen = torch.Generator().manual_seed(5)
+    for kind in routing.ROUTINGS:
+        kept.add(f"routing {kind}", routing.make(kind, 5, 64, 4, gen, skew=0.9))
+    kept.add("routing drop weights", routing.drop(idxs[0], 0.5, gen), routing.weights(5, K, gen))
+    values, sf = fp8.quantize(xs[0].bfloat16())
+    kept.add("fp8", values.view(torch.uint8), sf, fp8.to_rows(values, sf), fp8.dequantize(values, sf))
+    pow2_values, pow2_sf = scales.quantize_pow2(xs[0])
+    kept.add("pow2", pow2_values.view(torch.uint8), pow2_sf, scales.unpack_ue8m0(scales.pack_ue8m0(pow2_sf)))
+    distances = Distances.from_nodes([0, 1])
+    load_RE = torch.tensor(
+        [[9, 1, 1, 1, 5, 1, 1, 1], [1, 1, 1, 1, 9, 1, 1, 1]], dtype=torch.int64, device="cpu"
+    )
+    for i, p in enumerate((balance(load_RE, distances, 5), eplb(load_RE, R, 5), Placement.identity(E, R))):
+        kept.add(f"placement {i}", p.logical_of_physical_U, p.physical_of_logical_EJ(), p.rank_of_physical_U)
+        kept.add(
+            f"load {i}",
+            p.logical_load(torch.ones(p.num_physical, dtype=torch.int64, device="cpu")),
+            p.logical_load([0.5] * p.num_physical),
+        )
+        for compiled in (True, False):
+            kept.add(
+                f"copy map {i} {compiled}",
+                CopyMap.nearest(p, 0, distances, compiled)(idxs[0]),
+                CopyMap.load_only(p, 1, compiled)(idxs[1]),
+            )
+        kept.add(f"measure {i}", list(measure(p, idxs, distances, H)[2:]))
+    record = dict(seq=0, kind="dispatch", rank=0, ready_ns=10, sent_ns=10, end_ns=20, rows_R=[1, 2])
+    record |= dict(row_bytes=4, tokens=3, recv_rows=3)
+    stats = Stats.from_dict(
+        dict(
+            ranks=[0, 1], num_ranks=R, num_experts=E, calls={"dispatch": 1}, time_ns={"dispatch": [10, 10]},
+            traffic_rows_RR=[[0, 1], [2, 0]], traffic_bytes_RR=[[0, 4], [8, 0]], expert_load_LE=[[1] * E],
+            recent=[record, record | dict(rank=1, ready_ns=30)],
+        )
+    )  # fmt: skip
+    kept.add("stats", stats.traffic_rows_RR, stats.expert_load_E, stats.wait_matrix_RR(), stats.waited_us_R())
+    return kept
+
+
+def test_pure_functions_are_the_same_under_a_bfloat16_default_and_a_meta_device(defaults):
+    sent = make_inputs(seed=41)
+    want, got = both_defaults(lambda: pure_calls(sent))
+    assert_same(want, got, "bfloat16 default")
+    assert_same(want, under(torch.bfloat16, lambda: pure_calls(sent), device="meta"), "meta default device")
+
+
+# ---- transformers ------------------------------------------------------------------------------
+
+
+def transformers_logits(me: int, sent: Sent, path: str) -> Kept:
+    """Each EP mode's logits of one model: a prefill, then a decode step from its cache."""
+    import transformers
+
+    import ubep.integrations.transformers as ubep_tf
+
+    gen = torch.Generator().manual_seed(7 + me)
+    config = transformers.AutoConfig.from_pretrained(path)
+    config.ubep_low_latency_tokens_per_rank = 2
+    ids = torch.randint(0, config.vocab_size, (2, 4 + me), generator=gen)
+    step = torch.randint(0, config.vocab_size, (2, 1), generator=gen)
+    kept = Kept()
+    for mode in ("ubep", "ubep_low_latency", "ubep_fp8"):  # ubep_bsp: the bsp protocol, covered above
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            path,
+            config=config,
+            dtype=torch.float32,
+            distributed_config=ubep_tf.distributed_config(config, R, mode),
+        )
+        with torch.no_grad():
+            prefill = model(ids, use_cache=True)
+            kept.add(mode, prefill.logits, model(step, cache=prefill.cache, use_cache=True).logits)
+    return kept
+
+
+def test_transformers_models_are_the_same_under_a_bfloat16_default(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=96, hidden_size=128, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=64, num_experts_per_tok=2, head_dim=32, intermediate_size=96,
+        moe_intermediate_size=32, num_experts=8,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(tmp_path)
+    calls = functools.partial(transformers_logits, path=str(tmp_path))
+    launch = ubep.LocalLaunch(world_size=R, timeout_s=240)
+    assert launch.run(compared_in_rank, 42, calls, (), False) == [
+        6,
+        6,
+    ]  # models on "meta" would hold no weights
