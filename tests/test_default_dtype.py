@@ -4,6 +4,7 @@ Many MoE programs call `torch.set_default_dtype(torch.bfloat16)` (DeepEP V2's te
 tensor ubep makes names its dtype (the input's it mirrors; float32 for weights, scales and sums;
 int64 or int32 for indices) and its device, so:
 
+- the source says so: every torch factory call under src/ubep passes `dtype=` and `device=`;
 - the same calls under a float32 and under a bfloat16 default give the same results, bit for
   bit, each default an independent run from the same inputs; FP8 scales arrive as they were sent;
 - with "meta" as the default device as well, they still do: no tensor lands on the default
@@ -13,8 +14,10 @@ int64 or int32 for indices) and its device, so:
 
 from __future__ import annotations
 
+import ast
 import functools
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -29,8 +32,56 @@ from ubep.placement import CopyMap, Distances, Placement, balance, eplb, measure
 from ubep.stats import Stats
 from ubep.transport.virtual import VirtualWorld
 
+SRC = Path(__file__).resolve().parents[1] / "src" / "ubep"
+# torch's factories: each takes the default dtype, or the default device, unless told.
+# `*_like` and `Tensor.new_*` take both from their input, so they are not listed.
+FACTORIES = {
+    "arange", "as_tensor", "empty", "empty_strided", "eye", "full", "linspace", "ones", "rand",
+    "randint", "randn", "randperm", "tensor", "zeros",
+}  # fmt: skip
+# (file under src/ubep, the call as written): why it may leave dtype= or device= out. None yet.
+ALLOWED: dict[tuple[str, str], str] = {}
+
 R, H, E, T, K = 2, 512, 8, 6, 3  # H: a multiple of 512 for packed UE8M0 scales
 Sent = list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, fp8.Fp8Pair]]  # per rank: x, idx, w, FP8 pair
+
+
+# ---- the source ---------------------------------------------------------------------------------
+
+
+def unnamed_allocations(root: Path) -> list[str]:
+    """`file:line: call` for every torch factory call under `root` that leaves out dtype= or device=."""
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if not (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr in FACTORIES
+                and isinstance(node.func.value, ast.Name)
+                and node.func.value.id == "torch"
+            ):
+                continue
+            named = {k.arg for k in node.keywords}
+            call = ast.unparse(node)
+            if not {"dtype", "device"} <= named and (str(path.relative_to(root)), call) not in ALLOWED:
+                found.append(f"{path.relative_to(root)}:{node.lineno}: {call}")
+    return found
+
+
+def test_every_allocation_names_its_dtype_and_device():
+    assert unnamed_allocations(SRC) == []
+
+
+def test_the_source_check_finds_what_it_looks_for(tmp_path):
+    (tmp_path / "m.py").write_text(
+        "import torch\n"
+        "a = torch.empty(2, 3)\n"
+        "b = torch.zeros(2, dtype=torch.int64)\n"
+        "c = torch.ones(2, dtype=torch.float32, device='cpu')\n"
+        "d = torch.zeros_like(c)\n"
+    )
+    assert [line.split(": ")[0] for line in unnamed_allocations(tmp_path)] == ["m.py:2", "m.py:3"]
 
 
 # ---- running the same calls under both defaults -------------------------------------------------
