@@ -801,7 +801,8 @@ class Buffer:
             resume(seq)
         self._masked |= gone
         owners_E = self.sizing.placement.rank_of_expert_E
-        self._masked_E = torch.isin(owners_E, torch.tensor(sorted(self._masked))).to(self.device)
+        masked = torch.tensor(sorted(self._masked), dtype=torch.int64, device=owners_E.device)
+        self._masked_E = torch.isin(owners_E, masked).to(self.device)
         self._masked_after = seq
 
     @property

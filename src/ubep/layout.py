@@ -64,14 +64,14 @@ class ExpertPlacement:
                 f"num_experts ({num_experts}) must be a multiple of the group size ({num_ranks})"
             )
         validate.expert_tables(num_experts)  # before the tables below are allocated
-        experts_E = torch.arange(num_experts, dtype=torch.int64)
+        experts_E = torch.arange(num_experts, dtype=torch.int64, device="cpu")
         local = num_experts // num_ranks
         return cls(num_ranks, experts_E // local, experts_E % local)
 
     @classmethod
     def from_ranks(cls, rank_of_expert: list[int] | torch.Tensor, num_ranks: int) -> ExpertPlacement:
         """An explicit placement: rank_of_expert[e] owns expert e; every rank owns E // R."""
-        rank_E = torch.as_tensor(rank_of_expert, dtype=torch.int64).flatten()
+        rank_E = torch.as_tensor(rank_of_expert, dtype=torch.int64, device="cpu").flatten()
         num_experts = rank_E.numel()
         if num_experts % num_ranks:
             raise ValueError(f"expert_placement: {num_experts} experts do not split over {num_ranks} ranks")
@@ -84,9 +84,10 @@ class ExpertPlacement:
                 f"got {per_rank_R.tolist()}"
             )
         # Local index = rank of the expert among its owner's experts, in expert-id order.
-        order_E = torch.argsort(rank_E * num_experts + torch.arange(num_experts), stable=True)
+        experts_E = torch.arange(num_experts, dtype=torch.int64, device="cpu")
+        order_E = torch.argsort(rank_E * num_experts + experts_E, stable=True)
         local_E = torch.empty_like(rank_E)
-        local_E[order_E] = torch.arange(num_experts) % (num_experts // num_ranks)
+        local_E[order_E] = experts_E % (num_experts // num_ranks)
         return cls(num_ranks, rank_E, local_E)
 
 
@@ -223,6 +224,6 @@ def aligned(counts_L: np.ndarray, alignment: int) -> list[int]:
 
 def prefix_offsets(counts_R: torch.Tensor) -> torch.Tensor:
     """int64 [R + 1]: exclusive prefix sum, so block r is rows [off[r], off[r+1])."""
-    offsets = torch.zeros(counts_R.numel() + 1, dtype=torch.int64)
+    offsets = torch.zeros(counts_R.numel() + 1, dtype=torch.int64, device=counts_R.device)
     torch.cumsum(counts_R, dim=0, out=offsets[1:])
     return offsets

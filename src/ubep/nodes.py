@@ -58,7 +58,8 @@ class NodeMap:
 
     def slot_ranks(self, local: int) -> torch.Tensor:
         """int64 [G, P]: row g lists the ranks of the node that slot g of rail `local` lives on."""
-        return torch.tensor([self.node_ranks(self.node_of_rank[r]) for r in self.rail(local)])
+        ranks = [self.node_ranks(self.node_of_rank[r]) for r in self.rail(local)]
+        return torch.tensor(ranks, dtype=torch.int64, device="cpu")
 
 
 def tokens_per_slot(is_token_in_rank_NR: torch.Tensor, slot_ranks_GV: torch.Tensor) -> torch.Tensor:

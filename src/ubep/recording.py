@@ -119,10 +119,10 @@ class Recorder:
         """This rank's counters and recent calls (copies)."""
         with self._lock:
             self._count_load()
-            rows_RR = torch.zeros(self.R, self.R, dtype=torch.int64)
-            bytes_RR = torch.zeros(self.R, self.R, dtype=torch.int64)
-            rows_RR[self.rank] = torch.tensor(self._rows_R)
-            bytes_RR[self.rank] = torch.tensor(self._bytes_R)
+            rows_RR = torch.zeros(self.R, self.R, dtype=torch.int64, device="cpu")
+            bytes_RR = torch.zeros(self.R, self.R, dtype=torch.int64, device="cpu")
+            rows_RR[self.rank] = torch.tensor(self._rows_R, dtype=torch.int64, device="cpu")
+            bytes_RR[self.rank] = torch.tensor(self._bytes_R, dtype=torch.int64, device="cpu")
             kinds = [k for k in KINDS if self._calls[k]]
             return Stats(
                 ranks=(self.rank,),

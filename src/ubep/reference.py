@@ -29,7 +29,7 @@ class RefDispatch(NamedTuple):
 def owner_of(expert: torch.Tensor, num_experts: int, num_ranks: int, rank_of_expert=None):
     """Rank owning each expert id (the default contiguous placement unless given)."""
     if rank_of_expert is not None:
-        return torch.as_tensor(rank_of_expert)[expert]
+        return torch.as_tensor(rank_of_expert, dtype=torch.int64, device=expert.device)[expert]
     return expert // (num_experts // num_ranks)
 
 
@@ -37,11 +37,11 @@ def local_id_of(expert: torch.Tensor, num_experts: int, num_ranks: int, rank_of_
     """Index of each expert among its owner's experts, ascending by expert id."""
     if rank_of_expert is None:
         return expert % (num_experts // num_ranks)
-    owners = torch.as_tensor(rank_of_expert)
+    owners = torch.as_tensor(rank_of_expert, dtype=torch.int64, device=expert.device)
     ids = torch.empty_like(owners)
     for r in range(num_ranks):
         mine = torch.nonzero(owners == r).flatten()
-        ids[mine] = torch.arange(mine.numel())
+        ids[mine] = torch.arange(mine.numel(), dtype=torch.int64, device=expert.device)
     return ids[expert]
 
 
@@ -93,7 +93,7 @@ def dispatch(
             idx_rows.append(torch.where(here, local, -1)[sent])
             w_rows.append(torch.where(here, topk_weights[src], 0.0)[sent])
             src_tokens.append(torch.nonzero(sent).flatten())
-            src_ranks.append(torch.full((int(sent.sum()),), src, dtype=torch.int64))
+            src_ranks.append(torch.full((int(sent.sum()),), src, dtype=torch.int64, device=idx.device))
         recv_idx = torch.cat(idx_rows)
         counts = [int((recv_idx == j).sum()) for j in range(local_experts)]
         a = expert_alignment
@@ -123,7 +123,7 @@ def combine(
     """
     num_ranks = len(ys)
     hidden = ys[0].shape[1]
-    outs = [torch.zeros(n, hidden, dtype=torch.float32) for n in num_tokens]
+    outs = [torch.zeros(n, hidden, dtype=torch.float32, device=ys[0].device) for n in num_tokens]
     for expert_rank in range(num_ranks):
         got = dispatched[expert_rank]
         for home in range(num_ranks):
@@ -162,15 +162,16 @@ def low_latency_dispatch(
     `destinations`, only those ranks' results, in that order (each holds [L, R * T, H] rows)."""
     R, T = len(xs), num_max_tokens
     L = num_experts // R
-    experts = torch.arange(num_experts)
+    device = xs[0].device
+    experts = torch.arange(num_experts, dtype=torch.int64, device=device)
     owners = owner_of(experts, num_experts, R, rank_of_expert)
     local_ids = local_id_of(experts, num_experts, R, rank_of_expert)
     results = []
     for dst in range(R) if destinations is None else destinations:
-        recv = torch.zeros(L, R * T, xs[0].shape[1], dtype=xs[0].dtype)
-        info = torch.full((3, L, R * T), -1, dtype=torch.int64)  # token, rank, k
-        ranges = torch.zeros(L, R, 2, dtype=torch.int64)
-        counts = torch.zeros(L, dtype=torch.int32)
+        recv = torch.zeros(L, R * T, xs[0].shape[1], dtype=xs[0].dtype, device=device)
+        info = torch.full((3, L, R * T), -1, dtype=torch.int64, device=device)  # token, rank, k
+        ranges = torch.zeros(L, R, 2, dtype=torch.int64, device=device)
+        counts = torch.zeros(L, dtype=torch.int32, device=device)
         for j in range(L):
             expert = int(experts[(owners == dst) & (local_ids == j)][0])
             row = 0
@@ -182,7 +183,7 @@ def low_latency_dispatch(
                 info[0, j, row : row + c] = tokens
                 info[1, j, row : row + c] = src
                 info[2, j, row : row + c] = hits[tokens].int().argmax(dim=1)
-                ranges[j, src] = torch.tensor([row, c])
+                ranges[j, src] = torch.tensor([row, c], dtype=torch.int64, device=device)
                 row += c
             counts[j] = row
         results.append(RefLowLatency(recv, counts, info[0], info[1], info[2], ranges))
@@ -198,7 +199,7 @@ def weighted_sum(y_NKH: torch.Tensor, w_NK: torch.Tensor, valid_NK: torch.Tensor
     y_NKH = y_NKH.to(torch.float32, copy=True)  # the caller's rows are never written
     y_NKH[~valid_NK] = 0.0  # invalid slots may hold anything, NaN included
     w_NK = torch.where(valid_NK, w_NK, 0.0)
-    acc_NH = torch.zeros(N, H, dtype=torch.float32)
+    acc_NH = torch.zeros(N, H, dtype=torch.float32, device=y_NKH.device)
     for k in range(K):
         acc_NH += w_NK[:, k, None] * y_NKH[:, k]  # product rounded, then sum rounded: same everywhere
     return acc_NH
@@ -219,7 +220,7 @@ def low_latency_combine(
     outs = []
     for home in range(R):
         N, K = topk_idxs[home].shape
-        y_NKH = torch.zeros(N, K, H, dtype=ys[0].dtype)
+        y_NKH = torch.zeros(N, K, H, dtype=ys[0].dtype, device=ys[0].device)
         for expert_rank in range(R):
             got = dispatched[expert_rank]
             for j in range(L):

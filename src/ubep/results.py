@@ -35,7 +35,8 @@ class RecvRoute:
     @classmethod
     def of(cls, src_token_M: torch.Tensor, prefix_R1: torch.Tensor, relay: object | None = None) -> RecvRoute:
         counts_R = prefix_R1[1:] - prefix_R1[:-1]
-        src_rank_M = torch.repeat_interleave(torch.arange(counts_R.numel()), counts_R)
+        ranks_R = torch.arange(counts_R.numel(), dtype=torch.int64, device=counts_R.device)
+        src_rank_M = torch.repeat_interleave(ranks_R, counts_R)
         return cls(src_token_M, prefix_R1, src_rank_M, relay)
 
     @property

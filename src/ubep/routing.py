@@ -14,19 +14,19 @@ ROUTINGS = ("uniform", "zipf", "deepseek-groups", "hot")
 def _draw(probs_NE: torch.Tensor, k: int, gen: torch.Generator) -> torch.Tensor:
     """k distinct experts per row, drawn without replacement in proportion to probs."""
     if probs_NE.shape[0] == 0:
-        return torch.empty(0, k, dtype=torch.int64)
+        return torch.empty(0, k, dtype=torch.int64, device=probs_NE.device)
     return torch.multinomial(probs_NE, k, replacement=False, generator=gen)
 
 
 def uniform(n: int, num_experts: int, k: int, gen: torch.Generator) -> torch.Tensor:
     """Every expert equally likely."""
-    return _draw(torch.ones(n, num_experts), k, gen)
+    return _draw(torch.ones(n, num_experts, dtype=torch.float32, device=gen.device), k, gen)
 
 
 def zipf(n: int, num_experts: int, k: int, skew: float, gen: torch.Generator) -> torch.Tensor:
     """Expert popularity falls as 1 / rank^skew; popular experts are scattered over ranks."""
-    weights_E = 1.0 / torch.arange(1, num_experts + 1, dtype=torch.float64) ** skew
-    weights_E = weights_E[torch.randperm(num_experts, generator=gen)]
+    weights_E = 1.0 / torch.arange(1, num_experts + 1, dtype=torch.float64, device=gen.device) ** skew
+    weights_E = weights_E[torch.randperm(num_experts, generator=gen, dtype=torch.int64, device=gen.device)]
     return _draw(weights_E.float().expand(n, -1), k, gen)
 
 
@@ -35,7 +35,12 @@ def hot(
 ) -> torch.Tensor:
     """`num_hot` experts (the first ones) receive `hot_share` of the probability mass."""
     num_hot = min(num_hot, num_experts)
-    weights_E = torch.full((num_experts,), (1 - hot_share) / max(num_experts - num_hot, 1))
+    weights_E = torch.full(
+        (num_experts,),
+        (1 - hot_share) / max(num_experts - num_hot, 1),
+        dtype=torch.float32,
+        device=gen.device,
+    )
     weights_E[:num_hot] = hot_share / max(num_hot, 1)
     return _draw(weights_E.expand(n, -1), k, gen)
 
@@ -46,8 +51,8 @@ def deepseek_groups(
     """DeepSeek-V3's group-limited routing: each token picks `groups_per_token` of
     `groups` expert groups, then its top-k experts inside them."""
     per_group = num_experts // groups
-    chosen_NG = _draw(torch.ones(n, groups), groups_per_token, gen)
-    allowed_NE = torch.zeros(n, groups, dtype=torch.bool)
+    chosen_NG = _draw(torch.ones(n, groups, dtype=torch.float32, device=gen.device), groups_per_token, gen)
+    allowed_NE = torch.zeros(n, groups, dtype=torch.bool, device=gen.device)
     allowed_NE.scatter_(1, chosen_NG, True)
     allowed_NE = allowed_NE.repeat_interleave(per_group, dim=1)
     return _draw(allowed_NE.float(), k, gen)
@@ -70,10 +75,10 @@ def make(
 
 def drop(topk_idx_NK: torch.Tensor, fraction: float, gen: torch.Generator) -> torch.Tensor:
     """A copy with about `fraction` of the entries replaced by -1 ("no expert")."""
-    mask = torch.rand(topk_idx_NK.shape, generator=gen) < fraction
+    mask = torch.rand(topk_idx_NK.shape, generator=gen, dtype=torch.float32, device=gen.device) < fraction
     return torch.where(mask, torch.full_like(topk_idx_NK, -1), topk_idx_NK)
 
 
 def weights(n: int, k: int, gen: torch.Generator) -> torch.Tensor:
     """float32 [n, k] router weights (softmax-like, rows sum to 1)."""
-    return torch.softmax(torch.randn(n, k, generator=gen), dim=1)
+    return torch.softmax(torch.randn(n, k, generator=gen, dtype=torch.float32, device=gen.device), dim=1)

@@ -113,11 +113,11 @@ class Stats:
         if not self.merged:
             raise ValueError("the wait matrix needs every rank's records: take buf.stats(merge=True)")
         R = self.num_ranks
-        total_RR, n = torch.zeros(R, R, dtype=torch.float64), 0
+        total_RR, n = torch.zeros(R, R, dtype=torch.float64, device="cpu"), 0
         for got in self.calls_by_seq().values():
             if kind is not None and got[0].kind != kind:
                 continue
-            ready_R = torch.tensor([got[r].ready_ns for r in range(R)], dtype=torch.float64)
+            ready_R = torch.tensor([got[r].ready_ns for r in range(R)], dtype=torch.float64, device="cpu")
             total_RR += (ready_R.unsqueeze(0) - ready_R.unsqueeze(1)).clamp(min=0)
             n += 1
         return total_RR / max(n, 1) / 1e3
@@ -127,10 +127,12 @@ class Stats:
         sending (the row maxima of each call's waits; merged snapshots only)."""
         if not self.merged:
             raise ValueError("waits need every rank's records: take buf.stats(merge=True)")
-        total_R, n = torch.zeros(self.num_ranks, dtype=torch.float64), 0
+        total_R, n = torch.zeros(self.num_ranks, dtype=torch.float64, device="cpu"), 0
         for got in self.calls_by_seq().values():
             if kind is None or got[0].kind == kind:
-                ready_R = torch.tensor([got[r].ready_ns for r in range(self.num_ranks)], dtype=torch.float64)
+                ready_R = torch.tensor(
+                    [got[r].ready_ns for r in range(self.num_ranks)], dtype=torch.float64, device="cpu"
+                )
                 total_R += ready_R.max() - ready_R
                 n += 1
         return total_R / max(n, 1) / 1e3
@@ -202,9 +204,9 @@ class Stats:
             num_experts=d["num_experts"],
             calls=dict(d["calls"]),
             time_ns={k: tuple(v) for k, v in d["time_ns"].items()},
-            traffic_rows_RR=torch.tensor(d["traffic_rows_RR"], dtype=torch.int64),
-            traffic_bytes_RR=torch.tensor(d["traffic_bytes_RR"], dtype=torch.int64),
-            expert_load_LE=torch.tensor(d["expert_load_LE"], dtype=torch.int64),
+            traffic_rows_RR=torch.tensor(d["traffic_rows_RR"], dtype=torch.int64, device="cpu"),
+            traffic_bytes_RR=torch.tensor(d["traffic_bytes_RR"], dtype=torch.int64, device="cpu"),
+            expert_load_LE=torch.tensor(d["expert_load_LE"], dtype=torch.int64, device="cpu"),
             recent=tuple(CallRecord(**{**r, "rows_R": tuple(r["rows_R"])}) for r in d["recent"]),
         )
 

@@ -170,7 +170,9 @@ def _decode_once(path: str, system: str, cfg: DecodeConfig, mesh, first: bool = 
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     apply_expert_parallelism(model, mesh["ep"], mesh["tp"], expert_parallel_plan(model), name)
     gen = torch.Generator().manual_seed(cfg.seed * 1000 + dist.get_rank())
-    ids = torch.randint(0, cfg.vocab, (cfg.batch, cfg.prompt), generator=gen)
+    ids = torch.randint(
+        0, cfg.vocab, (cfg.batch, cfg.prompt), generator=gen, dtype=torch.int64, device=gen.device
+    )
     steps_s, exchange_s, tokens = [], [], []
     with torch.no_grad():
         out = model(ids, use_cache=True)  # prefill: builds the buffers, untimed

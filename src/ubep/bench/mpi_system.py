@@ -123,7 +123,7 @@ class MpiExchange:
         from mpi4py import MPI
 
         row_bytes = int(np.prod(send.shape[1:])) * send.element_size()
-        recv = torch.empty((int(recv_rows.sum()), *send.shape[1:]), dtype=send.dtype)
+        recv = torch.empty((int(recv_rows.sum()), *send.shape[1:]), dtype=send.dtype, device=send.device)
         sc, rc = send_rows * row_bytes, recv_rows * row_bytes
         sd, rd = np.concatenate([[0], np.cumsum(sc)[:-1]]), np.concatenate([[0], np.cumsum(rc)[:-1]])
         self.comm.Alltoallv([_bytes(send), (sc, sd), MPI.BYTE], [_bytes(recv), (rc, rd), MPI.BYTE])
@@ -147,7 +147,7 @@ class MpiExchange:
         is_token_in_rank, send_rows, recv_rows = route
         back = self.alltoallv(y, recv_rows, send_rows)
         _, tokens = destination_major(is_token_in_rank)
-        out = torch.zeros(is_token_in_rank.shape[0], y.shape[1], dtype=torch.float32)
+        out = torch.zeros(is_token_in_rank.shape[0], y.shape[1], dtype=torch.float32, device=y.device)
         out.index_add_(0, tokens, back.float())
         return out.to(y.dtype)
 

@@ -38,7 +38,7 @@ STATS_SYSTEM = "ubep-stats"
 def common_start() -> float:
     """A start instant every rank agrees on, LEAD_S ahead of rank 0's clock."""
     dist.barrier()
-    instant = torch.tensor([time.monotonic() + LEAD_S], dtype=torch.float64)
+    instant = torch.tensor([time.monotonic() + LEAD_S], dtype=torch.float64, device="cpu")
     dist.broadcast(instant, src=0)
     return float(instant)
 
@@ -158,7 +158,8 @@ def open_floor(cfg: BenchConfig, work: Workload) -> Calls:
     row_bytes = cfg.hidden * work.xs[0].element_size()
     copies = []
     for nbytes in (work.recv_rows(cfg.mode)[me] * row_bytes, work.sent_rows(me, cfg.mode) * row_bytes):
-        src, dst = torch.ones(nbytes, dtype=torch.uint8), torch.zeros(nbytes, dtype=torch.uint8)
+        src = torch.ones(nbytes, dtype=torch.uint8, device="cpu")
+        dst = torch.zeros(nbytes, dtype=torch.uint8, device="cpu")
         copies.append(lambda d=dst, s=src: d.copy_(s))
     return Calls(*copies)
 

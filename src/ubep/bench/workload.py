@@ -91,7 +91,8 @@ def build(cfg: BenchConfig, tokens: int) -> Workload:
     for _ in range(cfg.ranks):
         idxs.append(routing.make(cfg.routing, tokens, cfg.experts, cfg.topk, gen, skew=cfg.skew))
         ws.append(routing.weights(tokens, cfg.topk, gen))
-        xs.append(torch.randn(tokens, cfg.hidden, generator=gen).to(DTYPES[cfg.dtype]))
+        x_NH = torch.randn(tokens, cfg.hidden, generator=gen, dtype=torch.float32, device=gen.device)
+        xs.append(x_NH.to(DTYPES[cfg.dtype]))
     return Workload(xs, idxs, ws, reference.dispatch(xs, idxs, ws, cfg.experts), cfg.experts)
 
 

@@ -77,7 +77,11 @@ class BspDist:
         """(rows sent to, rows received from) each rank, int64 [R]: the counts travel in the call
         header, and are checked before any buffer is sized by them."""
         counts = self.faults.count("dispatch.count", call, plan.send_counts_R.to(torch.int64))
-        send_counts_R = torch.as_tensor(counts, dtype=torch.int64).expand(self.R).contiguous()
+        send_counts_R = (
+            torch.as_tensor(counts, dtype=torch.int64, device=plan.send_counts_R.device)
+            .expand(self.R)
+            .contiguous()
+        )
         header = CallHeader.of(
             call,
             handle=NONE if handle is None else handle.seq,
@@ -124,12 +128,17 @@ class BspDist:
         back = self._all_to_all("combine (tokens)", _as_bytes(x_MH), recv, send)
         back = back.view(x_MH.dtype).view(-1, x_MH.shape[1])
         _, tokens = destination_major(handle.is_token_in_rank_NR)
-        out_NH = torch.zeros(handle.num_tokens, x_MH.shape[1], dtype=torch.float32)
+        out_NH = torch.zeros(handle.num_tokens, x_MH.shape[1], dtype=torch.float32, device=x_MH.device)
         out_NH.index_add_(0, tokens, back.float())  # rows arrive rank-ascending: sums stay in order
         out_w = None
         if topk_weights_MK is not None:
             w_back = self._all_to_all("combine (weights)", topk_weights_MK.contiguous(), recv, send)
-            out_w = torch.zeros(handle.num_tokens, topk_weights_MK.shape[1], dtype=torch.float32)
+            out_w = torch.zeros(
+                handle.num_tokens,
+                topk_weights_MK.shape[1],
+                dtype=torch.float32,
+                device=topk_weights_MK.device,
+            )
             out_w.index_add_(0, tokens, w_back)
         return out_NH.to(x_MH.dtype), out_w
 

@@ -325,7 +325,10 @@ class HierExchange:
         K = idx.shape[1]
         token_in, idx_in, w_in = columns(got, [(torch.int64, 1), (torch.int64, K), (torch.float32, K)])
         src_F = torch.cat(
-            [torch.repeat_interleave(torch.tensor(self.rail), relay_G), torch.full_like(own_O, self.me)]
+            [
+                torch.repeat_interleave(torch.tensor(self.rail, dtype=torch.int64, device="cpu"), relay_G),
+                torch.full_like(own_O, self.me),
+            ]
         )
         F = src_F.numel()
         t.view(b.ids, me, call)[:F].copy_(torch.stack([src_F, torch.cat([token_in[:, 0], own_O])], 1))
@@ -412,15 +415,18 @@ class HierExchange:
         )
         if bad_ids or (ids_S2[:, 1] >= self.sizing.capacity).any() or bad_topk:
             raise PeerDataError("dispatch: a forward set holds source ids or expert ids out of range")
-        return ids_S2, topk_SK, torch.cat(weights), torch.tensor(counts, dtype=torch.int64)
+        return ids_S2, topk_SK, torch.cat(weights), torch.tensor(counts, dtype=torch.int64, device="cpu")
 
     def _gather_routing(self, call: CallId, dtype: torch.dtype, K: int) -> Routed:
         """Stage 2, fan-out: from every forward set's routing, the rows owned here, in final order."""
         placement = self.sizing.placement
         self.t.wait_landed(self.blocks.route, call, range(self.P), self._phase("dispatch (routing)"))
         ids_S2, topk_SK, w_SK, counts_V = self._read_routing(call, dtype, K)
-        fwd_S = torch.repeat_interleave(torch.arange(self.P), counts_V)
-        row_S = torch.arange(fwd_S.numel()) - prefix_offsets(counts_V)[:-1][fwd_S]
+        fwd_S = torch.repeat_interleave(torch.arange(self.P, dtype=torch.int64, device="cpu"), counts_V)
+        row_S = (
+            torch.arange(fwd_S.numel(), dtype=torch.int64, device="cpu")
+            - prefix_offsets(counts_V)[:-1][fwd_S]
+        )
         local_SK, local_w_SK = localize_topk(topk_SK, w_SK, placement, self.me)
         here = torch.nonzero((local_SK >= 0).any(dim=1)).flatten()
         m = here[torch.argsort(ids_S2[here, 0] * self.sizing.capacity + ids_S2[here, 1])]  # (source, token)
@@ -482,7 +488,7 @@ class HierExchange:
         )
         # Every node's partials, added in rail order (this node's at this rank's slot).
         b, token_S = int(route.send_counts_G[: self.slot].sum()), route.send_token_S
-        out_NY = torch.zeros(handle.num_tokens, partial_FY.shape[1], dtype=torch.float32)
+        out_NY = torch.zeros(handle.num_tokens, partial_FY.shape[1], dtype=torch.float32, device=x_MH.device)
         out_NY.index_add_(0, token_S[:b], back_SY[:b])
         out_NY.index_add_(0, route.own_token_O, partial_FY[S:])
         out_NY.index_add_(0, token_S[b:], back_SY[b:])
@@ -521,11 +527,11 @@ class HierExchange:
                 )
         _, row_Q = destination_major(route.fwd_in_node_FV)
         F, Q = route.fwd_in_node_FV.shape[0], row_Q.numel()
-        partial_FH = torch.zeros(F, H, dtype=torch.float32)
+        partial_FH = torch.zeros(F, H, dtype=torch.float32, device="cpu")
         self.engine.accumulate_rows(partial_FH, rows(t.view(b.back_x, self.local, call), Q, dtype, H), row_Q)
         if not K:
             return partial_FH
-        partial_FK = torch.zeros(F, K, dtype=torch.float32)
+        partial_FK = torch.zeros(F, K, dtype=torch.float32, device="cpu")
         self.engine.accumulate_rows(partial_FK, t.view(b.back_w, self.local, call)[:Q, :K], row_Q)
         return torch.cat([partial_FH, partial_FK], dim=1)
 
@@ -565,7 +571,7 @@ def boundary_bytes(
     item, K = dtype.itemsize, (topk_idxs[0].shape[1] if topk_idxs else 0)
     returned_K = K if combine_weights else 0
     flat_row = hidden * item + 8 * (1 + 2 * K)  # bsp_dist's rows: x, then int64 token, local ids, weights
-    node_R = torch.tensor(node_of_rank)
+    node_R = torch.tensor(node_of_rank, dtype=torch.int64, device="cpu")
     out: dict[str, list[int]] = {}
     for rank, idx_NK in enumerate(topk_idxs):
         is_NR = token_in_rank(idx_NK, placement)

@@ -64,6 +64,16 @@ def check(bad: int, n: int, first: str, second: str = "") -> None:
         raise IndexError(f"{what}: the index at position {pos} is out of range")
 
 
+def _i64(values: list) -> torch.Tensor:
+    """An int64 example tensor on the CPU, whatever torch's defaults: the kernels' check examples."""
+    return torch.tensor(values, dtype=torch.int64, device="cpu")
+
+
+def _f32(values: list) -> torch.Tensor:
+    """A float32 example tensor on the CPU, whatever torch's defaults."""
+    return torch.tensor(values, dtype=torch.float32, device="cpu")
+
+
 class NoFallback:
     """Stands in for the torch engine while warming up: the compiled path must take every example."""
 
@@ -103,27 +113,36 @@ class NumbaEngine:
 
     def check_examples(self) -> None:
         """Run every kernel on its docstring example (bf16 and float32 rows); RuntimeError if wrong."""
-        rows_X1 = torch.tensor([[1.0], [2.0], [3.0]])
+        rows_X1 = _f32([[1.0], [2.0], [3.0]])
         for dtype in (torch.bfloat16, torch.float32):
-            gathered_n1 = torch.empty(2, 1, dtype=dtype)
-            self.copy_rows(rows_X1.to(dtype), torch.tensor([2, 0]), gathered_n1, None)
-            acc_N1 = torch.zeros(2, 1)
-            self.accumulate_rows(acc_N1, rows_X1.to(dtype), torch.tensor([1, 0, 1]), torch.ones(3))
+            gathered_n1 = torch.empty(2, 1, dtype=dtype, device="cpu")
+            self.copy_rows(rows_X1.to(dtype), _i64([2, 0]), gathered_n1, None)
+            acc_N1 = torch.zeros(2, 1, dtype=torch.float32, device="cpu")
+            self.accumulate_rows(
+                acc_N1, rows_X1.to(dtype), _i64([1, 0, 1]), torch.ones(3, dtype=torch.float32, device="cpu")
+            )
             y_NKH = rows_X1.to(dtype).view(1, 3, 1)
-            summed_N1 = self.weighted_sum(y_NKH, torch.tensor([[0.5, 2.0, 1.0]]), torch.tensor([[True] * 3]))
+            summed_N1 = self.weighted_sum(
+                y_NKH, _f32([[0.5, 2.0, 1.0]]), torch.ones(1, 3, dtype=torch.bool, device="cpu")
+            )
             if gathered_n1.tolist() != [[3.0], [1.0]] or acc_N1.tolist() != [[2.0], [4.0]]:
                 raise RuntimeError(f"numba kernels: wrong copy or accumulate for {dtype}")
             if summed_N1.tolist() != [[7.5]]:
                 raise RuntimeError(f"numba kernels: wrong weighted_sum for {dtype}")
-        local_nK = torch.empty(1, 3, dtype=torch.int64)
-        weights_nK = torch.empty(1, 3)
-        topk_XK, local_of_expert_E = torch.tensor([[3, 0, -1]]), torch.tensor([-1, -1, 0, 1])
+        local_nK = torch.empty(1, 3, dtype=torch.int64, device="cpu")
+        weights_nK = torch.empty(1, 3, dtype=torch.float32, device="cpu")
+        topk_XK, local_of_expert_E = _i64([[3, 0, -1]]), _i64([-1, -1, 0, 1])
         self.localize_rows(
-            topk_XK, torch.ones(1, 3), torch.tensor([0]), local_of_expert_E, local_nK, weights_nK
+            topk_XK,
+            torch.ones(1, 3, dtype=torch.float32, device="cpu"),
+            _i64([0]),
+            local_of_expert_E,
+            local_nK,
+            weights_nK,
         )
         if local_nK.tolist() != [[1, -1, -1]] or weights_nK.tolist() != [[1.0, 0.0, 0.0]]:
             raise RuntimeError("numba kernels: wrong localize_rows")
-        in_rank_NR, counts_R = self.route(torch.tensor([[3, 0], [1, -1]]), np.array([0, 0, 1, 1]), 2)
+        in_rank_NR, counts_R = self.route(_i64([[3, 0], [1, -1]]), np.array([0, 0, 1, 1]), 2)
         if in_rank_NR.tolist() != [[True, True], [True, False]] or counts_R.tolist() != [2, 1]:
             raise RuntimeError("numba kernels: wrong route")
         self._check_block_examples()
@@ -131,23 +150,24 @@ class NumbaEngine:
     def _check_block_examples(self) -> None:
         """The several-source kernels on their docstring examples, for every row dtype a call reduces,
         so that a bad cached copy of one fails here and not inside a call."""
-        a_b, c_d = torch.tensor([[1.0], [2.0]]), torch.tensor([[3.0], [4.0]])
-        gathered_31 = torch.empty(3, 1)
-        self.gather_blocks([a_b, c_d], [torch.tensor([1]), torch.tensor([0, 1])], gathered_31, [0, 1])
+        a_b, c_d = _f32([[1.0], [2.0]]), _f32([[3.0], [4.0]])
+        gathered_31 = torch.empty(3, 1, dtype=torch.float32, device="cpu")
+        self.gather_blocks([a_b, c_d], [_i64([1]), _i64([0, 1])], gathered_31, [0, 1])
         if gathered_31.tolist() != [[2.0], [3.0], [4.0]]:
             raise RuntimeError("numba kernels: wrong gather_blocks")
-        out_idx_21, out_w_21 = torch.empty(2, 1, dtype=torch.int64), torch.empty(2, 1)
-        topks = [torch.tensor([[2]]), torch.tensor([[0], [3]])]
-        weights = [torch.tensor([[0.5]]), torch.tensor([[1.0], [2.0]])]
-        rows = [torch.tensor([0]), torch.tensor([1])]
-        self.localize_blocks(topks, weights, rows, torch.tensor([-1, -1, 0, 1]), out_idx_21, out_w_21)
+        out_idx_21 = torch.empty(2, 1, dtype=torch.int64, device="cpu")
+        out_w_21 = torch.empty(2, 1, dtype=torch.float32, device="cpu")
+        topks = [_i64([[2]]), _i64([[0], [3]])]
+        weights = [_f32([[0.5]]), _f32([[1.0], [2.0]])]
+        rows = [_i64([0]), _i64([1])]
+        self.localize_blocks(topks, weights, rows, _i64([-1, -1, 0, 1]), out_idx_21, out_w_21)
         if out_idx_21.tolist() != [[0], [1]] or out_w_21.tolist() != [[0.5], [2.0]]:
             raise RuntimeError("numba kernels: wrong localize_blocks")
         for row_dtype in ROW_DTYPES:
             for out_dtype in (torch.bfloat16, torch.float32):
-                reduced_31 = torch.empty(3, 1, dtype=out_dtype)
+                reduced_31 = torch.empty(3, 1, dtype=out_dtype, device="cpu")
                 blocks = [a_b.to(row_dtype), c_d[:1].to(row_dtype)]
-                self.reduce_blocks(blocks, [torch.tensor([0, 2]), torch.tensor([0])], reduced_31)
+                self.reduce_blocks(blocks, [_i64([0, 2]), _i64([0])], reduced_31)
                 if reduced_31.tolist() != [[4.0], [0.0], [2.0]]:
                     raise RuntimeError(f"numba kernels: wrong reduce_blocks for {row_dtype} into {out_dtype}")
 
@@ -327,8 +347,8 @@ class NumbaEngine:
         """(is_token_in_rank bool [N, R], tokens per rank int64 [R]) of a contiguous int64 routing,
         after checking its values (ValueError in `ubep.validate`'s words): the values check of
         `validate.topk_idx`, `layout.token_in_rank` and its column sums in one compiled pass."""
-        in_rank_NR = torch.empty(topk_idx_NK.shape[0], num_ranks, dtype=torch.bool)
-        counts_R, found = torch.empty(num_ranks, dtype=torch.int64), np.zeros(1, dtype=np.int64)
+        in_rank_NR = torch.empty(topk_idx_NK.shape[0], num_ranks, dtype=torch.bool, device="cpu")
+        counts_R, found = torch.empty(num_ranks, dtype=torch.int64, device="cpu"), np.zeros(1, dtype=np.int64)
         in_rank_u8, E = in_rank_NR.view(torch.uint8).numpy(), rank_of_expert_E.size
         args = (topk_idx_NK.numpy(), rank_of_expert_E, E, in_rank_u8, counts_R.numpy(), found)
         verdict = kernels.route_tokens(*args)
@@ -346,7 +366,7 @@ class NumbaEngine:
             and valid_NK.dtype == torch.bool
             and w_NK.shape == valid_NK.shape == y_NKH.shape[:2]
         )
-        out_NH = torch.empty(y_NKH.shape[0], y_NKH.shape[-1], dtype=torch.float32)
+        out_NH = torch.empty(y_NKH.shape[0], y_NKH.shape[-1], dtype=torch.float32, device=y_NKH.device)
         bad = (
             launch(kernels.weighted_sum, y_NKH, w_NK, valid_NK, out_NH) if supported else kernels.UNSUPPORTED
         )

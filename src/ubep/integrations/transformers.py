@@ -178,11 +178,12 @@ class UbepLowLatencyEP(UbepEP):
         )
         recv_LMH = got.recv_x
         L, M, H = recv_LMH.shape
-        valid_LM = torch.arange(M) < got.recv_count.unsqueeze(1)
-        expert_LM = torch.arange(L).unsqueeze(1).expand(L, M)
+        device = recv_LMH.device
+        valid_LM = torch.arange(M, dtype=torch.int64, device=device) < got.recv_count.unsqueeze(1)
+        expert_LM = torch.arange(L, dtype=torch.int64, device=device).unsqueeze(1).expand(L, M)
         rows = recv_LMH[valid_LM]
         y_LMH = torch.zeros_like(recv_LMH)
-        ones = torch.ones(rows.shape[0], 1, dtype=hidden_states.dtype)
+        ones = torch.ones(rows.shape[0], 1, dtype=hidden_states.dtype, device=device)
         y_LMH[valid_LM] = self._run_experts(rows, expert_LM[valid_LM].unsqueeze(1), ones)
         return buffer.low_latency_combine(y_LMH, top_k_index, top_k_weights.float(), got.handle).combined_x
 

@@ -104,7 +104,9 @@ class CopyMap:
         sorted_P = flat_P[order_P]
         first_P = torch.searchsorted(sorted_P, sorted_P)  # where each pair's expert group begins
         occurrence_P = torch.empty_like(flat_P)
-        occurrence_P[order_P] = torch.arange(flat_P.numel()) - first_P
+        occurrence_P[order_P] = (
+            torch.arange(flat_P.numel(), dtype=torch.int64, device=flat_P.device) - first_P
+        )
         e_P = flat_P.clamp(min=0)
         column_P = (self.start + occurrence_P) % self.count_E[e_P]
         out_P = torch.where(flat_P >= 0, self.near_EJ[e_P, column_P], -1)

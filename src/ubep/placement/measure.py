@@ -61,7 +61,12 @@ def measure(
     pairs = pairs[pairs >= 0]
     load_R = torch.bincount(rank_U[pairs], minlength=placement.num_ranks).double()
     node_R = torch.from_numpy(distances.node_of_rank())
-    home = torch.cat([torch.full(((p >= 0).sum(),), r) for r, p in enumerate(phys)])
+    home = torch.cat(
+        [
+            torch.full((int((p >= 0).sum()),), r, dtype=torch.int64, device=p.device)
+            for r, p in enumerate(phys)
+        ]
+    )
     crossing = int((node_R[home] != node_R[rank_U[pairs]]).sum())
     slots = ExpertPlacement.contiguous(placement.num_physical, placement.num_ranks)
     got = boundary_bytes(phys, slots, node_R.tolist(), hidden, dtype)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -37,12 +38,16 @@ class Placement:
 
     @classmethod
     def from_list(cls, logical_of_physical: list[int] | torch.Tensor, num_ranks: int, num_logical: int):
-        return cls(num_ranks, num_logical, torch.as_tensor(logical_of_physical, dtype=torch.int64).flatten())
+        return cls(
+            num_ranks,
+            num_logical,
+            torch.as_tensor(logical_of_physical, dtype=torch.int64, device="cpu").flatten(),
+        )
 
     @classmethod
     def identity(cls, num_logical: int, num_ranks: int) -> Placement:
         """One copy per expert, expert e on rank e // (E // R): no placement at all."""
-        return cls(num_ranks, num_logical, torch.arange(num_logical, dtype=torch.int64))
+        return cls(num_ranks, num_logical, torch.arange(num_logical, dtype=torch.int64, device="cpu"))
 
     @property
     def num_physical(self) -> int:
@@ -54,7 +59,10 @@ class Placement:
 
     @property
     def rank_of_physical_U(self) -> torch.Tensor:
-        return torch.arange(self.num_physical) // self.slots_per_rank
+        physical_U = torch.arange(
+            self.num_physical, dtype=torch.int64, device=self.logical_of_physical_U.device
+        )
+        return physical_U // self.slots_per_rank
 
     @property
     def copies_E(self) -> torch.Tensor:
@@ -64,10 +72,14 @@ class Placement:
     def physical_of_logical_EJ(self) -> torch.Tensor:
         """int64 [E, J]: the physical ids of each logical expert, ascending, -1 padded (vLLM's log2phy)."""
         J = int(self.copies_E.max())
-        out_EJ = torch.full((self.num_logical, J), -1, dtype=torch.int64)
+        device = self.logical_of_physical_U.device
+        out_EJ = torch.full((self.num_logical, J), -1, dtype=torch.int64, device=device)
         order_U = torch.argsort(self.logical_of_physical_U, stable=True)  # physical ids by logical expert
         starts_E = torch.cumsum(self.copies_E, 0) - self.copies_E
-        column_U = torch.arange(self.num_physical) - starts_E[self.logical_of_physical_U[order_U]]
+        column_U = (
+            torch.arange(self.num_physical, dtype=torch.int64, device=device)
+            - starts_E[self.logical_of_physical_U[order_U]]
+        )
         out_EJ[self.logical_of_physical_U[order_U], column_U] = order_U
         return out_EJ
 
@@ -79,8 +91,13 @@ class Placement:
     def logical_load(self, load_XU: torch.Tensor) -> torch.Tensor:
         """[..., E]: a load per physical slot ([..., U], such as `Buffer.stats().expert_load_E` under
         this placement) summed per logical expert."""
-        load_XU = torch.as_tensor(load_XU)
-        out_XE = torch.zeros(*load_XU.shape[:-1], self.num_logical, dtype=load_XU.dtype)
+        if not isinstance(
+            load_XU, torch.Tensor
+        ):  # a list: int64 or float64 as numpy reads it, not the default
+            load_XU = torch.from_numpy(np.asarray(load_XU))
+        out_XE = torch.zeros(
+            *load_XU.shape[:-1], self.num_logical, dtype=load_XU.dtype, device=load_XU.device
+        )
         return out_XE.index_add_(-1, self.logical_of_physical_U, load_XU)
 
     def digest(self) -> str:

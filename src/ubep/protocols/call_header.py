@@ -112,8 +112,8 @@ class CallHeaders:
 
     def _all_to_all(self, call: CallId, header: CallHeader, mine_RX: torch.Tensor | None) -> torch.Tensor:
         self._entered_seq = call.seq
-        send_RW = torch.zeros(self.R, WORDS + self.per_peer, dtype=torch.int64)
-        send_RW[:, :WORDS] = torch.tensor(astuple(header), dtype=torch.int64)
+        send_RW = torch.zeros(self.R, WORDS + self.per_peer, dtype=torch.int64, device="cpu")
+        send_RW[:, :WORDS] = torch.tensor(astuple(header), dtype=torch.int64, device="cpu")
         if mine_RX is not None:
             send_RW[:, WORDS : WORDS + mine_RX.shape[1]] = mine_RX
         recv_RW = torch.empty_like(send_RW)

@@ -66,7 +66,7 @@ class DeviceHalves:
         """uint8 [R] on the device: 1 for each live rank (rebuilt only when the live set changes)."""
         live = tuple(self.t.live)
         if self._live_R is None or self._live_R[0] != live:
-            mask = torch.zeros(self.R, dtype=torch.uint8)
+            mask = torch.zeros(self.R, dtype=torch.uint8, device="cpu")
             mask[list(live)] = 1
             self._live_R = live, mask.to(self.device)
         return self._live_R[1]

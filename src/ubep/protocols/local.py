@@ -29,17 +29,22 @@ class LocalExchange:
             placement.num_experts,
             rank_of_expert=placement.rank_of_expert_E,
         )[0]
-        prefix = torch.tensor([0, got.src_token_M.numel()], dtype=torch.int64)
+        prefix = torch.tensor([0, got.src_token_M.numel()], dtype=torch.int64, device=got.src_token_M.device)
         route = RecvRoute.of(got.src_token_M, prefix)
         return Received.unpacking(plan, got.recv_x_MH, got.recv_topk_idx_MK, got.recv_topk_weights_MK, route)
 
     def combine(self, call: CallId, x_MH, handle: DispatchHandle, topk_weights_MK):
         tokens = handle.recv_src_token_M
-        out = torch.zeros(handle.num_tokens, x_MH.shape[1], dtype=torch.float32)
+        out = torch.zeros(handle.num_tokens, x_MH.shape[1], dtype=torch.float32, device=x_MH.device)
         out.index_add_(0, tokens, x_MH.float())
         out_w = None
         if topk_weights_MK is not None:
-            out_w = torch.zeros(handle.num_tokens, topk_weights_MK.shape[1], dtype=torch.float32)
+            out_w = torch.zeros(
+                handle.num_tokens,
+                topk_weights_MK.shape[1],
+                dtype=torch.float32,
+                device=topk_weights_MK.device,
+            )
             out_w.index_add_(0, tokens, topk_weights_MK)
         return out.to(x_MH.dtype), out_w
 

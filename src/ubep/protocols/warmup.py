@@ -28,7 +28,9 @@ from ubep.results import DispatchHandle
 from ubep.transport.virtual import VirtualRank, VirtualWorld, virtual_heap
 
 H, T, K = fp8.BLOCK, 2, 2  # the smallest shape that carries FP8
-TOPK_IDX_NK = torch.tensor([[0, 1], [1, -1]])  # two local experts, one slot unused
+TOPK_IDX_NK = torch.tensor(
+    [[0, 1], [1, -1]], dtype=torch.int64, device="cpu"
+)  # two local experts, one slot unused
 
 
 def warm_up(engine: Engine) -> None:
@@ -40,7 +42,7 @@ def warm_up(engine: Engine) -> None:
         calls = CallCounter()
         normal = (UbepExchange(heap, engine, sizing), BspExchange(heap, engine, sizing))
         low_latency = LLExchange(heap, engine, sizing)
-        x_NH = torch.ones(T, H)
+        x_NH = torch.ones(T, H, dtype=torch.float32, device="cpu")
         for payload in (x_NH, x_NH.bfloat16(), fp8.quantize(x_NH)):
             for exchange in normal:
                 _normal_mode(exchange, calls, sizing, payload)
@@ -53,7 +55,7 @@ def warm_up(engine: Engine) -> None:
 
 def _normal_mode(exchange: UbepExchange | BspExchange, calls: CallCounter, sizing: Sizing, payload) -> None:
     x_NH, scales_NS = payload if fp8.is_pair(payload) else (payload, None)
-    weights_NK = torch.ones(T, K)
+    weights_NK = torch.ones(T, K, dtype=torch.float32, device="cpu")
     in_rank_NR = token_in_rank(TOPK_IDX_NK, sizing.placement)
     counts_R = in_rank_NR.sum(dim=0)
     plan = SendPlan(x_NH, TOPK_IDX_NK, weights_NK, in_rank_NR, counts_R, scales_NS)
@@ -81,5 +83,7 @@ def _low_latency_mode(exchange: LLExchange, calls: CallCounter, sizing: Sizing, 
     exchange.dispatch_send(call, plan, out)()
     if use_fp8:
         return
-    back = combine_plan(out.recv_x, torch.ones(T, K), out.handle, sizing.placement)
-    exchange.combine_send(calls.next("ll_combine"), back, torch.empty(T, H, dtype=x_NH.dtype))()
+    back = combine_plan(
+        out.recv_x, torch.ones(T, K, dtype=torch.float32, device="cpu"), out.handle, sizing.placement
+    )
+    exchange.combine_send(calls.next("ll_combine"), back, torch.empty(T, H, dtype=x_NH.dtype, device="cpu"))()

@@ -150,7 +150,7 @@ class VirtualMemory:
 
     def __init__(self, me: VirtualRank, nbytes: int):
         self._me = me
-        mine = torch.zeros(max(nbytes, 1), dtype=torch.uint8)
+        mine = torch.zeros(max(nbytes, 1), dtype=torch.uint8, device="cpu")
         self._arenas: list[torch.Tensor] = me.world.all_gather(me.rank, mine)
 
     def arena(self, owner: int) -> torch.Tensor:

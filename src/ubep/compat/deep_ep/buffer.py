@@ -241,13 +241,13 @@ class Buffer:
         if not isinstance(dtype, torch.dtype):
             raise TypeError(f"dtype must be a torch.dtype, got {type(dtype).__name__}")
         num_bytes = self.num_rdma_bytes if use_rdma_buffer else self.num_nvl_bytes
-        item = torch.empty((), dtype=dtype).element_size()
+        item = dtype.itemsize
         if isinstance(offset, bool) or not isinstance(offset, int) or not 0 <= offset <= num_bytes:
             raise ValueError(f"offset must be an int in [0, {num_bytes}] (bytes), got {offset!r}")
         if offset % item:
             raise ValueError(f"offset ({offset} bytes) must be a multiple of {dtype}'s {item} bytes")
         if use_rdma_buffer not in self._raw:
-            self._raw[use_rdma_buffer] = torch.zeros(num_bytes, dtype=torch.uint8)
+            self._raw[use_rdma_buffer] = torch.zeros(num_bytes, dtype=torch.uint8, device="cpu")
         raw = self._raw[use_rdma_buffer]
         tensor = raw[offset : offset + (num_bytes - offset) // item * item].view(dtype)
         if size is None:
@@ -432,9 +432,9 @@ class Buffer:
         sent_NR = validate.tensor("is_token_in_rank", is_token_in_rank, torch.bool, 2)
         if sent_NR.shape[1] != R:
             raise ValueError(f"is_token_in_rank must be [num_tokens, {R}], got {tuple(sent_NR.shape)}")
-        first_expert_R = torch.arange(R) * (num_experts // R)
+        first_expert_R = torch.arange(R, dtype=torch.int64, device=sent_NR.device) * (num_experts // R)
         idx = torch.where(sent_NR, first_expert_R, -1)
-        return idx, torch.zeros(idx.shape, dtype=torch.float32), sent_NR
+        return idx, torch.zeros(idx.shape, dtype=torch.float32, device=idx.device), sent_NR
 
     def _gather_counts(self, sent_NR: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
         """int64 [R, R + E + 1]: every rank's (tokens per destination, tokens per expert, token count).
@@ -442,7 +442,11 @@ class Buffer:
         DeepEP's notify step: one small all-gather, so every rank can fill the handle's
         prefix matrices and check num_worst_tokens before any token moves."""
         mine = torch.cat(
-            [sent_NR.sum(dim=0), num_tokens_per_expert.to(torch.int64), torch.tensor([sent_NR.shape[0]])]
+            [
+                sent_NR.sum(dim=0),
+                num_tokens_per_expert.to(torch.int64),
+                torch.tensor([sent_NR.shape[0]], dtype=torch.int64, device=sent_NR.device),
+            ]
         )
         if self.group_size == 1:
             return mine.unsqueeze(0)
@@ -592,11 +596,13 @@ class Buffer:
         return self._combine_input(_ll_inner(handle))
 
     def _combine_input(self, handle: LowLatencyHandle) -> torch.Tensor:
-        self._ll_for(handle)
+        inner = self._ll_for(handle)
         L, M = handle.num_local_experts, self.group_size * handle.num_max_dispatch_tokens_per_rank
         key = (handle.hidden, handle.num_experts, handle.num_max_dispatch_tokens_per_rank)
         if key not in self._combine_inputs:
-            self._combine_inputs[key] = torch.zeros(L, M, handle.hidden, dtype=torch.bfloat16)
+            self._combine_inputs[key] = torch.zeros(
+                L, M, handle.hidden, dtype=torch.bfloat16, device=inner.device
+            )
         return self._combine_inputs[key]
 
     def _ll_for(self, handle: LowLatencyHandle) -> UbepBuffer:
@@ -628,7 +634,8 @@ class Buffer:
         if mask_status.dim() != 1 or mask_status.numel() != self.group_size:
             shape = tuple(mask_status.shape)
             raise ValueError(f"mask_status must be a [{self.group_size}] tensor, got {shape}")
-        mask_status.copy_(torch.tensor([int(r in self._masked) for r in range(self.group_size)]))
+        masked_R = [int(r in self._masked) for r in range(self.group_size)]
+        mask_status.copy_(torch.tensor(masked_R, dtype=mask_status.dtype, device=mask_status.device))
 
     def low_latency_clean_mask_buffer(self) -> None:
         """Unmask every rank: possible only while none is masked (a masked rank cannot rejoin)."""
@@ -703,7 +710,7 @@ def _pad(t: torch.Tensor, rows: int, fill) -> torch.Tensor:
     """t [M, ...] with rows - M more rows of `fill` (t itself when nothing is missing)."""
     if t.shape[0] == rows:
         return t
-    padded = torch.full((rows, *t.shape[1:]), fill, dtype=t.dtype)
+    padded = torch.full((rows, *t.shape[1:]), fill, dtype=t.dtype, device=t.device)
     padded[: t.shape[0]] = t
     return padded
 
@@ -738,9 +745,11 @@ def _ll_outputs(recv, use_fp8: bool, pow2: bool, ue8m0: bool) -> tuple[object, l
         scales_LMB = scales.column_major(torch.empty_like(raw_scales))
         return (values, scales_LMB), [lambda: scales_LMB.copy_(raw_scales)]
     L, M, H = recv.shape
-    values = torch.empty(L, M, H, dtype=fp8.VALUE_DTYPE)
+    values = torch.empty(L, M, H, dtype=fp8.VALUE_DTYPE, device=recv.device)
     width = H // fp8.BLOCK // (scales.BLOCKS_PER_WORD if ue8m0 else 1)
-    out_scales = scales.column_major(torch.empty(L, M, width, dtype=torch.int32 if ue8m0 else torch.float32))
+    out_scales = scales.column_major(
+        torch.empty(L, M, width, dtype=torch.int32 if ue8m0 else torch.float32, device=recv.device)
+    )
 
     def quantize_arrived() -> None:
         q_values, q_scales = scales.quantize_pow2(recv.view(L * M, H))

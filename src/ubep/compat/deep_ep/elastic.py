@@ -302,7 +302,7 @@ class ElasticBuffer:
         mine_RJ = stream_counts(lanes_NR, min(K, L))
         sent_SRJ = torch.stack(all_gather_object(self._info, mine_RJ))  # DeepEP's notify step
         inner = self._ubep(("dispatch", H, T, K, E), E, K)
-        got = inner.dispatch(payload, topk_idx=idx_NK, topk_weights=_or_zeros(w_NK, idx_NK.shape))
+        got = inner.dispatch(payload, topk_idx=idx_NK, topk_weights=_or_zeros(w_NK, idx_NK))
         slot_MK, counts_L, starts_L = expanded_slots(got.recv_topk_idx, L, alignment)
         aligned_L = (counts_L + alignment - 1) // alignment * alignment
         route = ElasticRoute(got.handle, sent_SRJ, got.recv_topk_idx, slot_MK, int(aligned_L.sum()))
@@ -381,14 +381,16 @@ class ElasticBuffer:
         """int32 [rows, 2 + K]: DeepEP's recv_src_metadata (padding rows -1)."""
         M, inner = route.num_recv, route.inner
         local_MK = route.recv_topk_idx_MK >= 0
-        last_M = torch.where(local_MK, torch.arange(K), -1).amax(dim=1)
+        last_M = torch.where(local_MK, torch.arange(K, dtype=torch.int64, device=local_MK.device), -1).amax(
+            dim=1
+        )
         if self.num_scaleout_ranks == 1:
             where_M = inner.recv_src_rank_M
         else:  # hybrid: the row's slot among the rows of its source scale-up index
             up_M = inner.recv_src_rank_M % self.num_scaleup_ranks
             same_MU = torch.nn.functional.one_hot(up_M, self.num_scaleup_ranks)
             where_M = (same_MU.cumsum(dim=0) - same_MU).gather(1, up_M.unsqueeze(1)).flatten()
-        meta = torch.full((rows, 2 + K), -1, dtype=torch.int32)
+        meta = torch.full((rows, 2 + K), -1, dtype=torch.int32, device=local_MK.device)
         meta[:M, 0] = (inner.recv_src_rank_M * T + inner.recv_src_token_M).int()
         meta[:M, 1] = (where_M * K + last_M).int()
         if do_expand:
@@ -506,8 +508,9 @@ def _event(async_with_compute_stream: bool) -> EventOverlap:
     return EventOverlap(EventHandle()) if async_with_compute_stream else EventOverlap()
 
 
-def _or_zeros(w, shape) -> torch.Tensor:
-    return w if w is not None else torch.zeros(shape)
+def _or_zeros(w, like: torch.Tensor) -> torch.Tensor:
+    """w, or float32 zeros of like's shape on its device (weights are float32 whatever the default)."""
+    return w if w is not None else torch.zeros(like.shape, dtype=torch.float32, device=like.device)
 
 
 def _payload(x):
@@ -520,19 +523,21 @@ def _payload(x):
         raise TypeError("x[1] (scales) must be a float32 or int32 (packed UE8M0) tensor")
     if sf.dtype == torch.float32:
         return (values, sf), "float32"
-    wide = torch.zeros(sf.shape[0], values.shape[1] // 128, dtype=torch.float32)
+    wide = torch.zeros(sf.shape[0], values.shape[1] // 128, dtype=torch.float32, device=sf.device)
     if sf.shape[1] * 4 != wide.shape[1]:
         raise ValueError(f"packed UE8M0 scales must be [N, H / 512], got {tuple(sf.shape)}")
     wide[:, : sf.shape[1]] = sf.view(torch.float32)
     return (values, wide), "ue8m0"
 
 
-def _sf_out(rows: int, width: int, dtype: torch.dtype, col_major: bool) -> torch.Tensor:
-    """Zeroed scales [rows, width], row-major or DeepEP's TMA-aligned column-major layout."""
+def _sf_out(rows: int, like: torch.Tensor, col_major: bool) -> torch.Tensor:
+    """Zeroed scales [rows, like's width] in like's dtype and device, row-major or DeepEP's TMA-aligned
+    column-major layout."""
+    width, dtype, device = like.shape[1], like.dtype, like.device
     if not col_major:
-        return torch.zeros(rows, width, dtype=dtype)
+        return torch.zeros(rows, width, dtype=dtype, device=device)
     stride = align(max(rows, 1), SF_PACKS_PER_TMA_ROW)
-    return torch.zeros(width, stride, dtype=dtype)[:, :rows].t()
+    return torch.zeros(width, stride, dtype=dtype, device=device)[:, :rows].t()
 
 
 def _outputs(handle: EPHandle, recv, sf_kind, recv_w_MK, col_major_sf: bool):
@@ -550,24 +555,27 @@ def _outputs(handle: EPHandle, recv, sf_kind, recv_w_MK, col_major_sf: bool):
         pick = slot_P, m_P
     else:
         rows = handle.num_recv_tokens
-        pick = torch.arange(M), torch.arange(M)
-    out_x = torch.zeros(rows, values_MH.shape[1], dtype=values_MH.dtype)
+        rows_M = torch.arange(M, dtype=torch.int64, device=values_MH.device)
+        pick = rows_M, rows_M
+    out_x = torch.zeros(rows, values_MH.shape[1], dtype=values_MH.dtype, device=values_MH.device)
     out_x[pick[0]] = values_MH[pick[1]]
     if sf_MS is not None:
-        out_sf = _sf_out(rows, sf_MS.shape[1], sf_MS.dtype, col_major_sf)
+        out_sf = _sf_out(rows, sf_MS, col_major_sf)
         out_sf[pick[0]] = sf_MS[pick[1]]
         out_x = (out_x, out_sf)
     if handle.do_expand:
         out_w = None
         if recv_w_MK is not None:
-            out_w = torch.zeros(rows)
+            out_w = torch.zeros(rows, dtype=torch.float32, device=recv_w_MK.device)
             out_w[pick[0]] = recv_w_MK[route.slot_MK >= 0]
         return out_x, None, out_w
-    out_idx = torch.full((rows, route.recv_topk_idx_MK.shape[1]), -1, dtype=torch.int64)
+    out_idx = torch.full(
+        (rows, route.recv_topk_idx_MK.shape[1]), -1, dtype=torch.int64, device=route.recv_topk_idx_MK.device
+    )
     out_idx[:M] = route.recv_topk_idx_MK
     out_w = None
     if recv_w_MK is not None:
-        out_w = torch.zeros(rows, recv_w_MK.shape[1])
+        out_w = torch.zeros(rows, recv_w_MK.shape[1], dtype=torch.float32, device=recv_w_MK.device)
         out_w[:M] = recv_w_MK
     return out_x, out_idx, out_w
 

@@ -44,7 +44,7 @@ class Stream:
 
 def local_sum(x_XH: torch.Tensor, slot_MK: torch.Tensor) -> torch.Tensor:
     """[M, H]: each token's expanded rows summed in lane order (float32), rounded once to x's dtype."""
-    acc_MH = torch.zeros(slot_MK.shape[0], x_XH.shape[1], dtype=torch.float32)
+    acc_MH = torch.zeros(slot_MK.shape[0], x_XH.shape[1], dtype=torch.float32, device=x_XH.device)
     for k in range(slot_MK.shape[1]):
         here = slot_MK[:, k] >= 0
         acc_MH[here] += x_XH[slot_MK[here, k]].float()
@@ -59,10 +59,10 @@ def owner_streams(x, weights, route: ElasticRoute, do_expand: bool, multiple: bo
     home_M = route.inner.recv_src_rank_M
     slot_MK = route.slot_MK
     if not do_expand:
-        w_MK = weights[:M] if weights is not None else torch.zeros(local_MK.shape)
+        w_MK = weights[:M] if weights is not None else _zero_weights(local_MK)
         return [Stream(x[:M], local_MK, torch.where(local_MK, w_MK, 0.0), home_M)]
     if multiple:
-        w_MK = weights[slot_MK.clamp_min(0)] if weights is not None else torch.zeros(local_MK.shape)
+        w_MK = weights[slot_MK.clamp_min(0)] if weights is not None else _zero_weights(local_MK)
         return [Stream(local_sum(x, slot_MK), local_MK, torch.where(local_MK, w_MK, 0.0), home_M)]
     ordinal_MK = local_MK.long().cumsum(dim=1) - 1  # which of its row's local lanes each lane is
     streams = []
@@ -70,9 +70,13 @@ def owner_streams(x, weights, route: ElasticRoute, do_expand: bool, multiple: bo
         rows_P = route.stream_rows(j)
         lane_PK = local_MK[rows_P] & (ordinal_MK[rows_P] == j)
         slot_P = slot_MK[rows_P].gather(1, lane_PK.long().argmax(dim=1, keepdim=True)).flatten()
-        zeros_PK = torch.zeros(lane_PK.shape)
-        streams.append(Stream(x[slot_P], lane_PK, zeros_PK, home_M[rows_P]))
+        streams.append(Stream(x[slot_P], lane_PK, _zero_weights(lane_PK), home_M[rows_P]))
     return streams
+
+
+def _zero_weights(lanes_XK: torch.Tensor) -> torch.Tensor:
+    """float32 zeros of the lanes' shape, on their device: weights are float32 whatever the default."""
+    return torch.zeros(lanes_XK.shape, dtype=torch.float32, device=lanes_XK.device)
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,7 +92,7 @@ class Arrived:
 def send_home(trip: UbepBuffer, stream: Stream, table_RP: torch.Tensor, chunk: int, chunks: int) -> Arrived:
     """Move one stream home in `chunks` ubep dispatches of at most `chunk` rows per rank (collective)."""
     K = stream.lanes_PK.shape[1]
-    lane_K = torch.arange(K)
+    lane_K = torch.arange(K, dtype=torch.int64, device=stream.home_P.device)
     got_parts = []
     for c in range(chunks):
         part = slice(c * chunk, (c + 1) * chunk)
@@ -100,10 +104,11 @@ def send_home(trip: UbepBuffer, stream: Stream, table_RP: torch.Tensor, chunk: i
             raise RuntimeError("combine: a row came home to a position its dispatch did not fill")
         got_parts.append((token_A, got.recv_topk_idx, got.recv_topk_weights, got.recv_x))
     if not got_parts:
+        device = stream.home_P.device
         return Arrived(
-            torch.zeros(0, dtype=torch.int64),
-            torch.zeros(0, K, dtype=torch.int64),
-            torch.zeros(0, K),
+            torch.zeros(0, dtype=torch.int64, device=device),
+            torch.zeros(0, K, dtype=torch.int64, device=device),
+            torch.zeros(0, K, dtype=torch.float32, device=device),
             stream.rows_PH[:0],
         )
     return Arrived(*(torch.cat(parts) for parts in zip(*got_parts, strict=True)))
@@ -111,8 +116,8 @@ def send_home(trip: UbepBuffer, stream: Stream, table_RP: torch.Tensor, chunk: i
 
 def place(arrived: list[Arrived], num_tokens: int, num_topk: int, like: torch.Tensor):
     """(y [N, K, H], weights [N, K]): each row at the last lane it answers for, weights at every lane."""
-    y_NKH = torch.zeros(num_tokens, num_topk, like.shape[1], dtype=like.dtype)
-    w_NK = torch.zeros(num_tokens, num_topk)
+    y_NKH = torch.zeros(num_tokens, num_topk, like.shape[1], dtype=like.dtype, device=like.device)
+    w_NK = torch.zeros(num_tokens, num_topk, dtype=torch.float32, device=like.device)
     for a in arrived:
         valid_AK = a.lane_idx_AK >= 0
         last_A = torch.where(valid_AK, a.lane_idx_AK, -1).amax(dim=1) if a.token_A.numel() else a.token_A
@@ -129,9 +134,11 @@ def round_groups(y_NKH: torch.Tensor, group_NK: torch.Tensor) -> torch.Tensor:
     """
     N, K, H = y_NKH.shape
     g_NK = group_NK - group_NK.min() if group_NK.numel() else group_NK
-    acc_NGH = torch.zeros(N, int(g_NK.max()) + 1 if g_NK.numel() else 1, H)
+    acc_NGH = torch.zeros(
+        N, int(g_NK.max()) + 1 if g_NK.numel() else 1, H, dtype=torch.float32, device=y_NKH.device
+    )
     out_NKH = torch.zeros_like(y_NKH)
-    rows_N = torch.arange(N)
+    rows_N = torch.arange(N, dtype=torch.int64, device=y_NKH.device)
     for k in range(K):
         acc_NGH[rows_N, g_NK[:, k]] += y_NKH[:, k].float()
         last_N = ~(g_NK[:, k + 1 :] == g_NK[:, k : k + 1]).any(dim=1)
@@ -144,7 +151,7 @@ def reduce_home(y_NKH, topk_idx_NK, domain_experts: int | None, biases: list[tor
     if domain_experts is not None:
         y_NKH = round_groups(y_NKH, torch.where(topk_idx_NK >= 0, topk_idx_NK // domain_experts, -1))
     N, K, H = y_NKH.shape
-    acc_NH = torch.zeros(N, H)
+    acc_NH = torch.zeros(N, H, dtype=torch.float32, device=y_NKH.device)
     if biases:
         acc_NH = biases[0].float() + biases[1].float() if len(biases) == 2 else biases[0].float()
     for k in range(K):

@@ -31,14 +31,16 @@ def align(n: int, alignment: int) -> int:
 def lanes_per_rank(topk_idx_NK: torch.Tensor, num_experts: int, num_ranks: int) -> torch.Tensor:
     """int64 [N, R]: how many of each token's lanes select an expert of rank r."""
     owner_NK = torch.where(topk_idx_NK >= 0, topk_idx_NK // (num_experts // num_ranks), num_ranks)
-    lanes_NR1 = torch.zeros(topk_idx_NK.shape[0], num_ranks + 1, dtype=torch.int64)
+    lanes_NR1 = torch.zeros(topk_idx_NK.shape[0], num_ranks + 1, dtype=torch.int64, device=topk_idx_NK.device)
     lanes_NR1.scatter_add_(1, owner_NK, torch.ones_like(owner_NK))
     return lanes_NR1[:, :num_ranks]
 
 
 def stream_counts(lanes_NR: torch.Tensor, num_streams: int) -> torch.Tensor:
     """int64 [R, J]: tokens with more than j lanes on rank r (j = 0: tokens sent to r)."""
-    return (lanes_NR.unsqueeze(2) > torch.arange(num_streams)).sum(dim=0)
+    return (lanes_NR.unsqueeze(2) > torch.arange(num_streams, dtype=torch.int64, device=lanes_NR.device)).sum(
+        dim=0
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,7 +76,9 @@ class ElasticRoute:
         """int64 [R, P]: token of rank `me` at each position of every rank's stream j (-1: another's)."""
         S, R, _ = self.sent_SRJ.shape
         per_rank_R = self.sent_SRJ[:, :, j].sum(dim=0)
-        table_RP = torch.full((R, int(per_rank_R.max()) if R else 0), -1, dtype=torch.int64)
+        table_RP = torch.full(
+            (R, int(per_rank_R.max()) if R else 0), -1, dtype=torch.int64, device=topk_idx_NK.device
+        )
         lanes_NR = lanes_per_rank(topk_idx_NK, num_experts, R)
         before_R = self.sent_SRJ[:me, :, j].sum(dim=0)
         for r in range(R):
@@ -95,7 +99,7 @@ def expanded_slots(recv_topk_idx_MK: torch.Tensor, num_local_experts: int, align
     starts_L = aligned_L.cumsum(0) - aligned_L
     for e in range(num_local_experts):
         rows, lanes = torch.nonzero(recv_topk_idx_MK == e, as_tuple=True)  # row-major: rows ascending
-        slot_MK[rows, lanes] = starts_L[e] + torch.arange(rows.numel())
+        slot_MK[rows, lanes] = starts_L[e] + torch.arange(rows.numel(), dtype=torch.int64, device=rows.device)
     return slot_MK, counts_L, starts_L
 
 

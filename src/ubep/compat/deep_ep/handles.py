@@ -134,14 +134,16 @@ def normal_handle(
     its token count), gathered from every rank."""
     R, N, C = inner.num_ranks, inner.num_tokens, num_channels
     sent_NR = inner.is_token_in_rank_NR
-    channel_N = channel_of(torch.arange(N), N, C)
-    per_channel_CR = torch.zeros(C, R, dtype=torch.int64).index_add_(0, channel_N, sent_NR.long())
+    channel_N = channel_of(torch.arange(N, dtype=torch.int64, device=sent_NR.device), N, C)
+    per_channel_CR = torch.zeros(C, R, dtype=torch.int64, device=sent_NR.device).index_add_(
+        0, channel_N, sent_NR.long()
+    )
     channel_prefix_RC = per_channel_CR.cumsum(dim=0).T
     before_NR = sent_NR.long().cumsum(dim=0) - sent_NR.long()  # sent tokens before each token, per rank
     channel_start_RC = channel_prefix_RC - per_channel_CR.T
     send_head_NR = torch.where(sent_NR, before_NR - channel_start_RC[:, channel_N].T, -1)
     recv_channel_RC = _recv_channel_starts(inner, counts_RX[:, -1], C)
-    recv_src_idx_M = torch.full((num_rows,), -1, dtype=torch.int32)
+    recv_src_idx_M = torch.full((num_rows,), -1, dtype=torch.int32, device=inner.recv_src_token_M.device)
     recv_src_idx_M[: inner.num_recv_tokens] = inner.recv_src_token_M.to(torch.int32)
     return NormalHandle(
         inner=inner,
@@ -163,7 +165,7 @@ def _recv_channel_starts(inner: DispatchHandle, tokens_R: torch.Tensor, num_chan
     per_channel = (tokens_R.clamp_min(1) + C - 1) // C  # ceil(N_s / C), per source
     channel_M = inner.recv_src_token_M // per_channel[src_R]
     counts_RC = (
-        torch.zeros(R * C, dtype=torch.int64)
+        torch.zeros(R * C, dtype=torch.int64, device=src_R.device)
         .index_add_(0, src_R * C + channel_M, torch.ones_like(channel_M))
         .view(R, C)
     )

@@ -32,14 +32,14 @@ def quantize_pow2(x_NH: torch.Tensor) -> fp8.Fp8Pair:
 def pack_ue8m0(scales_NB: torch.Tensor) -> torch.Tensor:
     """Power-of-two float32 scales [..., B] (B % 4 == 0) -> int32 [..., B // 4] of exponent bytes."""
     exponent = (scales_NB.float().contiguous().view(torch.int32) >> 23) & 0xFF
-    shifts = torch.arange(BLOCKS_PER_WORD, dtype=torch.int64) * 8
+    shifts = torch.arange(BLOCKS_PER_WORD, dtype=torch.int64, device=scales_NB.device) * 8
     word = (exponent.unflatten(-1, (-1, BLOCKS_PER_WORD)).to(torch.int64) << shifts).sum(dim=-1)
     return torch.where(word >= 2**31, word - 2**32, word).to(torch.int32)  # the same 32 bits, signed
 
 
 def unpack_ue8m0(packed_NW: torch.Tensor) -> torch.Tensor:
     """Inverse of `pack_ue8m0`: int32 [..., W] -> float32 scales [..., 4 W]."""
-    shifts = torch.arange(BLOCKS_PER_WORD, dtype=torch.int32) * 8
+    shifts = torch.arange(BLOCKS_PER_WORD, dtype=torch.int32, device=packed_NW.device) * 8
     exponent = (packed_NW.unsqueeze(-1) >> shifts) & 0xFF
     return (exponent << 23).view(torch.float32).flatten(-2)
 

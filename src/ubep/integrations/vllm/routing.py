@@ -69,8 +69,8 @@ class GroupExperts:
         if int(per_rank_R[0]) == 0:
             raise ValueError("no rank of the group owns an expert")
         globals_B = torch.nonzero(owners_E == 1).flatten()
-        buffer_id_E = torch.full((expert_map_RE.shape[1],), -1, dtype=torch.int64)
-        buffer_id_E[globals_B] = torch.arange(globals_B.numel())
+        buffer_id_E = torch.full((expert_map_RE.shape[1],), -1, dtype=torch.int64, device=globals_B.device)
+        buffer_id_E[globals_B] = torch.arange(globals_B.numel(), dtype=torch.int64, device=globals_B.device)
         owner_B = owned_RE[:, globals_B].to(torch.int64).argmax(dim=0)
         return cls(buffer_id_E, owner_B, torch.nonzero(owned_RE[rank]).flatten())
 

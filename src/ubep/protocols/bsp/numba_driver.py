@@ -51,7 +51,9 @@ class BspCompiled(NormalCompiled):
         K = 0 if cached else plan.topk_idx_NK.shape[1]
         counts = plan.send_counts_R
         if self.faults.armed:  # maybe a corrupt count, the same to every destination
-            counts = torch.as_tensor(self.faults.count("dispatch.count", call, counts), dtype=torch.int64)
+            counts = torch.as_tensor(
+                self.faults.count("dispatch.count", call, counts), dtype=torch.int64, device="cpu"
+            )
         k.bsp_counts(self.table, me, epoch, np.ascontiguousarray(counts.expand(R).numpy()))
         self._barrier(call, "dispatch (count exchange)")
         routing = None if cached else (plan.topk_idx_NK.numpy(), plan.topk_weights_NK.numpy())
@@ -66,7 +68,7 @@ class BspCompiled(NormalCompiled):
         if self.faults.armed:
             self.faults.at("dispatch.sent", call)
         self._barrier(call, "dispatch (token send)")
-        counts_R = torch.empty(R, dtype=torch.int64)
+        counts_R = torch.empty(R, dtype=torch.int64, device="cpu")
         pending, status = np.empty(R, dtype=np.int64), np.zeros(6, dtype=np.int64)
         code = k.bsp_verify(
             self.table, me, epoch, t.live_R, DTYPE_CODES[x_NH.dtype], K, s.max_topk, s.capacity, *CODE_RANGE,
@@ -77,11 +79,16 @@ class BspCompiled(NormalCompiled):
         self._barrier(call, "dispatch (prefix sums)")
         prefix_R1 = prefix_offsets(counts_R)
         M, H = int(prefix_R1[-1]), x_NH.shape[1]
-        recv_x_MH = torch.empty(M, H, dtype=x_NH.dtype)
-        scales = None if plan.scales_NS is None else torch.empty(M, plan.scales_NS.shape[1])
-        recv_idx = torch.empty(M, K, dtype=torch.int64)
-        recv_w = torch.empty(M, K, dtype=torch.float32)
-        src_token = torch.empty(M, dtype=torch.int64)
+        recv_x_MH = torch.empty(M, H, dtype=x_NH.dtype, device="cpu")
+        scales_NS = plan.scales_NS
+        scales = (
+            None
+            if scales_NS is None
+            else torch.empty(M, scales_NS.shape[1], dtype=scales_NS.dtype, device="cpu")
+        )
+        recv_idx = torch.empty(M, K, dtype=torch.int64, device="cpu")
+        recv_w = torch.empty(M, K, dtype=torch.float32, device="cpu")
+        src_token = torch.empty(M, dtype=torch.int64, device="cpu")
         code = k.bsp_reorder(
             self.table, me, prefix_R1.numpy(), s.capacity, s.max_topk, s.placement.num_local_experts,
             s.row_bytes, recv_x_MH.view(torch.uint8).numpy(), NO_F32 if scales is None else scales.numpy(),

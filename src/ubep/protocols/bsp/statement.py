@@ -75,7 +75,7 @@ class BspExchange(halves.OnHalves):
             return self._compiled.dispatch(call, plan, handle)
         b, t = self.blocks, self.t
         corrupted = self.faults.count("dispatch.count", call, plan.send_counts_R)
-        counts = torch.as_tensor(corrupted, dtype=torch.int64).expand(self.R).tolist()
+        counts = torch.as_tensor(corrupted, dtype=torch.int64, device="cpu").expand(self.R).tolist()
         t.publish(b.counts, call, {"counts": counts})
         t.barrier("dispatch (count exchange)", call)
         self._send_tokens(call, plan)
@@ -127,17 +127,22 @@ class BspExchange(halves.OnHalves):
                 )
                 raise t.bad_data(call, src, message)
             counts[src] = int(t.read(b.counts, call, src)["counts"][self.me])
-        return torch.tensor(counts, dtype=torch.int64)
+        return torch.tensor(counts, dtype=torch.int64, device="cpu")
 
     def _reorder(self, call: CallId, plan: SendPlan, prefix_R1: torch.Tensor, cached: bool) -> Received:
         b, t, H, dtype = self.blocks, self.t, plan.x_NH.shape[1], plan.x_NH.dtype
         M, prefix = int(prefix_R1[-1]), prefix_R1.tolist()
         K = None if cached else plan.topk_idx_NK.shape[1]
-        recv_x = torch.empty(M, H, dtype=dtype)
-        scales = None if plan.scales_NS is None else torch.empty(M, plan.scales_NS.shape[1])
-        recv_idx = None if cached else torch.empty(M, K, dtype=torch.int64)
-        recv_w = None if cached else torch.empty(M, K, dtype=torch.float32)
-        src_token = torch.empty(M, dtype=torch.int64)
+        device, scales_NS = plan.x_NH.device, plan.scales_NS
+        recv_x = torch.empty(M, H, dtype=dtype, device=device)
+        scales = (
+            None
+            if scales_NS is None
+            else torch.empty(M, scales_NS.shape[1], dtype=scales_NS.dtype, device=device)
+        )
+        recv_idx = None if cached else torch.empty(M, K, dtype=torch.int64, device=device)
+        recv_w = None if cached else torch.empty(M, K, dtype=torch.float32, device=device)
+        src_token = torch.empty(M, dtype=torch.int64, device=device)
         for src in range(self.R):
             a, z = prefix[src], prefix[src + 1]
             self.engine.copy_rows(

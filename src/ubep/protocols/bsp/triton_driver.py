@@ -62,7 +62,9 @@ class BspDevice(NormalDevice):
         if self.capturable:  # the device's own count of calls
             targets = self._calls[0:1] * BARRIERS_PER_CALL + step
         else:
-            targets = torch.tensor([call.seq * BARRIERS_PER_CALL + step], dtype=torch.int64).to(self.device)
+            targets = torch.tensor([call.seq * BARRIERS_PER_CALL + step], dtype=torch.int64, device="cpu").to(
+                self.device
+            )
         args = (self.table, self._live(), self.me, targets, self.R, status, self.max_spins)
         self._half(call, phase, k.bsp_barrier_kernel, (1,), args, {}, mine, rings=True)
 

@@ -174,8 +174,13 @@ def slot_positions(counts_L: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
     Example: counts [2, 0, 1] -> local [0, 0, 2], index [0, 1, 0].
     """
-    local_n = torch.repeat_interleave(torch.arange(counts_L.numel()), counts_L)
-    index_n = torch.arange(local_n.numel()) - prefix_offsets(counts_L)[:-1][local_n]
+    local_n = torch.repeat_interleave(
+        torch.arange(counts_L.numel(), dtype=torch.int64, device=counts_L.device), counts_L
+    )
+    index_n = (
+        torch.arange(local_n.numel(), dtype=torch.int64, device=counts_L.device)
+        - prefix_offsets(counts_L)[:-1][local_n]
+    )
     return local_n, index_n
 
 
@@ -215,7 +220,7 @@ def place_all(
     k_M: torch.Tensor,
 ) -> None:
     """Place rows that arrived source-major (then local expert, then token), and set recv_count."""
-    begin_L = torch.zeros(counts_SL.shape[1], dtype=torch.int64)
+    begin_L = torch.zeros(counts_SL.shape[1], dtype=torch.int64, device=counts_SL.device)
     offsets = prefix_offsets(counts_SL.sum(dim=1))
     for src in range(counts_SL.shape[0]):
         a, b = int(offsets[src]), int(offsets[src + 1])
@@ -264,7 +269,9 @@ def combine_plan(
 ) -> LLCombinePlan:
     """Which received rows go back where, and the home side's view of its own routing."""
     M = x_LMH.shape[1]
-    valid_LM = torch.arange(M, device=handle.recv_count_L.device) < handle.recv_count_L.long().unsqueeze(1)
+    valid_LM = torch.arange(
+        M, dtype=torch.int64, device=handle.recv_count_L.device
+    ) < handle.recv_count_L.long().unsqueeze(1)
     local_Q, row_Q = torch.nonzero(valid_LM, as_tuple=True)  # sorted by (local expert, row)
     home_Q = handle.recv_src_rank_LM[local_Q, row_Q]
     order_Q = torch.argsort(home_Q, stable=True)
@@ -307,7 +314,7 @@ def reduce_returned(engine: Engine, plan: LLCombinePlan, rows_PB: torch.Tensor, 
     """Reduce rows that came back in `home_order`."""
     N, K = plan.valid_NK.shape
     token_P, k_P = home_order(plan)
-    y_NKB = torch.zeros(N * K, plan.x_LMB.shape[2], dtype=torch.uint8)
+    y_NKB = torch.zeros(N * K, plan.x_LMB.shape[2], dtype=torch.uint8, device=rows_PB.device)
     y_w, rows_w = as_words(y_NKB, rows_PB)
     y_w[token_P * K + k_P] = rows_w
     reduce_rows(engine, plan, y_NKB.view(N, K, y_NKB.shape[1]), out_NH)

@@ -238,7 +238,9 @@ class LLExchange:
         b, t, K = self.blocks, self.t, self.sizing.max_topk
         slots = t.view(b.slots, self.me, call)
         infos = t.view(b.slot_info, self.me, call)
-        begin_L = torch.zeros(self.sizing.placement.num_local_experts, dtype=torch.int64)
+        begin_L = torch.zeros(
+            self.sizing.placement.num_local_experts, dtype=torch.int64, device=out.handle.recv_count_L.device
+        )
         try:
             for src in range(self.R):
                 if src not in self.t.live:  # masked: sends nothing

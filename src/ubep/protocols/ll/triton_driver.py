@@ -79,8 +79,10 @@ class LLDevice(DeviceHalves):
         self.sizing, self.release = sizing, release
         p = sizing.placement
         L = p.num_local_experts
-        experts_RL = torch.empty(self.R, L, dtype=torch.int64)
-        experts_RL[p.rank_of_expert_E, p.local_index_E] = torch.arange(p.num_experts)
+        experts_RL = torch.empty(self.R, L, dtype=torch.int64, device=p.rank_of_expert_E.device)
+        experts_RL[p.rank_of_expert_E, p.local_index_E] = torch.arange(
+            p.num_experts, dtype=torch.int64, device=p.rank_of_expert_E.device
+        )
         self.experts_RL = experts_RL.to(self.device)
         self.owner_E = p.rank_of_expert_E.to(torch.int64).to(self.device)
         self.local_E = p.local_index_E.to(torch.int64).to(self.device)
@@ -100,7 +102,7 @@ class LLDevice(DeviceHalves):
         stream, so that every replay of a captured graph is a new call; a copy is taken for the
         receive half, which may run after the next send."""
         if not self.capturable:
-            return torch.tensor([call.epoch], dtype=torch.int64).to(self.device)
+            return torch.tensor([call.epoch], dtype=torch.int64, device="cpu").to(self.device)
         self._epochs[kind].add_(1)
         self._issued[kind] = call.epoch if call is not None else self._issued[kind] + 1
         return self._epochs[kind].clone()
@@ -225,10 +227,12 @@ class LLDevice(DeviceHalves):
         valid = topk >= 0
         local_NK = self.local_E[topk.clamp(min=0)]
         L = self.sizing.placement.num_local_experts
-        t_NK = torch.arange(N, device=topk.device).unsqueeze(1).expand(N, K)
+        t_NK = torch.arange(N, dtype=torch.int64, device=topk.device).unsqueeze(1).expand(N, K)
         key = torch.where(valid, (owner_NK * L + local_NK) * max(N, 1) + t_NK, torch.iinfo(torch.int64).max)
         place = torch.empty(N * K, dtype=torch.int64, device=topk.device)
-        place[torch.argsort(key.flatten())] = torch.arange(N * K, device=topk.device)  # valid ones first
+        place[torch.argsort(key.flatten())] = torch.arange(  # valid ones first
+            N * K, dtype=torch.int64, device=topk.device
+        )
         start_R = torch.cumsum(expected_R, 0) - expected_R  # where each owner's pairs begin
         slot = owner_NK * per_writer(self.sizing) + place.view(N, K) - start_R[owner_NK]
         return torch.where(valid, slot, -1)

@@ -84,12 +84,12 @@ def reduce_home(
         )
         raise t.bad_data(call, r, message)
     rows_at = list(zip(begin_R.tolist(), end_R.tolist(), strict=True))
-    out_NH = torch.empty(N, H, dtype=dtype)
+    out_NH = torch.empty(N, H, dtype=dtype, device=x_MH.device)
     x_blocks = [rows(t.view(blocks.y, r, call), z - a, dtype, H, first=a) for r, (a, z) in enumerate(rows_at)]
     engine.reduce_blocks(x_blocks, tokens, out_NH)
     if not K:
         return out_NH, None
-    out_NK = torch.empty(N, K, dtype=torch.float32)
+    out_NK = torch.empty(N, K, dtype=torch.float32, device=x_MH.device)
     w_blocks = [t.view(blocks.y_weights, r, call)[a:z, :K] for r, (a, z) in enumerate(rows_at)]
     engine.reduce_blocks(w_blocks, tokens, out_NK)
     return out_NH, out_NK

@@ -69,7 +69,7 @@ class NormalDevice(DeviceHalves):
         the device to the host's call: one call, or more where calls were rejected before reaching it."""
         call = call.exact()  # (an exact call is its own exact form)
         if not self.capturable:
-            return torch.tensor([call.epoch], dtype=torch.int64).to(self.device)
+            return torch.tensor([call.epoch], dtype=torch.int64, device="cpu").to(self.device)
         kind, parity = KINDS[call.kind], call.parity
         self._calls[0].add_(call.seq - self._issued[0])
         self._calls[kind].add_(1 if parity != self._issued[kind] else 2)  # only the parity counts

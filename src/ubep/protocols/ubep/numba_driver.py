@@ -72,16 +72,21 @@ class UbepCompiled(NormalCompiled):
         if cached:
             prefix_R1, src_token_M = handle.recv.prefix_R1, handle.recv.src_token_M
         else:
-            prefix_R1 = torch.zeros(R + 1, dtype=torch.int64)
+            prefix_R1 = torch.zeros(R + 1, dtype=torch.int64, device="cpu")
             counts_R.cumsum(out=prefix_R1.numpy()[1:])
-            src_token_M = torch.empty(int(prefix_R1[-1]), dtype=torch.int64)
+            src_token_M = torch.empty(int(prefix_R1[-1]), dtype=torch.int64, device="cpu")
         M = src_token_M.shape[0]
-        src_rank_M = handle.recv.src_rank_M if cached else torch.empty(M, dtype=torch.int64)
+        src_rank_M = handle.recv.src_rank_M if cached else torch.empty(M, dtype=torch.int64, device="cpu")
         per_expert_L = np.empty(0 if cached else self.L, dtype=np.int64)
-        recv_x_MH = torch.empty(M, H, dtype=x_NH.dtype)
-        recv_scales_MS = None if plan.scales_NS is None else torch.empty(M, plan.scales_NS.shape[1])
-        recv_idx_MK = None if cached else torch.empty(M, K, dtype=torch.int64)
-        recv_w_MK = None if cached else torch.empty(M, K, dtype=torch.float32)
+        recv_x_MH = torch.empty(M, H, dtype=x_NH.dtype, device="cpu")
+        scales_NS = plan.scales_NS
+        recv_scales_MS = (
+            None
+            if scales_NS is None
+            else torch.empty(M, scales_NS.shape[1], dtype=scales_NS.dtype, device="cpu")
+        )
+        recv_idx_MK = None if cached else torch.empty(M, K, dtype=torch.int64, device="cpu")
+        recv_w_MK = None if cached else torch.empty(M, K, dtype=torch.float32, device="cpu")
         self._enter(
             call, "dispatch (tokens)", mine, k.dispatch_gather, *mem, prefix_R1.numpy(), counts_R, sent_R,
             s.capacity, s.max_topk, self.local_of_expert,

@@ -105,8 +105,13 @@ class UbepExchange(halves.OnHalves):
             )
         prefix_R1 = prefix_offsets(counts_R)
         M = int(prefix_R1[-1])
-        recv_x_MH = torch.empty(M, x_NH.shape[1], dtype=x_NH.dtype)
-        recv_scales_MS = None if plan.scales_NS is None else torch.empty(M, plan.scales_NS.shape[1])
+        recv_x_MH = torch.empty(M, x_NH.shape[1], dtype=x_NH.dtype, device=x_NH.device)
+        scales_NS = plan.scales_NS
+        recv_scales_MS = (
+            None
+            if scales_NS is None
+            else torch.empty(M, scales_NS.shape[1], dtype=scales_NS.dtype, device=scales_NS.device)
+        )
         self._gather_tokens(call, x_NH, recv_x_MH, recv_scales_MS, src_token_M, prefix_R1.tolist(), routes)
         route = RecvRoute.of(src_token_M, prefix_R1) if handle is None else handle.recv
         self.t.check_member("dispatch")  # what was read above was whole
@@ -165,8 +170,8 @@ class UbepExchange(halves.OnHalves):
         src_token_M = torch.cat([t.view(b.lists, s, call)[self.me, : counts[s]] for s in range(self.R)])
         lists = src_token_M.split(counts)
         M = sum(counts)
-        recv_idx_MK = torch.empty(M, K, dtype=torch.int64)
-        recv_w_MK = torch.empty(M, K, dtype=torch.float32)
+        recv_idx_MK = torch.empty(M, K, dtype=torch.int64, device=src_token_M.device)
+        recv_w_MK = torch.empty(M, K, dtype=torch.float32, device=src_token_M.device)
         topks = [t.view(b.topk, s, call)[: tokens[s], :K] for s in range(self.R)]
         weights = [t.view(b.weights, s, call)[: tokens[s], :K] for s in range(self.R)]
         try:
@@ -181,14 +186,18 @@ class UbepExchange(halves.OnHalves):
         selects_none_M = (recv_idx_MK >= 0).sum(dim=1) == 0
         if M and selects_none_M.any():  # the source of the first such row: the counts run in source order
             src = int(
-                torch.searchsorted(torch.tensor(counts).cumsum(0), selects_none_M.nonzero()[0, 0], right=True)
+                torch.searchsorted(
+                    torch.tensor(counts, dtype=torch.int64, device=selects_none_M.device).cumsum(0),
+                    selects_none_M.nonzero()[0, 0],
+                    right=True,
+                )
             )
             raise self.t.bad_data(
                 call,
                 src,
                 f"dispatch: rank {src} listed a token for this rank that selects none of its experts",
             )
-        return torch.tensor(counts, dtype=torch.int64), recv_idx_MK, recv_w_MK, src_token_M
+        return torch.tensor(counts, dtype=torch.int64, device="cpu"), recv_idx_MK, recv_w_MK, src_token_M
 
     def _gather_tokens(self, call, x_NH, recv_x_MH, recv_scales_MS, src_token_M, prefix, routes) -> None:
         """Copy every source's rows from its memory into their final place, as their payloads land:
