@@ -87,7 +87,9 @@ def measure_rank(shape: Shape) -> dict:
     """This rank's RSS growth and, on rank 0, the host's /dev/shm growth (see the module doc)."""
     me = dist.get_rank()
     gen = torch.Generator().manual_seed(shape.seed * 1000 + me)
-    x = torch.randn(shape.tokens, shape.hidden, generator=gen).to(torch.bfloat16)
+    x = torch.randn(shape.tokens, shape.hidden, generator=gen, dtype=torch.float32, device="cpu").to(
+        torch.bfloat16
+    )
     idx = routing.uniform(shape.tokens, shape.experts, shape.topk, gen)
     w = routing.weights(shape.tokens, shape.topk, gen)
     dist.barrier()

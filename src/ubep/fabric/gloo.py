@@ -105,14 +105,14 @@ class GlooFabric:
         self._global = ranks  # group rank -> global rank, for point-to-point calls
         self.peers = [p for p in range(num_ranks) if p != rank]
         self._inbox = {
-            (i, p, h): _Inbox(torch.empty(_bytes_of(lane), dtype=torch.uint8))
+            (i, p, h): _Inbox(torch.empty(_bytes_of(lane), dtype=torch.uint8, device="cpu"))
             for i, lane in enumerate(lanes)
             for p in self.peers
             for h in (0, 1)
         }
         self._free: dict[int, list[torch.Tensor]] = {i: [] for i in range(len(lanes))}  # outbox buffers
         self._in_flight: dict[int, list[tuple[int, int, torch.Tensor, object]]] = {p: [] for p in self.peers}
-        self._control = {p: _Inbox(torch.zeros(NOTICE, dtype=torch.int64)) for p in self.peers}
+        self._control = {p: _Inbox(torch.zeros(NOTICE, dtype=torch.int64, device="cpu")) for p in self.peers}
         self._notices: dict[tuple[int, int], AbortNotice] = {}  # (peer, seq) -> its notice
         self._closed = False
         for key in self._inbox:
@@ -236,7 +236,9 @@ class GlooFabric:
         """A message to fill for `peer`, in a buffer no send in flight uses."""
         i = self.lanes[lane]
         free = self._free[i]
-        buffer = free.pop() if free else torch.empty(_bytes_of(self._lanes[i]), dtype=torch.uint8)
+        buffer = (
+            free.pop() if free else torch.empty(_bytes_of(self._lanes[i]), dtype=torch.uint8, device="cpu")
+        )
         frame = buffer[: 8 * FRAME].view(torch.int64)
         frame[SEQ], frame[KIND], frame[WORDS], frame[NBYTES] = call.seq, KINDS[call.kind], words, nbytes
         at, end = 8 * (FRAME + words), 8 * (FRAME + words) + _aligned(nbytes)
@@ -269,7 +271,9 @@ class GlooFabric:
 
     def abort(self, call: CallId, culprit: int | None = None, rejected: bool = False) -> None:
         how = 2 * KINDS[call.kind] + rejected
-        notice = torch.tensor([0 if culprit is None else culprit + 1, how, call.seq], dtype=torch.int64)
+        notice = torch.tensor(
+            [0 if culprit is None else culprit + 1, how, call.seq], dtype=torch.int64, device="cpu"
+        )
         for p in self.peers:
             try:
                 work = dist.isend(notice, dst=self._global[p], group=self.group, tag=CONTROL_TAG)

@@ -74,7 +74,11 @@ class LLFabric:
     # -- dispatch ---------------------------------------------------------------------------------
 
     def dispatch_send(self, call: CallId, plan: LLDispatchPlan, out: LLDispatchOut) -> Callable[[], None]:
-        mine = torch.tensor(astuple(CallHeader.of(call, dtype=plan.code, tokens=plan.max_tokens)))
+        mine = torch.tensor(
+            astuple(CallHeader.of(call, dtype=plan.code, tokens=plan.max_tokens)),
+            dtype=torch.int64,
+            device="cpu",
+        )
         rows_PB = gather_rows(plan.rows_NB, plan.pair_token_P)
         meta_P2 = torch.stack([plan.pair_token_P, plan.pair_k_P], dim=1)
         offsets = prefix_offsets(plan.counts_RL.sum(dim=1))
@@ -106,13 +110,15 @@ class LLFabric:
     def _receive_rows(self, call: CallId, plan: LLDispatchPlan, out: LLDispatchOut, mine, own) -> None:
         """Every live source's rows, expert-major, each source placed once those before it are."""
         landed = {self.me: own}
-        begin_L = torch.zeros(self.L, dtype=torch.int64)
+        begin_L = torch.zeros(self.L, dtype=torch.int64, device="cpu")
         turn = 0  # the next source in rank order
 
         def place_ready() -> None:
             nonlocal turn, begin_L
             while turn < self.R and (turn not in self.live or turn in landed):
-                counts_L = torch.zeros(self.L, dtype=torch.int64)  # a masked rank places nothing
+                counts_L = torch.zeros(
+                    self.L, dtype=torch.int64, device="cpu"
+                )  # a masked rank places nothing
                 if turn in self.live:
                     counts_L, rows_nB, meta_n2 = landed.pop(turn)
                     token_n, k_n = meta_n2[:, 0], meta_n2[:, 1]
@@ -160,14 +166,25 @@ class LLFabric:
     # -- combine ----------------------------------------------------------------------------------
 
     def combine_send(self, call: CallId, plan: LLCombinePlan, out_NH: torch.Tensor) -> Callable[[], None]:
-        mine = torch.tensor(astuple(CallHeader.of(call, handle=plan.handle_seq, dtype=plan.code)))
+        mine = torch.tensor(
+            astuple(CallHeader.of(call, handle=plan.handle_seq, dtype=plan.code)),
+            dtype=torch.int64,
+            device="cpu",
+        )
         rows_QB = returned_rows(plan)  # ordered by home rank
         offsets = prefix_offsets(plan.send_counts_R)
         self.fabric.begin(call)
         try:
             for peer in self._peers():
                 a, z = int(offsets[peer]), int(offsets[peer + 1])
-                self._send(call, "ll_combine", peer, mine, torch.tensor([z - a]), [rows_QB[a:z]])
+                self._send(
+                    call,
+                    "ll_combine",
+                    peer,
+                    mine,
+                    torch.tensor([z - a], dtype=torch.int64, device="cpu"),
+                    [rows_QB[a:z]],
+                )
         except UbepError as error:
             self._give_up(call, error)
             raise
@@ -179,8 +196,8 @@ class LLFabric:
         they land; then the weighted sum."""
         B = plan.x_LMB.shape[2]
         expected = [plan.expected_from(r) if r in self.live else 0 for r in range(self.R)]
-        at = prefix_offsets(torch.tensor(expected))
-        rows_PB = torch.empty(int(at[-1]), B, dtype=torch.uint8)
+        at = prefix_offsets(torch.tensor(expected, dtype=torch.int64, device="cpu"))
+        rows_PB = torch.empty(int(at[-1]), B, dtype=torch.uint8, device="cpu")
         rows_PB[int(at[self.me]) : int(at[self.me + 1])] = own_QB
         try:
             phase, differ = "low-latency combine", self._differ(call, mine)

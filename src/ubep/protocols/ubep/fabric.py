@@ -101,7 +101,7 @@ class UbepFabric:
         header = CallHeader.of(
             call, handle=NONE if handle is None else handle.seq, dtype=DTYPE_CODES[dtype], topk=K or NONE
         )
-        return torch.tensor(astuple(header), dtype=torch.int64)
+        return torch.tensor(astuple(header), dtype=torch.int64, device="cpu")
 
     def _routing(self, plan: SendPlan, tokens: list[torch.Tensor]) -> list[torch.Tensor]:
         """Per destination, int64 [n, 1 + 2K]: each row's source token, local ids as the
@@ -135,7 +135,9 @@ class UbepFabric:
         """Every live peer's rows, each placed as soon as its place is known: at once for a cached
         dispatch (the handle's), else once the blocks of the ranks before it are placed."""
         cached, X = handle is not None, x_NX.shape[1]
-        prefix_R1 = handle.recv_prefix_R1 if cached else torch.zeros(self.R + 1, dtype=torch.int64)
+        prefix_R1 = (
+            handle.recv_prefix_R1 if cached else torch.zeros(self.R + 1, dtype=torch.int64, device="cpu")
+        )
         rows_out = int(prefix_R1[-1]) if cached else self.sizing.capacity * len(self.live)  # at most
         out = _Outputs(x_NX, rows_out, K, cached)
         order = None if cached else _InOrder(self.R, self.live, prefix_R1)
@@ -250,9 +252,9 @@ class UbepFabric:
         N, H, dtype = handle.num_tokens, x_MH.shape[1], x_MH.dtype
         K = 0 if w_MK is None else w_MK.shape[1]
         tokens = handle_tokens(handle)
-        acc_NH = torch.zeros(N, H, dtype=torch.float32)
-        acc_NK = torch.zeros(N, K, dtype=torch.float32) if K else None
-        added = _InOrder(self.R, self.live, torch.zeros(self.R + 1, dtype=torch.int64))
+        acc_NH = torch.zeros(N, H, dtype=torch.float32, device="cpu")
+        acc_NK = torch.zeros(N, K, dtype=torch.float32, device="cpu") if K else None
+        added = _InOrder(self.R, self.live, torch.zeros(self.R + 1, dtype=torch.int64, device="cpu"))
         blocks = {}
 
         def add(src: int, count: int) -> None:
@@ -267,9 +269,7 @@ class UbepFabric:
         a, z = int(handle.recv_prefix_R1[self.me]), int(handle.recv_prefix_R1[self.me + 1])
         blocks[self.me] = (x_MH[a:z], None if w_MK is None else w_MK[a:z])
         add(self.me, z - a)
-        for msg in self.fabric.arrivals(
-            "combine", call, self._peers(), "combine", self._differ(call, mine)
-        ):
+        for msg in self.fabric.arrivals("combine", call, self._peers(), "combine", self._differ(call, mine)):
             peer = msg.peer
             check_peer(header_phase(call), self.me, mine, peer, msg.header[:WORDS])
             count, want = int(msg.header[COUNT]), int(handle.send_counts_R[peer])
@@ -330,9 +330,9 @@ class _Outputs:
 
     def __init__(self, x_NX: torch.Tensor, rows: int, K: int, cached: bool):
         self.x_MX = x_NX.new_empty((rows, x_NX.shape[1]))
-        self.src_token_M = torch.empty(0 if cached else rows, dtype=torch.int64)
-        self.idx_MK = torch.empty(0 if cached else rows, K, dtype=torch.int64)
-        self.w_MK = torch.empty(0 if cached else rows, K, dtype=torch.float32)
+        self.src_token_M = torch.empty(0 if cached else rows, dtype=torch.int64, device="cpu")
+        self.idx_MK = torch.empty(0 if cached else rows, K, dtype=torch.int64, device="cpu")
+        self.w_MK = torch.empty(0 if cached else rows, K, dtype=torch.float32, device="cpu")
 
 
 class _InOrder:
