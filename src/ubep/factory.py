@@ -18,6 +18,8 @@ import torch.distributed as dist
 
 from ubep.collectives.bsp_dist import BspDist
 from ubep.collectives.hier import HierExchange
+from ubep.collectives.hier_fabric import HierFabric, rail_of
+from ubep.collectives.hier_fabric import lanes as hier_lanes
 from ubep.collectives.ll_dist import LLDist
 from ubep.engine import Engine, TorchEngine, choose_engine
 from ubep.fabric import open_fabric
@@ -114,14 +116,23 @@ NORMAL_DEVICE_HEADERS = {  # `UbepBlocks`' and `BspBlocks`' headers
 
 def ubep_over_fabric(
     info: GroupInfo, sizing: Sizing, o: Options, engine: Engine
-) -> tuple[UbepFabric, LLFabric | None]:
-    """UBEP with every peer over one fabric (transport "dist"), both modes on its lanes (so a peer
-    in a call of another kind is named): collective to build."""
-    lanes = fabric_lanes(sizing) + (ll_fabric_lanes(sizing) if o.low_latency else ())
+) -> tuple[Exchange, LLFabric | None]:
+    """UBEP across hosts on one fabric, both modes on its lanes (so a peer in a call of another kind is
+    named): every peer over it (transport "dist"), or rails over it and a heap within each node
+    ("hier"); low-latency mode reaches every peer. Collective to build."""
+    rail = rail_of(info) if o.transport == "hier" else None
+    normal = fabric_lanes(sizing) if rail is None else hier_lanes(sizing, rail)
+    lanes = normal + (ll_fabric_lanes(sizing) if o.low_latency else ())
     fabric, reason = open_fabric(o.fabric, info.group, info.rank, info.world_size, lanes, o.timeout_s)
-    return UbepFabric(fabric, engine, sizing, reason), LLFabric(
-        fabric, engine, sizing
-    ) if o.low_latency else None
+    try:
+        if rail is None:
+            exchange: Exchange = UbepFabric(fabric, engine, sizing, reason)
+        else:
+            exchange = HierFabric(info, sizing, o.timeout_s, engine, fabric)
+    except BaseException:
+        fabric.close()
+        raise
+    return exchange, LLFabric(fabric, engine, sizing) if o.low_latency else None
 
 
 # Where memory is not addressable (across hosts): the normal-mode exchange of each transport and
@@ -131,7 +142,6 @@ ACROSS_HOSTS = {
     ("dist", "bsp"): lambda info, s, o, engine, faults: BspDist(
         info.group, info.rank, s, o.timeout_s, faults
     ),
-    ("hier", "ubep"): lambda info, s, o, engine, faults: HierExchange(info, s, o.timeout_s, engine),
     ("hier", "bsp"): lambda info, s, o, engine, faults: HierExchange(info, s, o.timeout_s, engine),
 }
 COLLECTIVES = ("dist", "hier")
@@ -164,7 +174,7 @@ def build(
         )
     if o.transport == "local":
         return LocalExchange(sizing), LLLocal(engine) if o.low_latency else None
-    if (o.transport, o.protocol) == ("dist", "ubep"):
+    if o.protocol == "ubep" and o.transport in ("dist", "hier"):
         return ubep_over_fabric(info, sizing, o, engine)
     if o.transport in COLLECTIVES:  # low-latency mode takes the collective path too
         normal = ACROSS_HOSTS[o.transport, o.protocol](info, sizing, o, engine, faults)

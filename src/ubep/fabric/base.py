@@ -35,11 +35,13 @@ from ubep.calls import CallId
 @dataclass(frozen=True, slots=True)
 class Lane:
     """One kind of message: at most `words` int64 header words and `nbytes` payload bytes, from every
-    peer to every peer, double-buffered by the call's seq parity (calls s and s + 1 may overlap)."""
+    peer to every peer (or to and from `peers` only), double-buffered by the call's seq parity (calls
+    s and s + 1 may overlap)."""
 
     name: str
     words: int
     nbytes: int
+    peers: tuple[int, ...] | None = None  # None: every rank of the group
 
 
 @dataclass(slots=True)

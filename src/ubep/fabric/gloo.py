@@ -108,6 +108,7 @@ class GlooFabric:
             (i, p, h): _Inbox(torch.empty(_bytes_of(lane), dtype=torch.uint8, device="cpu"))
             for i, lane in enumerate(lanes)
             for p in self.peers
+            if lane.peers is None or p in lane.peers
             for h in (0, 1)
         }
         self._free: dict[int, list[torch.Tensor]] = {i: [] for i in range(len(lanes))}  # outbox buffers

@@ -1,0 +1,327 @@
+"""The hierarchical exchange with UBEP's crossing: rails over the fabric (`ubep.fabric`), no collective
+inside a call (transport "hier", protocol "ubep").
+
+Inside a node it is `HierExchange` as it stands (the forward sets, the fan-out
+and the in-node reduction over the node's shared heap). Between nodes, where
+`HierExchange` runs rail all-to-alls (the call header with the counts, then the
+routing, then the rows, and the partials back), each rank pushes one message
+to each rail peer as soon as it has its rows:
+
+    dispatch  send     to each rail peer: the call header, the row count, then each crossing row's
+                       routing (source token, global top-k ids, weights) and the row, once per node
+              relay    as each rail peer's message lands, its rows go into this rank's forward set
+                       (in slot order), then the set is stamped for the node (ROUTE, DATA)
+              fan out  as in `HierExchange`: every node rank pulls its rows from every forward set
+    combine   reduce   in the node, as in `HierExchange` (float32 partials per forwarded row)
+              send     to each rail peer: the header, then the partials of its tokens
+              sum      as each rail peer's partials land, added in rail order (the own node's at
+                       this rank's slot), in float32; cast once
+
+The counts travel with the rows: no count round, no barrier across nodes. A
+forward set is stamped once all of its rail peers' rows are in (with two nodes,
+one rail peer: its rows alone). Every message opens with the call header
+(`ubep.protocols.call_header`): a rail peer whose call differs is named, one
+that rejected its input tells its peers at once; a failure across a rail is
+passed to the node peers through the heap, as `HierExchange` does.
+
+Legend: see `ubep.collectives.hier`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import astuple
+
+import torch
+
+from ubep.calls import CallId
+from ubep.collectives.hier import HierExchange, HierRoute, as_bytes, columns, in_node
+from ubep.engine import Engine
+from ubep.errors import PeerDataError, UbepError
+from ubep.fabric.base import Fabric, Lane, Message
+from ubep.group import GroupInfo
+from ubep.layout import prefix_offsets
+from ubep.nodes import NodeMap
+from ubep.protocols.base import DTYPE_CODES, Received, SendPlan, Sizing, rows
+from ubep.protocols.call_header import NONE, WORDS, CallHeader, check_peer
+from ubep.protocols.call_header import phase as header_phase
+from ubep.results import DispatchHandle, RecvRoute
+from ubep.waiting import PeerAbortedError
+
+COUNT = WORDS  # the header word after the call header: rows in this message
+
+
+def rail_of(info: GroupInfo) -> tuple[int, ...]:
+    """The ranks of `info.rank`'s rail (one per node, its own included)."""
+    nodes = NodeMap(info.node_of_rank)
+    return nodes.rail(nodes.local_index(info.rank))
+
+
+def lanes(s: Sizing, rail: tuple[int, ...]) -> tuple[Lane, ...]:
+    """The fabric's lanes between rail peers: T rows a message (routing beside each), and T float32
+    partials back (weights beside each)."""
+    T, K, B = s.capacity, s.max_topk, s.row_bytes
+    return (
+        Lane("hier_dispatch", WORDS + 1, T * (8 + 12 * K + B), peers=rail),
+        Lane("hier_combine", WORDS + 1, T * 4 * (s.hidden + K), peers=rail),
+    )
+
+
+class HierFabric(HierExchange):
+    """Hierarchical dispatch/combine whose crossings between nodes are fabric messages."""
+
+    def __init__(self, info: GroupInfo, sizing: Sizing, timeout_s: float, engine: Engine, fabric: Fabric):
+        super().__init__(info, sizing, timeout_s, engine)
+        self.fabric = fabric
+        self.across_hosts = (
+            f"rails over the {fabric.name} fabric, no collective inside a call; shared memory within a node"
+        )
+        self._told = 0  # the last call this rank told its rail peers it gave up on
+
+    def _rail_peers(self) -> list[tuple[int, int]]:
+        """(slot, rank) of every other node's rank on this rank's rail, from the next slot on."""
+        G = len(self.rail)
+        return [((self.slot + i) % G, self.rail[(self.slot + i) % G]) for i in range(1, G)]
+
+    def _header(self, call: CallId, **words: int) -> torch.Tensor:
+        return torch.tensor(astuple(CallHeader.of(call, **words)), dtype=torch.int64, device="cpu")
+
+    # -- dispatch ---------------------------------------------------------------------------------
+
+    def _dispatch(self, call: CallId, plan: SendPlan, handle: DispatchHandle | None) -> Received:
+        x_NX = plan.packed_rows()  # one tensor crosses: an FP8 pair travels as byte rows
+        try:
+            if handle is not None:
+                return self._dispatch_cached_over_fabric(call, plan, x_NX, handle)
+            return self._dispatch_over_fabric(call, plan, x_NX)
+        except UbepError as error:
+            self._give_up(call, error)
+            raise
+
+    def _dispatch_over_fabric(self, call: CallId, plan: SendPlan, x_NX: torch.Tensor) -> Received:
+        K = plan.topk_idx_NK.shape[1]
+        mine = self._header(call, dtype=DTYPE_CODES[x_NX.dtype], topk=K)
+        send_token_S, send_G, own_O = self._home_plan(plan.is_token_in_rank_NR)
+        at_G = prefix_offsets(send_G)
+        meta_SB = torch.cat(
+            [as_bytes(t) for t in (send_token_S[:, None], plan.topk_idx_NK[send_token_S],
+                                   plan.topk_weights_NK[send_token_S])], dim=1,
+        )  # fmt: skip
+        self.fabric.begin(call)
+        for g, peer in self._rail_peers():
+            a, z = int(at_G[g]), int(at_G[g + 1])
+            self._send_rows(call, "hier_dispatch", peer, mine, meta_SB[a:z], x_NX, send_token_S[a:z])
+        relay_G = self._relay_over_fabric(call, plan, x_NX, mine, own_O, K)
+        got = self._gather_routing(call, x_NX.dtype, K)
+        route = HierRoute(
+            send_token_S,
+            send_G,
+            own_O,
+            relay_G,
+            got.fwd_in_node_FV,
+            got.fwd_M,
+            got.fwd_row_M,
+            got.fwd_offset_V,
+        )
+        prefix_R1 = prefix_offsets(torch.bincount(got.src_rank_M, minlength=self.sizing.num_ranks))
+        recv_x_MX = self._gather_rows(call, x_NX, route, prefix_R1)
+        recv = RecvRoute.of(got.src_token_M, prefix_R1, route)
+        return Received.unpacking(plan, recv_x_MX, got.topk_MK, got.weights_MK, recv)
+
+    def _send_rows(self, call, lane, peer, mine, meta_nB, rows_NX, index_n) -> None:
+        """One message to a rail peer: the header, the rows' routing bytes (may be empty), the rows."""
+        n, meta = index_n.numel(), meta_nB.shape[1] if meta_nB is not None else 0
+        row_bytes = rows_NX.shape[1] * rows_NX.element_size()
+        out = self.fabric.outbox(lane, peer, call, WORDS + 1, n * (meta + row_bytes))
+        out.header[:WORDS], out.header[COUNT] = mine, n
+        if meta:
+            out.payload[: n * meta].view(n, meta).copy_(meta_nB)
+        rows_nX = out.payload[n * meta :].view(rows_NX.dtype).view(n, rows_NX.shape[1])
+        self.engine.copy_rows(rows_NX, index_n, rows_nX, None)
+        self.fabric.send(out)
+
+    def _relay_over_fabric(self, call, plan: SendPlan, x_NX, mine, own_O, K: int) -> torch.Tensor:
+        """Stage 2: each rail peer's rows and routing into this rank's forward set as they land (in slot
+        order), then its own; stamp ROUTE and DATA. Returns the rows each slot sent here (int64 [G])."""
+        b, t, me, H = self.blocks, self.t, self.local, x_NX.shape[1]
+        G, T = len(self.rail), self.sizing.capacity
+        relay_G = torch.zeros(G, dtype=torch.int64, device="cpu")
+        landed: dict[int, tuple[int, torch.Tensor, torch.Tensor]] = {}
+        ids, topk = t.view(b.ids, me, call), t.view(b.topk, me, call)
+        weights, fwd_FX = t.view(b.weights, me, call), t.view(b.x, me, call)
+        at = 0  # the forward set's next row
+        turn = 0  # the next slot in order
+
+        def place_ready() -> None:
+            nonlocal at, turn
+            while turn < G and (turn == self.slot or turn in landed):
+                if turn != self.slot:
+                    n, meta_nB, rows_nX = landed.pop(turn)
+                    token_n, idx_nK, w_nK = columns(
+                        meta_nB, [(torch.int64, 1), (torch.int64, K), (torch.float32, K)]
+                    )
+                    ids[at : at + n, 0], ids[at : at + n, 1] = self.rail[turn], token_n[:, 0]
+                    topk[at : at + n, :K], weights[at : at + n, :K] = idx_nK, w_nK
+                    self.engine.copy_rows(rows_nX, None, rows(fwd_FX, n, x_NX.dtype, H, first=at), None)
+                    relay_G[turn] = n
+                    at += n
+                    self.fabric.release("hier_dispatch", self.rail[turn], call)
+                turn += 1
+
+        meta = 8 + 12 * K
+        for msg in self._landed("hier_dispatch", call, mine):
+            slot = self.rail.index(msg.peer)
+            n = self._count(call, msg, T, meta + H * x_NX.element_size())
+            meta_nB = msg.payload[: n * meta].view(n, meta)
+            landed[slot] = (n, meta_nB, msg.payload[n * meta :].view(x_NX.dtype).view(n, H))
+            place_ready()
+        place_ready()
+        F = at + own_O.numel()
+        ids[at:F, 0], ids[at:F, 1] = self.me, own_O
+        topk[at:F, :K], weights[at:F, :K] = plan.topk_idx_NK[own_O], plan.topk_weights_NK[own_O]
+        self.engine.copy_rows(x_NX, own_O, rows(fwd_FX, own_O.numel(), x_NX.dtype, H, first=at), None)
+        code = DTYPE_CODES[x_NX.dtype]
+        t.publish(b.route, call, {"count": F, "dtype": code, "topk": K})
+        t.publish(b.data, call, {"count": F, "dtype": code})  # rows visible
+        return relay_G
+
+    def _dispatch_cached_over_fabric(self, call, plan: SendPlan, x_NX, handle: DispatchHandle) -> Received:
+        """The same rows cross and fan out again, x only: the routing is in the handle, so each rail
+        peer's rows go into place the moment they land."""
+        r: HierRoute = handle.route
+        mine = self._header(call, handle=handle.seq, dtype=DTYPE_CODES[x_NX.dtype])
+        at_G, relay_at = prefix_offsets(r.send_counts_G), prefix_offsets(r.relay_counts_G)
+        self.fabric.begin(call)
+        for g, peer in self._rail_peers():
+            a, z = int(at_G[g]), int(at_G[g + 1])
+            self._send_rows(call, "hier_dispatch", peer, mine, None, x_NX, r.send_token_S[a:z])
+        b, t, me, H = self.blocks, self.t, self.local, x_NX.shape[1]
+        fwd_FX, S = t.view(b.x, me, call), int(r.relay_counts_G.sum())
+        for msg in self._landed("hier_dispatch", call, mine):
+            peer, slot = msg.peer, self.rail.index(msg.peer)
+            n = self._count(call, msg, self.sizing.capacity, H * x_NX.element_size())
+            if n != int(r.relay_counts_G[slot]):
+                said = f"sends {n} rows here, this rank's handle expects {int(r.relay_counts_G[slot])}"
+                raise self._bad(
+                    call, peer, f"dispatch: rank {peer} {said} (all ranks must pass the same handle)"
+                )
+            into = rows(fwd_FX, n, x_NX.dtype, H, first=int(relay_at[slot]))
+            self.engine.copy_rows(msg.payload.view(x_NX.dtype).view(n, H), None, into, None)
+            self.fabric.release("hier_dispatch", peer, call)
+        own = r.own_token_O.numel()
+        self.engine.copy_rows(x_NX, r.own_token_O, rows(fwd_FX, own, x_NX.dtype, H, first=S), None)
+        t.publish(b.data, call, {"count": S + own, "dtype": DTYPE_CODES[x_NX.dtype]})
+        recv_x_MX = self._gather_rows(call, x_NX, r, handle.recv_prefix_R1)
+        return Received.unpacking(plan, recv_x_MX, None, None, handle.recv)
+
+    def _landed(self, lane: str, call: CallId, mine: torch.Tensor):
+        """Each rail peer's message of `call` on `lane` as it lands, its call header checked."""
+        peers = [p for _, p in self._rail_peers()]
+        where = header_phase(call)
+
+        def differ(peer: int, theirs: torch.Tensor) -> None:
+            check_peer(where, self.me, mine, peer, theirs[:WORDS])
+
+        for msg in self.fabric.arrivals(lane, call, peers, f"{call.kind} (across nodes)", differ):
+            check_peer(where, self.me, mine, msg.peer, msg.header[:WORDS])
+            yield msg
+
+    def _count(self, call: CallId, msg: Message, most: int, row_bytes: int) -> int:
+        """A landed message's row count, within [0, most] and matching its payload, or the peer is blamed."""
+        n = int(msg.header[COUNT])
+        if not 0 <= n <= most or msg.payload.numel() != n * row_bytes:
+            said = f"{n} rows in {msg.payload.numel()} bytes"
+            raise self._bad(
+                call, msg.peer, f"{call.kind}: rank {msg.peer} announced {said}, capacity is {most}"
+            )
+        return n
+
+    # -- combine ----------------------------------------------------------------------------------
+
+    def _combine(self, call: CallId, x_MH, handle: DispatchHandle, topk_weights_MK):
+        route: HierRoute = handle.route
+        K = 0 if topk_weights_MK is None else topk_weights_MK.shape[1]
+        mine = self._header(call, handle=handle.seq, dtype=DTYPE_CODES[x_MH.dtype], topk=K or NONE)
+        try:
+            self.fabric.begin(call)
+            self._put_to_forwarders(call, x_MH, topk_weights_MK, route)
+            partial_FY = self._reduce_in_node(call, x_MH.dtype, x_MH.shape[1], K, route)
+            relay_at = prefix_offsets(route.relay_counts_G)
+            partials = torch.arange(int(route.relay_counts_G.sum()), dtype=torch.int64, device="cpu")
+            for g, peer in self._rail_peers():
+                a, z = int(relay_at[g]), int(relay_at[g + 1])
+                self._send_rows(call, "hier_combine", peer, mine, None, partial_FY, partials[a:z])
+            out_NY = self._sum_partials(call, mine, partial_FY, route, handle.num_tokens)
+        except UbepError as error:
+            self._give_up(call, error)
+            raise
+        H = x_MH.shape[1]
+        return out_NY[:, :H].to(x_MH.dtype), (out_NY[:, H:].contiguous() if K else None)
+
+    def _sum_partials(self, call, mine, partial_FY, route: HierRoute, N: int) -> torch.Tensor:
+        """Every node's partials of this rank's tokens, added in rail order as they land (this node's,
+        the own forward set's tail, at this rank's slot)."""
+        G, Y = len(self.rail), partial_FY.shape[1]
+        S = int(route.relay_counts_G.sum())
+        send_at = prefix_offsets(route.send_counts_G).tolist()
+        out_NY = torch.zeros(N, Y, dtype=torch.float32, device="cpu")
+        landed: dict[int, torch.Tensor] = {self.slot: partial_FY[S:]}
+        turn = 0
+
+        def add_ready() -> None:
+            nonlocal turn
+            while turn < G and turn in landed:
+                tokens = (
+                    route.own_token_O
+                    if turn == self.slot
+                    else route.send_token_S[send_at[turn] : send_at[turn + 1]]
+                )
+                out_NY.index_add_(0, tokens, landed.pop(turn))
+                if turn != self.slot:
+                    self.fabric.release("hier_combine", self.rail[turn], call)
+                turn += 1
+
+        add_ready()
+        for msg in self._landed("hier_combine", call, mine):
+            slot = self.rail.index(msg.peer)
+            want = int(route.send_counts_G[slot])
+            n = self._count(call, msg, self.sizing.capacity, 4 * Y)
+            if n != want:
+                raise self._bad(
+                    call, msg.peer, f"combine: rank {msg.peer} returned {n} partials, expected {want}"
+                )
+            landed[slot] = msg.payload.view(torch.float32).view(n, Y)
+            add_ready()
+        return out_NY
+
+    # -- failures ---------------------------------------------------------------------------------
+
+    def _bad(self, call: CallId, culprit: int, message: str) -> PeerDataError:
+        """Blame rail peer `culprit`: the node peers (through the heap) and the rail peers learn it."""
+        self._tell(call, culprit, rejected=False)
+        self.t.abort(call)
+        return PeerDataError(message)
+
+    def _give_up(self, call: CallId, error: UbepError) -> None:
+        """This rank leaves `call` on `error`: its node peers and rail peers learn it (blame passed on)."""
+        culprit = getattr(error, "culprit", None)
+        if isinstance(error, PeerAbortedError) and culprit is None:
+            culprit = error.peer
+        self._tell(call, culprit, rejected=False)
+        self.t.abort(call)
+
+    def _tell(self, call: CallId, culprit: int | None, rejected: bool) -> None:
+        if self._told != call.seq:
+            self._told = call.seq
+            self.fabric.abort(call, culprit, rejected)
+
+    def abort(self, call: CallId) -> None:
+        """The Buffer gives up on `call` outside the halves (it rejected this rank's input): node peers
+        learn at once through the heap, rail peers from an abort notice."""
+        self._tell(call, None, rejected=True)
+        call = in_node(call)
+        self._finish(call)
+        self.t.abort(call)
+
+    def close(self) -> None:
+        super().close()
+        self.fabric.close()
