@@ -304,10 +304,18 @@ def test_settings_come_from_arguments_then_environment_then_defaults():
     assert got["stats"] == settings.Setting(True, "UBEP_STATS")
     assert got["protocol"] == settings.Setting("ubep", "default")
     bad_values = ({"UBEP_TIMEOUT_S": "-1"}, {"UBEP_TIMEOUT_S": "soon"}, {"UBEP_STATS": "maybe"},
-                  {"UBEP_PROTOCOL": "nccl"}, {"UBEP_ENGINE": "cuda"}, {"UBEP_TRANSPORT": "rdma"})  # fmt: skip
+                  {"UBEP_PROTOCOL": "nccl"}, {"UBEP_ENGINE": "cuda"}, {"UBEP_TRANSPORT": "rdma"},
+                  {"UBEP_TIMEOUT_S": "inf"}, {"UBEP_TIMEOUT_S": "1e300"},
+                  {"UBEP_TIMEOUT_S": "nan"})  # fmt: skip
     for bad in bad_values:
         with pytest.raises(ValueError, match=next(iter(bad))):
             settings.resolve({}, bad)
+
+
+@pytest.mark.parametrize("text", ["²", "LOUD", "-5", "1e3"])
+def test_a_log_level_that_is_no_level_names_the_variable(text):
+    with pytest.raises(ValueError, match=f"UBEP_LOG_LEVEL={text!r}: expected DEBUG, INFO"):
+        settings.configure_logging({"UBEP_LOG_LEVEL": text})
 
 
 def test_buffer_takes_environment_settings_and_explains_them(monkeypatch):

@@ -199,9 +199,7 @@ class Buffer:
         if ll_flag not in FLAGS:
             raise ValueError(f"ll_flag must be one of {FLAGS}, got {ll_flag!r}")
         self.ll_flag, self.capturable = ll_flag, bool(capturable)
-        if not timeout_s > 0:
-            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
-        self.timeout_s = float(timeout_s)
+        self.timeout_s = validate.seconds("timeout_s", timeout_s)
         construct_s = max(self.timeout_s, CONSTRUCTION_MIN_TIMEOUT_S)
         self.engine, self._engine_reason = ready_engine(engine)  # slow (compiling): before ranks meet
         with collective_deadline(torch_group(group), construct_s, "Buffer construction (joining the group)"):

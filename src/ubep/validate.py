@@ -14,6 +14,7 @@ combine a dispatch), which is how DeepEP is used in training.
 
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -23,6 +24,9 @@ from ubep import fp8
 PAYLOAD_DTYPES = (torch.bfloat16, torch.float32)
 # A Buffer's tables with one entry per expert: owner rank and local index (int64 each), masked flag.
 BYTES_PER_EXPERT = 8 + 8 + 1
+# The longest deadline a wait may have: far past any peer's legitimate delay, and well inside what
+# the clocks and backends it reaches can hold (datetime.timedelta, gloo's milliseconds, threading).
+MAX_TIMEOUT_S = 7 * 24 * 3600
 
 
 CPU = torch.device("cpu")
@@ -146,6 +150,16 @@ def positive(name: str, value, minimum: int = 1) -> int:
     if value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
     return value
+
+
+def seconds(name: str, value) -> float:
+    """A deadline in seconds: a real number in (0, MAX_TIMEOUT_S]. "No deadline" (inf) is refused:
+    every wait keeps one, and an unbounded one would overflow the timers it is handed to."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"{name} must be a number of seconds, got {type(value).__name__}")
+    if not (0 < value <= MAX_TIMEOUT_S and math.isfinite(value)):
+        raise ValueError(f"{name} must be > 0 and at most {MAX_TIMEOUT_S} s (a week), got {value}")
+    return float(value)
 
 
 def expert_tables(num_experts: int) -> None:

@@ -80,8 +80,7 @@ class ElasticBuffer:
             raise ValueError(f"num_topk must be <= {MAX_TOPK} (DeepEP V2's limit), got {num_topk}")
         if num_bytes is not None:
             validate.positive("num_bytes", num_bytes, minimum=0)
-        if not num_cpu_timeout_secs > 0:
-            raise ValueError(f"num_cpu_timeout_secs must be > 0, got {num_cpu_timeout_secs}")
+        validate.seconds("num_cpu_timeout_secs", num_cpu_timeout_secs)
         self._info = join_group(group)  # collective: every rank constructs the buffer
         self.group = group if group is not None else self._info.group
         self.rank_idx, self.num_ranks = self._info.rank, self._info.world_size
