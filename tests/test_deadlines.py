@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 
 import ubep
+from ubep.deadlines import _timeout_error
 
 TIMEOUT_S = 1.0
 STALL_S = 6 * TIMEOUT_S
@@ -39,3 +40,26 @@ def test_low_latency_collective_path_names_a_stalled_peer_within_the_deadline():
     assert kind == "CommTimeoutError", outcomes[0]
     assert "rank(s) 1" in message and "low-latency dispatch" in message, message
     assert elapsed < 3 * TIMEOUT_S + 1.0, elapsed  # within 3x the timeout (and the grace for a dead peer)
+
+
+# -- what a backend failure says (issue 32, item 12) ------------------------------------------------
+
+GLOO_CLOSED = (  # gloo's words when a peer's process ends (a SIGKILL, with two torchrun agents)
+    "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer "
+    "[127.0.0.1]:941. This is typically caused by a remote worker crashing. Check the logs of the remote "
+    "worker before reporting an error."
+)
+
+
+def reported(message: str) -> str:
+    """What a survivor's CommTimeoutError quotes of a backend failure with `message`."""
+    error = _timeout_error(None, 1.0, "dispatch (tokens)", None, RuntimeError(message), None, None)
+    return str(error).split("it reported: ", 1)[1].removesuffix(")")
+
+
+def test_a_backend_reason_is_quoted_up_to_a_sentence_end_never_cut_mid_word():
+    long_line = GLOO_CLOSED + "\nthe backtrace, line 2"
+    assert reported(long_line) == GLOO_CLOSED[: GLOO_CLOSED.index(" Check the logs")]
+    assert reported("Connection reset by peer") == "Connection reset by peer"  # short: whole
+    one_sentence = "a reason without a sentence end " * 8  # longer than any cut: kept whole
+    assert reported(one_sentence.strip()) == one_sentence.strip()
