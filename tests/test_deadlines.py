@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import time
 
+import pytest
 import torch
 import torch.distributed as dist
 
 import ubep
+from ubep import waiting
 from ubep.deadlines import _timeout_error
 
 TIMEOUT_S = 1.0
@@ -63,3 +65,33 @@ def test_a_backend_reason_is_quoted_up_to_a_sentence_end_never_cut_mid_word():
     assert reported("Connection reset by peer") == "Connection reset by peer"  # short: whole
     one_sentence = "a reason without a sentence end " * 8  # longer than any cut: kept whole
     assert reported(one_sentence.strip()) == one_sentence.strip()
+
+
+# -- a deadline shorter than the liveness period (issue 32, item 11) -------------------------------
+
+
+class Clock:
+    """A monotonic clock the test moves by hand: no assertion depends on how fast this host runs."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+
+def test_a_deadline_shorter_than_the_liveness_period_is_kept(monkeypatch):
+    clock, slept = Clock(), []
+    monkeypatch.setattr(waiting, "time", clock)  # the wait's clock only
+    deadline_s = waiting.LIVENESS_PERIOD_S / 5
+    start = clock.now
+    waiter = waiting.Waiter("combine", deadline_s, lambda r: False, lambda r: None, slept.append, yields=0)
+    waiter.pause([1])  # at the start: nobody late yet
+    assert slept == [pytest.approx(deadline_s)], slept  # it sleeps no longer than the deadline
+    clock.now = start + deadline_s / 2
+    waiter.pause([1])
+    assert slept[-1] == pytest.approx(deadline_s / 2), slept  # the rest of the deadline
+    clock.now = start + deadline_s
+    said = rf"combine: no signal from rank\(s\) 1 after {deadline_s:g} s"
+    with pytest.raises(ubep.CommTimeoutError, match=said):
+        waiter.pause([1])  # the deadline, not the next liveness check, ends the wait
