@@ -63,7 +63,7 @@ def payload(
         raise ValueError(f"{name} has {n} rows, expected {rows}")
     if n > capacity:
         raise ValueError(f"{name} has {n} tokens, more than max_tokens_per_rank={capacity}")
-    return x.contiguous()
+    return row_major(x)
 
 
 def topk_idx(
@@ -197,7 +197,16 @@ def fp8_pair(
         raise ValueError(f"{name} has {n} rows, expected {rows}")
     if n > capacity:
         raise ValueError(f"{name} has {n} tokens, more than max_tokens_per_rank={capacity}")
-    return values.contiguous(), scales.contiguous()
+    return row_major(values), row_major(scales)
+
+
+def row_major(t: torch.Tensor) -> torch.Tensor:
+    """t with row-major strides (a copy only where needed). `contiguous()` leaves any stride on a
+    dimension of size 0 or 1, and the engines view rows as bytes, which needs stride 1 in the last
+    one: fp8.quantize's scales of 0 tokens at hidden 128 are [0, 1] with strides (1, 0)."""
+    if t.dim() == 0 or (t.is_contiguous() and t.stride(-1) == 1):
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
 
 
 def low_latency_x(
