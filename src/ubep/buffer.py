@@ -266,6 +266,7 @@ class Buffer:
         self._retired = False  # this rank masked itself out
         self._placement: Placement | None = None  # logical experts on the Buffer's slots (`set_placement`)
         self._copy_map: CopyMap | None = None  # this rank's logical -> physical map, with a placement
+        self._placed_after = 0  # the last call before the placement changed: a cached dispatch is stale
 
     # -- construction -----------------------------------------------------------------------------
 
@@ -361,8 +362,8 @@ class Buffer:
         among equally near copies; `ubep.placement.CopyMap`) before dispatching, so recv_topk_idx
         names local slots (`placement.local_logical(rank)` says which expert each holds) and
         combine sums what the logical routing would. None returns to physical ids. Moving the
-        expert weights is the caller's (docs/placement.md); handles of earlier dispatches must not be
-        reused across the change.
+        expert weights is the caller's (docs/placement.md); a cached dispatch with the handle of a
+        dispatch from before a change is refused (ValueError, on every rank alike).
         """
         self._live()
         if placement is not None and (
@@ -379,6 +380,8 @@ class Buffer:
         mine = {"placement": None if placement is None else placement.digest()}
         with collective_deadline(torch_group(self._info.group), self.timeout_s, "set_placement"):
             check_agreement(self._info, mine, "set_placement")
+        if mine["placement"] != (None if self._placement is None else self._placement.digest()):
+            self._placed_after = self._calls.seq  # older handles route to the old slots
         self._placement = placement
         self._copy_map = (
             None
@@ -509,6 +512,11 @@ class Buffer:
         s = self.sizing
         if handle is not None:
             self._check_handle(handle)
+            if handle.seq <= self._placed_after:
+                raise ValueError(
+                    "handle comes from a dispatch before set_placement changed the expert placement: "
+                    "its routing names the old slots; dispatch again with topk_idx"
+                )
             x, scales = self._payload(x, rows=handle.num_tokens)
             plan = SendPlan(x, None, None, handle.is_token_in_rank_NR, handle.send_counts_R, scales)
             return plan, handle.num_dropped
