@@ -363,7 +363,8 @@ class Buffer:
         names local slots (`placement.local_logical(rank)` says which expert each holds) and
         combine sums what the logical routing would. None returns to physical ids. Moving the
         expert weights is the caller's (docs/placement.md); a cached dispatch with the handle of a
-        dispatch from before a change is refused (ValueError, on every rank alike).
+        dispatch from before a change is refused (ValueError, on every rank alike). Refused once ranks
+        are masked (RuntimeError naming them): the agreement needs every rank of the group.
         """
         self._live()
         if placement is not None and (
@@ -377,8 +378,15 @@ class Buffer:
             self.sizing.placement.rank_of_expert_E, placement.rank_of_physical_U
         ):
             raise ValueError("set_placement needs the Buffer's default (contiguous) expert_placement")
+        if self._masked:  # every staying rank masked the same ranks: they all refuse
+            raise RuntimeError(
+                f"set_placement needs every rank of the group, and rank(s) {sorted(self._masked)} are masked "
+                "(mask_ranks): its agreement is a torch.distributed collective, which cannot leave them out; "
+                "build a Buffer on a group of the staying ranks to place experts"
+            )
         mine = {"placement": None if placement is None else placement.digest()}
-        with collective_deadline(torch_group(self._info.group), self.timeout_s, "set_placement"):
+        group, peers = torch_group(self._info.group), self._info.peers  # peers: a dead one is named
+        with collective_deadline(group, self.timeout_s, "set_placement", peers):
             check_agreement(self._info, mine, "set_placement")
         if mine["placement"] != (None if self._placement is None else self._placement.digest()):
             self._placed_after = self._calls.seq  # older handles route to the old slots
