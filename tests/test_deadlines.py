@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 
 import pytest
@@ -95,3 +97,50 @@ def test_a_deadline_shorter_than_the_liveness_period_is_kept(monkeypatch):
     said = rf"combine: no signal from rank\(s\) 1 after {deadline_s:g} s"
     with pytest.raises(ubep.CommTimeoutError, match=said):
         waiter.pause([1])  # the deadline, not the next liveness check, ends the wait
+
+
+# -- stats(merge=True) keeps the Buffer's deadline and blame (issue 32, item 5) ---------------------
+
+MERGE_TIMEOUT_S = 2.0
+
+
+def merge_with_a_lost_peer(fault: str) -> tuple[str, list[int], list[int], float]:
+    """Rank 1 stops (SIGSTOP) or dies (SIGKILL) after a call; rank 0 merges the stats."""
+    me = dist.get_rank()
+    pids: list[int] = [0, 0]
+    dist.all_gather_object(pids, os.getpid())
+    with ubep.Buffer(
+        hidden=128, num_experts=4, max_tokens_per_rank=8, stats=True, timeout_s=MERGE_TIMEOUT_S
+    ) as buf:
+        got = buf.dispatch(
+            torch.ones(2, 128), topk_idx=torch.tensor([[0, 2], [1, 3]]), topk_weights=torch.ones(2, 2)
+        )
+        buf.combine(got.recv_x, got.handle)
+        if me == 1:
+            os.kill(os.getpid(), signal.SIGSTOP if fault == "stop" else signal.SIGKILL)
+            return "woken", [], [], 0.0  # SIGCONT from rank 0, once it is done
+        time.sleep(0.2)  # rank 1 stops or dies first
+        start = time.monotonic()
+        try:
+            buf.stats(merge=True)
+            seen = ("returned", [], [])
+        except ubep.CommTimeoutError as error:
+            seen = (str(error), error.peers, error.dead_peers)
+        finally:
+            if fault == "stop":
+                os.kill(pids[1], signal.SIGCONT)
+        return (*seen, time.monotonic() - start)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("fault", ["stop", "kill"])
+def test_merging_stats_with_a_stopped_or_dead_peer_names_it_within_the_deadline(fault):
+    """It waited for the process group's timeout (30 min by default) with a stopped peer, and raised
+    gloo's bare RuntimeError naming no rank with a dead one."""
+    outcomes = ubep.LocalLaunch(world_size=2, timeout_s=90).outcomes(merge_with_a_lost_peer, fault)
+    assert outcomes[0].ok, outcomes[0].error
+    message, peers, dead, elapsed = outcomes[0].result
+    assert message.startswith("stats (merge): "), message
+    assert peers == [1] and dead == ([1] if fault == "kill" else []), message
+    assert "rank(s) 1 stopped" in message if fault == "stop" else "rank(s) 1 died" in message, message
+    assert elapsed < 3 * MERGE_TIMEOUT_S + 1.0, elapsed  # the Buffer's deadline, not the group's

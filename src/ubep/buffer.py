@@ -320,13 +320,16 @@ class Buffer:
     def stats(self, merge: bool = False) -> Stats:
         """What this Buffer's calls did so far: traffic, expert load, times, the recent calls
         (`ubep.stats.Stats`). With `merge`, every rank's, on every rank: a collective, so every
-        rank must call it at the same point between calls. Needs `stats=True` (or UBEP_STATS=1)."""
+        rank must call it at the same point between calls; it keeps the Buffer's deadline and names
+        a stopped or dead peer as calls do. Needs `stats=True` (or UBEP_STATS=1)."""
         if self._recorder is None:
             raise RuntimeError("this Buffer records no stats: build it with stats=True, or set UBEP_STATS=1")
         mine = self._recorder.snapshot()
         if not merge or self.num_ranks == 1:
             return mine
-        return Stats.combine_ranks(all_gather_object(self._info, mine))
+        group, peers = torch_group(self._info.group), self._info.peers
+        with collective_deadline(group, self.timeout_s, "stats (merge)", peers):  # as calls wait, and blame
+            return Stats.combine_ranks(all_gather_object(self._info, mine))
 
     def _exchange_name(self) -> str:
         if self.transport == "dist" and self.protocol == "ubep":
