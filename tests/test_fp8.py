@@ -9,6 +9,7 @@ from scenarios import Scenario
 
 import ubep
 from ubep import fp8
+from ubep.transport.virtual import VirtualWorld
 
 
 def test_quantize_meets_the_documented_bound():
@@ -92,3 +93,37 @@ def test_fp8_pairs_on_one_rank_and_bad_pairs():
             buf.dispatch((values, scales[:, :1]), topk_idx=idx, topk_weights=w)
         with pytest.raises(TypeError, match=r"x\[0\] must be float8_e4m3fn"):
             buf.dispatch((values.float(), scales), topk_idx=idx, topk_weights=w)
+
+
+def fp8_pairs_of_odd_strides(rank, protocol: str) -> bool:
+    """Hidden 128 (one scale column): rank 0 sends no token, its scales [0, 1] as fp8.quantize makes
+    them (stride (1, 0)); rank 1 sends scales whose last stride is not 1 ([N, 1], transposed)."""
+    me, R, H = rank.rank, rank.world_size, fp8.BLOCK
+    sc = Scenario(name="fp8-strides", num_ranks=R, num_experts=2 * R, hidden=H, tokens=(0, 5), seed=3)
+    xs, idxs, ws, ref = sc.expected()
+    pairs = [fp8.quantize(x) for x in xs]
+    values, scales = pairs[me]
+    if me == 1:
+        scales = scales.reshape(1, -1).t()  # the same numbers, strides (1, N)
+        assert scales.stride() == (1, scales.shape[0])
+    with ubep.Buffer(
+        rank, hidden=H, num_experts=2 * R, max_tokens_per_rank=8, protocol=protocol, engine="torch"
+    ) as buf:
+        got = buf.dispatch((values, scales), topk_idx=idxs[me], topk_weights=ws[me])
+        again = buf.dispatch((values, scales), handle=got.handle)
+    rows = [ref[me].src_token_M[ref[me].src_rank_M == r] for r in range(R)]
+    want_v = torch.cat([pairs[r][0][rows[r]] for r in range(R)]).view(torch.uint8)
+    want_s = torch.cat([pairs[r][1][rows[r]] for r in range(R)])
+    return all(
+        torch.equal(out.recv_x[0].view(torch.uint8), want_v) and torch.equal(out.recv_x[1], want_s)
+        for out in (got, again)
+    )
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("protocol", ["bsp", "ubep"])
+def test_fp8_pairs_of_no_tokens_or_odd_scale_strides(protocol):
+    """Issue 32, item 8: bsp on the torch engine raised "self.stride(-1) must be 1 to view Float
+    as Byte" for fp8.quantize's scales of 0 tokens at hidden 128."""
+    world = VirtualWorld(2, timeout_s=60)
+    assert world.run(lambda rank: fp8_pairs_of_odd_strides(rank, protocol)) == [True, True]

@@ -293,6 +293,83 @@ def test_report_refuses_a_missing_extra_before_it_prints_anything(
     assert capsys.readouterr().out == "" and not (tmp_path / "out").exists()
 
 
+def small_snapshot() -> dict:
+    """A valid merged snapshot of 2 ranks and 4 experts, written by hand (the file format's fields)."""
+    rec = dict(seq=1, kind="dispatch", rank=0, ready_ns=10, sent_ns=10, end_ns=30, rows_R=[1, 2],
+               row_bytes=8, tokens=3, recv_rows=2)  # fmt: skip
+    return {
+        "ranks": [0, 1],
+        "num_ranks": 2,
+        "num_experts": 4,
+        "calls": {"dispatch": 1},
+        "time_ns": {"dispatch": [20, 25]},
+        "traffic_rows_RR": [[1, 2], [0, 1]],
+        "traffic_bytes_RR": [[8, 16], [0, 8]],
+        "expert_load_LE": [[1, 0, 2, 1]],
+        "recent": [rec, {**rec, "rank": 1, "rows_R": [0, 1]}],
+    }
+
+
+def changed(path: str, value) -> dict:
+    """small_snapshot() with the field at `path` ("recent.0.rank"; "recent.0.-tokens" drops tokens)
+    set to `value`."""
+    snapshot = small_snapshot()
+    *parents, last = path.split(".")
+    node = snapshot
+    for key in parents:
+        node = node[int(key)] if isinstance(node, list) else node[key]
+    if last.startswith("-"):
+        del node[last[1:]]
+    else:
+        node[int(last) if isinstance(node, list) else last] = value
+    return snapshot
+
+
+WRONG_SHAPES = [  # (the file's JSON, what the error must name), issue 32 item 7
+    ([small_snapshot()], "the file: expected an object"),
+    (changed("ranks", 3), "ranks: expected a list"),
+    (changed("ranks", [0, "1"]), "ranks[1]: expected a rank id in [0, 2)"),
+    (changed("ranks", [0, 2]), "ranks[1]: expected a rank id in [0, 2), got 2"),
+    (changed("ranks", [1, 1]), "ranks: expected distinct rank ids"),
+    (changed("num_ranks", True), "num_ranks: expected an int >= 1, got true"),
+    (changed("time_ns", {}), "time_ns: expected the kinds of calls (dispatch)"),
+    (changed("time_ns.dispatch", [20]), "time_ns.dispatch: expected a list of 2 entries"),
+    (changed("calls.dispatch", "3"), 'calls.dispatch: expected an int >= 0, got "3"'),
+    (changed("calls", {"shuffle": 1}), "calls: unexpected kind 'shuffle'"),
+    (changed("traffic_rows_RR", [[1, 2]]), "traffic_rows_RR: expected a list of 2 entries"),
+    (changed("traffic_bytes_RR.1", [0, -8]), "traffic_bytes_RR[1][1]: expected an int >= 0, got -8"),
+    (changed("expert_load_LE", None), "expert_load_LE: expected a list, got null"),
+    (changed("expert_load_LE.0", [1, 0, 2]), "expert_load_LE[0]: expected a list of 4 entries"),
+    (changed("recent.0.extra", 1), "recent[0]: unexpected field 'extra'"),
+    (changed("recent.1.-tokens", None), "recent[1]: missing field 'tokens'"),
+    (changed("recent.1.rank", 7), "recent[1].rank: expected one of the ranks (0, 1), got 7"),
+    (changed("recent.0.rows_R", [1]), "recent[0].rows_R: expected a list of 2 entries"),
+    (changed("recent.0.kind", 5), "recent[0].kind: expected one of dispatch, combine, ll_dispatch"),
+    (changed("-calls", None), "the file: missing field 'calls'"),
+    (changed("version", 2), "the file: unexpected field 'version'"),
+]
+
+
+@pytest.mark.parametrize("snapshot,said", WRONG_SHAPES, ids=[said.split(":")[0] for _, said in WRONG_SHAPES])
+def test_report_names_the_field_of_a_file_of_the_wrong_shape(snapshot, said, tmp_path):
+    from ubep.cli import main
+
+    path = tmp_path / "stats.json"
+    path.write_text(json.dumps(snapshot))
+    with pytest.raises(SystemExit) as caught:  # a message, not a traceback
+        main(["report", str(path)])
+    assert str(caught.value).startswith(f"ubep report: cannot read {path}: {said}"), caught.value
+
+
+def test_report_reads_a_hand_written_snapshot(tmp_path, capsys):
+    from ubep.cli import main
+
+    path = tmp_path / "stats.json"
+    path.write_text(json.dumps(small_snapshot()))
+    assert main(["report", str(path)]) == 0
+    assert "dispatch: 1 calls, 0.0 us each" in capsys.readouterr().out
+
+
 # -- settings, provenance, logging ----------------------------------------------------------------
 
 
@@ -304,10 +381,18 @@ def test_settings_come_from_arguments_then_environment_then_defaults():
     assert got["stats"] == settings.Setting(True, "UBEP_STATS")
     assert got["protocol"] == settings.Setting("ubep", "default")
     bad_values = ({"UBEP_TIMEOUT_S": "-1"}, {"UBEP_TIMEOUT_S": "soon"}, {"UBEP_STATS": "maybe"},
-                  {"UBEP_PROTOCOL": "nccl"}, {"UBEP_ENGINE": "cuda"}, {"UBEP_TRANSPORT": "rdma"})  # fmt: skip
+                  {"UBEP_PROTOCOL": "nccl"}, {"UBEP_ENGINE": "cuda"}, {"UBEP_TRANSPORT": "rdma"},
+                  {"UBEP_TIMEOUT_S": "inf"}, {"UBEP_TIMEOUT_S": "1e300"},
+                  {"UBEP_TIMEOUT_S": "nan"})  # fmt: skip
     for bad in bad_values:
         with pytest.raises(ValueError, match=next(iter(bad))):
             settings.resolve({}, bad)
+
+
+@pytest.mark.parametrize("text", ["²", "LOUD", "-5", "1e3"])
+def test_a_log_level_that_is_no_level_names_the_variable(text):
+    with pytest.raises(ValueError, match=f"UBEP_LOG_LEVEL={text!r}: expected DEBUG, INFO"):
+        settings.configure_logging({"UBEP_LOG_LEVEL": text})
 
 
 def test_buffer_takes_environment_settings_and_explains_them(monkeypatch):

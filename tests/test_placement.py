@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from scenarios import Scenario
 
 import ubep
 from ubep import reference, routing
 from ubep.placement import CopyMap, Distances, Placement, balance, eplb, measure
 from ubep.placement.baseline import balanced_packing, replicate
 from ubep.topology import cm384
+from ubep.transport.virtual import VirtualWorld
 
 # -- placements, without processes -----------------------------------------------------------------
 
@@ -268,6 +270,29 @@ def test_set_placement_refuses_a_placement_of_another_size():
             buf.dispatch(torch.ones(1, 8), topk_idx=torch.tensor([[3, 0]]), topk_weights=torch.ones(1, 2))
         buf.set_placement(None)
         assert buf.dispatch(torch.ones(1, 8), topk_idx=torch.tensor([[5, 0]]), topk_weights=torch.ones(1, 2))
+
+
+def cached_dispatch_across_set_placement(rank) -> bool:
+    """A handle from before set_placement routes to the old slots: its cached dispatch is refused
+    on every rank alike (the group stays in step), and a fresh dispatch is exact."""
+    sc = Scenario(name="placed-stale", num_ranks=2, num_experts=4, hidden=8, topk=2, tokens=(3, 2), seed=7)
+    xs, idxs, ws, ref = sc.expected()
+    me = rank.rank
+    with ubep.Buffer(rank, hidden=8, num_experts=4, max_tokens_per_rank=4, timeout_s=30) as buf:
+        before = buf.dispatch(xs[me], topk_idx=idxs[me], topk_weights=ws[me])
+        buf.set_placement(Placement.from_list([1, 0, 3, 2], 2, 4))  # each rank's two slots swapped
+        with pytest.raises(ValueError, match=r"handle comes from a dispatch before set_placement"):
+            buf.dispatch(xs[me], handle=before.handle)
+        after = buf.dispatch(xs[me], topk_idx=idxs[me], topk_weights=ws[me])
+        buf.set_placement(Placement.from_list([1, 0, 3, 2], 2, 4))  # the same placement again: no change
+        again = buf.dispatch(xs[me], handle=after.handle)
+    return torch.equal(after.recv_x, ref[me].recv_x_MH) and torch.equal(again.recv_x, ref[me].recv_x_MH)
+
+
+@pytest.mark.timeout(120)
+def test_a_handle_from_before_set_placement_is_refused_for_a_cached_dispatch():
+    """Issue 32, item 9: it was accepted, and repeated the old slots' routing silently."""
+    assert VirtualWorld(2, timeout_s=60).run(cached_dispatch_across_set_placement) == [True, True]
 
 
 # -- where a user looks: ubep simulate / ubep bench --placement ----------------------------------------

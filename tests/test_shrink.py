@@ -4,6 +4,7 @@ calling, each call exact against the reference restricted to them (`shrinkcase`)
 from __future__ import annotations
 
 import os
+import signal
 import threading
 import time
 
@@ -20,6 +21,7 @@ from ubep.calls import CallId
 from ubep.compat.deep_ep import Buffer as DeepEPBuffer
 from ubep.errors import CommTimeoutError, UbepError
 from ubep.faults import FaultPlan
+from ubep.placement import Placement
 from ubep.transport.heap import CAUSE_OWN, CAUSE_SILENT
 from ubep.transport.virtual import VirtualRank, VirtualWorld
 
@@ -104,6 +106,37 @@ def test_a_killed_rank_is_masked_and_the_survivors_go_on_exact(protocol, point):
     for rank in (0, 1, 3):
         assert outcomes[rank].ok, (rank, outcomes[rank].cause, outcomes[rank].error)
     assert outcomes[0].result["left"] == []
+
+
+def placement_after_a_death() -> tuple[list[int], str]:
+    """Rank DEAD of 3 dies after a call; the survivors set a placement before masking it, then after."""
+    me = dist.get_rank()
+    with buffer(None, "ubep", timeout_s=5) as buf:
+        normal_call(buf, 0, set())
+        if me == DEAD:
+            os.kill(os.getpid(), signal.SIGKILL)
+        placement = Placement.identity(buf.num_experts, buf.num_ranks)
+        with pytest.raises(CommTimeoutError) as unmasked:
+            buf.set_placement(placement)
+        buf.mask_ranks([DEAD])
+        with pytest.raises(RuntimeError) as masked:
+            buf.set_placement(placement)
+        normal_call(buf, 1, {DEAD})  # and the Buffer goes on without it, exact
+    return unmasked.value.dead_peers, str(masked.value)
+
+
+@pytest.mark.timeout(120)
+def test_set_placement_around_a_dead_rank_names_it():
+    """Issue 32, item 10: both raised naming the other ranks as candidates ("torch.distributed does
+    not say which of them"), the dead rank among them."""
+    outcomes = ubep.LocalLaunch(world_size=3, timeout_s=100).outcomes(placement_after_a_death)
+    assert outcomes[DEAD].cause == "died", outcomes[DEAD]
+    for o in outcomes[:DEAD]:
+        assert o.ok, (o.rank, o.cause, o.error)
+        dead, refused = o.result
+        assert dead == [DEAD], (o.rank, dead)
+        said = f"set_placement needs every rank of the group, and rank(s) [{DEAD}] are masked"
+        assert refused.startswith(said), (o.rank, refused)
 
 
 def stalled_then_masked(rank: VirtualRank, protocol: str, awake: threading.Event) -> str:

@@ -122,6 +122,10 @@ CONSTRUCTOR_RULES = [
     (dict(protocol="nccl"), ValueError, "protocol must be one of"),
     (dict(transport="rdma"), ValueError, "transport must be one of"),
     (dict(timeout_s=0), ValueError, "timeout_s must be > 0"),
+    (dict(timeout_s=float("inf")), ValueError, r"timeout_s must be > 0 and at most 604800 s \(a week\)"),
+    (dict(timeout_s=1e300), ValueError, "timeout_s must be > 0 and at most 604800 s"),
+    (dict(timeout_s=float("nan")), ValueError, "timeout_s must be > 0 and at most 604800 s"),
+    (dict(timeout_s="5"), TypeError, "timeout_s must be a number of seconds, got str"),
     (dict(expert_placement=[0] * 4), ValueError, "expert_placement lists 4 experts, num_experts is 8"),
 ]
 

@@ -204,9 +204,7 @@ class Buffer:
         if ll_flag not in FLAGS:
             raise ValueError(f"ll_flag must be one of {FLAGS}, got {ll_flag!r}")
         self.ll_flag, self.capturable = ll_flag, bool(capturable)
-        if not timeout_s > 0:
-            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
-        self.timeout_s = float(timeout_s)
+        self.timeout_s = validate.seconds("timeout_s", timeout_s)
         construct_s = max(self.timeout_s, CONSTRUCTION_MIN_TIMEOUT_S)
         self.engine, self._engine_reason = ready_engine(engine)  # slow (compiling): before ranks meet
         with collective_deadline(torch_group(group), construct_s, "Buffer construction (joining the group)"):
@@ -274,6 +272,7 @@ class Buffer:
         self._retired = False  # this rank masked itself out
         self._placement: Placement | None = None  # logical experts on the Buffer's slots (`set_placement`)
         self._copy_map: CopyMap | None = None  # this rank's logical -> physical map, with a placement
+        self._placed_after = 0  # the last call before the placement changed: a cached dispatch is stale
 
     # -- construction -----------------------------------------------------------------------------
 
@@ -327,13 +326,16 @@ class Buffer:
     def stats(self, merge: bool = False) -> Stats:
         """What this Buffer's calls did so far: traffic, expert load, times, the recent calls
         (`ubep.stats.Stats`). With `merge`, every rank's, on every rank: a collective, so every
-        rank must call it at the same point between calls. Needs `stats=True` (or UBEP_STATS=1)."""
+        rank must call it at the same point between calls; it keeps the Buffer's deadline and names
+        a stopped or dead peer as calls do. Needs `stats=True` (or UBEP_STATS=1)."""
         if self._recorder is None:
             raise RuntimeError("this Buffer records no stats: build it with stats=True, or set UBEP_STATS=1")
         mine = self._recorder.snapshot()
         if not merge or self.num_ranks == 1:
             return mine
-        return Stats.combine_ranks(all_gather_object(self._info, mine))
+        group, peers = torch_group(self._info.group), self._info.peers
+        with collective_deadline(group, self.timeout_s, "stats (merge)", peers):  # as calls wait, and blame
+            return Stats.combine_ranks(all_gather_object(self._info, mine))
 
     def _exchange_name(self) -> str:
         across = getattr(self._exchange, "across_hosts", None)  # what crosses hosts, and how
@@ -372,8 +374,9 @@ class Buffer:
         among equally near copies; `ubep.placement.CopyMap`) before dispatching, so recv_topk_idx
         names local slots (`placement.local_logical(rank)` says which expert each holds) and
         combine sums what the logical routing would. None returns to physical ids. Moving the
-        expert weights is the caller's (docs/placement.md); handles of earlier dispatches must not be
-        reused across the change.
+        expert weights is the caller's (docs/placement.md); a cached dispatch with the handle of a
+        dispatch from before a change is refused (ValueError, on every rank alike). Refused once ranks
+        are masked (RuntimeError naming them): the agreement needs every rank of the group.
         """
         self._live()
         if placement is not None and (
@@ -387,9 +390,18 @@ class Buffer:
             self.sizing.placement.rank_of_expert_E, placement.rank_of_physical_U
         ):
             raise ValueError("set_placement needs the Buffer's default (contiguous) expert_placement")
+        if self._masked:  # every staying rank masked the same ranks: they all refuse
+            raise RuntimeError(
+                f"set_placement needs every rank of the group, and rank(s) {sorted(self._masked)} are masked "
+                "(mask_ranks): its agreement is a torch.distributed collective, which cannot leave them out; "
+                "build a Buffer on a group of the staying ranks to place experts"
+            )
         mine = {"placement": None if placement is None else placement.digest()}
-        with collective_deadline(torch_group(self._info.group), self.timeout_s, "set_placement"):
+        group, peers = torch_group(self._info.group), self._info.peers  # peers: a dead one is named
+        with collective_deadline(group, self.timeout_s, "set_placement", peers):
             check_agreement(self._info, mine, "set_placement")
+        if mine["placement"] != (None if self._placement is None else self._placement.digest()):
+            self._placed_after = self._calls.seq  # older handles route to the old slots
         self._placement = placement
         self._copy_map = (
             None
@@ -520,6 +532,11 @@ class Buffer:
         s = self.sizing
         if handle is not None:
             self._check_handle(handle)
+            if handle.seq <= self._placed_after:
+                raise ValueError(
+                    "handle comes from a dispatch before set_placement changed the expert placement: "
+                    "its routing names the old slots; dispatch again with topk_idx"
+                )
             x, scales = self._payload(x, rows=handle.num_tokens)
             plan = SendPlan(x, None, None, handle.is_token_in_rank_NR, handle.send_counts_R, scales)
             return plan, handle.num_dropped

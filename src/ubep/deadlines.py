@@ -34,6 +34,7 @@ from ubep.waiting import ProcessId
 DEATH_GRACE_S = 0.5  # how long a failed collective looks for a dead local peer
 LINGER_S = 0.3  # how long a rank that named a dead peer stays alive before raising (see _timeout_error)
 WATCH_PERIOD_S = 0.02  # how often a `DeathWatch` looks at its peers
+REASON_CHARS = 200  # how much of a backend's first line an error quotes (cut at a sentence end)
 
 
 @dataclass(frozen=True, slots=True)
@@ -217,6 +218,19 @@ def _gave_up(
         time.sleep(0.02)
 
 
+def _reason(error: BaseException) -> str:
+    """The backend's first line: whole when short, else up to its last sentence end within
+    REASON_CHARS (never cut mid-word; a long line with no sentence end stays whole)."""
+    text = str(error).strip()
+    if not text:
+        return type(error).__name__
+    line = text.splitlines()[0]
+    if len(line) <= REASON_CHARS:
+        return line
+    end = max(line.rfind(stop, 0, REASON_CHARS) for stop in (". ", "! ", "? "))
+    return line[: end + 1] if end > 0 else line
+
+
 def _timed_out(error: BaseException) -> bool:
     """Whether a backend failure is its deadline passing (not a broken connection)."""
     return "timed out" in str(error).lower()
@@ -234,7 +248,7 @@ def _timeout_error(
     """Name what can be proven: a stopped peer (it stalls every collective it is in, and a
     survivor that gave up on it and exited is not to blame), else a dead one, else nobody:
     the peers that did not arrive, with how the backend failed (deadline or lost connection)."""
-    said = str(error).strip().splitlines()[0][:160] if str(error).strip() else type(error).__name__
+    said = _reason(error)
     me = peers.rank if peers is not None else (dist.get_rank(group) if group is not None else 0)
     world = dist.get_world_size(group) if group is not None else 1
     named = names or tuple(range(world))

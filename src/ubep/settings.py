@@ -22,6 +22,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from ubep import validate
 from ubep.engine import ENGINES
 from ubep.fabric import FABRICS
 from ubep.factory import HEAP_PROTOCOLS
@@ -53,10 +54,11 @@ def _flag(text: str) -> bool:
 
 
 def _seconds(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise ValueError("must be > 0")
-    return value
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError("expected a number of seconds") from None
+    return validate.seconds("the deadline", value)
 
 
 def _one_of(choices: tuple[str, ...]) -> Callable[[str], str]:
@@ -114,7 +116,8 @@ def configure_logging(environ: Mapping[str, str] | None = None) -> logging.Logge
     text = env.get(LOG_LEVEL_VARIABLE, "").strip()
     if not text:
         return log
-    level = int(text) if text.isdigit() else logging.getLevelName(text.upper())
+    # isdecimal, not isdigit: '²' is a digit that int() refuses
+    level = int(text) if text.isascii() and text.isdecimal() else logging.getLevelName(text.upper())
     if not isinstance(level, int):
         raise ValueError(f"{LOG_LEVEL_VARIABLE}={text!r}: expected DEBUG, INFO, WARNING, ERROR or a number")
     log.setLevel(level)

@@ -198,6 +198,8 @@ class Stats:
 
     @classmethod
     def from_dict(cls, d: dict) -> Stats:
+        """The snapshot `to_dict` wrote; ValueError naming the first field that breaks its schema."""
+        check_schema(d)
         return cls(
             ranks=tuple(d["ranks"]),
             num_ranks=d["num_ranks"],
@@ -217,6 +219,106 @@ class Stats:
     @classmethod
     def load(cls, path: str | Path) -> Stats:
         return cls.from_dict(json.loads(Path(path).read_text()))
+
+
+# -- the file's schema ------------------------------------------------------------------------------
+
+FIELDS = (
+    "ranks",
+    "num_ranks",
+    "num_experts",
+    "calls",
+    "time_ns",
+    "traffic_rows_RR",
+    "traffic_bytes_RR",
+    "expert_load_LE",
+    "recent",
+)
+
+
+def check_schema(d: object) -> None:
+    """Raise ValueError naming the first field of a `to_dict` snapshot that breaks its schema
+    (`ubep report` reads files written by other programs and versions, or by hand)."""
+    _fields("the file", d, FIELDS)
+    R = _count("num_ranks", d["num_ranks"], 1)
+    E = _count("num_experts", d["num_experts"], 1)
+    ranks = [_count(f"ranks[{i}]", r, 0, R) for i, r in enumerate(_list("ranks", d["ranks"]))]
+    if not ranks or len(set(ranks)) != len(ranks):
+        raise _wrong("ranks", "distinct rank ids, at least one", d["ranks"])
+    calls = _dict("calls", d["calls"])
+    for kind, count in calls.items():
+        if kind not in KINDS:
+            raise ValueError(f"calls: unexpected kind {kind!r} (kinds: {', '.join(KINDS)})")
+        _count(f"calls.{kind}", count, 0)
+    times = _dict("time_ns", d["time_ns"])
+    if set(times) != set(calls):
+        raise _wrong("time_ns", f"the kinds of calls ({', '.join(calls)})", times)
+    for kind, per_rank in times.items():
+        _counts(f"time_ns.{kind}", per_rank, len(ranks))
+    for name in ("traffic_rows_RR", "traffic_bytes_RR"):
+        for i, row in enumerate(_list(name, d[name], R)):
+            _counts(f"{name}[{i}]", row, R)
+    layers = _list("expert_load_LE", d["expert_load_LE"])
+    if not layers:
+        raise _wrong("expert_load_LE", "at least one layer", layers)
+    for i, row in enumerate(layers):
+        _counts(f"expert_load_LE[{i}]", row, E)
+    for i, rec in enumerate(_list("recent", d["recent"])):
+        _check_record(f"recent[{i}]", rec, ranks, R)
+
+
+def _check_record(where: str, rec, ranks: list[int], num_ranks: int) -> None:
+    _fields(where, rec, CallRecord._fields)
+    _count(f"{where}.seq", rec["seq"], 0)
+    if rec["kind"] not in KINDS:
+        raise _wrong(f"{where}.kind", f"one of {', '.join(KINDS)}", rec["kind"])
+    if isinstance(rec["rank"], bool) or rec["rank"] not in ranks:
+        raise _wrong(f"{where}.rank", f"one of the ranks {tuple(ranks)}", rec["rank"])
+    for name in ("ready_ns", "sent_ns", "end_ns", "row_bytes", "tokens"):
+        _count(f"{where}.{name}", rec[name], 0)
+    _count(f"{where}.recv_rows", rec["recv_rows"], -1)
+    _counts(f"{where}.rows_R", rec["rows_R"], num_ranks)
+
+
+def _wrong(where: str, rule: str, value) -> ValueError:
+    shown = json.dumps(value)
+    return ValueError(f"{where}: expected {rule}, got {shown if len(shown) <= 40 else shown[:37] + '...'}")
+
+
+def _fields(where: str, d, names: tuple[str, ...]) -> None:
+    if not isinstance(d, dict):
+        raise _wrong(where, "an object", d)
+    missing, extra = [n for n in names if n not in d], [n for n in d if n not in names]
+    if missing:
+        raise ValueError(f"{where}: missing field {missing[0]!r}")
+    if extra:
+        raise ValueError(f"{where}: unexpected field {extra[0]!r}")
+
+
+def _dict(where: str, value) -> dict:
+    if not isinstance(value, dict):
+        raise _wrong(where, "an object", value)
+    return value
+
+
+def _list(where: str, value, length: int | None = None) -> list | tuple:
+    if not isinstance(value, list | tuple):  # JSON's lists; tuples where `to_dict` did not go through JSON
+        raise _wrong(where, "a list" if length is None else f"a list of {length} entries", value)
+    if length is not None and len(value) != length:
+        raise _wrong(where, f"a list of {length} entries", value)
+    return value
+
+
+def _count(where: str, value, lo: int, hi: int | None = None) -> int:
+    number = isinstance(value, int) and not isinstance(value, bool)
+    if not (number and lo <= value and (hi is None or value < hi)):
+        raise _wrong(where, f"an int >= {lo}" if hi is None else f"a rank id in [{lo}, {hi})", value)
+    return value
+
+
+def _counts(where: str, value, length: int) -> None:
+    for i, v in enumerate(_list(where, value, length)):
+        _count(f"{where}[{i}]", v, 0)
 
 
 def _ranks(ranks: tuple[int, ...]) -> str:

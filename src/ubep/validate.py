@@ -14,6 +14,7 @@ combine a dispatch), which is how DeepEP is used in training.
 
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -23,6 +24,9 @@ from ubep import fp8
 PAYLOAD_DTYPES = (torch.bfloat16, torch.float32)
 # A Buffer's tables with one entry per expert: owner rank and local index (int64 each), masked flag.
 BYTES_PER_EXPERT = 8 + 8 + 1
+# The longest deadline a wait may have: far past any peer's legitimate delay, and well inside what
+# the clocks and backends it reaches can hold (datetime.timedelta, gloo's milliseconds, threading).
+MAX_TIMEOUT_S = 7 * 24 * 3600
 
 
 CPU = torch.device("cpu")
@@ -59,7 +63,7 @@ def payload(
         raise ValueError(f"{name} has {n} rows, expected {rows}")
     if n > capacity:
         raise ValueError(f"{name} has {n} tokens, more than max_tokens_per_rank={capacity}")
-    return x.contiguous()
+    return row_major(x)
 
 
 def topk_idx(
@@ -148,6 +152,16 @@ def positive(name: str, value, minimum: int = 1) -> int:
     return value
 
 
+def seconds(name: str, value) -> float:
+    """A deadline in seconds: a real number in (0, MAX_TIMEOUT_S]. "No deadline" (inf) is refused:
+    every wait keeps one, and an unbounded one would overflow the timers it is handed to."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"{name} must be a number of seconds, got {type(value).__name__}")
+    if not (0 < value <= MAX_TIMEOUT_S and math.isfinite(value)):
+        raise ValueError(f"{name} must be > 0 and at most {MAX_TIMEOUT_S} s (a week), got {value}")
+    return float(value)
+
+
 def expert_tables(num_experts: int) -> None:
     """Refuse a num_experts whose per-expert tables alone exceed this host's memory, before torch
     tries to allocate them (num_experts=2**40 would ask for 17 TiB)."""
@@ -183,7 +197,16 @@ def fp8_pair(
         raise ValueError(f"{name} has {n} rows, expected {rows}")
     if n > capacity:
         raise ValueError(f"{name} has {n} tokens, more than max_tokens_per_rank={capacity}")
-    return values.contiguous(), scales.contiguous()
+    return row_major(values), row_major(scales)
+
+
+def row_major(t: torch.Tensor) -> torch.Tensor:
+    """t with row-major strides (a copy only where needed). `contiguous()` leaves any stride on a
+    dimension of size 0 or 1, and the engines view rows as bytes, which needs stride 1 in the last
+    one: fp8.quantize's scales of 0 tokens at hidden 128 are [0, 1] with strides (1, 0)."""
+    if t.dim() == 0 or (t.is_contiguous() and t.stride(-1) == 1):
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
 
 
 def low_latency_x(

@@ -140,7 +140,9 @@ class Waiter:
         self._block = block
         self._on_fail = on_fail
         self._start = time.monotonic()
-        self._next_check = self._start + LIVENESS_PERIOD_S
+        self._deadline = self._start + timeout_s
+        # a deadline shorter than the liveness period is looked at when it passes, not a period later
+        self._next_check = min(self._start + LIVENESS_PERIOD_S, self._deadline)
         self._polls = 0
         self._yields = yields
 
@@ -152,7 +154,7 @@ class Waiter:
             return
         now = time.monotonic()
         if now >= self._next_check:
-            self._next_check = now + LIVENESS_PERIOD_S
+            self._next_check = min(now + LIVENESS_PERIOD_S, self._deadline)
             self._check(list(pending), now)
         if self._block is not None:
             self._block(self._next_check - now)
@@ -169,7 +171,7 @@ class Waiter:
                     break
         if error is None:
             dead = [p for p in pending if self._peer_gone(p)]
-            if dead or now - self._start >= self.timeout_s:
+            if dead or now >= self._deadline:
                 error = CommTimeoutError(self.phase, pending, self.timeout_s, dead)
         if error is not None:
             if self._on_fail is not None:

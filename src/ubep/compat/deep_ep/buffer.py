@@ -43,6 +43,7 @@ from ubep import fp8, settings, validate
 from ubep import layout as ep_layout
 from ubep.buffer import Buffer as UbepBuffer
 from ubep.compat.deep_ep import scales
+from ubep.compat.deep_ep.call_header import CallHeaders, opens
 from ubep.compat.deep_ep.handles import LowLatencyView, NormalHandle, normal_handle
 from ubep.compat.deep_ep.utils.event import EventHandle, EventOverlap, pending_event, wait_previous
 from ubep.errors import SharedMemorySizeError
@@ -165,6 +166,8 @@ class Buffer:
         self._masked: set[int] = set()  # ranks masked in every buffer above (enable_shrink)
         self._combine_inputs: dict[tuple, torch.Tensor] = {}  # zero-copy combine buffers, by shape
         self._raw: dict[bool, torch.Tensor] = {}  # get_local_buffer_tensor's bytes, by use_rdma_buffer
+        timeout_s = settings.resolve({})["timeout_s"].value  # as the ubep Buffers built here take it
+        self._headers = CallHeaders(self._info, timeout_s, "deep_ep.Buffer")  # opens every call
 
     def explain(self) -> str:
         """Which implementation serves this DeepEP Buffer, and the ubep Buffers built so far (each
@@ -265,17 +268,25 @@ class Buffer:
         """An event marking everything issued so far (complete: CPU work is ordered by the program)."""
         return EventOverlap(EventHandle())
 
+    def _check_normal(self, hidden: int, num_experts: int) -> int:
+        """The checks building the normal-mode buffer of this shape makes, before the call header (a
+        rank must not fail alone in a collective step); the tokens it holds (0: built already)."""
+        key = ("normal", hidden, num_experts)
+        if key in self._buffers:
+            return 0
+        self._check_unmasked(key)
+        tokens = _tokens_that_fit(max(self.num_nvl_bytes, self.num_rdma_bytes), hidden, self.group_size)
+        if tokens < 1:
+            raise ValueError(
+                f"num_nvl_bytes={self.num_nvl_bytes} holds no token of hidden size {hidden}; "
+                "size it with Config.get_nvl_buffer_size_hint"
+            )
+        return tokens
+
     def _normal(self, hidden: int, num_experts: int) -> UbepBuffer:
         key = ("normal", hidden, num_experts)
         if key not in self._buffers:
-            self._check_unmasked(key)
-            budget = max(self.num_nvl_bytes, self.num_rdma_bytes)
-            tokens = _tokens_that_fit(budget, hidden, self.group_size)
-            if tokens < 1:
-                raise ValueError(
-                    f"num_nvl_bytes={self.num_nvl_bytes} holds no token of hidden size {hidden}; "
-                    "size it with Config.get_nvl_buffer_size_hint"
-                )
+            tokens = self._check_normal(hidden, num_experts)
             self._buffers[key] = self._built(
                 f"num_nvl_bytes={self.num_nvl_bytes} ({tokens} tokens per rank)",
                 hidden=hidden,
@@ -286,7 +297,8 @@ class Buffer:
             )
         return self._buffers[key]
 
-    def _low_latency(self, hidden: int, num_experts: int, max_tokens: int) -> UbepBuffer:
+    def _check_low_latency(self, hidden: int, num_experts: int, max_tokens: int) -> None:
+        """The checks building the low-latency buffer of this shape makes (see `_check_normal`)."""
         if not self.low_latency_mode:
             raise ValueError("low-latency calls need a Buffer built with low_latency_mode=True")
         key = ("ll", hidden, num_experts, max_tokens)
@@ -298,6 +310,11 @@ class Buffer:
                     f"num_rdma_bytes={self.num_rdma_bytes} is too small for T={max_tokens}, hidden={hidden}, "
                     f"{num_experts} experts: get_low_latency_rdma_size_hint gives {need}"
                 )
+
+    def _low_latency(self, hidden: int, num_experts: int, max_tokens: int) -> UbepBuffer:
+        self._check_low_latency(hidden, num_experts, max_tokens)
+        key = ("ll", hidden, num_experts, max_tokens)
+        if key not in self._buffers:
             self._buffers[key] = self._built(
                 f"num_rdma_bytes={self.num_rdma_bytes} (low-latency, T={max_tokens})",
                 hidden=hidden,
@@ -346,6 +363,7 @@ class Buffer:
             pending_event(Pending(), async_finish),
         )
 
+    @opens("dispatch")
     def dispatch(
         self,
         x: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
@@ -376,8 +394,10 @@ class Buffer:
         if num_tokens_per_expert is None:
             raise ValueError("dispatch needs num_tokens_per_expert (from get_dispatch_layout) or a handle")
         E, R = num_tokens_per_expert.numel(), self.group_size
-        inner = self._normal(hidden, E)
+        self._check_normal(hidden, E)
         idx, weights, sent_NR = self._routing(x, hidden, E, is_token_in_rank, topk_idx, topk_weights)
+        self._headers.agree(hidden=hidden, num_experts=E, num_worst_tokens=num_worst_tokens)
+        inner = self._normal(hidden, E)
         counts_RX = self._gather_counts(sent_NR, num_tokens_per_expert)
         received = int(counts_RX[:, self.rank].sum())
         worst_R = counts_RX[:, :R].sum(dim=0)
@@ -466,10 +486,15 @@ class Buffer:
                 "a cached dispatch (handle=...) repeats its routing: pass no topk_idx/topk_weights"
             )
         view = _normal_view(handle)
+        self._check_normal(hidden, view.num_experts)
+        self._headers.agree(
+            "cached_dispatch", hidden=hidden, num_experts=view.num_experts, handle=view.inner.seq
+        )
         got = self._normal(hidden, view.num_experts).dispatch(x, view.inner)
         recv_x = _pad_payload(got.recv_x, view.num_rows)
         return recv_x, None, None, None, None, pending_event(Pending(), async_finish)
 
+    @opens("combine")
     def combine(
         self,
         x: torch.Tensor,
@@ -490,6 +515,8 @@ class Buffer:
             x = x[:M]
             topk_weights = topk_weights[:M] if topk_weights is not None else None
         biases = _biases(bias, view.inner.num_tokens, x)
+        self._check_normal(x.shape[1], view.num_experts)
+        self._headers.agree(hidden=x.shape[1], num_experts=view.num_experts, handle=view.inner.seq)
         inner = self._normal(x.shape[1], view.num_experts)
         if not biases:
             combined, weights, _ = inner.combine(x, view.inner, topk_weights)
@@ -503,6 +530,7 @@ class Buffer:
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int):
         """Nothing to clean: ubep's flags carry call epochs, so stale slots are never mistaken for new."""
 
+    @opens("ll_dispatch")
     def low_latency_dispatch(
         self,
         x: torch.Tensor,
@@ -529,6 +557,9 @@ class Buffer:
             raise ValueError(
                 f"use_ue8m0=True needs a hidden size that is a multiple of 512, got {x.shape[-1]}"
             )
+        T = num_max_dispatch_tokens_per_rank
+        self._check_low_latency(x.shape[1], num_experts, T)
+        self._headers.agree(hidden=x.shape[1], num_experts=num_experts, num_max_dispatch_tokens_per_rank=T)
         inner = self._low_latency(x.shape[1], num_experts, num_max_dispatch_tokens_per_rank)
         pow2 = use_fp8 and round_scale  # quantized on arrival: ubep's wire FP8 uses amax / 448 scales
         got = inner.low_latency_dispatch(
@@ -559,6 +590,7 @@ class Buffer:
         hook = both.wait if return_recv_hook else _nothing
         return recv_x, got.recv_count, LowLatencyView(got.handle), event, hook
 
+    @opens("ll_combine")
     def low_latency_combine(
         self,
         x: torch.Tensor,
@@ -581,6 +613,11 @@ class Buffer:
         if zero_copy and use_logfmt:
             raise ValueError("zero_copy=True and use_logfmt=True cannot be combined (as in DeepEP)")
         inner_handle = _ll_inner(handle)
+        H, E, T = inner_handle.hidden, inner_handle.num_experts, inner_handle.num_max_dispatch_tokens_per_rank
+        self._check_low_latency(H, E, T)
+        self._headers.agree(
+            hidden=H, num_experts=E, num_max_dispatch_tokens_per_rank=T, handle=inner_handle.seq
+        )
         inner = self._ll_for(inner_handle)
         if zero_copy:
             x = self._combine_input(inner_handle)
@@ -627,6 +664,7 @@ class Buffer:
         for inner in self._buffers.values():
             inner.mask_ranks([rank_to_mask])
         self._masked.add(rank_to_mask)
+        self._headers.leave_out()  # its collective would include the masked rank
 
     def low_latency_query_mask_buffer(self, mask_status: torch.Tensor) -> None:
         """Fill `mask_status` ([num_ranks] ints) with 1 for masked ranks, 0 for the others."""

@@ -31,6 +31,7 @@ from ubep import validate
 from ubep.buffer import Buffer as UbepBuffer
 from ubep.compat.deep_ep import elastic_combine as trip
 from ubep.compat.deep_ep.buffer import _segment_bytes
+from ubep.compat.deep_ep.call_header import CallHeaders, opens
 from ubep.compat.deep_ep.elastic_handle import (
     ElasticRoute,
     EPHandle,
@@ -80,9 +81,10 @@ class ElasticBuffer:
             raise ValueError(f"num_topk must be <= {MAX_TOPK} (DeepEP V2's limit), got {num_topk}")
         if num_bytes is not None:
             validate.positive("num_bytes", num_bytes, minimum=0)
-        if not num_cpu_timeout_secs > 0:
-            raise ValueError(f"num_cpu_timeout_secs must be > 0, got {num_cpu_timeout_secs}")
+        validate.seconds("num_cpu_timeout_secs", num_cpu_timeout_secs)
         self._info = join_group(group)  # collective: every rank constructs the buffer
+        # every call opens with a header under num_cpu_timeout_secs (`call_header`)
+        self._headers = CallHeaders(self._info, float(num_cpu_timeout_secs), "ElasticBuffer")
         self.group = group if group is not None else self._info.group
         self.rank_idx, self.num_ranks = self._info.rank, self._info.world_size
         self.allow_hybrid_mode = bool(allow_hybrid_mode)
@@ -196,10 +198,11 @@ class ElasticBuffer:
         the calling thread and in program order, so this is the CPU stream (`query()` is True)."""
         return torch.Stream(device="cpu")
 
+    @opens("barrier")
     def barrier(self, use_comm_stream: bool = True, with_cpu_sync: bool = False, sequential: bool = True):
-        """Wait until every rank of the group reaches this barrier."""
+        """Wait until every rank of the group reaches this barrier (the call header's all-gather is one)."""
         self._live()
-        all_gather_object(self._info, None)
+        self._headers.agree()
 
     def destroy(self) -> None:
         """Release every shared resource (needs explicitly_destroy=True, as in DeepEP)."""
@@ -212,20 +215,27 @@ class ElasticBuffer:
         if not self._alive:
             raise RuntimeError("this ElasticBuffer was destroyed; build a new one")
 
+    def _check_room(self, key: tuple) -> None:
+        """The check building the ubep.Buffer for `key` makes, before the call header (a rank must not
+        fail alone in a collective step): with an explicit num_bytes, every shape's segments fit."""
+        if key in self._buffers or not self.explicit_num_bytes:
+            return
+        _, hidden, tokens, _ = key[:4]
+        shapes = [(b.sizing.hidden, b.sizing.capacity) for b in self._buffers.values()]
+        need = sum(_segment_bytes(h, self.num_ranks, self.num_ranks, t, False) for h, t in shapes)
+        need += _segment_bytes(hidden, self.num_ranks, self.num_ranks, tokens, False)
+        if need > self.num_bytes:
+            raise ValueError(
+                f"num_bytes={self.num_bytes} is too small for hidden={hidden}, T={tokens}: "
+                f"{need} bytes needed; size it with ElasticBuffer.get_buffer_size_hint"
+            )
+
     def _ubep(self, key: tuple, num_experts: int, max_topk: int) -> UbepBuffer:
         """The ubep.Buffer for `key` = (kind, hidden, T, K, ...), built collectively on first use."""
         self._live()
         if key not in self._buffers:
+            self._check_room(key)
             _, hidden, tokens, _ = key[:4]
-            if self.explicit_num_bytes:
-                shapes = [(b.sizing.hidden, b.sizing.capacity) for b in self._buffers.values()]
-                need = sum(_segment_bytes(h, self.num_ranks, self.num_ranks, t, False) for h, t in shapes)
-                need += _segment_bytes(hidden, self.num_ranks, self.num_ranks, tokens, False)
-                if need > self.num_bytes:
-                    raise ValueError(
-                        f"num_bytes={self.num_bytes} is too small for hidden={hidden}, T={tokens}: "
-                        f"{need} bytes needed; size it with ElasticBuffer.get_buffer_size_hint"
-                    )
             self._buffers[key] = UbepBuffer(
                 self.group,
                 hidden=hidden,
@@ -239,6 +249,7 @@ class ElasticBuffer:
 
     # -- dispatch ---------------------------------------------------------------------------------
 
+    @opens("dispatch")
     def dispatch(
         self,
         x,
@@ -300,6 +311,8 @@ class ElasticBuffer:
         w_NK = None if topk_weights is None else validate.topk_weights(topk_weights, (N, K))
         lanes_NR = lanes_per_rank(idx_NK, E, R)
         mine_RJ = stream_counts(lanes_NR, min(K, L))
+        self._check_room(("dispatch", H, T, K, E))
+        self._headers.agree(hidden=H, num_experts=E, num_max_tokens_per_rank=T, num_topk=K)
         sent_SRJ = torch.stack(all_gather_object(self._info, mine_RJ))  # DeepEP's notify step
         inner = self._ubep(("dispatch", H, T, K, E), E, K)
         got = inner.dispatch(payload, topk_idx=idx_NK, topk_weights=_or_zeros(w_NK, idx_NK))
@@ -358,13 +371,15 @@ class ElasticBuffer:
         payload, sf_kind = _payload(x)
         H = (payload[0] if isinstance(payload, tuple) else payload).shape[1]
         K, E, T = route.recv_topk_idx_MK.shape[1], handle.num_experts, handle.num_max_tokens_per_rank
+        idx_NK = handle.topk_idx
+        w_NK = None if topk_weights is None else validate.topk_weights(topk_weights, tuple(idx_NK.shape))
+        self._check_room(("dispatch", H, T, K, E))
+        self._headers.agree("cached_dispatch", hidden=H, handle=route.inner.seq, weights=w_NK is not None)
         inner = self._ubep(("dispatch", H, T, K, E), E, K)
-        if topk_weights is None:
+        if w_NK is None:
             got = inner.dispatch(payload, handle=route.inner)
             recv_w = None
         else:
-            idx_NK = handle.topk_idx
-            w_NK = validate.topk_weights(topk_weights, tuple(idx_NK.shape))
             got = inner.dispatch(payload, topk_idx=idx_NK, topk_weights=w_NK)
             recv_w = got.recv_topk_weights
         _count(stats, handle.num_unaligned_recv_tokens_per_expert.long(), E // self.num_ranks)
@@ -399,6 +414,7 @@ class ElasticBuffer:
 
     # -- combine ----------------------------------------------------------------------------------
 
+    @opens("combine")
     def combine(
         self,
         x: torch.Tensor,
@@ -434,7 +450,10 @@ class ElasticBuffer:
         N, K, H = idx_NK.shape[0], idx_NK.shape[1], x.shape[1]
         biases = _biases(bias, N, H)
         streams = trip.owner_streams(x, weights, route, handle.do_expand, multiple)
-        home = self._ubep(("home", H, handle.num_max_tokens_per_rank, K), self.num_ranks * K, K)
+        home_key = ("home", H, handle.num_max_tokens_per_rank, K)
+        self._check_room(home_key)
+        self._headers.agree(hidden=H, handle=route.inner.seq, num_topk=K, streams=len(streams))
+        home = self._ubep(home_key, self.num_ranks * K, K)
         arrived = []
         for j, stream in enumerate(streams):
             per_rank_R = route.sent_SRJ[:, :, j].sum(dim=0)
