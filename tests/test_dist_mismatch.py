@@ -147,24 +147,39 @@ def test_mismatched_calls_raise_on_every_rank_and_the_group_goes_on(transport, c
         assert exact_after, f"rank {rank}: the calls after the mismatch differ from the reference"
 
 
-def hier_kinds() -> str:
+def hier_kinds(protocol: str) -> tuple[str, str]:
     me = dist.get_rank()
     with ubep.Buffer(
-        hidden=SC.hidden, num_experts=E, max_tokens_per_rank=T, transport="hier", timeout_s=1
+        hidden=SC.hidden,
+        num_experts=E,
+        max_tokens_per_rank=T,
+        transport="hier",
+        timeout_s=1,
+        protocol=protocol,
     ) as buf:
         try:
             mismatch(buf, me, "kinds")
         except ubep.UbepError as error:
-            return type(error).__name__
-    return "none"
+            return type(error).__name__, str(error)
+    return "none", ""
 
 
 @pytest.mark.timeout(60)
-def test_hier_normal_against_low_latency_call_times_out_in_python():
-    """The limit: hier's normal header runs on the rail, the low-latency one on the whole group,
-    so neither sees the other; both ranks reach the deadline, still without a process abort."""
-    outcomes = ubep.LocalLaunch(world_size=R, ranks_per_node=1, timeout_s=40).outcomes(hier_kinds)
-    assert [(o.ok, o.result) for o in outcomes] == [(True, "CommTimeoutError")] * R, outcomes
+def test_hier_normal_against_low_latency_call_is_named_over_the_fabric():
+    """hier with ubep runs both modes' crossings on one fabric, so each rank sees the other's message of
+    the same call on another lane and names the difference."""
+    outcomes = ubep.LocalLaunch(world_size=R, ranks_per_node=1, timeout_s=40).outcomes(hier_kinds, "ubep")
+    for o in outcomes:
+        assert o.ok and o.result[0] == "PeerDataError", outcomes
+        assert "the ranks' calls differ in " + DIFFER["kinds"] in o.result[1], o.result
+
+
+@pytest.mark.timeout(60)
+def test_hier_bsp_normal_against_low_latency_call_times_out_in_python():
+    """The baseline's limit: hier-bsp's normal header runs on the rail, the low-latency one on the whole
+    group, so neither sees the other; both ranks reach the deadline, still without a process abort."""
+    outcomes = ubep.LocalLaunch(world_size=R, ranks_per_node=1, timeout_s=40).outcomes(hier_kinds, "bsp")
+    assert [(o.ok, o.result[0]) for o in outcomes] == [(True, "CommTimeoutError")] * R, outcomes
 
 
 def headers(*rows: CallHeader) -> torch.Tensor:

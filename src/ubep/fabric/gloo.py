@@ -41,12 +41,15 @@ from ubep.calls import KINDS, METHODS, CallId
 from ubep.deadlines import PeerPids, collective_deadline
 from ubep.errors import PeerDataError
 from ubep.fabric.base import Lane, Message, Outgoing
-from ubep.waiting import AbortNotice, Waiter
+from ubep.waiting import AbortNotice, PeerAbortedError, Waiter
 
 FRAME = 4  # int64 words before the header: header words, payload bytes, kind, seq (last: it says the
 WORDS, NBYTES, KIND, SEQ = range(FRAME)  # frame has landed)
 NOTICE = 3  # an abort notice: culprit + 1 (0: the sender itself), 2 kind + rejected, seq (last: landed)
 CONTROL_TAG = 1  # lane i, half h: tag 2 + 2 i + h
+# How many calls behind a peer's latest message a send to it is surely gone: two calls of each
+# low-latency kind may await their receive halves, one normal call, and margin.
+RETIRE_LAG = 8
 
 
 def _bytes_of(lane: Lane) -> int:
@@ -111,10 +114,10 @@ class GlooFabric:
             if lane.peers is None or p in lane.peers
             for h in (0, 1)
         }
-        self._free: dict[int, list[torch.Tensor]] = {i: [] for i in range(len(lanes))}  # outbox buffers
-        self._in_flight: dict[int, list[tuple[int, int, torch.Tensor, object]]] = {p: [] for p in self.peers}
+        self._in_flight: dict[int, list[tuple[int, torch.Tensor, object]]] = {p: [] for p in self.peers}
         self._control = {p: _Inbox(torch.zeros(NOTICE, dtype=torch.int64, device="cpu")) for p in self.peers}
         self._notices: dict[tuple[int, int], AbortNotice] = {}  # (peer, seq) -> its notice
+        self._abandoned: set[int] = set()  # calls this rank gave up on (their messages may be dropped)
         self._closed = False
         for key in self._inbox:
             self._post(key)
@@ -188,6 +191,8 @@ class GlooFabric:
                     if seq < call.seq:  # an older call's message, one this rank gave up on: dropped
                         self._post((i, p, half))
                         continue
+                    if seq > call.seq and (notice := self._abort_of(call)(p)) is not None:
+                        raise PeerAbortedError(phase, p, notice)  # it gave up on this call and went on
                     if seq != call.seq or kind != KINDS[call.kind]:
                         raise PeerDataError(
                             f"{phase}: rank {p} sent a message of call #{seq} ({kind}), this rank is in "
@@ -224,53 +229,49 @@ class GlooFabric:
         self._post((self.lanes[lane], peer, call.seq % 2))
 
     def begin(self, call: CallId) -> None:
-        """Before this rank's first message of `call`: every inbox still holding a message of an older
-        call (one this rank gave up on) is posted again, so no peer's later message waits behind it."""
+        """Before this rank's first message of `call`: every inbox still holding a message of a call this
+        rank gave up on is posted again, so no peer's later message waits behind it. (A message of a
+        call whose receive half is still to come, a low-latency hook, stays.)"""
         for i, p, h in list(self._inbox):
             frame = self._frame(i, p, h)
-            if frame is not None and frame[0] < call.seq:
+            if frame is not None and frame[0] in self._abandoned:
                 self._post((i, p, h))
 
     # -- sending ----------------------------------------------------------------------------------
 
     def outbox(self, lane: str, peer: int, call: CallId, words: int, nbytes: int) -> Outgoing:
-        """A message to fill for `peer`, in a buffer no send in flight uses."""
+        """A message to fill for `peer`, in a buffer of its own (kept until the send has surely left)."""
         i = self.lanes[lane]
-        free = self._free[i]
-        buffer = (
-            free.pop() if free else torch.empty(_bytes_of(self._lanes[i]), dtype=torch.uint8, device="cpu")
-        )
+        at, end = 8 * (FRAME + words), 8 * (FRAME + words) + _aligned(nbytes)
+        buffer = torch.empty(end + 8, dtype=torch.uint8, device="cpu")
         frame = buffer[: 8 * FRAME].view(torch.int64)
         frame[SEQ], frame[KIND], frame[WORDS], frame[NBYTES] = call.seq, KINDS[call.kind], words, nbytes
-        at, end = 8 * (FRAME + words), 8 * (FRAME + words) + _aligned(nbytes)
         buffer[end : end + 8].view(torch.int64)[0] = _trailer(call.seq, KINDS[call.kind])
-        key = (i, peer, call.seq, end + 8)
+        key = (i, peer, call.seq)
         return Outgoing(buffer[8 * FRAME : at].view(torch.int64), buffer[at : at + nbytes], (key, buffer))
 
     def send(self, out: Outgoing) -> None:
-        """Send a filled message; returns at once. Its buffer stays in flight until the peer shows it
-        moved past the call (`_retire`): gloo's send has no completion to poll, and a wait on one
-        whose receiver has not posted would time out and close the connection."""
-        (lane, peer, seq, size), buffer = out.key
-        tag = 2 + 2 * lane + seq % 2
-        work = dist.isend(buffer[:size], dst=self._global[peer], group=self.group, tag=tag)
-        self._in_flight[peer].append((seq, lane, buffer, work))
+        """Send a filled message; returns at once. Its buffer and work stay referenced until the send has
+        surely left (`_retire`): gloo's send has no completion to poll, and a wait on one whose receiver
+        has not posted would time out and close the connection."""
+        (lane, peer, seq), buffer = out.key
+        work = dist.isend(buffer, dst=self._global[peer], group=self.group, tag=2 + 2 * lane + seq % 2)
+        self._in_flight[peer].append((seq, buffer, work))
 
     def _retire(self, peer: int, seq: int) -> None:
-        """`peer` sent a message of call `seq`: it began that call, having posted again every inbox of an
-        older one (`begin`), so this rank's sends to it of older calls have left: their buffers are free."""
+        """`peer` sent a message of call `seq`, so it has received (or given up on) this rank's messages
+        of calls far enough behind: at most two low-latency calls of a kind await a receive half, and
+        calls a rank gave up on are posted again at its next call (`begin`). Those sends have left."""
         keep = []
         for sent in self._in_flight[peer]:
-            sent_seq, lane, buffer, work = sent
-            if sent_seq < seq:
-                work.wait()  # it has left: returns at once
-                if lane >= 0:
-                    self._free[lane].append(buffer)
+            if sent[0] <= seq - RETIRE_LAG:
+                sent[2].wait()  # it has left: returns at once
             else:
                 keep.append(sent)
         self._in_flight[peer] = keep
 
     def abort(self, call: CallId, culprit: int | None = None, rejected: bool = False) -> None:
+        self._abandoned.add(call.seq)
         how = 2 * KINDS[call.kind] + rejected
         notice = torch.tensor(
             [0 if culprit is None else culprit + 1, how, call.seq], dtype=torch.int64, device="cpu"
@@ -280,7 +281,7 @@ class GlooFabric:
                 work = dist.isend(notice, dst=self._global[p], group=self.group, tag=CONTROL_TAG)
             except RuntimeError:
                 continue  # a peer already gone: it needs no notice
-            self._in_flight[p].append((call.seq, -1, notice, work))  # lane -1: kept, not pooled
+            self._in_flight[p].append((call.seq, notice, work))
 
     def close(self) -> None:
         if self._closed:
