@@ -10,8 +10,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-KINDS = {"dispatch": 1, "combine": 2, "ll_dispatch": 3, "ll_combine": 4}  # each kind's code on the wire
-METHODS = {1: "dispatch", 2: "combine", 3: "low_latency_dispatch", 4: "low_latency_combine"}  # as called
+KINDS = {
+    "dispatch": 1,
+    "combine": 2,
+    "ll_dispatch": 3,
+    "ll_combine": 4,
+    "mask": 5,
+}  # each kind's code on the wire
+METHODS = {1: "dispatch", 2: "combine", 3: "low_latency_dispatch", 4: "low_latency_combine", 5: "mask_ranks"}
 
 
 @dataclass(frozen=True, slots=True)

@@ -70,6 +70,7 @@ class Fabric(Protocol):
     name: str
     rank: int
     num_ranks: int
+    live: tuple[int, ...]  # the ranks taking part, ascending (all of them until some are masked)
 
     def outbox(self, lane: str, peer: int, call: CallId, words: int, nbytes: int) -> Outgoing:
         """This rank's message of `call` on `lane` to `peer`, to fill: `words` header words, `nbytes`
@@ -102,6 +103,11 @@ class Fabric(Protocol):
     def abort(self, call: CallId, culprit: int | None = None, rejected: bool = False) -> None:
         """Tell every peer that this rank gives up on `call`, blaming `culprit` (None: itself;
         `rejected`: it rejected its own input for the call, before sending anything)."""
+
+    def mask(self, ranks: Iterable[int], seq: int) -> int:
+        """Collective among the ranks that stay (over the fabric): leave `ranks` out of every later
+        wait. `seq` is the last call this rank started; returns the largest any staying rank started,
+        after which they all continue (as `ubep.transport.base.Transport.mask`)."""
 
     def close(self) -> None:
         """Release every inbox and connection; idempotent."""

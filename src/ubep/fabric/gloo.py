@@ -50,6 +50,7 @@ CONTROL_TAG = 1  # lane i, half h: tag 2 + 2 i + h
 # How many calls behind a peer's latest message a send to it is surely gone: two calls of each
 # low-latency kind may await their receive halves, one normal call, and margin.
 RETIRE_LAG = 8
+MASK_LANE = "mask"
 
 
 def _bytes_of(lane: Lane) -> int:
@@ -99,8 +100,11 @@ class GlooFabric:
         timeout_s: float,
     ):
         self.rank, self.num_ranks, self.timeout_s = rank, num_ranks, timeout_s
+        lanes = (*lanes, Lane(MASK_LANE, 1 + num_ranks, 0))  # the fabric's own: `mask` rounds
         self.lanes = {lane.name: i for i, lane in enumerate(lanes)}
         self._lanes = tuple(lanes)
+        self.live = tuple(range(num_ranks))  # the ranks taking part (all, until some are masked)
+        self._generation = 0  # mask rounds so far
         ranks = list(range(num_ranks)) if group is None else dist.get_process_group_ranks(group)
         with collective_deadline(group, timeout_s, "Buffer construction (fabric)"):
             self.group = dist.new_group(ranks, timeout=timedelta(seconds=timeout_s), backend="gloo")
@@ -131,12 +135,20 @@ class GlooFabric:
         box = self._inbox[key]
         box.buffer[8 * SEQ : 8 * (SEQ + 1)].zero_()  # no message yet (a seq is never 0)
         box.waited = False
-        box.work = dist.irecv(box.buffer, src=self._global[peer], group=self.group, tag=2 + 2 * lane + half)
+        try:
+            box.work = dist.irecv(
+                box.buffer, src=self._global[peer], group=self.group, tag=2 + 2 * lane + half
+            )
+        except RuntimeError:  # the peer closed its end (it left): no message will come, a wait says so
+            box.work, box.waited = None, True
 
     def _post_control(self, peer: int) -> None:
         box = self._control[peer]
         box.buffer.zero_()
-        box.work = dist.irecv(box.buffer, src=self._global[peer], group=self.group, tag=CONTROL_TAG)
+        try:
+            box.work = dist.irecv(box.buffer, src=self._global[peer], group=self.group, tag=CONTROL_TAG)
+        except RuntimeError:  # the peer closed its end: no notice will come
+            box.work = None
 
     def _frame(self, lane: int, peer: int, half: int) -> tuple[int, int, int, int] | None:
         """(seq, kind, header words, payload bytes) of the message in an inbox once all of it has landed
@@ -163,7 +175,7 @@ class GlooFabric:
 
         def notice(peer: int) -> AbortNotice | None:
             box = self._control[peer]
-            while int(box.buffer[NOTICE - 1]) != 0:  # the seq, last: the notice has landed
+            while box.work is not None and int(box.buffer[NOTICE - 1]) != 0:  # seq, last: it landed
                 box.work.wait()
                 culprit, how, seq = (int(v) for v in box.buffer)
                 self._notices[(peer, seq)] = _notice(culprit - 1, how // 2, how % 2, seq)
@@ -282,6 +294,37 @@ class GlooFabric:
             except RuntimeError:
                 continue  # a peer already gone: it needs no notice
             self._in_flight[p].append((call.seq, notice, work))
+
+    # -- membership ---------------------------------------------------------------------------------
+
+    def mask(self, ranks: Iterable[int], seq: int) -> int:
+        """Collective among the ranks that stay: leave `ranks` (every rank left out so far) out of every
+        later wait; `seq` is the last call this rank started; returns the largest any staying rank
+        started, after which they all continue. A staying rank that masks another set is named."""
+        gone = set(ranks)
+        stay = [p for p in range(self.num_ranks) if p not in gone]
+        self._generation += 1
+        call = CallId(self._generation, self._generation, MASK_LANE)
+        mine = torch.tensor(
+            [seq, *(int(r in gone) for r in range(self.num_ranks))], dtype=torch.int64, device="cpu"
+        )
+        for p in stay:
+            if p != self.rank:
+                out = self.outbox(MASK_LANE, p, call, mine.numel(), 0)
+                out.header.copy_(mine)
+                self.send(out)
+        latest = seq
+        for msg in self.arrivals(MASK_LANE, call, stay, "mask_ranks"):
+            theirs = msg.header
+            if not torch.equal(theirs[1:], mine[1:]):
+                masked = [r for r in range(self.num_ranks) if theirs[1 + r]]
+                raise PeerDataError(
+                    f"mask_ranks: rank {msg.peer} masks ranks {masked}, this rank {sorted(gone)}"
+                )
+            latest = max(latest, int(theirs[0]))
+            self.release(MASK_LANE, msg.peer, call)
+        self.live = tuple(stay)
+        return latest
 
     def close(self) -> None:
         if self._closed:

@@ -65,11 +65,10 @@ class LLFabric:
         self.fabric, self.engine, self.sizing = fabric, engine, sizing
         self.me, self.R = fabric.rank, sizing.num_ranks
         self.L = sizing.placement.num_local_experts
-        self.live: tuple[int, ...] = tuple(range(self.R))
         self._aborted = 0
 
     def _peers(self) -> list[int]:
-        return [p for i in range(1, self.R) if (p := (self.me + i) % self.R) in self.live]
+        return [p for i in range(1, self.R) if (p := (self.me + i) % self.R) in self.fabric.live]
 
     # -- dispatch ---------------------------------------------------------------------------------
 
@@ -115,11 +114,11 @@ class LLFabric:
 
         def place_ready() -> None:
             nonlocal turn, begin_L
-            while turn < self.R and (turn not in self.live or turn in landed):
+            while turn < self.R and (turn not in self.fabric.live or turn in landed):
                 counts_L = torch.zeros(
                     self.L, dtype=torch.int64, device="cpu"
                 )  # a masked rank places nothing
-                if turn in self.live:
+                if turn in self.fabric.live:
                     counts_L, rows_nB, meta_n2 = landed.pop(turn)
                     token_n, k_n = meta_n2[:, 0], meta_n2[:, 1]
                     place_source(self.engine, out, turn, begin_L, counts_L, rows_nB, token_n, k_n)
@@ -195,7 +194,7 @@ class LLFabric:
         """Each expert rank's rows into their place (by expert rank, as `reduce_returned` takes them) as
         they land; then the weighted sum."""
         B = plan.x_LMB.shape[2]
-        expected = [plan.expected_from(r) if r in self.live else 0 for r in range(self.R)]
+        expected = [plan.expected_from(r) if r in self.fabric.live else 0 for r in range(self.R)]
         at = prefix_offsets(torch.tensor(expected, dtype=torch.int64, device="cpu"))
         rows_PB = torch.empty(int(at[-1]), B, dtype=torch.uint8, device="cpu")
         rows_PB[int(at[self.me]) : int(at[self.me + 1])] = own_QB

@@ -65,9 +65,10 @@ class UbepFabric:
 
     def __init__(self, fabric: Fabric, engine: Engine, sizing: Sizing, reason: str = ""):
         self.fabric, self.engine, self.sizing = fabric, engine, sizing
-        self.across_hosts = f"messages to every peer over the {fabric.name} fabric ({reason}), no collective"
+        self.across_hosts = (
+            f"every peer over the {fabric.name} fabric ({reason}), no collective inside a call"
+        )
         self.me, self.R = fabric.rank, sizing.num_ranks
-        self.live: tuple[int, ...] = tuple(range(self.R))
         self._aborted = 0  # the last call this rank told its peers it gave up on
 
     halves = "step by step in Python: one message per peer and call half, handled as it lands"
@@ -115,7 +116,7 @@ class UbepFabric:
 
     def _peers(self) -> list[int]:
         """The live peers, from the next rank on (so not every rank sends to rank 0 first)."""
-        return [p for i in range(1, self.R) if (p := (self.me + i) % self.R) in self.live]
+        return [p for i in range(1, self.R) if (p := (self.me + i) % self.R) in self.fabric.live]
 
     def _send_rows(self, call, lane, peer, mine, rows_NX, tokens, meta_RX, num_tokens) -> None:
         """One message to `peer`: the header, its rows' routing (meta_RX[peer], unless None), its rows."""
@@ -126,7 +127,7 @@ class UbepFabric:
         out.header[:WORDS] = mine
         out.header[COUNT], out.header[TOKENS] = n, num_tokens
         if meta:
-            out.payload[: n * meta].view(torch.int64).view(n, -1).copy_(meta_RX[peer])
+            out.payload[: n * meta].view(torch.int64).view(n, meta // 8).copy_(meta_RX[peer])
         rows_nX = out.payload[n * meta :].view(rows_NX.dtype).view(n, rows_NX.shape[1])
         self.engine.copy_rows(rows_NX, index_n, rows_nX, None)
         self.fabric.send(out)
@@ -138,9 +139,10 @@ class UbepFabric:
         prefix_R1 = (
             handle.recv_prefix_R1 if cached else torch.zeros(self.R + 1, dtype=torch.int64, device="cpu")
         )
-        rows_out = int(prefix_R1[-1]) if cached else self.sizing.capacity * len(self.live)  # at most
+        live = self.fabric.live
+        rows_out = int(prefix_R1[-1]) if cached else self.sizing.capacity * len(live)  # the most it can be
         out = _Outputs(x_NX, rows_out, K, cached)
-        order = None if cached else _InOrder(self.R, self.live, prefix_R1)
+        order = None if cached else _InOrder(self.R, self.fabric.live, prefix_R1)
         landed = {self.me: (tokens[self.me].numel(), None, None)}
 
         def place(src: int, count: int) -> None:
@@ -254,7 +256,7 @@ class UbepFabric:
         tokens = handle_tokens(handle)
         acc_NH = torch.zeros(N, H, dtype=torch.float32, device="cpu")
         acc_NK = torch.zeros(N, K, dtype=torch.float32, device="cpu") if K else None
-        added = _InOrder(self.R, self.live, torch.zeros(self.R + 1, dtype=torch.int64, device="cpu"))
+        added = _InOrder(self.R, self.fabric.live, torch.zeros(self.R + 1, dtype=torch.int64, device="cpu"))
         blocks = {}
 
         def add(src: int, count: int) -> None:
@@ -313,7 +315,8 @@ class UbepFabric:
             self.fabric.abort(call, culprit, rejected)
 
     def mask(self, ranks: Collection[int], seq: int) -> int:
-        raise NotImplementedError
+        """Leave `ranks` out of every later call (`Fabric.mask`); low-latency mode shares the fabric."""
+        return self.fabric.mask(ranks, seq)
 
     def close(self) -> None:
         self.fabric.close()
