@@ -126,7 +126,7 @@ class UbepFabric:
         out.header[:WORDS] = mine
         out.header[COUNT], out.header[TOKENS] = n, num_tokens
         if meta:
-            out.payload[: n * meta].view(torch.int64).view(n, -1).copy_(meta_RX[peer])
+            out.payload[: n * meta].view(torch.int64).view(n, meta // 8).copy_(meta_RX[peer])
         rows_nX = out.payload[n * meta :].view(rows_NX.dtype).view(n, rows_NX.shape[1])
         self.engine.copy_rows(rows_NX, index_n, rows_nX, None)
         self.fabric.send(out)
