@@ -3,13 +3,14 @@
     protocol -> [NixlFabric: WRITE outbox -> the peer's inbox slot, its notice after] -> NIXL -> UCX
 
 Layout. Each rank registers, once at construction, one region of inboxes: per
-lane, per peer and per half (the call's seq parity) a slot of the lane's
-largest message (header words, then payload bytes), and per lane a pool of
-outboxes (registered as it grows, which it does only while more messages are in
-flight than it holds). The agents' metadata and inbox addresses travel once over
-a gloo group made for construction and dropped after it; then every rank sends
-every peer a first notice and waits for theirs, so every connection is up (or
-its peer named) before the first call.
+lane, per peer of the lane and per half (the call's seq parity) a slot of the
+lane's largest message (header words, then payload bytes), and per lane a pool
+of outboxes (registered as it grows, which it does only while more messages are
+in flight than it holds). The agents' metadata, each region's address and where
+each peer's slots lie in it travel once over a gloo group made for construction
+and dropped after it (the address table: no call computes a peer's address);
+then every rank sends every peer a first notice and waits for theirs, so every
+connection is up (or its peer named) before the first call.
 
 Data as flag. A send is one WRITE of the message into its slot at the peer,
 carrying a notification whose bytes are the frame (lane, half, seq, kind, header
@@ -38,7 +39,9 @@ process, elsewhere by NIXL (`nixlRemoteDisconnectError` on a notice to it: a
 long wait pings the peers it waits for). A stopped or silent peer is named at
 the deadline (UCX reports a stopped peer, if at all, after its keepalive). A
 rank that gives up on a call tells every peer with an abort notice (seq, kind,
-culprit, whether it rejected its input); messages of an older call are dropped.
+culprit, whether it rejected its input); a message of a call the receiver gave
+up on is dropped (a low-latency call whose receive half is still to come keeps
+its messages), and a peer that gave up on a call and went on is named as such.
 """
 
 from __future__ import annotations
@@ -60,7 +63,7 @@ from ubep.deadlines import PeerPids, collective_deadline
 from ubep.errors import PeerDataError
 from ubep.extras import install_hint
 from ubep.fabric.base import Lane, Message, Outgoing
-from ubep.waiting import AbortNotice, Waiter
+from ubep.waiting import AbortNotice, PeerAbortedError, Waiter
 
 BACKEND = "UCX"
 MESSAGE = struct.Struct("<cBBqqqq")  # b"M", lane, half, seq, kind, header words, payload bytes
@@ -85,6 +88,25 @@ def nixl_modules() -> tuple[ModuleType, ModuleType]:
 def _slot_bytes(lane: Lane) -> int:
     """A slot: the lane's header words, then its payload (8-byte aligned, so slots stay aligned)."""
     return 8 * lane.words + -(-lane.nbytes // 8) * 8
+
+
+def _peers_of(lane: Lane, rank: int, num_ranks: int) -> list[int]:
+    """The ranks `rank` exchanges messages with on `lane` (every other rank, or the lane's own)."""
+    return [p for p in range(num_ranks) if p != rank and (lane.peers is None or p in lane.peers)]
+
+
+def _inbox_layout(
+    lanes: Sequence[Lane], rank: int, num_ranks: int
+) -> tuple[dict[tuple[int, int, int], int], int]:
+    """(where each slot of `rank`'s inbox region starts: (lane, peer, half) -> byte offset, the
+    region's bytes): lanes, then the lane's peers ascending, then halves."""
+    at, slots = 0, {}
+    for i, lane in enumerate(lanes):
+        for p in _peers_of(lane, rank, num_ranks):
+            for h in (0, 1):
+                slots[(i, p, h)] = at
+                at += _slot_bytes(lane)
+    return slots, at
 
 
 def _notice(culprit: int, kind: int, rejected: int, seq: int) -> AbortNotice:
@@ -133,23 +155,23 @@ class NixlFabric:
         self.lanes = {lane.name: i for i, lane in enumerate(lanes)}
         self._lanes = tuple(lanes)
         self.peers = [p for p in range(num_ranks) if p != rank]
-        slots = [2 * len(self.peers) * _slot_bytes(lane) for lane in lanes]
-        self._lane_at = [sum(slots[:i]) for i in range(len(lanes))]
+        self._slots, inbox_bytes = _inbox_layout(lanes, rank, num_ranks)
         config = api.nixl_agent_config(
             enable_prog_thread=False, enable_listen_thread=False, backends=[BACKEND]
         )
         self._agent = api.nixl_agent(f"ubep-{rank}-{os.getpid()}-{uuid.uuid4().hex[:8]}", config)
         self._regions: list[tuple[torch.Tensor, object]] = []  # (memory, its registration), kept to close
-        self._inbox = self._register(sum(slots))
+        self._inbox = self._register(inbox_bytes)
         self._pool: dict[int, list[torch.Tensor]] = {i: [] for i in range(len(lanes))}  # free outboxes
-        for i in range(len(lanes)):
-            self._grow(i, 2 * len(self.peers))
+        for i, lane in enumerate(lanes):
+            self._grow(i, 2 * len(_peers_of(lane, rank, num_ranks)))
         self._landed: dict[tuple[int, int, int], tuple[int, int, int, int]] = {}  # slot -> its frame
-        self._credits = {(i, p, h) for i in range(len(lanes)) for p in self.peers for h in (0, 1)}
+        self._credits = set(self._slots)  # (lane, peer, half): this rank may write its slot at peer
         self._queued: list[_Send] = []  # sent, waiting for their credit
         self._in_flight: list[_Send] = []  # written, not yet complete
         self._failed: list[_Send] = []  # to a lost peer, NIXL would not release them: kept to close
         self._notices: dict[tuple[int, int], AbortNotice] = {}  # (peer, seq) -> its abort notice
+        self._abandoned: set[int] = set()  # calls this rank gave up on (their messages are dropped)
         self._bad: dict[int, str] = {}  # peer -> what it sent that this rank cannot read
         self._lost: set[int] = set()  # peers NIXL reported disconnected
         self._greeted: set[int] = set()  # peers whose first notice arrived
@@ -170,11 +192,11 @@ class NixlFabric:
         self._pool[lane].extend(self._register(count * size).split(size) if count else ())
 
     def _connect(self, group: dist.ProcessGroup | None, timeout_s: float) -> None:
-        """Exchange every agent's metadata and inbox address once, over a gloo group made for it;
+        """Exchange every agent's metadata, inbox address and slots once, over a gloo group made for it;
         then greet every peer and wait for their greeting (each connection is up, or named)."""
         ranks = list(range(self.num_ranks)) if group is None else dist.get_process_group_ranks(group)
-        mine = (self._agent.name, self._agent.get_agent_metadata(), self._inbox.data_ptr())
-        everyone: list[tuple[str, bytes, int] | None] = [None] * self.num_ranks
+        mine = (self._agent.name, self._agent.get_agent_metadata(), self._inbox.data_ptr(), self._slots)
+        everyone: list[tuple[str, bytes, int, dict] | None] = [None] * self.num_ranks
         with collective_deadline(group, timeout_s, "Buffer construction (fabric)"):
             exchange = dist.new_group(ranks, timeout=timedelta(seconds=timeout_s), backend="gloo")
             self._pids = PeerPids.gather(exchange, self.rank, self.num_ranks)
@@ -184,7 +206,12 @@ class NixlFabric:
             self._agent.add_remote_agent(everyone[p][1])
         self._names = {p: everyone[p][0] for p in self.peers}  # as notices name their sender
         self._rank_of = {name: p for p, name in self._names.items()}
-        self._inboxes = {p: everyone[p][2] for p in self.peers}
+        self._there = {  # (lane, peer, half) -> the address of this rank's slot in peer's inbox
+            (i, p, h): everyone[p][2] + at
+            for p in self.peers
+            for (i, src, h), at in everyone[p][3].items()
+            if src == self.rank
+        }
         for p in self.peers:
             self._notify(p, PING)
         waiter = Waiter("Buffer construction (fabric: first notices)", timeout_s, self._gone, lambda p: None)
@@ -208,13 +235,14 @@ class NixlFabric:
         if tag == b"M" and len(blob) == MESSAGE.size:
             _, lane, half, seq, kind, words, nbytes = MESSAGE.unpack(blob)
             slot = (lane, peer, half)
-            if lane >= len(self._lanes) or half > 1 or slot in self._landed:
+            if slot not in self._slots or slot in self._landed:
                 self._bad[peer] = f"wrote lane {lane}, half {half} out of turn (no slot or no credit)"
             else:
                 self._landed[slot] = (seq, kind, words, nbytes)
         elif tag == b"C" and len(blob) == CREDIT.size:
             _, lane, half = CREDIT.unpack(blob)
-            self._credits.add((lane, peer, half))
+            if (lane, peer, half) in self._there:
+                self._credits.add((lane, peer, half))
         elif tag == b"A" and len(blob) == ABORT.size:
             _, culprit, how, seq = ABORT.unpack(blob)
             self._notices[(peer, seq)] = _notice(culprit - 1, how // 2, how % 2, seq)
@@ -303,6 +331,8 @@ class NixlFabric:
                 if seq < call.seq:  # an older call's message, one this rank gave up on: dropped
                     self._release((i, p, half))
                     continue
+                if seq > call.seq and (notice := self._notices.get((p, call.seq))) is not None:
+                    raise PeerAbortedError(phase, p, notice)  # it gave up on this call and went on
                 if seq != call.seq or kind != KINDS[call.kind]:
                     raise PeerDataError(
                         f"{phase}: rank {p} sent a message of call #{seq} ({kind}), this rank is in "
@@ -311,7 +341,7 @@ class NixlFabric:
                 landed.append((p, words, nbytes))
             for p, words, nbytes in landed:
                 pending.remove(p)
-                at = self._slot_at(i, p, self.rank, half)
+                at = self._slots[(i, p, half)]
                 header = self._inbox[at : at + 8 * words].view(torch.int64).clone()  # read once
                 yield Message(p, header, self._inbox[at + 8 * words : at + 8 * words + nbytes])
             if pending and not landed:
@@ -319,14 +349,14 @@ class NixlFabric:
                 waiter.pause(pending)
         while True:  # until this rank's own messages of the call are delivered
             self._progress()
-            if not (late := self._undelivered(call)):
+            if not (late := self._undelivered(i, call)):
                 return
             waiter.pause(late)
 
-    def _undelivered(self, call: CallId) -> list[int]:
-        """Peers still without this rank's message of `call` (a lost peer, or one that gave up on the
-        call, is not waited for)."""
-        late = {s.peer for s in self._queued + self._in_flight if s.seq == call.seq}
+    def _undelivered(self, lane: int, call: CallId) -> list[int]:
+        """Peers still without this rank's message of `call` on `lane` (a lost peer, or one that gave
+        up on the call, is not waited for)."""
+        late = {s.peer for s in self._queued + self._in_flight if (s.lane, s.seq) == (lane, call.seq)}
         return sorted(p for p in late if p not in self._lost and (p, call.seq) not in self._notices)
 
     def _other_calls(self, lane: int, call: CallId, pending: list[int], other_call) -> None:
@@ -335,7 +365,7 @@ class NixlFabric:
             return
         for (i, p, h), (seq, _, words, _) in list(self._landed.items()):
             if i != lane and p in pending and seq == call.seq and self._frame((i, p, h)) is not None:
-                at = self._slot_at(i, p, self.rank, h)
+                at = self._slots[(i, p, h)]
                 other_call(p, self._inbox[at : at + 8 * words].view(torch.int64).clone())
 
     def release(self, lane: str, peer: int, call: CallId) -> None:
@@ -348,17 +378,13 @@ class NixlFabric:
         self._notify(peer, CREDIT.pack(b"C", lane, half))
 
     def begin(self, call: CallId) -> None:
-        """Before this rank's first message of `call`: slots still holding an older call's message (one
-        this rank gave up on) are freed, so no peer's later message waits for their credit."""
+        """Before this rank's first message of `call`: slots holding a message of a call this rank gave
+        up on are freed, so no peer's later message waits for their credit. (A message of a call whose
+        receive half is still to come, a low-latency hook, stays.)"""
         self._progress()
         for slot, (seq, *_) in list(self._landed.items()):
-            if seq < call.seq:
+            if seq in self._abandoned:
                 self._release(slot)
-
-    def _slot_at(self, lane: int, src: int, dst: int, half: int) -> int:
-        """Where `src`'s message on `lane` in `half` lands in `dst`'s inbox region (every rank lays its
-        region out the same way: lanes, then peers ascending, then halves)."""
-        return self._lane_at[lane] + (2 * (src - (src > dst)) + half) * _slot_bytes(self._lanes[lane])
 
     # -- sending ----------------------------------------------------------------------------------
 
@@ -391,7 +417,7 @@ class NixlFabric:
     def _write(self, send: _Send) -> None:
         """One WRITE of header and payload into the peer's slot; the frame is its notification."""
         size = 8 * send.words + send.nbytes
-        there = self._inboxes[send.peer] + self._slot_at(send.lane, self.rank, send.peer, send.seq % 2)
+        there = self._there[send.slot]
         frame = MESSAGE.pack(b"M", send.lane, send.seq % 2, send.seq, send.kind, send.words, send.nbytes)
         agent = self._agent
         try:
@@ -413,6 +439,7 @@ class NixlFabric:
             self._in_flight.append(send)
 
     def abort(self, call: CallId, culprit: int | None = None, rejected: bool = False) -> None:
+        self._abandoned.add(call.seq)
         how = 2 * KINDS[call.kind] + rejected
         notice = ABORT.pack(b"A", 0 if culprit is None else culprit + 1, how, call.seq)
         for p in self.peers:
