@@ -181,7 +181,7 @@ class NixlFabric:
     # -- construction -----------------------------------------------------------------------------
 
     def _register(self, nbytes: int) -> torch.Tensor:
-        memory = torch.zeros(nbytes, dtype=torch.uint8, device="cpu")
+        memory = torch.empty(nbytes, dtype=torch.uint8, device="cpu")
         if nbytes:
             self._regions.append((memory, self._agent.register_memory(memory)))
         return memory
@@ -302,7 +302,10 @@ class NixlFabric:
         seq, _, words, nbytes = frame
         limit = self._lanes[slot[0]]
         if not (0 <= words <= limit.words and 0 <= nbytes <= limit.nbytes) or seq % 2 != slot[2]:
-            raise PeerDataError(f"rank {slot[1]} framed a message of {words} words and {nbytes} bytes")
+            raise PeerDataError(
+                f"rank {slot[1]} framed a message of call #{seq} in half {slot[2]} with {words} words "
+                f"and {nbytes} bytes"
+            )
         return frame
 
     def _abort_of(self, call: CallId) -> Callable[[int], AbortNotice | None]:
