@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Set up ubep on a fresh machine: Open MPI (for the bench's MPI row), a virtual
-# environment with torch (CPU build) and ubep with its test tools.
+# environment with torch (CPU build) and ubep with its test tools and NIXL (fabric="nixl").
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if ! command -v mpicc >/dev/null 2>&1; then
@@ -17,7 +17,7 @@ quiet_pip() {  # pip, minus the notices about index locations this machine's pip
 python3 -m venv .venv
 quiet_pip install -q --upgrade pip
 quiet_pip install -q torch==2.13.0
-extras="dev,bench,fast,device,frameworks,observe"
+extras="dev,bench,fast,device,frameworks,observe,nixl"  # nixl: the nixl-cu12 wheel, 68 MB, no CUDA needed
 command -v mpicc >/dev/null 2>&1 && extras="$extras,mpi"
 quiet_pip install -q -e ".[$extras]"
 echo "setup: done ($(.venv/bin/python -c 'import torch; print("torch", torch.__version__)'))"
