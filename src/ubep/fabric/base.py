@@ -29,7 +29,11 @@ from typing import Protocol
 
 import torch
 
-from ubep.calls import CallId
+from ubep.calls import KINDS, METHODS, CallId
+from ubep.errors import PeerDataError
+from ubep.waiting import AbortNotice
+
+MASK_LANE = "mask"  # every engine's own lane: the rounds of `mask_ranks`
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,3 +115,52 @@ class Fabric(Protocol):
 
     def close(self) -> None:
         """Release every inbox and connection; idempotent."""
+
+
+def mask_lane(num_ranks: int) -> Lane:
+    """The lane a mask round runs on: the last call a rank started, then a flag per rank."""
+    return Lane(MASK_LANE, 1 + num_ranks, 0)
+
+
+def agree_on_mask(
+    fabric: Fabric, ranks: Iterable[int], seq: int, generation: int
+) -> tuple[tuple[int, ...], int]:
+    """One mask round (`Fabric.mask`), over any engine: every staying rank tells every other the ranks it
+    leaves out and the last call it started. Returns (the staying ranks, the last call any of them
+    started); a staying rank that leaves out another set is named."""
+    gone = set(ranks)
+    stay = tuple(p for p in range(fabric.num_ranks) if p not in gone)
+    call = CallId(generation, generation, MASK_LANE)
+    flags = [int(r in gone) for r in range(fabric.num_ranks)]
+    mine = torch.tensor([seq, *flags], dtype=torch.int64, device="cpu")
+    for p in stay:
+        if p != fabric.rank:
+            out = fabric.outbox(MASK_LANE, p, call, mine.numel(), 0)
+            out.header.copy_(mine)
+            fabric.send(out)
+    latest = seq
+    for msg in fabric.arrivals(MASK_LANE, call, stay, "mask_ranks"):
+        theirs = msg.header
+        if not torch.equal(theirs[1:], mine[1:]):
+            masked = [r for r in range(fabric.num_ranks) if theirs[1 + r]]
+            said = f"masks ranks {masked}, this rank {sorted(gone)}"
+            raise PeerDataError(f"mask_ranks: rank {msg.peer} {said}")
+        latest = max(latest, int(theirs[0]))
+        fabric.release(MASK_LANE, msg.peer, call)
+    return stay, latest
+
+
+def abort_notice(culprit: int, kind: int, rejected: int, seq: int) -> AbortNotice:
+    """What a peer's abort notice says (culprit -1: the peer gave up on its own; `kind` a code of
+    `ubep.calls.KINDS`)."""
+    if rejected:
+        reason = f"it rejected its input for {METHODS.get(kind, kind)} (call #{seq}); see its error"
+    else:
+        reason = "it gave up on the call" if culprit < 0 else f"it gave up because rank {culprit} failed"
+    return AbortNotice(reason, None if culprit < 0 else culprit)
+
+
+def notice_key(peer: int, call: CallId) -> tuple[int, int, int]:
+    """How an engine files a peer's abort notice: by the call's seq and kind (a mask round's seq is
+    its generation, which a call's seq may equal)."""
+    return peer, call.seq, KINDS[call.kind]

@@ -37,10 +37,18 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from ubep.calls import KINDS, METHODS, CallId
+from ubep.calls import KINDS, CallId
 from ubep.deadlines import PeerPids, collective_deadline
 from ubep.errors import PeerDataError
-from ubep.fabric.base import Lane, Message, Outgoing
+from ubep.fabric.base import (
+    Lane,
+    Message,
+    Outgoing,
+    abort_notice,
+    agree_on_mask,
+    mask_lane,
+    notice_key,
+)
 from ubep.waiting import AbortNotice, PeerAbortedError, Waiter
 
 FRAME = 4  # int64 words before the header: header words, payload bytes, kind, seq (last: it says the
@@ -50,7 +58,6 @@ CONTROL_TAG = 1  # lane i, half h: tag 2 + 2 i + h
 # How many calls behind a peer's latest message a send to it is surely gone: two calls of each
 # low-latency kind may await their receive halves, one normal call, and margin.
 RETIRE_LAG = 8
-MASK_LANE = "mask"
 
 
 def _bytes_of(lane: Lane) -> int:
@@ -60,15 +67,6 @@ def _bytes_of(lane: Lane) -> int:
 
 def _aligned(nbytes: int) -> int:
     return -(-nbytes // 8) * 8
-
-
-def _notice(culprit: int, kind: int, rejected: int, seq: int) -> AbortNotice:
-    """What a peer's abort notice says (culprit -1: the peer gave up on its own)."""
-    if rejected:
-        reason = f"it rejected its input for {METHODS.get(kind, kind)} (call #{seq}); see its error"
-    else:
-        reason = "it gave up on the call" if culprit < 0 else f"it gave up because rank {culprit} failed"
-    return AbortNotice(reason, None if culprit < 0 else culprit)
 
 
 def _trailer(seq: int, kind: int) -> int:
@@ -100,7 +98,7 @@ class GlooFabric:
         timeout_s: float,
     ):
         self.rank, self.num_ranks, self.timeout_s = rank, num_ranks, timeout_s
-        lanes = (*lanes, Lane(MASK_LANE, 1 + num_ranks, 0))  # the fabric's own: `mask` rounds
+        lanes = (*lanes, mask_lane(num_ranks))  # the fabric's own: `mask` rounds
         self.lanes = {lane.name: i for i, lane in enumerate(lanes)}
         self._lanes = tuple(lanes)
         self.live = tuple(range(num_ranks))  # the ranks taking part (all, until some are masked)
@@ -120,7 +118,7 @@ class GlooFabric:
         }
         self._in_flight: dict[int, list[tuple[int, torch.Tensor, object]]] = {p: [] for p in self.peers}
         self._control = {p: _Inbox(torch.zeros(NOTICE, dtype=torch.int64, device="cpu")) for p in self.peers}
-        self._notices: dict[tuple[int, int], AbortNotice] = {}  # (peer, seq) -> its notice
+        self._notices: dict[tuple[int, int, int], AbortNotice] = {}  # (peer, seq, kind) -> its notice
         self._abandoned: set[int] = set()  # calls this rank gave up on (their messages may be dropped)
         self._closed = False
         for key in self._inbox:
@@ -178,9 +176,9 @@ class GlooFabric:
             while box.work is not None and int(box.buffer[NOTICE - 1]) != 0:  # seq, last: it landed
                 box.work.wait()
                 culprit, how, seq = (int(v) for v in box.buffer)
-                self._notices[(peer, seq)] = _notice(culprit - 1, how // 2, how % 2, seq)
+                self._notices[(peer, seq, how // 2)] = abort_notice(culprit - 1, how // 2, how % 2, seq)
                 self._post_control(peer)
-            return self._notices.get((peer, call.seq))
+            return self._notices.get(notice_key(peer, call))
 
         return notice
 
@@ -298,32 +296,8 @@ class GlooFabric:
     # -- membership ---------------------------------------------------------------------------------
 
     def mask(self, ranks: Iterable[int], seq: int) -> int:
-        """Collective among the ranks that stay: leave `ranks` (every rank left out so far) out of every
-        later wait; `seq` is the last call this rank started; returns the largest any staying rank
-        started, after which they all continue. A staying rank that masks another set is named."""
-        gone = set(ranks)
-        stay = [p for p in range(self.num_ranks) if p not in gone]
         self._generation += 1
-        call = CallId(self._generation, self._generation, MASK_LANE)
-        mine = torch.tensor(
-            [seq, *(int(r in gone) for r in range(self.num_ranks))], dtype=torch.int64, device="cpu"
-        )
-        for p in stay:
-            if p != self.rank:
-                out = self.outbox(MASK_LANE, p, call, mine.numel(), 0)
-                out.header.copy_(mine)
-                self.send(out)
-        latest = seq
-        for msg in self.arrivals(MASK_LANE, call, stay, "mask_ranks"):
-            theirs = msg.header
-            if not torch.equal(theirs[1:], mine[1:]):
-                masked = [r for r in range(self.num_ranks) if theirs[1 + r]]
-                raise PeerDataError(
-                    f"mask_ranks: rank {msg.peer} masks ranks {masked}, this rank {sorted(gone)}"
-                )
-            latest = max(latest, int(theirs[0]))
-            self.release(MASK_LANE, msg.peer, call)
-        self.live = tuple(stay)
+        self.live, latest = agree_on_mask(self, ranks, seq, self._generation)
         return latest
 
     def close(self) -> None:

@@ -58,11 +58,11 @@ from types import ModuleType
 import torch
 import torch.distributed as dist
 
-from ubep.calls import KINDS, METHODS, CallId
+from ubep.calls import KINDS, CallId
 from ubep.deadlines import PeerPids, collective_deadline
 from ubep.errors import PeerDataError
 from ubep.extras import install_hint
-from ubep.fabric.base import Lane, Message, Outgoing
+from ubep.fabric.base import Lane, Message, Outgoing, abort_notice, agree_on_mask, mask_lane, notice_key
 from ubep.waiting import AbortNotice, PeerAbortedError, Waiter
 
 BACKEND = "UCX"
@@ -109,15 +109,6 @@ def _inbox_layout(
     return slots, at
 
 
-def _notice(culprit: int, kind: int, rejected: int, seq: int) -> AbortNotice:
-    """What a peer's abort notice says (culprit -1: the peer gave up on its own)."""
-    if rejected:
-        reason = f"it rejected its input for {METHODS.get(kind, kind)} (call #{seq}); see its error"
-    else:
-        reason = "it gave up on the call" if culprit < 0 else f"it gave up because rank {culprit} failed"
-    return AbortNotice(reason, None if culprit < 0 else culprit)
-
-
 @dataclass(slots=True)
 class _Send:
     """One message from its outbox to its slot at `peer`; `xfer` is NIXL's transfer once posted."""
@@ -152,8 +143,11 @@ class NixlFabric:
         api, bindings = nixl_modules()
         self._lost_error = bindings.nixlRemoteDisconnectError
         self.rank, self.num_ranks, self.timeout_s = rank, num_ranks, timeout_s
+        lanes = (*lanes, mask_lane(num_ranks))  # the fabric's own: `mask` rounds
         self.lanes = {lane.name: i for i, lane in enumerate(lanes)}
         self._lanes = tuple(lanes)
+        self.live = tuple(range(num_ranks))  # the ranks taking part (all, until some are masked)
+        self._generation = 0  # mask rounds so far
         self.peers = [p for p in range(num_ranks) if p != rank]
         self._slots, inbox_bytes = _inbox_layout(lanes, rank, num_ranks)
         config = api.nixl_agent_config(
@@ -170,7 +164,7 @@ class NixlFabric:
         self._queued: list[_Send] = []  # sent, waiting for their credit
         self._in_flight: list[_Send] = []  # written, not yet complete
         self._failed: list[_Send] = []  # to a lost peer, NIXL would not release them: kept to close
-        self._notices: dict[tuple[int, int], AbortNotice] = {}  # (peer, seq) -> its abort notice
+        self._notices: dict[tuple[int, int, int], AbortNotice] = {}  # (peer, seq, kind) -> its abort notice
         self._abandoned: set[int] = set()  # calls this rank gave up on (their messages are dropped)
         self._bad: dict[int, str] = {}  # peer -> what it sent that this rank cannot read
         self._lost: set[int] = set()  # peers NIXL reported disconnected
@@ -245,7 +239,7 @@ class NixlFabric:
                 self._credits.add((lane, peer, half))
         elif tag == b"A" and len(blob) == ABORT.size:
             _, culprit, how, seq = ABORT.unpack(blob)
-            self._notices[(peer, seq)] = _notice(culprit - 1, how // 2, how % 2, seq)
+            self._notices[(peer, seq, how // 2)] = abort_notice(culprit - 1, how // 2, how % 2, seq)
         elif blob == PING:
             self._greeted.add(peer)
         else:
@@ -309,7 +303,7 @@ class NixlFabric:
         return frame
 
     def _abort_of(self, call: CallId) -> Callable[[int], AbortNotice | None]:
-        return lambda peer: self._notices.get((peer, call.seq))
+        return lambda peer: self._notices.get(notice_key(peer, call))
 
     def arrivals(
         self,
@@ -448,6 +442,11 @@ class NixlFabric:
         for p in self.peers:
             self._notify(p, notice)
         self._progress()
+
+    def mask(self, ranks: Iterable[int], seq: int) -> int:
+        self._generation += 1
+        self.live, latest = agree_on_mask(self, ranks, seq, self._generation)
+        return latest
 
     def close(self) -> None:
         """Cancel what is still in flight (to a lost or stopped peer), deregister, drop the agent."""

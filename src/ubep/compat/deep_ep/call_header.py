@@ -113,7 +113,7 @@ class CallHeaders:
 
     def _all_gather(self, words: list[int], phase: str) -> torch.Tensor:
         """int64 [R, WORDS]: every rank's header, under the layer's deadline (a lost peer named)."""
-        mine_W = torch.tensor(words + [UNUSED] * (WORDS - len(words)), dtype=torch.int64)
+        mine_W = torch.tensor(words + [UNUSED] * (WORDS - len(words)), dtype=torch.int64, device="cpu")
         info = self._info
         if isinstance(info.group, VirtualRank):
             return torch.stack(info.group.world.all_gather(info.rank, mine_W))
