@@ -155,7 +155,7 @@ def test_hier_matches_reference(world_size, per_node):
 
 
 def reject_on_rank_one(stay_s: float) -> str:
-    """Rank 1 rejects its routing and stays alive (its rail peer learns from the call header)."""
+    """Rank 1 rejects its routing and stays alive (its rail peer learns from the fabric's abort notice)."""
     me = dist.get_rank()
     sc = Scenario(name="reject", num_ranks=4, num_experts=8, seed=9)
     xs, idxs, ws = sc.inputs()
@@ -173,5 +173,5 @@ def test_bad_input_on_one_rank_fails_every_rank_within_the_timeout():
     errors = ubep.LocalLaunch(world_size=4, ranks_per_node=2, timeout_s=60).run(reject_on_rank_one, 3.0)
     assert errors[1].startswith("ValueError: topk_idx"), errors
     assert errors[0].startswith("PeerAbortedError"), errors  # rank 1's node peer learns at once
-    assert errors[3].startswith("PeerAbortedError: dispatch (call header): rank 1 aborted the call"), errors
+    assert errors[3].startswith("PeerAbortedError: dispatch (across nodes): rank 1 aborted the call (it rejected"), errors
     assert errors[2].startswith("PeerAbortedError"), errors  # told by rank 3, its node peer

@@ -32,12 +32,14 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "ubep"
 PACKAGES = ("ubep", "bsp", "ll", "normal")
 # What a protocol package may import besides its own modules: the shared protocol pieces and the floors
 # below the protocol (docs/design.md's map). `normal` is shared by ubep and bsp.
-SHARED = {"ubep.protocols.base", "ubep.protocols.halves", "ubep.protocols.device_halves"}
+SHARED = {
+    "ubep.protocols.base", "ubep.protocols.halves", "ubep.protocols.device_halves", "ubep.protocols.call_header",
+}  # fmt: skip
 BELOW = {
     "ubep.calls", "ubep.errors", "ubep.faults", "ubep.fp8", "ubep.layout", "ubep.results", "ubep.validate",
     "ubep.waiting", "ubep.schedule", "ubep.topology", "ubep.reference",
 }  # fmt: skip
-FLOORS_BELOW = ("ubep.engine", "ubep.transport")
+FLOORS_BELOW = ("ubep.engine", "ubep.transport", "ubep.fabric")
 
 
 def _sizing(R: int, experts_per_rank: int = 2) -> Sizing:
@@ -179,8 +181,9 @@ def _imports(path: Path) -> set[str]:
     return found
 
 
-def test_no_engine_module_imports_a_protocol():
-    for path in (SRC / "engine").glob("*.py"):
+@pytest.mark.parametrize("floor", ["engine", "transport", "fabric"])
+def test_no_floor_below_imports_a_protocol(floor):
+    for path in (SRC / floor).glob("*.py"):
         assert not {m for m in _imports(path) if m.startswith("ubep.protocols")}, path.name
 
 

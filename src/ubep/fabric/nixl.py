@@ -328,7 +328,7 @@ class NixlFabric:
                 if seq < call.seq:  # an older call's message, one this rank gave up on: dropped
                     self._release((i, p, half))
                     continue
-                if seq > call.seq and (notice := self._notices.get((p, call.seq))) is not None:
+                if seq > call.seq and (notice := self._abort_of(call)(p)) is not None:
                     raise PeerAbortedError(phase, p, notice)  # it gave up on this call and went on
                 if seq != call.seq or kind != KINDS[call.kind]:
                     raise PeerDataError(
@@ -354,7 +354,7 @@ class NixlFabric:
         """Peers still without this rank's message of `call` on `lane` (a lost peer, or one that gave
         up on the call, is not waited for)."""
         late = {s.peer for s in self._queued + self._in_flight if (s.lane, s.seq) == (lane, call.seq)}
-        return sorted(p for p in late if p not in self._lost and (p, call.seq) not in self._notices)
+        return sorted(p for p in late if p not in self._lost and notice_key(p, call) not in self._notices)
 
     def _other_calls(self, lane: int, call: CallId, pending: list[int], other_call) -> None:
         """A pending peer's landed message of this seq on another lane: `other_call` raises on it."""
