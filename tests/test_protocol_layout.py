@@ -33,7 +33,8 @@ PACKAGES = ("ubep", "bsp", "ll", "normal")
 # What a protocol package may import besides its own modules: the shared protocol pieces and the floors
 # below the protocol (docs/design.md's map). `normal` is shared by ubep and bsp.
 SHARED = {
-    "ubep.protocols.base", "ubep.protocols.halves", "ubep.protocols.device_halves", "ubep.protocols.call_header",
+    "ubep.protocols.base", "ubep.protocols.halves", "ubep.protocols.device_halves",
+    "ubep.protocols.call_header",
 }  # fmt: skip
 BELOW = {
     "ubep.calls", "ubep.errors", "ubep.faults", "ubep.fp8", "ubep.layout", "ubep.results", "ubep.validate",
