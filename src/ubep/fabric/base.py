@@ -153,14 +153,19 @@ def agree_on_mask(
 def abort_notice(culprit: int, kind: int, rejected: int, seq: int) -> AbortNotice:
     """What a peer's abort notice says (culprit -1: the peer gave up on its own; `kind` a code of
     `ubep.calls.KINDS`)."""
+    method = METHODS.get(kind, kind)
     if rejected:
-        reason = f"it rejected its input for {METHODS.get(kind, kind)} (call #{seq}); see its error"
+        reason = f"it rejected its input for {method} (call #{seq}); see its error"
+    elif culprit < 0:
+        reason = f"it gave up on its {method} (call #{seq})"
     else:
-        reason = "it gave up on the call" if culprit < 0 else f"it gave up because rank {culprit} failed"
+        reason = f"it gave up on its {method} (call #{seq}) because rank {culprit} failed"
     return AbortNotice(reason, None if culprit < 0 else culprit)
 
 
-def notice_key(peer: int, call: CallId) -> tuple[int, int, int]:
-    """How an engine files a peer's abort notice: by the call's seq and kind (a mask round's seq is
-    its generation, which a call's seq may equal)."""
-    return peer, call.seq, KINDS[call.kind]
+def notice_key(peer: int, seq: int, kind: int) -> tuple[int, int, bool]:
+    """How an engine files and finds a peer's abort notice: by the call's seq, and whether it is a mask
+    round (whose seq is its generation, which a call's seq may equal). Not by the call's kind: a peer
+    that gave up on its combine #5 while this rank waits in a dispatch #5 (one of them skipped a call)
+    has left this rank's call too, and saying so beats waiting for the deadline."""
+    return peer, seq, kind == KINDS["mask"]

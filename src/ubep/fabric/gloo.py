@@ -118,7 +118,7 @@ class GlooFabric:
         }
         self._in_flight: dict[int, list[tuple[int, torch.Tensor, object]]] = {p: [] for p in self.peers}
         self._control = {p: _Inbox(torch.zeros(NOTICE, dtype=torch.int64, device="cpu")) for p in self.peers}
-        self._notices: dict[tuple[int, int, int], AbortNotice] = {}  # (peer, seq, kind) -> its notice
+        self._notices: dict[tuple[int, int, bool], AbortNotice] = {}  # `notice_key` -> its notice
         self._abandoned: set[int] = set()  # calls this rank gave up on (their messages may be dropped)
         self._closed = False
         for key in self._inbox:
@@ -176,9 +176,11 @@ class GlooFabric:
             while box.work is not None and int(box.buffer[NOTICE - 1]) != 0:  # seq, last: it landed
                 box.work.wait()
                 culprit, how, seq = (int(v) for v in box.buffer)
-                self._notices[(peer, seq, how // 2)] = abort_notice(culprit - 1, how // 2, how % 2, seq)
+                self._notices[notice_key(peer, seq, how // 2)] = abort_notice(
+                    culprit - 1, how // 2, how % 2, seq
+                )
                 self._post_control(peer)
-            return self._notices.get(notice_key(peer, call))
+            return self._notices.get(notice_key(peer, call.seq, KINDS[call.kind]))
 
         return notice
 

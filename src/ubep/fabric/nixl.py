@@ -164,7 +164,7 @@ class NixlFabric:
         self._queued: list[_Send] = []  # sent, waiting for their credit
         self._in_flight: list[_Send] = []  # written, not yet complete
         self._failed: list[_Send] = []  # to a lost peer, NIXL would not release them: kept to close
-        self._notices: dict[tuple[int, int, int], AbortNotice] = {}  # (peer, seq, kind) -> its abort notice
+        self._notices: dict[tuple[int, int, bool], AbortNotice] = {}  # `notice_key` -> its notice
         self._abandoned: set[int] = set()  # calls this rank gave up on (their messages are dropped)
         self._bad: dict[int, str] = {}  # peer -> what it sent that this rank cannot read
         self._lost: set[int] = set()  # peers NIXL reported disconnected
@@ -239,7 +239,7 @@ class NixlFabric:
                 self._credits.add((lane, peer, half))
         elif tag == b"A" and len(blob) == ABORT.size:
             _, culprit, how, seq = ABORT.unpack(blob)
-            self._notices[(peer, seq, how // 2)] = abort_notice(culprit - 1, how // 2, how % 2, seq)
+            self._notices[notice_key(peer, seq, how // 2)] = abort_notice(culprit - 1, how // 2, how % 2, seq)
         elif blob == PING:
             self._greeted.add(peer)
         else:
@@ -303,7 +303,7 @@ class NixlFabric:
         return frame
 
     def _abort_of(self, call: CallId) -> Callable[[int], AbortNotice | None]:
-        return lambda peer: self._notices.get(notice_key(peer, call))
+        return lambda peer: self._notices.get(notice_key(peer, call.seq, KINDS[call.kind]))
 
     def arrivals(
         self,
@@ -354,7 +354,11 @@ class NixlFabric:
         """Peers still without this rank's message of `call` on `lane` (a lost peer, or one that gave
         up on the call, is not waited for)."""
         late = {s.peer for s in self._queued + self._in_flight if (s.lane, s.seq) == (lane, call.seq)}
-        return sorted(p for p in late if p not in self._lost and notice_key(p, call) not in self._notices)
+        return sorted(
+            p
+            for p in late
+            if p not in self._lost and notice_key(p, call.seq, KINDS[call.kind]) not in self._notices
+        )
 
     def _other_calls(self, lane: int, call: CallId, pending: list[int], other_call) -> None:
         """A pending peer's landed message of this seq on another lane: `other_call` raises on it."""
