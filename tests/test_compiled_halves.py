@@ -132,7 +132,9 @@ def test_compiled_halves_fp8(protocol: str) -> None:
 # -- Python per call ---------------------------------------------------------------------------------
 
 MAX_PYTHON_CALLS = 80  # per dispatch + combine, waiting aside (issue: compiled call halves)
-WAITING = ("resume", "ring_marked")  # re-entries after a half waited, and the rings of sleeping peers
+# re-entries after a half waited, and the rings of sleeping peers (`sent` rings only when a send found
+# a peer asleep, which depends on timing)
+WAITING = ("resume", "sent", "ring_marked")
 
 
 def _count_calls(rank, low_latency: bool) -> tuple[int, int]:

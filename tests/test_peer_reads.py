@@ -265,6 +265,15 @@ class Flipper(threading.Thread):
         self.idle.set()
         self.stop_word = np.zeros(1, dtype=np.int64)
         self.flips = 0
+        self._compile_now()
+
+    def _compile_now(self) -> None:
+        """Compile the flipping loop before any call is armed: compiled on first use (seconds on a cold
+        cache), it would start only after a short call had ended, and flip nothing."""
+        scratch = np.zeros(1, dtype=np.int64)
+        self.stop_word[0] = 1
+        self.flip(scratch.ctypes.data, scratch, scratch.copy(), self.stop_word.ctypes.data)
+        self.stop_word[0] = 0
 
     def locate(self, exchange) -> None:
         """Both halves' addresses of the word and of its stamp, from the reader's address table."""
