@@ -10,6 +10,8 @@ configuration in fresh processes:
                 vLLM 0.32's CPU experts read out of bounds)
     dp2-ubep    data parallel 2 + expert parallel, through ubep's plugin (protocol ubep)
     dp2-bsp     the same with ubep's barrier-phased protocol
+    dp2-hosts   dp2-ubep with each DP rank as a host of its own: ubep's transport "dist", every
+                exchange a message over the fabric (TCP), nothing through shared memory
     dp2-gloo    the same through vLLM's all-gather / reduce-scatter manager, with the two
                 collectives vLLM's CPU communicator lacks filled in on gloo (vllm_gloo_fill.py)
 
@@ -33,8 +35,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 BATCHES = (2, 8, 32)  # N: sequences in the whole system
 DECODE_STEPS = 16  # timed steps: time(1 + DECODE_STEPS tokens) - time(1 token), per step
 TEXT_TOKENS = 24
-CONFIGS = ("single", "tp2", "tp2-ep", "dp2-ubep", "dp2-bsp", "dp2-gloo")
-CHECKED = ("tp2-ep", "dp2-ubep", "dp2-bsp")  # must give the single process's text
+CONFIGS = ("single", "tp2", "tp2-ep", "dp2-ubep", "dp2-bsp", "dp2-hosts", "dp2-gloo")
+CHECKED = ("tp2-ep", "dp2-ubep", "dp2-bsp", "dp2-hosts")  # must give the single process's text
 # DTYPE_NOTE: in bfloat16 the expert outputs are rounded per rank before the combine sums them,
 # where one process rounds each token's sum once; on random weights the near-tied logits then
 # flip a few greedy tokens late in a sequence. float32 (the default) makes the check exact.
@@ -143,8 +145,10 @@ def launch(config: str, model: str, work: str, repeats: int, timeout_s: float, d
     # One core list per local rank (vLLM slices it by DP rank); "auto" would pin every rank to
     # the first NUMA node's first core on a one-node host.
     env["VLLM_CPU_OMP_THREADS_BIND"] = "0-1" if config == "single" else "0|1"
-    if config in ("tp2-ep", "dp2-ubep", "dp2-bsp"):
+    if config in CHECKED:
         env |= {"UBEP_VLLM": "1", "UBEP_VLLM_PROTOCOL": "bsp" if config == "dp2-bsp" else "ubep"}
+    if config == "dp2-hosts":
+        env["UBEP_TRANSPORT"] = "dist"
     if config == "dp2-gloo":
         env["PYTHONPATH"] = os.pathsep.join([gloo_entry_point(work), HERE, env.get("PYTHONPATH", "")])
     port = free_port()

