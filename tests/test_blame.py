@@ -80,9 +80,9 @@ class Arenas:
         self._arenas = []
 
 
-def wait_on_silent_peer(peer: ProcessId) -> tuple[CommTimeoutError, float]:
+def wait_on_silent_peer(peer: ProcessId, timeout_s: float) -> tuple[CommTimeoutError, float]:
     layout = Layout(2, [])
-    heap = Heap(layout, Arenas(2, layout.nbytes), 0, 2, timeout_s=1.0)
+    heap = Heap(layout, Arenas(2, layout.nbytes), 0, 2, timeout_s=timeout_s)
     heap.learn_peers([ProcessId.this_process(), peer])
     start = time.monotonic()
     with pytest.raises(CommTimeoutError) as caught:
@@ -92,10 +92,10 @@ def wait_on_silent_peer(peer: ProcessId) -> tuple[CommTimeoutError, float]:
 
 def test_heap_waits_judge_peers_by_identity_not_by_bare_pid():
     pid = exited_pid()  # free here: a bare-pid check calls any process with this pid dead
-    error, elapsed = wait_on_silent_peer(ProcessId(pid, pid_namespace() + 1, 1))
-    assert error.dead_peers == [] and elapsed >= 0.9, (str(error), elapsed)  # only the deadline may tell
-    error, elapsed = wait_on_silent_peer(ProcessId(pid, pid_namespace(), 1))
-    assert error.dead_peers == [1] and elapsed < 0.9, (str(error), elapsed)  # our namespace: seen at once
+    error, elapsed = wait_on_silent_peer(ProcessId(pid, pid_namespace() + 1, 1), timeout_s=1.0)
+    assert error.dead_peers == [] and elapsed >= 1.0, (str(error), elapsed)  # only the deadline may tell
+    error, elapsed = wait_on_silent_peer(ProcessId(pid, pid_namespace(), 1), timeout_s=30.0)
+    assert error.dead_peers == [1] and elapsed < 30.0, (str(error), elapsed)  # our namespace: seen at once
 
 
 # -- ranks killed or stopped --------------------------------------------------------------------------
@@ -149,4 +149,4 @@ def test_bsp_over_dist_names_the_stopped_rank_not_the_survivor_that_exited():
         assert error.startswith("CommTimeoutError"), error
         assert "no signal from rank(s) 2 after" in error and "rank(s) 2 stopped" in error, error
         assert "rank(s) 1" not in error and "rank(s) 0" not in error, error
-        assert elapsed < timeout_s + 1.5, (error, elapsed)
+        assert elapsed < 3 * timeout_s + 1.0, (error, elapsed)  # the bound docs/reliability.md gives

@@ -95,4 +95,4 @@ def test_mismatched_call_sequences_raise_at_once_on_every_rank(protocol, engine)
             for (said, took), want in zip(steps, wanted, strict=True):
                 where = f"rank {rank}, {case}: {said} after {took:.2f} s"
                 assert said.startswith("PeerDataError") and want in said, where
-                assert took < TIMEOUT_S / 5, where
+                assert took < TIMEOUT_S, where  # before the deadline: a check, not a wait

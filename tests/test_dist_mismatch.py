@@ -135,7 +135,7 @@ def test_mismatched_calls_raise_on_every_rank_and_the_group_goes_on(transport, c
     for o in outcomes:  # a SIGABRT from gloo shows here as a rank that died with no result
         assert o.ok, f"rank {o.rank}: {o.cause}, exit code {o.exit_code}: {o.error}"
     for rank, (error, message, elapsed, exact_after) in enumerate(o.result for o in outcomes):
-        assert elapsed < TIMEOUT_S / 2, f"rank {rank} took {elapsed:.2f} s: a deadline, not the header"
+        assert elapsed < TIMEOUT_S, f"rank {rank} took {elapsed:.2f} s: a deadline, not the header"
         if case in DIFFER:
             assert error == "PeerDataError", (rank, error, message)
             assert "(call header): the ranks' calls differ in " + DIFFER[case] in message, message

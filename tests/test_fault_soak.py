@@ -19,5 +19,6 @@ def test_short_fault_soak(protocol):
     kinds = fault_soak.summary(report)
     assert kinds["corrupt"]["seen"] >= 3 and kinds["kill"]["seen"] == 3 and kinds["stall"]["seen"] == 2, kinds
     assert kinds["stopped inside put (this rank)"]["seen"] == 1 and kinds["stop"]["seen"] >= 1, kinds
-    assert kinds["kill"]["max_s"] < 1.0 and kinds["stall"]["max_s"] < 3 * cfg.timeout_s, kinds
+    # a kill is seen before the deadline, a stall at it
+    assert kinds["kill"]["max_s"] < cfg.timeout_s and kinds["stall"]["max_s"] < 3 * cfg.timeout_s, kinds
     assert report.checked_calls > 3 * 2 * 60  # the survivors kept going after each fault

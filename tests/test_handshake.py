@@ -87,4 +87,4 @@ def test_construction_has_a_deadline():
         assert message.startswith("Buffer construction (joining the group): no signal from rank(s)"), message
         assert f"after {timeout_s:g} s" in message
         assert "1" in message.split("no signal from rank(s)")[1].split("after")[0]
-        assert timeout_s * 0.9 <= elapsed < 1.5 * timeout_s, elapsed
+        assert timeout_s * 0.9 <= elapsed < 3 * timeout_s + 1.0, elapsed  # docs/reliability.md's bound

@@ -287,6 +287,9 @@ def test_a_squatted_doorbell_address_is_a_clear_error():
 # -- ranks killed during construction ----------------------------------------------------------------
 
 
+KILLED_DEADLINE_S = 30.0  # long: the survivors must see the death, not this deadline
+
+
 def killed_in_construction(step: int) -> tuple[str, float, list[str]]:
     """Rank 2 kills itself at construction step `step` (1-3: just before the heap's k-th
     all-gather; 4: after the last one, before unlinking). Survivors report (error, seconds, residue)."""
@@ -306,7 +309,7 @@ def killed_in_construction(step: int) -> tuple[str, float, list[str]]:
             ubep.shm._unlink = lambda name: os.kill(os.getpid(), signal.SIGKILL)
     start = time.monotonic()
     try:
-        ubep.Buffer(hidden=16, num_experts=6, max_tokens_per_rank=8, timeout_s=2).close()
+        ubep.Buffer(hidden=16, num_experts=6, max_tokens_per_rank=8, timeout_s=KILLED_DEADLINE_S).close()
         outcome = "built"
     except ubep.UbepError as error:
         outcome = f"{type(error).__name__}: {error}"
@@ -323,7 +326,7 @@ def test_a_rank_killed_in_construction_is_named_and_leaves_no_name(step):
         error, elapsed, left = outcomes[rank].result
         assert left == [], (rank, left)
         assert error.startswith("CommTimeoutError"), error
-        assert elapsed < 5, (error, elapsed)
+        assert elapsed < KILLED_DEADLINE_S, (error, elapsed)  # seen dead, not at the deadline
         assert "rank(s) 2 died" in error and "Buffer construction" in error, error  # known from joining on
         assert "rank(s) 1 died" not in error and "rank(s) 0 died" not in error, error
 

@@ -81,11 +81,11 @@ def test_landed_yields_in_arrival_order_and_inbox_rows_are_per_writer():
 
 
 def test_a_silent_peer_is_named_at_the_deadline():
-    a, _ = heaps(VirtualWorld(2), timeout_s=0.3)
+    a, _ = heaps(VirtualWorld(2), timeout_s=1.0)
     start = time.monotonic()
     with pytest.raises(CommTimeoutError, match=r"phase x: no signal from rank\(s\) 1"):
         list(a.landed(ROUTE, CALL, [1], "phase x"))
-    assert time.monotonic() - start < 2.0
+    assert 1.0 <= time.monotonic() - start < 3 * 1.0 + 1.0  # at the deadline (docs/reliability.md's bound)
 
 
 def test_an_aborting_peer_ends_the_wait_at_once():
@@ -94,7 +94,7 @@ def test_an_aborting_peer_ends_the_wait_at_once():
     start = time.monotonic()
     with pytest.raises(PeerAbortedError, match="rank 1 aborted"):
         list(a.landed(ROUTE, CALL, [1], "phase y"))
-    assert time.monotonic() - start < 2.0
+    assert time.monotonic() - start < 10.0  # before the deadline
 
 
 def test_an_inbox_needs_a_target_and_an_own_record_refuses_one():

@@ -79,7 +79,7 @@ def test_a_failing_rank_is_named_and_the_others_are_not_left_waiting():
     start = time.monotonic()
     with pytest.raises(RuntimeError, match="virtual rank 1 failed: RuntimeError"):
         VirtualWorld(2, timeout_s=30).run(body)
-    assert time.monotonic() - start < 10
+    assert time.monotonic() - start < 20  # before the Buffer's deadline
 
 
 def test_a_construction_failure_names_the_rank_that_failed():
