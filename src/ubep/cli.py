@@ -141,7 +141,11 @@ def add_bench(subparsers) -> None:
     p.add_argument("--timeout", type=float, default=d.timeout_s, help="per-wait deadline in seconds")
     p.add_argument("--json", metavar="PATH", help="write results as JSON")
     p.add_argument("--plot", metavar="PATH.png", help="plot latency against tokens per rank")
-    p.add_argument("--profile", action="store_true", help="instead: where ubep's CPU time goes, per category")
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="instead: where a row's CPU time goes, per category (the first Buffer row of --systems)",
+    )
     p.add_argument(
         "--stats",
         metavar="PATH.json",
