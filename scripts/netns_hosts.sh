@@ -8,9 +8,9 @@
 #                      |-- veth --> namespace ubep<pid>h1: eth0 10.231.0.2/24, lo
 #                      ...
 #
-# Each host's eth0 sends through `tc netem rate RATE delay DELAY` (defaults 25gbit and 15us, one
-# way: a 100GbE-class NIC's share per rank pair and a switch hop plus the kernel's stack), so a
-# message between hosts pays the delay once and the rate; ranks of one host talk over its own lo,
+# Each host's eth0 sends through `tc netem rate RATE delay DELAY` (defaults 25gbit: a 25 GbE NIC,
+# common on CPU servers; 15us one way: a switch hop and the kernel's TCP stack), so a message
+# between hosts pays the delay once and the rate; ranks of one host talk over its own lo,
 # unshaped. Where the kernel has no netem, a token bucket (tbf) keeps the rate, without the delay,
 # and a line on stderr says so.
 #
@@ -24,7 +24,7 @@
 set -euo pipefail
 
 hosts=2 rate=25gbit delay=15us port=29500
-usage() { sed -n '2,22p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
+usage() { sed -n '2,/^set -euo/{/^#/p}' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
 while getopts "n:r:d:p:h" opt; do
     case $opt in
         n) hosts=$OPTARG ;;
