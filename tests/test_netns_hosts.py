@@ -16,22 +16,24 @@ from ubep.bench.hosts import SCRIPT, namespaces_available
 ok, why = namespaces_available()
 pytestmark = [pytest.mark.skipif(not ok, reason=f"no namespace hosts here: {why}"), pytest.mark.timeout(180)]
 
-# Host 0 listens on its address, host 1 connects to MASTER_ADDR: a byte crosses the bridge.
+# Host 0 listens on its address, host 1 connects to MASTER_ADDR: a byte crosses the bridge. Each
+# line is one write, so the two hosts' lines never interleave.
 TALK = """
-import os, socket, sys
+import os, socket, time
 me, master = int(os.environ["NODE_RANK"]), os.environ["MASTER_ADDR"]
-print("host", me, "of", os.environ["PET_NNODES"], "gloo on", os.environ["GLOO_SOCKET_IFNAME"], flush=True)
+say = lambda text: os.write(1, (text + "\\n").encode())
+say(f"host {me} of {os.environ['PET_NNODES']} gloo on {os.environ['GLOO_SOCKET_IFNAME']}")
 if me == 0:
     with socket.create_server((master, 29599)) as server:
         conn, _ = server.accept()
-        print("host 0 got", conn.recv(1), flush=True)
+        say(f"host 0 got {conn.recv(1)}")
 else:
     for _ in range(200):
         try:
             socket.create_connection((master, 29599), timeout=1).sendall(b"x")
             break
         except OSError:
-            __import__("time").sleep(0.05)
+            time.sleep(0.05)
 """
 
 
