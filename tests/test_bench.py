@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 from ubep.bench import mpi_system
+from ubep.bench.run import nixl_available
 from ubep.cli import main
 
 
@@ -113,6 +114,9 @@ def test_bench_emulated_nodes_report_bytes_across(tmp_path):
     )
     assert code == 0
     rows = {r["system"]: r for r in json.loads(out.read_text())["results"]}
-    assert set(rows) == {"ubep", "bsp-gloo", "memcpy-floor"}
+    nixl = {"ubep-nixl"} if nixl_available()[0] else set()
+    assert set(rows) == {"ubep", "hier-bsp", "bsp-gloo"} | nixl  # the default rows across nodes
     # The hierarchical transport sends a token once per remote node: never more bytes than flat.
     assert 0 < rows["ubep"]["boundary_bytes"] <= rows["bsp-gloo"]["boundary_bytes"]
+    assert rows["hier-bsp"]["boundary_bytes"] == rows["ubep"]["boundary_bytes"]
+    assert rows["ubep"]["vs_hier_bsp"] is not None and rows["hier-bsp"]["vs_hier_bsp"] == 1.0

@@ -300,6 +300,51 @@ def test_select_systems_drops_what_cannot_run_and_says_why():
         bench_run.select_systems(BenchConfig(ranks=4, nodes=2, systems=("bsp-shm",)), (True, ""))
 
 
+def test_rows_across_nodes_run_only_across_nodes_and_nixl_only_where_installed(monkeypatch):
+    across = ("ubep", "ubep-nixl", "hier-bsp", "bsp-gloo")
+    systems, notes = bench_run.select_systems(BenchConfig(systems=across), (True, ""))
+    assert systems == ("ubep", "bsp-gloo") and "no ubep-nixl, hier-bsp row" in notes[0]
+    monkeypatch.setattr(bench_run, "nixl_available", lambda: (False, "NIXL is not installed"))
+    systems, notes = bench_run.select_systems(BenchConfig(nodes=2, systems=across), (True, ""))
+    assert (
+        systems == ("ubep", "hier-bsp", "bsp-gloo")
+        and notes[0] == "ubep-nixl row skipped: NIXL is not installed"
+    )
+
+
+def test_the_ratio_to_hier_bsp_has_its_interval():
+    rows = [*_rows(), replace(_rows()[1], system="hier-bsp")]
+    got = report.with_ratios(rows)
+    ubep_row, bsp, _, hier = got
+    assert ubep_row.vs_hier_bsp == pytest.approx(160 / 315) and hier.vs_hier_bsp == 1.0
+    assert ubep_row.vs_hier_bsp_ci95[0] <= ubep_row.vs_hier_bsp <= ubep_row.vs_hier_bsp_ci95[1]
+    assert bsp.vs_hier_bsp == 1.0  # the same rounds
+    assert "x hier-bsp" in [c.header for c in report.table(got, "t").columns]
+
+
+def test_hosts_fall_back_to_emulated_nodes_and_say_why(monkeypatch, capsys):
+    from ubep.bench import hosts
+
+    planned = []
+
+    def plan(cfg):
+        planned.append(cfg)
+        raise ValueError("stop here")
+
+    monkeypatch.setattr(hosts, "namespaces_available", lambda: (False, "network namespaces need root"))
+    monkeypatch.setattr(bench_run, "plan", plan)
+    with pytest.raises(SystemExit):
+        main(["bench", "--hosts", "2"])
+    assert (
+        "no namespace hosts (network namespaces need root): 2 emulated nodes instead"
+        in capsys.readouterr().out
+    )
+    (cfg,) = planned
+    assert (
+        cfg.nodes == 2 and not cfg.namespaces and cfg.systems == ("ubep", "ubep-nixl", "hier-bsp", "bsp-gloo")
+    )
+
+
 def test_an_interrupted_sweep_keeps_its_rows_and_exits_130(tmp_path, monkeypatch, capsys):
     """Ctrl-C during the second batch size: the first one's rows are in the JSON (written as
     soon as they were measured) and on the screen, and the exit status is 130."""

@@ -10,7 +10,7 @@ import os
 from importlib.metadata import version
 
 from ubep.bench.decode import add_parser as add_decode
-from ubep.bench.workload import DTYPES, SYSTEMS, BenchConfig
+from ubep.bench.workload import ACROSS_SYSTEMS, ALL_SYSTEMS, DTYPES, SYSTEMS, BenchConfig
 from ubep.extras import require
 from ubep.routing import ROUTINGS
 from ubep.schedule import POLICIES
@@ -45,9 +45,9 @@ def _at_least(low: int):
 
 def _systems(text: str) -> tuple[str, ...]:
     names = tuple(v for v in text.split(",") if v)
-    unknown = [n for n in names if n not in SYSTEMS]
+    unknown = [n for n in names if n not in ALL_SYSTEMS]
     if unknown:
-        raise argparse.ArgumentTypeError(f"unknown system(s) {unknown}; choose from {', '.join(SYSTEMS)}")
+        raise argparse.ArgumentTypeError(f"unknown system(s) {unknown}; choose from {', '.join(ALL_SYSTEMS)}")
     return names
 
 
@@ -98,12 +98,24 @@ def add_bench(subparsers) -> None:
     p.add_argument(
         "--dtype", choices=tuple(DTYPES), default=d.dtype, help="token dtype (default %(default)s)"
     )
-    p.add_argument("--systems", type=_systems, default=d.systems, help=f"comma list of {', '.join(SYSTEMS)}")
+    p.add_argument(
+        "--systems",
+        type=_systems,
+        help=f"comma list of {', '.join(ALL_SYSTEMS)} (default: {','.join(SYSTEMS)} on one node, "
+        f"{','.join(ACROSS_SYSTEMS)} across nodes)",
+    )
     p.add_argument(
         "--nodes",
         type=_at_least(1),
         default=d.nodes,
         help="emulate this many nodes (ranks split evenly; torch.distributed between them)",
+    )
+    p.add_argument(
+        "--hosts",
+        type=_at_least(2),
+        metavar="N",
+        help="N hosts on this machine (network namespaces, scripts/netns_hosts.sh) where root and "
+        "`ip netns` allow, else N emulated nodes, saying why; ranks split evenly",
     )
     p.add_argument(
         "--workers",
@@ -129,7 +141,11 @@ def add_bench(subparsers) -> None:
     p.add_argument("--timeout", type=float, default=d.timeout_s, help="per-wait deadline in seconds")
     p.add_argument("--json", metavar="PATH", help="write results as JSON")
     p.add_argument("--plot", metavar="PATH.png", help="plot latency against tokens per rank")
-    p.add_argument("--profile", action="store_true", help="instead: where ubep's CPU time goes, per category")
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="instead: where a row's CPU time goes, per category (the first Buffer row of --systems)",
+    )
     p.add_argument(
         "--stats",
         metavar="PATH.json",
@@ -155,6 +171,14 @@ def run_bench(args: argparse.Namespace) -> int:
     from ubep.bench import report
     from ubep.bench.run import plan, run
 
+    namespaces = False
+    if args.hosts:
+        from ubep.bench.hosts import namespaces_available
+
+        namespaces, why = namespaces_available()
+        print(f"ubep bench --hosts {args.hosts}: " + (f"namespace hosts ({why})" if namespaces else
+              f"no namespace hosts ({why}): {args.hosts} emulated nodes instead"))  # fmt: skip
+        args.nodes = args.hosts
     if args.ranks % args.nodes:
         raise SystemExit(f"ubep bench: --ranks ({args.ranks}) must split evenly into --nodes ({args.nodes})")
     if args.experts % args.ranks:
@@ -176,9 +200,10 @@ def run_bench(args: argparse.Namespace) -> int:
         skew=args.skew,
         mode=args.mode,
         dtype=args.dtype,
-        systems=args.systems,
+        systems=args.systems or (ACROSS_SYSTEMS if args.nodes > 1 else SYSTEMS),
         seed=args.seed,
         nodes=args.nodes,
+        namespaces=namespaces,
         workers=args.workers,
         schedule=args.schedule,
         timeout_s=args.timeout,
@@ -197,10 +222,11 @@ def run_bench(args: argparse.Namespace) -> int:
         systems, notes = plan(cfg)
     except ValueError as why:
         raise SystemExit(f"ubep bench: {why}") from None
+    where = "namespace hosts" if cfg.namespaces else "emulated nodes"
     title = (
         f"{cfg.mode} mode, {cfg.ranks} ranks on {os.cpu_count()} cores, hidden {cfg.hidden}, "
         f"{cfg.experts} experts, top-{cfg.topk}, {cfg.dtype}, {cfg.routing} routing"
-        + (f", {cfg.nodes} emulated nodes" if cfg.nodes > 1 else "")
+        + (f", {cfg.nodes} {where}" if cfg.nodes > 1 else "")
     )
     notes.append(
         f"systems take turns, one dispatch + combine each per round, {cfg.iters} rounds after "

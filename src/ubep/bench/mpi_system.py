@@ -162,9 +162,7 @@ def main(config_json: str, tokens: int, turns_dir: str) -> None:
 
     torch.set_num_threads(1)
     comm = MPI.COMM_WORLD
-    cfg = BenchConfig(
-        **{k: tuple(v) if isinstance(v, list) else v for k, v in json.loads(config_json).items()}
-    )
+    cfg = BenchConfig.from_json(config_json)
     me = comm.Get_rank()
     work = build(cfg, tokens)
     mpi = MpiExchange(comm, ExpertPlacement.contiguous(cfg.experts, cfg.ranks))

@@ -1,4 +1,5 @@
-"""`ubep bench --profile`: where one rank's CPU time goes in ubep's dispatch and combine.
+"""`ubep bench --profile`: where one rank's CPU time goes in a Buffer row's dispatch and combine
+(the first of --systems that is one: ubep by default; across --nodes also hier-bsp, ubep-nixl).
 
 Every rank profiles its own calls with cProfile on the process CPU clock (so
 time spent preempted by the other ranks is not charged to anything), and the
@@ -10,6 +11,7 @@ and Python itself.
 from __future__ import annotations
 
 import cProfile
+import os
 import pstats
 import time
 
@@ -18,6 +20,7 @@ from rich.console import Console
 from rich.table import Table
 
 import ubep
+from ubep.bench.torch_systems import BUFFER_SYSTEMS
 from ubep.bench.workload import BenchConfig, build
 from ubep.launcher import LocalLaunch
 
@@ -26,6 +29,7 @@ CATEGORIES = (
     ("row copies", ("index_select", "copy_")),
     ("combine reduction", ("built-in method torch.mm", "index_add_")),
     ("waiting", ("sched_yield", "select.select", "time.sleep", "posix.sched_yield")),
+    ("torch.distributed (gloo)", ("c10d",)),  # collectives, sends and receives, and waits on them
     ("other torch ops", ("torch", "TensorBase")),
 )
 
@@ -39,14 +43,23 @@ def category(func: tuple[str, int, str]) -> str:
     return "python"
 
 
-def profile_rank(cfg: BenchConfig, tokens: int, calls: int) -> dict:
+def profile_rank(cfg: BenchConfig, tokens: int, calls: int, name: str) -> dict:
     """CPU seconds per category for `calls` dispatches and combines on this rank, and the wall time."""
     me = dist.get_rank()
     work = build(cfg, tokens)
     x, idx, w = work.xs[me], work.topk_idx[me], work.topk_weights[me]
-    out = {}
+    system, out = BUFFER_SYSTEMS[name], {}
+    if system.fabric == "nixl":
+        os.environ.setdefault("UCX_TLS", "tcp")  # as the bench's row (torch_systems.measure_rank)
+        os.environ.setdefault("UCX_MODULES", "^efa")
     with ubep.Buffer(
-        hidden=cfg.hidden, num_experts=cfg.experts, max_tokens_per_rank=tokens, max_topk=cfg.topk
+        hidden=cfg.hidden,
+        num_experts=cfg.experts,
+        max_tokens_per_rank=tokens,
+        max_topk=cfg.topk,
+        protocol=system.protocol,
+        transport=system.across if cfg.nodes > 1 else system.transport,
+        fabric=system.fabric,
     ) as buf:
         got = buf.dispatch(x, topk_idx=idx, topk_weights=w)
         ops = {
@@ -71,14 +84,17 @@ def profile_rank(cfg: BenchConfig, tokens: int, calls: int) -> dict:
 
 
 def run_profile(cfg: BenchConfig, tokens: int) -> None:
+    """Profile the first Buffer row of cfg.systems on every rank (emulated nodes where cfg.nodes > 1)."""
+    name = next((s for s in cfg.systems if s in BUFFER_SYSTEMS), "ubep")
     calls = max(cfg.iters, 5)
-    per_rank = LocalLaunch(world_size=cfg.ranks, timeout_s=cfg.timeout_s * 4).run(
-        profile_rank, cfg, tokens, calls
+    launch = LocalLaunch(
+        world_size=cfg.ranks, timeout_s=cfg.timeout_s * 4, ranks_per_node=cfg.ranks // cfg.nodes
     )
+    per_rank = launch.run(profile_rank, cfg, tokens, calls, name)
     console = Console()
     for op in ("dispatch", "combine"):
         table = Table(
-            title=f"ubep {op}: CPU time per call, mean over {cfg.ranks} ranks ({tokens} tokens/rank)"
+            title=f"{name} {op}: CPU time per call, mean over {cfg.ranks} ranks ({tokens} tokens/rank)"
         )
         for col in ("where", "us per call", "share"):
             table.add_column(col, justify="left" if col == "where" else "right")

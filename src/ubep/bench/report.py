@@ -35,6 +35,8 @@ class Row:
     combine_gbps: float
     vs_ubep: float | None = None  # median over rounds of (dispatch + combine), this system's / ubep's
     vs_ubep_ci95: tuple[float, float] | None = None  # paired bootstrap over rounds (see ratio)
+    vs_hier_bsp: float | None = None  # the same over hier-bsp's (the collective path across nodes)
+    vs_hier_bsp_ci95: tuple[float, float] | None = None
     floor_fraction: float | None = None  # floor time / this system's time (medians over rounds)
     boundary_bytes: float | None = None  # per rank and call, dispatch + combine, across emulated nodes
     dispatch_rounds_us: tuple[float, ...] = ()  # every timed round, in the order run
@@ -73,14 +75,18 @@ class Row:
 
 
 def with_ratios(rows: list[Row]) -> list[Row]:
-    """Fill in the ratio to ubep (with its interval) and the fraction of the floor, per batch size."""
+    """Fill in the ratios to ubep and to hier-bsp (each with its interval) and the fraction of the
+    floor, per batch size."""
     out = []
     for row in rows:
         peers = {r.system: r for r in rows if r.tokens_per_rank == row.tokens_per_rank and r.mode == row.mode}
-        ubep_row, floor = peers.get("ubep"), peers.get("memcpy-floor")
+        ubep_row, hier_row, floor = peers.get("ubep"), peers.get("hier-bsp"), peers.get("memcpy-floor")
         if ubep_row is not None:
             vs = paired_ratio(row.rounds_us, ubep_row.rounds_us)
             row = replace(row, vs_ubep=vs.point, vs_ubep_ci95=(vs.low, vs.high))
+        if hier_row is not None:
+            vs = paired_ratio(row.rounds_us, hier_row.rounds_us)
+            row = replace(row, vs_hier_bsp=vs.point, vs_hier_bsp_ci95=(vs.low, vs.high))
         if floor is not None:
             frac = statistics.median(floor.rounds_us) / statistics.median(row.rounds_us)
             row = replace(row, floor_fraction=frac)
@@ -91,8 +97,10 @@ def with_ratios(rows: list[Row]) -> list[Row]:
 def table(rows: list[Row], title: str) -> Table:
     t = Table(title=title)
     crossing = any(r.boundary_bytes is not None for r in rows)
+    hier = any(r.vs_hier_bsp is not None for r in rows)
     cols = ["system", "tokens", "dispatch us", "p99", "combine us", "p99", "GB/s d/c", "x ubep"]
-    cols += [f"{LEVEL:.0%} interval", "of floor"] + (["MB across nodes"] if crossing else [])
+    cols += [f"{LEVEL:.0%} interval"] + (["x hier-bsp", f"{LEVEL:.0%} interval "] if hier else [])
+    cols += ["of floor"] + (["MB across nodes"] if crossing else [])
     for col in cols:
         t.add_column(col, justify="left" if col == "system" else "right", no_wrap=True)
     for r in rows:
@@ -104,12 +112,21 @@ def table(rows: list[Row], title: str) -> Table:
             f"{r.combine_us:,.0f}",
             f"{r.combine_p99_us:,.0f}",
             f"{r.dispatch_gbps:.2f}/{r.combine_gbps:.2f}",
-            "-" if r.vs_ubep is None else f"{r.vs_ubep:.2f}",
-            "-" if r.vs_ubep_ci95 is None else f"{r.vs_ubep_ci95[0]:.2f}-{r.vs_ubep_ci95[1]:.2f}",
+            _ratio(r.vs_ubep),
+            _interval(r.vs_ubep_ci95),
+            *([] if not hier else [_ratio(r.vs_hier_bsp), _interval(r.vs_hier_bsp_ci95)]),
             "-" if r.floor_fraction is None else f"{r.floor_fraction:.0%}",
             *([] if not crossing else ["-" if r.boundary_bytes is None else f"{r.boundary_bytes / 1e6:.2f}"]),
         )
     return t
+
+
+def _ratio(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+def _interval(ends: tuple[float, float] | None) -> str:
+    return "-" if ends is None else f"{ends[0]:.2f}-{ends[1]:.2f}"
 
 
 def print_table(rows: list[Row], title: str, notes: list[str]) -> None:

@@ -3,11 +3,13 @@
 plan(cfg)          which systems can run here, and a note for each one left out
 run(cfg, ...)      per batch size: start the groups, `warmup + iters` rounds of turns, rows out
   launch group     ubep, bsp-shm, bsp-gloo, memcpy-floor: ubep's launcher, waited on in a thread
+                   (with --hosts: torchrun on namespace hosts, see hosts)
   mpi group        mpirun's job (see mpi_system)
 """
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 import tempfile
 import threading
@@ -19,16 +21,19 @@ from rich.console import Console
 from rich.progress import Progress
 
 from ubep.bench import mpi_system, placed, report
+from ubep.bench.hosts import HostsGroup
 from ubep.bench.timing import latencies_us
 from ubep.bench.torch_systems import measure_rank
 from ubep.bench.turns import Conductor, Samples, round_order
 from ubep.bench.workload import BenchConfig, build
 from ubep.collectives.hier import boundary_bytes
+from ubep.extras import install_hint
 from ubep.factory import ready_engine
 from ubep.launcher import LocalLaunch
 from ubep.layout import ExpertPlacement
 
 SINGLE_HOST = ("bsp-shm", "mpi")  # no row across emulated nodes
+ACROSS_ONLY = ("hier-bsp", "ubep-nixl")  # rows of the exchange between nodes
 NORMAL_ONLY = ("bsp-shm", "mpi")  # no low-latency mode
 STOP_S = 30.0  # how long a stopped group gets to wind down
 
@@ -45,7 +50,8 @@ def boundary_per_rank(cfg: BenchConfig, tokens: int) -> dict[str, float]:
     def mean(kind: str) -> float:
         return (sum(got[f"dispatch_bytes_{kind}"]) + sum(got[f"combine_bytes_{kind}"])) / cfg.ranks
 
-    return {"ubep": mean("dedup"), "bsp-gloo": mean("flat")}
+    dedup = mean("dedup")  # the hierarchical rows: a token crosses once per remote node
+    return {"ubep": dedup, "ubep-nixl": dedup, "hier-bsp": dedup, "bsp-gloo": mean("flat")}
 
 
 def select_systems(cfg: BenchConfig, mpi: tuple[bool, str]) -> tuple[tuple[str, ...], list[str]]:
@@ -55,12 +61,20 @@ def select_systems(cfg: BenchConfig, mpi: tuple[bool, str]) -> tuple[tuple[str, 
     naming every reason, when no system is left.
     """
     systems, notes = list(cfg.systems), []
+    if cfg.nodes == 1 and (across := [s for s in systems if s in ACROSS_ONLY]):
+        systems = [s for s in systems if s not in across]
+        notes.append(f"one node: no {', '.join(across)} row (they cross nodes; try --nodes or --hosts)")
+    if "ubep-nixl" in systems and not (nixl := nixl_available())[0]:
+        systems.remove("ubep-nixl")
+        notes.append(f"ubep-nixl row skipped: {nixl[1]}")
     if cfg.nodes > 1:
         single_host = [s for s in systems if s in SINGLE_HOST]
         systems = [s for s in systems if s not in single_host]
         notes.append(
-            f"{cfg.nodes} emulated nodes of {cfg.ranks // cfg.nodes} ranks: ubep runs the hierarchical "
-            "transport (one crossing per token and node), bsp-gloo the flat all-to-all"
+            f"{cfg.nodes} {'namespace hosts' if cfg.namespaces else 'emulated nodes'} of "
+            f"{cfg.ranks // cfg.nodes} ranks: ubep runs the hierarchical transport (one crossing per "
+            "token and node) with rails over the gloo fabric, ubep-nixl the same over nixl, hier-bsp "
+            "the same transport's rail all-to-alls, bsp-gloo the flat all-to-all"
             + (f"; no {', '.join(single_host)} row (one host only)" if single_host else "")
         )
     if cfg.mode == "ll":
@@ -79,6 +93,13 @@ def select_systems(cfg: BenchConfig, mpi: tuple[bool, str]) -> tuple[tuple[str, 
     if not systems:
         raise ValueError(f"no system left to run from --systems {','.join(cfg.systems)}: {'; '.join(notes)}")
     return tuple(systems), notes
+
+
+def nixl_available() -> tuple[bool, str]:
+    """Whether the nixl fabric can be imported here, and if not, why."""
+    if any(importlib.util.find_spec(name) for name in ("nixl", "nixl_cu12", "nixl_cu13")):
+        return True, "NIXL is installed"
+    return False, f"NIXL is not installed ({install_hint('nixl')})"
 
 
 def plan(cfg: BenchConfig) -> tuple[tuple[str, ...], list[str]]:
@@ -143,10 +164,11 @@ def gathered(per_rank: list[Samples], system: str) -> Timings:
 
 def start_group(
     name: str, cfg: BenchConfig, tokens: int, systems: tuple[str, ...], turns_dir: str
-) -> LaunchGroup | mpi_system.MpiJob:
+) -> LaunchGroup | HostsGroup | mpi_system.MpiJob:
     if name == "mpi":
         return mpi_system.MpiJob(cfg, tokens, turns_dir)
-    return LaunchGroup(cfg, tokens, tuple(s for s in systems if s != "mpi"), turns_dir)
+    group = HostsGroup if cfg.namespaces else LaunchGroup
+    return group(cfg, tokens, tuple(s for s in systems if s != "mpi"), turns_dir)
 
 
 def take_rounds(
@@ -157,7 +179,7 @@ def take_rounds(
     names = tuple(dict.fromkeys(group_of.values()))
     with tempfile.TemporaryDirectory(prefix="ubep-bench-") as root:
         conductor = Conductor(root, dict.fromkeys(names, cfg.ranks), cfg.timeout_s * 4)
-        groups: dict[str, LaunchGroup | mpi_system.MpiJob] = {}
+        groups: dict[str, LaunchGroup | HostsGroup | mpi_system.MpiJob] = {}
         try:
             for name in names:
                 groups[name] = start_group(name, cfg, tokens, systems, conductor.directory(name))

@@ -1,4 +1,5 @@
-"""The rows measured inside ubep's own launcher: ubep, bsp-shm, bsp-gloo and the memcpy floor.
+"""The rows measured inside ubep's own launcher: ubep, bsp-shm, bsp-gloo and the memcpy floor;
+across nodes also ubep-nixl (ubep with the nixl fabric) and hier-bsp (the hierarchical collectives).
 
 `measure_rank` runs on every rank: it opens every system and checks one
 dispatch and one combine of each against the reference, then times whichever
@@ -11,8 +12,10 @@ runs late would.
 
 from __future__ import annotations
 
+import os
 import time
 from contextlib import ExitStack
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -24,11 +27,23 @@ from ubep.bench.timing import LEAD_S
 from ubep.bench.turns import Calls, Samples, Turns, take_turns
 from ubep.bench.workload import PLACED_SYSTEMS, BenchConfig, Workload, build, expected_combine
 
+
+class BufferSystem(NamedTuple):
+    """How a row's Buffer is built: on one node, and across nodes."""
+
+    protocol: str
+    transport: str
+    across: str  # the transport across nodes
+    fabric: str | None = None  # None: the Buffer's default (gloo)
+
+
 BUFFER_SYSTEMS = {
-    "ubep": ("ubep", "shm"),
-    "ubep-stats": ("ubep", "shm"),
-    "bsp-shm": ("bsp", "shm"),
-    "bsp-gloo": ("bsp", "dist"),
+    "ubep": BufferSystem("ubep", "shm", "hier"),  # across nodes: rails over the fabric, no collective
+    "ubep-stats": BufferSystem("ubep", "shm", "hier"),
+    "ubep-nixl": BufferSystem("ubep", "hier", "hier", "nixl"),
+    "hier-bsp": BufferSystem("bsp", "hier", "hier"),  # rail all-to-alls: the collective path
+    "bsp-shm": BufferSystem("bsp", "shm", "shm"),
+    "bsp-gloo": BufferSystem("bsp", "dist", "dist"),  # the flat gloo all-to-all
 }
 # Low-latency mode exists as the ubep protocol on shared memory and as the collective path.
 LL_SYSTEMS = {"ubep": "shm", "ubep-stats": "shm", "bsp-gloo": "dist"}
@@ -76,9 +91,8 @@ def open_buffer(
     if name in PLACED_SYSTEMS:
         return placed.open_placed(name, cfg, work, tokens, stack)
     me = dist.get_rank()
-    protocol, transport = BUFFER_SYSTEMS[name]
-    if cfg.nodes > 1 and name.startswith("ubep"):
-        transport = "hier"  # across emulated nodes: shared memory inside, one crossing per token and node
+    system = BUFFER_SYSTEMS[name]
+    transport = system.across if cfg.nodes > 1 else system.transport
     scheduling = (
         {"workers": cfg.workers, "schedule": cfg.schedule}
         if transport == "shm" and name.startswith("ubep")
@@ -91,10 +105,11 @@ def open_buffer(
             num_experts=cfg.experts,
             max_tokens_per_rank=max(tokens, 1),
             max_topk=cfg.topk,
-            protocol=protocol,
+            protocol=system.protocol,
             transport=transport,
             timeout_s=cfg.timeout_s,
             stats=name == STATS_SYSTEM,
+            fabric=system.fabric,
             **scheduling,
         )
     )
@@ -169,6 +184,10 @@ def measure_rank(cfg: BenchConfig, tokens: int, systems: tuple[str, ...], turns_
 
     Returns this rank's (starts, finishes) per system and operation, one entry per turn.
     """
+    if "ubep-nixl" in systems:  # values the user set are kept
+        os.environ.setdefault("UCX_TLS", "tcp")  # as between hosts: no shared-memory shortcut
+        os.environ.setdefault("UCX_MODULES", "^efa")  # else NIXL 1.5.1 crashes at exit (docs/multinode.md)
+        os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")  # two INFO lines per agent otherwise
     work = build(cfg, tokens)
     open_system = open_ll if cfg.mode == "ll" else open_buffer
     turns = Turns(turns_dir, dist.get_rank(), cfg.timeout_s * 4)

@@ -6,15 +6,18 @@ each can check its own results against the reference before timing anything.
 
 from __future__ import annotations
 
+import json
 from dataclasses import asdict, dataclass
 
 import torch
 
 from ubep import reference, routing
 
-SYSTEMS = ("ubep", "bsp-shm", "bsp-gloo", "mpi", "memcpy-floor")
+SYSTEMS = ("ubep", "bsp-shm", "bsp-gloo", "mpi", "memcpy-floor")  # the default on one host
+ACROSS_SYSTEMS = ("ubep", "ubep-nixl", "hier-bsp", "bsp-gloo")  # rows across nodes (the default there)
+ALL_SYSTEMS = (*SYSTEMS, *ACROSS_SYSTEMS[1:3])
 PLACED_SYSTEMS = ("ubep+eplb", "ubep+eplb-global", "ubep+placed")  # experts placed: bench.placed
-ROWS = (*SYSTEMS, "ubep-stats", *PLACED_SYSTEMS)  # every row a run can have: "ubep-stats" comes with --stats
+ROWS = (*ALL_SYSTEMS, "ubep-stats", *PLACED_SYSTEMS)  # every row a run can have ("ubep-stats": --stats)
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
@@ -39,6 +42,7 @@ class BenchConfig:
     workers: int = 1  # put workers per rank for the ubep row (see ubep.schedule)
     schedule: str = "ubep"  # the scheduler's policy when workers > 1
     nodes: int = 1  # emulated nodes: ranks are split evenly; traffic between them uses torch.distributed
+    namespaces: bool = False  # the nodes are network namespace hosts (bench.hosts), not emulated
     stats_path: str = ""  # set: add the row "ubep-stats" (ubep recording stats), its merged snapshot here
     slow_rank: int = -1  # >= 0: this rank sleeps delay_us before each call of every Buffer row
     delay_us: float = 0.0
@@ -47,6 +51,11 @@ class BenchConfig:
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+    @classmethod
+    def from_json(cls, text: str) -> BenchConfig:
+        """The config `json.dumps(cfg.as_dict())` wrote (lists back to tuples)."""
+        return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in json.loads(text).items()})
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,0 +1,99 @@
+#!/usr/bin/env bash
+# Hosts on one machine: N network namespaces on a bridge, one command per namespace.
+#
+#   scripts/netns_hosts.sh [-n HOSTS] [-r RATE] [-d DELAY] [-p PORT] -- COMMAND [ARG...]
+#
+#   root namespace:  bridge ubr<pid> (no address: nothing routes from here into the hosts)
+#                      |-- veth --> namespace ubep<pid>h0: eth0 10.231.0.1/24, lo
+#                      |-- veth --> namespace ubep<pid>h1: eth0 10.231.0.2/24, lo
+#                      ...
+#
+# Each host's eth0 sends through `tc netem rate RATE delay DELAY` (defaults 25gbit: a 25 GbE NIC,
+# common on CPU servers; 15us one way: a switch hop and the kernel's TCP stack), so a message
+# between hosts pays the delay once and the rate; ranks of one host talk over its own lo,
+# unshaped. Where the kernel has no netem, a token bucket (tbf) keeps the rate, without the delay,
+# and a line on stderr says so.
+#
+# COMMAND runs once in every namespace (as torchrun would on every host), with torchrun's
+# settings in its environment: PET_NNODES, PET_NODE_RANK, PET_MASTER_ADDR (host 0's address),
+# PET_MASTER_PORT; the same as NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT; and
+# GLOO_SOCKET_IFNAME=eth0. So `-- torchrun --nproc-per-node 4 job.py` starts one agent per host.
+#
+# The exit status is the first failing host's (the others are then stopped), else 0. Everything
+# made here is removed on exit, on Ctrl-C and on SIGTERM. Needs root and iproute2.
+set -euo pipefail
+
+hosts=2 rate=25gbit delay=15us port=29500
+usage() { sed -n '2,/^set -euo/{/^#/p}' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
+while getopts "n:r:d:p:h" opt; do
+    case $opt in
+        n) hosts=$OPTARG ;;
+        r) rate=$OPTARG ;;
+        d) delay=$OPTARG ;;
+        p) port=$OPTARG ;;
+        *) usage ;;
+    esac
+done
+shift $((OPTIND - 1))
+[[ ${1:-} == -- ]] && shift
+(($# > 0)) || usage
+[[ $hosts =~ ^[0-9]+$ ]] && ((hosts >= 1 && hosts <= 250)) || { echo "netns_hosts: -n must be 1..250, got $hosts" >&2; exit 2; }
+((EUID == 0)) || { echo "netns_hosts: needs root (network namespaces), running as uid $EUID" >&2; exit 3; }
+
+tag=$$ bridge=ubr$$ namespaces=() pids=()
+
+cleanup() {
+    trap - EXIT INT TERM
+    local ns pid
+    for ns in "${namespaces[@]}"; do  # every process left in our namespaces, and only those
+        for pid in $(ip netns pids "$ns" 2>/dev/null); do kill -TERM "$pid" 2>/dev/null || true; done
+    done
+    for pid in "${pids[@]}"; do wait "$pid" 2>/dev/null || true; done
+    for ns in "${namespaces[@]}"; do
+        for pid in $(ip netns pids "$ns" 2>/dev/null); do kill -KILL "$pid" 2>/dev/null || true; done
+        ip netns del "$ns" 2>/dev/null || true  # takes its veth pair with it
+    done
+    ip link del "$bridge" 2>/dev/null || true
+}
+trap 'cleanup; exit 130' INT
+trap 'cleanup; exit 143' TERM
+trap cleanup EXIT
+
+shape() {  # shape NS: eth0's egress, netem where the kernel has it, else tbf for the rate alone
+    if ! ip netns exec "$1" tc qdisc add dev eth0 root netem rate "$rate" delay "$delay" limit 100000 2>/dev/null; then
+        ip netns exec "$1" tc qdisc add dev eth0 root tbf rate "$rate" burst 4mb latency 10ms
+        [[ $1 == "${namespaces[0]}" ]] && echo "netns_hosts: no netem in this kernel: rate $rate by tbf, no added delay" >&2
+    fi
+    return 0
+}
+
+ip link add "$bridge" type bridge
+ip link set "$bridge" up
+for ((i = 0; i < hosts; i++)); do
+    ns=ubep${tag}h$i
+    ip netns add "$ns"
+    namespaces+=("$ns")
+    ip link add "uv${tag}h$i" type veth peer name eth0 netns "$ns"
+    ip link set "uv${tag}h$i" master "$bridge" up
+    ip netns exec "$ns" ip link set lo up
+    ip netns exec "$ns" ip addr add "10.231.0.$((i + 1))/24" dev eth0
+    ip netns exec "$ns" ip link set eth0 up
+    shape "$ns"
+done
+
+for ((i = 0; i < hosts; i++)); do
+    ip netns exec "${namespaces[i]}" env \
+        NNODES="$hosts" NODE_RANK="$i" MASTER_ADDR=10.231.0.1 MASTER_PORT="$port" \
+        PET_NNODES="$hosts" PET_NODE_RANK="$i" PET_MASTER_ADDR=10.231.0.1 PET_MASTER_PORT="$port" \
+        GLOO_SOCKET_IFNAME=eth0 "$@" &
+    pids+=($!)
+done
+
+running=("${pids[@]}") status=0
+while ((${#running[@]} > 0)); do
+    wait -n -p done_pid "${running[@]}" || { status=$?; break; }  # the first failure stops the rest
+    left=()
+    for pid in "${running[@]}"; do ((pid == done_pid)) || left+=("$pid"); done
+    running=("${left[@]}")
+done
+exit "$status"

@@ -1,0 +1,121 @@
+"""The bench's ranks on namespace hosts: `ubep bench --hosts N`.
+
+    bench (root namespace)                scripts/netns_hosts.sh -n N
+      conductor's pipes (files) <------>    namespace host 0: torchrun -> ranks 0..P-1
+                                            namespace host 1: torchrun -> ranks P..2P-1 ...
+
+Each host has its own network stack (veth on a bridge, shaped by the script), so traffic between
+hosts crosses a real link; the turns' named pipes and the monotonic clock are shared by every
+namespace, so turns and timing work as for emulated nodes. Run as a module, this file is one rank:
+it measures like a rank of ubep's launcher (`torch_systems.measure_rank`) and leaves its samples
+in a file for the bench.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from ubep.bench.turns import Samples
+from ubep.bench.workload import BenchConfig
+
+SCRIPT = Path(__file__).resolve().parents[3] / "scripts" / "netns_hosts.sh"  # in a source checkout
+STOP_S = 20.0  # how long the hosts get to end after QUIT, and again after SIGTERM
+
+
+def namespaces_available(script: Path = SCRIPT) -> tuple[bool, str]:
+    """Whether namespace hosts can be made here, and if not, why (a probe namespace is made and removed)."""
+    if not script.exists():
+        return False, f"{script} not found (it comes with ubep's source checkout)"
+    if os.geteuid() != 0:
+        return False, "network namespaces need root"
+    if shutil.which("ip") is None:
+        return False, "no `ip` command (iproute2)"
+    probe = f"ubep-probe{os.getpid()}"
+    made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True, timeout=30)
+    if made.returncode != 0:
+        return False, f"`ip netns add` failed: {made.stderr.strip() or made.returncode}"
+    subprocess.run(["ip", "netns", "del", probe], capture_output=True, timeout=30)
+    return True, "root, and `ip netns` works"
+
+
+def hosts_command(cfg: BenchConfig, tokens: int, systems: tuple[str, ...], turns_dir: str) -> list[str]:
+    """The script, one torchrun agent per host, this module as every rank."""
+    return [
+        str(SCRIPT), "-n", str(cfg.nodes), "--",
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(cfg.ranks // cfg.nodes),
+        "-m", "ubep.bench.hosts", json.dumps(cfg.as_dict()), str(tokens), ",".join(systems), turns_dir,
+    ]  # fmt: skip
+
+
+class HostsGroup:
+    """The launch group's systems, their ranks on namespace hosts; output kept in `turns_dir`."""
+
+    def __init__(self, cfg: BenchConfig, tokens: int, systems: tuple[str, ...], turns_dir: str):
+        self._dir, self._ranks = turns_dir, cfg.ranks
+        self._out = open(os.path.join(turns_dir, "hosts.out"), "w+")
+        self._proc = subprocess.Popen(
+            hosts_command(cfg, tokens, systems, turns_dir), stdout=self._out, stderr=subprocess.STDOUT
+        )
+        self._timeout_s = cfg.timeout_s * 3
+
+    def check(self) -> None:
+        """Raise the hosts' error if they have ended (called while they should still be taking turns)."""
+        if self._proc.poll() is not None:
+            raise self._failure()
+
+    def finish(self) -> list[Samples]:
+        """After QUIT: every rank's samples, in rank order."""
+        if self._proc.wait(timeout=self._timeout_s) != 0:
+            raise self._failure()
+        per_rank = []
+        for rank in range(self._ranks):
+            with open(os.path.join(self._dir, f"samples.{rank}.json")) as f:
+                per_rank.append(json.load(f))
+        return per_rank
+
+    def stop(self) -> None:
+        """Let the hosts end, else SIGTERM the script (which stops their processes and removes the
+        namespaces), then SIGKILL."""
+        for end in (lambda: None, self._proc.terminate, self._proc.kill):
+            end()
+            try:
+                self._proc.wait(timeout=STOP_S)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        self._out.close()
+
+    def _failure(self) -> RuntimeError:
+        self._out.seek(0)
+        tail = self._out.read()[-3000:]
+        return RuntimeError(f"namespace hosts failed (exit {self._proc.returncode}):\n{tail}")
+
+
+def main(config_json: str, tokens: int, systems: str, turns_dir: str) -> None:
+    """One rank under torchrun: measure, then leave the samples beside the turns' pipes."""
+    from ubep.bench.torch_systems import measure_rank
+
+    torch.set_num_threads(1)
+    cfg = BenchConfig.from_json(config_json)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=cfg.timeout_s * 4))
+    try:
+        samples = measure_rank(cfg, tokens, tuple(systems.split(",")), turns_dir)
+        partial = os.path.join(turns_dir, f"samples.{dist.get_rank()}.json.tmp")
+        with open(partial, "w") as f:
+            json.dump(samples, f)
+        os.replace(partial, partial.removesuffix(".tmp"))
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4])

@@ -1,0 +1,75 @@
+"""scripts/netns_hosts.sh: hosts on one machine (network namespaces on a bridge), one command per
+host with torchrun's settings, and nothing left behind on exit or on Ctrl-C. Skipped, with the
+reason, where namespaces cannot be made (not root, no iproute2)."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from ubep.bench.hosts import SCRIPT, namespaces_available
+
+ok, why = namespaces_available()
+pytestmark = [pytest.mark.skipif(not ok, reason=f"no namespace hosts here: {why}"), pytest.mark.timeout(180)]
+
+# Host 0 listens on its address, host 1 connects to MASTER_ADDR: a byte crosses the bridge. Each
+# line is one write, so the two hosts' lines never interleave.
+TALK = """
+import os, socket, time
+me, master = int(os.environ["NODE_RANK"]), os.environ["MASTER_ADDR"]
+say = lambda text: os.write(1, (text + "\\n").encode())
+say(f"host {me} of {os.environ['PET_NNODES']} gloo on {os.environ['GLOO_SOCKET_IFNAME']}")
+if me == 0:
+    with socket.create_server((master, 29599)) as server:
+        conn, _ = server.accept()
+        say(f"host 0 got {conn.recv(1)}")
+else:
+    for _ in range(200):
+        try:
+            socket.create_connection((master, 29599), timeout=1).sendall(b"x")
+            break
+        except OSError:
+            time.sleep(0.05)
+"""
+
+
+def leftovers(pid: int) -> list[str]:
+    """This run's namespaces and bridge still present (the script names them by its pid)."""
+    names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=30).stdout
+    links = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True, timeout=30).stdout
+    return [w for w in (names + links).split() if w.startswith((f"ubep{pid}h", f"ubr{pid}"))]
+
+
+def test_two_hosts_talk_and_everything_is_removed():
+    proc = subprocess.Popen(
+        ["bash", str(SCRIPT), "-n", "2", "--", sys.executable, "-c", TALK],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    assert "host 0 of 2 gloo on eth0" in out and "host 1 of 2 gloo on eth0" in out, out
+    assert "host 0 got b'x'" in out, out
+    assert leftovers(proc.pid) == []
+
+
+def test_ctrl_c_and_a_failing_host_leave_nothing_behind():
+    proc = subprocess.Popen(["bash", str(SCRIPT), "-n", "2", "--", "sleep", "60"], stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 60
+    while len(leftovers(proc.pid)) < 3 and time.monotonic() < deadline:  # 2 namespaces and the bridge
+        time.sleep(0.1)
+    time.sleep(0.5)  # the commands started
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=60) == 130
+    assert leftovers(proc.pid) == []
+    failing = subprocess.Popen(
+        ["bash", str(SCRIPT), "-n", "2", "--", "sh", "-c", '[ "$NODE_RANK" = 1 ] && exit 7; sleep 60'],
+        stderr=subprocess.PIPE,
+    )
+    assert failing.wait(timeout=30) == 7  # the other host is stopped, not waited for
+    assert leftovers(failing.pid) == []
