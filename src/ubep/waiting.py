@@ -44,6 +44,15 @@ class PeerAbortedError(UbepError):
         super().__init__(f"{phase}: rank {peer} aborted the call ({notice.reason})")
 
 
+def blame_of(error: UbepError) -> int | None:
+    """The rank `error` blames, to pass on to the peers: its culprit, else the peer that aborted (None:
+    no rank, e.g. a deadline)."""
+    culprit = getattr(error, "culprit", None)
+    if isinstance(error, PeerAbortedError) and culprit is None:
+        culprit = error.peer
+    return culprit
+
+
 def rejected_input(phase: str, peer: int) -> PeerAbortedError:
     """`peer` rejected its own input for this call (a device half found it: see that rank's error)."""
     return PeerAbortedError(

@@ -42,10 +42,10 @@ from ubep.group import GroupInfo
 from ubep.layout import prefix_offsets
 from ubep.nodes import NodeMap
 from ubep.protocols.base import DTYPE_CODES, Received, SendPlan, Sizing, rows
-from ubep.protocols.call_header import NONE, WORDS, CallHeader, check_peer
+from ubep.protocols.call_header import NONE, WORDS, CallHeader, check_peer, other_call_check
 from ubep.protocols.call_header import phase as header_phase
 from ubep.results import DispatchHandle, RecvRoute
-from ubep.waiting import PeerAbortedError
+from ubep.waiting import blame_of
 
 COUNT = WORDS  # the header word after the call header: rows in this message
 
@@ -216,11 +216,7 @@ class HierFabric(HierExchange):
     def _landed(self, lane: str, call: CallId, mine: torch.Tensor):
         """Each rail peer's message of `call` on `lane` as it lands, its call header checked."""
         peers = [p for _, p in self._rail_peers()]
-        where = header_phase(call)
-
-        def differ(peer: int, theirs: torch.Tensor) -> None:
-            check_peer(where, self.me, mine, peer, theirs[:WORDS])
-
+        where, differ = header_phase(call), other_call_check(call, self.me, mine)
         for msg in self.fabric.arrivals(lane, call, peers, f"{call.kind} (across nodes)", differ):
             check_peer(where, self.me, mine, msg.peer, msg.header[:WORDS])
             yield msg
@@ -303,10 +299,7 @@ class HierFabric(HierExchange):
 
     def _give_up(self, call: CallId, error: UbepError) -> None:
         """This rank leaves `call` on `error`: its node peers and rail peers learn it (blame passed on)."""
-        culprit = getattr(error, "culprit", None)
-        if isinstance(error, PeerAbortedError) and culprit is None:
-            culprit = error.peer
-        self._tell(call, culprit, rejected=False)
+        self._tell(call, blame_of(error), rejected=False)
         self.t.abort(call)
 
     def _tell(self, call: CallId, culprit: int | None, rejected: bool) -> None:

@@ -31,7 +31,7 @@ import torch
 
 from ubep.calls import KINDS, METHODS, CallId
 from ubep.errors import PeerDataError
-from ubep.waiting import AbortNotice
+from ubep.waiting import AbortNotice, PeerAbortedError
 
 MASK_LANE = "mask"  # every engine's own lane: the rounds of `mask_ranks`
 
@@ -161,6 +161,24 @@ def abort_notice(culprit: int, kind: int, rejected: int, seq: int) -> AbortNotic
     else:
         reason = f"it gave up on its {method} (call #{seq}) because rank {culprit} failed"
     return AbortNotice(reason, None if culprit < 0 else culprit)
+
+
+def is_this_call(
+    phase: str, call: CallId, peer: int, seq: int, kind: int, notice: Callable[[int], AbortNotice | None]
+) -> bool:
+    """Whether `peer`'s landed message, framed (seq, kind), is of `call`: False for an older call's (one
+    this rank gave up on: the engine drops it); raises PeerAbortedError when the peer is ahead because it
+    gave up on `call` (`notice(peer)`), and PeerDataError when the peer is in another call."""
+    if seq < call.seq:
+        return False
+    if seq > call.seq and (said := notice(peer)) is not None:
+        raise PeerAbortedError(phase, peer, said)  # it gave up on this call and went on
+    if seq != call.seq or kind != KINDS[call.kind]:
+        raise PeerDataError(
+            f"{phase}: rank {peer} sent a message of call #{seq} ({kind}), this rank is in "
+            f"call #{call.seq} ({call.kind}): the ranks' calls are out of step"
+        )
+    return True
 
 
 def notice_key(peer: int, seq: int, kind: int) -> tuple[int, int, bool]:

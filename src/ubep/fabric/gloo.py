@@ -46,10 +46,11 @@ from ubep.fabric.base import (
     Outgoing,
     abort_notice,
     agree_on_mask,
+    is_this_call,
     mask_lane,
     notice_key,
 )
-from ubep.waiting import AbortNotice, PeerAbortedError, Waiter
+from ubep.waiting import AbortNotice, Waiter
 
 FRAME = 4  # int64 words before the header: header words, payload bytes, kind, seq (last: it says the
 WORDS, NBYTES, KIND, SEQ = range(FRAME)  # frame has landed)
@@ -194,22 +195,16 @@ class GlooFabric:
     ) -> Iterator[Message]:
         i, half = self.lanes[lane], call.seq % 2
         pending = [p for p in peers if p != self.rank]
-        waiter = Waiter(phase, self.timeout_s, lambda p: p in self._pids.dead(), self._abort_of(call))
+        notice = self._abort_of(call)
+        waiter = Waiter(phase, self.timeout_s, lambda p: p in self._pids.dead(), notice)
         while pending:
             landed = []
             for p in pending:
                 while (frame := self._frame(i, p, half)) is not None:
                     seq, kind, words, nbytes = frame
-                    if seq < call.seq:  # an older call's message, one this rank gave up on: dropped
-                        self._post((i, p, half))
+                    if not is_this_call(phase, call, p, seq, kind, notice):
+                        self._post((i, p, half))  # an older call's message: dropped
                         continue
-                    if seq > call.seq and (notice := self._abort_of(call)(p)) is not None:
-                        raise PeerAbortedError(phase, p, notice)  # it gave up on this call and went on
-                    if seq != call.seq or kind != KINDS[call.kind]:
-                        raise PeerDataError(
-                            f"{phase}: rank {p} sent a message of call #{seq} ({kind}), this rank is in "
-                            f"call #{call.seq} ({call.kind}): the ranks' calls are out of step"
-                        )
                     landed.append((p, words, nbytes))
                     self._retire(p, seq)
                     break

@@ -62,8 +62,17 @@ from ubep.calls import KINDS, CallId
 from ubep.deadlines import PeerPids, collective_deadline
 from ubep.errors import PeerDataError
 from ubep.extras import install_hint
-from ubep.fabric.base import Lane, Message, Outgoing, abort_notice, agree_on_mask, mask_lane, notice_key
-from ubep.waiting import AbortNotice, PeerAbortedError, Waiter
+from ubep.fabric.base import (
+    Lane,
+    Message,
+    Outgoing,
+    abort_notice,
+    agree_on_mask,
+    is_this_call,
+    mask_lane,
+    notice_key,
+)
+from ubep.waiting import AbortNotice, Waiter
 
 BACKEND = "UCX"
 MESSAGE = struct.Struct("<cBBqqqq")  # b"M", lane, half, seq, kind, header words, payload bytes
@@ -315,7 +324,8 @@ class NixlFabric:
     ) -> Iterator[Message]:
         i, half = self.lanes[lane], call.seq % 2
         pending = [p for p in peers if p != self.rank]
-        waiter = Waiter(phase, self.timeout_s, self._gone, self._abort_of(call))
+        notice = self._abort_of(call)
+        waiter = Waiter(phase, self.timeout_s, self._gone, notice)
         while pending:
             self._progress()
             landed = []
@@ -325,16 +335,9 @@ class NixlFabric:
                 if (frame := self._frame((i, p, half))) is None:
                     continue
                 seq, kind, words, nbytes = frame
-                if seq < call.seq:  # an older call's message, one this rank gave up on: dropped
-                    self._release((i, p, half))
+                if not is_this_call(phase, call, p, seq, kind, notice):
+                    self._release((i, p, half))  # an older call's message: dropped
                     continue
-                if seq > call.seq and (notice := self._abort_of(call)(p)) is not None:
-                    raise PeerAbortedError(phase, p, notice)  # it gave up on this call and went on
-                if seq != call.seq or kind != KINDS[call.kind]:
-                    raise PeerDataError(
-                        f"{phase}: rank {p} sent a message of call #{seq} ({kind}), this rank is in "
-                        f"call #{call.seq} ({call.kind}): the ranks' calls are out of step"
-                    )
                 landed.append((p, words, nbytes))
             for p, words, nbytes in landed:
                 pending.remove(p)

@@ -133,6 +133,14 @@ def phase(call: CallId) -> str:
     return f"{PHASES[call.kind]} (call header)"
 
 
+def other_call_check(call: CallId, me: int, mine: torch.Tensor) -> Callable[[int, torch.Tensor], None]:
+    """A fabric's `other_call` for `call`: a peer's message of this seq on another lane (it is in another
+    kind of call) raises in the call header's words, `theirs` a message header (int64, the call header
+    first)."""
+    where = phase(call)
+    return lambda peer, theirs: check_peer(where, me, mine, peer, theirs[:WORDS])
+
+
 def check(headers_RW: torch.Tensor, where: str, names: tuple[int, ...]) -> None:
     """Raise on every rank alike if any rank rejected the call or any two headers differ;
     row i is the header of the rank errors call `names[i]`."""

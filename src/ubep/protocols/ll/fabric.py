@@ -30,7 +30,7 @@ from ubep.errors import PeerDataError, UbepError
 from ubep.fabric.base import Fabric, Lane
 from ubep.layout import prefix_offsets
 from ubep.protocols.base import Sizing
-from ubep.protocols.call_header import WORDS, CallHeader, check_peer
+from ubep.protocols.call_header import WORDS, CallHeader, check_peer, other_call_check
 from ubep.protocols.call_header import phase as header_phase
 from ubep.protocols.ll.plans import (
     LLCombinePlan,
@@ -42,7 +42,7 @@ from ubep.protocols.ll.plans import (
     reduce_returned,
     returned_rows,
 )
-from ubep.waiting import PeerAbortedError
+from ubep.waiting import blame_of
 
 
 def lanes(s: Sizing) -> tuple[Lane, ...]:
@@ -132,7 +132,7 @@ class LLFabric:
                 begin_L = begin_L + counts_L
                 turn += 1
 
-        phase, differ = "low-latency dispatch (tokens)", self._differ(call, mine)
+        phase, differ = "low-latency dispatch (tokens)", other_call_check(call, self.me, mine)
         try:
             place_ready()
             for msg in self.fabric.arrivals("ll_dispatch", call, self._peers(), phase, differ):
@@ -199,7 +199,7 @@ class LLFabric:
         rows_PB = torch.empty(int(at[-1]), B, dtype=torch.uint8, device="cpu")
         rows_PB[int(at[self.me]) : int(at[self.me + 1])] = own_QB
         try:
-            phase, differ = "low-latency combine", self._differ(call, mine)
+            phase, differ = "low-latency combine", other_call_check(call, self.me, mine)
             for msg in self.fabric.arrivals("ll_combine", call, self._peers(), phase, differ):
                 peer = msg.peer
                 check_peer(header_phase(call), self.me, mine, peer, msg.header[:WORDS])
@@ -216,21 +216,13 @@ class LLFabric:
 
     # -- failures ---------------------------------------------------------------------------------
 
-    def _differ(self, call: CallId, mine: torch.Tensor):
-        """The fabric's `other_call`: a peer's message of this call's seq on another lane (another kind
-        of call) raises in the header's words."""
-        return lambda peer, theirs: check_peer(header_phase(call), self.me, mine, peer, theirs[:WORDS])
-
     def _bad(self, call: CallId, culprit: int, message: str) -> PeerDataError:
         self.fabric.abort(call, culprit)
         self._aborted = call.seq
         return PeerDataError(message)
 
     def _give_up(self, call: CallId, error: UbepError) -> None:
-        culprit = getattr(error, "culprit", None)
-        if isinstance(error, PeerAbortedError) and culprit is None:
-            culprit = error.peer
-        self._abort(call, culprit, rejected=False)
+        self._abort(call, blame_of(error), rejected=False)
 
     def abort(self, call: CallId, kind: str) -> None:
         """The Buffer gives up on `call` outside the halves (it rejected this rank's input): tell the

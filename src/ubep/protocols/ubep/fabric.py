@@ -36,10 +36,10 @@ from ubep.errors import PeerDataError, UbepError
 from ubep.fabric.base import Fabric, Lane, Message
 from ubep.layout import destination_major, localize_for_destinations
 from ubep.protocols.base import DTYPE_CODES, Received, SendPlan, Sizing
-from ubep.protocols.call_header import NONE, WORDS, CallHeader, check_peer
+from ubep.protocols.call_header import NONE, WORDS, CallHeader, check_peer, other_call_check
 from ubep.protocols.call_header import phase as header_phase
 from ubep.results import DispatchHandle, RecvRoute
-from ubep.waiting import PeerAbortedError
+from ubep.waiting import blame_of
 
 COUNT, TOKENS = WORDS, WORDS + 1  # header words after the call header: rows in this message, tokens sent
 
@@ -153,7 +153,7 @@ class UbepFabric:
                     self.fabric.release("dispatch", done, call)
 
         place(self.me, landed[self.me][0])
-        differ = self._differ(call, mine)
+        differ = other_call_check(call, self.me, mine)
         for msg in self.fabric.arrivals("dispatch", call, self._peers(), "dispatch (tokens)", differ):
             count, meta_nX, rows_nX = self._check_dispatch(call, msg, mine, X, x_NX.dtype, K, handle)
             landed[msg.peer] = (count, meta_nX, rows_nX)
@@ -271,7 +271,9 @@ class UbepFabric:
         a, z = int(handle.recv_prefix_R1[self.me]), int(handle.recv_prefix_R1[self.me + 1])
         blocks[self.me] = (x_MH[a:z], None if w_MK is None else w_MK[a:z])
         add(self.me, z - a)
-        for msg in self.fabric.arrivals("combine", call, self._peers(), "combine", self._differ(call, mine)):
+        for msg in self.fabric.arrivals(
+            "combine", call, self._peers(), "combine", other_call_check(call, self.me, mine)
+        ):
             peer = msg.peer
             check_peer(header_phase(call), self.me, mine, peer, msg.header[:WORDS])
             count, want = int(msg.header[COUNT]), int(handle.send_counts_R[peer])
@@ -286,11 +288,6 @@ class UbepFabric:
 
     # -- failures and membership -------------------------------------------------------------------
 
-    def _differ(self, call: CallId, mine: torch.Tensor):
-        """The fabric's `other_call`: a peer's message of this call's seq on another lane (it is in
-        another kind of call) raises in the call header's words."""
-        return lambda peer, theirs: check_peer(header_phase(call), self.me, mine, peer, theirs[:WORDS])
-
     def _bad(self, call: CallId, culprit: int, message: str) -> PeerDataError:
         """Blame `culprit` for a value that failed a check: every peer learns it at once."""
         self.fabric.abort(call, culprit)
@@ -299,10 +296,7 @@ class UbepFabric:
 
     def _give_up(self, call: CallId, error: UbepError) -> None:
         """This rank leaves `call` on `error`: tell the peers (passing on the blame), once."""
-        culprit = getattr(error, "culprit", None)
-        if isinstance(error, PeerAbortedError) and culprit is None:
-            culprit = error.peer
-        self._abort(call, culprit, rejected=False)
+        self._abort(call, blame_of(error), rejected=False)
 
     def abort(self, call: CallId) -> None:
         """The Buffer gives up on `call` outside the halves (it rejected this rank's input): tell the
