@@ -1,0 +1,203 @@
+"""Compiling the numba kernels once per host: one process compiles, the others wait, then load.
+
+    ready_engine -> [once_per_host(warm-up)] -> numba's disk cache (`cache=True`)
+
+numba compiles a function on its first call in a process, or loads it from its disk
+cache. Rank processes started together would each compile the same functions at the
+same time (8 ranks on 2 cores: minutes). So a warm-up (a named set of calls: the
+engine's kernels, one protocol's normal-mode halves, the low-latency halves) runs under
+an exclusive lock (`fcntl.flock`) on a file in the cache directory, one process at a
+time; once it has run, it leaves a marker naming the warm-up and the sources it was
+compiled from, and later processes run that warm-up without the lock, loading side by
+side. A process that finds the lock held waits (within its deadline, and says so),
+then loads what the holder compiled.
+
+Example (4 ranks, empty cache, warm-ups "engine" and "ubep"): rank 2 takes the lock and
+compiles both (20 s, one INFO line while it does); ranks 0, 1 and 3 wait (one line each),
+then each takes the lock in turn, finds the markers and loads (milliseconds). The next job
+finds every marker and loads without the lock, all ranks at once.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import importlib.util
+import logging
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import numba
+from numba.core import caching, config
+from numba.core.dispatcher import Dispatcher
+
+from ubep.engine import numba_kernels
+from ubep.errors import CompileWaitTimeoutError
+
+log = logging.getLogger("ubep")  # `ubep.settings.LOGGER`, which imports the engines
+
+LOCK_FILE = "ubep-compile.lock"
+ANNOUNCE_S = 1.5  # a compile (or a wait for one) that lasts longer is logged at INFO while it lasts
+POLL_S = 0.05  # how often a waiting process tries the lock
+# Every module that holds compiled functions: their sources name the markers, so an edited
+# source takes the lock again (numba then recompiles what changed).
+MODULES = (
+    "ubep.engine.numba_kernels",
+    "ubep.engine.numba_sync",
+    "ubep.protocols.normal.numba_halves",
+    "ubep.protocols.ubep.numba_halves",
+    "ubep.protocols.bsp.numba_halves",
+    "ubep.protocols.ll.numba_halves",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class CacheLocation:
+    """Where numba keeps ubep's compiled code (None: no writable directory, so every process
+    compiles), and why there when it is not where it was asked for ("" otherwise)."""
+
+    path: str | None
+    note: str
+
+
+def cache_location() -> CacheLocation:
+    """Where the kernels are cached, with a note when numba fell back from a read-only directory."""
+    path = numba_kernels.cache_dir(numba_kernels.copy_rows)
+    if path is None:
+        return CacheLocation(None, "no writable cache directory: every process compiles its own kernels")
+    locator = numba_kernels.copy_rows._cache._impl.locator
+    if config.CACHE_DIR and not isinstance(locator, caching.UserProvidedCacheLocator):
+        return CacheLocation(path, f"NUMBA_CACHE_DIR={config.CACHE_DIR} is not writable: using {path}")
+    if isinstance(locator, caching.UserWideCacheLocator):
+        here = os.path.dirname(numba_kernels.__file__)
+        return CacheLocation(path, f"{here} is read-only: using the user cache directory {path}")
+    return CacheLocation(path, "")
+
+
+def once_per_host(warm_ups: Mapping[str, Callable[[], None]], deadline: float | None = None) -> None:
+    """Run each warm-up (by name), compiling what it needs at most once on this host (see the
+    module doc); those never run here run under the lock, with one INFO line if they are slow.
+
+    `deadline` (time.monotonic) bounds the wait for another process's compile:
+    CompileWaitTimeoutError past it.
+    """
+    location = cache_location()
+    where = location.path
+    if location.note:  # a fallback from a read-only directory, or no cache at all
+        (log.info if where else log.warning)("numba cache: %s", location.note)
+    if where is None:
+        return _run(warm_ups.values())
+    fingerprint = _fingerprint()
+    marker = {name: os.path.join(where, f"ubep-warm-{name}-{fingerprint}") for name in warm_ups}
+    _run(warm for name, warm in warm_ups.items() if os.path.exists(marker[name]))
+    new = [name for name in warm_ups if not os.path.exists(marker[name])]
+    if not new:
+        return None
+    with _host_lock(where, deadline):
+        done = [name for name in new if os.path.exists(marker[name])]  # compiled while this one waited
+        _run(warm_ups[name] for name in done)
+        todo = [name for name in new if name not in done]
+        with _announced(f"compiling ubep's numba kernels ({', '.join(todo)}) once for this host, in {where}"):
+            for name in todo:
+                warm_ups[name]()
+                with open(marker[name], "w"):
+                    pass
+    return None
+
+
+def _run(warm_ups: Iterable[Callable[[], None]]) -> None:
+    for warm in warm_ups:
+        warm()
+
+
+def kernel_stats() -> dict[str, tuple[int, int]]:
+    """For each of ubep's compiled functions loaded in this process, "module.name": (signatures
+    compiled here, signatures loaded from the disk cache). A function compiled as part of another
+    that came from the cache is in neither count."""
+    stats = {}
+    for module_name in MODULES:
+        module = sys.modules.get(module_name)
+        for attr in vars(module).values() if module is not None else ():
+            if isinstance(attr, Dispatcher) and attr.py_func.__module__ == module_name:
+                s = attr.stats
+                stats[f"{module_name}.{attr.__name__}"] = (
+                    sum(s.cache_misses.values()),
+                    sum(s.cache_hits.values()),
+                )
+    return stats
+
+
+def describe() -> str:
+    """Whether this process's kernels came from the cache, and where it lives (`Buffer.explain`)."""
+    compiled, loaded = (sum(n) for n in zip(*kernel_stats().values(), (0, 0), strict=True))
+    where = cache_location()
+    origin = (
+        f"{compiled} compiled in this process, {loaded} loaded from the cache"
+        if compiled
+        else f"{loaded} loaded from the cache"
+    )
+    return f"{origin} ({where.note or where.path})"
+
+
+def _fingerprint() -> str:
+    """Names numba's version, Python's and the compiled modules' sources (size and time)."""
+    parts = [numba.__version__, sys.version]
+    for name in MODULES:
+        spec = importlib.util.find_spec(name)
+        st = os.stat(spec.origin) if spec is not None and spec.origin else None
+        parts.append(f"{name}:{st.st_size}:{st.st_mtime_ns}" if st else name)
+    return hashlib.sha1("\n".join(parts).encode(), usedforsecurity=False).hexdigest()[:16]
+
+
+@contextmanager
+def _host_lock(where: str, deadline: float | None) -> Iterator[None]:
+    """Hold the host's compile lock (a file in `where`); wait for it until `deadline`."""
+    path = os.path.join(where, LOCK_FILE)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        _acquire(fd, path, deadline)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)  # for the waiters' messages
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def _acquire(fd: int, path: str, deadline: float | None) -> None:
+    start = time.monotonic()
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+    why = f"another process (pid {holder}) compiling ubep's numba kernels for this host ({path})"
+    with _announced(f"waiting for {why}; this process loads them after"):
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return
+            except BlockingIOError:
+                pass
+            if deadline is not None and time.monotonic() >= deadline:
+                raise CompileWaitTimeoutError(
+                    f"Buffer construction: waited {time.monotonic() - start:.0f} s (its deadline) for {why}; "
+                    "run `ubep warm` once on this host before starting the ranks, or raise timeout_s"
+                )
+            time.sleep(POLL_S)
+
+
+@contextmanager
+def _announced(message: str) -> Iterator[None]:
+    """Log `message` at INFO if the block is still running after ANNOUNCE_S."""
+    timer = threading.Timer(ANNOUNCE_S, log.info, args=(message,))
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
