@@ -14,8 +14,8 @@ then loads what the holder compiled.
 
 Example (4 ranks, empty cache, warm-ups "engine" and "ubep"): rank 2 takes the lock and
 compiles both (20 s, one INFO line while it does); ranks 0, 1 and 3 wait (one line each),
-then each takes the lock in turn, finds the markers and loads (milliseconds). The next job
-finds every marker and loads without the lock, all ranks at once.
+then each takes the lock in turn, finds the markers, lets go of it and loads (milliseconds).
+The next job finds every marker and loads without the lock, all ranks at once.
 """
 
 from __future__ import annotations
@@ -81,7 +81,8 @@ def cache_location() -> CacheLocation:
 
 def once_per_host(warm_ups: Mapping[str, Callable[[], None]], deadline: float | None = None) -> None:
     """Run each warm-up (by name), compiling what it needs at most once on this host (see the
-    module doc); those never run here run under the lock, with one INFO line if they are slow.
+    module doc): those not yet run on this host run under the lock (one INFO line if slow), the
+    others after it, loading from the cache.
 
     `deadline` (time.monotonic) bounds the wait for another process's compile:
     CompileWaitTimeoutError past it.
@@ -94,20 +95,17 @@ def once_per_host(warm_ups: Mapping[str, Callable[[], None]], deadline: float | 
         return _run(warm_ups.values())
     fingerprint = _fingerprint()
     marker = {name: os.path.join(where, f"ubep-warm-{name}-{fingerprint}") for name in warm_ups}
-    _run(warm for name, warm in warm_ups.items() if os.path.exists(marker[name]))
-    new = [name for name in warm_ups if not os.path.exists(marker[name])]
-    if not new:
-        return None
-    with _host_lock(where, deadline):
-        done = [name for name in new if os.path.exists(marker[name])]  # compiled while this one waited
-        _run(warm_ups[name] for name in done)
-        todo = [name for name in new if name not in done]
-        with _announced(f"compiling ubep's numba kernels ({', '.join(todo)}) once for this host, in {where}"):
-            for name in todo:
-                warm_ups[name]()
-                with open(marker[name], "w"):
-                    pass
-    return None
+    todo = [name for name in warm_ups if not os.path.exists(marker[name])]
+    if todo:
+        with _host_lock(where, deadline):
+            todo = [name for name in todo if not os.path.exists(marker[name])]  # not compiled meanwhile
+            names = ", ".join(todo)
+            with _announced(f"compiling ubep's numba kernels ({names}) once for this host, in {where}"):
+                for name in todo:
+                    warm_ups[name]()
+                    with open(marker[name], "w"):
+                        pass
+    return _run(warm for name, warm in warm_ups.items() if name not in todo)  # loads, side by side
 
 
 def _run(warm_ups: Iterable[Callable[[], None]]) -> None:
