@@ -62,7 +62,7 @@ def test_warm_fills_the_cache_and_says_where(capsys):
     pytest.importorskip("numba")
     assert main(["warm"]) == 0
     line = capsys.readouterr().out.strip()
-    assert line.startswith("ubep warm: kernels ") and "loaded from the cache (" in line, line
+    assert line.startswith("ubep warm: kernels ") and "loaded from the cache, cached in " in line, line
 
 
 def test_version_names_the_installed_package(capsys):

@@ -303,6 +303,7 @@ class Buffer:
         """Which transport, protocol and engine run here, and why; where each setting came from.
         One line per topic, each setting on a line of its own."""
         origin = getattr(self.engine, "kernels_origin", None)  # the numba engine's: cached or compiled
+        kernels = f"; kernels {origin()}" if origin is not None else ""
         halves = getattr(
             self._exchange,
             "halves",
@@ -311,8 +312,7 @@ class Buffer:
         lines = [
             f"rank {self._info.rank}/{self._info.world_size}: protocol {self._exchange_name()}",
             f"  transport {self.transport} ({self._transport_reason})",
-            f"  engine {self.engine.name} ({self._engine_reason})",
-            *([f"  kernels {origin()}"] if origin is not None else []),
+            f"  engine {self.engine.name} ({self._engine_reason}){kernels}",
             f"  call halves {halves}",
             *([f"  low-latency halves {self._ll.halves}"] if hasattr(self._ll, "halves") else []),
             "  settings (each value and where it came from):",

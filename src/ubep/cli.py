@@ -367,11 +367,13 @@ def add_warm(subparsers) -> None:
 def run_warm(args: argparse.Namespace) -> int:
     """One line: how many functions were compiled or loaded, where the cache lives, how long it took."""
     require("ubep warm", "numba", "fast")
+    from ubep.engine.compile_once import cache_location
     from ubep.factory import ready_engine
 
     start = time.perf_counter()
     engine, _ = ready_engine("numba")  # every warm-up: both protocols, both modes
-    print(f"ubep warm: kernels {engine.kernels_origin()}, in {time.perf_counter() - start:.1f} s")
+    seconds, where = time.perf_counter() - start, cache_location().path
+    print(f"ubep warm: kernels {engine.kernels_origin()}, cached in {where}, {seconds:.1f} s")
     return 0
 
 

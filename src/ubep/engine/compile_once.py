@@ -131,15 +131,12 @@ def kernel_stats() -> dict[str, tuple[int, int]]:
 
 
 def describe() -> str:
-    """Whether this process's kernels came from the cache, and where it lives (`Buffer.explain`)."""
+    """Whether this process's kernels came from the cache (`Buffer.explain`), and why the cache is
+    where it is, if not where it was asked for."""
     compiled, loaded = (sum(n) for n in zip(*kernel_stats().values(), (0, 0), strict=True))
-    where = cache_location()
-    origin = (
-        f"{compiled} compiled in this process, {loaded} loaded from the cache"
-        if compiled
-        else f"{loaded} loaded from the cache"
-    )
-    return f"{origin} ({where.note or where.path})"
+    origin = f"{compiled} compiled in this process, " if compiled else ""
+    note = cache_location().note
+    return f"{origin}{loaded} loaded from the cache" + (f" ({note})" if note else "")
 
 
 def _fingerprint() -> str:
