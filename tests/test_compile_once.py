@@ -86,6 +86,31 @@ def test_a_wait_past_the_deadline_names_the_compiling_process(tmp_path):
         pass
 
 
+def test_a_holder_that_shows_progress_is_waited_for_past_the_deadline(tmp_path, monkeypatch):
+    """A slow compile (the holder's heartbeat goes on) is no stall: the waiter waits it out."""
+    import threading
+
+    from ubep.engine import compile_once
+
+    monkeypatch.setattr(compile_once, "HEARTBEAT_S", 0.05)
+    holding, done = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with compile_once._host_lock(str(tmp_path), deadline=None):
+            holding.set()
+            done.wait(10)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    holding.wait(10)
+    threading.Timer(1.0, done.set).start()  # a compile of 1 s, against a deadline of 0.3 s
+    start = time.monotonic()
+    with compile_once._host_lock(str(tmp_path), deadline=start + 0.3):
+        waited = time.monotonic() - start
+    holder.join(10)
+    assert waited >= 0.9, waited
+
+
 def test_an_unwritable_cache_directory_falls_back_and_says_so(tmp_path):
     blocked = tmp_path / "a_file"
     blocked.write_text("not a directory")

@@ -9,8 +9,10 @@ engine's kernels, one protocol's normal-mode halves, the low-latency halves) run
 an exclusive lock (`fcntl.flock`) on a file in the cache directory, one process at a
 time; once it has run, it leaves a marker naming the warm-up and the sources it was
 compiled from, and later processes run that warm-up without the lock, loading side by
-side. A process that finds the lock held waits (within its deadline, and says so),
-then loads what the holder compiled.
+side. A process that finds the lock held waits (and says so), then loads what the holder
+compiled. The wait counts against the waiter's construction deadline for as long as the
+holder shows no heartbeat (it touches the lock file every HEARTBEAT_S): a stopped or hung
+holder ends the wait at the deadline, a slow compile on a loaded host does not.
 
 Example (4 ranks, empty cache, warm-ups "engine" and "ubep"): rank 2 takes the lock and
 compiles both (20 s, one INFO line while it does); ranks 0, 1 and 3 wait (one line each),
@@ -44,6 +46,7 @@ log = logging.getLogger("ubep")  # `ubep.settings.LOGGER`, which imports the eng
 LOCK_FILE = "ubep-compile.lock"
 ANNOUNCE_S = 1.5  # a compile (or a wait for one) that lasts longer is logged at INFO while it lasts
 POLL_S = 0.05  # how often a waiting process tries the lock
+HEARTBEAT_S = 1.0  # how often the holder touches the lock file: a waiter's sign that it is compiling
 # Every module that holds compiled functions: their sources name the markers, so an edited
 # source takes the lock again (numba then recompiles what changed).
 MODULES = (
@@ -151,19 +154,31 @@ def _fingerprint() -> str:
 
 @contextmanager
 def _host_lock(where: str, deadline: float | None) -> Iterator[None]:
-    """Hold the host's compile lock (a file in `where`); wait for it until `deadline`."""
+    """Hold the host's compile lock (a file in `where`), touching the file every HEARTBEAT_S while
+    held; wait for it until `deadline` (see `_acquire`)."""
     path = os.path.join(where, LOCK_FILE)
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    released = threading.Event()
     try:
         _acquire(fd, path, deadline)
         os.ftruncate(fd, 0)
         os.pwrite(fd, str(os.getpid()).encode(), 0)  # for the waiters' messages
+        threading.Thread(target=_beat, args=(path, released), daemon=True).start()
         yield
     finally:
+        released.set()
         os.close(fd)  # releases the lock
 
 
+def _beat(path: str, released: threading.Event) -> None:
+    """The holder's heartbeat: the lock file's time, renewed until `released`."""
+    while not released.wait(HEARTBEAT_S):
+        os.utime(path)
+
+
 def _acquire(fd: int, path: str, deadline: float | None) -> None:
+    """Take the lock; a waiter gives up (CompileWaitTimeoutError) once the holder has shown no
+    heartbeat for as long as it had left until `deadline` when it began to wait."""
     start = time.monotonic()
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -171,6 +186,8 @@ def _acquire(fd: int, path: str, deadline: float | None) -> None:
     except BlockingIOError:
         holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
     why = f"another process (pid {holder}) compiling ubep's numba kernels for this host ({path})"
+    budget = None if deadline is None else deadline - start
+    beat, seen = os.stat(path).st_mtime_ns, start
     with _announced(f"waiting for {why}; this process loads them after"):
         while True:
             try:
@@ -178,10 +195,13 @@ def _acquire(fd: int, path: str, deadline: float | None) -> None:
                 return
             except BlockingIOError:
                 pass
-            if deadline is not None and time.monotonic() >= deadline:
+            now, last = time.monotonic(), os.stat(path).st_mtime_ns
+            beat, seen = last, (now if last != beat else seen)
+            if budget is not None and now - seen >= budget:
                 raise CompileWaitTimeoutError(
-                    f"Buffer construction: waited {time.monotonic() - start:.0f} s (its deadline) for {why}; "
-                    "run `ubep warm` once on this host before starting the ranks, or raise timeout_s"
+                    f"Buffer construction: waited {now - start:.0f} s for {why}, which has shown no sign of "
+                    f"progress for {budget:.0f} s (the construction deadline); run `ubep warm` once on this "
+                    "host before starting the ranks, or raise timeout_s"
                 )
             time.sleep(POLL_S)
 
