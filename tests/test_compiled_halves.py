@@ -8,6 +8,9 @@ Python-level call count shows that a call is a few steps, not a walk over ranks.
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
 import sys
 import threading
 
@@ -22,6 +25,8 @@ from ubep.transport.virtual import VirtualWorld
 
 pytest.importorskip("numba")
 from numba.core import event
+
+HERE = os.path.dirname(os.path.abspath(__file__))
 
 CASES = [
     Scenario(name="hidden-7-fp32", num_ranks=3, num_experts=6, hidden=7, dtype=torch.float32, seed=11),
@@ -235,13 +240,27 @@ def _kinds_on(rank, protocol, x, idx, w, sc, compiles: CompilesByThread) -> list
         return compiles.here()[built:]
 
 
-def test_no_call_compiles() -> None:
-    """Construction warms up the halves of its protocol and modes for every payload; no call then
-    compiles anything (seconds, with its peers waiting): numba's compile events in each rank's
-    thread, between the end of construction and the last call."""
+def every_kind_of_call_compiles() -> None:
+    """Each rank's compiles inside calls, as JSON on stdout (run in a fresh interpreter)."""
     compiles = CompilesByThread()
     with event.install_listener("numba:compile", compiles):
-        inside = VirtualWorld(2, timeout_s=120).run(lambda rank: _every_kind_of_call(rank, compiles))
+        inside = VirtualWorld(2, timeout_s=300).run(lambda rank: _every_kind_of_call(rank, compiles))
+    print(json.dumps(inside))
+
+
+def test_no_call_compiles(tmp_path) -> None:
+    """Construction warms up the halves of its protocol and modes for every payload; no call then
+    compiles anything (seconds, with its peers waiting): numba's compile events in each rank's
+    thread, between the end of construction and the last call. In a fresh interpreter on an empty
+    cache: in this one, or on a cache that holds every half, a call would find what it needs."""
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path)}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (HERE, env.get("PYTHONPATH", "")) if p)
+    code = "import test_compiled_halves as t; t.every_kind_of_call_compiles()"
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600, check=False
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    inside = json.loads(done.stdout.strip().splitlines()[-1])
     assert inside == [[], []], f"compiled inside calls, by rank: {inside}"
 
 
