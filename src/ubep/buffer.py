@@ -208,8 +208,8 @@ class Buffer:
         self.ll_flag, self.capturable = ll_flag, bool(capturable)
         self.timeout_s = validate.seconds("timeout_s", timeout_s)
         construct_s = max(self.timeout_s, CONSTRUCTION_MIN_TIMEOUT_S)
-        # Slow where this host never compiled the halves: before the ranks meet, and waiting for
-        # another process's compile counts against construction's deadline.
+        # Slow where this host never compiled the halves: before the ranks meet. Waiting for another
+        # process's compile counts against construction's deadline while that compile shows no progress.
         warm_ups = needed(protocol, bool(low_latency), workers)
         self.engine, self._engine_reason = ready_engine(engine, warm_ups, time.monotonic() + construct_s)
         with collective_deadline(torch_group(group), construct_s, "Buffer construction (joining the group)"):

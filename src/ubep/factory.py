@@ -68,8 +68,8 @@ def ready_engine(
     or compiled, so that no call compiles while its peers wait; "auto" falls back to the torch engine,
     with the reason, where a half does not compile here. Slow the first time on a host (each
     warm-up compiles once per host, `ubep.engine.compile_once`): call it before the ranks meet.
-    Waiting for another process's compile past `deadline` (time.monotonic) raises
-    CompileWaitTimeoutError."""
+    Waiting past `deadline` (time.monotonic) for another process's compile that shows no progress
+    raises CompileWaitTimeoutError."""
     return choose_engine(requested, deadline, {name: partial(warm_up, name=name) for name in warm_ups})
 
 

@@ -87,8 +87,8 @@ def once_per_host(warm_ups: Mapping[str, Callable[[], None]], deadline: float | 
     module doc): those not yet run on this host run under the lock (one INFO line if slow), the
     others after it, loading from the cache.
 
-    `deadline` (time.monotonic) bounds the wait for another process's compile:
-    CompileWaitTimeoutError past it.
+    `deadline` (time.monotonic) bounds the wait for another process's compile while that process
+    shows no progress: CompileWaitTimeoutError past it (see `_acquire`).
     """
     location = cache_location()
     where = location.path

@@ -110,7 +110,8 @@ class NumbaEngine:
 
         Returns where the compiled code is cached; raises RuntimeError if a kernel gives a wrong
         answer or leaves an example to the torch engine (numba's own errors pass through), and
-        CompileWaitTimeoutError if another process's compile outlasts `deadline` (time.monotonic).
+        CompileWaitTimeoutError past `deadline` (time.monotonic) waiting for another process's
+        compile that shows no progress.
         """
         probe = NumbaEngine()
         probe.fallback = NoFallback()
