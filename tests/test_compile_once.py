@@ -28,7 +28,7 @@ def rank_report() -> tuple[dict[str, list[int]], str]:
     import ubep
     from ubep.engine.compile_once import kernel_stats
 
-    with ubep.Buffer(hidden=8, num_experts=4, max_tokens_per_rank=2, engine="numba", timeout_s=300) as buf:
+    with ubep.Buffer(hidden=8, num_experts=4, max_tokens_per_rank=2, engine="numba", timeout_s=200) as buf:
         return kernel_stats(), buf.explain()
 
 
@@ -36,7 +36,7 @@ def launch() -> None:
     """Every rank's report, as JSON on stdout (run in a fresh interpreter: see the test)."""
     import ubep
 
-    print(json.dumps(ubep.LocalLaunch(world_size=RANKS, timeout_s=400).run(rank_report)))
+    print(json.dumps(ubep.LocalLaunch(world_size=RANKS, timeout_s=240).run(rank_report)))
 
 
 def _python(code: str, env: dict[str, str], timeout_s: float) -> subprocess.CompletedProcess:
@@ -50,7 +50,7 @@ def test_four_ranks_on_an_empty_cache_compile_each_function_once(tmp_path):
     # come from a forkserver that keeps the environment it started with.
     env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path), "UBEP_LOG_LEVEL": "INFO"}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (HERE, env.get("PYTHONPATH", "")) if p)
-    done = _python("import test_compile_once as t; t.launch()", env, timeout_s=600)
+    done = _python("import test_compile_once as t; t.launch()", env, timeout_s=280)
     assert done.returncode == 0, done.stderr[-3000:]
     reports = json.loads(done.stdout.strip().splitlines()[-1])
     compiled_by = {}

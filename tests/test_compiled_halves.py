@@ -244,7 +244,7 @@ def every_kind_of_call_compiles() -> None:
     """Each rank's compiles inside calls, as JSON on stdout (run in a fresh interpreter)."""
     compiles = CompilesByThread()
     with event.install_listener("numba:compile", compiles):
-        inside = VirtualWorld(2, timeout_s=300).run(lambda rank: _every_kind_of_call(rank, compiles))
+        inside = VirtualWorld(2, timeout_s=240).run(lambda rank: _every_kind_of_call(rank, compiles))
     print(json.dumps(inside))
 
 
@@ -257,7 +257,7 @@ def test_no_call_compiles(tmp_path) -> None:
     env["PYTHONPATH"] = os.pathsep.join(p for p in (HERE, env.get("PYTHONPATH", "")) if p)
     code = "import test_compiled_halves as t; t.every_kind_of_call_compiles()"
     done = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600, check=False
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=280, check=False
     )
     assert done.returncode == 0, done.stderr[-3000:]
     inside = json.loads(done.stdout.strip().splitlines()[-1])
