@@ -20,4 +20,5 @@ quiet_pip install -q torch==2.13.0
 extras="dev,bench,fast,device,frameworks,observe,nixl"  # nixl: the nixl-cu12 wheel, 68 MB, no CUDA needed
 command -v mpicc >/dev/null 2>&1 && extras="$extras,mpi"
 quiet_pip install -q -e ".[$extras]"
+.venv/bin/ubep warm  # numba's kernels compiled once for this host, so that no Buffer compiles them
 echo "setup: done ($(.venv/bin/python -c 'import torch; print("torch", torch.__version__)'))"

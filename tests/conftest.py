@@ -12,11 +12,12 @@ sys.path.insert(0, os.path.join(os.path.dirname(HERE), "scripts"))
 
 
 def pytest_sessionstart(session) -> None:
-    """Compile the numba kernels (or load them from numba's disk cache) once, in this process,
-    so that rank processes started later find them cached instead of each compiling them."""
-    from ubep.engine import choose_engine
+    """Compile every numba kernel and call half (or load them from numba's disk cache) once, in
+    this process, as `ubep warm` does, so that rank processes started later load them instead of
+    waiting for one of them to compile."""
+    from ubep.factory import ready_engine
 
-    choose_engine("auto")
+    ready_engine("auto")
 
 
 @pytest.fixture

@@ -25,7 +25,7 @@ WITHOUT_NUMBA = """
 import contextlib, io, json, sys
 sys.modules["numba"] = None  # `import numba` now raises ModuleNotFoundError, as without the `fast` extra
 from ubep.cli import main
-for argv in ([], ["bench"], ["simulate"], ["plan"], ["decode"]):
+for argv in ([], ["bench"], ["simulate"], ["plan"], ["decode"], ["warm"]):
     with contextlib.redirect_stdout(io.StringIO()) as out:
         try:
             main([*argv, "--help"])
@@ -55,6 +55,14 @@ def test_every_command_works_without_numba(tmp_path):
     here = tmp_path / "here.json"
     assert main(["simulate", "--ranks", "8", "--tokens", "8", "--json", str(here)]) == 0
     assert json.loads(without.read_text())["results"] == json.loads(here.read_text())["results"]
+
+
+def test_warm_fills_the_cache_and_says_where(capsys):
+    """`ubep warm` (scripts/setup.sh runs it): every warm-up, then one line naming the cache."""
+    pytest.importorskip("numba")
+    assert main(["warm"]) == 0
+    line = capsys.readouterr().out.strip()
+    assert line.startswith("ubep warm: kernels ") and "loaded from the cache, cached in " in line, line
 
 
 def test_version_names_the_installed_package(capsys):

@@ -8,7 +8,11 @@ Python-level call count shows that a call is a few steps, not a walk over ranks.
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
 import sys
+import threading
 
 import numpy as np
 import pytest
@@ -20,6 +24,9 @@ from ubep import fp8, reference
 from ubep.transport.virtual import VirtualWorld
 
 pytest.importorskip("numba")
+from numba.core import event
+
+HERE = os.path.dirname(os.path.abspath(__file__))
 
 CASES = [
     Scenario(name="hidden-7-fp32", num_ranks=3, num_experts=6, hidden=7, dtype=torch.float32, seed=11),
@@ -189,18 +196,37 @@ def test_python_calls_per_low_latency_call(R: int) -> None:
     assert max(outside) <= MAX_PYTHON_CALLS, f"Python calls per low-latency pair at {R} ranks: {outside}"
 
 
-def _every_kind_of_call(rank) -> None:
+class CompilesByThread(event.Listener):
+    """numba's compile events while installed, by the thread that compiled (each virtual rank is one)."""
+
+    def __init__(self) -> None:
+        self.names: dict[int, list[str]] = {}
+
+    def on_start(self, ev: event.Event) -> None:
+        self.names.setdefault(threading.get_ident(), []).append(ev.data["dispatcher"].py_func.__qualname__)
+
+    def on_end(self, ev: event.Event) -> None:
+        pass
+
+    def here(self) -> list[str]:
+        return list(self.names.get(threading.get_ident(), []))
+
+
+def _every_kind_of_call(rank, compiles: CompilesByThread) -> list[str]:
+    """What this rank compiled inside its calls, for each protocol's Buffer."""
     sc = Scenario(name="kinds", num_ranks=2, num_experts=4, hidden=256, seed=19)
     xs, idxs, ws = sc.inputs()
     x, idx, w = xs[rank.rank], idxs[rank.rank], ws[rank.rank]
-    for protocol in ("ubep", "bsp"):
-        _kinds_on(rank, protocol, x, idx, w, sc)
+    return [
+        name for protocol in ("ubep", "bsp") for name in _kinds_on(rank, protocol, x, idx, w, sc, compiles)
+    ]
 
 
-def _kinds_on(rank, protocol, x, idx, w, sc) -> None:
+def _kinds_on(rank, protocol, x, idx, w, sc, compiles: CompilesByThread) -> list[str]:
     with ubep.Buffer(
         rank, hidden=256, num_experts=4, max_tokens_per_rank=sc.capacity, engine="numba", protocol=protocol
     ) as buf:
+        built = len(compiles.here())
         for payload in (x, x.float(), fp8.quantize(x)):
             got = buf.dispatch(payload, topk_idx=idx, topk_weights=w)
             buf.dispatch(payload, handle=got.handle)
@@ -211,24 +237,31 @@ def _kinds_on(rank, protocol, x, idx, w, sc) -> None:
             d = buf.low_latency_dispatch(x.to(dtype), idx, sc.capacity, 4, use_fp8=use_fp8)
             if not use_fp8:
                 buf.low_latency_combine(d.recv_x, idx, w, d.handle)
+        return compiles.here()[built:]
 
 
-def test_no_call_compiles() -> None:
-    """Construction warms every half up for every payload; no call then compiles one (seconds,
-    with its peers waiting)."""
-    from ubep.protocols.ll import numba_halves as ll_halves
-    from ubep.protocols.ubep import numba_halves as ubep_halves
+def every_kind_of_call_compiles() -> None:
+    """Each rank's compiles inside calls, as JSON on stdout (run in a fresh interpreter)."""
+    compiles = CompilesByThread()
+    with event.install_listener("numba:compile", compiles):
+        inside = VirtualWorld(2, timeout_s=240).run(lambda rank: _every_kind_of_call(rank, compiles))
+    print(json.dumps(inside))
 
-    halves = [
-        getattr(m, n)
-        for m in (ubep_halves, ll_halves)
-        for n in dir(m)
-        if n.startswith(("dispatch_", "combine_", "ll_"))
-    ]
-    with ubep.Buffer(hidden=8, num_experts=2, max_tokens_per_rank=2, engine="numba"):
-        warmed = {f.__name__: len(f.signatures) for f in halves}
-    VirtualWorld(2, timeout_s=60).run(_every_kind_of_call)
-    assert {f.__name__: len(f.signatures) for f in halves} == warmed
+
+def test_no_call_compiles(tmp_path) -> None:
+    """Construction warms up the halves of its protocol and modes for every payload; no call then
+    compiles anything (seconds, with its peers waiting): numba's compile events in each rank's
+    thread, between the end of construction and the last call. In a fresh interpreter on an empty
+    cache: in this one, or on a cache that holds every half, a call would find what it needs."""
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path)}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (HERE, env.get("PYTHONPATH", "")) if p)
+    code = "import test_compiled_halves as t; t.every_kind_of_call_compiles()"
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=280, check=False
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    inside = json.loads(done.stdout.strip().splitlines()[-1])
+    assert inside == [[], []], f"compiled inside calls, by rank: {inside}"
 
 
 def test_a_source_landing_during_the_gather_is_still_placed() -> None:

@@ -15,6 +15,7 @@ import functools
 import logging
 import os
 import threading
+import time
 from collections.abc import Iterable
 from importlib.metadata import version
 
@@ -53,6 +54,7 @@ from ubep.protocols.ll.plans import (
     dispatch_plan,
     wire_rows,
 )
+from ubep.protocols.warmup import needed
 from ubep.recording import RecordedExchange, RecordedLowLatency, Recorder
 from ubep.results import (
     CombineResult,
@@ -206,7 +208,10 @@ class Buffer:
         self.ll_flag, self.capturable = ll_flag, bool(capturable)
         self.timeout_s = validate.seconds("timeout_s", timeout_s)
         construct_s = max(self.timeout_s, CONSTRUCTION_MIN_TIMEOUT_S)
-        self.engine, self._engine_reason = ready_engine(engine)  # slow (compiling): before ranks meet
+        # Slow where this host never compiled the halves: before the ranks meet. Waiting for another
+        # process's compile counts against construction's deadline while that compile shows no progress.
+        warm_ups = needed(protocol, bool(low_latency), workers)
+        self.engine, self._engine_reason = ready_engine(engine, warm_ups, time.monotonic() + construct_s)
         with collective_deadline(torch_group(group), construct_s, "Buffer construction (joining the group)"):
             self._info: GroupInfo = join_group(group)
         self._faults = FaultPoints(faults, self._info.rank)
@@ -297,6 +302,8 @@ class Buffer:
     def explain(self) -> str:
         """Which transport, protocol and engine run here, and why; where each setting came from.
         One line per topic, each setting on a line of its own."""
+        origin = getattr(self.engine, "kernels_origin", None)  # the numba engine's: cached or compiled
+        kernels = f"; kernels {origin()}" if origin is not None else ""
         halves = getattr(
             self._exchange,
             "halves",
@@ -305,7 +312,7 @@ class Buffer:
         lines = [
             f"rank {self._info.rank}/{self._info.world_size}: protocol {self._exchange_name()}",
             f"  transport {self.transport} ({self._transport_reason})",
-            f"  engine {self.engine.name} ({self._engine_reason})",
+            f"  engine {self.engine.name} ({self._engine_reason}){kernels}",
             f"  call halves {halves}",
             *([f"  low-latency halves {self._ll.halves}"] if hasattr(self._ll, "halves") else []),
             "  settings (each value and where it came from):",

@@ -1,12 +1,14 @@
 """The `ubep` command line: `ubep bench` compares ubep with the alternatives on this host;
 `ubep simulate` runs the same plans on a model of a superpod; `ubep decode` times a small
 MoE model's decode steps under expert parallelism; `ubep report` reads a stats file
-(`Stats.save`, `ubep bench --stats`) and names the straggler."""
+(`Stats.save`, `ubep bench --stats`) and names the straggler; `ubep warm` fills the numba
+kernels' cache, so that no Buffer on this host compiles."""
 
 from __future__ import annotations
 
 import argparse
 import os
+import time
 from importlib.metadata import version
 
 from ubep.bench.decode import add_parser as add_decode
@@ -352,6 +354,29 @@ def run_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_warm(subparsers) -> None:
+    p = subparsers.add_parser(
+        "warm",
+        help="compile the numba kernels into their cache, once for this host",
+        description="Compile (or load) every numba kernel and call half a Buffer can run, once for "
+        "this host, so that no Buffer built later compiles (scripts/setup.sh runs this).",
+    )
+    p.set_defaults(func=run_warm)
+
+
+def run_warm(args: argparse.Namespace) -> int:
+    """One line: how many functions were compiled or loaded, where the cache lives, how long it took."""
+    require("ubep warm", "numba", "fast")
+    from ubep.engine.compile_once import cache_location
+    from ubep.factory import ready_engine
+
+    start = time.perf_counter()
+    engine, _ = ready_engine("numba")  # every warm-up: both protocols, both modes
+    seconds, where = time.perf_counter() - start, cache_location().path
+    print(f"ubep warm: kernels {engine.kernels_origin()}, cached in {where}, {seconds:.1f} s")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="ubep", description=__doc__)
     parser.add_argument("--version", action="version", version=f"%(prog)s {version('ubep')}")
@@ -361,6 +386,7 @@ def main(argv: list[str] | None = None) -> int:
     add_plan(sub)
     add_decode(sub)
     add_report(sub)
+    add_warm(sub)
     args = parser.parse_args(argv)
     if args.command == "decode":
         _without_hub_progress_bars()

@@ -46,6 +46,10 @@ class CommTimeoutError(UbepError, TimeoutError):
         super().__init__(f"{phase}: {why}" + (f" ({detail})" if detail else ""))
 
 
+class CompileWaitTimeoutError(UbepError, TimeoutError):
+    """A Buffer's construction deadline passed while another process compiled the kernels."""
+
+
 class ConfigMismatchError(UbepError):
     """Ranks constructed a Buffer with different settings."""
 

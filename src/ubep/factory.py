@@ -11,7 +11,9 @@ Legend: see `ubep.layout`.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -21,7 +23,7 @@ from ubep.collectives.hier import HierExchange
 from ubep.collectives.hier_fabric import HierFabric, rail_of
 from ubep.collectives.hier_fabric import lanes as hier_lanes
 from ubep.collectives.ll_dist import LLDist
-from ubep.engine import Engine, TorchEngine, choose_engine
+from ubep.engine import Engine, choose_engine
 from ubep.fabric import open_fabric
 from ubep.faults import FaultPoints
 from ubep.group import GroupInfo
@@ -36,7 +38,7 @@ from ubep.protocols.local import LocalExchange
 from ubep.protocols.ubep import UbepBlocks, UbepExchange
 from ubep.protocols.ubep.fabric import UbepFabric
 from ubep.protocols.ubep.fabric import lanes as fabric_lanes
-from ubep.protocols.warmup import warm_up
+from ubep.protocols.warmup import WARM_UPS, warm_up
 from ubep.transport.base import Header, Region
 from ubep.transport.cuda import cuda_heap
 from ubep.transport.heap import Layout
@@ -59,20 +61,16 @@ class Options:
     fabric: str = "auto"  # how bytes reach other hosts (`ubep.fabric`): "auto", "gloo" or "nixl"
 
 
-def ready_engine(requested: str = "auto") -> tuple[Engine, str]:
-    """`choose_engine`, then every compiled call half loaded or compiled (`warm_up`), so that no call
-    compiles while its peers wait; "auto" falls back to the torch engine, with the reason, where a
-    half does not compile here. Slow the first time on a host: call it before the ranks meet."""
-    engine, reason = choose_engine(requested)
-    if engine.name != "numba":
-        return engine, reason
-    try:
-        warm_up(engine)
-    except Exception as e:  # a numba or LLVM failure on this host
-        if requested == "numba":
-            raise
-        return TorchEngine(), f"numba's call halves failed to compile ({type(e).__name__}: {e})"
-    return engine, reason
+def ready_engine(
+    requested: str = "auto", warm_ups: Sequence[str] = WARM_UPS, deadline: float | None = None
+) -> tuple[Engine, str]:
+    """`choose_engine`, with the compiled call halves of `warm_ups` (`ubep.protocols.warmup`) loaded
+    or compiled, so that no call compiles while its peers wait; "auto" falls back to the torch engine,
+    with the reason, where a half does not compile here. Slow the first time on a host (each
+    warm-up compiles once per host, `ubep.engine.compile_once`): call it before the ranks meet.
+    Waiting past `deadline` (time.monotonic) for another process's compile that shows no progress
+    raises CompileWaitTimeoutError."""
+    return choose_engine(requested, deadline, {name: partial(warm_up, name=name) for name in warm_ups})
 
 
 # What each protocol declares on a heap, and how it is built over one.

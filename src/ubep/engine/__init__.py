@@ -7,18 +7,28 @@ and its kernels compile and check out on this host, else the portable torch engi
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
+
 from ubep.engine.base import Engine
 from ubep.engine.torch_engine import TorchEngine
+from ubep.errors import CompileWaitTimeoutError
 
 ENGINES = ("auto", "torch", "numba", "triton")
 
 
-def choose_engine(requested: str = "auto") -> tuple[Engine, str]:
+def choose_engine(
+    requested: str = "auto",
+    deadline: float | None = None,
+    halves: Mapping[str, Callable[[Engine], None]] | None = None,
+) -> tuple[Engine, str]:
     """(engine, reason) for a requested name; ValueError names the choices.
 
-    "numba" raises when numba is missing or its kernels fail; "auto" falls back
-    to torch and gives the reason. The first call in a process compiles the
-    numba kernels or loads them from numba's disk cache (see docs/benchmarks.md, "Engines").
+    "numba" raises when numba is missing or its kernels (or the warm-ups of the call halves in
+    `halves`, by name) fail; "auto" falls back to torch and gives the reason. The first call in a
+    process compiles the numba kernels (once per host, `compile_once`) or loads them from numba's
+    disk cache (see docs/benchmarks.md, "Engines"); waiting past `deadline` (time.monotonic) for
+    another process's compile that shows no progress raises CompileWaitTimeoutError whatever was
+    requested.
     """
     if requested not in ENGINES:
         raise ValueError(f"engine must be one of {ENGINES}, got {requested!r}")
@@ -39,7 +49,9 @@ def choose_engine(requested: str = "auto") -> tuple[Engine, str]:
         return TorchEngine(), f"numba not installed ({e})"
     engine = NumbaEngine()
     try:
-        cached = engine.warm_up()
+        cached = engine.warm_up(deadline, halves)
+    except CompileWaitTimeoutError:
+        raise
     except Exception as e:  # a numba or LLVM failure on this host: any of them means "use torch"
         if requested == "numba":
             raise

@@ -16,14 +16,16 @@ call: layouts are checked inside the kernels.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from functools import partial
 
 import numpy as np
 import torch
 
 from ubep import validate
+from ubep.engine import compile_once
 from ubep.engine import numba_kernels as kernels
-from ubep.engine.base import BlockIndexError
+from ubep.engine.base import BlockIndexError, Engine
 from ubep.engine.torch_engine import TorchEngine
 
 BITS = {torch.bfloat16: torch.uint16, torch.float16: torch.int16}  # numba has no 16-bit floats
@@ -99,17 +101,29 @@ class NumbaEngine:
     def __init__(self) -> None:
         self.fallback = TorchEngine()
 
-    def warm_up(self) -> str:
-        """Compile (or load from disk) the common kernels and check them on the docstring examples.
+    def warm_up(
+        self, deadline: float | None = None, halves: Mapping[str, Callable[[Engine], None]] | None = None
+    ) -> str:
+        """Compile (once per host: `compile_once`) or load the kernels and check them on the
+        docstring examples, then run each of `halves` (warm-ups of the call halves, by name) on
+        this engine.
 
-        Returns where the compiled code is cached; raises RuntimeError if a kernel
-        gives a wrong answer or leaves an example to the torch engine (numba's own errors pass through).
+        Returns where the compiled code is cached; raises RuntimeError if a kernel gives a wrong
+        answer or leaves an example to the torch engine (numba's own errors pass through), and
+        CompileWaitTimeoutError past `deadline` (time.monotonic) waiting for another process's
+        compile that shows no progress.
         """
         probe = NumbaEngine()
         probe.fallback = NoFallback()
-        probe.check_examples()
-        where = kernels.cache_dir(kernels.copy_rows)
-        return f"cached in {where}" if where else "no writable cache directory: compiled in this process"
+        warm_ups = {"engine": probe.check_examples}
+        warm_ups.update({name: partial(warm, self) for name, warm in (halves or {}).items()})
+        compile_once.once_per_host(warm_ups, deadline)
+        where = compile_once.cache_location()
+        return f"cached in {where.path}" if where.path else where.note
+
+    def kernels_origin(self) -> str:
+        """Whether this process's kernels came from numba's disk cache, and where it lives."""
+        return compile_once.describe()
 
     def check_examples(self) -> None:
         """Run every kernel on its docstring example (bf16 and float32 rows); RuntimeError if wrong."""

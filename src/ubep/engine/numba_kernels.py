@@ -16,8 +16,9 @@ uint16, fp16 as int16; `widen` turns one stored element into its exact float32
 value by element type (float32 rows pass through).
 
 Compiled code is cached on disk (numba's `cache=True`: next to this file, or in
-the user's cache directory when that is read-only); where no directory is
-writable the kernels still compile, once per process.
+the user's cache directory when that is read-only), and compiled once per host
+(`ubep.engine.compile_once`); where no directory is writable the kernels still
+compile, once per process.
 """
 
 from __future__ import annotations

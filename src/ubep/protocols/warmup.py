@@ -3,10 +3,12 @@
 numba compiles a half on its first call for each combination of argument types
 (seconds), or loads it from its disk cache (milliseconds). A rank that compiled
 inside its first call would keep every peer waiting, past short deadlines. So
-every Buffer on the numba engine first runs each half once, for every payload a
-call can carry (bf16, fp32, FP8; fresh and cached dispatch; both modes), on a
-throwaway heap of one virtual rank. Once compiled or loaded in a process this
-costs a few small calls.
+every Buffer on the numba engine first runs the halves it will call once (its
+protocol's normal mode, the low-latency mode if it has one: `needed`), for every
+payload a call can carry (bf16, fp32, FP8; fresh and cached dispatch), on a
+throwaway heap of one virtual rank. Each of these warm-ups compiles at most once per
+host (`ubep.engine.compile_once`); once compiled or loaded in a process it costs a
+few small calls.
 
 Legend: see `ubep.layout`.
 """
@@ -33,22 +35,36 @@ TOPK_IDX_NK = torch.tensor(
 )  # two local experts, one slot unused
 
 
-def warm_up(engine: Engine) -> None:
-    """Run every compiled half once on one virtual rank (see the module doc)."""
+NORMAL = {"ubep": (UbepBlocks, UbepExchange), "bsp": (BspBlocks, BspExchange)}  # by protocol
+LOW_LATENCY = "low_latency"
+WARM_UPS = (*NORMAL, LOW_LATENCY)  # every warm-up, by name
+
+
+def needed(protocol: str, low_latency: bool, workers: int) -> tuple[str, ...]:
+    """The warm-ups of a Buffer with these options: its protocol's normal-mode halves (with one
+    worker: more keep the protocol step by step in Python, on the engine's kernels) and the
+    low-latency halves if it has that mode."""
+    return ((protocol,) if workers == 1 else ()) + ((LOW_LATENCY,) if low_latency else ())
+
+
+def warm_up(engine: Engine, name: str) -> None:
+    """Run every compiled half of one warm-up (a protocol's name, or LOW_LATENCY) once on one virtual
+    rank, for every payload its calls can carry (see the module doc)."""
     sizing = Sizing(hidden=H, capacity=T, max_topk=K, placement=ExpertPlacement.contiguous(2, 1))
-    blocks = UbepBlocks.of(sizing).all() + BspBlocks.of(sizing).all() + LLBlocks.of(sizing).all()
-    heap = virtual_heap(blocks, VirtualRank(VirtualWorld(1), 0), timeout_s=10.0)
+    blocks = LLBlocks if name == LOW_LATENCY else NORMAL[name][0]
+    heap = virtual_heap(blocks.of(sizing).all(), VirtualRank(VirtualWorld(1), 0), timeout_s=10.0)
     try:
         calls = CallCounter()
-        normal = (UbepExchange(heap, engine, sizing), BspExchange(heap, engine, sizing))
-        low_latency = LLExchange(heap, engine, sizing)
         x_NH = torch.ones(T, H, dtype=torch.float32, device="cpu")
-        for payload in (x_NH, x_NH.bfloat16(), fp8.quantize(x_NH)):
-            for exchange in normal:
-                _normal_mode(exchange, calls, sizing, payload)
-            if not fp8.is_pair(payload):
+        if name == LOW_LATENCY:
+            low_latency = LLExchange(heap, engine, sizing)
+            for payload in (x_NH, x_NH.bfloat16()):
                 _low_latency_mode(low_latency, calls, sizing, payload)
-        _low_latency_mode(low_latency, calls, sizing, x_NH, use_fp8=True)
+            _low_latency_mode(low_latency, calls, sizing, x_NH, use_fp8=True)
+            return
+        exchange = NORMAL[name][1](heap, engine, sizing)
+        for payload in (x_NH, x_NH.bfloat16(), fp8.quantize(x_NH)):
+            _normal_mode(exchange, calls, sizing, payload)
     finally:
         heap.close()
 

@@ -1,0 +1,218 @@
+"""Compiling the numba kernels once per host: one process compiles, the others wait, then load.
+
+    ready_engine -> [once_per_host(warm-up)] -> numba's disk cache (`cache=True`)
+
+numba compiles a function on its first call in a process, or loads it from its disk
+cache. Rank processes started together would each compile the same functions at the
+same time (8 ranks on 2 cores: minutes). So a warm-up (a named set of calls: the
+engine's kernels, one protocol's normal-mode halves, the low-latency halves) runs under
+an exclusive lock (`fcntl.flock`) on a file in the cache directory, one process at a
+time; once it has run, it leaves a marker naming the warm-up and the sources it was
+compiled from, and later processes run that warm-up without the lock, loading side by
+side. A process that finds the lock held waits (and says so), then loads what the holder
+compiled. The wait counts against the waiter's construction deadline for as long as the
+holder shows no heartbeat (it touches the lock file every HEARTBEAT_S): a stopped or hung
+holder ends the wait at the deadline, a slow compile on a loaded host does not.
+
+Example (4 ranks, empty cache, warm-ups "engine" and "ubep"): rank 2 takes the lock and
+compiles both (20 s, one INFO line while it does); ranks 0, 1 and 3 wait (one line each),
+then each takes the lock in turn, finds the markers, lets go of it and loads (milliseconds).
+The next job finds every marker and loads without the lock, all ranks at once.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import importlib.util
+import logging
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import numba
+from numba.core import caching, config
+from numba.core.dispatcher import Dispatcher
+
+from ubep.engine import numba_kernels
+from ubep.errors import CompileWaitTimeoutError
+
+log = logging.getLogger("ubep")  # `ubep.settings.LOGGER`, which imports the engines
+
+LOCK_FILE = "ubep-compile.lock"
+ANNOUNCE_S = 1.5  # a compile (or a wait for one) that lasts longer is logged at INFO while it lasts
+POLL_S = 0.05  # how often a waiting process tries the lock
+HEARTBEAT_S = 1.0  # how often the holder touches the lock file: a waiter's sign that it is compiling
+# Every module that holds compiled functions: their sources name the markers, so an edited
+# source takes the lock again (numba then recompiles what changed).
+MODULES = (
+    "ubep.engine.numba_kernels",
+    "ubep.engine.numba_sync",
+    "ubep.protocols.normal.numba_halves",
+    "ubep.protocols.ubep.numba_halves",
+    "ubep.protocols.bsp.numba_halves",
+    "ubep.protocols.ll.numba_halves",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class CacheLocation:
+    """Where numba keeps ubep's compiled code (None: no writable directory, so every process
+    compiles), and why there when it is not where it was asked for ("" otherwise)."""
+
+    path: str | None
+    note: str
+
+
+def cache_location() -> CacheLocation:
+    """Where the kernels are cached, with a note when numba fell back from a read-only directory."""
+    path = numba_kernels.cache_dir(numba_kernels.copy_rows)
+    if path is None:
+        return CacheLocation(None, "no writable cache directory: every process compiles its own kernels")
+    locator = numba_kernels.copy_rows._cache._impl.locator
+    if config.CACHE_DIR and not isinstance(locator, caching.UserProvidedCacheLocator):
+        return CacheLocation(path, f"NUMBA_CACHE_DIR={config.CACHE_DIR} is not writable: using {path}")
+    if isinstance(locator, caching.UserWideCacheLocator):
+        here = os.path.dirname(numba_kernels.__file__)
+        return CacheLocation(path, f"{here} is read-only: using the user cache directory {path}")
+    return CacheLocation(path, "")
+
+
+def once_per_host(warm_ups: Mapping[str, Callable[[], None]], deadline: float | None = None) -> None:
+    """Run each warm-up (by name), compiling what it needs at most once on this host (see the
+    module doc): those not yet run on this host run under the lock (one INFO line if slow), the
+    others after it, loading from the cache.
+
+    `deadline` (time.monotonic) bounds the wait for another process's compile while that process
+    shows no progress: CompileWaitTimeoutError past it (see `_acquire`).
+    """
+    location = cache_location()
+    where = location.path
+    if location.note:  # a fallback from a read-only directory, or no cache at all
+        (log.info if where else log.warning)("numba cache: %s", location.note)
+    if where is None:
+        return _run(warm_ups.values())
+    fingerprint = _fingerprint()
+    marker = {name: os.path.join(where, f"ubep-warm-{name}-{fingerprint}") for name in warm_ups}
+    todo = [name for name in warm_ups if not os.path.exists(marker[name])]
+    if todo:
+        with _host_lock(where, deadline):
+            todo = [name for name in todo if not os.path.exists(marker[name])]  # not compiled meanwhile
+            names = ", ".join(todo)
+            with _announced(f"compiling ubep's numba kernels ({names}) once for this host, in {where}"):
+                for name in todo:
+                    warm_ups[name]()
+                    with open(marker[name], "w"):
+                        pass
+    return _run(warm for name, warm in warm_ups.items() if name not in todo)  # loads, side by side
+
+
+def _run(warm_ups: Iterable[Callable[[], None]]) -> None:
+    for warm in warm_ups:
+        warm()
+
+
+def kernel_stats() -> dict[str, tuple[int, int]]:
+    """For each of ubep's compiled functions loaded in this process, "module.name": (signatures
+    compiled here, signatures loaded from the disk cache). A function compiled as part of another
+    that came from the cache is in neither count."""
+    stats = {}
+    for module_name in MODULES:
+        module = sys.modules.get(module_name)
+        for attr in vars(module).values() if module is not None else ():
+            if isinstance(attr, Dispatcher) and attr.py_func.__module__ == module_name:
+                s = attr.stats
+                stats[f"{module_name}.{attr.__name__}"] = (
+                    sum(s.cache_misses.values()),
+                    sum(s.cache_hits.values()),
+                )
+    return stats
+
+
+def describe() -> str:
+    """Whether this process's kernels came from the cache (`Buffer.explain`), and why the cache is
+    where it is, if not where it was asked for."""
+    compiled, loaded = (sum(n) for n in zip(*kernel_stats().values(), (0, 0), strict=True))
+    origin = f"{compiled} compiled in this process, " if compiled else ""
+    note = cache_location().note
+    return f"{origin}{loaded} loaded from the cache" + (f" ({note})" if note else "")
+
+
+def _fingerprint() -> str:
+    """Names numba's version, Python's and the compiled modules' sources (size and time)."""
+    parts = [numba.__version__, sys.version]
+    for name in MODULES:
+        spec = importlib.util.find_spec(name)
+        st = os.stat(spec.origin) if spec is not None and spec.origin else None
+        parts.append(f"{name}:{st.st_size}:{st.st_mtime_ns}" if st else name)
+    return hashlib.sha1("\n".join(parts).encode(), usedforsecurity=False).hexdigest()[:16]
+
+
+@contextmanager
+def _host_lock(where: str, deadline: float | None) -> Iterator[None]:
+    """Hold the host's compile lock (a file in `where`), touching the file every HEARTBEAT_S while
+    held; wait for it until `deadline` (see `_acquire`)."""
+    path = os.path.join(where, LOCK_FILE)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    released = threading.Event()
+    try:
+        _acquire(fd, path, deadline)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)  # for the waiters' messages
+        threading.Thread(target=_beat, args=(path, released), daemon=True).start()
+        yield
+    finally:
+        released.set()
+        os.close(fd)  # releases the lock
+
+
+def _beat(path: str, released: threading.Event) -> None:
+    """The holder's heartbeat: the lock file's time, renewed until `released`."""
+    while not released.wait(HEARTBEAT_S):
+        os.utime(path)
+
+
+def _acquire(fd: int, path: str, deadline: float | None) -> None:
+    """Take the lock; a waiter gives up (CompileWaitTimeoutError) once the holder has shown no
+    heartbeat for as long as it had left until `deadline` when it began to wait."""
+    start = time.monotonic()
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+    why = f"another process (pid {holder}) compiling ubep's numba kernels for this host ({path})"
+    budget = None if deadline is None else deadline - start
+    beat, seen = os.stat(path).st_mtime_ns, start
+    with _announced(f"waiting for {why}; this process loads them after"):
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return
+            except BlockingIOError:
+                pass
+            now, last = time.monotonic(), os.stat(path).st_mtime_ns
+            beat, seen = last, (now if last != beat else seen)
+            if budget is not None and now - seen >= budget:
+                raise CompileWaitTimeoutError(
+                    f"Buffer construction: waited {now - start:.0f} s for {why}, which has shown no sign of "
+                    f"progress for {budget:.0f} s (the construction deadline); run `ubep warm` once on this "
+                    "host before starting the ranks, or raise timeout_s"
+                )
+            time.sleep(POLL_S)
+
+
+@contextmanager
+def _announced(message: str) -> Iterator[None]:
+    """Log `message` at INFO if the block is still running after ANNOUNCE_S."""
+    timer = threading.Timer(ANNOUNCE_S, log.info, args=(message,))
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
