@@ -71,3 +71,20 @@ def test_a_buffer_times_each_block_of_its_calls():
             assert got["entries"] == halves + got["sleeps"]  # every sleep is followed by an entry
         walls = sum(v for kind in per_call.values() for k, v in kind.items() if k.startswith("wall "))
         assert walls <= elapsed  # the blocks partition each call; the loop adds only itself
+
+
+def test_the_profile_table_shows_medians_over_ranks():
+    from rich.console import Console
+
+    from ubep.bench.profile import timer_table
+
+    def rank(scale: float) -> dict:
+        per_call = {f"{w} {b}": scale for w in ("wall", "cpu") for b in BLOCKS} | dict.fromkeys(COUNTS, scale)
+        return {"timers": {"dispatch": per_call, "combine": per_call}}
+
+    console = Console(width=200, record=True)
+    console.print(timer_table([rank(1.0), rank(2.0), rank(30.0)], "t"))
+    rows = [line.replace("│", " ").split() for line in console.export_text().splitlines()]
+    assert ["validate", "2.0", "2.0", "2.0", "2.0"] in rows  # the median, not the mean
+    assert ["total", "12.0", "12.0", "12.0", "12.0"] in rows  # 6 blocks of the median rank
+    assert ["doorbell", "sleeps", "/", "call", "2.00", "2.00"] in rows
