@@ -72,6 +72,7 @@ def _buffer(cfg: BenchConfig, tokens: int, name: str, call_timers: bool) -> ubep
         protocol=system.protocol,
         transport=system.across if cfg.nodes > 1 else system.transport,
         fabric=system.fabric,
+        low_latency=False,  # normal-mode calls only: no low-latency slots (128 tokens, 8 ranks: GBs)
         call_timers=call_timers,
     )
 
