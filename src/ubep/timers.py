@@ -7,7 +7,8 @@ CPU time since the previous mark to that block. The blocks therefore partition a
 
     validate  the Buffer's checks and send plan, up to the exchange
     between   Python in the exchange outside the compiled halves (outputs allocated, arguments)
-    send      the compiled send half, and the rings of the peers it found asleep
+    send      the compiled send half (its arguments' numpy views included), and the rings of the
+              peers it found asleep
     receive   entries of the compiled receive halves, re-entries after a sleep included (their own
               spin and yield polls are inside them)
     wait      sleeping on the doorbell between entries (`Heap.sleeper`), with its peer checks
@@ -18,6 +19,9 @@ in Python waits (a compiled half's own yields are not seen from here), and the t
 (blocking) and involuntary (preempted, or a sched_yield that gave the core away) context switches.
 Off (the default) nothing is timed: `CallId.timers` is None and each site tests only that.
 
+The marks sit on protocol ubep's compiled (numba) path; on other paths what is not marked (a bsp
+send half, the torch or Triton halves, the collectives across hosts) falls in "between", and
+the receive entries of any half entered through `ubep.protocols.halves.run` in "receive".
 CPU time is this thread's (`time.thread_time_ns`): the compiled halves run in the calling thread;
 mover threads (workers > 1) are not counted.
 """
