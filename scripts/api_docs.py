@@ -27,6 +27,7 @@ PUBLIC_MODULES = (
     "ubep.topology",  # fabrics for the simulator and `ubep plan`
     "ubep.schedule",  # the token scheduler's policies
     "ubep.placement",  # expert placement by load and distance, EPLB baseline, the nearest-copy map
+    "ubep.timers",  # the call timers (Buffer(call_timers=True))
 )
 DEFAULT_OUT = Path(__file__).resolve().parent.parent / "build" / "api"
 

@@ -68,6 +68,7 @@ from ubep.results import (
 from ubep.schedule import POLICIES
 from ubep.sizing import size_hint
 from ubep.stats import Stats, StatsOptions
+from ubep.timers import CallTimers
 from ubep.validate import CPU
 
 VERSION = version("ubep")  # from the package metadata (pyproject.toml): ranks must run the same
@@ -148,11 +149,14 @@ class Buffer:
         fabric: how bytes reach ranks on other hosts, where protocol "ubep" crosses hosts: "gloo"
             (torch.distributed point-to-point over TCP; "auto" takes it) or "nixl" (NIXL one-sided
             writes over UCX: TCP, InfiniBand, EFA; the `nixl` extra). docs/multinode.md.
+        call_timers: time the blocks of every normal-mode call (validation, halves, waiting,
+            results) and count its sleeps, rings and yields, for `call_timers` (default False;
+            `ubep.timers`). Off, nothing is timed.
 
-    transport, protocol, timeout_s, engine, stats, ll_flag, capturable and fabric left as None come
-    from the environment (UBEP_TRANSPORT, UBEP_PROTOCOL, UBEP_TIMEOUT_S, UBEP_ENGINE, UBEP_STATS,
-    UBEP_LL_FLAG, UBEP_CAPTURABLE, UBEP_FABRIC), else from the defaults above; an argument given wins
-    (`ubep.settings`, and `explain()` says which).
+    transport, protocol, timeout_s, engine, stats, ll_flag, capturable, fabric and call_timers left as
+    None come from the environment (UBEP_TRANSPORT, UBEP_PROTOCOL, UBEP_TIMEOUT_S, UBEP_ENGINE,
+    UBEP_STATS, UBEP_LL_FLAG, UBEP_CAPTURABLE, UBEP_FABRIC, UBEP_CALL_TIMERS), else from the defaults
+    above; an argument given wins (`ubep.settings`, and `explain()` says which).
     """
 
     def __init__(
@@ -176,6 +180,7 @@ class Buffer:
         ll_flag: str | None = None,
         capturable: bool | None = None,
         fabric: str | None = None,
+        call_timers: bool | None = None,
     ):
         log = settings.configure_logging()
         self._settings = settings.resolve(
@@ -188,9 +193,10 @@ class Buffer:
                 "ll_flag": ll_flag,
                 "capturable": capturable,
                 "fabric": fabric,
+                "call_timers": call_timers,
             }
         )
-        transport, protocol, timeout_s, engine, stats, ll_flag, capturable, fabric = (
+        transport, protocol, timeout_s, engine, stats, ll_flag, capturable, fabric, call_timers = (
             s.value for s in self._settings.values()
         )
         validate.positive("hidden", hidden)
@@ -260,7 +266,8 @@ class Buffer:
         self._ll_device = self._recorder is None and getattr(self._ll, "on_device", False)
         if log.isEnabledFor(logging.INFO):
             log.info("Buffer built: %s", self.explain())
-        self._calls = CallCounter()
+        self._timers = CallTimers() if call_timers else None  # the blocks of every call (`ubep.timers`)
+        self._calls = CallCounter(timers=self._timers)
         self._pid = os.getpid()  # the process that built it: a forked child must not call it
         self._one_call = threading.Lock()  # held by the thread inside a call (`_one_at_a_time`)
         self._done = EventOverlap()  # the event of every call that completed before returning
@@ -343,6 +350,12 @@ class Buffer:
         group, peers = torch_group(self._info.group), self._info.peers
         with collective_deadline(group, self.timeout_s, "stats (merge)", peers):  # as calls wait, and blame
             return Stats.combine_ranks(all_gather_object(self._info, mine))
+
+    @property
+    def call_timers(self) -> CallTimers | None:
+        """Where this Buffer's normal-mode calls spent their time, block by block (`ubep.timers`);
+        None unless built with call_timers=True (or UBEP_CALL_TIMERS=1)."""
+        return self._timers
 
     def _exchange_name(self) -> str:
         across = getattr(self._exchange, "across_hosts", None)  # what crosses hosts, and how
@@ -485,6 +498,7 @@ class Buffer:
         """
         exchange, faults = self._live(), self._faults
         call = self._calls.next("dispatch")
+        times = call.timers
         try:
             plan, dropped = self._send_plan(
                 x, handle, num_tokens_per_rank, is_token_in_rank, topk_idx, topk_weights
@@ -497,7 +511,11 @@ class Buffer:
                 plan = dataclasses.replace(plan, num_worst_tokens=num_worst_tokens)
             if faults.armed:
                 faults.at("dispatch.start", call)
+            if times is not None:
+                times.lap("validate")
             got = exchange.dispatch(call, plan, handle)
+            if times is not None:
+                times.lap("between")  # the exchange's Python after its last half
             if worst:
                 got = got.padded(worst)
         except BaseException:
@@ -523,7 +541,7 @@ class Buffer:
                 seq=call.seq,
                 padded_to=worst,
             )
-        return DispatchResult(
+        result = DispatchResult(
             recv_x,
             got.recv_topk_idx_MK,
             got.recv_topk_weights_MK,
@@ -531,6 +549,9 @@ class Buffer:
             handle,
             self._done,
         )
+        if times is not None:
+            times.end()
+        return result
 
     def _send_plan(
         self, x, handle, num_tokens_per_rank, is_token_in_rank, topk_idx, topk_weights
@@ -627,6 +648,7 @@ class Buffer:
         """Send expert outputs home; each token gets the plain float32 sum of its rows."""
         exchange, faults = self._live(), self._faults
         call = self._calls.next("combine")
+        times = call.timers
         try:
             self._check_handle(handle)
             M = handle.padded_to or handle.recv.num_rows
@@ -640,11 +662,18 @@ class Buffer:
                 x, topk_weights = x[:routed], None if topk_weights is None else topk_weights[:routed]
             if faults.armed:
                 faults.at("combine.start", call)
+            if times is not None:
+                times.lap("validate")
             combined, weights = exchange.combine(call, x, handle, topk_weights)
+            if times is not None:
+                times.lap("between")  # the exchange's Python after its last half
         except BaseException:
             exchange.abort(call)  # the peers fail at once instead of at their deadline
             raise
-        return CombineResult(combined, weights, self._done)
+        result = CombineResult(combined, weights, self._done)
+        if times is not None:
+            times.end()
+        return result
 
     # -- low-latency mode -------------------------------------------------------------------------
 

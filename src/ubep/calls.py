@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ubep.timers import BlockTimes, CallTimers
+
 KINDS = {
     "dispatch": 1,
     "combine": 2,
@@ -27,6 +29,8 @@ class CallId:
     seq: int
     epoch: int
     kind: str = ""  # "dispatch", "combine", ...: what the peers are doing in this call
+    # where the layers below charge this call's blocks (`ubep.timers`); None unless timers are on
+    timers: BlockTimes | None = field(default=None, compare=False, repr=False)
 
     @property
     def parity(self) -> int:
@@ -36,7 +40,7 @@ class CallId:
         """This call with an epoch no other call has (2 seq + the per-kind parity), for stamps that
         pair this very call on every rank and never a peer's next call of the kind, in the half
         the per-kind epoch chose."""
-        return CallId(self.seq, 2 * self.seq + self.parity, self.kind)
+        return CallId(self.seq, 2 * self.seq + self.parity, self.kind, self.timers)
 
 
 @dataclass(slots=True)
@@ -46,11 +50,13 @@ class CallCounter:
     seq: int = 0
     epochs: dict[str, int] = field(default_factory=dict)
     base: int = 0  # every kind's epoch before its first call (from `resume`)
+    timers: CallTimers | None = None  # the Buffer's call timers, when on: each call starts its kind's
 
     def next(self, kind: str) -> CallId:
         self.seq += 1
         self.epochs[kind] = self.epochs.get(kind, self.base) + 1
-        return CallId(self.seq, self.epochs[kind], kind)
+        times = None if self.timers is None else self.timers.begin(kind)
+        return CallId(self.seq, self.epochs[kind], kind, times)
 
     def resume(self, seq: int) -> None:
         """Continue after call `seq`, with every kind's epoch after it too: ranks that agreed on `seq`

@@ -8,6 +8,7 @@ timeout, engine, protocol or transport argument; a job sets them for every Buffe
 
     UBEP_TIMEOUT_S=60 UBEP_ENGINE=numba UBEP_PROTOCOL=bsp UBEP_TRANSPORT=shm UBEP_STATS=1
     UBEP_LL_FLAG=in-word UBEP_CAPTURABLE=1   # low-latency mode's Triton halves (docs/device.md)
+    UBEP_CALL_TIMERS=1                       # time the blocks of each call (`ubep.timers`)
 
 and `Buffer.explain()` names each value's source. `UBEP_LOG_LEVEL` sets the level of the
 `ubep` logger (`ubep.log`). The environment is read when a Buffer is built, here and nowhere
@@ -80,6 +81,7 @@ BUFFER_SETTINGS: dict[str, tuple[str, Callable[[str], Any], Any]] = {
     "ll_flag": ("UBEP_LL_FLAG", _one_of(FLAGS), FLAGS[0]),
     "capturable": ("UBEP_CAPTURABLE", _flag, False),
     "fabric": ("UBEP_FABRIC", _one_of(FABRICS), "auto"),
+    "call_timers": ("UBEP_CALL_TIMERS", _flag, False),
 }
 
 

@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from ubep.errors import CommTimeoutError, UbepError
+from ubep.timers import BlockTimes
 
 YIELD_POLLS = 64  # polls answered with sched_yield before sleeping
 MIN_SLEEP_S = 20e-6
@@ -129,7 +130,8 @@ class Waiter:
     cannot be known: no liveness check); `peer_abort(r)` returns a notice when peer r has aborted this call;
     `block(timeout_s)`, when given, sleeps until a peer signals (a doorbell)
     instead of sleeping for a fixed interval; `on_fail(error)` runs just before
-    the wait raises (to tell the other peers); the first `yields` pauses only yield the CPU.
+    the wait raises (to tell the other peers); the first `yields` pauses only yield the CPU;
+    `times` (the call's timers, when on: `ubep.timers`) counts the yields and sleeps.
     """
 
     def __init__(
@@ -141,6 +143,7 @@ class Waiter:
         block: Callable[[float], None] | None = None,
         on_fail: Callable[[UbepError], None] | None = None,
         yields: int = YIELD_POLLS,
+        times: BlockTimes | None = None,
     ):
         self.phase = phase
         self.timeout_s = timeout_s
@@ -154,13 +157,18 @@ class Waiter:
         self._next_check = min(self._start + LIVENESS_PERIOD_S, self._deadline)
         self._polls = 0
         self._yields = yields
+        self._times = times
 
     def pause(self, pending: Iterable[int]) -> None:
         """Yield once; raise if the deadline passed or a pending peer died or aborted."""
         self._polls += 1
         if self._polls <= self._yields:
             os.sched_yield()
+            if self._times is not None:
+                self._times.yields += 1
             return
+        if self._times is not None:
+            self._times.sleeps += 1
         now = time.monotonic()
         if now >= self._next_check:
             self._next_check = min(now + LIVENESS_PERIOD_S, self._deadline)

@@ -1,11 +1,15 @@
 """`ubep bench --profile`: where one rank's CPU time goes in a Buffer row's dispatch and combine
 (the first of --systems that is one: ubep by default; across --nodes also hier-bsp, ubep-nixl).
 
-Every rank profiles its own calls with cProfile on the process CPU clock (so
-time spent preempted by the other ranks is not charged to anything), and the
-functions are grouped into what a reader cares about: row copies, the
-combine reduction, waiting (yields and doorbell sleeps), other torch ops,
-and Python itself.
+Two views, each from a Buffer of its own:
+
+- the call timers (`ubep.timers`): dispatch + combine pairs back to back, no profiler, each
+  block's wall and CPU time per call, and the sleeps, rings, yields and context switches per
+  call; the median over ranks of each rank's mean per call;
+- cProfile on the process CPU clock (so time spent preempted by the other ranks is not charged
+  to anything), the functions grouped into what a reader cares about: row copies, the combine
+  reduction, waiting (yields and doorbell sleeps), other torch ops, and Python itself. The
+  profiler inflates Python (each call it sees costs it about a microsecond); the timers do not.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from __future__ import annotations
 import cProfile
 import os
 import pstats
+import statistics
 import time
 
 import torch.distributed as dist
@@ -23,7 +28,17 @@ import ubep
 from ubep.bench.torch_systems import BUFFER_SYSTEMS
 from ubep.bench.workload import BenchConfig, build
 from ubep.launcher import LocalLaunch
+from ubep.timers import BLOCKS, COUNTS, TIMED_KINDS
 
+# what each of the timers' counts is called in the table
+COUNT_LABELS = {
+    "entries": "half entries",
+    "sleeps": "doorbell sleeps",
+    "rings": "rings sent",
+    "yields": "yields (Python)",
+    "switches_voluntary": "switches, blocked",
+    "switches_involuntary": "switches, preempted",
+}
 CATEGORIES = (
     ("compiled halves", ("_halves.py:",)),  # each moves rows and waits (spins, yields) in one call
     ("row copies", ("index_select", "copy_")),
@@ -43,16 +58,13 @@ def category(func: tuple[str, int, str]) -> str:
     return "python"
 
 
-def profile_rank(cfg: BenchConfig, tokens: int, calls: int, name: str) -> dict:
-    """CPU seconds per category for `calls` dispatches and combines on this rank, and the wall time."""
-    me = dist.get_rank()
-    work = build(cfg, tokens)
-    x, idx, w = work.xs[me], work.topk_idx[me], work.topk_weights[me]
-    system, out = BUFFER_SYSTEMS[name], {}
+def _buffer(cfg: BenchConfig, tokens: int, name: str, call_timers: bool) -> ubep.Buffer:
+    """The Buffer of row `name` (a `BUFFER_SYSTEMS` key) for `tokens` tokens per rank."""
+    system = BUFFER_SYSTEMS[name]
     if system.fabric == "nixl":
         os.environ.setdefault("UCX_TLS", "tcp")  # as the bench's row (torch_systems.measure_rank)
         os.environ.setdefault("UCX_MODULES", "^efa")
-    with ubep.Buffer(
+    return ubep.Buffer(
         hidden=cfg.hidden,
         num_experts=cfg.experts,
         max_tokens_per_rank=tokens,
@@ -60,7 +72,27 @@ def profile_rank(cfg: BenchConfig, tokens: int, calls: int, name: str) -> dict:
         protocol=system.protocol,
         transport=system.across if cfg.nodes > 1 else system.transport,
         fabric=system.fabric,
-    ) as buf:
+        low_latency=False,  # normal-mode calls only: no low-latency slots (128 tokens, 8 ranks: GBs)
+        call_timers=call_timers,
+    )
+
+
+def profile_rank(cfg: BenchConfig, tokens: int, calls: int, name: str) -> dict:
+    """CPU seconds per category for `calls` dispatches and combines on this rank, and the wall time;
+    under "timers", the call timers' per-call figures of `calls` pairs (`CallTimers.per_call`)."""
+    me = dist.get_rank()
+    work = build(cfg, tokens)
+    x, idx, w = work.xs[me], work.topk_idx[me], work.topk_weights[me]
+    out = {}
+    with _buffer(cfg, tokens, name, call_timers=True) as buf:
+        for i in range(cfg.warmup + calls):
+            if i == cfg.warmup:
+                dist.barrier()
+                buf.call_timers.reset()
+            got = buf.dispatch(x, topk_idx=idx, topk_weights=w)
+            buf.combine(got.recv_x, got.handle)
+        out["timers"] = buf.call_timers.per_call()
+    with _buffer(cfg, tokens, name, call_timers=False) as buf:
         got = buf.dispatch(x, topk_idx=idx, topk_weights=w)
         ops = {
             "dispatch": lambda: buf.dispatch(x, topk_idx=idx, topk_weights=w),
@@ -83,6 +115,32 @@ def profile_rank(cfg: BenchConfig, tokens: int, calls: int, name: str) -> dict:
     return out
 
 
+def timer_table(per_rank: list[dict], title: str) -> Table:
+    """The call timers of every rank (`profile_rank`'s "timers") as one table: per block, wall and CPU
+    microseconds per call, then the counts per call (`COUNT_LABELS`); each the median over ranks of
+    the rank's mean."""
+    table = Table(title=title)
+    table.add_column("block", justify="left")
+    for kind in TIMED_KINDS:
+        table.add_column(f"{kind} wall us", justify="right")
+        table.add_column(f"{kind} CPU us", justify="right")
+
+    def median(kind: str, keys: list[str]) -> float:
+        return statistics.median(sum(rank["timers"][kind][k] for k in keys) for rank in per_rank)
+
+    for block in (*BLOCKS, "total"):
+        cells = []
+        for kind in TIMED_KINDS:
+            for clock in ("wall", "cpu"):
+                keys = [f"{clock} {b}" for b in BLOCKS] if block == "total" else [f"{clock} {block}"]
+                cells.append(f"{median(kind, keys):,.1f}")
+        table.add_row(f"[bold]{block}[/bold]" if block == "total" else block, *cells)
+    for count in COUNTS:
+        cells = [cell for kind in TIMED_KINDS for cell in (f"{median(kind, [count]):.2f}", "")]
+        table.add_row(f"{COUNT_LABELS[count]} / call", *cells)
+    return table
+
+
 def run_profile(cfg: BenchConfig, tokens: int) -> None:
     """Profile the first Buffer row of cfg.systems on every rank (emulated nodes where cfg.nodes > 1)."""
     name = next((s for s in cfg.systems if s in BUFFER_SYSTEMS), "ubep")
@@ -92,6 +150,13 @@ def run_profile(cfg: BenchConfig, tokens: int) -> None:
     )
     per_rank = launch.run(profile_rank, cfg, tokens, calls, name)
     console = Console()
+    console.print(
+        timer_table(
+            per_rank,
+            f"{name}: call timers, {calls} dispatch + combine pairs, median over {cfg.ranks} ranks "
+            f"of each rank's mean per call ({tokens} tokens/rank; no profiler)",
+        )
+    )
     for op in ("dispatch", "combine"):
         table = Table(
             title=f"{name} {op}: CPU time per call, mean over {cfg.ranks} ranks ({tokens} tokens/rank)"

@@ -87,7 +87,13 @@ class OnHalves:
 
 def run(heap: Heap, call: CallId, phase: str, half, *args) -> int:
     """Enter `half(*args)` until it stops waiting; returns DONE or its error code (details in status)."""
+    times = call.timers
+    if times is not None:
+        times.lap("between")
+        times.entries += 1
     code = half(*args)
+    if times is not None:
+        times.lap("receive")
     return code if code != WAITING else resume(heap, call, phase, half, *args)
 
 
@@ -95,10 +101,15 @@ def resume(heap: Heap, call: CallId, phase: str, half, *args) -> int:
     """A half returned WAITING: sleep on the doorbell, enter again, until it stops waiting."""
     pending, status = args[-4], args[-1]
     sleeper = heap.sleeper(phase, call)
-    code = WAITING
+    times, code = call.timers, WAITING
     while code == WAITING:
         sleeper.pause(pending[: status[1]].tolist())
+        if times is not None:
+            times.lap("wait")
+            times.entries += 1
         code = half(*args)
+        if times is not None:
+            times.lap("receive")
     return code
 
 

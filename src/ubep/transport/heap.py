@@ -33,6 +33,7 @@ import torch
 
 from ubep.calls import KINDS, METHODS, CallId
 from ubep.errors import CommTimeoutError, MaskedOutError, PeerDataError, UbepError
+from ubep.timers import BlockTimes
 from ubep.transport.base import Field, Header, Record, Region
 from ubep.waiting import YIELD_POLLS, AbortNotice, PeerAbortedError, ProcessId, Waiter
 
@@ -181,11 +182,15 @@ class Heap:
         at = self._layout.offsets[("members", 0)][0]
         return np.array([self._memory.arena(r).data_ptr() + at for r in range(self.num_ranks)], np.int64)
 
-    def ring_marked(self, wake_R: np.ndarray) -> None:
-        """Ring every peer marked in `wake_R` (uint8 [R], as a compiled half left it); clear the marks."""
-        for p in np.flatnonzero(wake_R).tolist():
+    def ring_marked(self, wake_R: np.ndarray, times: BlockTimes | None = None) -> None:
+        """Ring every peer marked in `wake_R` (uint8 [R], as a compiled half left it); clear the marks.
+        `times` (the call's timers, when on) counts the rings."""
+        marked = np.flatnonzero(wake_R).tolist()
+        for p in marked:
             self._memory.ring(p)
         wake_R[:] = 0
+        if times is not None:
+            times.rings += len(marked)
 
     def words(self, region: Region, owner: int) -> np.ndarray:
         if region.dtype != torch.int64:
@@ -259,6 +264,7 @@ class Heap:
             self._memory.sleep,
             lambda error: self._gave_up(call, error),
             yields,
+            call.timers,
         )
 
     def sleeper(self, phase: str, call: CallId) -> Waiter:

@@ -64,12 +64,17 @@ class NormalCompiled(halves.HeapHalves):
     def send_back(self, call: CallId, x_MH: torch.Tensor, handle: DispatchHandle, topk_weights_MK) -> None:
         """An expert rank's half of combine: its output rows and weights out once, then the stamp."""
         weights = NO_F32 if topk_weights_MK is None else topk_weights_MK.numpy()
+        times = call.timers
+        if times is not None:
+            times.lap("between")
         woken = k.combine_send(
             *self._back_memory(call), x_MH.view(torch.uint8).numpy(), weights, self.sizing.max_topk,
             handle.recv.prefix_R1.numpy(), handle.seq, DTYPE_CODES[x_MH.dtype], self.wake,
         )  # fmt: skip
         if woken:
-            self.t.ring_marked(self.wake)
+            self.t.ring_marked(self.wake, times)
+        if times is not None:
+            times.lap("send")
 
     def reduce_home(self, call: CallId, phase: str, x_MH: torch.Tensor, handle: DispatchHandle, weights_MK):
         """The home's half of combine: (combined [N, H] in x's dtype, summed weights [N, K] or None)."""

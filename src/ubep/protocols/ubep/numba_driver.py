@@ -53,13 +53,18 @@ class UbepCompiled(NormalCompiled):
         topk, weights = routing or (NO_I64, NO_F32)
         announced = self.faults.count("dispatch.count", call, N) if self.faults.armed else N
         scales = NO_F32 if plan.scales_NS is None else plan.scales_NS.numpy()
+        times = call.timers
+        if times is not None:
+            times.lap("between")
         woken = k.dispatch_send(
             *mem, x_NH.view(torch.uint8).numpy(), scales, topk, weights,
             plan.is_token_in_rank_NR.view(torch.uint8).numpy(), plan.send_counts_R.numpy(),
             announced, code, s.max_topk, s.capacity, self.wake,
         )  # fmt: skip
         if woken:
-            t.ring_marked(self.wake)
+            t.ring_marked(self.wake, times)
+        if times is not None:
+            times.lap("send")
         if self.faults.armed:
             self.faults.at("dispatch.sent", call)
         counts_R, sent_R = np.empty(R, dtype=np.int64), np.empty(R, dtype=np.int64)

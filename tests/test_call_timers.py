@@ -1,0 +1,90 @@
+"""Call timers (`ubep.timers`): the blocks partition a call, the counts count, off costs nothing."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+import ubep
+from ubep import settings
+from ubep.timers import BLOCKS, COUNTS, BlockTimes, CallTimers
+from ubep.transport.virtual import VirtualWorld
+
+
+def test_laps_charge_the_time_since_the_previous_mark():
+    times = BlockTimes().begin()
+    time.sleep(0.002)
+    times.lap("validate")
+    times.lap("receive")
+    times.end()
+    assert times.calls == 1
+    assert times.wall_ns["validate"] >= 2_000_000 > times.wall_ns["receive"]
+    assert times.cpu_ns["validate"] < times.wall_ns["validate"]  # asleep, not on the CPU
+    got = times.per_call()
+    assert set(got) == {f"{w} {b}" for w in ("wall", "cpu") for b in BLOCKS} | set(COUNTS)
+
+
+def test_only_normal_mode_kinds_are_timed_and_reset_forgets():
+    timers = CallTimers()
+    assert timers.begin("ll_dispatch") is None
+    timers.begin("dispatch").end()
+    assert timers.kinds["dispatch"].calls == 1 and timers.per_call()["combine"] == {}
+    timers.reset()
+    assert timers.per_call() == {"dispatch": {}, "combine": {}}
+
+
+def test_the_environment_turns_them_on():
+    assert settings.resolve({}, {"UBEP_CALL_TIMERS": "1"})["call_timers"].value is True
+    assert settings.resolve({}, {})["call_timers"] == settings.Setting(False, "default")
+
+
+def _calls(rank, on: bool) -> tuple[dict, float]:
+    """This rank's timers per call over 6 dispatch + combine pairs, and their wall time per pair (us)."""
+    T, H, E, K = 8, 64, 8, 2
+    g = torch.Generator().manual_seed(rank.rank)
+    x = torch.randn(T, H, generator=g).bfloat16()
+    idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
+    w = torch.rand(T, K, generator=g)
+    with ubep.Buffer(
+        rank, hidden=H, num_experts=E, max_tokens_per_rank=T, engine="numba", call_timers=on
+    ) as buf:
+        if not on:
+            return buf.call_timers, 0.0
+        start = time.perf_counter_ns()
+        for _ in range(6):
+            got = buf.dispatch(x, topk_idx=idx, topk_weights=w)
+            buf.combine(got.recv_x, got.handle)
+        elapsed = (time.perf_counter_ns() - start) / 6 / 1e3
+        buf.low_latency_dispatch(x, idx, T, E)  # not timed
+        return buf.call_timers.per_call(), elapsed
+
+
+def test_a_buffer_times_each_block_of_its_calls():
+    pytest.importorskip("numba")
+    assert VirtualWorld(2, timeout_s=60).run(lambda r: _calls(r, False))[0][0] is None
+    for per_call, elapsed in VirtualWorld(2, timeout_s=60).run(lambda r: _calls(r, True)):
+        for kind, halves in (("dispatch", 2), ("combine", 1)):  # receive halves: routes and gather; reduce
+            got = per_call[kind]
+            assert got["entries"] >= halves and got["cpu send"] > 0 and got["cpu validate"] > 0
+            assert got["entries"] == halves + got["sleeps"]  # every sleep is followed by an entry
+        walls = sum(v for kind in per_call.values() for k, v in kind.items() if k.startswith("wall "))
+        assert walls <= elapsed  # the blocks partition each call; the loop adds only itself
+
+
+def test_the_profile_table_shows_medians_over_ranks():
+    from rich.console import Console
+
+    from ubep.bench.profile import timer_table
+
+    def rank(scale: float) -> dict:
+        per_call = {f"{w} {b}": scale for w in ("wall", "cpu") for b in BLOCKS} | dict.fromkeys(COUNTS, scale)
+        return {"timers": {"dispatch": per_call, "combine": per_call}}
+
+    console = Console(width=200, record=True)
+    console.print(timer_table([rank(1.0), rank(2.0), rank(30.0)], "t"))
+    rows = [line.replace("│", " ").split() for line in console.export_text().splitlines()]
+    assert ["validate", "2.0", "2.0", "2.0", "2.0"] in rows  # the median, not the mean
+    assert ["total", "12.0", "12.0", "12.0", "12.0"] in rows  # 6 blocks of the median rank
+    assert ["doorbell", "sleeps", "/", "call", "2.00", "2.00"] in rows
