@@ -218,10 +218,11 @@ def test_each_package_says_its_blocks_and_halves():
 
 
 def test_engine_holds_kernels_only():
-    """`ubep.engine` holds the kernel interface, its engines and the sync primitives: no protocol's
-    halves, codes or status words (they live in their protocol's package)."""
+    """`ubep.engine` holds the kernel interface, its engines, the sync primitives and compiling the
+    kernels once per host: no protocol's halves, codes or status words (they live in their protocol's
+    package)."""
     names = sorted(p.stem for p in (SRC / "engine").glob("*.py"))
     assert names == sorted([
-        "__init__", "base", "numba_engine", "numba_kernels", "numba_sync", "torch_engine", "triton_engine",
-        "triton_kernels", "triton_route", "triton_sync",
+        "__init__", "base", "compile_once", "numba_engine", "numba_kernels", "numba_sync", "torch_engine",
+        "triton_engine", "triton_kernels", "triton_route", "triton_sync",
     ])  # fmt: skip
