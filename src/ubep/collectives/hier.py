@@ -364,17 +364,14 @@ class HierExchange:
         relay_G = self._relay_counts(call, plan, x_NX.dtype, send_G)
         self._relay_routing(call, plan, x_NX.dtype, send_token_S, send_G, relay_G, own_O)
         self._relay_rows(call, x_NX, send_token_S, send_G, relay_G, own_O)
+        return self._fan_out(call, plan, x_NX, (send_token_S, send_G, own_O, relay_G))
+
+    def _fan_out(self, call: CallId, plan: SendPlan, x_NX: torch.Tensor, crossing: tuple) -> Received:
+        """Once this rank's forward set is stamped, however its rows crossed: every node peer's routing,
+        then this rank's rows from every forward set. `crossing`: the route's first fields (send
+        tokens, send counts, own tokens, relay counts, as `HierRoute`)."""
         got = self._gather_routing(call, x_NX.dtype, plan.topk_idx_NK.shape[1])
-        route = HierRoute(
-            send_token_S,
-            send_G,
-            own_O,
-            relay_G,
-            got.fwd_in_node_FV,
-            got.fwd_M,
-            got.fwd_row_M,
-            got.fwd_offset_V,
-        )
+        route = HierRoute(*crossing, got.fwd_in_node_FV, got.fwd_M, got.fwd_row_M, got.fwd_offset_V)
         prefix_R1 = prefix_offsets(torch.bincount(got.src_rank_M, minlength=self.sizing.num_ranks))
         recv_x_MX = self._gather_rows(call, x_NX, route, prefix_R1)
         recv = RecvRoute.of(got.src_token_M, prefix_R1, route)

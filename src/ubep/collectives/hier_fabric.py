@@ -44,7 +44,7 @@ from ubep.nodes import NodeMap
 from ubep.protocols.base import DTYPE_CODES, Received, SendPlan, Sizing, rows
 from ubep.protocols.call_header import NONE, WORDS, CallHeader, check_peer, other_call_check
 from ubep.protocols.call_header import phase as header_phase
-from ubep.results import DispatchHandle, RecvRoute
+from ubep.results import DispatchHandle
 from ubep.waiting import blame_of
 
 COUNT = WORDS  # the header word after the call header: rows in this message
@@ -111,21 +111,7 @@ class HierFabric(HierExchange):
             a, z = int(at_G[g]), int(at_G[g + 1])
             self._send_rows(call, "hier_dispatch", peer, mine, meta_SB[a:z], x_NX, send_token_S[a:z])
         relay_G = self._relay_over_fabric(call, plan, x_NX, mine, own_O, K)
-        got = self._gather_routing(call, x_NX.dtype, K)
-        route = HierRoute(
-            send_token_S,
-            send_G,
-            own_O,
-            relay_G,
-            got.fwd_in_node_FV,
-            got.fwd_M,
-            got.fwd_row_M,
-            got.fwd_offset_V,
-        )
-        prefix_R1 = prefix_offsets(torch.bincount(got.src_rank_M, minlength=self.sizing.num_ranks))
-        recv_x_MX = self._gather_rows(call, x_NX, route, prefix_R1)
-        recv = RecvRoute.of(got.src_token_M, prefix_R1, route)
-        return Received.unpacking(plan, recv_x_MX, got.topk_MK, got.weights_MK, recv)
+        return self._fan_out(call, plan, x_NX, (send_token_S, send_G, own_O, relay_G))
 
     def _send_rows(self, call, lane, peer, mine, meta_nB, rows_NX, index_n) -> None:
         """One message to a rail peer: the header, the rows' routing bytes (may be empty), the rows."""
