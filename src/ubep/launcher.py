@@ -221,6 +221,7 @@ def _rank_main(launch: LocalLaunch, rank: int, port: int, payload: bytes, result
         timeout = timedelta(seconds=launch.timeout_s)
         store = dist.TCPStore("127.0.0.1", port, None, False, timeout)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=launch.world_size, timeout=timeout)
+        dist.barrier()  # every rank connected before any may exit: a rank done first would cut a peer's mesh
         outcome = RankOutcome(rank, True, result=fn(*args))
     except BaseException:
         outcome = RankOutcome(rank, False, error=traceback.format_exc(), cause="raised")
