@@ -343,9 +343,13 @@ def _expert(x: torch.Tensor) -> torch.Tensor:
     return (x.float() * 1.5 - 0.25).to(x.dtype)
 
 
-def _one_call(buf, word: PeerWord, flipper: Flipper, rank: int, sync: threading.Barrier):
+def _one_call(buf, word: PeerWord, flipper: Flipper, rank: int, sync: threading.Barrier, raised: dict):
     """One dispatch and combine; the flipped call runs on the reader only once the word flips.
-    Returns ('dispatch' | 'combine', result or the exception)."""
+    Returns ('dispatch' | 'combine', result or the exception).
+
+    The ranks (threads) tell each other through `raised` whether their dispatch raised: a
+    combine follows only where neither did, so the ranks' barriers stay in step (a combine
+    beside a rank that skipped it would wait to its deadline)."""
     x, idx, w = _inputs(rank)
 
     def flipped(call):
@@ -360,11 +364,16 @@ def _one_call(buf, word: PeerWord, flipper: Flipper, rank: int, sync: threading.
         else:
             d = flipped(lambda: buf.dispatch(x, topk_idx=idx, topk_weights=w))
     except Exception as error:
-        return stage, error
-    stage = "combine"
+        d = error
     if word.kind == "dispatch":
-        return "dispatch", d
+        return stage, d
+    raised[rank] = d if isinstance(d, Exception) else None
     sync.wait(TIMEOUT_S)
+    if raised[rank] is not None:
+        return stage, d
+    if (theirs := raised[WRITER if rank == READER else READER]) is not None:
+        return stage, RuntimeError(f"the peer's dispatch raised {theirs!r}, before the word was flipped")
+    stage = "combine"
     try:
         if word.mode == "ll":
             return stage, (d, flipped(lambda: buf.low_latency_combine(_expert(d.recv_x), idx, w, d.handle)))
@@ -415,6 +424,7 @@ def _child(cases: list[str], reps: int, engine: str) -> dict:
     flipper.start()
     expected = _expected(first.mode)
     sync = threading.Barrier(R)
+    raised: dict[int, Exception | None] = {}  # this call's dispatch errors, by rank
 
     def rank_main(rank):
         out = {}
@@ -436,7 +446,7 @@ def _child(cases: list[str], reps: int, engine: str) -> dict:
                         flipper.armed.wait(TIMEOUT_S)
                         flipper.armed.clear()
                     sync.wait(TIMEOUT_S)
-                    outcome = _one_call(buf, word, flipper, rank.rank, sync)
+                    outcome = _one_call(buf, word, flipper, rank.rank, sync, raised)
                     sync.wait(TIMEOUT_S)
                     if rank.rank == READER:
                         flipper.stop()
