@@ -349,7 +349,9 @@ def _one_call(buf, word: PeerWord, flipper: Flipper, rank: int, sync: threading.
 
     The ranks (threads) tell each other through `raised` whether their dispatch raised: a
     combine follows only where neither did, so the ranks' barriers stay in step (a combine
-    beside a rank that skipped it would wait to its deadline)."""
+    beside a rank that skipped it would wait to its deadline). The writer's dispatch may raise
+    by design after a call the reader failed naming it: it is then the verdict, judged as the
+    reader's own (it must name the writer)."""
     x, idx, w = _inputs(rank)
 
     def flipped(call):
@@ -372,7 +374,7 @@ def _one_call(buf, word: PeerWord, flipper: Flipper, rank: int, sync: threading.
     if raised[rank] is not None:
         return stage, d
     if (theirs := raised[WRITER if rank == READER else READER]) is not None:
-        return stage, RuntimeError(f"the peer's dispatch raised {theirs!r}, before the word was flipped")
+        return stage, theirs  # the writer left behind by a call the reader failed (Heap._left_behind)
     stage = "combine"
     try:
         if word.mode == "ll":
