@@ -219,6 +219,8 @@ def expert_counts(local_idx_MK: torch.Tensor, num_local_experts: int, alignment:
 
 def aligned(counts_L: np.ndarray, alignment: int) -> list[int]:
     """Each count rounded up to a multiple of `alignment`, as a Python list."""
+    if alignment == 1:  # the usual case, on every call: no arithmetic
+        return counts_L.tolist()
     return ((counts_L + alignment - 1) // alignment * alignment).tolist()
 
 

@@ -43,6 +43,17 @@ def array(t: torch.Tensor) -> np.ndarray:
     return (t if bits is None else t.view(bits)).numpy()
 
 
+def tensors(*arrays: np.ndarray) -> tuple[torch.Tensor, ...]:
+    """Tensors over numpy arrays' memory, for arrays a kernel filled: no copy (torch.empty and .numpy()
+    cost several times np.empty and this on a decode-size call; one call wraps them all). An empty
+    array gets a fresh tensor instead: numpy gives it zero strides, which torch's dtype views refuse."""
+    out = []
+    for a in arrays:
+        t = torch.from_numpy(a)
+        out.append(t if a.size else torch.empty(t.shape, dtype=t.dtype))
+    return tuple(out)
+
+
 def is_index(index_n: torch.Tensor | None) -> bool:
     return index_n is None or (index_n.dtype in INDEX_DTYPES and index_n.dim() == 1)
 
@@ -361,16 +372,16 @@ class NumbaEngine:
         """(is_token_in_rank bool [N, R], tokens per rank int64 [R]) of a contiguous int64 routing,
         after checking its values (ValueError in `ubep.validate`'s words): the values check of
         `validate.topk_idx`, `layout.token_in_rank` and its column sums in one compiled pass."""
-        in_rank_NR = torch.empty(topk_idx_NK.shape[0], num_ranks, dtype=torch.bool, device="cpu")
-        counts_R, found = torch.empty(num_ranks, dtype=torch.int64, device="cpu"), np.zeros(1, dtype=np.int64)
-        in_rank_u8, E = in_rank_NR.view(torch.uint8).numpy(), rank_of_expert_E.size
-        args = (topk_idx_NK.numpy(), rank_of_expert_E, E, in_rank_u8, counts_R.numpy(), found)
+        in_rank = np.empty((topk_idx_NK.shape[0], num_ranks), dtype=np.bool_)
+        counts, found = np.empty(num_ranks, dtype=np.int64), np.zeros(1, dtype=np.int64)
+        E = rank_of_expert_E.size
+        args = (topk_idx_NK.numpy(), rank_of_expert_E, E, in_rank.view(np.uint8), counts, found)
         verdict = kernels.route_tokens(*args)
         if verdict == kernels.BAD_EXPERT:
             raise validate.bad_expert(rank_of_expert_E.size, int(found[0]))
         if verdict == kernels.REPEATED:
             raise validate.repeated_expert(topk_idx_NK, int(found[0]))
-        return in_rank_NR, counts_R
+        return tensors(in_rank, counts)
 
     def weighted_sum(self, y_NKH: torch.Tensor, w_NK: torch.Tensor, valid_NK: torch.Tensor) -> torch.Tensor:
         supported = (

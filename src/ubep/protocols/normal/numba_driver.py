@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from ubep.calls import CallId
+from ubep.engine.numba_engine import tensors
 from ubep.faults import FaultPoints
 from ubep.protocols import halves
 from ubep.protocols.base import CODE_RANGE, DTYPE_CODES, Sizing
@@ -80,15 +81,14 @@ class NormalCompiled(halves.HeapHalves):
         """The home's half of combine: (combined [N, H] in x's dtype, summed weights [N, K] or None)."""
         s, R = self.sizing, self.R
         K = 0 if weights_MK is None else weights_MK.shape[1]
-        out_NH = torch.empty(handle.num_tokens, x_MH.shape[1], dtype=x_MH.dtype, device="cpu")
-        out_NK = None if K == 0 else torch.empty(handle.num_tokens, K, dtype=torch.float32, device="cpu")
+        out_NH = torch.empty(handle.num_tokens, x_MH.shape[1], dtype=x_MH.dtype)
+        out_w = NO_F32 if K == 0 else np.empty((handle.num_tokens, K), dtype=np.float32)  # wrapped, no copy
         pending, status = np.empty(R, dtype=np.int64), np.zeros(6, dtype=np.int64)
         self._enter(
             call, phase, (x_MH.dtype, K, handle.seq), k.combine_reduce, *self._back_memory(call),
             handle.is_token_in_rank_NR.view(torch.uint8).numpy(), handle.send_counts_R.numpy(), handle.seq,
-            DTYPE_CODES[x_MH.dtype], *CODE_RANGE, s.max_topk, R * s.capacity, bits_of(out_NH),
-            NO_F32 if out_NK is None else out_NK.numpy(), np.zeros(R, dtype=np.int64), pending,
-            *self.budget, status,
+            DTYPE_CODES[x_MH.dtype], *CODE_RANGE, s.max_topk, R * s.capacity, bits_of(out_NH), out_w,
+            np.zeros(R, dtype=np.int64), pending, *self.budget, status,
         )  # fmt: skip
         self.t.check_member("combine")  # what was read above was whole
-        return out_NH, out_NK
+        return out_NH, None if K == 0 else tensors(out_w)[0]

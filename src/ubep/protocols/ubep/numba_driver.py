@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from ubep.calls import CallId
+from ubep.engine.numba_engine import tensors
 from ubep.faults import FaultPoints
 from ubep.protocols.base import CODE_RANGE, DTYPE_CODES, Received, SendPlan, Sizing
 from ubep.protocols.normal.numba_driver import NO_F32, NO_I64, NormalCompiled
@@ -74,35 +75,36 @@ class UbepCompiled(NormalCompiled):
             call, "dispatch (routing)", mine, k.dispatch_routes, *mem, code, K, s.max_topk, s.capacity,
             *CODE_RANGE, np.zeros(R, dtype=np.int64), counts_R, sent_R, pending, *self.budget, status,
         )  # fmt: skip
+        # outputs the halves fill: numpy arrays, wrapped for the results (`tensors`: no copy)
         if cached:
-            prefix_R1, src_token_M = handle.recv.prefix_R1, handle.recv.src_token_M
+            prefix, src_token = handle.recv.prefix_R1.numpy(), handle.recv.src_token_M.numpy()
         else:
-            prefix_R1 = torch.zeros(R + 1, dtype=torch.int64, device="cpu")
-            counts_R.cumsum(out=prefix_R1.numpy()[1:])
-            src_token_M = torch.empty(int(prefix_R1[-1]), dtype=torch.int64, device="cpu")
-        M = src_token_M.shape[0]
-        src_rank_M = handle.recv.src_rank_M if cached else torch.empty(M, dtype=torch.int64, device="cpu")
+            prefix = np.zeros(R + 1, dtype=np.int64)
+            counts_R.cumsum(out=prefix[1:])
+            src_token = np.empty(prefix[-1], dtype=np.int64)
+        M = src_token.shape[0]
+        src_rank = handle.recv.src_rank_M.numpy() if cached else np.empty(M, dtype=np.int64)
         per_expert_L = np.empty(0 if cached else self.L, dtype=np.int64)
-        recv_x_MH = torch.empty(M, H, dtype=x_NH.dtype, device="cpu")
+        recv_x_MH = torch.empty(M, H, dtype=x_NH.dtype)
         scales_NS = plan.scales_NS
         recv_scales_MS = (
-            None
-            if scales_NS is None
-            else torch.empty(M, scales_NS.shape[1], dtype=scales_NS.dtype, device="cpu")
+            None if scales_NS is None else torch.empty(M, scales_NS.shape[1], dtype=scales_NS.dtype)
         )
-        recv_idx_MK = None if cached else torch.empty(M, K, dtype=torch.int64, device="cpu")
-        recv_w_MK = None if cached else torch.empty(M, K, dtype=torch.float32, device="cpu")
+        recv_idx = NO_I64 if cached else np.empty((M, K), dtype=np.int64)
+        recv_w = NO_F32 if cached else np.empty((M, K), dtype=np.float32)
         self._enter(
-            call, "dispatch (tokens)", mine, k.dispatch_gather, *mem, prefix_R1.numpy(), counts_R, sent_R,
-            s.capacity, s.max_topk, self.local_of_expert,
-            NO_I64 if cached else recv_idx_MK.numpy(), NO_F32 if cached else recv_w_MK.numpy(),
-            src_token_M.numpy(), src_rank_M.numpy(), per_expert_L, recv_x_MH.view(torch.uint8).numpy(),
-            NO_F32 if recv_scales_MS is None else recv_scales_MS.numpy(),
+            call, "dispatch (tokens)", mine, k.dispatch_gather, *mem, prefix, counts_R, sent_R,
+            s.capacity, s.max_topk, self.local_of_expert, recv_idx, recv_w, src_token, src_rank, per_expert_L,
+            recv_x_MH.view(torch.uint8).numpy(), NO_F32 if recv_scales_MS is None else recv_scales_MS.numpy(),
             np.zeros(R + 1, dtype=np.int64), pending, *self.budget, status,
         )  # fmt: skip
         t.check_member("dispatch")  # what was read above was whole
-        route = handle.recv if cached else RecvRoute(src_token_M, prefix_R1, src_rank_M)
-        return Received(recv_x_MH, recv_idx_MK, recv_w_MK, route, recv_scales_MS, per_expert_L)
+        if cached:
+            return Received(recv_x_MH, None, None, handle.recv, recv_scales_MS, per_expert_L)
+        token_M, prefix_R1, rank_M, idx_MK, w_MK = tensors(src_token, prefix, src_rank, recv_idx, recv_w)
+        return Received(
+            recv_x_MH, idx_MK, w_MK, RecvRoute(token_M, prefix_R1, rank_M), recv_scales_MS, per_expert_L
+        )
 
     # -- combine ----------------------------------------------------------------------------------
 
