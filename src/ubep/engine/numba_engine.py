@@ -50,7 +50,7 @@ def tensors(*arrays: np.ndarray) -> tuple[torch.Tensor, ...]:
     out = []
     for a in arrays:
         t = torch.from_numpy(a)
-        out.append(t if a.size else torch.empty(t.shape, dtype=t.dtype))
+        out.append(t if a.size else torch.empty(t.shape, dtype=t.dtype, device="cpu"))
     return tuple(out)
 
 

@@ -81,7 +81,7 @@ class NormalCompiled(halves.HeapHalves):
         """The home's half of combine: (combined [N, H] in x's dtype, summed weights [N, K] or None)."""
         s, R = self.sizing, self.R
         K = 0 if weights_MK is None else weights_MK.shape[1]
-        out_NH = torch.empty(handle.num_tokens, x_MH.shape[1], dtype=x_MH.dtype)
+        out_NH = torch.empty(handle.num_tokens, x_MH.shape[1], dtype=x_MH.dtype, device="cpu")
         out_w = NO_F32 if K == 0 else np.empty((handle.num_tokens, K), dtype=np.float32)  # wrapped, no copy
         pending, status = np.empty(R, dtype=np.int64), np.zeros(6, dtype=np.int64)
         self._enter(

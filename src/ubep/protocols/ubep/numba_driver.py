@@ -85,10 +85,12 @@ class UbepCompiled(NormalCompiled):
         M = src_token.shape[0]
         src_rank = handle.recv.src_rank_M.numpy() if cached else np.empty(M, dtype=np.int64)
         per_expert_L = np.empty(0 if cached else self.L, dtype=np.int64)
-        recv_x_MH = torch.empty(M, H, dtype=x_NH.dtype)
+        recv_x_MH = torch.empty(M, H, dtype=x_NH.dtype, device="cpu")
         scales_NS = plan.scales_NS
         recv_scales_MS = (
-            None if scales_NS is None else torch.empty(M, scales_NS.shape[1], dtype=scales_NS.dtype)
+            None
+            if scales_NS is None
+            else torch.empty(M, scales_NS.shape[1], dtype=scales_NS.dtype, device="cpu")
         )
         recv_idx = NO_I64 if cached else np.empty((M, K), dtype=np.int64)
         recv_w = NO_F32 if cached else np.empty((M, K), dtype=np.float32)
