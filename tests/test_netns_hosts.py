@@ -4,6 +4,7 @@ reason, where namespaces cannot be made (not root, no iproute2)."""
 
 from __future__ import annotations
 
+import shutil
 import signal
 import subprocess
 import sys
@@ -73,3 +74,12 @@ def test_ctrl_c_and_a_failing_host_leave_nothing_behind():
     )
     assert failing.wait(timeout=30) == 7  # the other host is stopped, not waited for
     assert leftovers(failing.pid) == []
+
+
+def test_without_tc_on_path_the_hosts_are_refused_naming_it(tmp_path, monkeypatch):
+    """The script shapes each link with `tc`; a PATH with `ip` but no `tc` (sbin left out, as under
+    `env -i`) refuses up front instead of failing inside the script."""
+    (tmp_path / "ip").symlink_to(shutil.which("ip"))
+    monkeypatch.setenv("PATH", str(tmp_path))
+    ok, why = namespaces_available()
+    assert not ok and "`tc`" in why

@@ -37,8 +37,9 @@ def namespaces_available(script: Path = SCRIPT) -> tuple[bool, str]:
         return False, f"{script} not found (it comes with ubep's source checkout)"
     if os.geteuid() != 0:
         return False, "network namespaces need root"
-    if shutil.which("ip") is None:
-        return False, "no `ip` command (iproute2)"
+    for command, what in (("ip", "namespaces and links"), ("tc", "the link's rate and delay")):
+        if shutil.which(command) is None:  # tc lives in sbin, which a plain user's PATH may leave out
+            return False, f"no `{command}` command on PATH (iproute2; {what})"
     probe = f"ubep-probe{os.getpid()}"
     made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True, timeout=30)
     if made.returncode != 0:
