@@ -31,11 +31,12 @@ def pieces(tokens: int, number: int) -> dict[str, float]:
     idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(tokens)])
     w = torch.rand(tokens, K, generator=g)
     with ubep.Buffer(dist.group.WORLD, hidden=H, num_experts=E, max_tokens_per_rank=T) as buf:
+        R, Kmax = buf.num_ranks, buf.sizing.max_topk
         timed = {
             "send plan (all of the Buffer's checks)": lambda: buf._send_plan(x, None, None, None, idx, w),
-            "  routing check and layout (compiled)": lambda: buf._route(idx, buf._rank_of_expert_E, 2),
+            "  routing check and layout (compiled)": lambda: buf._route(idx, buf._rank_of_expert_E, R),
             "  x's shape and dtype": lambda: validate.payload("x", x, H, T),
-            "  topk_idx's shape and dtype": lambda: validate.topk_idx(idx, tokens, E, 16, values=False),
+            "  topk_idx's shape and dtype": lambda: validate.topk_idx(idx, tokens, E, Kmax, values=False),
             "  topk_weights' shape and dtype": lambda: validate.topk_weights(w, (tokens, K)),
             "a numpy view of a tensor": lambda: idx.numpy(),
             "a byte view of bf16 rows": lambda: x.view(torch.uint8).numpy(),
