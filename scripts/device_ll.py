@@ -3,7 +3,7 @@ for both data-as-flag forms of the rows ("after-data": rows, then a released sta
 words of payload and epoch, each its own flag, twice the slot bytes).
 
 Each virtual rank has its own arena (the layout of `LLBlocks`, one device allocation a rank) and its
-own capturable `LLDevice`; one address table reaches all arenas, as the CUDA heap's reaches every GPU.
+own capturable `LLTriton`; one address table reaches all arenas, as the CUDA heap's reaches every GPU.
 One stream runs every rank's half in turn (all sends, then all receives), so no wait ever spins.
 
 1. `torch.cuda.set_sync_debug_mode("error")` around one eager dispatch + combine: a host sync raises.
@@ -38,12 +38,12 @@ from ubep.layout import ExpertPlacement
 from ubep.protocols.base import DTYPE_CODES, Sizing
 from ubep.protocols.ll import LLBlocks
 from ubep.protocols.ll.plans import FLAGS, IN_WORD, dispatch_outputs
-from ubep.protocols.ll.triton_driver import LLDevice
+from ubep.protocols.ll.triton_driver import LLTriton
 from ubep.transport.heap import Layout
 
 
 class VirtualDeviceHeap:
-    """What `LLDevice` needs of a heap, for rank `rank` of R arenas on one device."""
+    """What `LLTriton` needs of a heap, for rank `rank` of R arenas on one device."""
 
     def __init__(self, rank: int, arenas: list[torch.Tensor], layout: Layout):
         self.rank, self.num_ranks, self.live = rank, len(arenas), tuple(range(len(arenas)))
@@ -75,7 +75,7 @@ class World:
         arenas = [torch.zeros(layout.nbytes, dtype=torch.uint8, device=device) for _ in range(R)]
         engine = TritonEngine()
         self.halves = [
-            LLDevice(
+            LLTriton(
                 VirtualDeviceHeap(r, arenas, layout), blocks, sizing, _no_release, engine, True, 10**7, flag
             )
             for r in range(R)

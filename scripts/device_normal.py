@@ -2,7 +2,7 @@
 graph capture, timings.
 
 Each virtual rank has its own arena (the layout of `UbepBlocks`, one device allocation a rank) and its
-own capturable `UbepDevice`; one address table reaches all arenas, as the CUDA heap's reaches every GPU.
+own capturable `UbepTriton`; one address table reaches all arenas, as the CUDA heap's reaches every GPU.
 One stream runs every rank's half in turn (all sends, then all receives), so no wait ever spins. The
 send kernels derive the layout from top-k and check its values, as on `Buffer`'s path.
 num_worst_tokens = R * T fixes every receive size, so nothing is read on the host.
@@ -35,13 +35,13 @@ from ubep.faults import NO_FAULTS
 from ubep.layout import ExpertPlacement, token_in_rank
 from ubep.protocols.base import SendPlan, Sizing
 from ubep.protocols.ubep import UbepBlocks
-from ubep.protocols.ubep.triton_driver import UbepDevice
+from ubep.protocols.ubep.triton_driver import UbepTriton
 from ubep.results import DispatchHandle
 from ubep.transport.heap import Layout
 
 
 class Heap(VirtualDeviceHeap):
-    """What `UbepDevice` needs of a heap: `VirtualDeviceHeap`, and no membership to check (nobody leaves)."""
+    """What `UbepTriton` needs of a heap: `VirtualDeviceHeap`, and no membership to check (nobody leaves)."""
 
     def check_member(self, phase: str) -> None:
         pass
@@ -69,7 +69,7 @@ class World:
         for r in range(R):
             local_of_E = torch.where(p.rank_of_expert_E == r, p.local_index_E, -1)
             heap = Heap(r, arenas, layout)
-            self.halves.append(UbepDevice(heap, blocks, sizing, NO_FAULTS, local_of_E, engine, True, 10**7))
+            self.halves.append(UbepTriton(heap, blocks, sizing, NO_FAULTS, local_of_E, engine, True, 10**7))
         g = torch.Generator().manual_seed(seed)
         xs = [(torch.randn(T, H, generator=g) * 3).to(torch.bfloat16) for _ in range(R)]
         idxs = [torch.rand(T, E, generator=g).topk(K, dim=1).indices for _ in range(R)]

@@ -48,7 +48,7 @@ import ubep
 from ubep import reference
 from ubep.errors import CommTimeoutError, MaskedOutError, UbepError
 from ubep.faults import FaultPlan
-from ubep.shm import SHM_DIR, segment_pid
+from ubep.transport.segments import SHM_DIR, segment_pid
 from ubep.waiting import PeerAbortedError
 
 ITERATION_COST = (2, 2, 2, 3)  # calls per iteration, by iteration % 4 (every fourth repeats the dispatch)

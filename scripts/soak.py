@@ -26,7 +26,7 @@ from rich.table import Table
 
 import ubep
 from ubep import reference, routing
-from ubep.shm import NAME_PREFIX, SHM_DIR
+from ubep.transport.segments import NAME_PREFIX, SHM_DIR
 
 KINDS = ("uniform", "zipf", "hot", "deepseek-groups")
 MAX_REPORTED_FAILURES = 5

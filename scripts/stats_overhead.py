@@ -25,8 +25,8 @@ import torch
 from ubep import routing
 from ubep.calls import CallCounter
 from ubep.layout import ExpertPlacement, token_in_rank
+from ubep.observe.recording import RecordedExchange, Recorder
 from ubep.protocols.base import SendPlan
-from ubep.recording import RecordedExchange, Recorder
 from ubep.results import RecvRoute
 from ubep.stats import StatsOptions
 

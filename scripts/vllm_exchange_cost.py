@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 import ubep
-from ubep.integrations.vllm.routing import EPExchange, GroupExperts
+from ubep.integrations.vllm.manager import EPExchange, GroupExperts
 
 HIDDEN, EXPERTS, TOPK, LAYERS = 1024, 32, 4, 4
 BATCHES = (2, 8, 32)  # sequences in total, as in vllm_check.py

@@ -14,7 +14,7 @@ from scenarios import Scenario, expert_output
 
 import ubep
 from ubep import reference
-from ubep.shm import SHM_DIR, segment_pid
+from ubep.transport.segments import SHM_DIR, segment_pid
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 import ubep
 from ubep.launcher import LocalLaunch
-from ubep.shm import NAME_PREFIX, SHM_DIR, Creator, segment_pid, sweep_stale_segments
+from ubep.transport.segments import NAME_PREFIX, SHM_DIR, Creator, segment_pid, sweep_stale_segments
 
 
 def ours(pids: set[int] | None = None) -> list[str]:

@@ -145,7 +145,7 @@ SCRIPT = textwrap.dedent(
     info = GroupInfo(dist.group.WORLD, 0, 1, (0,))
     normal, ll = build(info, sizing, options, TritonEngine(), FaultPoints())
     try:
-        assert isinstance(ll.t, CudaHeap) and type(ll._compiled).__name__ == "LLDevice", ll._compiled
+        assert isinstance(ll.t, CudaHeap) and type(ll._compiled).__name__ == "LLTriton", ll._compiled
         table, _ = ll.t.address_table(ll.blocks.all())
         arena = arenas[0].data_ptr()
         assert (table >= arena).all() and (table < arena + arenas[0].numel()).all()

@@ -13,10 +13,10 @@ import pytest
 import torch
 
 import ubep
-from ubep import shm
 from ubep.compat.deep_ep import Buffer, Config
 from ubep.errors import SharedMemorySizeError
 from ubep.sizing import size_hint
+from ubep.transport import segments as shm
 
 HINT_TOKENS, LL_TOPK = 4096, 11  # DeepEP's prefill size; its low-latency kernels' top-k limit
 

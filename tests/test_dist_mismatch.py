@@ -15,9 +15,9 @@ from scenarios import Scenario, expert_output
 
 import ubep
 from ubep import reference
+from ubep.across.call_header import CallHeader, check
 from ubep.calls import CallId
 from ubep.protocols.base import DTYPE_CODES
-from ubep.protocols.call_header import CallHeader, check
 
 R, E, T = 2, 8, 6
 SC = Scenario(name="mismatch", num_ranks=R, num_experts=E, hidden=64, topk=2, capacity=T, tokens=(6, 5))

@@ -191,8 +191,8 @@ def test_a_stopped_peer_is_named_at_the_deadline_and_close_does_not_wait_for_it(
 def credit_order() -> list[int]:
     """Rank 0 writes two messages into the same slot of rank 1 (calls 1 and 3, one half) before
     rank 1 reads the first: the second must wait for rank 1's release, not overwrite the first."""
-    from ubep.fabric.base import Lane
-    from ubep.fabric.nixl import NixlFabric
+    from ubep.across.fabric.base import Lane
+    from ubep.across.fabric.nixl import NixlFabric
 
     on_nixl()
     me = dist.get_rank()

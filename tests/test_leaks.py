@@ -14,8 +14,8 @@ import torch.distributed as dist
 from faultcase import group_pids, residue
 
 import ubep
-import ubep.shm
-from ubep.shm import (
+import ubep.transport.segments
+from ubep.transport.segments import (
     NAME_PREFIX,
     SHM_DIR,
     _attach,
@@ -132,7 +132,7 @@ def tampered_attach(timeout_s: float) -> tuple[str, list[str]]:
         def refuse(name: str, nbytes: int):
             raise PermissionError(f"shared segment {name} has an unexpected owner or mode")
 
-        ubep.shm._attach = refuse  # this rank's process only
+        ubep.transport.segments._attach = refuse  # this rank's process only
     try:
         ubep.Buffer(hidden=16, num_experts=6, max_tokens_per_rank=8, timeout_s=timeout_s).close()
         outcome = "built"

@@ -120,7 +120,7 @@ def against_reference_and_numba(_: int) -> list[str]:
     got = {}
     for flag in ("after-data", "in-word"):
         with ubep.Buffer(engine="triton", ll_flag=flag, **kw) as buf:
-            assert type(buf._ll._compiled).__name__ == "LLDevice" and buf._ll._compiled.flag == flag
+            assert type(buf._ll._compiled).__name__ == "LLTriton" and buf._ll._compiled.flag == flag
             assert f"({flag})" in buf.explain() and f"ll_flag {flag!r}" in buf.explain()
             for case in cases(R):
                 if case.name in CHECKED:
@@ -130,7 +130,7 @@ def against_reference_and_numba(_: int) -> list[str]:
             if flag == "in-word":
                 checked.append(_stale_words(buf, me, R, E))
     with ubep.Buffer(engine="numba", **kw) as buf:
-        assert type(buf._ll._compiled).__name__ == "LLCompiled"
+        assert type(buf._ll._compiled).__name__ == "LLNumba"
         want = _one_call(buf, me, R, E, use_fp8=True) + _one_call(buf, me, R, E, use_fp8=False)
     for name, tensors in got.items():
         for a, b in zip(tensors, want, strict=True):
@@ -149,10 +149,10 @@ def _stale_words(buf: ubep.Buffer, me: int, R: int, E: int) -> str:
 
     from ubep.errors import CommTimeoutError
     from ubep.protocols.ll.plans import dispatch_outputs, wire_rows
-    from ubep.protocols.ll.triton_driver import LLDevice
+    from ubep.protocols.ll.triton_driver import LLTriton
 
     ll = buf._ll
-    device = LLDevice(ll.t, ll.blocks, buf.sizing, ll._consumed, buf.engine, True, 20, flag="in-word")
+    device = LLTriton(ll.t, ll.blocks, buf.sizing, ll._consumed, buf.engine, True, 20, flag="in-word")
     call = buf._calls.next("ll_dispatch")
     assert call.epoch > 2  # its half served call epoch - 2: the slots hold that call's words
     device._epochs[0] += call.epoch - 1  # continue the host's epochs
@@ -214,7 +214,7 @@ def masked(rank, done: threading.Barrier) -> list[int]:
     from shrinkcase import buffer, low_latency_call
 
     with buffer(rank, "ubep", timeout_s=60, engine="triton") as buf:
-        assert type(buf._ll._compiled).__name__ == "LLDevice"
+        assert type(buf._ll._compiled).__name__ == "LLTriton"
         low_latency_call(buf, 1, set())
         done.wait()
         buf.mask_ranks([2])
@@ -297,14 +297,14 @@ def without_host_reads(_: int) -> str:
     from test_low_latency import CAPACITY, HIDDEN, LLCase, expert_output
 
     from ubep.protocols.ll.plans import dispatch_outputs
-    from ubep.protocols.ll.triton_driver import LLDevice
+    from ubep.protocols.ll.triton_driver import LLTriton
 
     R, me = torch.distributed.get_world_size(), torch.distributed.get_rank()
     E = 2 * R
     with ubep.Buffer(hidden=HIDDEN, num_experts=E, max_tokens_per_rank=CAPACITY, timeout_s=60,
                      engine="triton") as buf:  # fmt: skip
         ll = buf._ll
-        device = LLDevice(ll.t, ll.blocks, buf.sizing, ll._consumed, buf.engine, capturable=True)
+        device = LLTriton(ll.t, ll.blocks, buf.sizing, ll._consumed, buf.engine, capturable=True)
         xs, idxs, ws = LLCase(name="sync", drop=0.2, seed=3).inputs(R, E)
         ref = reference.low_latency_dispatch(xs, idxs, E, CAPACITY)
         ys = [expert_output(r.recv_x_LMX, rank) for rank, r in enumerate(ref)]
@@ -427,7 +427,7 @@ def errors(rank, done: threading.Barrier) -> str:
 
     from ubep.errors import CommTimeoutError, PeerDataError
     from ubep.protocols.ll.plans import dispatch_outputs
-    from ubep.protocols.ll.triton_driver import LLDevice
+    from ubep.protocols.ll.triton_driver import LLTriton
     from ubep.waiting import PeerAbortedError
 
     me, R, E = rank.rank, rank.world_size, 2 * rank.world_size
@@ -463,7 +463,7 @@ def errors(rank, done: threading.Barrier) -> str:
         done.wait()
         if me == 0:  # rank 1 sends nothing: a capturable wait runs out and check() names it
             ll = buf._ll
-            device = LLDevice(ll.t, ll.blocks, buf.sizing, ll._consumed, buf.engine, True, max_spins=20)
+            device = LLTriton(ll.t, ll.blocks, buf.sizing, ll._consumed, buf.engine, True, max_spins=20)
             device._epochs += buf._calls.next("ll_dispatch").epoch - 1  # continue the host's epochs
             plan = type("Plan", (), {"max_tokens": CAPACITY, "code": DTYPE_CODES[torch.bfloat16]})
             out = dispatch_outputs(plan, HIDDEN, R, idxs[me], E)

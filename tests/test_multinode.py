@@ -14,7 +14,7 @@ from scenarios import Scenario, assert_dispatch_matches, expert_output, scenario
 
 import ubep
 from ubep import reference
-from ubep.collectives.hier import as_bytes, boundary_bytes, columns, dispatch_row_bytes
+from ubep.across.collectives.bsp_hier import as_bytes, boundary_bytes, columns, dispatch_row_bytes
 from ubep.group import GroupInfo, choose_transport
 from ubep.layout import ExpertPlacement
 from ubep.nodes import NodeMap, tokens_per_slot

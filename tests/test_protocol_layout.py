@@ -23,24 +23,23 @@ from ubep.calls import CallCounter
 from ubep.layout import ExpertPlacement
 from ubep.protocols.base import Sizing
 from ubep.protocols.bsp import blocks as bsp_blocks
+from ubep.protocols.combine import blocks as normal_blocks
 from ubep.protocols.ll import blocks as ll_blocks
-from ubep.protocols.normal import blocks as normal_blocks
 from ubep.protocols.ubep import blocks as ubep_blocks
 from ubep.transport.virtual import VirtualWorld, virtual_heap
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "ubep"
-PACKAGES = ("ubep", "bsp", "ll", "normal")
+PACKAGES = ("ubep", "bsp", "ll", "combine")
 # What a protocol package may import besides its own modules: the shared protocol pieces and the floors
-# below the protocol (docs/design.md's map). `normal` is shared by ubep and bsp.
+# below the protocol (docs/design.md's map). `combine` is shared by ubep and bsp.
 SHARED = {
     "ubep.protocols.base", "ubep.protocols.halves", "ubep.protocols.device_halves",
-    "ubep.protocols.call_header",
 }  # fmt: skip
 BELOW = {
     "ubep.calls", "ubep.errors", "ubep.faults", "ubep.fp8", "ubep.layout", "ubep.results", "ubep.validate",
     "ubep.waiting", "ubep.schedule", "ubep.topology", "ubep.reference",
 }  # fmt: skip
-FLOORS_BELOW = ("ubep.engine", "ubep.transport", "ubep.fabric")
+FLOORS_BELOW = ("ubep.engine", "ubep.transport")  # never `ubep.across`: the wing above
 
 
 def _sizing(R: int, experts_per_rank: int = 2) -> Sizing:
@@ -191,7 +190,7 @@ def test_no_floor_below_imports_a_protocol(floor):
 @pytest.mark.parametrize("package", PACKAGES)
 def test_a_protocol_package_imports_its_own_the_shared_pieces_and_the_floors_below(package):
     own = f"ubep.protocols.{package}"
-    allowed_shared = SHARED | ({"ubep.protocols.normal"} if package in ("ubep", "bsp") else set())
+    allowed_shared = SHARED | ({"ubep.protocols.combine"} if package in ("ubep", "bsp") else set())
     for path in (SRC / "protocols" / package).glob("*.py"):
         for module in _imports(path):
             ok = (

@@ -21,10 +21,11 @@ import torch.distributed as dist
 from faultcase import group_pids
 
 import ubep
-import ubep.shm
+import ubep.transport.segments
 from ubep.engine import choose_engine
 from ubep.errors import SharedMemorySizeError
 from ubep.sizing import size_hint
+from ubep.transport import segments
 
 SRC = os.path.join(os.path.dirname(os.path.dirname(__file__)), "src")
 TESTS = os.path.dirname(__file__)
@@ -46,12 +47,12 @@ def _skip_unless(*args: str):
 
 
 def ours() -> set[str]:
-    return {n for n in os.listdir(ubep.shm.SHM_DIR) if n.startswith(ubep.shm.NAME_PREFIX)}
+    return {n for n in os.listdir(segments.SHM_DIR) if n.startswith(segments.NAME_PREFIX)}
 
 
 def residue(pids: set[int]) -> list[str]:
     """Our segments in /dev/shm created by any of `pids`."""
-    return [n for n in os.listdir(ubep.shm.SHM_DIR) if ubep.shm.segment_pid(n) in pids]
+    return [n for n in os.listdir(segments.SHM_DIR) if segments.segment_pid(n) in pids]
 
 
 def _python(script: str) -> list[str]:
@@ -128,7 +129,7 @@ def test_absurd_size_is_a_clear_error_not_an_oserror():
 
 CREATOR = """
     import os, sys
-    from ubep.shm import _create, segment_name
+    from ubep.transport.segments import _create, segment_name
     name = segment_name(os.getpid())
     segment = _create(name, 4096)
     print(name, flush=True)
@@ -137,7 +138,7 @@ CREATOR = """
 
 CREATOR_IN_NAMESPACE = """
     import subprocess, sys
-    from ubep.shm import sweep_stale_segments
+    from ubep.transport.segments import sweep_stale_segments
     target = int(sys.argv[2])  # the creator's pid: free in a fresh namespace (see the test)
     while int(open("/proc/sys/kernel/ns_last_pid").read()) < target - 1:
         subprocess.run(["true"])
@@ -151,7 +152,7 @@ CREATOR_IN_NAMESPACE = """
 """
 
 SWEEPER = """
-    from ubep.shm import sweep_stale_segments
+    from ubep.transport.segments import sweep_stale_segments
     print(sweep_stale_segments(), flush=True)
 """
 
@@ -173,20 +174,20 @@ def test_jobs_in_other_pid_namespaces_do_not_sweep_each_others_live_segments():
     name = ""
     try:
         name = job.stdout.readline().strip()
-        path = os.path.join(ubep.shm.SHM_DIR, name)
-        assert name.startswith(ubep.shm.NAME_PREFIX) and os.path.exists(path), name
+        path = os.path.join(segments.SHM_DIR, name)
+        assert name.startswith(segments.NAME_PREFIX) and os.path.exists(path), name
         other = subprocess.run([*ns, *_python(SWEEPER)], env=ENV, capture_output=True, text=True, timeout=60)
         assert other.returncode == 0, other.stderr[-2000:]
         assert name not in other.stdout and os.path.exists(path), "another namespace swept a live segment"
-        assert name not in ubep.shm.sweep_stale_segments() and os.path.exists(path), "so did the host's"
+        assert name not in segments.sweep_stale_segments() and os.path.exists(path), "so did the host's"
         job.stdin.write("done\n")
         job.stdin.flush()
         assert name in job.stdout.readline() and not os.path.exists(path), "its own namespace may sweep it"
     finally:
         job.kill()
         job.wait()
-        if name and os.path.exists(os.path.join(ubep.shm.SHM_DIR, name)):
-            os.unlink(os.path.join(ubep.shm.SHM_DIR, name))
+        if name and os.path.exists(os.path.join(segments.SHM_DIR, name)):
+            os.unlink(os.path.join(segments.SHM_DIR, name))
 
 
 def cycles(n: int) -> int:
@@ -235,7 +236,7 @@ SQUATTER = """
 def squatted_construction() -> str:
     """The moment each rank's segment name appears in /dev/shm, a squatter (as nobody where
     root) binds every doorbell address an outsider could derive from that name."""
-    real = ubep.shm._create
+    real = segments._create
     squatters = []
 
     def create_and_get_squatted(name: str, nbytes: int):
@@ -248,7 +249,7 @@ def squatted_construction() -> str:
         squatters.append(squatter)
         return segment
 
-    ubep.shm._create = create_and_get_squatted
+    segments._create = create_and_get_squatted
     try:
         with ubep.Buffer(hidden=16, num_experts=4, max_tokens_per_rank=8, timeout_s=20) as buf:
             x, idx = torch.randn(4, 16), torch.tensor([[0, 1], [1, 2], [2, 3], [3, 0]])
@@ -256,7 +257,7 @@ def squatted_construction() -> str:
             buf.combine(got.recv_x, got.handle)
         return "built"
     finally:
-        ubep.shm._create = real
+        segments._create = real
         for squatter in squatters:
             squatter.kill()
             squatter.wait()
@@ -296,7 +297,7 @@ def killed_in_construction(step: int) -> tuple[str, float, list[str]]:
     pids = group_pids()
     if dist.get_rank() == 2:
         if step <= 3:
-            real_gather, calls = ubep.shm._gather, []
+            real_gather, calls = segments._gather, []
 
             def gather(group, world_size, mine):
                 calls.append(1)
@@ -304,9 +305,9 @@ def killed_in_construction(step: int) -> tuple[str, float, list[str]]:
                     os.kill(os.getpid(), signal.SIGKILL)
                 return real_gather(group, world_size, mine)
 
-            ubep.shm._gather = gather
+            segments._gather = gather
         else:
-            ubep.shm._unlink = lambda name: os.kill(os.getpid(), signal.SIGKILL)
+            segments._unlink = lambda name: os.kill(os.getpid(), signal.SIGKILL)
     start = time.monotonic()
     try:
         ubep.Buffer(hidden=16, num_experts=6, max_tokens_per_rank=8, timeout_s=KILLED_DEADLINE_S).close()

@@ -10,7 +10,8 @@ import os
 import pytest
 
 from ubep.errors import SharedMemorySizeError
-from ubep.shm import (
+from ubep.sizing import size_hint
+from ubep.transport.segments import (
     Creator,
     Introduction,
     cgroup_free_bytes,
@@ -19,7 +20,6 @@ from ubep.shm import (
     segment_creator,
     segment_name,
 )
-from ubep.sizing import size_hint
 
 GiB = 2**30
 

@@ -135,7 +135,7 @@ def test_fifo_matches_a_plain_loop():
 from dataclasses import replace  # noqa: E402
 
 from ubep.sim import protocols, run  # noqa: E402
-from ubep.sim.cli import add_parser  # noqa: E402
+from ubep.sim.commands import add_parser  # noqa: E402
 
 SMALL = run.SimConfig(topology=topology.cm_ablation(), ranks=32, tokens=16, workers=8)
 

@@ -7,7 +7,7 @@ import numpy as np
 
 from ubep import topology
 from ubep.sim import hier, protocols, run
-from ubep.sim.cli import add_parser
+from ubep.sim.commands import add_parser
 
 TWO_NODES = topology.from_dict(
     {

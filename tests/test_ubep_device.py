@@ -26,7 +26,7 @@ from scenarios import Scenario, expert_output
 import ubep
 from ubep import fp8, reference
 
-PROTOCOLS = {"ubep": ("UbepDevice", "UbepCompiled"), "bsp": ("BspDevice", "BspCompiled")}  # triton, numba
+PROTOCOLS = {"ubep": ("UbepTriton", "UbepNumba"), "bsp": ("BspTriton", "BspNumba")}  # triton, numba
 
 R2 = dict(num_ranks=2, num_experts=8, hidden=32, topk=3, capacity=6)
 CASES = [  # bf16 with -1 slots and a token routed nowhere; fp32; bf16 sent as FP8 (values + scales)
@@ -52,7 +52,7 @@ def test_codes_and_layout_are_the_numba_halves(protocol):
     package = f"ubep.protocols.{protocol}"
     codes = importlib.import_module(f"{package}.codes")
     blocks = importlib.import_module(f"{package}.blocks")
-    kernels = [importlib.import_module(f"{p}.triton_halves") for p in (package, "ubep.protocols.normal")]
+    kernels = [importlib.import_module(f"{p}.triton_halves") for p in (package, "ubep.protocols.combine")]
     names = [n for m in (codes, blocks) for n in dir(m) if n.isupper() and isinstance(getattr(m, n), int)]
     assert len(names) >= 13
     declared = {n: getattr(codes, n, getattr(blocks, n, None)) for n in names}

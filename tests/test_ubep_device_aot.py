@@ -1,5 +1,5 @@
 """Normal mode's call halves (UBEP's: `ubep.protocols.ubep.triton_halves`; the combine's:
-`ubep.protocols.normal.triton_halves`; BSP's phases: `ubep.protocols.bsp.triton_halves`) compile
+`ubep.protocols.combine.triton_halves`; BSP's phases: `ubep.protocols.bsp.triton_halves`) compile
 ahead of time for sm_90 and sm_100 (no GPU needed), and their PTX says what docs/device.md's
 ordering argument needs: every stamp (and barrier word) is a system-scope release, preceded by a block
 barrier after the program's last plain store; every poll is a system-scope acquire; every loop that
@@ -76,7 +76,7 @@ POLLS = ("ubep_dispatch_routes_kernel", "ubep_dispatch_gather_kernel", "combine_
 def _modules() -> dict[str, object]:
     """Each protocol's Triton halves by the prefix of their kernels' names."""
     from ubep.protocols.bsp import triton_halves as bsp_triton
-    from ubep.protocols.normal import triton_halves as normal_triton
+    from ubep.protocols.combine import triton_halves as normal_triton
     from ubep.protocols.ubep import triton_halves as ubep_triton
 
     return {"bsp_": bsp_triton, "combine_": normal_triton, "ubep_": ubep_triton}

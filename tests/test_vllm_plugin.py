@@ -19,7 +19,7 @@ import torch.distributed as dist
 import ubep
 from ubep import reference
 from ubep.integrations import vllm as plugin
-from ubep.integrations.vllm.routing import EPExchange, GroupExperts, localize_for_kernel
+from ubep.integrations.vllm.manager import EPExchange, GroupExperts, localize_for_kernel
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HIDDEN, TOPK = 32, 4

@@ -43,6 +43,7 @@ from ubep.layout import (
     token_in_rank,
     tokens_per_node,
 )
+from ubep.observe.recording import RecordedExchange, RecordedLowLatency, Recorder
 from ubep.overlap import EventOverlap
 from ubep.placement import CopyMap, Distances, Placement
 from ubep.protocols.base import Exchange, SendPlan, Sizing
@@ -55,7 +56,6 @@ from ubep.protocols.ll.plans import (
     wire_rows,
 )
 from ubep.protocols.warmup import needed
-from ubep.recording import RecordedExchange, RecordedLowLatency, Recorder
 from ubep.results import (
     CombineResult,
     DispatchHandle,
@@ -330,7 +330,7 @@ class Buffer:
     # -- observability ----------------------------------------------------------------------------
 
     def _record(self, options: StatsOptions, log) -> None:
-        """Put a recorder between this Buffer and its exchanges (`ubep.recording`)."""
+        """Put a recorder between this Buffer and its exchanges (`ubep.observe.recording`)."""
         rec = Recorder(self.rank, self.num_ranks, self.num_experts, options, log)
         self._recorder = rec
         self._exchange = RecordedExchange(self._exchange, rec)

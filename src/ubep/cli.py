@@ -16,8 +16,8 @@ from ubep.bench.workload import ACROSS_SYSTEMS, ALL_SYSTEMS, DTYPES, SYSTEMS, Be
 from ubep.extras import require
 from ubep.routing import ROUTINGS
 from ubep.schedule import POLICIES
-from ubep.sim.cli import add_parser as add_simulate
-from ubep.sim.cli import add_plan_parser as add_plan
+from ubep.sim.commands import add_parser as add_simulate
+from ubep.sim.commands import add_plan_parser as add_plan
 
 
 def _ints(text: str) -> tuple[int, ...]:

@@ -18,26 +18,26 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
-from ubep.collectives.bsp_dist import BspDist
-from ubep.collectives.hier import HierExchange
-from ubep.collectives.hier_fabric import HierFabric, rail_of
-from ubep.collectives.hier_fabric import lanes as hier_lanes
-from ubep.collectives.ll_dist import LLDist
+from ubep.across.collectives.bsp_flat import BspDist
+from ubep.across.collectives.bsp_hier import HierExchange
+from ubep.across.collectives.ll_flat import LLDist
+from ubep.across.fabric import open_fabric
+from ubep.across.ll_flat import LLFabric
+from ubep.across.ll_flat import lanes as ll_fabric_lanes
+from ubep.across.ubep_flat import UbepFabric
+from ubep.across.ubep_flat import lanes as fabric_lanes
+from ubep.across.ubep_hier import HierFabric, rail_of
+from ubep.across.ubep_hier import lanes as hier_lanes
 from ubep.engine import Engine, choose_engine
-from ubep.fabric import open_fabric
 from ubep.faults import FaultPoints
 from ubep.group import GroupInfo
 from ubep.protocols.base import Exchange, Sizing
 from ubep.protocols.bsp import BspBlocks, BspExchange
 from ubep.protocols.ll import LLBlocks, LLExchange
-from ubep.protocols.ll.fabric import LLFabric
-from ubep.protocols.ll.fabric import lanes as ll_fabric_lanes
 from ubep.protocols.ll.local import LLLocal
 from ubep.protocols.ll.plans import AFTER_DATA, IN_WORD, LowLatencyExchange
 from ubep.protocols.local import LocalExchange
 from ubep.protocols.ubep import UbepBlocks, UbepExchange
-from ubep.protocols.ubep.fabric import UbepFabric
-from ubep.protocols.ubep.fabric import lanes as fabric_lanes
 from ubep.protocols.warmup import WARM_UPS, warm_up
 from ubep.transport.base import Header, Region
 from ubep.transport.cuda import cuda_heap
@@ -58,7 +58,7 @@ class Options:
     schedule: str = "ubep"
     ll_flag: str = AFTER_DATA  # low-latency rows: "after-data" or "in-word" (the Triton halves only)
     capturable: bool = False  # Triton halves (both modes) that read nothing back on the host
-    fabric: str = "auto"  # how bytes reach other hosts (`ubep.fabric`): "auto", "gloo" or "nixl"
+    fabric: str = "auto"  # how bytes reach other hosts (`ubep.across.fabric`): "auto", "gloo" or "nixl"
 
 
 def ready_engine(

@@ -31,7 +31,7 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed as dist
 
-from ubep.shm import sweep_stale_segments
+from ubep.transport.segments import sweep_stale_segments
 
 
 class RankFailedError(RuntimeError):

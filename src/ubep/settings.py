@@ -24,8 +24,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ubep import validate
+from ubep.across.fabric import FABRICS
 from ubep.engine import ENGINES
-from ubep.fabric import FABRICS
 from ubep.factory import HEAP_PROTOCOLS
 from ubep.group import TRANSPORTS
 from ubep.protocols.ll.plans import FLAGS

@@ -5,7 +5,7 @@ segments from (`ubep.factory.heap_bytes`; the hierarchical transport's own
 blocks), so the answer is exact, not an estimate. On one host every
 rank maps one segment of `segment_bytes`; the host's /dev/shm, the memory
 cgroup (if it has a limit) and the host's available memory must each hold
-`host_bytes`, which is what construction checks (`ubep.shm.check_room`). Calls
+`host_bytes`, which is what construction checks (`ubep.transport.segments.check_room`). Calls
 touch far fewer of those pages (docs/reliability.md, "Footprint"). Example: 8 ranks, H = 7168, T = 128, 256
 experts, top-8: `size_hint(hidden=7168, num_experts=256, max_tokens_per_rank=128,
 num_ranks=8, max_topk=8).host_bytes`.
@@ -18,7 +18,7 @@ from typing import NamedTuple
 import torch
 
 from ubep import validate
-from ubep.collectives.hier import HierBlocks
+from ubep.across.collectives.bsp_hier import HierBlocks
 from ubep.factory import heap_bytes
 from ubep.layout import ExpertPlacement
 from ubep.protocols.base import Sizing

@@ -30,9 +30,9 @@ import torch.distributed as dist
 import ubep
 from ubep import routing
 from ubep.launcher import LocalLaunch
-from ubep.shm import NAME_PREFIX, SHM_DIR
 from ubep.sim.table import render
 from ubep.sizing import size_hint
+from ubep.transport.segments import NAME_PREFIX, SHM_DIR
 
 MiB = 2**20
 

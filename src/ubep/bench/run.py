@@ -20,13 +20,13 @@ from dataclasses import replace
 from rich.console import Console
 from rich.progress import Progress
 
+from ubep.across.collectives.bsp_hier import boundary_bytes
 from ubep.bench import mpi_system, placed, report
 from ubep.bench.hosts import HostsGroup
 from ubep.bench.timing import latencies_us
 from ubep.bench.torch_systems import measure_rank
 from ubep.bench.turns import Conductor, Samples, round_order
 from ubep.bench.workload import BenchConfig, build
-from ubep.collectives.hier import boundary_bytes
 from ubep.extras import install_hint
 from ubep.factory import ready_engine
 from ubep.launcher import LocalLaunch

@@ -52,7 +52,7 @@ HEARTBEAT_S = 1.0  # how often the holder touches the lock file: a waiter's sign
 MODULES = (
     "ubep.engine.numba_kernels",
     "ubep.engine.numba_sync",
-    "ubep.protocols.normal.numba_halves",
+    "ubep.protocols.combine.numba_halves",
     "ubep.protocols.ubep.numba_halves",
     "ubep.protocols.bsp.numba_halves",
     "ubep.protocols.ll.numba_halves",

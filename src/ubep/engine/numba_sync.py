@@ -7,7 +7,7 @@ every payload byte written before it is visible to a reader that sees it; and it
 is loaded with *acquire* semantics, so nothing read after it is older than it.
 A sleeping rank's flag and a publisher's stamp form a Dekker pair (each stores
 its word, then reads the other's), which needs a full fence between the store
-and the load on both sides; see `ubep.protocols.normal.numba_halves` (`await_stamps`) for where it is used.
+and the load on both sides; see `ubep.protocols.combine.numba_halves` (`await_stamps`) for where it is used.
 
 `yield_cpu` calls the C library's `sched_yield` by symbol name (the compiled
 code stays cacheable on disk); `pause` is the spin-loop hint (x86 `pause`;

@@ -2,7 +2,7 @@
 
 `measure` maps every rank's logical routing through that rank's copy map, then counts on the
 physical routing: pairs per rank (the expert work each rank does), and the bytes of dispatch +
-combine that cross a node boundary, per DeepEP's accounting (`collectives.hier.boundary_bytes`:
+combine that cross a node boundary, per DeepEP's accounting (`across.collectives.bsp_hier.boundary_bytes`:
 flat, one row per (token, remote rank); deduplicated, one per (token, remote node)).
 """
 
@@ -12,7 +12,7 @@ from typing import NamedTuple
 
 import torch
 
-from ubep.collectives.hier import boundary_bytes
+from ubep.across.collectives.bsp_hier import boundary_bytes
 from ubep.layout import ExpertPlacement
 from ubep.placement.copymap import CopyMap
 from ubep.placement.distances import Distances

@@ -44,7 +44,7 @@ class SendPlan:
     # > 0: every receive output has this many rows (padding after the rows received), so a device
     # dispatch learns its receive size without reading a count on the host (DeepEP's num_worst_tokens)
     num_worst_tokens: int = 0
-    # True (the Triton halves, `UbepDevice.layout_by_send`): is_token_in_rank_NR and send_counts_R are
+    # True (the Triton halves, `UbepTriton.layout_by_send`): is_token_in_rank_NR and send_counts_R are
     # outputs, which the send half fills from topk_idx_NK after checking its values (no host read)
     layout_by_send: bool = False
 

@@ -1,7 +1,7 @@
 """Shared segments as a `Heap`'s memory: the ranks are processes of one host.
 
 The segments themselves (creation, mapping, unlinking, the stale sweep) are
-`ubep.shm`; a sleeping peer is woken through its doorbell (`ubep.doorbell`).
+`ubep.transport.segments`; a sleeping peer is woken through its doorbell (`ubep.doorbell`).
 Plain loads and stores into the mappings are the puts, signals and waits; the
 memory-ordering argument is in docs/design.md.
 """
@@ -14,9 +14,9 @@ import torch
 import torch.distributed as dist
 
 from ubep.doorbell import Doorbell
-from ubep.shm import SegmentLayout, SymmetricHeap
 from ubep.transport.base import Header, Region
 from ubep.transport.heap import Heap, Layout
+from ubep.transport.segments import SegmentLayout, SymmetricHeap
 
 
 class SharedSegments:

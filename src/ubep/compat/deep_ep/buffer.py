@@ -43,8 +43,8 @@ from ubep import fp8, settings, validate
 from ubep import layout as ep_layout
 from ubep.buffer import Buffer as UbepBuffer
 from ubep.compat.deep_ep import scales
-from ubep.compat.deep_ep.call_header import CallHeaders, opens
 from ubep.compat.deep_ep.handles import LowLatencyView, NormalHandle, normal_handle
+from ubep.compat.deep_ep.header_gather import CallHeaders, opens
 from ubep.compat.deep_ep.utils.event import EventHandle, EventOverlap, pending_event, wait_previous
 from ubep.errors import SharedMemorySizeError
 from ubep.factory import heap_bytes

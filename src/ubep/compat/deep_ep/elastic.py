@@ -31,7 +31,6 @@ from ubep import validate
 from ubep.buffer import Buffer as UbepBuffer
 from ubep.compat.deep_ep import elastic_combine as trip
 from ubep.compat.deep_ep.buffer import _segment_bytes
-from ubep.compat.deep_ep.call_header import CallHeaders, opens
 from ubep.compat.deep_ep.elastic_handle import (
     ElasticRoute,
     EPHandle,
@@ -40,6 +39,7 @@ from ubep.compat.deep_ep.elastic_handle import (
     lanes_per_rank,
     stream_counts,
 )
+from ubep.compat.deep_ep.header_gather import CallHeaders, opens
 from ubep.compat.deep_ep.utils.envs import domain_of
 from ubep.compat.deep_ep.utils.event import EventHandle, EventOverlap
 from ubep.group import all_gather_object, join_group

@@ -27,7 +27,7 @@ from vllm.logger import init_logger
 from ubep.buffer import Buffer
 from ubep.errors import SharedMemorySizeError
 from ubep.integrations.vllm import Settings
-from ubep.integrations.vllm.routing import EPExchange, GroupExperts, localize_for_kernel
+from ubep.integrations.vllm.manager import EPExchange, GroupExperts, localize_for_kernel
 
 logger = init_logger(f"vllm.{__name__}")  # under vLLM's logger, whose handler prints its processes' lines
 

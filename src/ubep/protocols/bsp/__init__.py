@@ -4,7 +4,7 @@ vendor EP libraries and Megatron structure it.
 Its memory (`blocks`): per rank, a `counts` record (tokens for each destination), a
 `staged` inbox (a row per source: "your slot from me is written"), a staging slot per
 source for rows, FP8 scales, token indices, local top-k and weights, and the Triton
-phases' barrier word; the combine's blocks are normal mode's (`ubep.protocols.normal`).
+phases' barrier word; the combine's blocks are normal mode's (`ubep.protocols.combine`).
 
 A call runs these phases, in this order:
 
@@ -18,13 +18,13 @@ A call runs these phases, in this order:
     combine   barrier, send back, barrier, reduce                          (normal mode's)
 
 Each phase has three forms that keep the same memory word for word: the torch
-statement (`statement`, readable, the test oracle), the numba phases
+statement (`exchange`, readable, the test oracle), the numba phases
 (`numba_halves`, entered by `numba_driver`) and the Triton phases (`triton_halves`,
 launched by `triton_driver`). `codes` are the status codes the compiled phases
 return, `status` turns them into the statement's exceptions.
 """
 
 from ubep.protocols.bsp.blocks import BspBlocks
-from ubep.protocols.bsp.statement import BspExchange
+from ubep.protocols.bsp.exchange import BspExchange
 
 __all__ = ["BspBlocks", "BspExchange"]

@@ -1,10 +1,10 @@
 """The memory the BSP baseline declares, once (single-buffered: barriers separate the calls).
 
 Every form of the baseline reads its places from here: the torch statement
-(`ubep.protocols.bsp.statement`) through the `Header` and `Region` names, the
+(`ubep.protocols.bsp.exchange`) through the `Header` and `Region` names, the
 numba and Triton phases through the block indices and header words below (their
 address table is `BspBlocks.table()`, in `TABLE` order; the combine's blocks have
-a table of their own, `ubep.protocols.normal.blocks`).
+a table of their own, `ubep.protocols.combine.blocks`).
 
 Legend: see `ubep.layout`.
 """
@@ -17,7 +17,7 @@ import torch
 
 from ubep import fp8
 from ubep.protocols.base import CODE_RANGE, Sizing
-from ubep.protocols.normal.blocks import BackBlocks
+from ubep.protocols.combine.blocks import BackBlocks
 from ubep.transport.base import Field, Header, Region
 
 # The dispatch phases' address table, in this order; `barrier` is the Triton phases' barrier word.

@@ -1,6 +1,6 @@
 """The status codes of BSP's dispatch phases: the numba phases (`ubep.protocols.bsp.numba_halves`),
 the Triton kernels (`triton_halves`) and the host that turns a status into exceptions (`status`) share
-them; those every normal-mode half shares are `ubep.protocols.normal.codes`'. Free of numba and Triton.
+them; those every normal-mode half shares are `ubep.protocols.combine.codes`'. Free of numba and Triton.
 
 Status words: status[0] is the code, status[1] the peer (E_MISSING: how many are missing, listed in
 `pending`), status[2:5] what it sent (see each code). E_FIELD's details: (peer, value, field index,
@@ -9,7 +9,7 @@ only (a numba rank cannot share a BSP call with a Triton rank); REJECTED is ever
 record of a call whose sender rejected its input.
 """
 
-from ubep.protocols.normal.codes import (  # noqa: F401 (the shared codes are this module's words too)
+from ubep.protocols.combine.codes import (  # noqa: F401 (the shared codes are this module's words too)
     DONE,
     E_FIELD,
     E_OWN_EXPERT,

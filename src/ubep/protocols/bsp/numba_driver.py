@@ -1,9 +1,9 @@
 """The BSP baseline on compiled phases: the same barriers, count round and staging copy as
-`ubep.protocols.bsp.statement` (the statement in torch), each phase one compiled function.
+`ubep.protocols.bsp.exchange` (the statement in torch), each phase one compiled function.
 
     dispatch: counts -> barrier -> send (push into staging slots) -> barrier
               -> verify (flags, formats, counts) -> barrier -> reorder (staging -> recv_x)
-    combine:  barrier -> send back -> barrier -> reduce   (normal mode's: `ubep.protocols.normal`)
+    combine:  barrier -> send back -> barrier -> reduce   (normal mode's: `ubep.protocols.combine`)
 
 Legend: see `ubep.layout`.
 """
@@ -20,12 +20,12 @@ from ubep.protocols import halves
 from ubep.protocols.base import CODE_RANGE, DTYPE_CODES, Received, SendPlan, Sizing
 from ubep.protocols.bsp import numba_halves as k
 from ubep.protocols.bsp import status as bsp_status
-from ubep.protocols.normal.numba_driver import NO_F32, NO_I64, NormalCompiled
+from ubep.protocols.combine.numba_driver import NO_F32, NO_I64, NormalNumba
 from ubep.results import DispatchHandle, RecvRoute
 from ubep.transport.heap import Heap
 
 
-class BspCompiled(NormalCompiled):
+class BspNumba(NormalNumba):
     """Barrier-separated dispatch/combine on a heap, each phase one compiled function."""
 
     def __init__(self, heap: Heap, blocks, sizing: Sizing, faults: FaultPoints, local_of_RE: torch.Tensor):

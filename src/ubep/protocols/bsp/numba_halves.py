@@ -3,9 +3,9 @@
     protocol (bsp: phases and barriers) -> [these phases] -> memory (address table)
 
 The baseline keeps its barriers, its count round and its staging copy (see
-`ubep.protocols.bsp.statement`, the statement in torch, whose memory layout these keep word
+`ubep.protocols.bsp.exchange`, the statement in torch, whose memory layout these keep word
 for word); compiled, what is left between it and UBEP is the protocol's
-difference, not Python's. Its combine is normal mode's (`ubep.protocols.normal`),
+difference, not Python's. Its combine is normal mode's (`ubep.protocols.combine`),
 between barriers.
 
 The table (int64 [R, 8, 2]) holds every block of `BspBlocks.table()` in every

@@ -1,5 +1,5 @@
 """BSP dispatch phases' status words turned into the exceptions of the torch statement
-(`ubep.protocols.bsp.statement`).
+(`ubep.protocols.bsp.exchange`).
 
 The compiled phases (numba: `ubep.protocols.bsp.numba_halves`; Triton: `triton_halves`) end with a
 code and, on an error, status[1:5]; both raise through here, so that every engine reports a bad peer
@@ -14,7 +14,7 @@ from ubep.calls import CallId
 from ubep.errors import PeerDataError
 from ubep.protocols.base import CODE_DTYPES, more_than_worst
 from ubep.protocols.bsp import codes as k
-from ubep.protocols.normal.status import OWN_INPUT
+from ubep.protocols.combine.status import OWN_INPUT
 from ubep.transport.base import Transport
 from ubep.transport.heap import complaint
 from ubep.waiting import rejected_input

@@ -1,18 +1,18 @@
 """The BSP baseline on Triton kernels: the same barriers, count round and staging copy as the
-statement in torch (`ubep.protocols.bsp.statement`), each phase and each barrier one launch over the
+statement in torch (`ubep.protocols.bsp.exchange`), each phase and each barrier one launch over the
 heap's address table (`ubep.protocols.bsp.triton_halves`).
 
     dispatch: counts -> barrier -> send (push into staging slots) -> barrier
               -> verify (flags, formats, counts, prefix) -> barrier
               -> [recv size: num_worst_tokens, the handle's, or ONE count read on the host] -> reorder
-    combine:  barrier -> send back -> barrier -> reduce   (normal mode's: `ubep.protocols.normal`)
+    combine:  barrier -> send back -> barrier -> reduce   (normal mode's: `ubep.protocols.combine`)
 
 A barrier is a kernel: this rank raises its word (`BspBlocks.barrier`, in device
 memory) to a target derived from the call (seq * BARRIERS_PER_CALL + step, as the
 host's barriers), then waits, bounded, for every live peer's word. Every phase
 of a call shares one status word, and a phase finds a failed or timed-out one
 before it and does nothing. Waiting, relaunching, `capturable` and `check()` are
-`NormalDevice`'s. Unlike the UBEP halves, a Triton rank and a numba rank cannot
+`NormalTriton`'s. Unlike the UBEP halves, a Triton rank and a numba rank cannot
 share a BSP call: their barrier words differ (the numba phases use the host's).
 
 Legend: see `ubep.layout`.
@@ -27,13 +27,13 @@ from ubep.faults import FaultPoints
 from ubep.protocols.base import CODE_RANGE, DTYPE_CODES, Received, SendPlan, Sizing
 from ubep.protocols.bsp import status as bsp_status
 from ubep.protocols.bsp import triton_halves as k
+from ubep.protocols.combine.triton_driver import ROWS_PER_PROGRAM, TOKENS_PER_PROGRAM, NormalTriton
 from ubep.protocols.device_halves import TL_WORDS, cdiv, pow2
-from ubep.protocols.normal.triton_driver import ROWS_PER_PROGRAM, TOKENS_PER_PROGRAM, NormalDevice
 from ubep.results import DispatchHandle, RecvRoute
 from ubep.transport.heap import BARRIERS_PER_CALL
 
 
-class BspDevice(NormalDevice):
+class BspTriton(NormalTriton):
     """Barrier-separated dispatch/combine on a heap with an address table, each phase one Triton kernel."""
 
     REDUCE_PHASE = "combine (reduce)"

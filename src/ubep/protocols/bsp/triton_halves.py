@@ -9,7 +9,7 @@ in every rank's memory (single-buffered: both halves name the same address);
 counts: stamp, counts[R]; the `staged` inbox: per source, stamp, dtype, top-k;
 a staging slot per source (rows packed at their own width, top-k and weights at
 stride max_topk, local ids as the destination sees them). Its combine is normal
-mode's (`ubep.protocols.normal.triton_halves`). The barrier word is the last block
+mode's (`ubep.protocols.combine.triton_halves`). The barrier word is the last block
 (`BspBlocks.barrier`), in device memory, since the host's control block is out of
 a GPU's reach.
 
@@ -21,7 +21,7 @@ a GPU's reach.
     reorder  ((source, row block) programs): the staging slots into recv_x, checked
 
 Ordering and status words are those of `ubep.protocols.ubep.triton_halves` and
-`normal.triton_halves` (docs/device.md): plain stores, a block barrier, a
+`combine.triton_halves` (docs/device.md): plain stores, a block barrier, a
 system-scope release; system-scope acquires; polls bounded by `max_spins`,
 status[6] naming a peer a wait ran out on.
 
@@ -36,7 +36,7 @@ import triton.language as tl
 from ubep.engine.triton_route import rank_hits
 from ubep.engine.triton_sync import int64_ptr, load_acquire, load_epoch, store_release
 from ubep.protocols.bsp import blocks, codes
-from ubep.protocols.normal.triton_halves import copy_words, fail, own_topk_ok
+from ubep.protocols.combine.triton_halves import copy_words, fail, own_topk_ok
 
 # The places of `ubep.protocols.bsp.blocks` and the codes of `ubep.protocols.bsp.codes`, as Triton
 # constants.

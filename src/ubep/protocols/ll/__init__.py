@@ -15,7 +15,7 @@ A call runs these halves, in this order:
               receive  wait for every expected `returned`, reduce each token's rows, weighted
 
 Each half has three forms that keep the same memory word for word: the torch
-statement (`statement`, readable, the test oracle), the numba halves
+statement (`exchange`, readable, the test oracle), the numba halves
 (`numba_halves`, entered by `numba_driver`) and the Triton halves (`triton_halves`,
 launched by `triton_driver`). `plans` holds what every form shares (send plans,
 output tensors, row placement), `local` the one-rank form; `codes` are the status
@@ -23,6 +23,6 @@ codes the compiled halves return, `status` turns them into the statement's excep
 """
 
 from ubep.protocols.ll.blocks import LLBlocks
-from ubep.protocols.ll.statement import LLExchange
+from ubep.protocols.ll.exchange import LLExchange
 
 __all__ = ["LLBlocks", "LLExchange"]

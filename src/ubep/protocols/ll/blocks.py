@@ -2,7 +2,7 @@
 headers stamped per writer, and each rank's reuse words.
 
 Every form of the protocol reads its places from here: the torch statement
-(`ubep.protocols.ll.statement`) through the `Header` and `Region` names, the
+(`ubep.protocols.ll.exchange`) through the `Header` and `Region` names, the
 numba and Triton halves through the block indices and record words below (their
 address table is `LLBlocks.table()`, in `TABLE` order).
 

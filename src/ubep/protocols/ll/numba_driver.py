@@ -31,7 +31,7 @@ from ubep.transport.heap import Heap
 _NO_PLANE = np.empty((0, 0, 0), dtype=np.uint8)
 
 
-class LLCompiled(halves.HeapHalves):
+class LLNumba(halves.HeapHalves):
     """Low-latency halves on a heap, each one compiled function; `release(call, kind)` is the
     exchange's Python release of a half (on every failure after the send)."""
 

@@ -2,7 +2,7 @@
 
     protocol (ll: slots, reuse words, status words) -> [these halves] -> memory (address table)
 
-The statement in torch is `ubep.protocols.ll.statement` (its docstring has the reuse
+The statement in torch is `ubep.protocols.ll.exchange` (its docstring has the reuse
 argument); these halves keep its memory layout word for word. The table
 (int64 [R, 7, 2]) holds the address of every block of `LLBlocks.table()` in every
 rank's memory for both halves; headers are inbox records (the owner's memory

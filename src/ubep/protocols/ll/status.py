@@ -1,5 +1,5 @@
 """Low-latency halves' status words turned into the exceptions of the torch statement
-(`ubep.protocols.ll.statement`).
+(`ubep.protocols.ll.exchange`).
 
 The compiled halves (numba: `ubep.protocols.ll.numba_halves`; Triton: `triton_halves`) end with a
 code and, on an error, status[1:5] = (peer, what it sent, ..., expected); both raise through here so

@@ -50,7 +50,7 @@ from ubep.protocols.ll.blocks import COMBINE, DISPATCH
 from ubep.protocols.ll.plans import FLAGS, IN_WORD, LLCombinePlan, LLDispatchOut, LLDispatchPlan, per_writer
 
 
-class LLDevice(DeviceHalves):
+class LLTriton(DeviceHalves):
     """Low-latency halves on a heap as Triton kernels; `release(call, kind)` is the exchange's Python
     release of a half (on every failure after the send)."""
 

@@ -618,7 +618,7 @@ def ll_combine_recv_kernel(
     (no fused multiply-add), stored as float32 or bf16 bits (int16).
 
     owner int64 [E]: rank of each expert; expected int64 [R]: rows this rank expects from each
-    rank; slots int64 [N, K]: the back slot of each y(t, k) (`LLDevice.return_slots`); state int64
+    rank; slots int64 [N, K]: the back slot of each y(t, k) (`LLTriton.return_slots`); state int64
     [N] (zeroed for the call): 1 once t is finished (a second launch skips it). IN_WORD: the back
     slots hold epoch words, each polled until it carries the epoch.
     """

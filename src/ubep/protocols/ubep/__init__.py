@@ -3,7 +3,7 @@
 Its memory (`blocks`): per rank, a `route` header (token count, dtype, top-k, and the
 count for every destination), a `data` stamp, its own top-k, weights, per-destination
 token lists, rows and FP8 scales; the combine's blocks are normal mode's
-(`ubep.protocols.normal`).
+(`ubep.protocols.combine`).
 
 A call runs these halves, in this order:
 
@@ -14,13 +14,13 @@ A call runs these halves, in this order:
               reduce  wait for every live BACK, check, sum each token's rows in rank order
 
 Each half has three forms that keep the same memory word for word: the torch
-statement (`statement`, readable, the test oracle), the numba halves
+statement (`exchange`, readable, the test oracle), the numba halves
 (`numba_halves`, entered by `numba_driver`) and the Triton halves (`triton_halves`,
 launched by `triton_driver`). `codes` are the status codes the compiled halves
 return, `status` turns them into the statement's exceptions.
 """
 
 from ubep.protocols.ubep.blocks import UbepBlocks
-from ubep.protocols.ubep.statement import UbepExchange
+from ubep.protocols.ubep.exchange import UbepExchange
 
 __all__ = ["UbepBlocks", "UbepExchange"]

@@ -1,10 +1,10 @@
 """The memory the UBEP protocol declares, once: every rank holds all of it, double-buffered.
 
 Every form of the protocol reads its places from here: the torch statement
-(`ubep.protocols.ubep.statement`) through the `Header` and `Region` names, the
+(`ubep.protocols.ubep.exchange`) through the `Header` and `Region` names, the
 numba and Triton halves through the block indices and header words below (their
 address table is `UbepBlocks.table()`, in `TABLE` order; the combine's blocks have
-a table of their own, `ubep.protocols.normal.blocks`).
+a table of their own, `ubep.protocols.combine.blocks`).
 
 Legend: see `ubep.layout`.
 """
@@ -17,7 +17,7 @@ import torch
 
 from ubep import fp8
 from ubep.protocols.base import CODE_RANGE, Sizing
-from ubep.protocols.normal.blocks import BackBlocks
+from ubep.protocols.combine.blocks import BackBlocks
 from ubep.transport.base import Field, Header, Region
 
 TABLE = ("route", "data", "topk", "weights", "lists", "x", "scales")  # the dispatch halves' table

@@ -1,10 +1,10 @@
 """The status codes of UBEP's dispatch halves: the numba halves (`ubep.protocols.ubep.numba_halves`),
 the Triton kernels (`triton_halves`) and the host that turns a status into exceptions (`status`)
-share them; those every normal-mode half shares are `ubep.protocols.normal.codes`'. Free of numba and
+share them; those every normal-mode half shares are `ubep.protocols.combine.codes`'. Free of numba and
 Triton, so every side can import them.
 """
 
-from ubep.protocols.normal.codes import (  # noqa: F401 (the shared codes are this module's words too)
+from ubep.protocols.combine.codes import (  # noqa: F401 (the shared codes are this module's words too)
     DONE,
     E_FIELD,
     E_OTHER_CALL,

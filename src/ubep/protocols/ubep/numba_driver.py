@@ -4,7 +4,7 @@ into results or the exceptions of docs/reliability.md.
     dispatch: send half (routing, lists, rows, stamps) -> routes (wait, check, counts)
               -> allocate recv_x -> gather (local top-k, rows as each source lands)
     combine:  send half (rows, weights, header) -> reduce (wait, check, sum in rank order)
-              (normal mode's: `ubep.protocols.normal.numba_driver`)
+              (normal mode's: `ubep.protocols.combine.numba_driver`)
 
 The halves themselves are `ubep.protocols.ubep.numba_halves` (numba, GIL released), over the
 address table the heap built once; they keep `ubep.protocols.ubep.blocks`' memory layout
@@ -25,14 +25,14 @@ from ubep.calls import CallId
 from ubep.engine.numba_engine import tensors
 from ubep.faults import FaultPoints
 from ubep.protocols.base import CODE_RANGE, DTYPE_CODES, Received, SendPlan, Sizing
-from ubep.protocols.normal.numba_driver import NO_F32, NO_I64, NormalCompiled
+from ubep.protocols.combine.numba_driver import NO_F32, NO_I64, NormalNumba
 from ubep.protocols.ubep import numba_halves as k
 from ubep.protocols.ubep import status as ubep_status
 from ubep.results import DispatchHandle, RecvRoute
 from ubep.transport.heap import Heap
 
 
-class UbepCompiled(NormalCompiled):
+class UbepNumba(NormalNumba):
     """UBEP dispatch/combine on a heap, each call half one compiled function."""
 
     def __init__(self, heap: Heap, blocks, sizing: Sizing, faults: FaultPoints, local_of_E: torch.Tensor):

@@ -4,10 +4,10 @@
 
 Each half moves its rows and synchronises through them (data as flag) in one
 call, GIL released. The protocol's statement in torch is
-`ubep.protocols.ubep.statement`; these halves keep its memory layout word for
+`ubep.protocols.ubep.exchange`; these halves keep its memory layout word for
 word (`ubep.protocols.ubep.blocks`: the same regions, the same header records),
 so the two agree bit for bit and could even share a call. The combine is normal
-mode's (`ubep.protocols.normal.numba_halves`), as are the waiting helpers.
+mode's (`ubep.protocols.combine.numba_halves`), as are the waiting helpers.
 
 The address table (`table`, int64 [R, 7, 2]) holds the address of every block
 of `UbepBlocks.table()` in every rank's memory, for both halves of the double
@@ -41,7 +41,7 @@ import numpy as np
 
 from ubep.engine.numba_kernels import _elements_at, _jit, _move, words_once
 from ubep.engine.numba_sync import load_acquire
-from ubep.protocols.normal.numba_halves import await_stamps, fail, publish
+from ubep.protocols.combine.numba_halves import await_stamps, fail, publish
 from ubep.protocols.ubep.blocks import (
     DATA,
     LISTS,

@@ -1,5 +1,5 @@
 """UBEP dispatch halves' status words turned into the exceptions of the torch statement
-(`ubep.protocols.ubep.statement`).
+(`ubep.protocols.ubep.exchange`).
 
 The compiled halves (numba: `ubep.protocols.ubep.numba_halves`; Triton: `triton_halves`) end with a
 code and, on an error, status[1:6] = (peer, what it sent, ..., expected); both raise through here so
@@ -13,7 +13,7 @@ import numpy as np
 from ubep.calls import CallId
 from ubep.errors import PeerDataError
 from ubep.protocols.base import CODE_DTYPES, more_than_worst
-from ubep.protocols.normal.status import OWN_INPUT
+from ubep.protocols.combine.status import OWN_INPUT
 from ubep.protocols.ubep import codes as k
 from ubep.transport.base import Transport
 from ubep.transport.heap import complaint

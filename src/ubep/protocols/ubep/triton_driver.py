@@ -5,7 +5,7 @@
               -> [recv size: num_worst_tokens, the handle's, or ONE count read on the host]
               -> gather ((source, row block) programs: local top-k, rows as each source lands)
     combine:  send (rows, weights, header, stamp) -> reduce (token programs: waits, checks, sums)
-              (normal mode's: `ubep.protocols.normal.triton_driver`)
+              (normal mode's: `ubep.protocols.combine.triton_driver`)
 
 The kernels keep `ubep.protocols.ubep.blocks`' memory layout word for word, so the
 numba halves, these and the torch statement agree bit for bit. Every count,
@@ -37,14 +37,14 @@ import torch
 
 from ubep.calls import CallId
 from ubep.protocols.base import CODE_RANGE, DTYPE_CODES, Received, SendPlan
+from ubep.protocols.combine.triton_driver import ROWS_PER_PROGRAM, TOKENS_PER_PROGRAM, NormalTriton
 from ubep.protocols.device_halves import TL_WORDS, cdiv, pow2
-from ubep.protocols.normal.triton_driver import ROWS_PER_PROGRAM, TOKENS_PER_PROGRAM, NormalDevice
 from ubep.protocols.ubep import status as ubep_status
 from ubep.protocols.ubep import triton_halves as k
 from ubep.results import DispatchHandle, RecvRoute
 
 
-class UbepDevice(NormalDevice):
+class UbepTriton(NormalTriton):
     """UBEP dispatch/combine on a heap with an address table, each call half one Triton kernel."""
 
     def dispatch_error(self, call: CallId, phase: str, code: int, words, mine: tuple) -> Exception:

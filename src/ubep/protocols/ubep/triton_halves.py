@@ -19,7 +19,7 @@ shared-memory heap's host addresses.
     dispatch gather ((source, row block) programs): localizes the listed rows' top-k, waits for
                     the source's DATA stamp, copies its rows straight from its memory
 
-The combine is normal mode's (`ubep.protocols.normal.triton_halves`), as are the
+The combine is normal mode's (`ubep.protocols.combine.triton_halves`), as are the
 status and waiting helpers.
 
 Ordering (docs/device.md has the argument): a program's rows and header words
@@ -27,7 +27,7 @@ are plain stores, then a block barrier, then a system-scope release (an arrival
 whose last arriver, having acquired every other arrival, stamps with a
 system-scope release); a reader polls a stamp with a system-scope acquire in the
 program that then reads what it covers. Buffer reuse is UBEP's own argument
-(`ubep.protocols.ubep.statement`): call e + 2 of a kind is launched on a stream after this
+(`ubep.protocols.ubep.exchange`): call e + 2 of a kind is launched on a stream after this
 rank's receive halves of e + 1, which needed every peer's e + 1 stamps, which
 each peer's stream issued after its receive halves of e.
 
@@ -54,7 +54,7 @@ import triton.language as tl
 
 from ubep.engine.triton_route import rank_hits
 from ubep.engine.triton_sync import int64_ptr, load_acquire, load_epoch, store_release
-from ubep.protocols.normal.triton_halves import await_stamp, copy_words, fail, own_topk_ok
+from ubep.protocols.combine.triton_halves import await_stamp, copy_words, fail, own_topk_ok
 from ubep.protocols.ubep import blocks, codes
 
 # The places of `ubep.protocols.ubep.blocks` and the codes of `ubep.protocols.ubep.codes`, as Triton

@@ -4,7 +4,7 @@ they are and bsp between its barriers.
 
     combine: send_back (rows, weights, header, stamp) -> reduce_home (wait, check, sum in rank order)
 
-The halves are `ubep.protocols.normal.numba_halves`, over the combine's own address table
+The halves are `ubep.protocols.combine.numba_halves`, over the combine's own address table
 (`BackBlocks.table()`), built once with the Buffer.
 
 Legend: see `ubep.layout`.
@@ -20,8 +20,8 @@ from ubep.engine.numba_engine import tensors
 from ubep.faults import FaultPoints
 from ubep.protocols import halves
 from ubep.protocols.base import CODE_RANGE, DTYPE_CODES, Sizing
-from ubep.protocols.normal import numba_halves as k
-from ubep.protocols.normal.status import combine_error
+from ubep.protocols.combine import numba_halves as k
+from ubep.protocols.combine.status import combine_error
 from ubep.results import DispatchHandle
 from ubep.transport.heap import Heap
 
@@ -34,7 +34,7 @@ def bits_of(t: torch.Tensor) -> np.ndarray:
     return t.view(torch.uint16).numpy() if t.dtype == torch.bfloat16 else t.numpy()
 
 
-class NormalCompiled(halves.HeapHalves):
+class NormalNumba(halves.HeapHalves):
     """A normal-mode protocol on a heap, each call half one compiled function. A subclass runs its
     dispatch and turns its dispatch halves' errors into exceptions (`dispatch_error`)."""
 

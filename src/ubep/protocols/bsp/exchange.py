@@ -30,7 +30,7 @@ from ubep.layout import prefix_offsets
 from ubep.protocols import halves
 from ubep.protocols.base import CODE_DTYPES, DTYPE_CODES, Received, SendPlan, Sizing, rows
 from ubep.protocols.bsp.blocks import BspBlocks
-from ubep.protocols.normal.combine import publish_back, reduce_home
+from ubep.protocols.combine.torch_halves import publish_back, reduce_home
 from ubep.results import DispatchHandle, RecvRoute
 from ubep.transport.base import Transport
 
@@ -57,13 +57,13 @@ class BspExchange(halves.OnHalves):
         )
         self._compiled = None  # each call half one compiled function, where the engine and memory allow
         if engine.name == "numba" and hasattr(transport, "address_table"):
-            from ubep.protocols.bsp.numba_driver import BspCompiled  # imports numba: only on its engine
+            from ubep.protocols.bsp.numba_driver import BspNumba  # imports numba: only on its engine
 
-            self._compiled = BspCompiled(transport, self.blocks, sizing, faults, self._local_of_RE)
+            self._compiled = BspNumba(transport, self.blocks, sizing, faults, self._local_of_RE)
         elif engine.name == "triton" and hasattr(transport, "address_table"):
-            from ubep.protocols.bsp.triton_driver import BspDevice  # imports triton: only on its engine
+            from ubep.protocols.bsp.triton_driver import BspTriton  # imports triton: only on its engine
 
-            self._compiled = BspDevice(
+            self._compiled = BspTriton(
                 transport, self.blocks, sizing, faults, self._local_of_RE, engine, capturable
             )
         halves.refuse_capturable(capturable, self._compiled, "bsp")

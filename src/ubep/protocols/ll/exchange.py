@@ -95,13 +95,13 @@ class LLExchange:
                 "(engine 'triton' on a heap: transport 'shm', 'virtual' or 'cuda')"
             )
         if engine.name == "numba" and hasattr(transport, "address_table"):
-            from ubep.protocols.ll.numba_driver import LLCompiled  # imports numba: only on its engine
+            from ubep.protocols.ll.numba_driver import LLNumba  # imports numba: only on its engine
 
-            self._compiled = LLCompiled(transport, self.blocks, sizing, self._consumed, faults)
+            self._compiled = LLNumba(transport, self.blocks, sizing, self._consumed, faults)
         elif self.on_device:
-            from ubep.protocols.ll.triton_driver import LLDevice  # imports triton: only on its engine
+            from ubep.protocols.ll.triton_driver import LLTriton  # imports triton: only on its engine
 
-            self._compiled = LLDevice(
+            self._compiled = LLTriton(
                 transport, self.blocks, sizing, self._consumed, engine, capturable, flag=flag
             )
 

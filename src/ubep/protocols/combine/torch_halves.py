@@ -14,7 +14,7 @@ import torch
 from ubep.calls import CallId
 from ubep.engine import Engine
 from ubep.protocols.base import CODE_DTYPES, DTYPE_CODES, rows, send_tokens, spread
-from ubep.protocols.normal.blocks import BackBlocks
+from ubep.protocols.combine.blocks import BackBlocks
 from ubep.results import DispatchHandle
 from ubep.transport.base import Transport
 

@@ -58,11 +58,7 @@ from types import ModuleType
 import torch
 import torch.distributed as dist
 
-from ubep.calls import KINDS, CallId
-from ubep.deadlines import PeerPids, collective_deadline
-from ubep.errors import PeerDataError
-from ubep.extras import install_hint
-from ubep.fabric.base import (
+from ubep.across.fabric.base import (
     Lane,
     Message,
     Outgoing,
@@ -72,6 +68,10 @@ from ubep.fabric.base import (
     mask_lane,
     notice_key,
 )
+from ubep.calls import KINDS, CallId
+from ubep.deadlines import PeerPids, collective_deadline
+from ubep.errors import PeerDataError
+from ubep.extras import install_hint
 from ubep.waiting import AbortNotice, Waiter
 
 BACKEND = "UCX"

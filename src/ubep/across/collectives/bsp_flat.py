@@ -6,7 +6,7 @@ then the row all-to-all backwards, and the reduction. This is the path for
 traffic that leaves a host (gloo on CPU, NCCL on GPU) and the textbook
 baseline. Payloads travel as bytes so every dtype works on every backend.
 
-The call header (`ubep.protocols.call_header`) is a collective of one size
+The call header (`ubep.across.call_header`) is a collective of one size
 whatever the call: ranks whose calls differ (kind, dtype, top-k, the dispatch
 a handle names) raise on every rank before any variable-size collective, and a
 rank that rejects its input (dispatch or combine) joins it as REJECTED so its
@@ -22,12 +22,12 @@ import math
 import torch
 import torch.distributed as dist
 
+from ubep.across.call_header import NONE, CallHeader, CallHeaders
 from ubep.deadlines import PeerPids, collective_deadline
 from ubep.errors import PeerDataError
 from ubep.faults import NO_FAULTS, FaultPoints
 from ubep.layout import destination_major, localize_for_destinations, prefix_offsets
 from ubep.protocols.base import DTYPE_CODES, CallId, Received, SendPlan, Sizing
-from ubep.protocols.call_header import NONE, CallHeader, CallHeaders
 from ubep.results import DispatchHandle, RecvRoute
 
 

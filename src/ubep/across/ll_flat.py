@@ -1,4 +1,4 @@
-"""Low-latency mode across hosts: every peer reached over the fabric (`ubep.fabric`), no collective
+"""Low-latency mode across hosts: every peer reached over the fabric (`ubep.across.fabric`), no collective
 inside a call (transport "dist").
 
     dispatch  send     to every live peer, one message: the call header, its row count per local
@@ -24,14 +24,14 @@ from dataclasses import astuple
 
 import torch
 
+from ubep.across.call_header import WORDS, CallHeader, check_peer, other_call_check
+from ubep.across.call_header import phase as header_phase
+from ubep.across.fabric.base import Fabric, Lane
 from ubep.calls import CallId
 from ubep.engine import Engine
 from ubep.errors import PeerDataError, UbepError
-from ubep.fabric.base import Fabric, Lane
 from ubep.layout import prefix_offsets
 from ubep.protocols.base import Sizing
-from ubep.protocols.call_header import WORDS, CallHeader, check_peer, other_call_check
-from ubep.protocols.call_header import phase as header_phase
 from ubep.protocols.ll.plans import (
     LLCombinePlan,
     LLDispatchOut,

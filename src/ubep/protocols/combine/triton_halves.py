@@ -3,8 +3,8 @@ the combine's own address table, and the status and waiting helpers of every nor
 
     protocol (ubep, bsp) -> [combine_send_kernel, combine_reduce_kernel] -> memory (address table)
 
-The same halves as `ubep.protocols.normal.numba_halves`, over the same memory, word
-for word (`ubep.protocols.normal.blocks`): the table (int64 [R, 3, 2]) holds the
+The same halves as `ubep.protocols.combine.numba_halves`, over the same memory, word
+for word (`ubep.protocols.combine.blocks`): the table (int64 [R, 3, 2]) holds the
 address of every block of `BackBlocks.table()` in every rank's memory for both
 halves; the back header is the stamp, then dtype, topk, prefix[R + 1], dispatch.
 
@@ -12,7 +12,7 @@ halves; the back header is the stamp, then dtype, topk, prefix[R + 1], dispatch.
     combine reduce  (token t): waits for every live BACK stamp, checks them, sums t's rows over
                     ranks ascending in float32, unfused, rounding once
 
-Status words (int64 [8], `ubep.protocols.normal.codes`): [0] DONE or an error code
+Status words (int64 [8], `ubep.protocols.combine.codes`): [0] DONE or an error code
 (claimed by the first program that fails, which then writes [1:6] = peer, what it
 sent, ..., expected), [WAITING_WORD] 1 + a peer some program still waits for.
 
@@ -27,9 +27,9 @@ import triton.language as tl
 from ubep.engine.triton_kernels import _bf16_bits
 from ubep.engine.triton_route import first_bad_topk
 from ubep.engine.triton_sync import int64_ptr, load_acquire, load_epoch, store_release
-from ubep.protocols.normal import blocks, codes
+from ubep.protocols.combine import blocks, codes
 
-# The places of `ubep.protocols.normal.blocks` and the codes of `ubep.protocols.normal.codes`, as Triton
+# The places of `ubep.protocols.combine.blocks` and the codes of `ubep.protocols.combine.codes`, as Triton
 # constants.
 BLOCKS: tl.constexpr = tl.constexpr(len(blocks.TABLE))
 BACK: tl.constexpr = tl.constexpr(blocks.BACK)

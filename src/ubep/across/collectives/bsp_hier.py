@@ -40,6 +40,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
+from ubep.across.call_header import NONE, CallHeader, CallHeaders
 from ubep.calls import CallId
 from ubep.deadlines import collective_deadline
 from ubep.engine import Engine
@@ -54,7 +55,6 @@ from ubep.layout import (
 )
 from ubep.nodes import NodeMap, tokens_per_slot
 from ubep.protocols.base import CODE_DTYPES, CODE_RANGE, DTYPE_CODES, Received, SendPlan, Sizing, rows
-from ubep.protocols.call_header import NONE, CallHeader, CallHeaders
 from ubep.results import DispatchHandle, RecvRoute
 from ubep.transport.base import Field, Header, Region
 from ubep.transport.shm import shm_heap
@@ -262,7 +262,7 @@ class HierExchange:
     def _rail_header(
         self, call: CallId, header: CallHeader, mine_G1: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """The call header over the rail (`ubep.protocols.call_header`), first in every call half:
+        """The call header over the rail (`ubep.across.call_header`), first in every call half:
         rail peers whose calls differ raise before any variable-size collective, and node peers
         learn at once. Returns the word each rail peer sent here (int64 [G, 1])."""
         try:
@@ -567,7 +567,7 @@ def boundary_bytes(
     """
     item, K = dtype.itemsize, (topk_idxs[0].shape[1] if topk_idxs else 0)
     returned_K = K if combine_weights else 0
-    flat_row = hidden * item + 8 * (1 + 2 * K)  # bsp_dist's rows: x, then int64 token, local ids, weights
+    flat_row = hidden * item + 8 * (1 + 2 * K)  # bsp_flat's rows: x, then int64 token, local ids, weights
     node_R = torch.tensor(node_of_rank, dtype=torch.int64, device="cpu")
     out: dict[str, list[int]] = {}
     for rank, idx_NK in enumerate(topk_idxs):

@@ -1,4 +1,4 @@
-"""The hierarchical exchange with UBEP's crossing: rails over the fabric (`ubep.fabric`), no collective
+"""The hierarchical exchange with UBEP's crossing: rails over the fabric (`ubep.across.fabric`), no collective
 inside a call (transport "hier", protocol "ubep").
 
 Inside a node it is `HierExchange` as it stands (the forward sets, the fan-out
@@ -20,11 +20,11 @@ to each rail peer as soon as it has its rows:
 The counts travel with the rows: no count round, no barrier across nodes. A
 forward set is stamped once all of its rail peers' rows are in (with two nodes,
 one rail peer: its rows alone). Every message opens with the call header
-(`ubep.protocols.call_header`): a rail peer whose call differs is named, one
+(`ubep.across.call_header`): a rail peer whose call differs is named, one
 that rejected its input tells its peers at once; a failure across a rail is
 passed to the node peers through the heap, as `HierExchange` does.
 
-Legend: see `ubep.collectives.hier`.
+Legend: see `ubep.across.collectives.bsp_hier`.
 """
 
 from __future__ import annotations
@@ -33,17 +33,17 @@ from dataclasses import astuple
 
 import torch
 
+from ubep.across.call_header import NONE, WORDS, CallHeader, check_peer, other_call_check
+from ubep.across.call_header import phase as header_phase
+from ubep.across.collectives.bsp_hier import HierExchange, HierRoute, as_bytes, columns, in_node
+from ubep.across.fabric.base import Fabric, Lane, Message
 from ubep.calls import CallId
-from ubep.collectives.hier import HierExchange, HierRoute, as_bytes, columns, in_node
 from ubep.engine import Engine
 from ubep.errors import PeerDataError, UbepError
-from ubep.fabric.base import Fabric, Lane, Message
 from ubep.group import GroupInfo
 from ubep.layout import prefix_offsets
 from ubep.nodes import NodeMap
 from ubep.protocols.base import DTYPE_CODES, Received, SendPlan, Sizing, rows
-from ubep.protocols.call_header import NONE, WORDS, CallHeader, check_peer, other_call_check
-from ubep.protocols.call_header import phase as header_phase
 from ubep.results import DispatchHandle
 from ubep.waiting import blame_of
 

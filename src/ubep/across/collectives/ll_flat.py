@@ -1,6 +1,6 @@
 """Low-latency dispatch/combine over torch.distributed (between hosts; gloo on CPU).
 
-Dispatch: the call header (`ubep.protocols.call_header`: status, dtype, T, and
+Dispatch: the call header (`ubep.across.call_header`: status, dtype, T, and
 per peer the pair count for each of its local experts) goes to every
 peer in one all-to-all of fixed size; then the rows and their (token, top-k
 slot) metadata leave as asynchronous `all_to_all_single` operations. That is
@@ -25,12 +25,12 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from ubep.across.call_header import CallHeader, CallHeaders
 from ubep.calls import CallId
 from ubep.deadlines import PeerPids, collective_deadline
 from ubep.engine import Engine
 from ubep.errors import PeerDataError
 from ubep.protocols.base import Sizing
-from ubep.protocols.call_header import CallHeader, CallHeaders
 from ubep.protocols.ll.plans import (
     LLCombinePlan,
     LLDispatchOut,

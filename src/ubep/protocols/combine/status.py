@@ -1,5 +1,5 @@
 """Normal mode's shared status words turned into exceptions: the combine's (every engine reports a bad
-expert rank in the words of `ubep.protocols.normal.combine`), and this rank's own top-k as the Triton
+expert rank in the words of `ubep.protocols.combine.torch_halves`), and this rank's own top-k as the Triton
 send halves of ubep and bsp check it. This module imports neither numba nor triton.
 """
 
@@ -9,8 +9,8 @@ import numpy as np
 
 from ubep.calls import CallId
 from ubep.protocols.base import CODE_DTYPES
-from ubep.protocols.normal import codes as k
-from ubep.protocols.normal.blocks import BackBlocks
+from ubep.protocols.combine import codes as k
+from ubep.protocols.combine.blocks import BackBlocks
 from ubep.transport.base import Transport
 from ubep.transport.heap import complaint
 from ubep.validate import bad_expert, repeated_in_row

@@ -3,8 +3,8 @@ waiting and status helpers of every normal-mode half.
 
     protocol (ubep, bsp) -> [combine_send, combine_reduce] -> memory (the combine's address table)
 
-The statement in torch is `ubep.protocols.normal.combine`; these halves keep its
-memory layout word for word (`ubep.protocols.normal.blocks`). The table
+The statement in torch is `ubep.protocols.combine.torch_halves`; these halves keep its
+memory layout word for word (`ubep.protocols.combine.blocks`). The table
 (int64 [R, 3, 2]) holds the address of every block of `BackBlocks.table()` in
 every rank's memory, for both halves of the double buffer; `asleep` (int64 [R])
 the address of each rank's ASLEEP word.
@@ -37,8 +37,8 @@ from ubep.engine.numba_sync import (
     store_release,
     wake_sleepers,
 )
-from ubep.protocols.normal.blocks import B_DTYPE, B_PREFIX, B_TOPK, BACK, Y_WEIGHTS, Y
-from ubep.protocols.normal.codes import DONE, E_FIELD, E_OTHER_CALL, E_ROWS, WAITING
+from ubep.protocols.combine.blocks import B_DTYPE, B_PREFIX, B_TOPK, BACK, Y_WEIGHTS, Y
+from ubep.protocols.combine.codes import DONE, E_FIELD, E_OTHER_CALL, E_ROWS, WAITING
 
 _I64, _F32 = np.empty(0, dtype=np.int64), np.empty(0, dtype=np.float32)  # element types for raw views
 

@@ -40,7 +40,7 @@ from ubep.faults import NO_FAULTS, FaultPoints
 from ubep.layout import prefix_offsets
 from ubep.protocols import halves
 from ubep.protocols.base import CODE_DTYPES, DTYPE_CODES, Received, SendPlan, Sizing, rows, spread
-from ubep.protocols.normal.combine import publish_back, reduce_home
+from ubep.protocols.combine.torch_halves import publish_back, reduce_home
 from ubep.protocols.ubep.blocks import UbepBlocks
 from ubep.results import DispatchHandle, RecvRoute
 from ubep.transport.base import Transport
@@ -71,13 +71,13 @@ class UbepExchange(halves.OnHalves):
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="ubep-move") if workers > 1 else None
         self._compiled = None  # each call half one compiled function, where the engine and memory allow
         if engine.name == "numba" and workers == 1 and hasattr(transport, "address_table"):
-            from ubep.protocols.ubep.numba_driver import UbepCompiled  # imports numba: only on its engine
+            from ubep.protocols.ubep.numba_driver import UbepNumba  # imports numba: only on its engine
 
-            self._compiled = UbepCompiled(transport, self.blocks, sizing, faults, self._local_of_E)
+            self._compiled = UbepNumba(transport, self.blocks, sizing, faults, self._local_of_E)
         elif engine.name == "triton" and workers == 1 and hasattr(transport, "address_table"):
-            from ubep.protocols.ubep.triton_driver import UbepDevice  # imports triton: only on its engine
+            from ubep.protocols.ubep.triton_driver import UbepTriton  # imports triton: only on its engine
 
-            self._compiled = UbepDevice(
+            self._compiled = UbepTriton(
                 transport, self.blocks, sizing, faults, self._local_of_E, engine, capturable
             )
         halves.refuse_capturable(capturable, self._compiled, "ubep")

@@ -325,7 +325,7 @@ def run_plan(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Stand-alone entry (`python -m ubep.sim.cli ...`) until the main CLI wires `add_parser`."""
+    """Stand-alone entry (`python -m ubep.sim.commands ...`) until the main CLI wires `add_parser`."""
     parser = argparse.ArgumentParser(prog="ubep")
     add_parser(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(["simulate", *(sys.argv[1:] if argv is None else argv)])

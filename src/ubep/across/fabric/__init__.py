@@ -1,4 +1,4 @@
-"""The fabric floor: bytes to ranks on other hosts, as messages (`ubep.fabric.base`).
+"""The fabric floor: bytes to ranks on other hosts, as messages (`ubep.across.fabric.base`).
 
     protocol -> [fabric: gloo | nixl] -> the wire
 
@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import torch.distributed as dist
 
-from ubep.fabric.base import Fabric, Lane, Message, Outgoing
+from ubep.across.fabric.base import Fabric, Lane, Message, Outgoing
 
 FABRICS = ("auto", "gloo", "nixl")
 
@@ -32,10 +32,10 @@ def open_fabric(
     if requested not in FABRICS:
         raise ValueError(f"fabric must be one of {FABRICS}, got {requested!r}")
     if requested == "nixl":
-        from ubep.fabric.nixl import NixlFabric  # imported here: nixl is optional
+        from ubep.across.fabric.nixl import NixlFabric  # imported here: nixl is optional
 
         return NixlFabric(group, rank, num_ranks, lanes, timeout_s), "requested"
-    from ubep.fabric.gloo import GlooFabric
+    from ubep.across.fabric.gloo import GlooFabric
 
     reason = "requested" if requested == "gloo" else "the default: torch.distributed point-to-point, no extra"
     return GlooFabric(group, rank, num_ranks, lanes, timeout_s), reason

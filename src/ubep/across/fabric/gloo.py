@@ -37,10 +37,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from ubep.calls import KINDS, CallId
-from ubep.deadlines import PeerPids, collective_deadline
-from ubep.errors import PeerDataError
-from ubep.fabric.base import (
+from ubep.across.fabric.base import (
     Lane,
     Message,
     Outgoing,
@@ -50,6 +47,9 @@ from ubep.fabric.base import (
     mask_lane,
     notice_key,
 )
+from ubep.calls import KINDS, CallId
+from ubep.deadlines import PeerPids, collective_deadline
+from ubep.errors import PeerDataError
 from ubep.waiting import AbortNotice, Waiter
 
 FRAME = 4  # int64 words before the header: header words, payload bytes, kind, seq (last: it says the

@@ -4,7 +4,7 @@ and bsp between its barriers.
 
     combine: send (rows, weights, header, stamp) -> reduce (token programs: waits, checks, sums)
 
-The kernels are `ubep.protocols.normal.triton_halves`, over the combine's own address table
+The kernels are `ubep.protocols.combine.triton_halves`, over the combine's own address table
 (`BackBlocks.table()`, on the device), built once with the Buffer. Launching, relaunching and
 `check()` are `ubep.protocols.device_halves`'.
 
@@ -20,16 +20,16 @@ import torch
 from ubep.calls import CallId
 from ubep.faults import FaultPoints
 from ubep.protocols.base import CODE_RANGE, DTYPE_CODES, Received, SendPlan, Sizing
+from ubep.protocols.combine import triton_halves as k
+from ubep.protocols.combine.status import combine_error
 from ubep.protocols.device_halves import TL_WORDS, WORDS, DeviceHalves, cdiv, pow2
-from ubep.protocols.normal import triton_halves as k
-from ubep.protocols.normal.status import combine_error
 from ubep.results import DispatchHandle
 
 ROWS_PER_PROGRAM, TOKENS_PER_PROGRAM = 16, 64  # rows a gather or combine-send program moves; send tokens
 KINDS = {"dispatch": 1, "combine": 2}  # the device's call counters: [0] every call, [1], [2] each kind's
 
 
-class NormalDevice(DeviceHalves):
+class NormalTriton(DeviceHalves):
     """A normal-mode protocol on a heap with an address table, each call half one Triton kernel. A
     subclass issues its dispatch (`dispatch_send`, returning the receive halves) and turns its
     dispatch kernels' errors into exceptions (`dispatch_error`)."""

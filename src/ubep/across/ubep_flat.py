@@ -1,4 +1,4 @@
-"""The UBEP protocol across hosts: every peer reached over the fabric (`ubep.fabric`), no collective
+"""The UBEP protocol across hosts: every peer reached over the fabric (`ubep.across.fabric`), no collective
 inside a call (transport "dist").
 
     dispatch  send     to every live peer, one message: the call header, its row count and this
@@ -16,7 +16,7 @@ late peer holds up only the rows that need its own. A rank sends itself nothing:
 its own rows go straight into place. A cached dispatch sends rows only; the
 handle says where they go, so they are placed the moment they land.
 
-Every message opens with the call header of `ubep.protocols.call_header`: a
+Every message opens with the call header of `ubep.across.call_header`: a
 peer whose call differs is named, and a peer that rejected its input tells every
 rank (`Fabric.abort`), so each raises in that call and the next call is exact.
 
@@ -30,14 +30,14 @@ from dataclasses import astuple
 
 import torch
 
+from ubep.across.call_header import NONE, WORDS, CallHeader, check_peer, other_call_check
+from ubep.across.call_header import phase as header_phase
+from ubep.across.fabric.base import Fabric, Lane, Message
 from ubep.calls import CallId
 from ubep.engine import Engine
 from ubep.errors import PeerDataError, UbepError
-from ubep.fabric.base import Fabric, Lane, Message
 from ubep.layout import destination_major, localize_for_destinations
 from ubep.protocols.base import DTYPE_CODES, Received, SendPlan, Sizing
-from ubep.protocols.call_header import NONE, WORDS, CallHeader, check_peer, other_call_check
-from ubep.protocols.call_header import phase as header_phase
 from ubep.results import DispatchHandle, RecvRoute
 from ubep.waiting import blame_of
 

@@ -2,7 +2,7 @@
 received them, and a header with the boundaries of each home's block.
 
 Every form of the combine reads its places from here: the torch statement
-(`ubep.protocols.normal.combine`) through the `Header` and `Region` names, the
+(`ubep.protocols.combine.torch_halves`) through the `Header` and `Region` names, the
 numba and Triton halves through the block indices and header words below (the
 combine's own address table: `BackBlocks.table()`, in `TABLE` order).
 
