@@ -33,8 +33,12 @@ def pieces(tokens: int, number: int) -> dict[str, float]:
     with ubep.Buffer(dist.group.WORLD, hidden=H, num_experts=E, max_tokens_per_rank=T) as buf:
         R, Kmax = buf.num_ranks, buf.sizing.max_topk
         timed = {
-            "send plan (all of the Buffer's checks)": lambda: buf._send_plan(x, None, None, None, idx, w),
-            "  routing check and layout (compiled)": lambda: buf._route(idx, buf._rank_of_expert_E, R),
+            "send plan (all of the Buffer's checks)": lambda: buf._plans.dispatch(
+                x, None, None, None, idx, w, 0
+            ),
+            "  routing check and layout (compiled)": lambda: buf._plans.route(
+                idx, buf._plans.rank_of_expert_E, R
+            ),
             "  x's shape and dtype": lambda: validate.payload("x", x, H, T),
             "  topk_idx's shape and dtype": lambda: validate.topk_idx(idx, tokens, E, Kmax, values=False),
             "  topk_weights' shape and dtype": lambda: validate.topk_weights(w, (tokens, K)),

@@ -255,7 +255,7 @@ def without_host_reads(_: int, protocol: str) -> str:
     with ubep.Buffer(hidden=sc.hidden, num_experts=sc.num_experts, max_tokens_per_rank=sc.capacity,
                      timeout_s=60, engine="triton", low_latency=False, protocol=protocol) as buf:  # fmt: skip
         device = _capturable(buf)
-        plan, _ = buf._send_plan(xs[me], None, None, None, idxs[me], ws[me])
+        plan, _ = buf._plans.dispatch(xs[me], None, None, None, idxs[me], ws[me], 0)
         patched: list = []
         _no_host_reads(patched)
         try:
@@ -435,7 +435,7 @@ def errors(rank, done: threading.Barrier, protocol: str) -> str:
     with ubep.Buffer(rank, engine="triton", low_latency=False, **kw) as buf:
         if me == 0:  # rank 1 sends nothing: a capturable wait runs out and check() names it
             device = _capturable(buf, max_spins=20)
-            plan, _ = buf._send_plan(xs[me], None, None, None, idxs[me], ws[me])
+            plan, _ = buf._plans.dispatch(xs[me], None, None, None, idxs[me], ws[me], 0)
             device.dispatch(buf._calls.next("dispatch"), replace(plan, num_worst_tokens=12), None)
             with pytest.raises(CommTimeoutError, match=r"no signal from rank\(s\) 1 .*20 polls"):
                 device.check()

@@ -22,7 +22,7 @@ from importlib.metadata import version
 import torch
 import torch.distributed as dist
 
-from ubep import settings, validate
+from ubep import registry, settings, validate
 from ubep.calls import CallCounter, CallId
 from ubep.deadlines import collective_deadline
 from ubep.factory import Options, build, ready_engine
@@ -35,26 +35,15 @@ from ubep.group import (
     join_group,
     torch_group,
 )
-from ubep.layout import (
-    ExpertPlacement,
-    aligned,
-    dispatch_layout,
-    expert_counts,
-    token_in_rank,
-    tokens_per_node,
-)
+from ubep.layout import ExpertPlacement, dispatch_layout, tokens_per_node
+from ubep.membership import Membership
 from ubep.observe.recording import RecordedExchange, RecordedLowLatency, Recorder
-from ubep.overlap import EventOverlap
-from ubep.placement import CopyMap, Distances, Placement
-from ubep.protocols.base import Exchange, SendPlan, Sizing
-from ubep.protocols.ll.plans import (
-    FLAGS,
-    LowLatencyExchange,
-    combine_plan,
-    dispatch_outputs,
-    dispatch_plan,
-    wire_rows,
-)
+from ubep.overlap import EventOverlap, receive_later
+from ubep.placement import Placement
+from ubep.placement.slots import PlacedSlots
+from ubep.plans import Planner
+from ubep.protocols.base import Exchange, LowLatencyExchange, Sizing
+from ubep.protocols.ll.plans import FLAGS
 from ubep.protocols.warmup import needed
 from ubep.results import (
     CombineResult,
@@ -75,7 +64,6 @@ VERSION = version("ubep")  # from the package metadata (pyproject.toml): ranks m
 # Construction waits at least this long: ranks reach it at different times (imports,
 # model loading), which says nothing about a stalled exchange.
 CONSTRUCTION_MIN_TIMEOUT_S = 10.0
-PROTOCOLS = ("ubep", "bsp")
 
 
 def _one_at_a_time(method):
@@ -102,10 +90,10 @@ def _receive_half(buffer: Buffer, call: CallId, receive) -> None:
     """A low-latency receive half run later (its hook, or event.wait()); refused when ranks were
     masked since its send: the call is over for the ranks that stay (`mask_ranks` freed its half,
     which their next calls reuse), and its senders may include a masked rank."""
-    if call.seq <= buffer._masked_after:
+    if call.seq <= buffer._membership.after:
         raise RuntimeError(
             f"low-latency {call.kind.removeprefix('ll_')} #{call.epoch}: its receive half (hook or "
-            f"event.wait()) was issued before rank(s) {sorted(buffer._masked)} were masked; the call "
+            f"event.wait()) was issued before rank(s) {list(buffer.masked_ranks)} were masked; the call "
             "is over (its buffers serve the calls after the mask): issue it again"
         )
     receive()
@@ -204,8 +192,7 @@ class Buffer:
         validate.expert_tables(num_experts)
         validate.positive("max_tokens_per_rank", max_tokens_per_rank)
         validate.positive("max_topk", max_topk)
-        if protocol not in PROTOCOLS:
-            raise ValueError(f"protocol must be one of {PROTOCOLS}, got {protocol!r}")
+        registry.one_of("protocol", registry.PROTOCOLS, protocol, auto=False)
         validate.positive("workers", workers)
         if schedule not in POLICIES:
             raise ValueError(f"schedule must be one of {POLICIES}, got {schedule!r}")
@@ -222,15 +209,7 @@ class Buffer:
             self._info: GroupInfo = join_group(group)
         self._faults = FaultPoints(faults, self._info.rank)
         R = self._info.world_size
-        placement = (
-            ExpertPlacement.contiguous(num_experts, R)
-            if expert_placement is None
-            else ExpertPlacement.from_ranks(expert_placement, R)
-        )
-        if placement.num_experts != num_experts:
-            raise ValueError(
-                f"expert_placement lists {placement.num_experts} experts, num_experts is {num_experts}"
-            )
+        placement = ExpertPlacement.given(expert_placement, num_experts, R)
         self.sizing = Sizing(
             hidden=hidden, capacity=max_tokens_per_rank, max_topk=max_topk, placement=placement
         )
@@ -238,9 +217,10 @@ class Buffer:
         self.low_latency = bool(low_latency)
         self.workers, self.schedule = workers, schedule
         self.transport, self._transport_reason = choose_transport(transport, self._info)
-        self.device = torch.device("cuda", torch.cuda.current_device()) if self.transport == "cuda" else CPU
-        if self.transport == "cuda" and engine == "auto":  # GPU memory: the kernels that run on it
-            self.engine, self._engine_reason = ready_engine("triton")
+        on_gpu = registry.TRANSPORTS[self.transport].on_device
+        self.device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else CPU
+        if on_gpu and engine == registry.AUTO:  # GPU memory: the kernels that run on it
+            self.engine, self._engine_reason = ready_engine(registry.TRITON.name)
         ep_group, peers = torch_group(self._info.group), self._info.peers
         with collective_deadline(ep_group, construct_s, "Buffer construction", peers, watch=True):
             self._handshake(transport)
@@ -263,7 +243,7 @@ class Buffer:
             self._record(StatsOptions() if isinstance(stats, bool) else stats, log)
         # Low-latency calls go to Triton halves that check input values in their kernels, so the host
         # reads none (not when stats are recorded: the recorder reads the plans' counts).
-        self._ll_device = self._recorder is None and getattr(self._ll, "on_device", False)
+        self._ll_device = self._recorder is None and self._ll is not None and self._ll.on_device
         if log.isEnabledFor(logging.INFO):
             log.info("Buffer built: %s", self.explain())
         self._timers = CallTimers() if call_timers else None  # the blocks of every call (`ubep.timers`)
@@ -271,20 +251,17 @@ class Buffer:
         self._pid = os.getpid()  # the process that built it: a forked child must not call it
         self._one_call = threading.Lock()  # held by the thread inside a call (`_one_at_a_time`)
         self._done = EventOverlap()  # the event of every call that completed before returning
-        self._num_experts, self._num_local_experts = num_experts, placement.num_local_experts
-        self._max_recv = self.sizing.capacity * R  # the most rows a rank can receive in one dispatch
-        self._route = getattr(self.engine, "route", None)  # the engine's compiled check-and-layout, if any
-        # The Triton halves' send kernel derives the layout and checks topk_idx's values (no host read)
-        self._layout_by_send = getattr(self._exchange, "layout_by_send", False)
-        self._rank_of_expert_E = placement.rank_of_expert_E.numpy()
-        self._device_placement = placement.to(self.device)  # its tables where the caller's topk_idx lives
-        self._masked: frozenset[int] = frozenset()  # ranks left out of every call (`mask_ranks`)
-        self._masked_E = torch.zeros(num_experts, dtype=torch.bool, device=self.device)  # experts they own
-        self._masked_after = 0  # the last call before the latest mask: older handles are stale
-        self._retired = False  # this rank masked itself out
-        self._placement: Placement | None = None  # logical experts on the Buffer's slots (`set_placement`)
-        self._copy_map: CopyMap | None = None  # this rank's logical -> physical map, with a placement
-        self._placed_after = 0  # the last call before the placement changed: a cached dispatch is stale
+        self._membership = Membership(self.rank, placement, self.device)  # ranks left out (`mask_ranks`)
+        self._slots = PlacedSlots(placement)  # logical experts on the slots (`set_placement`)
+        self._plans = Planner(
+            self.sizing,
+            self.device,
+            route=self.engine.route,
+            layout_by_send=self._exchange.layout_by_send,
+            capturable=self.capturable,
+            membership=self._membership,
+            slots=self._slots,
+        )
 
     # -- construction -----------------------------------------------------------------------------
 
@@ -309,19 +286,18 @@ class Buffer:
     def explain(self) -> str:
         """Which transport, protocol and engine run here, and why; where each setting came from.
         One line per topic, each setting on a line of its own."""
-        origin = getattr(self.engine, "kernels_origin", None)  # the numba engine's: cached or compiled
-        kernels = f"; kernels {origin()}" if origin is not None else ""
-        halves = getattr(
-            self._exchange,
-            "halves",
-            "compiled" if getattr(self._exchange, "compiled_halves", False) else "step by step in Python",
-        )
+        origin = self.engine.kernels_origin()  # the numba engine's: cached or compiled
+        kernels = f"; kernels {origin}" if origin is not None else ""
         lines = [
             f"rank {self._info.rank}/{self._info.world_size}: protocol {self._exchange_name()}",
             f"  transport {self.transport} ({self._transport_reason})",
             f"  engine {self.engine.name} ({self._engine_reason}){kernels}",
-            f"  call halves {halves}",
-            *([f"  low-latency halves {self._ll.halves}"] if hasattr(self._ll, "halves") else []),
+            f"  call halves {self._exchange.halves}",
+            *(
+                [f"  low-latency halves {self._ll.halves}"]
+                if self._ll is not None and self._ll.halves
+                else []
+            ),
             "  settings (each value and where it came from):",
             *(f"    {name} {setting}" for name, setting in self._settings.items()),
         ]
@@ -358,14 +334,8 @@ class Buffer:
         return self._timers
 
     def _exchange_name(self) -> str:
-        across = getattr(self._exchange, "across_hosts", None)  # what crosses hosts, and how
-        if across is not None:
-            return f"{self.protocol} ({across})"
-        if self.transport == "hier":
-            return "hier (rail all-to-all across nodes, pull/put on shared memory within a node)"
-        if self.transport == "dist":
-            return "bsp (torch.distributed all-to-all collectives: the bulk-synchronous baseline)"
-        return self.protocol if self.transport != "local" else "local"
+        across = self._exchange.across_hosts  # what crosses hosts, and how
+        return self._exchange.name if across is None else f"{self.protocol} ({across})"
 
     @property
     def rank(self) -> int:
@@ -382,7 +352,7 @@ class Buffer:
     @property
     def placement(self) -> Placement | None:
         """The logical experts on this Buffer's slots (`set_placement`), or None: ids are the slots'."""
-        return self._placement
+        return self._slots.placement
 
     @_one_at_a_time
     def set_placement(self, placement: Placement | None) -> None:
@@ -399,45 +369,18 @@ class Buffer:
         are masked (RuntimeError naming them): the agreement needs every rank of the group.
         """
         self._live()
-        if placement is not None and (
-            placement.num_ranks != self.num_ranks or placement.num_physical != self.num_experts
-        ):
-            raise ValueError(
-                f"placement lays out {placement.num_physical} slots on {placement.num_ranks} ranks; "
-                f"this Buffer has {self.num_experts} experts on {self.num_ranks} ranks"
-            )
-        if placement is not None and not torch.equal(
-            self.sizing.placement.rank_of_expert_E, placement.rank_of_physical_U
-        ):
-            raise ValueError("set_placement needs the Buffer's default (contiguous) expert_placement")
-        if self._masked:  # every staying rank masked the same ranks: they all refuse
+        self._slots.check(placement)
+        if self._membership.masked:  # every staying rank masked the same ranks: they all refuse
             raise RuntimeError(
-                f"set_placement needs every rank of the group, and rank(s) {sorted(self._masked)} are masked "
-                "(mask_ranks): its agreement is a torch.distributed collective, which cannot leave them out; "
-                "build a Buffer on a group of the staying ranks to place experts"
+                f"set_placement needs every rank of the group, and rank(s) {list(self.masked_ranks)} "
+                "are masked (mask_ranks): its agreement is a torch.distributed collective, which cannot "
+                "leave them out; build a Buffer on a group of the staying ranks to place experts"
             )
         mine = {"placement": None if placement is None else placement.digest()}
         group, peers = torch_group(self._info.group), self._info.peers  # peers: a dead one is named
         with collective_deadline(group, self.timeout_s, "set_placement", peers):
             check_agreement(self._info, mine, "set_placement")
-        if mine["placement"] != (None if self._placement is None else self._placement.digest()):
-            self._placed_after = self._calls.seq  # older handles route to the old slots
-        self._placement = placement
-        self._copy_map = (
-            None
-            if placement is None
-            else CopyMap.nearest(placement, self.rank, Distances.from_nodes(self._info.node_of_rank))
-        )
-
-    def _physical(self, topk_idx: torch.Tensor) -> torch.Tensor:
-        """topk_idx as slot ids: mapped through this rank's copy map when a placement is set."""
-        return topk_idx if self._copy_map is None else self._copy_map(topk_idx)
-
-    def _check_num_experts(self, num_experts: int) -> None:
-        """A call's num_experts: the logical count with a placement, else the Buffer's."""
-        want = self._num_experts if self._placement is None else self._placement.num_logical
-        if num_experts != want:
-            raise ValueError(f"num_experts is {num_experts}, the Buffer was built for {want}")
+        self._slots.hold(placement, self._calls.seq, self.rank, self._info.node_of_rank)
 
     # -- normal mode ------------------------------------------------------------------------------
 
@@ -453,11 +396,11 @@ class Buffer:
         on the Buffer's device. With `capturable`, topk_idx's values are not checked here, so nothing
         is read back on the host (dispatch's kernel checks them; ids outside [-1, num_experts) count
         as no expert here); otherwise a bad value raises ValueError."""
-        self._check_num_experts(num_experts)
-        idx = self._physical(topk_idx)
+        self._slots.check_num_experts(num_experts)
+        idx = self._slots.physical(topk_idx)
         E, K = self.num_experts, self.sizing.max_topk
         idx = validate.topk_idx(idx, _rows(idx), E, K, values=not self.capturable, device=self.device)
-        layout = dispatch_layout(self._drop_masked(idx, count=False)[0], self._device_placement)
+        layout = dispatch_layout(self._membership.drop(idx, count=False)[0], self._plans.device_placement)
         return LayoutResult(
             layout.num_tokens_per_rank_R,
             None
@@ -500,15 +443,12 @@ class Buffer:
         call = self._calls.next("dispatch")
         times = call.timers
         try:
-            plan, dropped = self._send_plan(
-                x, handle, num_tokens_per_rank, is_token_in_rank, topk_idx, topk_weights
+            plan, dropped = self._plans.dispatch(
+                x, handle, num_tokens_per_rank, is_token_in_rank, topk_idx, topk_weights, num_worst_tokens
             )
             if type(expert_alignment) is not int or expert_alignment < 1:
                 validate.positive("expert_alignment", expert_alignment)
             worst = handle.padded_to if handle is not None else num_worst_tokens
-            if num_worst_tokens and handle is None:
-                validate.positive("num_worst_tokens", num_worst_tokens)
-                plan = dataclasses.replace(plan, num_worst_tokens=num_worst_tokens)
             if faults.armed:
                 faults.at("dispatch.start", call)
             if times is not None:
@@ -525,22 +465,7 @@ class Buffer:
             faults.at("dispatch.end", call)
         recv_x = got.recv_x_MH if got.recv_scales_MS is None else (got.recv_x_MH, got.recv_scales_MS)
         if handle is None:
-            if worst:  # as DeepEP: no list (counting would read the received rows on the host)
-                counts = []
-            elif got.rows_per_expert_L is None:
-                counts = expert_counts(got.recv_topk_idx_MK, self._num_local_experts, expert_alignment)
-            else:
-                counts = aligned(got.rows_per_expert_L, expert_alignment)
-            handle = DispatchHandle(
-                num_tokens=plan.x_NH.shape[0],
-                is_token_in_rank_NR=plan.is_token_in_rank_NR,
-                send_counts_R=plan.send_counts_R,
-                recv=got.route,
-                num_recv_tokens_per_expert_list=counts,
-                num_dropped=dropped,
-                seq=call.seq,
-                padded_to=worst,
-            )
+            handle = self._plans.handle(plan, got, dropped, call.seq, worst, expert_alignment)
         result = DispatchResult(
             recv_x,
             got.recv_topk_idx_MK,
@@ -552,87 +477,6 @@ class Buffer:
         if times is not None:
             times.end()
         return result
-
-    def _send_plan(
-        self, x, handle, num_tokens_per_rank, is_token_in_rank, topk_idx, topk_weights
-    ) -> tuple[SendPlan, int]:
-        """The plan, and how many top-k entries it dropped (they select a masked rank's experts)."""
-        s = self.sizing
-        if handle is not None:
-            self._check_handle(handle)
-            if handle.seq <= self._placed_after:
-                raise ValueError(
-                    "handle comes from a dispatch before set_placement changed the expert placement: "
-                    "its routing names the old slots; dispatch again with topk_idx"
-                )
-            x, scales = self._payload(x, rows=handle.num_tokens)
-            plan = SendPlan(x, None, None, handle.is_token_in_rank_NR, handle.send_counts_R, scales)
-            return plan, handle.num_dropped
-        if topk_idx is None or topk_weights is None:
-            raise ValueError("dispatch needs topk_idx and topk_weights unless a handle is given")
-        x, scales = self._payload(x)
-        topk_idx = self._physical(topk_idx)
-        if self._layout_by_send:
-            return self._device_plan(x, scales, topk_idx, topk_weights, num_tokens_per_rank, is_token_in_rank)
-        route = None if self._masked else self._route  # a compiled check-and-layout, where the engine has one
-        idx = validate.topk_idx(
-            topk_idx, x.shape[0], self._num_experts, s.max_topk, values=route is None, device=self.device
-        )
-        w = validate.topk_weights(topk_weights, tuple(idx.shape), device=self.device)
-        if route is not None:
-            is_token_in_rank_NR, counts_R = route(idx, self._rank_of_expert_E, self._info.world_size)
-            dropped = 0
-        else:
-            idx, dropped = self._drop_masked(idx) if self._masked else (idx, 0)
-            is_token_in_rank_NR = token_in_rank(idx, self._device_placement)  # no per-expert counts needed
-            counts_R = is_token_in_rank_NR.sum(dim=0)
-        if num_tokens_per_rank is not None or is_token_in_rank is not None:
-            validate.layout_args(num_tokens_per_rank, is_token_in_rank, is_token_in_rank_NR, self.device)
-        return SendPlan(x, idx, w, is_token_in_rank_NR, counts_R, scales), dropped
-
-    def _device_plan(
-        self, x, scales, topk_idx, topk_weights, num_tokens_per_rank, is_token_in_rank
-    ) -> tuple[SendPlan, int]:
-        """The plan for Triton halves that derive the layout and check topk_idx's values in their send
-        kernel: shapes, dtypes and devices checked here, no value read (-1 dropped entries: not
-        counted with `capturable`, where counting would read back)."""
-        s, N, R = self.sizing, x.shape[0], self._info.world_size
-        idx = validate.topk_idx(topk_idx, N, self._num_experts, s.max_topk, values=False, device=self.device)
-        w = validate.topk_weights(topk_weights, tuple(idx.shape), device=self.device)
-        dropped = 0
-        if self._masked:
-            idx, dropped = self._drop_masked(idx, count=not self.capturable)
-            dropped = -1 if self.capturable else dropped
-        if num_tokens_per_rank is not None or is_token_in_rank is not None:
-            validate.layout_shapes(num_tokens_per_rank, is_token_in_rank, N, R, self.device)
-        # zeroed: a call whose input the kernel rejects leaves a handle that routes nothing
-        in_rank_NR = torch.zeros(N, R, dtype=torch.bool, device=self.device)
-        counts_R = torch.zeros(R, dtype=torch.int64, device=self.device)
-        return SendPlan(x, idx, w, in_rank_NR, counts_R, scales, layout_by_send=True), dropped
-
-    def _check_handle(self, handle) -> None:
-        """A normal-mode handle of this Buffer, made after the latest mask."""
-        if not isinstance(handle, DispatchHandle):
-            raise TypeError(f"handle must come from Buffer.dispatch, got {type(handle).__name__}")
-        if handle.send_counts_R.numel() != self._info.world_size:
-            raise ValueError(f"handle is for {handle.num_ranks} ranks, this Buffer has {self.num_ranks}")
-        if handle.seq <= self._masked_after:
-            self._check_after_mask(handle.seq)
-
-    def _check_after_mask(self, dispatch_seq: int) -> None:
-        """Handles from dispatches before the latest mask route through masked ranks: refused."""
-        if dispatch_seq <= self._masked_after:
-            raise ValueError(
-                f"handle comes from a dispatch before rank(s) {sorted(self._masked)} were masked; "
-                "dispatch again to route around them"
-            )
-
-    def _payload(self, x, rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(x, None), or an FP8 pair's (values, scales), validated."""
-        s = self.sizing
-        if isinstance(x, tuple | list) and len(x) == 2:  # fp8.is_pair, without a call on the hot path
-            return validate.fp8_pair("x", x, s.hidden, s.capacity, rows=rows, device=self.device)
-        return validate.payload("x", x, s.hidden, s.capacity, rows=rows, device=self.device), None
 
     @_one_at_a_time
     def combine(
@@ -650,16 +494,7 @@ class Buffer:
         call = self._calls.next("combine")
         times = call.timers
         try:
-            self._check_handle(handle)
-            M = handle.padded_to or handle.recv.num_rows
-            x = validate.payload("x", x, self.sizing.hidden, max(M, self._max_recv), M, self.device)
-            if topk_weights is not None:
-                topk_weights = validate.topk_weights(
-                    topk_weights, (M, _cols(topk_weights)), "topk_weights", self.device
-                )
-            if handle.padded_to:  # the rows received go back, not the padding (a device route has it)
-                routed = handle.recv.src_token_M.shape[0]
-                x, topk_weights = x[:routed], None if topk_weights is None else topk_weights[:routed]
+            x, topk_weights = self._plans.combine(x, handle, topk_weights)
             if faults.armed:
                 faults.at("combine.start", call)
             if times is not None:
@@ -702,27 +537,14 @@ class Buffer:
         call = self._calls.next("ll_dispatch")
         on_device = self._ll_device
         try:
-            s = self.sizing
-            self._check_num_experts(num_experts)
-            T = num_max_dispatch_tokens_per_rank
-            x = validate.low_latency_x(x, s.hidden, T, s.capacity, use_fp8, self.device)
-            idx = validate.topk_idx(  # on the device, the send kernel checks the values
-                self._physical(topk_idx),
-                x.shape[0],
-                self._num_experts,
-                s.max_topk,
-                not on_device,
-                self.device,
+            plan, out = self._plans.ll_dispatch(
+                x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, use_fp8, on_device, call.seq
             )
-            if self._masked:
-                idx = self._drop_masked(idx, count=False)[0]
-            plan = wire_rows(x, T, use_fp8) if on_device else dispatch_plan(x, idx, s.placement, T, use_fp8)
-            out = dispatch_outputs(plan, s.hidden, self._info.world_size, idx, self._num_experts, call.seq)
         except BaseException:
             ll.abort(call, "dispatch")  # its slots and headers are its own: release them, tell the peers
             raise
         receive = ll.dispatch_send(call, plan, out)  # a failing send half tells its peers itself
-        event, hook = _halves(
+        event, hook = receive_later(
             self._later(call, receive, async_finish or return_recv_hook), async_finish, return_recv_hook
         )
         return LowLatencyDispatchResult(out.recv_x, out.handle.recv_count_L, out.handle, event, hook)
@@ -748,63 +570,27 @@ class Buffer:
         call = self._calls.next("ll_combine")
         on_device = self._ll_device
         try:
-            x, idx, w = self._ll_combine_inputs(x, topk_idx, topk_weights, handle, not on_device)
-            N, H = handle.num_tokens, self.sizing.hidden
-            if out is None:
-                out = torch.empty(N, H, dtype=x.dtype, device=x.device)
-            else:
-                out = validate.tensor("out", out, x.dtype, 2, self.device)
-                if tuple(out.shape) != (N, H) or not out.is_contiguous():
-                    raise ValueError(f"out must be a contiguous [{N}, {H}] tensor")
-            if not on_device:
-                plan = combine_plan(x, w, handle, self.sizing.placement)
+            got = self._plans.ll_combine(x, topk_idx, topk_weights, handle, out, on_device)
         except BaseException:
             ll.abort(call, "combine")  # its slots and headers are its own: release them, tell the peers
             raise
-        if on_device:  # the send kernel checks the handle and topk_idx's values
-            receive = ll.combine_rows(call, x, w, handle, out, idx)
+        if got.plan is None:  # on the device: the send kernel checks the handle and topk_idx's values
+            receive = ll.combine_rows(call, got.x, got.topk_weights_NK, handle, got.out_NH, got.topk_idx_NK)
         else:
-            receive = ll.combine_send(call, plan, out)
-        event, hook = _halves(
+            receive = ll.combine_send(call, got.plan, got.out_NH)
+        event, hook = receive_later(
             self._later(call, receive, async_finish or return_recv_hook), async_finish, return_recv_hook
         )
-        return LowLatencyCombineResult(out, event, hook)
-
-    def _ll_combine_inputs(
-        self, x, topk_idx, topk_weights, handle, values: bool = True
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(x, topk_idx, topk_weights) of a low-latency combine, checked; `values=False` (the device
-        halves, whose send kernel checks them) reads no value of the handle or topk_idx on the host."""
-        if not isinstance(handle, LowLatencyHandle):
-            raise TypeError(f"handle must come from Buffer.low_latency_dispatch, got {type(handle).__name__}")
-        R, L = self._info.world_size, self._num_local_experts
-        if handle.layout_range_LR2.shape[1] != R or handle.num_experts != self._num_experts:
-            raise ValueError("handle comes from a Buffer with another group size or expert count")
-        if values and (handle.recv_count_L < 0).any():  # handle.received, without a call
-            raise ValueError("handle: its dispatch was not received yet; call its hook or event.wait() first")
-        if handle.seq <= self._masked_after:
-            self._check_after_mask(handle.seq)
-        M = R * handle.num_max_dispatch_tokens_per_rank
-        x = validate.expert_output(x, (L, M, self.sizing.hidden), self.device)
-        idx = self._physical(topk_idx)
-        idx = validate.topk_idx(
-            idx, handle.num_tokens, self._num_experts, self.sizing.max_topk, values, self.device
-        )
-        if self._masked:
-            idx = self._drop_masked(idx, count=False)[0]
-        if idx.shape != handle.topk_idx_NK.shape or (values and not torch.equal(idx, handle.topk_idx_NK)):
-            raise ValueError("topk_idx must be the one passed to the low_latency_dispatch that made handle")
-        return x, idx, validate.topk_weights(topk_weights, tuple(idx.shape), device=self.device)
+        return LowLatencyCombineResult(got.out_NH, event, hook)
 
     def check(self) -> None:
         """Raise the first error the device recorded in calls since the last check, normal mode's first
         (with `capturable`, where calls read nothing back on the host; a no-op otherwise): a bad topk_idx
         value (ValueError, as on the host), a peer's bad data or rejection, or a wait that ran out of
         polls (CommTimeoutError). Reads the device's status words: call it outside a captured graph."""
-        for exchange in (self._exchange, self._ll):
-            check = getattr(exchange, "check", None)
-            if check is not None:
-                check()
+        self._live().check()
+        if self._ll is not None:
+            self._ll.check()
 
     def _later(self, call: CallId, receive, deferred: bool):
         """The receive half, refused like a call while another thread is inside one when it runs later,
@@ -812,7 +598,7 @@ class Buffer:
         return functools.partial(_receive_half, self, call, receive) if deferred else receive
 
     def _live_ll(self) -> LowLatencyExchange:
-        if self._ll is None or self._exchange is None or self._retired or os.getpid() != self._pid:
+        if self._ll is None or self._exchange is None or self._membership.retired or os.getpid() != self._pid:
             self._live()  # closed, retired or forked: its error
         if self._ll is None:
             raise ValueError("this Buffer was built with low_latency=False")
@@ -833,44 +619,12 @@ class Buffer:
         from before it must not be run. A rank that masks itself leaves: its Buffer takes no
         further call. Needs a shared-heap transport ("shm", "virtual").
         """
-        gone = frozenset(int(r) for r in ranks)
-        outside = sorted(r for r in gone if not 0 <= r < self.num_ranks)
-        if outside:
-            raise ValueError(f"ranks must lie in [0, {self.num_ranks}), got {outside}")
-        exchange = self._live()
-        if self.rank in gone:
-            self._retired = True
-            return
-        mask = getattr(exchange, "mask", None)
-        if mask is None:
-            raise NotImplementedError(
-                f"masking ranks needs a shared heap (transport 'shm' or 'virtual'); "
-                f"this Buffer runs on {self.transport!r}, whose collectives cannot leave a rank out"
-            )
-        seq = mask(self._masked | gone, self._calls.seq)
-        self._calls.resume(seq)
-        resume = getattr(self._ll, "resume", None)  # a low-latency exchange on the heap frees its halves
-        if resume is not None:
-            resume(seq)
-        self._masked |= gone
-        owners_E = self.sizing.placement.rank_of_expert_E
-        masked = torch.tensor(sorted(self._masked), dtype=torch.int64, device=owners_E.device)
-        self._masked_E = torch.isin(owners_E, masked).to(self.device)
-        self._masked_after = seq
+        self._membership.mask(ranks, self._live(), self._ll, self._calls)
 
     @property
     def masked_ranks(self) -> tuple[int, ...]:
         """Ranks left out of every call (`mask_ranks`), ascending."""
-        return tuple(sorted(self._masked))
-
-    def _drop_masked(self, topk_idx_NK: torch.Tensor, count: bool = True) -> tuple[torch.Tensor, int]:
-        """topk_idx with -1 where it selects a masked rank's expert, and how many entries that drops
-        (0 unless `count`: counting reads back on the host)."""
-        if not self._masked:
-            return topk_idx_NK, 0
-        E = self._masked_E.numel()  # (ids outside [0, E) stay: on the device halves, the kernel rejects them)
-        dropped_NK = (topk_idx_NK >= 0) & (topk_idx_NK < E) & self._masked_E[topk_idx_NK.clamp(0, E - 1)]
-        return topk_idx_NK.masked_fill(dropped_NK, -1), int(dropped_NK.sum()) if count else 0
+        return tuple(sorted(self._membership.masked))
 
     # -- lifetime ---------------------------------------------------------------------------------
 
@@ -882,7 +636,7 @@ class Buffer:
                 f"this Buffer was built by process {self._pid}; process {os.getpid()} (a fork of it) may not "
                 "call it, since its memory is shared with the parent's peers: build a Buffer in the child"
             )
-        if self._retired:
+        if self._membership.retired:
             raise RuntimeError(f"rank {self.rank} masked itself out of its group: it takes part in no call")
         return self._exchange
 
@@ -907,20 +661,3 @@ class Buffer:
 
 def _rows(t) -> int:
     return t.shape[0] if isinstance(t, torch.Tensor) and t.dim() >= 1 else 0
-
-
-def _cols(t) -> int:
-    return t.shape[1] if isinstance(t, torch.Tensor) and t.dim() == 2 else -1
-
-
-def _no_hook() -> None:
-    """The hook of a call that already received."""
-
-
-def _halves(receive, async_finish: bool, return_recv_hook: bool) -> tuple[EventOverlap, object]:
-    """(event, hook) for a receive half: run it now, or hand it to the event and/or the hook."""
-    pending = EventOverlap(receive)
-    if not (async_finish or return_recv_hook):
-        pending.wait()
-        return pending, _no_hook
-    return (pending if async_finish else EventOverlap()), (pending.wait if return_recv_hook else _no_hook)

@@ -31,11 +31,11 @@ from ubep.across.ubep_hier import lanes as hier_lanes
 from ubep.engine import Engine, choose_engine
 from ubep.faults import FaultPoints
 from ubep.group import GroupInfo
-from ubep.protocols.base import Exchange, Sizing
+from ubep.protocols.base import Exchange, LowLatencyExchange, Sizing
 from ubep.protocols.bsp import BspBlocks, BspExchange
 from ubep.protocols.ll import LLBlocks, LLExchange
 from ubep.protocols.ll.local import LLLocal
-from ubep.protocols.ll.plans import AFTER_DATA, IN_WORD, LowLatencyExchange
+from ubep.protocols.ll.plans import AFTER_DATA, IN_WORD
 from ubep.protocols.local import LocalExchange
 from ubep.protocols.ubep import UbepBlocks, UbepExchange
 from ubep.protocols.warmup import WARM_UPS, warm_up

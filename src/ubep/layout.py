@@ -58,6 +58,21 @@ class ExpertPlacement:
         )
 
     @classmethod
+    def given(
+        cls, owners: list[int] | torch.Tensor | None, num_experts: int, num_ranks: int
+    ) -> ExpertPlacement:
+        """A Buffer's `expert_placement` argument (E owner ranks, or None: contiguous blocks), checked
+        against its num_experts."""
+        placement = (
+            cls.contiguous(num_experts, num_ranks) if owners is None else cls.from_ranks(owners, num_ranks)
+        )
+        if placement.num_experts != num_experts:
+            raise ValueError(
+                f"expert_placement lists {placement.num_experts} experts, num_experts is {num_experts}"
+            )
+        return placement
+
+    @classmethod
     def contiguous(cls, num_experts: int, num_ranks: int) -> ExpertPlacement:
         if num_experts % num_ranks:
             raise ValueError(

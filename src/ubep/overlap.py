@@ -36,3 +36,19 @@ class EventOverlap:
 
     def __exit__(self, *exc) -> None:
         self.wait()
+
+
+def _no_hook() -> None:
+    """The hook of a call that already received."""
+
+
+def receive_later(
+    receive: Callable[[], None], async_finish: bool, return_recv_hook: bool
+) -> tuple[EventOverlap, Callable[[], None]]:
+    """(event, hook) for a call's receive half: run it now, or hand it to the event and/or the hook
+    (DeepEP's `async_finish` and `return_recv_hook`)."""
+    pending = EventOverlap(receive)
+    if not (async_finish or return_recv_hook):
+        pending.wait()
+        return pending, _no_hook
+    return (pending if async_finish else EventOverlap()), (pending.wait if return_recv_hook else _no_hook)

@@ -31,7 +31,7 @@ from ubep.calls import CallId
 from ubep.engine import Engine
 from ubep.errors import PeerDataError, UbepError
 from ubep.layout import prefix_offsets
-from ubep.protocols.base import Sizing
+from ubep.protocols.base import LowLatencyExchange, Sizing
 from ubep.protocols.ll.plans import (
     LLCombinePlan,
     LLDispatchOut,
@@ -55,7 +55,7 @@ def lanes(s: Sizing) -> tuple[Lane, ...]:
     )
 
 
-class LLFabric:
+class LLFabric(LowLatencyExchange):
     """Low-latency halves with every peer over a fabric."""
 
     name = "ubep-ll"

@@ -37,7 +37,7 @@ from ubep.calls import CallId
 from ubep.engine import Engine
 from ubep.errors import PeerDataError, UbepError
 from ubep.layout import destination_major, localize_for_destinations
-from ubep.protocols.base import DTYPE_CODES, Received, SendPlan, Sizing
+from ubep.protocols.base import DTYPE_CODES, Exchange, Received, SendPlan, Sizing
 from ubep.results import DispatchHandle, RecvRoute
 from ubep.waiting import blame_of
 
@@ -58,7 +58,7 @@ def meta_bytes(K: int) -> int:
     return 8 * (1 + 2 * K)
 
 
-class UbepFabric:
+class UbepFabric(Exchange):
     """UBEP dispatch/combine with every peer over a fabric."""
 
     name = "ubep"
@@ -72,11 +72,6 @@ class UbepFabric:
         self._aborted = 0  # the last call this rank told its peers it gave up on
 
     halves = "step by step in Python: one message per peer and call half, handled as it lands"
-    compiled_halves = False
-    layout_by_send = False
-
-    def check(self) -> None:
-        """Nothing is deferred to a check (only device halves defer errors)."""
 
     # -- dispatch ---------------------------------------------------------------------------------
 

@@ -19,7 +19,7 @@ source region.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import torch
@@ -38,9 +38,17 @@ class BlockIndexError(IndexError):
 
 
 class Engine(Protocol):
-    """One implementation of the kernels (`torch`, `numba`, `triton`)."""
+    """One implementation of the kernels (`torch`, `numba`, `triton`). Engines subclass it, so the
+    optional parts below keep their defaults where an engine has none of its own."""
 
     name: str
+    # The compiled check-and-layout of a routing (numba's `route`), or None: the Buffer's planner then
+    # checks topk_idx and derives the layout in torch.
+    route: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
+
+    def kernels_origin(self) -> str | None:
+        """Where this process's compiled kernels came from (numba's disk cache), or None."""
+        return None
 
     def copy_rows(
         self,
@@ -136,7 +144,7 @@ class Engine(Protocol):
         """
 
 
-class PerBlock:
+class PerBlock(Engine):
     """The several-source kernels composed from the one-source ones, block by block, in order.
 
     Engines without kernels of their own for several sources (the torch engine,

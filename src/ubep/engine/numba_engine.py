@@ -104,7 +104,7 @@ def _concatenated(indices: Sequence[torch.Tensor]) -> tuple[np.ndarray, np.ndarr
     return prefix_S1, torch.cat([i if i.dtype == torch.int64 else i.to(torch.int64) for i in indices]).numpy()
 
 
-class NumbaEngine:
+class NumbaEngine(Engine):
     """Kernels compiled by numba; see `ubep.engine.base.Engine` for the contract of each."""
 
     name = "numba"

@@ -19,13 +19,14 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Callable, Collection
 
 import numpy as np
 import torch
 
 from ubep.calls import CallId
-from ubep.protocols.base import Exchange, Received, SendPlan
-from ubep.protocols.ll.plans import LLCombinePlan, LLDispatchOut, LLDispatchPlan, LowLatencyExchange
+from ubep.protocols.base import Exchange, LowLatencyExchange, Received, SendPlan
+from ubep.protocols.ll.plans import LLCombinePlan, LLDispatchOut, LLDispatchPlan
 from ubep.results import DispatchHandle
 from ubep.stats import KINDS, CallRecord, Stats, StatsOptions
 
@@ -151,11 +152,13 @@ def _row_bytes(x: torch.Tensor, scales: torch.Tensor | None, topk: int) -> int:
     return x.shape[1] * x.element_size() + S * SCALE_BYTES + topk * ROUTING_BYTES
 
 
-class RecordedExchange:
+class RecordedExchange(Exchange):
     """A normal-mode exchange that records each call, then answers as the exchange it wraps."""
 
     def __init__(self, inner: Exchange, recorder: Recorder):
         self._inner, self._rec = inner, recorder
+        self.name, self.halves, self.across_hosts = inner.name, inner.halves, inner.across_hosts
+        self.layout_by_send = inner.layout_by_send
 
     def dispatch(self, call: CallId, plan: SendPlan, handle: DispatchHandle | None) -> Received:
         ready = time.time_ns()
@@ -181,17 +184,25 @@ class RecordedExchange:
         )
         return out
 
-    def __getattr__(self, name: str):  # abort, close, mask, ...: the wrapped exchange's own
-        if name == "_inner":  # not set yet (a copy being built): no recursion
-            raise AttributeError(name)
-        return getattr(self._inner, name)
+    def abort(self, call: CallId) -> None:
+        self._inner.abort(call)
+
+    def close(self) -> None:
+        self._inner.close()
+
+    def check(self) -> None:
+        self._inner.check()
+
+    def mask(self, ranks: Collection[int], seq: int) -> int:
+        return self._inner.mask(ranks, seq)
 
 
-class RecordedLowLatency:
+class RecordedLowLatency(LowLatencyExchange):
     """A low-latency exchange that records each call once its receive half has run."""
 
     def __init__(self, inner: LowLatencyExchange, recorder: Recorder):
         self._inner, self._rec = inner, recorder
+        self.name, self.halves, self.on_device = inner.name, inner.halves, inner.on_device
 
     def dispatch_send(self, call: CallId, plan: LLDispatchPlan, out: LLDispatchOut):
         ready = time.time_ns()
@@ -220,7 +231,14 @@ class RecordedLowLatency:
 
         return received
 
-    def __getattr__(self, name: str):  # abort, close, mask, ...: the wrapped exchange's own
-        if name == "_inner":  # not set yet (a copy being built): no recursion
-            raise AttributeError(name)
-        return getattr(self._inner, name)
+    def combine_rows(self, call: CallId, x_LMH, w_NK, handle, out_NH, idx_NK) -> Callable[[], None]:
+        return self._inner.combine_rows(call, x_LMH, w_NK, handle, out_NH, idx_NK)
+
+    def abort(self, call: CallId, kind: str) -> None:
+        self._inner.abort(call, kind)
+
+    def check(self) -> None:
+        self._inner.check()
+
+    def resume(self, seq: int) -> None:
+        self._inner.resume(seq)

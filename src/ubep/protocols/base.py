@@ -1,14 +1,15 @@
-"""What every protocol shares: the exchange interface, the sizing, the send plan and what a
-dispatch receives, the payloads' wire codes and how rows sit in a byte region.
+"""What every protocol shares: the exchange interfaces (normal and low-latency mode), the sizing,
+the send plan and what a dispatch receives, the payloads' wire codes and how rows sit in a byte
+region.
 
 Legend: see `ubep.layout`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, replace
-from typing import Protocol
 
 import numpy as np
 import torch
@@ -106,24 +107,90 @@ def more_than_worst(rows: int, num_worst_tokens: int) -> ValueError:
     )
 
 
-class Exchange(Protocol):
-    """A protocol bound to a transport: the two halves of an EP layer's traffic.
+class Exchange(ABC):
+    """A normal-mode protocol bound to its memory or fabric: the two halves of an EP layer's traffic.
 
-    Exchanges over a heap also take `mask(ranks, seq) -> seq` (`Transport.mask`): later calls
-    leave masked ranks out.
+        Buffer.dispatch -> validate -> plan -> [exchange.dispatch] -> Received -> results
+
+    Every exchange moves rows (`dispatch`, `combine`), tells its peers when the Buffer gives up on a
+    call (`abort`) and releases what it holds (`close`). What only some can do is asked through the
+    methods and attributes below, whose defaults here say "not this one"; the Buffer never probes.
     """
 
     name: str
+    # How each call half runs, in words (`Buffer.explain`): compiled, Triton kernels, or Python.
+    halves: str = "step by step in Python"
+    # What crosses hosts and how, in words (`Buffer.explain`); None inside one host.
+    across_hosts: str | None = None
+    # The send half derives the layout from topk_idx and checks its values itself (the Triton
+    # halves), so the Buffer reads none of them on the host (`SendPlan.layout_by_send`).
+    layout_by_send: bool = False
 
+    @abstractmethod
     def dispatch(self, call: CallId, plan: SendPlan, handle: DispatchHandle | None) -> Received: ...
 
+    @abstractmethod
     def combine(
         self, call: CallId, x_MH: torch.Tensor, handle: DispatchHandle, topk_weights_MK: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor | None]: ...
 
+    @abstractmethod
     def abort(self, call: CallId) -> None: ...
 
+    @abstractmethod
     def close(self) -> None: ...
+
+    def check(self) -> None:
+        """Raise the first error the device deferred since the last check (capturable halves only)."""
+        return None  # nothing deferred, nothing held: the default of most exchanges
+
+    def mask(self, ranks: Collection[int], seq: int) -> int:
+        """Leave `ranks` out of every call after the one all staying ranks agree on; returns its seq.
+        Only exchanges that can leave a rank out override this."""
+        raise NotImplementedError(
+            f"masking ranks needs a shared heap (transport 'shm' or 'virtual') or the fabric; "
+            f"this Buffer's {self.name} exchange runs collectives, which cannot leave a rank out"
+        )
+
+
+class LowLatencyExchange(ABC):
+    """Low-latency mode bound to its memory or fabric: each `*_send` sends now and returns the
+    receive half, which the Buffer runs at once, on `event.wait()` or from the hook.
+
+        Buffer.low_latency_dispatch -> validate -> plan -> [dispatch_send] -> receive half -> results
+    """
+
+    name: str
+    halves: str | None = None  # how each call half runs, in words (`Buffer.explain`); None: say nothing
+    # The Triton halves: the send kernel checks topk_idx and the handle, so the Buffer reads no value
+    # on the host and the combine enters through `combine_rows` (no host-built plan).
+    on_device: bool = False
+
+    @abstractmethod
+    def dispatch_send(self, call: CallId, plan, out) -> Callable[[], None]:
+        """`plan`: `ubep.protocols.ll.plans.LLDispatchPlan` (or `WireRows` on the device); `out`: the
+        `LLDispatchOut` the receive half fills."""
+
+    @abstractmethod
+    def combine_send(self, call: CallId, plan, out_NH: torch.Tensor) -> Callable[[], None]:
+        """`plan`: `ubep.protocols.ll.plans.LLCombinePlan`; `out_NH` receives the weighted sums."""
+
+    @abstractmethod
+    def abort(self, call: CallId, kind: str) -> None: ...
+
+    def combine_rows(
+        self, call: CallId, x_LMH: torch.Tensor, w_NK: torch.Tensor, handle, out_NH: torch.Tensor, idx_NK
+    ) -> Callable[[], None]:
+        """`on_device` only: combine's send half from the expert outputs and the handle alone."""
+        raise NotImplementedError(f"{self.name}: combine_rows needs the device halves (on_device)")
+
+    def check(self) -> None:
+        """Raise the first error the device deferred since the last check (capturable halves only)."""
+        return None  # nothing deferred, nothing held: the default of most exchanges
+
+    def resume(self, seq: int) -> None:
+        """After a mask: the calls up to `seq` are over, so halves they hold are free again."""
+        return None  # nothing deferred, nothing held: the default of most exchanges
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

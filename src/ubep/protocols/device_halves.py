@@ -44,6 +44,7 @@ class DeviceHalves:
     exception its CPU protocol raises (`_error`)."""
 
     WAITING: int  # the status word naming a peer a wait ran out on (1 + its rank)
+    layout_by_send = False  # normal mode's send kernel says True (`NormalTriton`)
 
     def __init__(self, heap, blocks, engine, capturable: bool, max_spins: int | None):
         self.t, self.blocks, self.engine = heap, blocks, engine

@@ -15,6 +15,7 @@ import os
 import numpy as np
 
 from ubep.calls import CallId
+from ubep.protocols.base import Exchange
 from ubep.transport.heap import Heap
 from ubep.waiting import YIELD_POLLS
 
@@ -50,23 +51,19 @@ def describe(compiled, engine) -> str:
 
 def refuse_capturable(capturable: bool, compiled, protocol: str) -> None:
     """A capturable normal-mode exchange needs the Triton halves: refuse any other, saying why."""
-    if capturable and getattr(compiled, "layout_by_send", False) is False:
+    if capturable and (compiled is None or not compiled.layout_by_send):
         raise ValueError(
             f"capturable=True: normal mode ({protocol}) needs its Triton halves (engine 'triton' on a heap: "
             "transport 'shm', 'virtual' or 'cuda', workers=1)"
         )
 
 
-class OnHalves:
-    """What a normal-mode exchange tells `Buffer` of its compiled halves (`_compiled`, or None)."""
+class OnHalves(Exchange):
+    """A normal-mode exchange on a heap, answering the Buffer's questions from its compiled halves
+    (`_compiled`: numba or Triton, or None where the torch statement runs)."""
 
     _compiled = None
     engine = None
-
-    @property
-    def compiled_halves(self) -> bool:
-        """Whether each call half runs as one compiled function or kernel (else the torch statement)."""
-        return self._compiled is not None
 
     @property
     def halves(self) -> str:
@@ -77,13 +74,12 @@ class OnHalves:
     def layout_by_send(self) -> bool:
         """Whether the send half derives the layout from topk_idx and checks its values itself (the
         Triton halves), so that the Buffer reads none of them on the host (`SendPlan.layout_by_send`)."""
-        return getattr(self._compiled, "layout_by_send", False)
+        return self._compiled is not None and self._compiled.layout_by_send
 
     def check(self) -> None:
         """Capturable halves: raise the first error their status words recorded since the last check."""
-        check = getattr(self._compiled, "check", None)
-        if check is not None:
-            check()
+        if self._compiled is not None:
+            self._compiled.check()
 
 
 def run(heap: Heap, call: CallId, phase: str, half, *args) -> int:
@@ -118,6 +114,8 @@ class HeapHalves:
     """What every protocol on compiled halves keeps for one Buffer: the address table of its blocks,
     the ASLEEP words, the marks of peers to ring, and the wait budget of this host."""
 
+    layout_by_send = False  # the Buffer derives the layout on the host (only Triton halves do it in a kernel)
+
     def __init__(self, heap: Heap, blocks):
         self.t, self.blocks = heap, blocks
         self.me, self.R = heap.rank, heap.num_ranks
@@ -125,6 +123,9 @@ class HeapHalves:
         self.wake = np.zeros(self.R, dtype=np.uint8)  # peers a half found asleep, to ring
         self.budget = budget(self.R)  # every rank of a heap runs on this host
         self.members = heap.members_at()  # every rank's membership records, for a writer's check
+
+    def check(self) -> None:
+        """Nothing to raise later: a compiled half's error comes back with its call."""
 
     def sent(self, woken: int, phase: str) -> None:
         """After a send half that returned `woken` != 0: ring the peers it marked; if it stopped

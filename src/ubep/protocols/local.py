@@ -5,11 +5,11 @@ from __future__ import annotations
 import torch
 
 from ubep import reference
-from ubep.protocols.base import CallId, Received, SendPlan, Sizing
+from ubep.protocols.base import CallId, Exchange, Received, SendPlan, Sizing
 from ubep.results import DispatchHandle, RecvRoute
 
 
-class LocalExchange:
+class LocalExchange(Exchange):
     """Dispatch to and combine from this rank alone; no transport involved."""
 
     name = "local"

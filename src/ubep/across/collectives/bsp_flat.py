@@ -27,7 +27,7 @@ from ubep.deadlines import PeerPids, collective_deadline
 from ubep.errors import PeerDataError
 from ubep.faults import NO_FAULTS, FaultPoints
 from ubep.layout import destination_major, localize_for_destinations, prefix_offsets
-from ubep.protocols.base import DTYPE_CODES, CallId, Received, SendPlan, Sizing
+from ubep.protocols.base import DTYPE_CODES, CallId, Exchange, Received, SendPlan, Sizing
 from ubep.results import DispatchHandle, RecvRoute
 
 
@@ -37,10 +37,11 @@ def _as_bytes(t_nX: torch.Tensor) -> torch.Tensor:
     return t_nX.contiguous().view(torch.uint8).view(t_nX.shape[0], row_bytes)
 
 
-class BspDist:
+class BspDist(Exchange):
     """Dispatch/combine as all-to-all collectives on a process group."""
 
     name = "bsp"
+    across_hosts = "torch.distributed all-to-all collectives: the bulk-synchronous baseline"
 
     def __init__(
         self,

@@ -54,7 +54,16 @@ from ubep.layout import (
     token_in_rank,
 )
 from ubep.nodes import NodeMap, tokens_per_slot
-from ubep.protocols.base import CODE_DTYPES, CODE_RANGE, DTYPE_CODES, Received, SendPlan, Sizing, rows
+from ubep.protocols.base import (
+    CODE_DTYPES,
+    CODE_RANGE,
+    DTYPE_CODES,
+    Exchange,
+    Received,
+    SendPlan,
+    Sizing,
+    rows,
+)
 from ubep.results import DispatchHandle, RecvRoute
 from ubep.transport.base import Field, Header, Region
 from ubep.transport.shm import shm_heap
@@ -203,8 +212,10 @@ def columns(rows_SB: torch.Tensor, widths: list[tuple[torch.dtype, int]]) -> lis
     return out
 
 
-class HierExchange:
+class HierExchange(Exchange):
     """Hierarchical dispatch/combine for a group spanning several nodes of equal size."""
+
+    across_hosts = "rail all-to-all across nodes, pull/put on shared memory within a node"
 
     name = "hier"
 

@@ -30,7 +30,7 @@ from ubep.calls import CallId
 from ubep.deadlines import PeerPids, collective_deadline
 from ubep.engine import Engine
 from ubep.errors import PeerDataError
-from ubep.protocols.base import Sizing
+from ubep.protocols.base import LowLatencyExchange, Sizing
 from ubep.protocols.ll.plans import (
     LLCombinePlan,
     LLDispatchOut,
@@ -42,7 +42,7 @@ from ubep.protocols.ll.plans import (
 )
 
 
-class LLDist:
+class LLDist(LowLatencyExchange):
     """Low-latency halves as collectives on a process group."""
 
     name = "dist-ll"

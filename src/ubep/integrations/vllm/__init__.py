@@ -26,7 +26,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from ubep.buffer import PROTOCOLS
+from ubep import registry
 
 PLUGIN_NAME = "ubep"  # the entry point's name: what VLLM_PLUGINS selects
 SUPPORTED_VLLM = (0, 32)  # major, minor: the releases whose internals the plugin patches
@@ -46,8 +46,7 @@ class Settings:
     @classmethod
     def from_environ(cls, environ: Mapping[str, str]) -> Settings:
         protocol = environ.get("UBEP_VLLM_PROTOCOL", "ubep")
-        if protocol not in PROTOCOLS:
-            raise ValueError(f"UBEP_VLLM_PROTOCOL must be one of {PROTOCOLS}, got {protocol!r}")
+        registry.one_of("UBEP_VLLM_PROTOCOL", registry.PROTOCOLS, protocol, auto=False)
         timeout_s = _number(environ, "UBEP_VLLM_TIMEOUT_S", float, DEFAULT_TIMEOUT_S)
         max_tokens = _number(environ, "UBEP_VLLM_MAX_TOKENS", int, None)
         return cls(protocol=protocol, timeout_s=timeout_s, max_tokens=max_tokens)

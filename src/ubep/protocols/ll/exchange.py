@@ -47,7 +47,7 @@ from ubep.calls import CallId
 from ubep.engine import Engine
 from ubep.errors import PeerDataError
 from ubep.faults import NO_FAULTS, FaultPoints
-from ubep.protocols.base import Sizing
+from ubep.protocols.base import LowLatencyExchange, Sizing
 from ubep.protocols.ll import status as ll_status
 from ubep.protocols.ll.blocks import COMBINE, CONSUMED, DISPATCH, KINDS, SKIPPED, LLBlocks
 from ubep.protocols.ll.plans import (
@@ -67,7 +67,7 @@ from ubep.transport.base import Header, Region, Transport
 from ubep.waiting import rejected_input
 
 
-class LLExchange:
+class LLExchange(LowLatencyExchange):
     """Low-latency halves over a one-sided transport, with any engine."""
 
     name = "ubep-ll"

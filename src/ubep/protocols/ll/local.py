@@ -12,6 +12,7 @@ import torch
 
 from ubep.calls import CallId
 from ubep.engine import Engine
+from ubep.protocols.base import LowLatencyExchange
 from ubep.protocols.ll.plans import (
     LLCombinePlan,
     LLDispatchOut,
@@ -23,7 +24,7 @@ from ubep.protocols.ll.plans import (
 )
 
 
-class LLLocal:
+class LLLocal(LowLatencyExchange):
     """Low-latency halves for a group of one: this rank's rows to itself."""
 
     name = "local-ll"

@@ -12,14 +12,11 @@ L local experts, T capacity); P counts (token, expert) pairs, Q rows sent back.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 
 from ubep import fp8
-from ubep.calls import CallId
 from ubep.engine import Engine
 from ubep.engine.torch_engine import as_words
 from ubep.layout import ExpertPlacement, prefix_offsets
@@ -331,13 +328,3 @@ def reduce_rows(engine: Engine, plan: LLCombinePlan, y_NKB: torch.Tensor, out_NH
     """out = sum_k w[t, k] * y(t, k) over valid k (float32, k ascending), cast into out's dtype."""
     y_NKH = y_NKB.view(CODE_DTYPES[plan.code])  # [N, K, H]
     out_NH.copy_(engine.weighted_sum(y_NKH, plan.topk_weights_NK, plan.valid_NK))
-
-
-class LowLatencyExchange(Protocol):
-    """A transport's low-latency halves: each `*_send` sends now and returns the receive half."""
-
-    def dispatch_send(self, call: CallId, plan: LLDispatchPlan, out: LLDispatchOut) -> Callable[[], None]: ...
-
-    def combine_send(self, call: CallId, plan: LLCombinePlan, out_NH: torch.Tensor) -> Callable[[], None]: ...
-
-    def abort(self, call: CallId, kind: str) -> None: ...
