@@ -55,6 +55,7 @@ from ubep.layout import (
 )
 from ubep.nodes import NodeMap, tokens_per_slot
 from ubep.protocols.base import CODE_DTYPES, CODE_RANGE, DTYPE_CODES, Received, SendPlan, Sizing, rows
+from ubep.registry import HIER
 from ubep.results import DispatchHandle, RecvRoute
 from ubep.transport.base import Field, Header, Region
 from ubep.transport.shm import shm_heap
@@ -206,7 +207,7 @@ def columns(rows_SB: torch.Tensor, widths: list[tuple[torch.dtype, int]]) -> lis
 class HierExchange:
     """Hierarchical dispatch/combine for a group spanning several nodes of equal size."""
 
-    name = "hier"
+    name = HIER.name
 
     def __init__(self, info: GroupInfo, sizing: Sizing, timeout_s: float, engine: Engine):
         nodes = NodeMap(info.node_of_rank)
