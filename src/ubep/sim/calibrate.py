@@ -10,7 +10,7 @@ give its skew). Poll, prefix-sum, flag and sentinel costs are assumed, not fitte
                UBEP's EP64 reductions on CloudMatrix384, batch 8 and 128 -> window, o
                the scheduling ablation's first step (bsp -> balanced)     -> hot share
   held out     DeepEP low-latency EP16 and EP256; UBEP's EP64 reductions at batch 16-64
-               and all of EP128; the ablation's second step (balanced -> ubep) and its
+               and all of EP128; the ablation's second step (balanced -> distance) and its
                absolute times; the sync ablation; TensorRT-LLM NVL72 EP8; the paper's
                "24 -> 48 workers gave almost nothing".
 

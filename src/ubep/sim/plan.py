@@ -5,7 +5,7 @@ the fastest (dispatch + combine, at the largest batch), in this order:
 
   protocol  ubep, ubep-hier (node-level dedup; only where a slower port joins nodes), bsp
   sync      tff, dc, sp (stop-and-wait is the baseline, never advised)
-  policy    ubep (distance-aware) or balanced; on a one-tier fabric they tie (within 1%)
+  policy    distance (distance-aware) or balanced; on a one-tier fabric they tie (within 1%)
   workers   the fewest workers within 3% of the best (more only add contention)
 
 then predicts dispatch and combine for every batch and names the bottleneck of
