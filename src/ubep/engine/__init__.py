@@ -1,8 +1,9 @@
 """Engines: implementations of the kernel interface (`ubep.engine.base.Engine`).
 
 `choose_engine` picks one by name (`ubep.registry.ENGINES`) and says why, the way
-`ubep.group.choose_transport` does for transports: "auto" takes the compiled numba engine where numba imports
-and its kernels compile and check out on this host, else the portable torch engine.
+`ubep.group.choose_transport` does for transports: "auto" takes the compiled numba
+engine where numba imports and its kernels compile and check out on this host, else
+the portable torch engine.
 """
 
 from __future__ import annotations
