@@ -16,8 +16,9 @@ import pytest
 import torch
 
 from ubep import reference
-from ubep.engine import ENGINES, TorchEngine, choose_engine
+from ubep.engine import TorchEngine, choose_engine
 from ubep.engine.base import BlockIndexError
+from ubep.registry import ENGINES, choices
 
 ENGINE_NAMES = ["torch", "numba"]
 ROW_DTYPES = [torch.bfloat16, torch.float16, torch.float32]
@@ -379,7 +380,7 @@ def test_numba_kernels_release_the_gil():
 def test_choose_engine_names_and_reasons(monkeypatch):
     with pytest.raises(ValueError, match="engine must be one of"):
         choose_engine("fastest")
-    assert {"auto", "torch", "numba"} <= set(ENGINES)
+    assert {"auto", "torch", "numba"} <= set(choices(ENGINES))
     engine, reason = choose_engine("torch")
     assert engine.name == "torch" and reason == "requested"
     monkeypatch.setitem(sys.modules, "ubep.engine.numba_engine", None)  # as if numba were not installed

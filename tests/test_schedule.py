@@ -46,7 +46,7 @@ def test_hand_worked_case():
         }
     )
     counts = np.array([3, 1, 2, 2])
-    rp = schedule.plan_rank(counts, 0, topo, workers=2, row_bytes=100, policy="ubep")
+    rp = schedule.plan_rank(counts, 0, topo, workers=2, row_bytes=100, policy="distance")
     # Class totals 3, 1, 4 -> slices (2, 1), (0, 1) (extra rotated to worker 1), (2, 2).
     # Worker 0: rank 0 [0:2], rank 2 [0:2]; worker 1: rank 0 [2:3], rank 1 [0:1], rank 3 [0:2].
     # Slowest first: far (class 2) pieces before near ones.
@@ -54,7 +54,7 @@ def test_hand_worked_case():
     assert [(d, s.start, s.stop) for d, s, _ in rp.pieces(1)] == [(3, 0, 2), (1, 0, 1), (0, 2, 3)]
     assert [b for _, _, b in rp.pieces(1)] == [200, 100, 100]
     # The paper's remap: near-to-far 0,1,2,3 -> 0,2,1,3; 8 tokens cut 4 + 4.
-    rp = schedule.plan_rank(counts, 0, topo, workers=2, row_bytes=100, policy="ubep-paper")
+    rp = schedule.plan_rank(counts, 0, topo, workers=2, row_bytes=100, policy="distance-paper")
     assert [(d, s.start, s.stop) for d, s, _ in rp.pieces(0)] == [(2, 0, 1), (0, 0, 3)]
     assert [(d, s.start, s.stop) for d, s, _ in rp.pieces(1)] == [(3, 0, 2), (2, 1, 2), (1, 0, 1)]
 
@@ -73,7 +73,7 @@ def test_transpose_order_reads_the_matrix_column_major():
 
 
 @pytest.mark.parametrize("kind", ["uniform", "hot"])
-@pytest.mark.parametrize("policy", ["ubep", "ubep-paper", "balanced"])
+@pytest.mark.parametrize("policy", ["distance", "distance-paper", "balanced"])
 @pytest.mark.parametrize("workers", [7, 48])
 def test_worker_loads_differ_by_at_most_one_token(kind, policy, workers):
     sched = schedule.plan(_counts(kind), TOPO, workers=workers, row_bytes=1, policy=policy)
@@ -102,11 +102,11 @@ def test_every_token_is_sent_exactly_once(policy):
 
 @pytest.mark.parametrize("kind", ["uniform", "hot"])
 @pytest.mark.parametrize("workers", [7, 16, 48])
-def test_ubep_gives_every_worker_an_even_mix_of_distances(kind, workers):
-    # Within one token of even for "ubep"; "balanced" (ascending ranks) misses by far more
+def test_distance_gives_every_worker_an_even_mix_of_distances(kind, workers):
+    # Within one token of even for "distance"; "balanced" (ascending ranks) misses by far more
     # than one destination, which shows the check can fail.
     counts = _counts(kind)
-    for policy, bound in (("ubep", 1.0), ("balanced", None)):
+    for policy, bound in (("distance", 1.0), ("balanced", None)):
         sched = schedule.plan(counts, TOPO, workers=workers, row_bytes=1, policy=policy)
         worst_tokens, worst_dests = 0.0, 0.0
         for rp in sched.ranks:
@@ -133,3 +133,14 @@ def test_bsp_sends_whole_destinations_round_robin():
 def test_bad_policy_is_rejected():
     with pytest.raises(ValueError, match="policy"):
         schedule.plan_rank(np.ones(4, dtype=int), 0, TOPO, workers=2, row_bytes=1, policy="fast")
+
+
+@pytest.mark.parametrize("older,name", [("ubep", "distance"), ("ubep-paper", "distance-paper")])
+def test_the_older_names_plan_as_the_policies_they_name(older, name):
+    def pieces(policy: str) -> list[list[int]]:
+        sched = schedule.plan(_counts("hot"), TOPO, workers=7, row_bytes=3, policy=policy)
+        return [np.stack((rp.worker_I, rp.dest_I, rp.begin_I, rp.end_I)).tolist() for rp in sched.ranks]
+
+    assert schedule.plan(_counts("hot"), TOPO, workers=7, row_bytes=3, policy=older).policy == name
+    assert pieces(older) == pieces(name)
+    assert pieces(older) != pieces("balanced")  # the check can fail: another policy plans these otherwise

@@ -41,4 +41,4 @@ def test_a_far_only_worker_straggles_behind_a_mixed_one():
 
 def test_the_scheduling_ablation_keeps_the_papers_order():
     bars = {b.label: b.simulated for b in ablation.scheduling(CostParams(), ablation.FIT_HOT_SHARE)}
-    assert bars["bsp"] > bars["balanced"] > bars["ubep"]
+    assert bars["bsp"] > bars["balanced"] > bars["distance"]

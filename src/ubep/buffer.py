@@ -54,7 +54,7 @@ from ubep.results import (
     LowLatencyDispatchResult,
     LowLatencyHandle,
 )
-from ubep.schedule import POLICIES
+from ubep.schedule import DISTANCE, POLICIES
 from ubep.sizing import size_hint
 from ubep.stats import Stats, StatsOptions
 from ubep.timers import CallTimers
@@ -123,7 +123,8 @@ class Buffer:
         workers: threads per rank that move dispatch rows while the calling thread waits for
             the next source, following the token scheduler's slices (`ubep.schedule`); 1 is
             right when ranks outnumber cores.
-        schedule: the scheduler's policy for several workers ("ubep", "balanced", "bsp", ...).
+        schedule: the scheduler's policy for several workers ("distance", by fabric distance, the
+            default; "balanced", "bsp", ...: `ubep.schedule`; "ubep" is distance's older name).
         engine: the kernels that move and reduce rows: "auto" (default; the fastest that loads
             here), "torch", "numba" or "triton"; `explain()` says which runs and why.
         stats: record what every call does for `stats()` (default False; True, or a
@@ -162,7 +163,7 @@ class Buffer:
         low_latency: bool = True,
         faults: FaultPlan | None = None,
         workers: int = 1,
-        schedule: str = "ubep",
+        schedule: str = DISTANCE,
         engine: str | None = None,
         stats: bool | StatsOptions | None = None,
         ll_flag: str | None = None,

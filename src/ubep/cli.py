@@ -14,6 +14,7 @@ from importlib.metadata import version
 from ubep.bench.decode import add_parser as add_decode
 from ubep.bench.workload import ACROSS_SYSTEMS, ALL_SYSTEMS, DTYPES, SYSTEMS, BenchConfig
 from ubep.extras import require
+from ubep.registry import NUMBA
 from ubep.routing import ROUTINGS
 from ubep.schedule import POLICIES
 from ubep.sim.commands import add_parser as add_simulate
@@ -129,7 +130,7 @@ def add_bench(subparsers) -> None:
         "--schedule",
         choices=POLICIES,
         default=d.schedule,
-        help="the scheduler's policy with several workers (ubep, balanced, bsp, ...)",
+        help="the scheduler's policy with several workers (distance, balanced, bsp, ...)",
     )
     p.add_argument(
         "--placement",
@@ -371,7 +372,7 @@ def run_warm(args: argparse.Namespace) -> int:
     from ubep.factory import ready_engine
 
     start = time.perf_counter()
-    engine, _ = ready_engine("numba")  # every warm-up: both protocols, both modes
+    engine, _ = ready_engine(NUMBA.name)  # every warm-up: both protocols, both modes
     seconds, where = time.perf_counter() - start, cache_location().path
     print(f"ubep warm: kernels {engine.kernels_origin()}, cached in {where}, {seconds:.1f} s")
     return 0

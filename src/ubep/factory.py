@@ -18,6 +18,7 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
+from ubep import registry
 from ubep.across.collectives.bsp_flat import BspDist
 from ubep.across.collectives.bsp_hier import HierExchange
 from ubep.across.collectives.ll_flat import LLDist
@@ -39,6 +40,7 @@ from ubep.protocols.ll.plans import AFTER_DATA, IN_WORD
 from ubep.protocols.local import LocalExchange
 from ubep.protocols.ubep import UbepBlocks, UbepExchange
 from ubep.protocols.warmup import WARM_UPS, warm_up
+from ubep.schedule import DISTANCE
 from ubep.transport.base import Header, Region
 from ubep.transport.cuda import cuda_heap
 from ubep.transport.heap import Layout
@@ -50,19 +52,19 @@ from ubep.transport.virtual import virtual_heap
 class Options:
     """What a Buffer was asked for, once validated."""
 
-    transport: str  # as chosen: "local", "shm", "cuda", "virtual", "hier" or "dist"
-    protocol: str  # "ubep" or "bsp"
+    transport: str  # as chosen: a name of `ubep.registry.TRANSPORTS`
+    protocol: str  # a name of `ubep.registry.PROTOCOLS`
     low_latency: bool
     timeout_s: float
     workers: int = 1
-    schedule: str = "ubep"
+    schedule: str = DISTANCE  # a policy of `ubep.schedule`
     ll_flag: str = AFTER_DATA  # low-latency rows: "after-data" or "in-word" (the Triton halves only)
     capturable: bool = False  # Triton halves (both modes) that read nothing back on the host
-    fabric: str = "auto"  # how bytes reach other hosts (`ubep.across.fabric`): "auto", "gloo" or "nixl"
+    fabric: str = registry.AUTO  # how bytes reach other hosts: "auto" or a name of `ubep.registry.FABRICS`
 
 
 def ready_engine(
-    requested: str = "auto", warm_ups: Sequence[str] = WARM_UPS, deadline: float | None = None
+    requested: str = registry.AUTO, warm_ups: Sequence[str] = WARM_UPS, deadline: float | None = None
 ) -> tuple[Engine, str]:
     """`choose_engine`, with the compiled call halves of `warm_ups` (`ubep.protocols.warmup`) loaded
     or compiled, so that no call compiles while its peers wait; "auto" falls back to the torch engine,
@@ -75,26 +77,26 @@ def ready_engine(
 
 # What each protocol declares on a heap, and how it is built over one.
 HEAP_PROTOCOLS = {
-    "ubep": (
+    registry.UBEP.name: (
         UbepBlocks,
         lambda heap, engine, s, faults, o: UbepExchange(
             heap, engine, s, faults, workers=o.workers, policy=o.schedule, capturable=o.capturable
         ),
     ),
-    "bsp": (
+    registry.BSP.name: (
         BspBlocks,
         lambda heap, engine, s, faults, o: BspExchange(heap, engine, s, faults, capturable=o.capturable),
     ),
 }
-# Where a heap's memory lives: a host's shared segments, a virtual world's arenas, or each GPU's
-# symmetric memory (the headers of every protocol whose halves run as device kernels with it: those
-# kernels stamp and poll them there).
+# Where a heap's memory lives (each transport whose spec says `heap`): a host's shared segments, a
+# virtual world's arenas, or each GPU's symmetric memory (the headers of every protocol whose halves
+# run as device kernels with it: those kernels stamp and poll them there).
 HEAPS = {
-    "shm": lambda blocks, info, o, headers: shm_heap(
+    registry.SHM.name: lambda blocks, info, o, headers: shm_heap(
         blocks, info.group, info.rank, info.world_size, o.timeout_s
     ),
-    "virtual": lambda blocks, info, o, headers: virtual_heap(blocks, info.group, o.timeout_s),
-    "cuda": lambda blocks, info, o, headers: cuda_heap(
+    registry.VIRTUAL.name: lambda blocks, info, o, headers: virtual_heap(blocks, info.group, o.timeout_s),
+    registry.CUDA.name: lambda blocks, info, o, headers: cuda_heap(
         blocks,
         info.group if info.group is not None else dist.group.WORLD,
         info.rank,
@@ -105,11 +107,6 @@ HEAPS = {
     ),
 }
 DEVICE_HEADERS = ("ll.sent", "ll.returned")  # `LLBlocks`' headers
-# Normal-mode protocols whose halves run as Triton kernels (engine="triton"): their headers, on the device.
-NORMAL_DEVICE_HEADERS = {  # `UbepBlocks`' and `BspBlocks`' headers
-    "ubep": ("ubep.route", "ubep.data", "ubep.back"),
-    "bsp": ("bsp.counts", "bsp.staged", "bsp.back"),
-}
 
 
 def ubep_over_fabric(
@@ -118,7 +115,7 @@ def ubep_over_fabric(
     """UBEP across hosts on one fabric, both modes on its lanes (so a peer in a call of another kind is
     named): every peer over it (transport "dist"), or rails over it and a heap within each node
     ("hier"); low-latency mode reaches every peer. Collective to build."""
-    rail = rail_of(info) if o.transport == "hier" else None
+    rail = rail_of(info) if registry.TRANSPORTS[o.transport].hierarchical else None
     normal = fabric_lanes(sizing) if rail is None else hier_lanes(sizing, rail)
     lanes = normal + (ll_fabric_lanes(sizing) if o.low_latency else ())
     fabric, reason = open_fabric(o.fabric, info.group, info.rank, info.world_size, lanes, o.timeout_s)
@@ -134,15 +131,16 @@ def ubep_over_fabric(
 
 
 # Where memory is not addressable (across hosts): the normal-mode exchange of each transport and
-# protocol. ubep's messages go over a fabric, with no collective inside a call; bsp keeps the
-# torch.distributed collectives, the bulk-synchronous baseline.
+# protocol that does not go over a fabric (`ProtocolSpec.over_fabric`): bsp keeps the torch.distributed
+# collectives, the bulk-synchronous baseline.
 ACROSS_HOSTS = {
-    ("dist", "bsp"): lambda info, s, o, engine, faults: BspDist(
+    (registry.DIST.name, registry.BSP.name): lambda info, s, o, engine, faults: BspDist(
         info.group, info.rank, s, o.timeout_s, faults
     ),
-    ("hier", "bsp"): lambda info, s, o, engine, faults: HierExchange(info, s, o.timeout_s, engine),
+    (registry.HIER.name, registry.BSP.name): lambda info, s, o, engine, faults: HierExchange(
+        info, s, o.timeout_s, engine
+    ),
 }
-COLLECTIVES = ("dist", "hier")
 
 
 def heap_blocks(
@@ -154,7 +152,7 @@ def heap_blocks(
 
 
 def heap_bytes(
-    sizing: Sizing, protocol: str = "ubep", low_latency: bool = True, ll_flag: str = AFTER_DATA
+    sizing: Sizing, protocol: str = registry.UBEP.name, low_latency: bool = True, ll_flag: str = AFTER_DATA
 ) -> int:
     """Bytes of shared memory one rank maps for these options (the size of its segment)."""
     return Layout(sizing.num_ranks, heap_blocks(sizing, protocol, low_latency, ll_flag)).nbytes
@@ -165,20 +163,23 @@ def build(
 ) -> tuple[Exchange, LowLatencyExchange | None]:
     """(normal-mode exchange, low-latency exchange or None); collective over the group."""
     o = options
-    if (o.capturable or (o.low_latency and o.ll_flag != AFTER_DATA)) and o.transport not in HEAPS:
+    transport = registry.TRANSPORTS[o.transport]
+    if (o.capturable or (o.low_latency and o.ll_flag != AFTER_DATA)) and not transport.heap:
         raise ValueError(
             f"ll_flag={o.ll_flag!r}, capturable={o.capturable}: these need the Triton halves "
             f"on a heap (transport 'shm', 'virtual' or 'cuda'); this Buffer runs on {o.transport!r}"
         )
-    if o.transport == "local":
+    if o.transport == registry.LOCAL.name:
         return LocalExchange(sizing), LLLocal(engine) if o.low_latency else None
-    if o.protocol == "ubep" and o.transport in ("dist", "hier"):
+    if transport.crosses_hosts and registry.PROTOCOLS[o.protocol].over_fabric:
         return ubep_over_fabric(info, sizing, o, engine)
-    if o.transport in COLLECTIVES:  # low-latency mode takes the collective path too
+    if transport.crosses_hosts:  # low-latency mode takes the collective path too
         normal = ACROSS_HOSTS[o.transport, o.protocol](info, sizing, o, engine, faults)
         return normal, LLDist(info.group, info.rank, sizing, engine, o.timeout_s) if o.low_latency else None
     normal_headers = (
-        NORMAL_DEVICE_HEADERS.get(o.protocol, ()) if engine.name == "triton" and o.workers == 1 else ()
+        registry.PROTOCOLS[o.protocol].device_headers
+        if registry.ENGINES[engine.name].device_kernels and o.workers == 1
+        else ()
     )
     heap = HEAPS[o.transport](
         heap_blocks(sizing, o.protocol, o.low_latency, o.ll_flag), info, o, DEVICE_HEADERS + normal_headers

@@ -21,9 +21,9 @@ import torch.distributed as dist
 from ubep.deadlines import PeerPids, here
 from ubep.errors import ConfigMismatchError
 from ubep.nodes import NodeMap
+from ubep.registry import AUTO, CUDA, DIST, HIER, LOCAL, SHM, TRANSPORTS, VIRTUAL, one_of
 from ubep.transport.virtual import VirtualRank
 
-TRANSPORTS = ("auto", "shm", "cuda", "dist", "hier", "virtual")
 SHM_ARCHES = ("x86_64", "amd64")
 
 
@@ -166,42 +166,41 @@ def hier_supported(info: GroupInfo) -> tuple[bool, str]:
 
 def choose_transport(requested: str, info: GroupInfo) -> tuple[str, str]:
     """(transport, reason): 'local' for one rank, 'shm' within a host, 'hier' across hosts,
-    'dist' (flat collectives) where neither fits or when asked for."""
-    if requested not in TRANSPORTS:
-        raise ValueError(f"transport must be one of {TRANSPORTS}, got {requested!r}")
+    'dist' (flat collectives) where neither fits or when asked for (the names of `ubep.registry`)."""
+    one_of("transport", TRANSPORTS, requested)
     if info.world_size == 1:
-        return "local", "a group of one rank needs no transport"
+        return LOCAL.name, LOCAL.summary
     if isinstance(info.group, VirtualRank):
-        if requested not in ("auto", "virtual"):
-            raise ValueError(f"a virtual rank's group runs transport 'virtual', not {requested!r}")
-        return "virtual", f"{info.world_size} virtual ranks share this process's memory"
-    if requested == "virtual":
+        if requested not in (AUTO, VIRTUAL.name):
+            raise ValueError(f"a virtual rank's group runs transport {VIRTUAL.name!r}, not {requested!r}")
+        return VIRTUAL.name, f"{info.world_size} virtual ranks share this process's memory"
+    if requested == VIRTUAL.name:
         raise ValueError("transport='virtual' needs a VirtualRank as the group (see ubep.transport.virtual)")
-    if requested == "cuda" or (requested == "auto" and info.num_nodes == 1):
+    if requested == CUDA.name or (requested == AUTO and info.num_nodes == 1):
         cuda_ok, cuda_why = cuda_supported(info)
         if cuda_ok:
-            return "cuda", cuda_why
-        if requested == "cuda":
+            return CUDA.name, cuda_why
+        if requested == CUDA.name:
             raise ValueError(f"transport='cuda' is not available: {cuda_why}")
     ok, why = shm_supported()
-    if requested == "dist":
-        return "dist", "requested: torch.distributed collectives"
-    if requested == "hier" or (requested == "auto" and info.num_nodes > 1):
+    if requested == DIST.name:
+        return DIST.name, "requested: torch.distributed collectives"
+    if requested == HIER.name or (requested == AUTO and info.num_nodes > 1):
         hier_ok, hier_why = hier_supported(info)
         if hier_ok:
-            return "hier", hier_why
-        if requested == "hier":
+            return HIER.name, hier_why
+        if requested == HIER.name:
             raise ValueError(f"transport='hier' is not available: {hier_why}")
-        return "dist", f"the group spans {info.num_nodes} nodes and hier is unavailable ({hier_why})"
+        return DIST.name, f"the group spans {info.num_nodes} nodes and hier is unavailable ({hier_why})"
     if info.num_nodes > 1:
-        if requested == "shm":
+        if requested == SHM.name:
             raise ValueError(f"transport='shm' needs one host; the group spans {info.num_nodes} nodes")
-        return "dist", f"the group spans {info.num_nodes} nodes: torch.distributed carries the traffic"
+        return DIST.name, f"the group spans {info.num_nodes} nodes: torch.distributed carries the traffic"
     if not ok:
-        if requested == "shm":
+        if requested == SHM.name:
             raise ValueError(f"transport='shm' is not available: {why}")
-        return "dist", f"shared memory unavailable ({why})"
-    return "shm", f"all {info.world_size} ranks share this host and {why}"
+        return DIST.name, f"shared memory unavailable ({why})"
+    return SHM.name, f"all {info.world_size} ranks share this host and {why}"
 
 
 def torch_group(group) -> dist.ProcessGroup | None:

@@ -7,7 +7,7 @@ called and what it can do.
 
 The rest of the library asks a spec (`TRANSPORTS[name].crosses_hosts`, `ENGINES[name].compiled`)
 or compares with a spec's `name`; no other module spells a protocol, transport, engine or fabric
-name as a string (tests/tools/test_registry.py holds that rule). What each one is built from
+name as a string (tests/test_registry.py holds that rule). What each one is built from
 stays with the layer that builds it (`ubep.factory`, `ubep.engine`, `ubep.across.fabric`): this
 module imports nothing of ubep, so every layer may read it.
 """
@@ -28,6 +28,9 @@ class ProtocolSpec:
     summary: str
     # headers its Triton halves stamp and poll in device memory (`ubep.protocols.<name>.blocks`)
     device_headers: tuple[str, ...]
+    # across hosts its messages go over a fabric, with no collective inside a call (`ubep.across`);
+    # else it runs on torch.distributed's collectives there (`ubep.across.collectives`)
+    over_fabric: bool = False
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -69,6 +72,7 @@ UBEP = ProtocolSpec(
     name="ubep",
     summary="asynchronous, data as flag: no barrier, each source used as it lands",
     device_headers=("ubep.route", "ubep.data", "ubep.back"),
+    over_fabric=True,
 )
 BSP = ProtocolSpec(
     name="bsp",

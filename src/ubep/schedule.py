@@ -6,21 +6,25 @@ group is d's ascending token list (`layout.tokens_for_rank`). A *piece* is a
 contiguous slice [begin, end) of one destination's group, sent by one worker.
 
 Policies (the scheduling ablation of the UBEP paper):
-  "ubep"      (a) the send list sorted near to far (by distance class), viewed as a
+  "distance"  (a) the send list sorted near to far (by distance class), viewed as a
               class x worker matrix of slices and read column-major: each class's
               tokens are cut into W equal slices and worker w takes the w-th slice
               of every class; (b) the slice boundaries come from a prefix-sum search,
               remainders rotate across classes so loads differ by at most one token;
               (c) each worker's pieces ordered slowest first by the shared cost model.
               Every worker's share of every class is within one token of even, under
-              any skew (see "ubep-paper" for why we transpose tokens, not destinations).
-  "ubep-paper" the paper's literal remap: destinations near to far, written row-major
+              any skew (see "distance-paper" for why we transpose tokens, not destinations).
+  "distance-paper" the paper's literal remap: destinations near to far, written row-major
               into a [ceil(D / W), W] matrix and read column-major, then the send list
               cut into W equal slices, then (c). With skew, one hot destination can fill
               a whole slice, and that worker gets no share of the far classes.
   "balanced"  (b) only: destinations in ascending rank order, pieces in list order.
   "bsp"       whole destinations dealt round-robin to workers in the baseline's
               rotation order (me+1, me+2, ...), as barrier-phased libraries do.
+
+"ubep" and "ubep-paper" are the older names of "distance" and "distance-paper" (from when the
+policy shared the protocol's name): still accepted, they mean the same (`OLDER_NAMES`, mapped
+once, by `policy_name`).
 
 Worked example (docs/topology.md has it step by step): rank 0 of 4 ranks, 2
 workers, counts [3, 1, 2, 2] to ranks 0..3 at classes [0, 1, 2, 2]. Class token
@@ -41,9 +45,21 @@ import torch
 
 from ubep.costmodel import CostParams, message_us
 from ubep.layout import ExpertPlacement, token_in_rank
+from ubep.registry import BSP
 from ubep.topology import Topology
 
-POLICIES = ("ubep", "ubep-paper", "balanced", "bsp")
+DISTANCE, DISTANCE_PAPER, BALANCED = "distance", "distance-paper", "balanced"
+BASELINE = BSP.name  # the bsp protocol's own order, as a policy
+NAMES = (DISTANCE, DISTANCE_PAPER, BALANCED, BASELINE)  # each policy, by its name
+OLDER_NAMES = {"ubep": DISTANCE, "ubep-paper": DISTANCE_PAPER}  # still accepted, meaning the same
+POLICIES = NAMES + tuple(OLDER_NAMES)  # every name a caller may pass
+
+
+def policy_name(policy: str) -> str:
+    """The policy's name (`NAMES`) for any name a caller may pass (`POLICIES`); ValueError otherwise."""
+    if policy not in POLICIES:
+        raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
+    return OLDER_NAMES.get(policy, policy)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -149,12 +165,12 @@ def _token_pieces(counts_R: np.ndarray, rank: int, topo: Topology, workers: int,
     R = counts_R.size
     dests = np.flatnonzero(counts_R)
     cls = topo.distance_class(rank, dests)
-    if policy == "ubep":
+    if policy == DISTANCE:
         dests = near_to_far(dests, cls, rank, R)
         class_tokens_C = np.bincount(topo.distance_class(rank, dests), counts_R[dests], topo.num_classes)
         bounds = class_bounds(class_tokens_C.astype(np.int64), workers)
     else:
-        if policy == "ubep-paper":
+        if policy == DISTANCE_PAPER:
             dests = transpose_order(dests, cls, rank, R, workers)
         bounds = equal_bounds(int(counts_R.sum()), workers)
     slot_I, dpos_I, begin_I, end_I = partition(counts_R[dests], bounds)
@@ -179,21 +195,20 @@ def plan_rank(
     *,
     workers: int,
     row_bytes: int,
-    policy: str = "ubep",
+    policy: str = DISTANCE,
     params: CostParams | None = None,
 ) -> RankPlan:
     """The pieces of one rank, given the tokens it sends to each rank (`counts_R`, int [R])."""
-    if policy not in POLICIES:
-        raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
+    policy = policy_name(policy)
     if workers < 1:
         raise ValueError(f"workers must be >= 1, got {workers}")
     counts_R = np.asarray(counts_R, dtype=np.int64)
-    if policy == "bsp":
+    if policy == BASELINE:
         worker_I, dest_I, begin_I, end_I = _bsp_pieces(counts_R, rank, workers)
     else:
         worker_I, dest_I, begin_I, end_I = _token_pieces(counts_R, rank, topo, workers, policy)
     bytes_I = (end_I - begin_I) * row_bytes
-    if policy.startswith("ubep"):  # (c) slowest transfer first within each worker
+    if policy in (DISTANCE, DISTANCE_PAPER):  # (c) slowest transfer first within each worker
         cost_I = message_us(topo, params or CostParams(), topo.distance_class(rank, dest_I), bytes_I)
         order = np.lexsort((-cost_I, worker_I))
         worker_I, dest_I, begin_I, end_I, bytes_I = (
@@ -216,7 +231,7 @@ def plan(
     *,
     workers: int,
     row_bytes: int,
-    policy: str = "ubep",
+    policy: str = DISTANCE,
     params: CostParams | None = None,
 ) -> Schedule:
     """Every rank's pieces from the send-count matrix (int [R, R], row = sender)."""
@@ -224,7 +239,7 @@ def plan(
         plan_rank(row, s, topo, workers=workers, row_bytes=row_bytes, policy=policy, params=params)
         for s, row in enumerate(np.asarray(counts_RR))
     )
-    return Schedule(policy=policy, num_workers=workers, row_bytes=row_bytes, ranks=ranks)
+    return Schedule(policy=policy_name(policy), num_workers=workers, row_bytes=row_bytes, ranks=ranks)
 
 
 def build(
@@ -234,7 +249,7 @@ def build(
     *,
     workers: int,
     row_bytes: int,
-    policy: str = "ubep",
+    policy: str = DISTANCE,
     params: CostParams | None = None,
 ) -> Schedule:
     """The dispatch schedule from every rank's routing (`topk_idx[s]` is rank s's [N, K])."""

@@ -24,11 +24,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ubep import validate
-from ubep.across.fabric import FABRICS
-from ubep.engine import ENGINES
-from ubep.factory import HEAP_PROTOCOLS
-from ubep.group import TRANSPORTS
 from ubep.protocols.ll.plans import FLAGS
+from ubep.registry import AUTO, ENGINES, FABRICS, PROTOCOLS, TRANSPORTS, UBEP, choices
 
 LOGGER = "ubep"  # the name of the library's logger: logging.getLogger("ubep")
 LOG_LEVEL_VARIABLE = "UBEP_LOG_LEVEL"
@@ -71,16 +68,17 @@ def _one_of(choices: tuple[str, ...]) -> Callable[[str], str]:
     return parse
 
 
-# name -> (environment variable, its parser, the default when neither is given)
+# name -> (environment variable, its parser, the default when neither is given); the names of
+# transports, protocols, engines and fabrics are `ubep.registry`'s
 BUFFER_SETTINGS: dict[str, tuple[str, Callable[[str], Any], Any]] = {
-    "transport": ("UBEP_TRANSPORT", _one_of(TRANSPORTS), "auto"),
-    "protocol": ("UBEP_PROTOCOL", _one_of(tuple(HEAP_PROTOCOLS)), "ubep"),
+    "transport": ("UBEP_TRANSPORT", _one_of(choices(TRANSPORTS)), AUTO),
+    "protocol": ("UBEP_PROTOCOL", _one_of(choices(PROTOCOLS, auto=False)), UBEP.name),
     "timeout_s": ("UBEP_TIMEOUT_S", _seconds, 30.0),
-    "engine": ("UBEP_ENGINE", _one_of(ENGINES), "auto"),
+    "engine": ("UBEP_ENGINE", _one_of(choices(ENGINES)), AUTO),
     "stats": ("UBEP_STATS", _flag, False),
     "ll_flag": ("UBEP_LL_FLAG", _one_of(FLAGS), FLAGS[0]),
     "capturable": ("UBEP_CAPTURABLE", _flag, False),
-    "fabric": ("UBEP_FABRIC", _one_of(FABRICS), "auto"),
+    "fabric": ("UBEP_FABRIC", _one_of(choices(FABRICS)), AUTO),
     "call_timers": ("UBEP_CALL_TIMERS", _flag, False),
 }
 

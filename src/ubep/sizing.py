@@ -22,6 +22,7 @@ from ubep.across.collectives.bsp_hier import HierBlocks
 from ubep.factory import heap_bytes
 from ubep.layout import ExpertPlacement
 from ubep.protocols.base import Sizing
+from ubep.registry import PROTOCOLS, UBEP, one_of
 from ubep.transport.heap import Layout
 
 
@@ -42,7 +43,7 @@ def size_hint(
     num_experts: int,
     max_tokens_per_rank: int,
     num_ranks: int,
-    protocol: str = "ubep",
+    protocol: str = UBEP.name,
     max_topk: int = 16,
     low_latency: bool = True,
     expert_placement: list[int] | torch.Tensor | None = None,
@@ -62,8 +63,7 @@ def size_hint(
         ("num_nodes", num_nodes),
     ):
         validate.positive(name, value)
-    if protocol not in ("ubep", "bsp"):
-        raise ValueError(f"protocol must be 'ubep' or 'bsp', got {protocol!r}")
+    one_of("protocol", PROTOCOLS, protocol, auto=False)
     if num_ranks % num_nodes:
         raise ValueError(f"num_ranks ({num_ranks}) must be a multiple of num_nodes ({num_nodes})")
     placement = (

@@ -38,6 +38,7 @@ from ubep.engine import Engine
 from ubep.errors import PeerDataError, UbepError
 from ubep.layout import destination_major, localize_for_destinations
 from ubep.protocols.base import DTYPE_CODES, Exchange, Received, SendPlan, Sizing
+from ubep.registry import UBEP
 from ubep.results import DispatchHandle, RecvRoute
 from ubep.waiting import blame_of
 
@@ -61,7 +62,7 @@ def meta_bytes(K: int) -> int:
 class UbepFabric(Exchange):
     """UBEP dispatch/combine with every peer over a fabric."""
 
-    name = "ubep"
+    name = UBEP.name
 
     def __init__(self, fabric: Fabric, engine: Engine, sizing: Sizing, reason: str = ""):
         self.fabric, self.engine, self.sizing = fabric, engine, sizing

@@ -33,9 +33,10 @@ import torch.distributed as dist
 
 from ubep.extras import install_hint, require
 from ubep.launcher import LocalLaunch
+from ubep.registry import BSP, UBEP
 
 # system name -> transformers EP implementation name
-SYSTEMS = {"ubep": "ubep", "ubep-ll": "ubep_low_latency", "bsp": "ubep_bsp", "all_to_all": "all_to_all"}
+SYSTEMS = {UBEP.name: "ubep", "ubep-ll": "ubep_low_latency", BSP.name: "ubep_bsp", "all_to_all": "all_to_all"}
 
 
 @dataclass(kw_only=True, slots=True)

@@ -25,11 +25,12 @@ import torch.distributed as dist
 import ubep
 from ubep import reference
 from ubep.bench.turns import Calls
-from ubep.bench.workload import PLACED_SYSTEMS, BenchConfig, Workload
+from ubep.bench.workload import PLACED_SYSTEMS, UBEP_ROW, BenchConfig, Workload
 from ubep.placement import CopyMap, Distances, Placement, PlacementStats, balance, eplb, measure
+from ubep.registry import HIER, SHM
 
 PLACEMENTS = ("none", "eplb", "eplb-global", "ubep")
-SYSTEM_OF = {"none": "ubep", **{p: f"ubep+{p}" for p in ("eplb", "eplb-global")}, "ubep": PLACED_SYSTEMS[2]}
+SYSTEM_OF = {"none": UBEP_ROW, **{p: f"ubep+{p}" for p in ("eplb", "eplb-global")}, "ubep": PLACED_SYSTEMS[2]}
 EPLB_GROUPS = 8  # DeepSeek-V3's expert groups (256 experts in 8), the unit EPLB packs onto nodes
 REDUNDANT_SHARE = 8  # default redundant slots: E / 8 (DeepSeek-V3's 32 for 256), rounded up to R
 
@@ -52,7 +53,7 @@ def distances(cfg: BenchConfig) -> Distances:
 def placement_for(system: str, cfg: BenchConfig, work: Workload) -> Placement:
     """The placement a row runs, from the batch's pairs per source rank and expert."""
     R, E = cfg.ranks, cfg.experts
-    if system == "ubep":
+    if system == UBEP_ROW:
         return Placement.identity(E, R)
     load_RE = torch.stack([torch.bincount(i[i >= 0], minlength=E) for i in work.topk_idx]).double()
     L = (E + redundant(cfg)) // R
@@ -72,7 +73,7 @@ def copy_map(system: str, p: Placement, rank: int, cfg: BenchConfig) -> CopyMap:
 def stats(cfg: BenchConfig, work: Workload) -> dict[str, PlacementStats]:
     """Every row's rank loads and node crossings on this batch (the plain row included)."""
     out = {}
-    for system in ("ubep", *systems(cfg)):
+    for system in (UBEP_ROW, *systems(cfg)):
         p = placement_for(system, cfg, work)
         out[system] = measure(
             p, work.topk_idx, distances(cfg), cfg.hidden, work.xs[0].dtype, nearest=system == "ubep+placed"
@@ -91,7 +92,7 @@ def open_placed(name: str, cfg: BenchConfig, work: Workload, tokens: int, stack:
             num_experts=p.num_physical,
             max_tokens_per_rank=max(tokens, 1),
             max_topk=cfg.topk,
-            transport="hier" if cfg.nodes > 1 else "shm",
+            transport=HIER.name if cfg.nodes > 1 else SHM.name,
             timeout_s=cfg.timeout_s,
             **({"workers": cfg.workers, "schedule": cfg.schedule} if cfg.nodes == 1 else {}),
         )

@@ -26,8 +26,9 @@ from rich.table import Table
 
 import ubep
 from ubep.bench.torch_systems import BUFFER_SYSTEMS
-from ubep.bench.workload import BenchConfig, build
+from ubep.bench.workload import UBEP_ROW, BenchConfig, build
 from ubep.launcher import LocalLaunch
+from ubep.registry import NIXL
 from ubep.timers import BLOCKS, COUNTS, TIMED_KINDS
 
 # what each of the timers' counts is called in the table
@@ -61,7 +62,7 @@ def category(func: tuple[str, int, str]) -> str:
 def _buffer(cfg: BenchConfig, tokens: int, name: str, call_timers: bool) -> ubep.Buffer:
     """The Buffer of row `name` (a `BUFFER_SYSTEMS` key) for `tokens` tokens per rank."""
     system = BUFFER_SYSTEMS[name]
-    if system.fabric == "nixl":
+    if system.fabric == NIXL.name:
         os.environ.setdefault("UCX_TLS", "tcp")  # as the bench's row (torch_systems.measure_rank)
         os.environ.setdefault("UCX_MODULES", "^efa")
     return ubep.Buffer(
@@ -143,7 +144,7 @@ def timer_table(per_rank: list[dict], title: str) -> Table:
 
 def run_profile(cfg: BenchConfig, tokens: int) -> None:
     """Profile the first Buffer row of cfg.systems on every rank (emulated nodes where cfg.nodes > 1)."""
-    name = next((s for s in cfg.systems if s in BUFFER_SYSTEMS), "ubep")
+    name = next((s for s in cfg.systems if s in BUFFER_SYSTEMS), UBEP_ROW)
     calls = max(cfg.iters, 5)
     launch = LocalLaunch(
         world_size=cfg.ranks, timeout_s=cfg.timeout_s * 4, ranks_per_node=cfg.ranks // cfg.nodes

@@ -17,6 +17,7 @@ from rich.table import Table
 import ubep
 from ubep.bench.ratio import LEVEL, paired_ratio
 from ubep.bench.timing import Stats
+from ubep.bench.workload import UBEP_ROW
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,7 +81,7 @@ def with_ratios(rows: list[Row]) -> list[Row]:
     out = []
     for row in rows:
         peers = {r.system: r for r in rows if r.tokens_per_rank == row.tokens_per_rank and r.mode == row.mode}
-        ubep_row, hier_row, floor = peers.get("ubep"), peers.get("hier-bsp"), peers.get("memcpy-floor")
+        ubep_row, hier_row, floor = peers.get(UBEP_ROW), peers.get("hier-bsp"), peers.get("memcpy-floor")
         if ubep_row is not None:
             vs = paired_ratio(row.rounds_us, ubep_row.rounds_us)
             row = replace(row, vs_ubep=vs.point, vs_ubep_ci95=(vs.low, vs.high))

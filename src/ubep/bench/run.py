@@ -26,7 +26,7 @@ from ubep.bench.hosts import HostsGroup
 from ubep.bench.timing import latencies_us
 from ubep.bench.torch_systems import measure_rank
 from ubep.bench.turns import Conductor, Samples, round_order
-from ubep.bench.workload import BenchConfig, build
+from ubep.bench.workload import UBEP_ROW, BenchConfig, build
 from ubep.extras import install_hint
 from ubep.factory import ready_engine
 from ubep.launcher import LocalLaunch
@@ -51,7 +51,7 @@ def boundary_per_rank(cfg: BenchConfig, tokens: int) -> dict[str, float]:
         return (sum(got[f"dispatch_bytes_{kind}"]) + sum(got[f"combine_bytes_{kind}"])) / cfg.ranks
 
     dedup = mean("dedup")  # the hierarchical rows: a token crosses once per remote node
-    return {"ubep": dedup, "ubep-nixl": dedup, "hier-bsp": dedup, "bsp-gloo": mean("flat")}
+    return {UBEP_ROW: dedup, "ubep-nixl": dedup, "hier-bsp": dedup, "bsp-gloo": mean("flat")}
 
 
 def select_systems(cfg: BenchConfig, mpi: tuple[bool, str]) -> tuple[tuple[str, ...], list[str]]:
@@ -85,8 +85,8 @@ def select_systems(cfg: BenchConfig, mpi: tuple[bool, str]) -> tuple[tuple[str, 
                 f"ll mode: no {', '.join(unsupported)} row (low-latency mode is ubep's protocol on "
                 "shared memory, or the collective path, shown as bsp-gloo)"
             )
-    if cfg.stats_path and "ubep" in systems:  # beside ubep, in the same rounds: the overhead A/B
-        systems.insert(systems.index("ubep") + 1, "ubep-stats")
+    if cfg.stats_path and UBEP_ROW in systems:  # beside ubep, in the same rounds: the overhead A/B
+        systems.insert(systems.index(UBEP_ROW) + 1, "ubep-stats")
     if "mpi" in systems and not mpi[0]:
         systems.remove("mpi")
         notes.append(f"mpi row skipped: {mpi[1]}")
@@ -106,7 +106,7 @@ def plan(cfg: BenchConfig) -> tuple[tuple[str, ...], list[str]]:
     """The systems to run and the notes for the report; compiles (or loads) the kernels once,
     here, before any rank starts."""
     systems, notes = select_systems(cfg, mpi_system.available() if "mpi" in cfg.systems else (True, ""))
-    if placed.systems(cfg) and cfg.mode == "normal" and "ubep" in systems:
+    if placed.systems(cfg) and cfg.mode == "normal" and UBEP_ROW in systems:
         systems += placed.systems(cfg)
     elif placed.systems(cfg):
         notes.append("--placement rows need normal mode and the ubep row: none run")
@@ -214,7 +214,7 @@ def measure(
         per_rank = {
             s: x.cross_node_bytes / cfg.ranks for s, x in placed.stats(cfg, build(cfg, tokens)).items()
         }
-        crossing |= {s: b for s, b in per_rank.items() if s != "ubep"}
+        crossing |= {s: b for s, b in per_rank.items() if s != UBEP_ROW}
     rows = []
     for system in systems:
         d, c = (latencies_us(*timings[system][op])[cfg.warmup :] for op in ("dispatch", "combine"))

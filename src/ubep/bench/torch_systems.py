@@ -25,7 +25,8 @@ from ubep import reference
 from ubep.bench import placed
 from ubep.bench.timing import LEAD_S
 from ubep.bench.turns import Calls, Samples, Turns, take_turns
-from ubep.bench.workload import PLACED_SYSTEMS, BenchConfig, Workload, build, expected_combine
+from ubep.bench.workload import PLACED_SYSTEMS, UBEP_ROW, BenchConfig, Workload, build, expected_combine
+from ubep.registry import BSP, DIST, HIER, NIXL, SHM, UBEP
 
 
 class BufferSystem(NamedTuple):
@@ -38,15 +39,15 @@ class BufferSystem(NamedTuple):
 
 
 BUFFER_SYSTEMS = {
-    "ubep": BufferSystem("ubep", "shm", "hier"),  # across nodes: rails over the fabric, no collective
-    "ubep-stats": BufferSystem("ubep", "shm", "hier"),
-    "ubep-nixl": BufferSystem("ubep", "hier", "hier", "nixl"),
-    "hier-bsp": BufferSystem("bsp", "hier", "hier"),  # rail all-to-alls: the collective path
-    "bsp-shm": BufferSystem("bsp", "shm", "shm"),
-    "bsp-gloo": BufferSystem("bsp", "dist", "dist"),  # the flat gloo all-to-all
+    UBEP_ROW: BufferSystem(UBEP.name, SHM.name, HIER.name),  # across nodes: rails over the fabric
+    "ubep-stats": BufferSystem(UBEP.name, SHM.name, HIER.name),
+    "ubep-nixl": BufferSystem(UBEP.name, HIER.name, HIER.name, NIXL.name),
+    "hier-bsp": BufferSystem(BSP.name, HIER.name, HIER.name),  # rail all-to-alls: the collective path
+    "bsp-shm": BufferSystem(BSP.name, SHM.name, SHM.name),
+    "bsp-gloo": BufferSystem(BSP.name, DIST.name, DIST.name),  # the flat gloo all-to-all
 }
 # Low-latency mode exists as the ubep protocol on shared memory and as the collective path.
-LL_SYSTEMS = {"ubep": "shm", "ubep-stats": "shm", "bsp-gloo": "dist"}
+LL_SYSTEMS = {UBEP_ROW: SHM.name, "ubep-stats": SHM.name, "bsp-gloo": DIST.name}
 STATS_SYSTEM = "ubep-stats"
 
 
@@ -95,7 +96,7 @@ def open_buffer(
     transport = system.across if cfg.nodes > 1 else system.transport
     scheduling = (
         {"workers": cfg.workers, "schedule": cfg.schedule}
-        if transport == "shm" and name.startswith("ubep")
+        if transport == SHM.name and system.protocol == UBEP.name
         else {}
     )
     x, idx, w = work.xs[me], work.topk_idx[me], work.topk_weights[me]

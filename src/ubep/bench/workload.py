@@ -12,9 +12,12 @@ from dataclasses import asdict, dataclass
 import torch
 
 from ubep import reference, routing
+from ubep.registry import UBEP
+from ubep.schedule import DISTANCE
 
-SYSTEMS = ("ubep", "bsp-shm", "bsp-gloo", "mpi", "memcpy-floor")  # the default on one host
-ACROSS_SYSTEMS = ("ubep", "ubep-nixl", "hier-bsp", "bsp-gloo")  # rows across nodes (the default there)
+UBEP_ROW = UBEP.name  # the ubep protocol's row: shared memory (across nodes, the hierarchical transport)
+SYSTEMS = (UBEP_ROW, "bsp-shm", "bsp-gloo", "mpi", "memcpy-floor")  # the default on one host
+ACROSS_SYSTEMS = (UBEP_ROW, "ubep-nixl", "hier-bsp", "bsp-gloo")  # rows across nodes (the default there)
 ALL_SYSTEMS = (*SYSTEMS, *ACROSS_SYSTEMS[1:3])
 PLACED_SYSTEMS = ("ubep+eplb", "ubep+eplb-global", "ubep+placed")  # experts placed: bench.placed
 ROWS = (*ALL_SYSTEMS, "ubep-stats", *PLACED_SYSTEMS)  # every row a run can have ("ubep-stats": --stats)
@@ -40,7 +43,7 @@ class BenchConfig:
     seed: int = 0
     timeout_s: float = 120.0
     workers: int = 1  # put workers per rank for the ubep row (see ubep.schedule)
-    schedule: str = "ubep"  # the scheduler's policy when workers > 1
+    schedule: str = DISTANCE  # the scheduler's policy when workers > 1
     nodes: int = 1  # emulated nodes: ranks are split evenly; traffic between them uses torch.distributed
     namespaces: bool = False  # the nodes are network namespace hosts (bench.hosts), not emulated
     stats_path: str = ""  # set: add the row "ubep-stats" (ubep recording stats), its merged snapshot here

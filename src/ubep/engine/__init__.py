@@ -1,8 +1,9 @@
 """Engines: implementations of the kernel interface (`ubep.engine.base.Engine`).
 
-`choose_engine` picks one by name and says why, the way `ubep.group.choose_transport`
-does for transports: "auto" takes the compiled numba engine where numba imports
-and its kernels compile and check out on this host, else the portable torch engine.
+`choose_engine` picks one by name (`ubep.registry.ENGINES`) and says why, the way
+`ubep.group.choose_transport` does for transports: "auto" takes the compiled numba
+engine where numba imports and its kernels compile and check out on this host, else
+the portable torch engine.
 """
 
 from __future__ import annotations
@@ -12,12 +13,11 @@ from collections.abc import Callable, Mapping
 from ubep.engine.base import Engine
 from ubep.engine.torch_engine import TorchEngine
 from ubep.errors import CompileWaitTimeoutError
-
-ENGINES = ("auto", "torch", "numba", "triton")
+from ubep.registry import AUTO, ENGINES, NUMBA, TORCH, TRITON, one_of
 
 
 def choose_engine(
-    requested: str = "auto",
+    requested: str = AUTO,
     deadline: float | None = None,
     halves: Mapping[str, Callable[[Engine], None]] | None = None,
 ) -> tuple[Engine, str]:
@@ -30,19 +30,18 @@ def choose_engine(
     another process's compile that shows no progress raises CompileWaitTimeoutError whatever was
     requested.
     """
-    if requested not in ENGINES:
-        raise ValueError(f"engine must be one of {ENGINES}, got {requested!r}")
-    if requested == "triton":  # imported here: triton is optional, and on CPU needs TRITON_INTERPRET=1
+    one_of("engine", ENGINES, requested)
+    if requested == TRITON.name:  # imported here: triton is optional, and on CPU needs TRITON_INTERPRET=1
         from ubep.engine.triton_engine import TritonEngine
 
         engine = TritonEngine()  # ValueError saying why where it cannot run
         return engine, f"requested: {engine.reason}"
-    if requested == "torch":
+    if requested == TORCH.name:
         return TorchEngine(), "requested"
     try:
         from ubep.engine.numba_engine import NumbaEngine
     except ImportError as e:
-        if requested == "numba":
+        if requested == NUMBA.name:
             raise ImportError(
                 "engine='numba' needs numba (the 'fast' extra: pip install '.[fast]' in ubep's clone)"
             ) from e
@@ -53,10 +52,10 @@ def choose_engine(
     except CompileWaitTimeoutError:
         raise
     except Exception as e:  # a numba or LLVM failure on this host: any of them means "use torch"
-        if requested == "numba":
+        if requested == NUMBA.name:
             raise
         return TorchEngine(), f"numba kernels failed to compile or check ({type(e).__name__}: {e})"
-    return engine, f"{'requested' if requested == 'numba' else 'compiled kernels'} ({cached})"
+    return engine, f"{'requested' if requested == NUMBA.name else 'compiled kernels'} ({cached})"
 
 
-__all__ = ["ENGINES", "Engine", "TorchEngine", "choose_engine"]
+__all__ = ["Engine", "TorchEngine", "choose_engine"]

@@ -27,6 +27,7 @@ from ubep.engine import compile_once
 from ubep.engine import numba_kernels as kernels
 from ubep.engine.base import BlockIndexError, Engine
 from ubep.engine.torch_engine import TorchEngine
+from ubep.registry import NUMBA
 
 BITS = {torch.bfloat16: torch.uint16, torch.float16: torch.int16}  # numba has no 16-bit floats
 ROW_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -107,7 +108,7 @@ def _concatenated(indices: Sequence[torch.Tensor]) -> tuple[np.ndarray, np.ndarr
 class NumbaEngine(Engine):
     """Kernels compiled by numba; see `ubep.engine.base.Engine` for the contract of each."""
 
-    name = "numba"
+    name = NUMBA.name
 
     def __init__(self) -> None:
         self.fallback = TorchEngine()

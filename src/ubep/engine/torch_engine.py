@@ -11,6 +11,7 @@ import torch
 
 from ubep import reference
 from ubep.engine.base import PerBlock
+from ubep.registry import TORCH
 
 WORD_DTYPES = (torch.int64, torch.int32, torch.int16, torch.uint8)
 
@@ -33,7 +34,7 @@ def as_words(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
 class TorchEngine(PerBlock):
     """Kernels as torch ops; see `ubep.engine.base.Engine` for the contract of each."""
 
-    name = "torch"
+    name = TORCH.name
 
     def copy_rows(
         self,

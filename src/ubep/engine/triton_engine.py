@@ -26,6 +26,7 @@ import torch
 
 from ubep.engine.base import PerBlock
 from ubep.engine.torch_engine import as_words
+from ubep.registry import TRITON
 
 COPY_BLOCK = 1024  # words per program of a row copy
 SUM_BLOCK = 512  # float32 columns per program of a reduction
@@ -80,7 +81,7 @@ def _index(index_n: torch.Tensor | None, like: torch.Tensor) -> tuple[torch.Tens
 class TritonEngine(PerBlock):
     """Kernels as Triton programs; see `ubep.engine.base.Engine` for the contract of each."""
 
-    name = "triton"
+    name = TRITON.name
 
     def __init__(self) -> None:
         ok, reason = triton_support()

@@ -38,6 +38,7 @@ from transformers.distributed.expert_parallel import EPImplementation, EPImpleme
 
 from ubep import fp8
 from ubep.buffer import Buffer
+from ubep.registry import BSP
 from ubep.stats import Stats
 
 DEFAULT_MAX_TOKENS = 256  # tokens per rank and forward: a decode batch, or a short prefill
@@ -161,7 +162,7 @@ class UbepFp8EP(UbepEP):
 class UbepBspEP(UbepEP):
     """Normal mode with the barrier-phased baseline protocol (the comparison ubep is built to beat)."""
 
-    protocol = "bsp"
+    protocol = BSP.name
 
 
 class UbepLowLatencyEP(UbepEP):

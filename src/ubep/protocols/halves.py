@@ -11,11 +11,15 @@ wait does; the half then resumes from its own state.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from typing import TypeVar
 
 import numpy as np
 
 from ubep.calls import CallId
+from ubep.engine.base import Engine
 from ubep.protocols.base import Exchange
+from ubep.registry import ENGINES
 from ubep.transport.heap import Heap
 from ubep.waiting import YIELD_POLLS
 
@@ -35,12 +39,30 @@ def budget(ranks_here: int) -> tuple[int, int]:
     return (SPIN_POLLS_ALONE if ranks_here <= cores else SPIN_POLLS_SHARED), YIELD_POLLS
 
 
+H = TypeVar("H")
+
+
+def compiled_form(engine: Engine, on_numba: Callable[[], H], on_triton: Callable[[], H]) -> H | None:
+    """A protocol's call halves as one compiled function each, in the form `engine` runs: built by
+    `on_numba` where it compiles CPU code (`EngineSpec.compiled`), by `on_triton` where it launches
+    device kernels (`EngineSpec.device_kernels`), else None (the torch statement, step by step).
+
+    Each form is a function, called only on its engine: building one imports numba or triton. The
+    caller decides whether its memory allows compiled halves at all (a heap's address table)."""
+    spec = ENGINES[engine.name]
+    if spec.compiled:
+        return on_numba()
+    if spec.device_kernels:
+        return on_triton()
+    return None
+
+
 def describe(compiled, engine) -> str:
     """How a protocol's call halves run, in words (for `Buffer.explain`): `compiled` is its compiled
     halves or None."""
     if compiled is None:
         return "step by step in Python"
-    if engine.name == "triton":
+    if ENGINES[engine.name].device_kernels:
         return (
             "one Triton kernel launch each"
             + (" (the interpreter, on the CPU)" if compiled.device.type == "cpu" else "")

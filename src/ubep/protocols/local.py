@@ -6,13 +6,14 @@ import torch
 
 from ubep import reference
 from ubep.protocols.base import CallId, Exchange, Received, SendPlan, Sizing
+from ubep.registry import LOCAL
 from ubep.results import DispatchHandle, RecvRoute
 
 
 class LocalExchange(Exchange):
     """Dispatch to and combine from this rank alone; no transport involved."""
 
-    name = "local"
+    name = LOCAL.name
 
     def __init__(self, sizing: Sizing):
         self.sizing = sizing

@@ -26,6 +26,7 @@ from ubep.protocols.bsp import BspBlocks, BspExchange
 from ubep.protocols.ll import LLBlocks, LLExchange
 from ubep.protocols.ll.plans import combine_plan, dispatch_outputs, dispatch_plan
 from ubep.protocols.ubep import UbepBlocks, UbepExchange
+from ubep.registry import BSP, UBEP
 from ubep.results import DispatchHandle
 from ubep.transport.virtual import VirtualRank, VirtualWorld, virtual_heap
 
@@ -35,7 +36,7 @@ TOPK_IDX_NK = torch.tensor(
 )  # two local experts, one slot unused
 
 
-NORMAL = {"ubep": (UbepBlocks, UbepExchange), "bsp": (BspBlocks, BspExchange)}  # by protocol
+NORMAL = {UBEP.name: (UbepBlocks, UbepExchange), BSP.name: (BspBlocks, BspExchange)}  # by protocol
 LOW_LATENCY = "low_latency"
 WARM_UPS = (*NORMAL, LOW_LATENCY)  # every warm-up, by name
 

@@ -2,7 +2,7 @@
 
   scheduling  64 devices (cm-ablation: four 16-device nodes under a tier-2 switch),
               256 experts, top-8, 8 hot experts, ubep protocol; only the scheduler's
-              policy changes (bsp -> balanced -> ubep); metric: the slowest sender worker.
+              policy changes (bsp -> balanced -> distance); metric: the slowest sender worker.
   sync        CloudMatrix384 EP64, one expert per device, ubep protocol; each
               data-as-flag variant against stop-and-wait flags; metric: dispatch latency.
   headline    ubep against the bsp protocol on CloudMatrix384, EP64 and EP128, one
@@ -17,10 +17,12 @@ from dataclasses import dataclass, replace
 
 from ubep import topology
 from ubep.costmodel import CostParams
+from ubep.registry import BSP, UBEP
+from ubep.schedule import BALANCED, BASELINE, DISTANCE
 from ubep.sim.run import SimConfig, simulate, workload
 from ubep.sim.sync import DATA_AS_FLAG, SYNCS
 
-PAPER_SCHEDULING_US = {"bsp": 62.2, "balanced": 48.1, "ubep": 43.5}
+PAPER_SCHEDULING_US = {BASELINE: 62.2, BALANCED: 48.1, DISTANCE: 43.5}  # by scheduler policy
 PAPER_SYNC_RANGE = (31.0, 57.1)  # % reduction of TFF/DC/SP against stop-and-wait flags
 PAPER_HEADLINE = {  # (EP, batch) -> % dispatch latency reduction of ubep against BSP
     (64, 8): 52.4,
@@ -57,10 +59,10 @@ def scheduling(params: CostParams, hot_share: float) -> list[Bar]:
     """Slowest dispatch worker (us) per scheduler policy, and each step's change (%)."""
     cfg = scheduling_config(params, hot_share)
     wl = workload(cfg)
-    us = {p: simulate(replace(cfg, policy=p), "ubep", wl).dispatch_worker_us for p in PAPER_SCHEDULING_US}
+    us = {p: simulate(replace(cfg, policy=p), UBEP.name, wl).dispatch_worker_us for p in PAPER_SCHEDULING_US}
     bars = [Bar(group="slowest worker (us)", label=p, simulated=us[p], published=v)
             for p, v in PAPER_SCHEDULING_US.items()]  # fmt: skip
-    for a, b in (("bsp", "balanced"), ("balanced", "ubep")):
+    for a, b in ((BASELINE, BALANCED), (BALANCED, DISTANCE)):
         bars.append(Bar(group="step (%)", label=f"{a} -> {b}", simulated=_change(us[a], us[b]),
                         published=_change(PAPER_SCHEDULING_US[a], PAPER_SCHEDULING_US[b])))  # fmt: skip
     return bars
@@ -76,7 +78,7 @@ def sync(params: CostParams, batches=BATCHES, ranks: int = 64) -> list[Bar]:
     for n in batches:
         cfg = SimConfig(ranks=ranks, experts=ranks, tokens=n, params=params)
         wl = workload(cfg)
-        us = {s: simulate(replace(cfg, sync=s), "ubep", wl).dispatch_us for s in SYNCS}
+        us = {s: simulate(replace(cfg, sync=s), UBEP.name, wl).dispatch_us for s in SYNCS}
         bars += [Bar(group=f"batch {n}", label=s, simulated=_change(us["stop-and-wait"], us[s]))
                  for s in DATA_AS_FLAG]  # fmt: skip
     return bars
@@ -89,7 +91,7 @@ def headline(params: CostParams, batches=BATCHES, eps=(64, 128)) -> list[Bar]:
         for n in batches:
             cfg = SimConfig(ranks=ep, experts=ep, tokens=n, params=params)
             wl = workload(cfg)
-            u, b = (simulate(cfg, p, wl).dispatch_us for p in ("ubep", "bsp"))
+            u, b = (simulate(cfg, p, wl).dispatch_us for p in (UBEP.name, BSP.name))
             pub = PAPER_HEADLINE.get((ep, n))
             bars.append(Bar(group=f"EP{ep}", label=f"batch {n}", simulated=_change(b, u),
                             published=None if pub is None else -pub))  # fmt: skip

@@ -10,7 +10,7 @@ give its skew). Poll, prefix-sum, flag and sentinel costs are assumed, not fitte
                UBEP's EP64 reductions on CloudMatrix384, batch 8 and 128 -> window, o
                the scheduling ablation's first step (bsp -> balanced)     -> hot share
   held out     DeepEP low-latency EP16 and EP256; UBEP's EP64 reductions at batch 16-64
-               and all of EP128; the ablation's second step (balanced -> ubep) and its
+               and all of EP128; the ablation's second step (balanced -> distance) and its
                absolute times; the sync ablation; TensorRT-LLM NVL72 EP8; the paper's
                "24 -> 48 workers gave almost nothing".
 
@@ -29,6 +29,7 @@ import numpy as np
 
 from ubep import topology
 from ubep.costmodel import REQUEST_BYTES, CostParams
+from ubep.registry import UBEP
 from ubep.sim import ablation
 from ubep.sim.run import SimConfig, simulate, workload
 
@@ -148,7 +149,7 @@ def held_out(params: CostParams, hot_share: float) -> list[Point]:
     mean = np.mean([ubep_reduction(128, t, params) for t in (8, 16, 32, 64)])
     pts.append(Point(name="ubep vs bsp EP128 batch 8-64 mean (%)", published=ablation.PAPER_EP128_MEAN_8_64,
                      predicted=mean, fitted=False))  # fmt: skip
-    r = simulate(SimConfig(topology=topology.nvl72(), ranks=8, params=params), "ubep")
+    r = simulate(SimConfig(topology=topology.nvl72(), ranks=8, params=params), UBEP.name)
     for phase, pub, pred in zip(
         ("dispatch", "combine"), TRTLLM_NVL72_EP8_US, (r.dispatch_us, r.combine_us), strict=True
     ):
@@ -168,7 +169,7 @@ def worker_gain(params: CostParams) -> float:
     """Dispatch change (%) from 24 to 48 workers per device, EP64 batch 128 (paper: almost nothing)."""
     cfg = SimConfig(ranks=64, experts=64, tokens=128, params=params)
     wl = workload(cfg)
-    a, b = (simulate(replace(cfg, workers=w), "ubep", wl).dispatch_us for w in (24, 48))
+    a, b = (simulate(replace(cfg, workers=w), UBEP.name, wl).dispatch_us for w in (24, 48))
     return (b - a) / a * 100
 
 

@@ -16,6 +16,7 @@ from dataclasses import asdict, replace
 from ubep import routing, schedule, topology
 from ubep.costmodel import CostParams
 from ubep.extras import require
+from ubep.registry import BSP, UBEP
 from ubep.sim import ablation, placed, sync
 from ubep.sim.protocols import Workload
 from ubep.sim.run import MODELS, PROTOCOLS, SimConfig, SimResult, simulate, workload
@@ -26,12 +27,14 @@ def _ints(text: str) -> list[int]:
     return [int(v) for v in text.split(",") if v]
 
 
-def _names(choices: tuple[str, ...]):
+def _names(choices: tuple[str, ...], name: Callable[[str], str] = str):
+    """A comma list of `choices`, each as `name` gives it (the policies: their names of now)."""
+
     def parse(text: str) -> list[str]:
         names = [v for v in text.split(",") if v]
         if bad := [n for n in names if n not in choices]:
             raise argparse.ArgumentTypeError(f"unknown {bad}; choose from {', '.join(choices)}")
-        return names
+        return [name(n) for n in names]
 
     return parse
 
@@ -42,9 +45,12 @@ def add_parser(subparsers) -> None:
     p.add_argument("--topology", default="cm384", help=f"{', '.join(topology.PRESETS)} or a JSON file")
     p.add_argument("--ranks", type=_ints, default=[64], help="comma list of EP sizes")
     p.add_argument("--tokens", type=_ints, default=[8, 16, 32, 64, 128], help="tokens per rank (comma list)")
-    p.add_argument("--protocol", type=_names(PROTOCOLS), default=["ubep", "bsp"])
+    p.add_argument("--protocol", type=_names(PROTOCOLS), default=[UBEP.name, BSP.name])
     p.add_argument(
-        "--policy", type=_names(schedule.POLICIES), default=["ubep"], help="ubep's scheduler policies"
+        "--policy",
+        type=_names(schedule.POLICIES, schedule.policy_name),
+        default=[schedule.DISTANCE],
+        help="ubep's scheduler policies",
     )
     p.add_argument("--sync", type=_names(sync.SYNCS), default=["tff"], help="ubep's synchronization variants")
     p.add_argument("--model", choices=sorted(MODELS), default="deepseek-v3")
@@ -119,7 +125,7 @@ def _runs(
 ) -> list[SimResult]:
     out = []
     for proto in protocols_:
-        if proto != "ubep":
+        if proto != UBEP.name:
             out.append(simulate(cfg, proto, wl))
             continue
         for policy in policies:
@@ -133,15 +139,15 @@ def _table(ranks: int, results: list[SimResult]) -> str:
     rows = []
     for r in results:
         bsp = next(
-            (b for b in results if b.protocol == "bsp" and b.tokens_per_rank == r.tokens_per_rank), None
+            (b for b in results if b.protocol == BSP.name and b.tokens_per_rank == r.tokens_per_rank), None
         )
         gain = (
             f"{(bsp.dispatch_us - r.dispatch_us) / bsp.dispatch_us:+.1%}".replace("+", "-", 1)
-            if bsp and r.protocol == "ubep"
+            if bsp and r.protocol == UBEP.name
             else ""
         )
-        name = r.protocol if r.protocol != "ubep" or r.policy == "ubep" else f"ubep/{r.policy}"
-        name += f"/{r.sync}" if r.protocol == "ubep" and r.sync != "tff" else ""
+        name = r.protocol if r.protocol != UBEP.name or r.policy == schedule.DISTANCE else f"ubep/{r.policy}"
+        name += f"/{r.sync}" if r.protocol == UBEP.name and r.sync != "tff" else ""
         rows.append([str(r.tokens_per_rank), name, f"{r.dispatch_us:.1f}", f"{r.combine_us:.1f}",
                      f"{r.dispatch_worker_us:.1f}", gain])  # fmt: skip
     title = f"EP{ranks} on {results[0].topology} ({results[0].workers} workers/device)"
@@ -158,8 +164,8 @@ def _plot(results: list[SimResult], path: str) -> None:
     keys = sorted({(r.ranks, r.protocol, r.policy, r.sync) for r in results})
     for ranks, proto, policy, sy in keys:
         rs = [r for r in results if (r.ranks, r.protocol, r.policy, r.sync) == (ranks, proto, policy, sy)]
-        label = f"{proto}{'' if policy in (proto, 'ubep') else '/' + policy}"
-        label += f"{'/' + sy if proto == 'ubep' and sy != 'tff' else ''} EP{ranks}"
+        label = f"{proto}{'' if policy in (proto, schedule.DISTANCE) else '/' + policy}"
+        label += f"{'/' + sy if proto == UBEP.name and sy != 'tff' else ''} EP{ranks}"
         ax.plot([r.tokens_per_rank for r in rs], [r.dispatch_us for r in rs], marker="o", label=label)
     ax.set_xlabel("tokens per rank")
     ax.set_ylabel("dispatch latency (us, simulated)")

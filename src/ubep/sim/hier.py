@@ -97,7 +97,7 @@ def sent_counts(wl: Workload, topo: Topology) -> np.ndarray:
 
 
 def hier_dispatch(
-    wl: Workload, topo: Topology, params: CostParams, workers: int, policy: str = "ubep"
+    wl: Workload, topo: Topology, params: CostParams, workers: int, policy: str = schedule.DISTANCE
 ) -> PhaseTime:
     """Dispatch with node-level dedup: node peers directly, other nodes through relays."""
     R = wl.num_ranks
@@ -125,7 +125,7 @@ def hier_dispatch(
 
 
 def hier_combine(
-    wl: Workload, topo: Topology, params: CostParams, workers: int, policy: str = "ubep"
+    wl: Workload, topo: Topology, params: CostParams, workers: int, policy: str = schedule.DISTANCE
 ) -> PhaseTime:
     """Combine with node-level dedup: partial rows summed at the relay, one row per token home."""
     R = wl.num_ranks

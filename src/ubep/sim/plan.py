@@ -5,7 +5,7 @@ the fastest (dispatch + combine, at the largest batch), in this order:
 
   protocol  ubep, ubep-hier (node-level dedup; only where a slower port joins nodes), bsp
   sync      tff, dc, sp (stop-and-wait is the baseline, never advised)
-  policy    ubep (distance-aware) or balanced; on a one-tier fabric they tie (within 1%)
+  policy    distance (distance-aware) or balanced; on a one-tier fabric they tie (within 1%)
   workers   the fewest workers within 3% of the best (more only add contention)
 
 then predicts dispatch and combine for every batch and names the bottleneck of
@@ -25,6 +25,8 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from ubep.costmodel import CostParams, port_gbps_C
+from ubep.registry import BSP, UBEP
+from ubep.schedule import BALANCED, DISTANCE
 from ubep.sim import hier
 from ubep.sim.run import MODELS, SimConfig, SimResult, simulate, workload
 from ubep.sim.sync import DATA_AS_FLAG, reorder_factor
@@ -84,20 +86,20 @@ def _has_slow_network(topo: Topology) -> bool:
 def advise(base: SimConfig, progress: Progress = _quiet) -> Advice:
     """The protocol, sync variant, scheduler policy and worker count for `base` (at its batch)."""
     wl, reasons = workload(base), []
-    protos = ("ubep", "ubep-hier", "bsp") if _has_slow_network(base.topology) else ("ubep", "bsp")
+    protos = (UBEP.name, "ubep-hier", BSP.name) if _has_slow_network(base.topology) else (UBEP.name, BSP.name)
     proto, t = _best(base, wl, {p: (p, base) for p in protos}, "protocol", progress)
     reasons.append("protocol: " + ", ".join(f"{p} {v:.1f} us" for p, v in t.items()))
     sync = "tff"
-    if proto == "ubep":
-        syncs = {s: ("ubep", replace(base, sync=s)) for s in DATA_AS_FLAG}
+    if proto == UBEP.name:
+        syncs = {s: (UBEP.name, replace(base, sync=s)) for s in DATA_AS_FLAG}
         sync, t = _best(base, wl, syncs, "sync", progress)
         reasons.append("sync: " + ", ".join(f"{s} {v:.1f} us" for s, v in t.items()))
     cfg = replace(base, sync=sync)
-    policies = {p: (proto, replace(cfg, policy=p)) for p in ("ubep", "balanced")}
+    policies = {p: (proto, replace(cfg, policy=p)) for p in (DISTANCE, BALANCED)}
     policy, t = _best(cfg, wl, policies, "policy", progress)
-    if abs(t["ubep"] - t["balanced"]) <= POLICY_TIE * t["ubep"]:
-        policy = "ubep"
-        reasons.append("policy: ubep and balanced tie within 1% (no distance to exploit here)")
+    if abs(t[DISTANCE] - t[BALANCED]) <= POLICY_TIE * t[DISTANCE]:
+        policy = DISTANCE
+        reasons.append(f"policy: {DISTANCE} and {BALANCED} tie within 1% (no distance to exploit here)")
     else:
         reasons.append("policy: " + ", ".join(f"{p} {v:.1f} us" for p, v in t.items()))
     cfg = replace(cfg, policy=policy)
@@ -122,7 +124,7 @@ def port_busy_us(cfg: SimConfig, protocol: str) -> dict[str, float]:
     topo, wl = cfg.topology, workload(cfg)
     R = wl.num_ranks
     counts = hier.sent_counts(wl, topo) if protocol == "ubep-hier" else wl.counts_RR()
-    bytes_RR = counts * wl.dispatch_row_bytes * reorder_factor(cfg.sync if protocol == "ubep" else "tff")
+    bytes_RR = counts * wl.dispatch_row_bytes * reorder_factor(cfg.sync if protocol == UBEP.name else "tff")
     cls_RR = topo.class_matrix(R)
     rate_C = port_gbps_C(topo, cfg.params) * 1e3
     out: dict[str, float] = {}

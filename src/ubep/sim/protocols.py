@@ -39,7 +39,6 @@ from ubep.sim import sync as sync_plans
 from ubep.sim.engine import Messages, pair_max
 from ubep.topology import Topology
 
-PROTOCOLS = ("ubep", "bsp", "deepep-ll")
 # The baseline library's send split: the send list cut into equal token ranges per core, in
 # destination order (as DeepEP's normal-mode channels take contiguous token ranges): balanced
 # but distance-agnostic. The scheduling ablation's "bsp" row (whole destinations per worker)
@@ -167,7 +166,12 @@ def count_workers(workers: int) -> int:
 
 
 def ubep_dispatch(
-    wl: Workload, topo: Topology, params: CostParams, workers: int, policy: str = "ubep", sync: str = "tff"
+    wl: Workload,
+    topo: Topology,
+    params: CostParams,
+    workers: int,
+    policy: str = schedule.DISTANCE,
+    sync: str = "tff",
 ) -> PhaseTime:
     R, counts = wl.num_ranks, wl.counts_RR()
     cw = count_workers(workers)
@@ -196,7 +200,12 @@ def ubep_dispatch(
 
 
 def ubep_combine(
-    wl: Workload, topo: Topology, params: CostParams, workers: int, policy: str = "ubep", sync: str = "tff"
+    wl: Workload,
+    topo: Topology,
+    params: CostParams,
+    workers: int,
+    policy: str = schedule.DISTANCE,
+    sync: str = "tff",
 ) -> PhaseTime:
     R, back = wl.num_ranks, wl.counts_RR().T
     sched = schedule.plan(

@@ -13,9 +13,10 @@ from dataclasses import asdict, dataclass, field, replace
 import numpy as np
 import torch
 
-from ubep import routing, topology
+from ubep import routing, schedule, topology
 from ubep.costmodel import CostParams
 from ubep.layout import ExpertPlacement
+from ubep.registry import BSP, UBEP
 from ubep.sim import hier, protocols
 from ubep.topology import Topology
 
@@ -27,8 +28,8 @@ MODELS = {
     "qwen3-30b": (2048, 128, 8),
     "mixtral": (4096, 8, 2),
 }
-PROTOCOLS = ("ubep", "ubep-hier", "bsp", "deepep-ll")  # ubep-hier: node-level dedup (sim.hier)
-OTHER_SYNC = {"ubep-hier": "tff", "bsp": "stop-and-wait", "deepep-ll": "count signals"}
+PROTOCOLS = (UBEP.name, "ubep-hier", BSP.name, "deepep-ll")  # ubep-hier: node-level dedup (sim.hier)
+OTHER_SYNC = {"ubep-hier": "tff", BSP.name: "stop-and-wait", "deepep-ll": "count signals"}
 # Concurrent sender workers per device: Ascend 910 vector cores (the paper's 48), H800 SMs.
 DEFAULT_WORKERS = {"cm384": 48, "cm-ablation": 48, "nvl72": 132, "nvl576": 132, "hgx-h800-ib": 132}
 
@@ -51,7 +52,7 @@ class SimConfig:
     workers: int | None = None  # None: DEFAULT_WORKERS for the topology, else 32
     seed: int = 0
     params: CostParams = field(default_factory=CostParams)
-    policy: str = "ubep"  # the scheduler policy of the ubep protocol (ablation)
+    policy: str = schedule.DISTANCE  # the scheduler policy of the ubep protocol (ablation)
     sync: str = "tff"  # how ubep's receivers learn that data landed (sim.sync.SYNCS)
 
     @property
@@ -123,11 +124,11 @@ def simulate(cfg: SimConfig, protocol: str, wl: protocols.Workload | None = None
         d, c = (protocols.deepep_ll(wl, topo, p, W, combine=flag) for flag in (False, True))
         sent = (wl.topk_RNK >= 0).sum() / wl.num_ranks * wl.dispatch_row_bytes
     else:
-        disp, comb = {"ubep": (protocols.ubep_dispatch, protocols.ubep_combine),
+        disp, comb = {UBEP.name: (protocols.ubep_dispatch, protocols.ubep_combine),
                       "ubep-hier": (hier.hier_dispatch, hier.hier_combine),
-                      "bsp": (protocols.bsp_dispatch, protocols.bsp_combine)}[protocol]  # fmt: skip
-        policy = protocols.BSP_SEND_POLICY if protocol == "bsp" else cfg.policy
-        if protocol == "ubep":
+                      BSP.name: (protocols.bsp_dispatch, protocols.bsp_combine)}[protocol]  # fmt: skip
+        policy = protocols.BSP_SEND_POLICY if protocol == BSP.name else cfg.policy
+        if protocol == UBEP.name:
             d, c = disp(wl, topo, p, W, policy, cfg.sync), comb(wl, topo, p, W, policy, cfg.sync)
         else:
             d, c = disp(wl, topo, p, W, policy), comb(wl, topo, p, W, policy)
@@ -139,8 +140,8 @@ def simulate(cfg: SimConfig, protocol: str, wl: protocols.Workload | None = None
         topology=topo.name,
         ranks=cfg.ranks,
         tokens_per_rank=cfg.tokens,
-        policy=cfg.policy if protocol == "ubep" else protocol,
-        sync=cfg.sync if protocol == "ubep" else OTHER_SYNC[protocol],
+        policy=schedule.policy_name(cfg.policy) if protocol == UBEP.name else protocol,
+        sync=cfg.sync if protocol == UBEP.name else OTHER_SYNC[protocol],
         workers=W,
         dispatch_us=d.latency_us + p.call_us,
         combine_us=c.latency_us + p.call_us,
@@ -158,7 +159,7 @@ def simulate_host(
     *,
     ranks: int,
     tokens: int,
-    protocol: str = "ubep",
+    protocol: str = UBEP.name,
     **config,
 ) -> SimResult:
     """This machine, with `ubep bench`'s measured copy rate (GB/s) and per-message overhead (us).

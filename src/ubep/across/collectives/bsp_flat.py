@@ -28,6 +28,7 @@ from ubep.errors import PeerDataError
 from ubep.faults import NO_FAULTS, FaultPoints
 from ubep.layout import destination_major, localize_for_destinations, prefix_offsets
 from ubep.protocols.base import DTYPE_CODES, CallId, Exchange, Received, SendPlan, Sizing
+from ubep.registry import BSP
 from ubep.results import DispatchHandle, RecvRoute
 
 
@@ -40,7 +41,7 @@ def _as_bytes(t_nX: torch.Tensor) -> torch.Tensor:
 class BspDist(Exchange):
     """Dispatch/combine as all-to-all collectives on a process group."""
 
-    name = "bsp"
+    name = BSP.name
     across_hosts = "torch.distributed all-to-all collectives: the bulk-synchronous baseline"
 
     def __init__(

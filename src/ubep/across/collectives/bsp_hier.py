@@ -64,6 +64,7 @@ from ubep.protocols.base import (
     Sizing,
     rows,
 )
+from ubep.registry import HIER
 from ubep.results import DispatchHandle, RecvRoute
 from ubep.transport.base import Field, Header, Region
 from ubep.transport.shm import shm_heap
@@ -217,7 +218,7 @@ class HierExchange(Exchange):
 
     across_hosts = "rail all-to-all across nodes, pull/put on shared memory within a node"
 
-    name = "hier"
+    name = HIER.name
 
     def __init__(self, info: GroupInfo, sizing: Sizing, timeout_s: float, engine: Engine):
         nodes = NodeMap(info.node_of_rank)

@@ -2,7 +2,7 @@
 
     protocol -> [fabric: gloo | nixl] -> the wire
 
-`open_fabric` builds the engine a Buffer asks for and says why: "gloo"
+`open_fabric` builds the engine a Buffer asks for (`ubep.registry.FABRICS`) and says why: "gloo"
 (torch.distributed point-to-point over TCP, no new dependency, the default) or
 "nixl" (NIXL one-sided writes with notifications over UCX: TCP, InfiniBand,
 EFA; the `nixl` extra). No protocol imports an engine: they take a `Fabric`.
@@ -15,8 +15,7 @@ from collections.abc import Sequence
 import torch.distributed as dist
 
 from ubep.across.fabric.base import Fabric, Lane, Message, Outgoing
-
-FABRICS = ("auto", "gloo", "nixl")
+from ubep.registry import FABRICS, GLOO, NIXL, one_of
 
 
 def open_fabric(
@@ -29,16 +28,17 @@ def open_fabric(
 ) -> tuple[Fabric, str]:
     """(fabric, reason), collective over the group; ValueError names the choices, ImportError the
     extra a missing engine needs."""
-    if requested not in FABRICS:
-        raise ValueError(f"fabric must be one of {FABRICS}, got {requested!r}")
-    if requested == "nixl":
+    one_of("fabric", FABRICS, requested)
+    if requested == NIXL.name:
         from ubep.across.fabric.nixl import NixlFabric  # imported here: nixl is optional
 
         return NixlFabric(group, rank, num_ranks, lanes, timeout_s), "requested"
     from ubep.across.fabric.gloo import GlooFabric
 
-    reason = "requested" if requested == "gloo" else "the default: torch.distributed point-to-point, no extra"
+    reason = (
+        "requested" if requested == GLOO.name else "the default: torch.distributed point-to-point, no extra"
+    )
     return GlooFabric(group, rank, num_ranks, lanes, timeout_s), reason
 
 
-__all__ = ["FABRICS", "Fabric", "Lane", "Message", "Outgoing", "open_fabric"]
+__all__ = ["Fabric", "Lane", "Message", "Outgoing", "open_fabric"]

@@ -50,6 +50,7 @@ from ubep.across.fabric.base import (
 from ubep.calls import KINDS, CallId
 from ubep.deadlines import PeerPids, collective_deadline
 from ubep.errors import PeerDataError
+from ubep.registry import GLOO
 from ubep.waiting import AbortNotice, Waiter
 
 FRAME = 4  # int64 words before the header: header words, payload bytes, kind, seq (last: it says the
@@ -88,7 +89,7 @@ class _Inbox:
 class GlooFabric:
     """One rank's end of the fabric over a gloo group of its own. Collective to build."""
 
-    name = "gloo"
+    name = GLOO.name
 
     def __init__(
         self,

@@ -72,6 +72,7 @@ from ubep.calls import KINDS, CallId
 from ubep.deadlines import PeerPids, collective_deadline
 from ubep.errors import PeerDataError
 from ubep.extras import install_hint
+from ubep.registry import NIXL
 from ubep.waiting import AbortNotice, Waiter
 
 BACKEND = "UCX"
@@ -139,7 +140,7 @@ class _Send:
 class NixlFabric:
     """One rank's end of the fabric: a NIXL agent without a progress thread. Collective to build."""
 
-    name = "nixl"
+    name = NIXL.name
 
     def __init__(
         self,

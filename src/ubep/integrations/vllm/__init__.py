@@ -26,7 +26,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from ubep import registry
+from ubep.registry import PROTOCOLS, UBEP, one_of
 
 PLUGIN_NAME = "ubep"  # the entry point's name: what VLLM_PLUGINS selects
 SUPPORTED_VLLM = (0, 32)  # major, minor: the releases whose internals the plugin patches
@@ -39,14 +39,15 @@ __all__ = ["PLUGIN_NAME", "SUPPORTED_VLLM", "Settings", "check_version", "enable
 class Settings:
     """The plugin's settings, from the environment of the vLLM process."""
 
-    protocol: str = "ubep"
+    protocol: str = UBEP.name
     timeout_s: float = DEFAULT_TIMEOUT_S
     max_tokens: int | None = None  # None: vLLM's max_num_batched_tokens
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str]) -> Settings:
-        protocol = environ.get("UBEP_VLLM_PROTOCOL", "ubep")
-        registry.one_of("UBEP_VLLM_PROTOCOL", registry.PROTOCOLS, protocol, auto=False)
+        protocol = one_of(
+            "UBEP_VLLM_PROTOCOL", PROTOCOLS, environ.get("UBEP_VLLM_PROTOCOL", UBEP.name), auto=False
+        )
         timeout_s = _number(environ, "UBEP_VLLM_TIMEOUT_S", float, DEFAULT_TIMEOUT_S)
         max_tokens = _number(environ, "UBEP_VLLM_MAX_TOKENS", int, None)
         return cls(protocol=protocol, timeout_s=timeout_s, max_tokens=max_tokens)

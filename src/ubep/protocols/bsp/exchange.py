@@ -31,6 +31,7 @@ from ubep.protocols import halves
 from ubep.protocols.base import CODE_DTYPES, DTYPE_CODES, Received, SendPlan, Sizing, rows
 from ubep.protocols.bsp.blocks import BspBlocks
 from ubep.protocols.combine.torch_halves import publish_back, reduce_home
+from ubep.registry import BSP
 from ubep.results import DispatchHandle, RecvRoute
 from ubep.transport.base import Transport
 
@@ -38,7 +39,7 @@ from ubep.transport.base import Transport
 class BspExchange(halves.OnHalves):
     """Barrier-separated dispatch/combine over any transport, with any engine."""
 
-    name = "bsp"
+    name = BSP.name
 
     def __init__(
         self,
@@ -55,18 +56,21 @@ class BspExchange(halves.OnHalves):
         self._local_of_RE = torch.stack(
             [torch.where(placement.rank_of_expert_E == r, placement.local_index_E, -1) for r in range(self.R)]
         )
-        self._compiled = None  # each call half one compiled function, where the engine and memory allow
-        if engine.name == "numba" and hasattr(transport, "address_table"):
+
+        def on_numba():
             from ubep.protocols.bsp.numba_driver import BspNumba  # imports numba: only on its engine
 
-            self._compiled = BspNumba(transport, self.blocks, sizing, faults, self._local_of_RE)
-        elif engine.name == "triton" and hasattr(transport, "address_table"):
+            return BspNumba(transport, self.blocks, sizing, faults, self._local_of_RE)
+
+        def on_triton():
             from ubep.protocols.bsp.triton_driver import BspTriton  # imports triton: only on its engine
 
-            self._compiled = BspTriton(
-                transport, self.blocks, sizing, faults, self._local_of_RE, engine, capturable
-            )
-        halves.refuse_capturable(capturable, self._compiled, "bsp")
+            return BspTriton(transport, self.blocks, sizing, faults, self._local_of_RE, engine, capturable)
+
+        # each call half one compiled function, where the engine and memory allow
+        on_heap = hasattr(transport, "address_table")
+        self._compiled = halves.compiled_form(engine, on_numba, on_triton) if on_heap else None
+        halves.refuse_capturable(capturable, self._compiled, self.name)
 
     def dispatch(self, call: CallId, plan: SendPlan, handle: DispatchHandle | None) -> Received:
         self.t.begin(call)

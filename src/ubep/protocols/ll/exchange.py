@@ -47,6 +47,7 @@ from ubep.calls import CallId
 from ubep.engine import Engine
 from ubep.errors import PeerDataError
 from ubep.faults import NO_FAULTS, FaultPoints
+from ubep.protocols import halves
 from ubep.protocols.base import LowLatencyExchange, Sizing
 from ubep.protocols.ll import status as ll_status
 from ubep.protocols.ll.blocks import COMBINE, CONSUMED, DISPATCH, KINDS, SKIPPED, LLBlocks
@@ -62,6 +63,7 @@ from ubep.protocols.ll.plans import (
     returned_rows,
     slot_positions,
 )
+from ubep.registry import ENGINES
 from ubep.results import LowLatencyHandle
 from ubep.transport.base import Header, Region, Transport
 from ubep.waiting import rejected_input
@@ -85,25 +87,28 @@ class LLExchange(LowLatencyExchange):
         self.me, self.R = transport.rank, transport.num_ranks
         self.blocks = LLBlocks.of(sizing, in_word=flag == IN_WORD)
         self._per_writer = per_writer(sizing)
-        self._compiled = None  # each call half one compiled function, where the engine and memory allow
+        on_heap = hasattr(transport, "address_table")
         # on_device: the halves are Triton kernels that take wire rows, check this rank's input values
         # themselves and read nothing back on the host (with capturable=True): `Buffer` skips its value checks
-        self.on_device = engine.name == "triton" and hasattr(transport, "address_table")
+        self.on_device = ENGINES[engine.name].device_kernels and on_heap
         if (flag != AFTER_DATA or capturable) and not self.on_device:
             raise ValueError(
                 f"flag={flag!r}, capturable={capturable}: these need low-latency mode's Triton halves "
                 "(engine 'triton' on a heap: transport 'shm', 'virtual' or 'cuda')"
             )
-        if engine.name == "numba" and hasattr(transport, "address_table"):
+
+        def on_numba():
             from ubep.protocols.ll.numba_driver import LLNumba  # imports numba: only on its engine
 
-            self._compiled = LLNumba(transport, self.blocks, sizing, self._consumed, faults)
-        elif self.on_device:
+            return LLNumba(transport, self.blocks, sizing, self._consumed, faults)
+
+        def on_triton():
             from ubep.protocols.ll.triton_driver import LLTriton  # imports triton: only on its engine
 
-            self._compiled = LLTriton(
-                transport, self.blocks, sizing, self._consumed, engine, capturable, flag=flag
-            )
+            return LLTriton(transport, self.blocks, sizing, self._consumed, engine, capturable, flag=flag)
+
+        # each call half one compiled function, where the engine and memory allow
+        self._compiled = halves.compiled_form(engine, on_numba, on_triton) if on_heap else None
 
     @property
     def halves(self) -> str:

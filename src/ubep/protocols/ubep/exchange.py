@@ -42,6 +42,7 @@ from ubep.protocols import halves
 from ubep.protocols.base import CODE_DTYPES, DTYPE_CODES, Received, SendPlan, Sizing, rows, spread
 from ubep.protocols.combine.torch_halves import publish_back, reduce_home
 from ubep.protocols.ubep.blocks import UbepBlocks
+from ubep.registry import UBEP
 from ubep.results import DispatchHandle, RecvRoute
 from ubep.transport.base import Transport
 
@@ -49,7 +50,7 @@ from ubep.transport.base import Transport
 class UbepExchange(halves.OnHalves):
     """UBEP dispatch/combine over any transport, with any engine."""
 
-    name = "ubep"
+    name = UBEP.name
 
     def __init__(
         self,
@@ -58,7 +59,7 @@ class UbepExchange(halves.OnHalves):
         sizing: Sizing,
         faults: FaultPoints = NO_FAULTS,
         workers: int = 1,
-        policy: str = "ubep",
+        policy: str = schedule.DISTANCE,
         capturable: bool = False,
     ):
         self.t, self.engine, self.sizing, self.faults = transport, engine, sizing, faults
@@ -66,21 +67,24 @@ class UbepExchange(halves.OnHalves):
         self.blocks = UbepBlocks.of(sizing)
         placement = sizing.placement
         self._local_of_E = torch.where(placement.rank_of_expert_E == self.me, placement.local_index_E, -1)
-        self.workers, self.policy = workers, policy
+        self.workers, self.policy = workers, schedule.policy_name(policy)
         self._topology = topology.host(cores=self.R) if workers > 1 else None
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="ubep-move") if workers > 1 else None
-        self._compiled = None  # each call half one compiled function, where the engine and memory allow
-        if engine.name == "numba" and workers == 1 and hasattr(transport, "address_table"):
+
+        def on_numba():
             from ubep.protocols.ubep.numba_driver import UbepNumba  # imports numba: only on its engine
 
-            self._compiled = UbepNumba(transport, self.blocks, sizing, faults, self._local_of_E)
-        elif engine.name == "triton" and workers == 1 and hasattr(transport, "address_table"):
+            return UbepNumba(transport, self.blocks, sizing, faults, self._local_of_E)
+
+        def on_triton():
             from ubep.protocols.ubep.triton_driver import UbepTriton  # imports triton: only on its engine
 
-            self._compiled = UbepTriton(
-                transport, self.blocks, sizing, faults, self._local_of_E, engine, capturable
-            )
-        halves.refuse_capturable(capturable, self._compiled, "ubep")
+            return UbepTriton(transport, self.blocks, sizing, faults, self._local_of_E, engine, capturable)
+
+        # each call half one compiled function, where the engine and memory allow
+        on_heap = workers == 1 and hasattr(transport, "address_table")
+        self._compiled = halves.compiled_form(engine, on_numba, on_triton) if on_heap else None
+        halves.refuse_capturable(capturable, self._compiled, self.name)
 
     # -- dispatch ---------------------------------------------------------------------------------
 
