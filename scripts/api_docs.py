@@ -6,7 +6,7 @@ The pages cover the public modules below. Any pdoc warning fails the build (a
 module that does not import, a broken cross-reference), except one pdoc cannot
 resolve: the field types of a NamedTuple's generated `__init__`, which it looks
 up in the wrong namespace (the fields themselves are documented with their types).
-tests/test_api_docs.py runs this build.
+tests/tools/test_api_docs.py runs this build.
 """
 
 from __future__ import annotations

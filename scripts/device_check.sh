@@ -39,10 +39,10 @@ else
 fi
 
 echo "== tests: the CUDA subset, and every kernel compiled ahead of time with this triton"
-timeout "$(budget 200)" "$PY" -m pytest -q -p no:cacheprovider -m cuda tests/test_triton_engine.py \
-    tests/test_triton_cuda_heap.py || status=1
-timeout "$(budget 90)" "$PY" -m pytest -q -p no:cacheprovider tests/test_triton_aot.py tests/test_ll_device_aot.py \
-    tests/test_ubep_device_aot.py || status=1
+timeout "$(budget 200)" "$PY" -m pytest -q -p no:cacheprovider -m cuda tests/device/test_triton_engine.py \
+    tests/device/test_triton_cuda_heap.py || status=1
+timeout "$(budget 90)" "$PY" -m pytest -q -p no:cacheprovider tests/device/test_triton_aot.py \
+    tests/device/test_ll_device_aot.py tests/device/test_ubep_device_aot.py || status=1
 
 echo "== kernel bandwidth: virtual ranks in one allocation (peak ${PEAK_TBS} TB/s)"
 timeout "$(budget 100)" "$PY" - 8 128 7168 8 256 20 "$PEAK_TBS" <<'EOF' || status=1

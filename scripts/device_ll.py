@@ -14,7 +14,7 @@ One stream runs every rank's half in turn (all sends, then all receives), so no 
    kernel reads and writes once, rows counted at their payload size) as a fraction of the memory
    bandwidth, per token count and flag.
 Steps 1 and 2 run for each flag. A whole `Buffer` call is not captured here: a Buffer needs a process
-group with one rank per GPU; tests/test_ll_device.py runs one with every host read made to fail.
+group with one rank per GPU; tests/device/test_ll_device.py runs one with every host read made to fail.
 
     python scripts/device_ll.py [--smoke] [--peak-tbs 4.8] [--replays 1000]
 

@@ -1,14 +1,10 @@
-import os
+"""Fixtures for every test folder. The helpers they share are modules in tests/support/; those, the
+examples and the scripts import by name (pyproject.toml's `pythonpath`), here and in the rank
+processes, which unpickle module-level functions by their module's name and receive this path."""
+
 import sys
 
 import pytest
-
-# Test helpers (scenarios.py), the examples and scripts import by name, here and in the
-# rank processes, which unpickle module-level functions by their module's name.
-HERE = os.path.dirname(__file__)
-sys.path.insert(0, HERE)
-sys.path.insert(0, os.path.join(os.path.dirname(HERE), "examples"))
-sys.path.insert(0, os.path.join(os.path.dirname(HERE), "scripts"))
 
 
 def pytest_sessionstart(session) -> None:

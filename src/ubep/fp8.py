@@ -5,7 +5,7 @@ A token row x[n, :] of H channels is cut into H // 128 blocks; block b gets
 finite value) and `values = x / scale`, rounded to nearest e4m3. An all-zero
 block gets scale 0 and values 0. Dequantising multiplies back.
 
-Error bound (tested in tests/test_fp8.py): e4m3 keeps 3 mantissa bits, so a
+Error bound (tested in tests/api/test_fp8.py): e4m3 keeps 3 mantissa bits, so a
 value in e4m3's normal range is rounded with relative error <= 2^-4; below it
 (|x| / scale < 2^-6) the subnormal spacing 2^-9 gives absolute error <= 2^-10
 in scaled units. Hence, elementwise,

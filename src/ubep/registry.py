@@ -7,7 +7,7 @@ called and what it can do.
 
 The rest of the library asks a spec (`TRANSPORTS[name].crosses_hosts`, `ENGINES[name].compiled`)
 or compares with a spec's `name`; no other module spells a protocol, transport, engine or fabric
-name as a string (tests/test_registry.py holds that rule). What each one is built from
+name as a string (tests/tools/test_registry.py holds that rule). What each one is built from
 stays with the layer that builds it (`ubep.factory`, `ubep.engine`, `ubep.across.fabric`): this
 module imports nothing of ubep, so every layer may read it.
 """

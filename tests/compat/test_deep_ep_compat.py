@@ -8,11 +8,11 @@ size by get_low_latency_rdma_size_hint and use the receive hooks).
 from __future__ import annotations
 
 import inspect
-import os
 
 import pytest
 import torch
 import torch.distributed as dist
+from repo import ROOT
 
 import ubep
 from ubep import fp8, reference, routing
@@ -213,8 +213,7 @@ def test_local_buffer_tensor_and_comm_stream_as_in_deep_ep_v1():
 
 
 def test_the_documented_fp8_defaults_match_the_code():
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    with open(os.path.join(root, "docs", "frameworks.md")) as doc:
+    with open(ROOT / "docs" / "frameworks.md") as doc:
         text = " ".join(doc.read().split())
     ours = inspect.signature(ubep.Buffer.low_latency_dispatch).parameters["use_fp8"].default
     theirs = inspect.signature(Buffer.low_latency_dispatch).parameters["use_fp8"].default

@@ -540,6 +540,6 @@ def test_deep_ep_v2_ep(name: str):
 
 def every_mode() -> list:
     """DeepEP's full product of modes (144 cases) on the flat domain; slow, so not collected:
-    run it with `python -c "import test_elastic_ep as t; print(t.every_mode())"` from tests/."""
+    run it with `python -c "import test_elastic_ep as t; print(t.every_mode())"` from tests/compat/."""
     args = replace(SCENARIOS["flat"][1], full_modes=True, pressure_seeds=0)
     return ubep.LocalLaunch(world_size=R, timeout_s=1800).run(test_loop, args)

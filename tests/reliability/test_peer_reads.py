@@ -8,7 +8,7 @@ word between the published value and a bad one, and only then does rank 0 (the h
 half. Before the fix the halves checked the word in the writer's memory and loaded it again to use it:
 SIGSEGV on a prefix shifted by 2**40, wrong row counts on T + 1, negative token ids in the handle.
 
-Every case runs in a child process (`python tests/test_peer_reads.py CASE REPS`), so that a crash
+Every case runs in a child process (`python tests/reliability/test_peer_reads.py CASE REPS`), so that a crash
 fails the test instead of killing pytest. The default is a few repetitions per case; the stress
 version, `UBEP_STRESS_PEER_READS=200`, runs 200 per case (docs/reliability.md).
 """

@@ -19,6 +19,7 @@ from collections import Counter
 import numpy as np
 import pytest
 import torch
+from repo import SUPPORT
 from scenarios import Scenario, expert_output
 from torch.overrides import TorchFunctionMode
 
@@ -293,7 +294,7 @@ def test_no_call_compiles(tmp_path) -> None:
     thread, between the end of construction and the last call. In a fresh interpreter on an empty
     cache: in this one, or on a cache that holds every half, a call would find what it needs."""
     env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path)}
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (HERE, env.get("PYTHONPATH", "")) if p)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (HERE, str(SUPPORT), env.get("PYTHONPATH", "")) if p)
     code = "import test_compiled_halves as t; t.every_kind_of_call_compiles()"
     done = subprocess.run(
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=280, check=False

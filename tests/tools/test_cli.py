@@ -12,12 +12,12 @@ from importlib.metadata import version
 from typing import NamedTuple
 
 import pytest
+from repo import ROOT
 
 from ubep.bench.workload import BenchConfig
 from ubep.cli import main
 from ubep.extras import install_hint
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SRC = os.path.join(ROOT, "src")
 ENV = dict(os.environ, PYTHONPATH=os.pathsep.join([SRC, os.environ.get("PYTHONPATH", "")]))
 

@@ -9,6 +9,7 @@ import sys
 import time
 
 import pytest
+from repo import ROOT
 from scenarios import scenarios_for
 from test_exchange import check_scenario
 from test_low_latency import CAPACITY, HIDDEN, cases, run_case
@@ -17,7 +18,6 @@ import ubep
 from ubep.transport.virtual import VirtualRank, VirtualWorld
 
 ENGINES = ["torch", "numba"]
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def normal_mode(rank: VirtualRank, protocol: str, engine: str) -> int:

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import repo
 import torch
 import torch.distributed as dist
 
@@ -32,7 +33,7 @@ from ubep.placement import CopyMap, Distances, Placement, balance, eplb, measure
 from ubep.stats import Stats
 from ubep.transport.virtual import VirtualWorld
 
-SRC = Path(__file__).resolve().parents[1] / "src" / "ubep"
+SRC = repo.SRC / "ubep"
 # torch's factories: each takes the default dtype, or the default device, unless told.
 # `*_like` and `Tensor.new_*` take both from their input, so they are not listed.
 FACTORIES = {

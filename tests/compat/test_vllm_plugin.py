@@ -15,13 +15,13 @@ import sys
 import pytest
 import torch
 import torch.distributed as dist
+from repo import ROOT
 
 import ubep
 from ubep import reference
 from ubep.integrations import vllm as plugin
 from ubep.integrations.vllm.manager import EPExchange, GroupExperts, localize_for_kernel
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HIDDEN, TOPK = 32, 4
 
 

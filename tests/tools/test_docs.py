@@ -10,11 +10,10 @@ import subprocess
 import sys
 
 import pytest
+from repo import ROOT
 
 import ubep
 from ubep.sim import ablation, calibrate
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _read(*path: str) -> str:

@@ -12,7 +12,6 @@ Shapes are tiny: the interpreter runs every program in Python.
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import threading
@@ -21,6 +20,7 @@ from dataclasses import replace
 import pytest
 import torch
 from interpreted import interpreted, run_interpreted
+from repo import ROOT
 from scenarios import Scenario, expert_output
 
 import ubep
@@ -460,8 +460,7 @@ def test_errors_are_the_cpu_protocols(protocol):
 @pytest.mark.timeout(200)
 def test_device_normal_script_dry_run():
     """scripts/device_normal.py --smoke: 2 virtual ranks, num_worst_tokens, the replay loop (no graph)."""
-    root = os.path.dirname(os.path.dirname(__file__))
-    script = os.path.join(root, "scripts", "device_normal.py")
+    script = ROOT / "scripts" / "device_normal.py"
     run = subprocess.run([sys.executable, script, "--smoke"], capture_output=True, text=True, timeout=180)
     assert run.returncode == 0 and "device_normal: ok" in run.stdout, run.stdout[-3000:] + run.stderr[-3000:]
     assert "bit for bit against the reference every replay" in run.stdout, run.stdout

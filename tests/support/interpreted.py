@@ -18,11 +18,11 @@ interpreted = pytest.mark.skipif(not INTERPRETED, reason="runs in test_interpret
 
 
 def interpreter_env() -> dict[str, str]:
-    """This environment with the interpreter on, and this checkout's ubep and tests importable."""
+    """This environment with the interpreter on, and this checkout's ubep and test helpers importable."""
     import ubep
 
-    src, tests = os.path.dirname(os.path.dirname(ubep.__file__)), os.path.dirname(__file__)
-    path = os.pathsep.join([src, tests, os.environ.get("PYTHONPATH", "")])
+    src, support = os.path.dirname(os.path.dirname(ubep.__file__)), os.path.dirname(__file__)
+    path = os.pathsep.join([src, support, os.environ.get("PYTHONPATH", "")])
     return dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=path)
 
 

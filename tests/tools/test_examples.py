@@ -7,10 +7,9 @@ import subprocess
 import sys
 
 import quickstart  # examples/ is on the path (conftest.py)
+from repo import ROOT
 
 import ubep
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_quickstart_example():

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import repo
 
 from ubep.calls import CallCounter
 from ubep.layout import ExpertPlacement
@@ -28,7 +29,7 @@ from ubep.protocols.ll import blocks as ll_blocks
 from ubep.protocols.ubep import blocks as ubep_blocks
 from ubep.transport.virtual import VirtualWorld, virtual_heap
 
-SRC = Path(__file__).resolve().parents[1] / "src" / "ubep"
+SRC = repo.SRC / "ubep"
 PACKAGES = ("ubep", "bsp", "ll", "combine")
 # What a protocol package may import besides its own modules: the shared protocol pieces and the floors
 # below the protocol (docs/design.md's map). `combine` is shared by ubep and bsp.

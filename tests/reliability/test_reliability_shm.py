@@ -19,6 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from faultcase import group_pids
+from repo import SRC, SUPPORT
 
 import ubep
 import ubep.transport.segments
@@ -27,8 +28,7 @@ from ubep.errors import SharedMemorySizeError
 from ubep.sizing import size_hint
 from ubep.transport import segments
 
-SRC = os.path.join(os.path.dirname(os.path.dirname(__file__)), "src")
-TESTS = os.path.dirname(__file__)
+HERE = os.path.dirname(os.path.abspath(__file__))  # a child imports this module by name
 NOBODY = 65534
 
 
@@ -59,7 +59,7 @@ def _python(script: str) -> list[str]:
     return [sys.executable, "-c", textwrap.dedent(script)]
 
 
-ENV = dict(os.environ, PYTHONPATH=os.pathsep.join([SRC, TESTS]))
+ENV = dict(os.environ, PYTHONPATH=os.pathsep.join(map(str, [SRC, HERE, SUPPORT])))
 
 
 # -- a small /dev/shm -------------------------------------------------------------------------------

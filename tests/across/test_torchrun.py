@@ -3,17 +3,16 @@
 from __future__ import annotations
 
 import os
-import pathlib
 import subprocess
 import sys
 
-HERE = pathlib.Path(__file__).parent
+from repo import SUPPORT
 
 
 def torchrun_agent(*args: str) -> subprocess.Popen:
-    """One torchrun agent running tests/torchrun_job.py (each agent is one node)."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
-    cmd = [sys.executable, "-m", "torch.distributed.run", *args, str(HERE / "torchrun_job.py")]
+    """One torchrun agent running tests/support/torchrun_job.py (each agent is one node)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SUPPORT), os.environ.get("PYTHONPATH", "")])}
+    cmd = [sys.executable, "-m", "torch.distributed.run", *args, str(SUPPORT / "torchrun_job.py")]
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 

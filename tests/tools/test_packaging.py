@@ -9,7 +9,7 @@ import sys
 import zipfile
 from importlib.metadata import version
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from repo import ROOT
 
 
 def test_the_wheel_ships_py_typed_and_the_apache_license(tmp_path):

@@ -2,7 +2,7 @@
 then padding (recv_x 0, recv_topk_idx -1, weights 0), an empty per-expert list, a combine that takes
 the padded rows back, a cached dispatch padded as its handle, and a ValueError on a rank that receives
 more than W. Compared with `ubep.reference` on both protocols and engines; the Triton halves run the
-same through tests/test_ubep_device.py's interpreter suite."""
+same through tests/device/test_ubep_device.py's interpreter suite."""
 
 from __future__ import annotations
 

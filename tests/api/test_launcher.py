@@ -10,6 +10,7 @@ import time
 
 import pytest
 import torch.distributed as dist
+from repo import SRC
 
 import ubep
 from ubep.launcher import LocalLaunch, RankFailedError
@@ -96,8 +97,7 @@ def test_a_function_typed_into_python_c_is_refused_with_what_to_do():
     """Under `python -c` (as in a REPL or a notebook) the ranks cannot import `__main__`'s names:
     a function is refused before any rank starts; an argument of such a class fails in every rank,
     which says why (before: "rank 0 failed: exited with code 1 and no result")."""
-    src = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([src, os.environ.get("PYTHONPATH", "")]))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")]))
     done = subprocess.run(
         [sys.executable, "-c", TYPED_AT_A_PROMPT], env=env, capture_output=True, text=True, timeout=120
     )

@@ -273,7 +273,8 @@ def test_surface_and_refusals():
     with pytest.raises(ValueError, match="enable_shrink=True"):
         buffer.low_latency_update_mask_buffer(0, True)
     # FP8 in the hint: DeepEP's callers pass hidden * max(element_size, 2), the same for bf16 and FP8;
-    # one byte a channel plus scales sizes for about half the hidden size (tests/test_deep_ep_sizing.py)
+    # one byte a channel plus scales sizes for about half the hidden size
+    # (tests/compat/test_deep_ep_sizing.py)
     hint_fp8 = deep_ep.Config().get_nvl_buffer_size_hint(7168 + 7168 // 32, 8)
     hint_bf16 = deep_ep.Config().get_nvl_buffer_size_hint(7168 * 2, 8)
     assert 0 < hint_fp8 < hint_bf16

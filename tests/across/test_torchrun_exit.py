@@ -6,13 +6,13 @@ is `UBEP_TORCHRUN_RUNS=20` (docs/reliability.md records it)."""
 from __future__ import annotations
 
 import os
-import pathlib
 import subprocess
 import sys
 
 import pytest
+from repo import ROOT
 
-SCRIPT = pathlib.Path(__file__).parent.parent / "scripts" / "torchrun_exit.py"
+SCRIPT = ROOT / "scripts" / "torchrun_exit.py"
 RUNS = int(os.environ.get("UBEP_TORCHRUN_RUNS", "1"))
 
 
