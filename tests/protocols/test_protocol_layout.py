@@ -38,7 +38,7 @@ SHARED = {
 }  # fmt: skip
 BELOW = {
     "ubep.calls", "ubep.errors", "ubep.faults", "ubep.fp8", "ubep.layout", "ubep.results", "ubep.validate",
-    "ubep.waiting", "ubep.schedule", "ubep.topology", "ubep.reference",
+    "ubep.waiting", "ubep.schedule", "ubep.topology", "ubep.reference", "ubep.registry",
 }  # fmt: skip
 FLOORS_BELOW = ("ubep.engine", "ubep.transport")  # never `ubep.across`: the wing above
 
