@@ -165,8 +165,10 @@ def hier_supported(info: GroupInfo) -> tuple[bool, str]:
 
 
 def choose_transport(requested: str, info: GroupInfo) -> tuple[str, str]:
-    """(transport, reason): 'local' for one rank, 'shm' within a host, 'hier' across hosts,
-    'dist' (flat collectives) where neither fits or when asked for (the names of `ubep.registry`)."""
+    """(transport, reason): 'local' for one rank, 'shm' within a host, across hosts 'hier' where a host
+    holds several ranks (a token then crosses to a host once, however many of its ranks it goes to)
+    and 'dist' (every peer directly) with one rank per host, where neither fits, or when asked for
+    (the names of `ubep.registry`)."""
     one_of("transport", TRANSPORTS, requested)
     if info.world_size == 1:
         return LOCAL.name, LOCAL.summary
@@ -185,6 +187,11 @@ def choose_transport(requested: str, info: GroupInfo) -> tuple[str, str]:
     ok, why = shm_supported()
     if requested == DIST.name:
         return DIST.name, "requested: torch.distributed collectives"
+    if requested == AUTO and info.num_nodes > 1 and info.num_nodes == info.world_size:
+        return DIST.name, (
+            f"one rank on each of {info.num_nodes} hosts: no token has two destinations on one host, so "
+            "hier's one crossing per host saves nothing; every peer directly sends fewer bytes"
+        )
     if requested == HIER.name or (requested == AUTO and info.num_nodes > 1):
         hier_ok, hier_why = hier_supported(info)
         if hier_ok:

@@ -71,6 +71,15 @@ def test_auto_spans_nodes_with_hier_and_dist_stays_flat():
         choose_transport("hier", uneven)
 
 
+def test_auto_takes_the_flat_path_with_one_rank_per_host():
+    """Dedup needs two ranks of a host behind one crossing: with one rank per host, hier only adds its
+    float32 partials, so auto goes flat, and says why; asked for, hier still runs."""
+    one_each = GroupInfo(None, 0, 3, (0, 1, 2))
+    name, why = choose_transport("auto", one_each)
+    assert name == "dist" and "one rank on each of 3 hosts" in why
+    assert choose_transport("hier", GroupInfo(None, 0, 2, (0, 1)))[0] == "hier"
+
+
 # -- on emulated nodes ------------------------------------------------------------------------------
 
 
@@ -138,12 +147,18 @@ def run_hier(calls: int) -> int:
     checked = 0
     for sc in scenarios_for(R):
         with ubep.Buffer(
-            hidden=sc.hidden, num_experts=sc.num_experts, max_tokens_per_rank=sc.capacity, timeout_s=20
+            hidden=sc.hidden,
+            num_experts=sc.num_experts,
+            max_tokens_per_rank=sc.capacity,
+            timeout_s=20,
+            transport="hier",  # asked for: with one rank per node, "auto" takes the flat path
         ) as buf:
             assert buf.transport == "hier", buf.explain()
             check_hier(buf, sc, me)
             checked += 1
-    with ubep.Buffer(hidden=64, num_experts=4 * R, max_tokens_per_rank=24, timeout_s=20) as buf:
+    with ubep.Buffer(
+        hidden=64, num_experts=4 * R, max_tokens_per_rank=24, timeout_s=20, transport="hier"
+    ) as buf:
         back_to_back(buf, R, me, calls)
     return checked
 

@@ -23,12 +23,13 @@ def test_joins_torchrun_group_on_one_node():
     assert out.count("ok=True") == 2 and "transport shm" in out
 
 
-def test_two_torchrun_nodes_use_the_hierarchical_transport():
-    # Two torchrun agents on this host emulate two nodes (--nnodes=2): GROUP_RANK differs.
+def test_two_torchrun_nodes_of_one_rank_take_the_flat_path():
+    # Two torchrun agents on this host emulate two nodes (--nnodes=2): GROUP_RANK differs. With one
+    # rank per node no token shares a crossing, so "auto" goes flat (hier takes two ranks a node).
     port = 29400 + os.getpid() % 1000
     rdzv = ["--nnodes=2", "--nproc-per-node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}"]
     agents = [torchrun_agent(*rdzv, "--rdzv-id=ubep-test") for _ in range(2)]
     outs = [a.communicate(timeout=180) for a in agents]
     assert all(a.returncode == 0 for a in agents), "\n".join(err[-2000:] for _, err in outs)
     text = "".join(out for out, _ in outs)
-    assert text.count("ok=True") == 2 and "transport hier" in text
+    assert text.count("ok=True") == 2 and "transport dist (one rank on each of 2 hosts" in text
