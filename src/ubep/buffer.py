@@ -654,9 +654,7 @@ class Buffer:
             M = handle.padded_to or handle.recv.num_rows
             x = validate.payload("x", x, self.sizing.hidden, max(M, self._max_recv), M, self.device)
             if topk_weights is not None:
-                topk_weights = validate.topk_weights(
-                    topk_weights, (M, _cols(topk_weights)), "topk_weights", self.device
-                )
+                topk_weights = validate.combine_weights(topk_weights, M, self.sizing.max_topk, self.device)
             if handle.padded_to:  # the rows received go back, not the padding (a device route has it)
                 routed = handle.recv.src_token_M.shape[0]
                 x, topk_weights = x[:routed], None if topk_weights is None else topk_weights[:routed]
@@ -907,10 +905,6 @@ class Buffer:
 
 def _rows(t) -> int:
     return t.shape[0] if isinstance(t, torch.Tensor) and t.dim() >= 1 else 0
-
-
-def _cols(t) -> int:
-    return t.shape[1] if isinstance(t, torch.Tensor) and t.dim() == 2 else -1
 
 
 def _no_hook() -> None:

@@ -64,6 +64,7 @@ from ubep.across.fabric.base import (
     Outgoing,
     abort_notice,
     agree_on_mask,
+    check_fits,
     is_this_call,
     mask_lane,
     notice_key,
@@ -395,6 +396,7 @@ class NixlFabric:
     def outbox(self, lane: str, peer: int, call: CallId, words: int, nbytes: int) -> Outgoing:
         """A message to fill for `peer`, in a registered outbox no send in flight uses."""
         i = self.lanes[lane]
+        check_fits(self._lanes[i], peer, call, words, nbytes)
         if not self._pool[i]:
             self._grow(i, 1)
         send = _Send(i, peer, call.seq, KINDS[call.kind], words, nbytes, self._pool[i].pop())
