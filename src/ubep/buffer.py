@@ -298,6 +298,7 @@ class Buffer:
             "max_topk": self.sizing.max_topk,
             "protocol": self.protocol,
             "transport": requested_transport,
+            "fabric": self._settings["fabric"].value,  # a rank on another engine would wait for ever
             "expert_placement": self.sizing.placement.rank_of_expert_E.tolist(),
             "low_latency": self.low_latency,
             "ll_flag": self.ll_flag,  # the slots' layout
