@@ -53,6 +53,7 @@ from ubep.protocols.ll.plans import (
     combine_plan,
     dispatch_outputs,
     dispatch_plan,
+    received,
     wire_rows,
 )
 from ubep.protocols.warmup import needed
@@ -720,11 +721,11 @@ class Buffer:
         except BaseException:
             ll.abort(call, "dispatch")  # its slots and headers are its own: release them, tell the peers
             raise
-        receive = ll.dispatch_send(call, plan, out)  # a failing send half tells its peers itself
+        receive = received(out, ll.dispatch_send(call, plan, out))  # a failing send half tells its peers
         event, hook = _halves(
             self._later(call, receive, async_finish or return_recv_hook), async_finish, return_recv_hook
         )
-        return LowLatencyDispatchResult(out.recv_x, out.handle.recv_count_L, out.handle, event, hook)
+        return LowLatencyDispatchResult(out.recv_x, out.recv_count_L, out.handle, event, hook)
 
     @_one_at_a_time
     def low_latency_combine(
