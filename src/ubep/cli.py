@@ -171,6 +171,7 @@ def run_bench(args: argparse.Namespace) -> int:
     if args.plot:
         require("ubep bench --plot", "matplotlib", "bench")
     from ubep.bench import report
+    from ubep.bench.hosts import HostsFailedError
     from ubep.bench.run import plan, run
 
     namespaces = False
@@ -252,6 +253,8 @@ def run_bench(args: argparse.Namespace) -> int:
 
     try:
         run(cfg, systems, measured)
+    except HostsFailedError as failed:  # the whole output is in its tail; one line says what went wrong
+        raise SystemExit(f"ubep bench --hosts {args.hosts}: {failed.line()}") from None
     except KeyboardInterrupt:  # keep what was measured: on disk (already) and on the screen
         notes.append(f"interrupted: {batches} of {len(cfg.tokens)} batch sizes measured")
         save(complete=False)
