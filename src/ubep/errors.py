@@ -47,7 +47,22 @@ class CommTimeoutError(UbepError, TimeoutError):
 
 
 class CompileWaitTimeoutError(UbepError, TimeoutError):
-    """A Buffer's construction deadline passed while another process compiled the kernels."""
+    """A wait for another process's compile of the kernels passed its deadline while that process
+    showed no progress: `holder` is its pid (as it wrote it in the lock file), `lock` the file,
+    `waited_s` how long this process waited."""
+
+    def __init__(self, message: str, holder: str = "?", lock: str = "", waited_s: float = 0.0):
+        self.holder, self.lock, self.waited_s = holder, lock, waited_s
+        super().__init__(message)
+
+
+class CorruptCacheError(UbepError):
+    """A file of numba's kernel cache could not be read, and removing it to compile again did not
+    help (it could not be removed, or the fresh one failed too); `path` names it."""
+
+    def __init__(self, message: str, path: str):
+        self.path = path
+        super().__init__(message)
 
 
 class ConfigMismatchError(UbepError):
