@@ -202,10 +202,15 @@ def fp8_pair(
     n, h = values.shape
     if h != hidden:
         raise ValueError(f"{name}[0] has hidden size {h}, the Buffer was built for {hidden}")
-    if h % fp8.BLOCK or tuple(scales.shape) != (n, h // fp8.BLOCK):
+    if h % fp8.BLOCK:
+        raise ValueError(
+            f"{name}[0] has hidden size {h}: FP8 needs a multiple of {fp8.BLOCK} (one scale per "
+            f"{fp8.BLOCK} channels)"
+        )
+    if tuple(scales.shape) != (n, h // fp8.BLOCK):
         raise ValueError(
             f"{name}[1] (scales) must have shape [N, H // {fp8.BLOCK}] = {(n, h // fp8.BLOCK)}, "
-            f"got {tuple(scales.shape)} (H must be a multiple of {fp8.BLOCK})"
+            f"got {tuple(scales.shape)}"
         )
     if rows is not None and n != rows:
         raise ValueError(f"{name} has {n} rows, expected {rows}")

@@ -187,8 +187,8 @@ def is_this_call(
         raise PeerAbortedError(phase, peer, said)  # it gave up on this call and went on
     if seq != call.seq or kind != KINDS[call.kind]:
         raise PeerDataError(
-            f"{phase}: rank {peer} sent a message of call #{seq} ({kind}), this rank is in "
-            f"call #{call.seq} ({call.kind}): the ranks' calls are out of step"
+            f"{phase}: rank {peer} sent a message of call #{seq} ({METHODS.get(kind, f'kind {kind}')}), this "
+            f"rank is in call #{call.seq} ({METHODS[KINDS[call.kind]]}): the ranks' calls are out of step"
         )
     return True
 
