@@ -43,7 +43,7 @@ from ubep.placement import Placement
 from ubep.placement.slots import PlacedSlots
 from ubep.plans import Planner
 from ubep.protocols.base import Exchange, LowLatencyExchange, Sizing
-from ubep.protocols.ll.plans import FLAGS
+from ubep.protocols.ll.plans import FLAGS, received
 from ubep.protocols.warmup import needed
 from ubep.results import (
     CombineResult,
@@ -276,6 +276,7 @@ class Buffer:
             "max_topk": self.sizing.max_topk,
             "protocol": self.protocol,
             "transport": requested_transport,
+            "fabric": self._settings["fabric"].value,  # a rank on another engine would wait for ever
             "expert_placement": self.sizing.placement.rank_of_expert_E.tolist(),
             "low_latency": self.low_latency,
             "ll_flag": self.ll_flag,  # the slots' layout
@@ -544,11 +545,11 @@ class Buffer:
         except BaseException:
             ll.abort(call, "dispatch")  # its slots and headers are its own: release them, tell the peers
             raise
-        receive = ll.dispatch_send(call, plan, out)  # a failing send half tells its peers itself
+        receive = received(out, ll.dispatch_send(call, plan, out))  # a failing send half tells its peers
         event, hook = receive_later(
             self._later(call, receive, async_finish or return_recv_hook), async_finish, return_recv_hook
         )
-        return LowLatencyDispatchResult(out.recv_x, out.handle.recv_count_L, out.handle, event, hook)
+        return LowLatencyDispatchResult(out.recv_x, out.recv_count_L, out.handle, event, hook)
 
     @_one_at_a_time
     def low_latency_combine(

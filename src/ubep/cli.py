@@ -7,6 +7,7 @@ kernels' cache, so that no Buffer on this host compiles."""
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import time
 from importlib.metadata import version
@@ -19,6 +20,8 @@ from ubep.routing import ROUTINGS
 from ubep.schedule import POLICIES
 from ubep.sim.commands import add_parser as add_simulate
 from ubep.sim.commands import add_plan_parser as add_plan
+
+WARM_WAIT_S = 120.0  # `ubep warm`: how long another process's compile may show no progress
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -172,6 +175,7 @@ def run_bench(args: argparse.Namespace) -> int:
     if args.plot:
         require("ubep bench --plot", "matplotlib", "bench")
     from ubep.bench import report
+    from ubep.bench.hosts import HostsFailedError
     from ubep.bench.run import plan, run
 
     namespaces = False
@@ -253,6 +257,8 @@ def run_bench(args: argparse.Namespace) -> int:
 
     try:
         run(cfg, systems, measured)
+    except HostsFailedError as failed:  # the whole output is in its tail; one line says what went wrong
+        raise SystemExit(f"ubep bench --hosts {args.hosts}: {failed.line()}") from None
     except KeyboardInterrupt:  # keep what was measured: on disk (already) and on the screen
         notes.append(f"interrupted: {batches} of {len(cfg.tokens)} batch sizes measured")
         save(complete=False)
@@ -360,22 +366,68 @@ def add_warm(subparsers) -> None:
         "warm",
         help="compile the numba kernels into their cache, once for this host",
         description="Compile (or load) every numba kernel and call half a Buffer can run, once for "
-        "this host, so that no Buffer built later compiles (scripts/setup.sh runs this).",
+        "this host, so that no Buffer built later compiles (scripts/setup.sh runs this). A damaged "
+        "cache file is named, removed and compiled again.",
+    )
+    p.add_argument(
+        "--timeout",
+        type=_seconds,
+        default=WARM_WAIT_S,
+        metavar="S",
+        help="give up when another process holding the compile lock has shown no progress for S "
+        "seconds (stopped or hung; default %(default)g)",
     )
     p.set_defaults(func=run_warm)
 
 
+def _seconds(text: str) -> float:
+    """An argparse type: a number of seconds, > 0 and finite."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be > 0 and finite, got {text!r}")
+    return value
+
+
 def run_warm(args: argparse.Namespace) -> int:
-    """One line: how many functions were compiled or loaded, where the cache lives, how long it took."""
+    """One line: how many functions were compiled or loaded, where the cache lives, how long it took;
+    before it, the lines that say what it waits for or repairs (the `ubep` logger's INFO lines)."""
     require("ubep warm", "numba", "fast")
     from ubep.engine.compile_once import cache_location
+    from ubep.errors import CompileWaitTimeoutError, CorruptCacheError
     from ubep.factory import ready_engine
 
+    _progress_lines("ubep warm")
     start = time.perf_counter()
-    engine, _ = ready_engine(NUMBA.name)  # every warm-up: both protocols, both modes
+    try:  # every warm-up: both protocols, both modes
+        engine, _ = ready_engine(NUMBA.name, deadline=time.monotonic() + args.timeout)
+    except CompileWaitTimeoutError as error:
+        raise SystemExit(
+            f"ubep warm: gave up after {error.waited_s:.0f} s: pid {error.holder} holds the compile lock "
+            f"({error.lock}) and has shown no progress for {args.timeout:g} s (stopped or hung?); "
+            "resume or end it, or raise --timeout"
+        ) from None
+    except CorruptCacheError as error:
+        raise SystemExit(f"ubep warm: {error}") from None
     seconds, where = time.perf_counter() - start, cache_location().path
     print(f"ubep warm: kernels {engine.kernels_origin()}, cached in {where}, {seconds:.1f} s")
     return 0
+
+
+def _progress_lines(command: str) -> None:
+    """Show the `ubep` logger's INFO lines on stderr (a wait for another process's compile, a repair),
+    prefixed by the command's name, unless UBEP_LOG_LEVEL or the application chose otherwise."""
+    from ubep.settings import LOG_LEVEL_VARIABLE, LOGGER
+
+    log = logging.getLogger(LOGGER)
+    if os.environ.get(LOG_LEVEL_VARIABLE) or log.hasHandlers():
+        return
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter(f"{command}: %(message)s"))
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
 
 
 def main(argv: list[str] | None = None) -> int:

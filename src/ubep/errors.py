@@ -17,6 +17,8 @@ class CommTimeoutError(UbepError, TimeoutError):
     `dead_peers` lists those among them whose process is known to have exited,
     which is detected before the deadline where the peer runs on this host. `lost`:
     the connection broke before the deadline, and which of `peers` left is unknown.
+    `closed`: those of `dead_peers` known only by their connection's end (a fabric
+    engine lost it), whose process may still run: they died or closed their Buffer.
     """
 
     def __init__(
@@ -28,14 +30,21 @@ class CommTimeoutError(UbepError, TimeoutError):
         detail: str = "",
         *,
         lost: bool = False,
+        closed: list[int] | None = None,
     ):
         self.phase = phase
         self.peers = list(peers)
         self.timeout_s = timeout_s
         self.dead_peers = list(dead_peers)
+        self.closed_peers = [p for p in closed or () if p in dead_peers]
         if dead_peers:
-            ranks = _ranks(dead_peers)
-            why = f"rank(s) {ranks} died (process exited; seen before the {timeout_s:g} s deadline)"
+            seen = f"seen before the {timeout_s:g} s deadline"
+            exited = [p for p in dead_peers if p not in self.closed_peers]
+            said = [f"rank(s) {_ranks(exited)} died (process exited; {seen})"] if exited else []
+            if self.closed_peers:
+                ranks = _ranks(self.closed_peers)
+                said.append(f"rank(s) {ranks} died or closed its Buffer (its connection closed; {seen})")
+            why = "; ".join(said)
             alive = [p for p in peers if p not in dead_peers]
             if alive:
                 why += f"; no signal from rank(s) {_ranks(alive)} either"
@@ -47,7 +56,22 @@ class CommTimeoutError(UbepError, TimeoutError):
 
 
 class CompileWaitTimeoutError(UbepError, TimeoutError):
-    """A Buffer's construction deadline passed while another process compiled the kernels."""
+    """A wait for another process's compile of the kernels passed its deadline while that process
+    showed no progress: `holder` is its pid (as it wrote it in the lock file), `lock` the file,
+    `waited_s` how long this process waited."""
+
+    def __init__(self, message: str, holder: str = "?", lock: str = "", waited_s: float = 0.0):
+        self.holder, self.lock, self.waited_s = holder, lock, waited_s
+        super().__init__(message)
+
+
+class CorruptCacheError(UbepError):
+    """A file of numba's kernel cache could not be read, and removing it to compile again did not
+    help (it could not be removed, or the fresh one failed too); `path` names it."""
+
+    def __init__(self, message: str, path: str):
+        self.path = path
+        super().__init__(message)
 
 
 class ConfigMismatchError(UbepError):

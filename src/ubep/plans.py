@@ -212,9 +212,7 @@ class Planner:
         M = handle.padded_to or handle.recv.num_rows
         x = validate.payload("x", x, self.sizing.hidden, max(M, self.max_recv), M, self.device)
         if topk_weights is not None:
-            topk_weights = validate.topk_weights(
-                topk_weights, (M, _cols(topk_weights)), "topk_weights", self.device
-            )
+            topk_weights = validate.combine_weights(topk_weights, M, self.sizing.max_topk, self.device)
         if handle.padded_to:  # the rows received go back, not the padding (a device route has it)
             routed = handle.recv.src_token_M.shape[0]
             x, topk_weights = x[:routed], None if topk_weights is None else topk_weights[:routed]
@@ -278,7 +276,3 @@ class Planner:
                 raise ValueError(f"out must be a contiguous [{N}, {H}] tensor")
         plan = None if on_device else combine_plan(x, w, handle, self.sizing.placement)
         return LLCombineInputs(x=x, topk_idx_NK=idx, topk_weights_NK=w, out_NH=out, plan=plan)
-
-
-def _cols(t) -> int:
-    return t.shape[1] if isinstance(t, torch.Tensor) and t.dim() == 2 else -1

@@ -218,11 +218,19 @@ class Stats:
 
     @classmethod
     def load(cls, path: str | Path) -> Stats:
-        return cls.from_dict(json.loads(Path(path).read_text()))
+        """The snapshot saved at `path`; ValueError saying what is wrong with a file of another shape."""
+        try:
+            d = json.loads(Path(path).read_text())
+        except RecursionError:  # a snapshot nests four levels; a hostile file, thousands
+            raise ValueError(
+                "its JSON nests deeper than Python's parser follows (a snapshot nests 4 levels)"
+            ) from None
+        return cls.from_dict(d)
 
 
 # -- the file's schema ------------------------------------------------------------------------------
 
+INT64_MAX = 2**63 - 1  # the counters' type: every count, and every matrix's total, must fit it
 FIELDS = (
     "ranks",
     "num_ranks",
@@ -258,11 +266,13 @@ def check_schema(d: object) -> None:
     for name in ("traffic_rows_RR", "traffic_bytes_RR"):
         for i, row in enumerate(_list(name, d[name], R)):
             _counts(f"{name}[{i}]", row, R)
+        _fits_int64(name, d[name])
     layers = _list("expert_load_LE", d["expert_load_LE"])
     if not layers:
         raise _wrong("expert_load_LE", "at least one layer", layers)
     for i, row in enumerate(layers):
         _counts(f"expert_load_LE[{i}]", row, E)
+    _fits_int64("expert_load_LE", layers)
     for i, rec in enumerate(_list("recent", d["recent"])):
         _check_record(f"recent[{i}]", rec, ranks, R)
 
@@ -281,8 +291,19 @@ def _check_record(where: str, rec, ranks: list[int], num_ranks: int) -> None:
 
 
 def _wrong(where: str, rule: str, value) -> ValueError:
-    shown = json.dumps(value)
+    try:
+        shown = json.dumps(value)
+    except RecursionError:
+        shown = "a value nested too deep to show"
     return ValueError(f"{where}: expected {rule}, got {shown if len(shown) <= 40 else shown[:37] + '...'}")
+
+
+def _fits_int64(where: str, rows) -> None:
+    """The matrix's entries (each already a count) add up within int64: the report sums them in
+    int64 tensors, where a larger total wraps to a negative number."""
+    total = sum(sum(row) for row in rows)
+    if total > INT64_MAX:
+        raise ValueError(f"{where}: its entries add up to {total}, more than int64 holds (2**63 - 1)")
 
 
 def _fields(where: str, d, names: tuple[str, ...]) -> None:
@@ -313,6 +334,8 @@ def _count(where: str, value, lo: int, hi: int | None = None) -> int:
     number = isinstance(value, int) and not isinstance(value, bool)
     if not (number and lo <= value and (hi is None or value < hi)):
         raise _wrong(where, f"an int >= {lo}" if hi is None else f"a rank id in [{lo}, {hi})", value)
+    if value > INT64_MAX:
+        raise _wrong(where, "an int64 (at most 2**63 - 1)", value)
     return value
 
 

@@ -114,6 +114,20 @@ def topk_weights(
     return w.contiguous()
 
 
+def combine_weights(value, rows: int, max_topk: int, device: torch.device = CPU) -> torch.Tensor:
+    """float32 [M, K] with K <= max_topk: combine sends each row's weights with it, into buffers and
+    messages the Buffer sized for max_topk, so a wider one is refused here, before any byte is sent."""
+    w = tensor("topk_weights", value, torch.float32, 2, device)
+    if w.shape[0] != rows:
+        raise ValueError(f"topk_weights has shape {tuple(w.shape)}, expected {(rows, w.shape[1])}")
+    if w.shape[1] > max_topk:
+        raise ValueError(
+            f"topk_weights has {w.shape[1]} columns (top-k); it must be at most max_topk={max_topk}, "
+            "the Buffer's sizing"
+        )
+    return w.contiguous()
+
+
 def layout_args(
     num_tokens_per_rank, is_token_in_rank, computed_is_token_in_rank: torch.Tensor, device: torch.device = CPU
 ) -> None:
@@ -188,10 +202,15 @@ def fp8_pair(
     n, h = values.shape
     if h != hidden:
         raise ValueError(f"{name}[0] has hidden size {h}, the Buffer was built for {hidden}")
-    if h % fp8.BLOCK or tuple(scales.shape) != (n, h // fp8.BLOCK):
+    if h % fp8.BLOCK:
+        raise ValueError(
+            f"{name}[0] has hidden size {h}: FP8 needs a multiple of {fp8.BLOCK} (one scale per "
+            f"{fp8.BLOCK} channels)"
+        )
+    if tuple(scales.shape) != (n, h // fp8.BLOCK):
         raise ValueError(
             f"{name}[1] (scales) must have shape [N, H // {fp8.BLOCK}] = {(n, h // fp8.BLOCK)}, "
-            f"got {tuple(scales.shape)} (H must be a multiple of {fp8.BLOCK})"
+            f"got {tuple(scales.shape)}"
         )
     if rows is not None and n != rows:
         raise ValueError(f"{name} has {n} rows, expected {rows}")

@@ -151,6 +151,41 @@ def test_a_killed_peer_is_named_before_the_deadline(own_host):
         assert f"rank(s) {VICTIM} died" in message or f"because rank {VICTIM} failed" in message, message
 
 
+def closed_peer() -> tuple[str, str]:
+    """Rank 1 closes its Buffer after a call and stays alive; rank 0's next call names it."""
+    on_nixl()
+    me = dist.get_rank()
+    sizing = dict(hidden=KILLED.hidden, num_experts=4, max_tokens_per_rank=KILLED.capacity)
+    buf = ubep.Buffer(**sizing, transport="dist", timeout_s=20)
+    x = torch.ones(2, KILLED.hidden, dtype=torch.bfloat16, device="cpu")
+    idx = torch.tensor([[0], [3]], dtype=torch.int64, device="cpu")  # one token to each rank
+    w = torch.ones(2, 1, dtype=torch.float32, device="cpu")
+    buf.dispatch(x, topk_idx=idx, topk_weights=w)
+    said = ("closed", "")
+    if me == 1:
+        buf.close()
+    else:
+        try:
+            buf.dispatch(x, topk_idx=idx, topk_weights=w)
+            said = ("none", "")
+        except CommTimeoutError as error:
+            said = (type(error).__name__, str(error))
+        buf.close()
+    dist.barrier()  # rank 1 lives until rank 0 has its answer
+    return said
+
+
+@pytest.mark.timeout(120)
+def test_a_peer_that_closed_its_buffer_is_not_called_exited():
+    """Issue 45, item 17: a peer that only closed its Buffer was reported as "died (process exited)"."""
+    outcomes = ubep.LocalLaunch(world_size=2, timeout_s=100).outcomes(closed_peer)
+    assert all(o.ok for o in outcomes), [o.error for o in outcomes]
+    error, message = outcomes[0].result
+    assert error == "CommTimeoutError", outcomes[0].result
+    assert "rank(s) 1 died or closed its Buffer (its connection closed" in message, message
+    assert "process exited" not in message, message
+
+
 def stopped_peer() -> tuple[str, list[int], list[int]]:
     """Rank 1 stops (SIGSTOP) after a call; rank 0's next call names it at the deadline, closes its
     Buffer with a write to it still in flight, and kills it."""

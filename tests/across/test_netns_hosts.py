@@ -4,6 +4,7 @@ reason, where namespaces cannot be made (not root, no iproute2)."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import signal
 import subprocess
@@ -83,3 +84,24 @@ def test_without_tc_on_path_the_hosts_are_refused_naming_it(tmp_path, monkeypatc
     monkeypatch.setenv("PATH", str(tmp_path))
     ok, why = namespaces_available()
     assert not ok and "`tc`" in why
+
+
+def test_a_tc_that_fails_is_named_in_one_line_before_and_during_a_run(tmp_path, monkeypatch):
+    """A `tc` on PATH that fails (a broken wrapper, no qdisc in the kernel): the probe names its error
+    and the bench runs emulated nodes; where the hosts' script meets it anyway, `ubep bench` ends in
+    one line, not a traceback (issue 45, item 16: only `which tc` was checked)."""
+    pytest.importorskip("rich")
+    import ubep.bench.hosts
+    from ubep.cli import main
+
+    tc = tmp_path / "tc"
+    tc.write_text("#!/bin/sh\necho 'tc: this tc is broken' >&2\nexit 1\n")
+    tc.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    ok, why = namespaces_available()
+    assert not ok and why == "`tc` cannot shape a link here (tc: this tc is broken)", why
+    monkeypatch.setattr(ubep.bench.hosts, "namespaces_available", lambda: (True, "as if the probe passed"))
+    argv = ["bench", "--hosts", "2", "--ranks", "2", "--experts", "4", "--topk", "2", "--hidden", "64"]
+    with pytest.raises(SystemExit) as ended:
+        main([*argv, "--tokens", "8", "--iters", "1", "--warmup", "0", "--systems", "ubep"])
+    assert str(ended.value) == "ubep bench --hosts 2: namespace hosts failed (exit 1): tc: this tc is broken"

@@ -86,6 +86,30 @@ def test_a_wait_past_the_deadline_names_the_compiling_process(tmp_path):
         pass
 
 
+def test_warm_behind_a_stopped_holder_names_it_and_gives_up(tmp_path):
+    """`ubep warm` behind a lock holder with no heartbeat (stopped, or hung): a line naming the pid it
+    waits for, then one line giving up at its --timeout (issue 45, item 13: it waited for ever, silently)."""
+    from ubep.engine import compile_once
+
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path)}
+    env.pop("UBEP_LOG_LEVEL", None)
+    code = "from ubep.engine.compile_once import cache_location; print(cache_location().path)"
+    where = _python(code, env, timeout_s=120).stdout.strip().splitlines()[-1]
+    os.makedirs(where, exist_ok=True)
+    with open(os.path.join(where, compile_once.LOCK_FILE), "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        held.write("4242")
+        held.flush()
+        start = time.monotonic()
+        warm = "from ubep.cli import main; raise SystemExit(main(['warm', '--timeout', '3']))"
+        done = _python(warm, env, timeout_s=120)
+        took = time.monotonic() - start
+    assert done.returncode == 1, (done.returncode, done.stderr[-3000:])
+    assert "ubep warm: waiting for another process (pid 4242)" in done.stderr, done.stderr[-3000:]
+    assert "ubep warm: gave up after" in done.stderr and "pid 4242 holds the compile lock" in done.stderr
+    assert took < 60, took
+
+
 def test_a_holder_that_shows_progress_is_waited_for_past_the_deadline(tmp_path, monkeypatch):
     """A slow compile (the holder's heartbeat goes on) is no stall: the waiter waits it out."""
     import threading

@@ -1,17 +1,20 @@
-"""A corrupt numba disk cache is found while the engine is chosen, never inside a call.
+"""A damaged numba disk cache is repaired while the engine is chosen, never met inside a call.
 
 numba loads a kernel's compiled code from its cache directory on the kernel's
 first call in a process; a damaged file (a full disk, an interrupted write)
-raises there (UnpicklingError). Each case fills a fresh cache directory in one
-process, damages every cached file of one kernel, then, in another process,
-checks that `engine="auto"` falls back to torch with the reason in `explain()`
-and that the call is exact against `ubep.reference`.
+raises there (UnpicklingError, ValueError). `ubep warm` fills a fresh cache
+directory once for the module; each case damages files of one kernel in a copy,
+then, in another process, checks that the file is named, removed and compiled
+again: `engine="auto"` keeps numba (before issue 45, item 14: torch in every
+process from then on), `engine="numba"` and `ubep warm` succeed (before: a raw
+error naming no file), and the calls are exact against `ubep.reference`.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import pickle
 import shutil
 import subprocess
 import sys
@@ -47,30 +50,64 @@ print(json.dumps({"explain": got[0][0], "exact": exact}))
 """
 
 
-def _python(code: str, cache: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "NUMBA_CACHE_DIR": str(cache)}
+def _python(code: str, cache: Path, **env: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(cache), **env}
+    env.pop("UBEP_LOG_LEVEL", None)
     return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=400)
+
+
+WARM = "from ubep.cli import main; raise SystemExit(main(['warm']))"
 
 
 @pytest.fixture(scope="module")
 def filled_cache(tmp_path_factory) -> Path:
-    """A cache directory holding every kernel of the call, compiled once for the module."""
+    """A cache directory holding every kernel and call half, compiled once for the module."""
     cache = tmp_path_factory.mktemp("numba_cache")
-    filled = _python(CALL, cache)
+    filled = _python(WARM, cache)
     assert filled.returncode == 0, filled.stderr[-3000:]
-    assert "engine numba" in json.loads(filled.stdout.strip().splitlines()[-1])["explain"]
     return cache
 
 
-@pytest.mark.parametrize("kernel", ["gather_blocks", "reduce_blocks"])
-def test_a_corrupt_cached_kernel_falls_back_before_the_call(filled_cache, tmp_path, kernel):
-    shutil.copytree(filled_cache, tmp_path, dirs_exist_ok=True)
-    damaged = [f for f in tmp_path.rglob(f"numba_kernels.{kernel}-*") if f.suffix in (".nbi", ".nbc")]
+def damage(cache: Path, kernel: str, suffixes: tuple[str, ...]) -> list[Path]:
+    """Overwrite the cached files of `kernel` ("module.function") with bytes that are no pickle."""
+    damaged = [f for f in cache.rglob(f"{kernel}-*") if f.suffix in suffixes]
     assert damaged, f"no cached file for {kernel} under the cache directory"
     for f in damaged:
         f.write_bytes(b"\x80not a pickle")
+    return damaged
+
+
+def readable_index(path: Path) -> bool:
+    """numba's index format: a pickled version, then a pickled (stamp, overloads)."""
+    with open(path, "rb") as f:
+        pickle.load(f)
+        _, overloads = pickle.loads(f.read())
+    return bool(overloads)
+
+
+@pytest.mark.parametrize("kernel", ["gather_blocks", "reduce_blocks"])
+def test_a_corrupt_cached_kernel_is_repaired_before_the_call(filled_cache, tmp_path, kernel):
+    shutil.copytree(filled_cache, tmp_path, dirs_exist_ok=True)
+    damaged = damage(tmp_path, f"numba_kernels.{kernel}", (".nbi", ".nbc"))
     ran = _python(CALL, tmp_path)
     assert ran.returncode == 0, ran.stderr[-3000:]
     got = json.loads(ran.stdout.strip().splitlines()[-1])
     assert got["exact"]
-    assert "engine torch" in got["explain"] and "numba kernels failed" in got["explain"], got["explain"]
+    assert "engine numba" in got["explain"], got["explain"]  # before: engine torch, in every process
+    assert any(f"numba cache: {f} cannot be read" in ran.stderr for f in damaged), ran.stderr[-3000:]
+    assert all(readable_index(f) for f in damaged if f.suffix == ".nbi")
+
+
+def test_a_corrupt_index_is_named_and_repaired_by_ubep_warm_and_engine_numba(filled_cache, tmp_path):
+    shutil.copytree(filled_cache, tmp_path, dirs_exist_ok=True)
+    (index,) = damage(tmp_path, "numba_kernels.copy_rows", (".nbi",))
+    warmed = _python(WARM, tmp_path)
+    assert warmed.returncode == 0, warmed.stderr[-3000:]  # before: a traceback naming no file
+    assert f"ubep warm: numba cache: {index} cannot be read" in warmed.stderr, warmed.stderr[-3000:]
+    assert readable_index(index)
+    damage(tmp_path, "numba_kernels.copy_rows", (".nbi",))
+    ran = _python(CALL, tmp_path, UBEP_ENGINE="numba")  # before: UnpicklingError / ValueError raised
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    got = json.loads(ran.stdout.strip().splitlines()[-1])
+    assert got["exact"] and "engine numba" in got["explain"], got
+    assert readable_index(index)

@@ -347,6 +347,17 @@ WRONG_SHAPES = [  # (the file's JSON, what the error must name), issue 32 item 7
     (changed("recent.0.kind", 5), "recent[0].kind: expected one of dispatch, combine, ll_dispatch"),
     (changed("-calls", None), "the file: missing field 'calls'"),
     (changed("version", 2), "the file: unexpected field 'version'"),
+    # issue 45, item 15: totals past int64 printed negative traffic; one entry past it, a traceback
+    (
+        changed("traffic_rows_RR", [[2**62, 2**62], [0, 1]]),
+        f"traffic_rows_RR: its entries add up to {2**63 + 1}, more than int64",
+    ),
+    (
+        changed("expert_load_LE.0", [2**62, 2**62, 0, 0]),
+        f"expert_load_LE: its entries add up to {2**63}, more than int64",
+    ),
+    (changed("traffic_bytes_RR.0", [2**63, 0]), "traffic_bytes_RR[0][0]: expected an int64"),
+    (changed("recent.0.ready_ns", 10**400), "recent[0].ready_ns: expected an int64"),
 ]
 
 
@@ -359,6 +370,26 @@ def test_report_names_the_field_of_a_file_of_the_wrong_shape(snapshot, said, tmp
     with pytest.raises(SystemExit) as caught:  # a message, not a traceback
         main(["report", str(path)])
     assert str(caught.value).startswith(f"ubep report: cannot read {path}: {said}"), caught.value
+
+
+@pytest.mark.parametrize("where", ["top", "ranks"])
+def test_report_refuses_json_nested_too_deep_in_one_line(where, tmp_path):
+    """100,000 nested lists (issue 45, item 15: a RecursionError traceback), at the top or in a field."""
+    from ubep.cli import main
+
+    deep = "[" * 100_000 + "]" * 100_000
+    path = tmp_path / "stats.json"
+    path.write_text(
+        deep
+        if where == "top"
+        else json.dumps(small_snapshot()).replace('"ranks": [0, 1]', f'"ranks": {deep}')
+    )
+    with pytest.raises(SystemExit) as caught:
+        main(["report", str(path)])
+    assert str(caught.value) == (
+        f"ubep report: cannot read {path}: its JSON nests deeper than Python's parser follows "
+        "(a snapshot nests 4 levels)"
+    )
 
 
 def test_report_reads_a_hand_written_snapshot(tmp_path, capsys):

@@ -6,8 +6,8 @@ inside a call (transport "dist").
                        peer sees it, weights) and the row itself
               receive  as each peer's message lands (any order): check it; place its rows as soon
                        as the blocks of the ranks before it are placed (rows stay in rank order)
-    combine   send     to every home, one message: the header, then the rows it sent here, in the
-                       order they came (and their weights)
+    combine   send     to every home, one message: the header, then the weights (if any) and the rows
+                       it sent here, in the order they came (weights first: they need 4-byte alignment)
               reduce   as each expert rank's message lands: add its rows into the float32 sums, in
                        ascending rank order (the reference's), rounding once at the end
 
@@ -233,15 +233,15 @@ class UbepFabric(Exchange):
             raise
 
     def _send_back(self, call, peer, mine, x_MH, w_MK, handle) -> None:
-        """One message to home `peer`: the rows it sent here, in the order they came, and their weights."""
+        """One message to home `peer`: the weights of the rows it sent here, then the rows, in the order
+        they came. Weights first: float32 needs 4-byte alignment, which n bf16 rows of an odd H break."""
         a, z = int(handle.recv_prefix_R1[peer]), int(handle.recv_prefix_R1[peer + 1])
         n, H, K = z - a, x_MH.shape[1], 0 if w_MK is None else w_MK.shape[1]
-        row_bytes = H * x_MH.element_size()
-        out = self.fabric.outbox("combine", peer, call, WORDS + 1, n * (row_bytes + 4 * K))
+        out = self.fabric.outbox("combine", peer, call, WORDS + 1, n * (H * x_MH.element_size() + 4 * K))
         out.header[:WORDS], out.header[COUNT] = mine, n
-        out.payload[: n * row_bytes].view(x_MH.dtype).view(n, H).copy_(x_MH[a:z])
         if K:
-            out.payload[n * row_bytes :].view(torch.float32).view(n, K).copy_(w_MK[a:z])
+            out.payload[: 4 * n * K].view(torch.float32).view(n, K).copy_(w_MK[a:z])
+        out.payload[4 * n * K :].view(x_MH.dtype).view(n, H).copy_(x_MH[a:z])
         self.fabric.send(out)
 
     def _reduce(self, call, mine, x_MH, w_MK, handle):
@@ -276,8 +276,8 @@ class UbepFabric(Exchange):
             row_bytes = H * dtype.itemsize
             if count != want or msg.payload.numel() != count * (row_bytes + 4 * K):
                 raise self._bad(call, peer, f"combine: rank {peer} returned {count} rows, expected {want}")
-            rows_nH = msg.payload[: count * row_bytes].view(dtype).view(count, H)
-            w_nK = msg.payload[count * row_bytes :].view(torch.float32).view(count, K) if K else None
+            w_nK = msg.payload[: 4 * count * K].view(torch.float32).view(count, K) if K else None
+            rows_nH = msg.payload[4 * count * K :].view(dtype).view(count, H)
             blocks[peer] = (rows_nH, w_nK)
             add(peer, count)
         return acc_NH.to(dtype), acc_NK

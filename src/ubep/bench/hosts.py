@@ -43,9 +43,44 @@ def namespaces_available(script: Path = SCRIPT) -> tuple[bool, str]:
     probe = f"ubep-probe{os.getpid()}"
     made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True, timeout=30)
     if made.returncode != 0:
-        return False, f"`ip netns add` failed: {made.stderr.strip() or made.returncode}"
-    subprocess.run(["ip", "netns", "del", probe], capture_output=True, timeout=30)
-    return True, "root, and `ip netns` works"
+        return False, f"`ip netns add` failed: {_last_line(made.stderr) or made.returncode}"
+    try:
+        shaped = _shape_probe(probe)
+    finally:
+        subprocess.run(["ip", "netns", "del", probe], capture_output=True, timeout=30)
+    if shaped is not None:
+        return False, f"`tc` cannot shape a link here ({shaped})"
+    return True, "root, and `ip netns` and `tc` work"
+
+
+def _shape_probe(namespace: str) -> str | None:
+    """Shape the probe namespace's lo as the script shapes each host's link (netem, else tbf); None
+    where that works, else what `tc` said (a `tc` on PATH may still fail: a wrapper, no qdisc modules)."""
+    said = ""
+    for qdisc in (["netem", "delay", "15us"], ["tbf", "rate", "1gbit", "burst", "4mb", "latency", "10ms"]):
+        command = ["ip", "netns", "exec", namespace, "tc", "qdisc", "add", "dev", "lo", "root", *qdisc]
+        done = subprocess.run(command, capture_output=True, text=True, timeout=30)
+        if done.returncode == 0:
+            return None
+        said = _last_line(done.stderr) or f"exit {done.returncode}"
+    return said
+
+
+def _last_line(text: str) -> str:
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return lines[-1] if lines else ""
+
+
+class HostsFailedError(RuntimeError):
+    """The namespace hosts' script ended early; `tail` is the end of what it printed."""
+
+    def __init__(self, exit_code: int | None, tail: str):
+        self.exit_code, self.tail = exit_code, tail
+        super().__init__(f"namespace hosts failed (exit {exit_code}):\n{tail}")
+
+    def line(self) -> str:
+        """The failure in one line: the exit status and the last line the hosts printed."""
+        return f"namespace hosts failed (exit {self.exit_code}): {_last_line(self.tail) or 'no output'}"
 
 
 def hosts_command(cfg: BenchConfig, tokens: int, systems: tuple[str, ...], turns_dir: str) -> list[str]:
@@ -95,10 +130,9 @@ class HostsGroup:
                 continue
         self._out.close()
 
-    def _failure(self) -> RuntimeError:
+    def _failure(self) -> HostsFailedError:
         self._out.seek(0)
-        tail = self._out.read()[-3000:]
-        return RuntimeError(f"namespace hosts failed (exit {self._proc.returncode}):\n{tail}")
+        return HostsFailedError(self._proc.returncode, self._out.read()[-3000:])
 
 
 def main(config_json: str, tokens: int, systems: str, turns_dir: str) -> None:

@@ -18,6 +18,12 @@ Example (4 ranks, empty cache, warm-ups "engine" and "ubep"): rank 2 takes the l
 compiles both (20 s, one INFO line while it does); ranks 0, 1 and 3 wait (one line each),
 then each takes the lock in turn, finds the markers, lets go of it and loads (milliseconds).
 The next job finds every marker and loads without the lock, all ranks at once.
+
+A cache file numba cannot read (a damaged index or data file: a full disk, an interrupted
+copy) raises inside numba on the kernel's first call (UnpicklingError, EOFError). A
+warm-up that fails so is run again under the lock: the file it names is removed, with a
+WARNING naming it, and numba compiles that kernel afresh and writes a good file; a file
+that cannot be removed, or fails again, raises CorruptCacheError naming it.
 """
 
 from __future__ import annotations
@@ -39,7 +45,7 @@ from numba.core import caching, config
 from numba.core.dispatcher import Dispatcher
 
 from ubep.engine import numba_kernels
-from ubep.errors import CompileWaitTimeoutError
+from ubep.errors import CompileWaitTimeoutError, CorruptCacheError
 
 log = logging.getLogger("ubep")  # `ubep.settings.LOGGER`, which imports the engines
 
@@ -105,15 +111,80 @@ def once_per_host(warm_ups: Mapping[str, Callable[[], None]], deadline: float | 
             names = ", ".join(todo)
             with _announced(f"compiling ubep's numba kernels ({names}) once for this host, in {where}"):
                 for name in todo:
-                    warm_ups[name]()
+                    _repaired(warm_ups[name])
                     with open(marker[name], "w"):
                         pass
-    return _run(warm for name, warm in warm_ups.items() if name not in todo)  # loads, side by side
+    for name, warm in warm_ups.items():  # loads, side by side
+        if name in todo:
+            continue
+        try:
+            warm()
+        except Exception as error:
+            if damaged_file(error) is None:
+                raise
+            with _host_lock(where, deadline):  # one process repairs; the others find it repaired
+                _repaired(warm)
 
 
 def _run(warm_ups: Iterable[Callable[[], None]]) -> None:
     for warm in warm_ups:
         warm()
+
+
+def _repaired(warm: Callable[[], None]) -> None:
+    """Run `warm` (holding the host lock), removing each cache file numba fails to read, so that numba
+    compiles its kernel again and writes a good one; CorruptCacheError names a file that cannot be
+    removed, or that fails again once compiled afresh."""
+    removed: set[str] = set()
+    while True:
+        try:
+            warm()
+            return
+        except Exception as error:
+            path = damaged_file(error)
+            if path is None:
+                raise
+            why = f"{type(error).__name__}: {error}"
+            if path in removed:
+                raise CorruptCacheError(
+                    f"numba cache: {path} cannot be read ({why}), even after it was removed and compiled "
+                    "again; remove the cache directory, or point NUMBA_CACHE_DIR elsewhere",
+                    path,
+                ) from error
+            log.warning(
+                "numba cache: %s cannot be read (%s); removed it, compiling that kernel again", path, why
+            )
+            try:
+                os.remove(path)
+            except FileNotFoundError:
+                pass  # another process removed it first
+            except OSError as failed:
+                raise CorruptCacheError(
+                    f"numba cache: {path} cannot be read ({why}) nor removed ({failed.strerror}); remove "
+                    "it, or point NUMBA_CACHE_DIR elsewhere",
+                    path,
+                ) from error
+            removed.add(path)
+
+
+def damaged_file(error: BaseException) -> str | None:
+    """The numba cache file (an index, or a data file) whose reading raised `error` or an exception
+    it came from, found in the traceback's numba frames; None when no cache read failed."""
+    seen: set[int] = set()
+    at: BaseException | None = error
+    while at is not None and id(at) not in seen:
+        seen.add(id(at))
+        tb = at.__traceback__
+        while tb is not None:
+            frame, tb = tb.tb_frame, tb.tb_next
+            owner = frame.f_locals.get("self")
+            if isinstance(owner, caching.IndexDataCacheFile):
+                if frame.f_code.co_name == "_load_index":
+                    return owner._index_path
+                if frame.f_code.co_name == "_load_data":
+                    return frame.f_locals.get("path")
+        at = at.__cause__ or at.__context__
+    return None
 
 
 def kernel_stats() -> dict[str, tuple[int, int]]:
@@ -201,7 +272,10 @@ def _acquire(fd: int, path: str, deadline: float | None) -> None:
                 raise CompileWaitTimeoutError(
                     f"Buffer construction: waited {now - start:.0f} s for {why}, which has shown no sign of "
                     f"progress for {budget:.0f} s (the construction deadline); run `ubep warm` once on this "
-                    "host before starting the ranks, or raise timeout_s"
+                    "host before starting the ranks, or raise timeout_s",
+                    holder,
+                    path,
+                    now - start,
                 )
             time.sleep(POLL_S)
 

@@ -117,6 +117,18 @@ class Fabric(Protocol):
         """Release every inbox and connection; idempotent."""
 
 
+def check_fits(lane: Lane, peer: int, call: CallId, words: int, nbytes: int) -> None:
+    """Refuse a message larger than its lane (the peer's inbox was sized for the lane at construction),
+    naming the lane and both sizes, before any byte of it is written or sent: sent, it would overrun
+    the inbox, which the engine answers with a process abort (gloo) or a write past the region."""
+    if not (0 <= words <= lane.words and 0 <= nbytes <= lane.nbytes):
+        raise ValueError(
+            f"{call.kind} (call #{call.seq}): a message of {words} header words and {nbytes} payload bytes "
+            f"to rank {peer} exceeds the {lane.name!r} lane's {lane.words} words and {lane.nbytes} bytes, "
+            "sized at construction from the Buffer's hidden, max_tokens_per_rank and max_topk"
+        )
+
+
 def mask_lane(num_ranks: int) -> Lane:
     """The lane a mask round runs on: the last call a rank started, then a flag per rank."""
     return Lane(MASK_LANE, 1 + num_ranks, 0)
@@ -175,8 +187,8 @@ def is_this_call(
         raise PeerAbortedError(phase, peer, said)  # it gave up on this call and went on
     if seq != call.seq or kind != KINDS[call.kind]:
         raise PeerDataError(
-            f"{phase}: rank {peer} sent a message of call #{seq} ({kind}), this rank is in "
-            f"call #{call.seq} ({call.kind}): the ranks' calls are out of step"
+            f"{phase}: rank {peer} sent a message of call #{seq} ({METHODS.get(kind, f'kind {kind}')}), this "
+            f"rank is in call #{call.seq} ({METHODS[KINDS[call.kind]]}): the ranks' calls are out of step"
         )
     return True
 

@@ -43,6 +43,7 @@ from ubep.across.fabric.base import (
     Outgoing,
     abort_notice,
     agree_on_mask,
+    check_fits,
     is_this_call,
     mask_lane,
     notice_key,
@@ -250,6 +251,7 @@ class GlooFabric:
     def outbox(self, lane: str, peer: int, call: CallId, words: int, nbytes: int) -> Outgoing:
         """A message to fill for `peer`, in a buffer of its own (kept until the send has surely left)."""
         i = self.lanes[lane]
+        check_fits(self._lanes[i], peer, call, words, nbytes)
         at, end = 8 * (FRAME + words), 8 * (FRAME + words) + _aligned(nbytes)
         buffer = torch.empty(end + 8, dtype=torch.uint8, device="cpu")
         frame = buffer[: 8 * FRAME].view(torch.int64)

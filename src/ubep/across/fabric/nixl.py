@@ -64,13 +64,14 @@ from ubep.across.fabric.base import (
     Outgoing,
     abort_notice,
     agree_on_mask,
+    check_fits,
     is_this_call,
     mask_lane,
     notice_key,
 )
 from ubep.calls import KINDS, CallId
 from ubep.deadlines import PeerPids, collective_deadline
-from ubep.errors import PeerDataError
+from ubep.errors import CommTimeoutError, PeerDataError
 from ubep.extras import install_hint
 from ubep.registry import NIXL
 from ubep.waiting import AbortNotice, Waiter
@@ -221,7 +222,7 @@ class NixlFabric:
         waiter = Waiter("Buffer construction (fabric: first notices)", timeout_s, self._gone, lambda p: None)
         while pending := [p for p in self.peers if p not in self._greeted]:
             self._progress()
-            waiter.pause(pending)
+            self._pause(waiter, pending)
 
     # -- progress ---------------------------------------------------------------------------------
 
@@ -347,12 +348,25 @@ class NixlFabric:
                 yield Message(p, header, self._inbox[at + 8 * words : at + 8 * words + nbytes])
             if pending and not landed:
                 self._other_calls(i, call, pending, other_call)
-                waiter.pause(pending)
+                self._pause(waiter, pending)
         while True:  # until this rank's own messages of the call are delivered
             self._progress()
             if not (late := self._undelivered(i, call)):
                 return
-            waiter.pause(late)
+            self._pause(waiter, late)
+
+    def _pause(self, waiter: Waiter, pending: list[int]) -> None:
+        """`waiter.pause`; its error says "died or closed its Buffer" of a peer NIXL lost whose exit this
+        rank cannot see (closing a Buffer ends its connections too), not "process exited"."""
+        try:
+            waiter.pause(pending)
+        except CommTimeoutError as error:
+            exited = set(self._pids.dead())
+            if not (closed := [p for p in error.dead_peers if p not in exited]):
+                raise
+            raise CommTimeoutError(
+                error.phase, error.peers, error.timeout_s, error.dead_peers, closed=closed
+            ) from None
 
     def _undelivered(self, lane: int, call: CallId) -> list[int]:
         """Peers still without this rank's message of `call` on `lane` (a lost peer, or one that gave
@@ -396,6 +410,7 @@ class NixlFabric:
     def outbox(self, lane: str, peer: int, call: CallId, words: int, nbytes: int) -> Outgoing:
         """A message to fill for `peer`, in a registered outbox no send in flight uses."""
         i = self.lanes[lane]
+        check_fits(self._lanes[i], peer, call, words, nbytes)
         if not self._pool[i]:
             self._grow(i, 1)
         send = _Send(i, peer, call.seq, KINDS[call.kind], words, nbytes, self._pool[i].pop())

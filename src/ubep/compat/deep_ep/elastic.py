@@ -76,9 +76,7 @@ class ElasticBuffer:
     ):
         for name, value in (("num_max_tokens_per_rank", num_max_tokens_per_rank), ("hidden", hidden)):
             validate.positive(name, value, minimum=0)
-        validate.positive("num_topk", num_topk, minimum=0)
-        if num_topk > MAX_TOPK:
-            raise ValueError(f"num_topk must be <= {MAX_TOPK} (DeepEP V2's limit), got {num_topk}")
+        _topk(num_topk)
         if num_bytes is not None:
             validate.positive("num_bytes", num_bytes, minimum=0)
         validate.seconds("num_cpu_timeout_secs", num_cpu_timeout_secs)
@@ -97,7 +95,9 @@ class ElasticBuffer:
         self.num_bytes = (
             num_bytes
             if num_bytes is not None
-            else self.get_buffer_size_hint(self.group, num_max_tokens_per_rank, max(hidden, 1), num_topk)
+            else self.get_buffer_size_hint(
+                self.group, max(num_max_tokens_per_rank, 1), max(hidden, 1), num_topk
+            )
         )
         # Recorded GPU settings: they choose kernels, queues and service levels on a GPU.
         self.num_cpu_bytes, self.sl_idx = num_cpu_bytes, sl_idx
@@ -136,10 +136,14 @@ class ElasticBuffer:
         allow_hybrid_mode: bool = True,
         allow_multiple_reduction: bool = True,
     ) -> int:
-        """Bytes of one rank's shared segments (dispatch and the trip home), 2 MB aligned."""
+        """Bytes of one rank's shared segments (dispatch and the trip home), 2 MB aligned; num_topk 0
+        sizes for DeepEP V2's largest top-k."""
+        validate.positive("num_max_tokens_per_rank", num_max_tokens_per_rank)
+        validate.positive("hidden", hidden)
+        _topk(num_topk)
         R = _group_size(group)
         K = num_topk or MAX_TOPK
-        T = max(num_max_tokens_per_rank, 1)
+        T = num_max_tokens_per_rank
         one = _segment_bytes(hidden, R, R, T, low_latency=False)
         home = _segment_bytes(hidden, R, R * K, T, low_latency=False)
         return align(one + home, BUFFER_ALIGNMENT)
@@ -153,6 +157,12 @@ class ElasticBuffer:
     ) -> tuple[int, int]:
         """(GPU bytes, CPU bytes) DeepEP sizes an Engram store with: entries of `hidden` elements, each
         aligned to 32 bytes, for the received tokens and for the entries, both 2 MB aligned."""
+        for name, value in (
+            ("num_entries", num_entries),
+            ("hidden", hidden),
+            ("num_max_tokens_per_rank", num_max_tokens_per_rank),
+        ):
+            validate.positive(name, value)
         entry = align(hidden * dtype.itemsize, ENTRY_ALIGNMENT)
         return align(entry * num_max_tokens_per_rank, BUFFER_ALIGNMENT), align(
             entry * num_entries, BUFFER_ALIGNMENT
@@ -161,6 +171,8 @@ class ElasticBuffer:
     @staticmethod
     def get_pp_buffer_size_hint(num_max_tensor_bytes: int, num_max_inflight_tensors: int) -> int:
         """DeepEP's PP bytes: send and receive buffers for the previous and next rank, 2 MB aligned."""
+        validate.positive("num_max_tensor_bytes", num_max_tensor_bytes)
+        validate.positive("num_max_inflight_tensors", num_max_inflight_tensors)
         tensor = align(num_max_tensor_bytes, ENTRY_ALIGNMENT)
         return align(tensor * num_max_inflight_tensors * 2 * 2, BUFFER_ALIGNMENT)
 
@@ -169,6 +181,8 @@ class ElasticBuffer:
         """DeepEP's bytes of one all-gather session: each gathered tensor (R times the local `shapes`,
         one shape or a sequence of them) rounded up to 32 bytes."""
         many = isinstance(shapes[0], tuple)  # a torch.Size is a tuple too
+        for i, size in enumerate(d for s in (shapes if many else (shapes,)) for d in s):
+            validate.positive(f"shapes (dimension {i})", size, minimum=0)
         R = _group_size(group)
         return sum(
             align(R * math.prod(s) * dtype.itemsize, ENTRY_ALIGNMENT) for s in (shapes if many else (shapes,))
@@ -177,6 +191,7 @@ class ElasticBuffer:
     @staticmethod
     def get_agrs_buffer_size_hint(group, num_max_session_bytes: int) -> int:
         """DeepEP's AGRS buffer bytes: the session's bytes, 2 MB aligned."""
+        validate.positive("num_max_session_bytes", num_max_session_bytes)
         return align(num_max_session_bytes, BUFFER_ALIGNMENT)
 
     def get_theoretical_num_sms(self, num_experts: int, num_topk: int, *args, **kwargs) -> int:
@@ -503,6 +518,13 @@ class ElasticBuffer:
 
 
 # -- helpers --------------------------------------------------------------------------------------
+
+
+def _topk(num_topk: int) -> None:
+    """num_topk in [0, MAX_TOPK] (0: not known yet)."""
+    validate.positive("num_topk", num_topk, minimum=0)
+    if num_topk > MAX_TOPK:
+        raise ValueError(f"num_topk must be <= {MAX_TOPK} (DeepEP V2's limit), got {num_topk}")
 
 
 def _close_all(buffers: dict) -> None:

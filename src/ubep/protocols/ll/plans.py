@@ -12,6 +12,7 @@ L local experts, T capacity); P counts (token, expert) pairs, Q rows sent back.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -119,6 +120,9 @@ class LLDispatchOut:
     recv_x: Payload  # [L, R * T, H] or (values, scales)
     planes: tuple[tuple[torch.Tensor, int, int], ...]  # (uint8 view [L, R * T, b], lo, hi) per tensor
     handle: LowLatencyHandle
+    # int32 [L]: the caller's recv_count, a tensor of its own (`received` fills it from the handle's):
+    # what the caller writes into it cannot change the handle a later combine reads
+    recv_count_L: torch.Tensor
 
     @property
     def row_width(self) -> int:
@@ -133,8 +137,8 @@ def dispatch_outputs(
     num_experts: int,
     seq: int = 0,
 ) -> LLDispatchOut:
-    """Allocate recv_x (rows uninitialised), the handle (-1 until received) and byte views of recv_x,
-    on topk_idx's device."""
+    """Allocate recv_x (rows uninitialised), the handle (-1 until received), the caller's recv_count
+    (-1 until received) and byte views of recv_x, on topk_idx's device."""
     L, M, dev = num_experts // num_ranks, num_ranks * plan.max_tokens, topk_idx_NK.device
     if plan.code == DTYPE_CODES[fp8.VALUE_DTYPE]:
         values = torch.empty(L, M, hidden, dtype=fp8.VALUE_DTYPE, device=dev)
@@ -163,7 +167,18 @@ def dispatch_outputs(
         layout_range_LR2=torch.zeros(L, num_ranks, 2, dtype=torch.int64, device=dev),
         seq=seq,
     )
-    return LLDispatchOut(plan.code, recv_x, tuple(planes), handle)
+    return LLDispatchOut(plan.code, recv_x, tuple(planes), handle, handle.recv_count_L.clone())
+
+
+def received(out: LLDispatchOut, receive: Callable[[], None]) -> Callable[[], None]:
+    """The receive half `receive` of a dispatch into `out`, then the handle's recv_count copied into the
+    caller's (every transport's halves fill the handle's; a copy on the device where it lives there)."""
+
+    def run() -> None:
+        receive()
+        out.recv_count_L.copy_(out.handle.recv_count_L)
+
+    return run
 
 
 def slot_positions(counts_L: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
