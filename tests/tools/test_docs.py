@@ -15,6 +15,10 @@ import pytest
 from repo import ROOT
 
 import ubep
+from ubep import registry
+from ubep.factory import heap_blocks
+from ubep.layout import ExpertPlacement
+from ubep.protocols.base import Sizing
 from ubep.sim import ablation, calibrate
 
 
@@ -175,12 +179,20 @@ def _resolves(dotted: str) -> bool:
     return False
 
 
+def _heap_block_names() -> frozenset[str]:
+    """The names of the blocks the protocols declare on a heap (`ubep.back`): words, not modules."""
+    sizing = Sizing(hidden=128, capacity=1, max_topk=1, placement=ExpertPlacement.contiguous(2, 2))
+    return frozenset(b.name for p in registry.PROTOCOLS for b in heap_blocks(sizing, p, low_latency=True))
+
+
 def unresolved_names(text: str) -> list[tuple[int, str]]:
-    """Dotted `ubep.x.y` names in backticks that name no module of ubep, nor anything in one."""
+    """Dotted `ubep.x.y` names in backticks that name no module of ubep, nor anything in one (a heap
+    block's name, `ubep.route`, is no module and not looked for)."""
+    blocks = _heap_block_names()
     return [
         (line, word)
         for line, word in _backticked(text)
-        if re.fullmatch(r"ubep(\.\w+)+", word) and not _resolves(word)
+        if re.fullmatch(r"ubep(\.\w+)+", word) and word not in blocks and not _resolves(word)
     ]
 
 
@@ -201,7 +213,7 @@ def test_the_checks_find_a_moved_path_and_a_moved_module():
         "`collectives/`, the fabric (`ubep.fabric.base.Fabric`), `ubep.across.fabric.base.Nothing`;\n"
         "found: `protocols/ubep/exchange.py`, `src/ubep/transport/segments.py`, `tests/tools/`,\n"
         "`ubep.across.fabric.base.Fabric`, `ubep.fp8.quantize`, `protocols/<name>/blocks.py`,\n"
-        "DeepEP's `deep_ep/buffers/legacy.py`"
+        "DeepEP's `deep_ep/buffers/legacy.py`, the header `ubep.back`"
     )
     assert missing_paths(text) == [
         (1, "protocols/ubep/statement.py"),
