@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import ast
+import importlib
+import importlib.util
 import inspect
 import os
 import re
@@ -13,6 +15,10 @@ import pytest
 from repo import ROOT
 
 import ubep
+from ubep import registry
+from ubep.factory import heap_blocks
+from ubep.layout import ExpertPlacement
+from ubep.protocols.base import Sizing
 from ubep.sim import ablation, calibrate
 
 
@@ -109,3 +115,109 @@ def test_the_readme_states_buffers_signature_as_the_code_has_it():
     ]
     actual = [(p.name, p.kind, p.default) for p in inspect.signature(ubep.Buffer).parameters.values()]
     assert stated == actual
+
+
+# --- every path and module the docs name is there ----------------------------------------------------
+
+# Files of other projects that docs/frameworks.md cites (DeepEP's, vLLM's): not ours to find.
+FOREIGN = ("deep_ep/", "vllm/", "tests/elastic/")
+# Where a path in backticks may start: the repository, src/, or the package (the code map in
+# docs/design.md says `protocols/ubep/exchange.py`).
+BASES = ("", "src", os.path.join("src", "ubep"))
+
+
+def _doc_files() -> list[str]:
+    docs = sorted(f for f in os.listdir(os.path.join(ROOT, "docs")) if f.endswith(".md"))
+    return ["README.md", *(os.path.join("docs", f) for f in docs)]
+
+
+def _backticked(text: str) -> list[tuple[int, str]]:
+    """(line, word) for every word inside a `...` span (which may wrap a line; fenced blocks are
+    not spans), split at spaces, commas, brackets and quotes."""
+    text = re.sub(r"^ *```.*?^ *```", lambda block: "\n" * block.group().count("\n"), text, flags=re.S | re.M)
+    words = []
+    for span in re.finditer(r"`([^`]+)`", text):
+        line = text.count("\n", 0, span.start()) + 1
+        words += [(line, w.rstrip(".;")) for w in re.split(r"[\s,()\[\]=:'\"]+", span.group(1)) if w]
+    return words
+
+
+def missing_paths(text: str) -> list[tuple[int, str]]:
+    """Paths in backticks (a word with a slash that ends in .py, .md, .sh or /) that are nowhere
+    under BASES; placeholders (`protocols/<name>/`), absolute paths and FOREIGN ones are skipped."""
+    missing = []
+    for line, word in _backticked(text):
+        if "/" not in word or not word.endswith((".py", ".md", ".sh", "/")):
+            continue
+        if re.search(r"[<>*{}$~|]", word) or word.startswith(("/", ".", "http")) or word.startswith(FOREIGN):
+            continue
+        if not any(os.path.exists(os.path.join(ROOT, base, word)) for base in BASES):
+            missing.append((line, word))
+    return missing
+
+
+def _resolves(dotted: str) -> bool:
+    """`dotted` is a module of ubep, or a name in one (`ubep.across.fabric.base.Fabric`)."""
+    parts = dotted.split(".")
+    for i in range(len(parts), 0, -1):
+        name = ".".join(parts[:i])
+        try:
+            found = importlib.util.find_spec(name) is not None
+        except ModuleNotFoundError:  # a part before it is no package
+            found = False
+        if not found:
+            continue
+        try:
+            thing = importlib.import_module(name)
+        except ImportError:  # it is there, and needs an extra this environment lacks
+            return True
+        for attribute in parts[i:]:
+            if not hasattr(thing, attribute):
+                return False
+            thing = getattr(thing, attribute)
+        return True
+    return False
+
+
+def _heap_block_names() -> frozenset[str]:
+    """The names of the blocks the protocols declare on a heap (`ubep.back`): words, not modules."""
+    sizing = Sizing(hidden=128, capacity=1, max_topk=1, placement=ExpertPlacement.contiguous(2, 2))
+    return frozenset(b.name for p in registry.PROTOCOLS for b in heap_blocks(sizing, p, low_latency=True))
+
+
+def unresolved_names(text: str) -> list[tuple[int, str]]:
+    """Dotted `ubep.x.y` names in backticks that name no module of ubep, nor anything in one (a heap
+    block's name, `ubep.route`, is no module and not looked for)."""
+    blocks = _heap_block_names()
+    return [
+        (line, word)
+        for line, word in _backticked(text)
+        if re.fullmatch(r"ubep(\.\w+)+", word) and word not in blocks and not _resolves(word)
+    ]
+
+
+def test_every_path_the_docs_name_exists():
+    missing = {f: found for f in _doc_files() if (found := missing_paths(_read(f)))}
+    assert missing == {}
+
+
+def test_every_ubep_module_the_docs_name_imports():
+    unresolved = {f: found for f in _doc_files() if (found := unresolved_names(_read(f)))}
+    assert unresolved == {}
+
+
+def test_the_checks_find_a_moved_path_and_a_moved_module():
+    """What the two tests above would have said before the layout's docs were brought up to date."""
+    text = (
+        "the exchange (`protocols/ubep/statement.py`), the segments (`src/ubep/shm.py`),\n"
+        "`collectives/`, the fabric (`ubep.fabric.base.Fabric`), `ubep.across.fabric.base.Nothing`;\n"
+        "found: `protocols/ubep/exchange.py`, `src/ubep/transport/segments.py`, `tests/tools/`,\n"
+        "`ubep.across.fabric.base.Fabric`, `ubep.fp8.quantize`, `protocols/<name>/blocks.py`,\n"
+        "DeepEP's `deep_ep/buffers/legacy.py`, the header `ubep.back`"
+    )
+    assert missing_paths(text) == [
+        (1, "protocols/ubep/statement.py"),
+        (1, "src/ubep/shm.py"),
+        (2, "collectives/"),
+    ]
+    assert unresolved_names(text) == [(2, "ubep.fabric.base.Fabric"), (2, "ubep.across.fabric.base.Nothing")]

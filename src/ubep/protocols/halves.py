@@ -1,6 +1,6 @@
 """Entering a compiled call half: run it until it is no longer waiting, sleeping on the doorbell between.
 
-Every compiled half that waits (`ubep.protocols.ubep.numba_halves`, `bsp_halves`, `ll_halves`) takes, last,
+Every compiled half that waits (`numba_halves` of `ubep.protocols.ubep`, `.bsp` and `.ll`) takes, last,
 (pending, spins, yields, status) and returns DONE, WAITING (status[1] ranks in
 pending still missing, this rank's ASLEEP word armed) or an error code. Between
 entries the heap's sleeper waits on the doorbell under the deadline and raises

@@ -2,7 +2,7 @@
 
 Ranks pair up across nodes in rails (`ubep.nodes`): traffic between two nodes
 runs only between the two ranks of one rail, over torch.distributed; inside a
-node it runs over a shared-memory heap, as in `ubep_shm`.
+node it runs over a shared-memory heap, as `ubep.protocols.ubep` does.
 
 Dispatch, on rank `me` (node n, local index l), call seq s (stamps in the node: `in_node`):
   1. across: for each other node, the tokens that need any rank there cross
@@ -16,7 +16,7 @@ Dispatch, on rank `me` (node n, local index l), call seq s (stamps in the node: 
      the rows owned here, orders them by (source rank, token) as the contract
      says (the source is the token's home, not the forwarder), and pulls them.
 Combine mirrors it: each expert rank puts its rows into their forwarder's
-combine buffer (destination-major, as in `ubep_shm`); the forwarder sums each
+combine buffer (destination-major); the forwarder sums each
 forwarded row over its node in float32 and sends one float32 partial per
 (token, node) back along the rail; the home sums the partials of every node
 in float32, in rail order, and casts to x's dtype.

@@ -3,8 +3,8 @@
 vLLM's CPU platform has no all-to-all of its own: with data parallelism its naive
 prepare/finalize calls `all_gatherv`, which the CPU communicator does not implement. This
 plugin, loaded by vLLM through the `vllm.general_plugins` entry point `ubep`, makes the
-expert-parallel group's manager a ubep.Buffer (`routing.EPExchange`) and fixes vLLM's CPU
-experts, which ignore the global-to-local expert map (`routing.localize_for_kernel`).
+expert-parallel group's manager a ubep.Buffer (`manager.EPExchange`) and fixes vLLM's CPU
+experts, which ignore the global-to-local expert map (`manager.localize_for_kernel`).
 
 It does nothing unless asked for: set `UBEP_VLLM=1`, or name it in vLLM's own plugin
 selection (`VLLM_PLUGINS=ubep`). Settings, read once per process when vLLM loads it:

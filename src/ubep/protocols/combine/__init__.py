@@ -10,7 +10,7 @@ block starts, the dispatch's seq). A combine runs two halves:
             from each and sums each token's rows in float32, ranks ascending, rounding once
 
 ubep runs them as they are; bsp between barriers. Three forms keep the same
-memory word for word: the torch statement (`combine`), the numba halves
+memory word for word: the torch statement (`torch_halves`), the numba halves
 (`numba_halves`; `numba_driver` also holds what every normal-mode compiled driver
 shares) and the Triton halves (`triton_halves`, `triton_driver`). `codes` and
 `status` are the status codes every normal-mode half shares, and their exceptions.

@@ -41,7 +41,7 @@ halves stop with E_REJECTED instead of waiting.
 
 Status words (int64 [8]): [0] DONE or an error code (claimed by the first
 program that fails, which then writes [1:5] = peer, what it sent, ..., expected,
-as `ll_halves`), [5] 1 + a peer some program still waits for (0: none).
+as `numba_halves`), [5] 1 + a peer some program still waits for (0: none).
 
 Legend: see `ubep.protocols.ll.plans` (L local experts, M = R * T rows per expert).
 """
