@@ -66,8 +66,9 @@ def _ll_calls(buf: ubep.Buffer, sc: Scenario, me: int) -> None:
 def _recorded(group, sc: Scenario, mode: str, **kw) -> Stats:
     me = group.rank if hasattr(group, "rank") else dist.get_rank()
     with ubep.Buffer(
-        group, hidden=sc.hidden, num_experts=sc.num_experts, max_tokens_per_rank=sc.capacity, stats=True, **kw
-    ) as buf:
+        group, hidden=sc.hidden, num_experts=sc.num_experts, max_tokens_per_rank=sc.capacity, stats=True,
+        low_latency=mode == "ll", **kw,
+    ) as buf:  # fmt: skip
         (_ll_calls if mode == "ll" else _normal_calls)(buf, sc, me)
         return buf.stats(merge=True)
 

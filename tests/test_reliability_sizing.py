@@ -190,3 +190,50 @@ def test_the_room_check_counts_touchable_bytes_and_names_the_knobs():
     assert f"8 ranks x {hint.touchable_bytes} bytes that calls can touch, of the {hint.segment_bytes}" in said
     for knob in ("max_tokens_per_rank", "max_topk", "without low_latency=True"):
         assert knob in said, knob
+
+
+def _default_and_ll(rank) -> tuple[int, int, str, list[int]]:
+    """(a default Buffer's heap bytes, a low_latency=True one's, the default's low-latency refusal,
+    the pages of each half of this rank's low-latency slots that four calls touched)."""
+    import ubep
+
+    kw = dict(hidden=7168, num_experts=32, max_tokens_per_rank=8, max_topk=2, engine="torch")
+    with ubep.Buffer(rank, **kw) as buf:
+        default = buf._exchange.t._layout.nbytes
+        x = torch.full((8, 7168), 3.0, dtype=torch.float32, device="cpu")  # full-width rows: every byte set
+        idx = torch.tensor([[2 * t, 2 * t + 1] for t in range(8)], dtype=torch.int64, device="cpu")  # 16 runs
+        with pytest.raises(ValueError) as refused:
+            buf.low_latency_dispatch(x, idx, 8, 32)
+    with ubep.Buffer(rank, low_latency=True, **kw) as buf:
+        heap = buf._ll.t
+        for _ in range(2):  # dispatch and combine, twice: both halves
+            got = buf.low_latency_dispatch(x, idx, 8, 32)
+            buf.low_latency_combine(got.recv_x, idx, torch.ones(8, 2, dtype=torch.float32), got.handle)
+        pages = []
+        for half in (0, 1):
+            slots = heap._tensor_at("ll.slots", half, rank.rank).view(-1)
+            at = torch.nonzero(slots).flatten() + slots.data_ptr()
+            pages.append(len(set((at // PAGE).tolist())))
+        return default, heap._layout.nbytes, str(refused.value), pages
+
+
+def test_a_default_buffer_maps_no_low_latency_slots_and_a_call_stays_in_its_bound():
+    """The default (low_latency=False, as DeepEP) maps what size_hint says without the slots; its
+    low-latency call says how to get them. With them, two dispatches of 8 float32 tokens, each
+    token on two of rank 0's 16 experts (16 runs a source), touch no more pages of a half than the
+    bound of `_ll_blocks_by_hand`: one row of each source's 16 expert blocks of 8, not all 8."""
+    from ubep.transport.virtual import VirtualWorld
+
+    hint = dict(hidden=7168, num_experts=32, max_tokens_per_rank=8, num_ranks=2, max_topk=2)
+    got = VirtualWorld(2, timeout_s=60).run(_default_and_ll)
+    for default, with_ll, refused, pages in got:
+        assert (
+            default
+            == size_hint(**hint).segment_bytes
+            < with_ll
+            == size_hint(**hint, low_latency=True).segment_bytes
+        )
+        assert "low_latency=True" in refused and "low_latency=False, the default" in refused
+        per_half = 2 * (16 * 4 * 7168 + 2 * 16 * PAGE) // PAGE  # R * (rows * S + 2 * runs pages)
+        assert max(pages) <= per_half < 2 * 16 * 8 * 4 * 7168 // PAGE, (pages, per_half)
+    assert min(got[0][3]) > per_half // 2, "rank 0 holds every row: both sources' 16 runs in each half"

@@ -154,14 +154,14 @@ def heap_blocks(
 
 
 def heap_layout(
-    sizing: Sizing, protocol: str = "ubep", low_latency: bool = True, ll_flag: str = AFTER_DATA
+    sizing: Sizing, protocol: str = "ubep", low_latency: bool = False, ll_flag: str = AFTER_DATA
 ) -> Layout:
     """The layout of one rank's memory for these options: `nbytes` mapped, `touchable` by calls."""
     return Layout(sizing.num_ranks, heap_blocks(sizing, protocol, low_latency, ll_flag))
 
 
 def heap_bytes(
-    sizing: Sizing, protocol: str = "ubep", low_latency: bool = True, ll_flag: str = AFTER_DATA
+    sizing: Sizing, protocol: str = "ubep", low_latency: bool = False, ll_flag: str = AFTER_DATA
 ) -> int:
     """Bytes of shared memory one rank maps for these options (the size of its segment)."""
     return heap_layout(sizing, protocol, low_latency, ll_flag).nbytes

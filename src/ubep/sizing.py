@@ -53,7 +53,7 @@ def size_hint(
     num_ranks: int,
     protocol: str = "ubep",
     max_topk: int = 16,
-    low_latency: bool = True,
+    low_latency: bool = False,
     expert_placement: list[int] | torch.Tensor | None = None,
     num_nodes: int = 1,
     ll_flag: str = "after-data",

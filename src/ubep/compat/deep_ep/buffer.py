@@ -321,6 +321,7 @@ class Buffer:
                 num_experts=num_experts,
                 max_tokens_per_rank=max_tokens,
                 max_topk=LL_MAX_TOPK,
+                low_latency=True,
             )
         return self._buffers[key]
 
