@@ -171,7 +171,7 @@ def run_bench(args: argparse.Namespace) -> int:
     if args.plot:
         require("ubep bench --plot", "matplotlib", "bench")
     from ubep.bench import report
-    from ubep.bench.run import plan, run
+    from ubep.bench.run import plan, room_refused, run
 
     namespaces = False
     if args.hosts:
@@ -252,6 +252,11 @@ def run_bench(args: argparse.Namespace) -> int:
 
     try:
         run(cfg, systems, measured)
+    except Exception as error:
+        if (said := room_refused(error)) is None:
+            raise
+        save(complete=False)
+        raise SystemExit(f"ubep bench: {said}") from None
     except KeyboardInterrupt:  # keep what was measured: on disk (already) and on the screen
         notes.append(f"interrupted: {batches} of {len(cfg.tokens)} batch sizes measured")
         save(complete=False)
