@@ -243,7 +243,8 @@ def stop_rank(cfg: FaultSoakConfig, segment: int, episodes: int, files: str) -> 
     pids: list[int] = [0] * R
     dist.all_gather_object(pids, os.getpid())
     soak_cfg, log = cfg.soak(segment, cfg.stop_timeout_s), RankLog(rank=me)
-    with replace(soak_cfg, timeout_s=120).buffer(R, engine=cfg.engine) as buf:  # compile and load first
+    first = replace(soak_cfg, timeout_s=120)  # compile and load first
+    with first.buffer(R, engine=cfg.engine, low_latency=True) as buf:
         check_low_latency(buf, soak_cfg, 0, log.checked, frozenset(), deferred=False)
         check_call(buf, soak_cfg, 1, log.checked)
     rng = random.Random(cfg.seed * 15_485_863 + segment)
@@ -251,7 +252,7 @@ def stop_rank(cfg: FaultSoakConfig, segment: int, episodes: int, files: str) -> 
         victim, base = rng.randrange(1, R), 1_000_000 * (segment + 1) + 100 * episode
         files_at = (f"{files}/woke-{segment}-{episode}", f"{files}/cont-{segment}-{episode}")
         plan = FaultPlan(rank=victim, point="ll_combine.put", action="stop", call=STOP_CALL)
-        with soak_cfg.buffer(R, faults=plan, engine=cfg.engine) as buf:
+        with soak_cfg.buffer(R, faults=plan, engine=cfg.engine, low_latency=True) as buf:
             if me == victim:
                 _stopped_rank(buf, soak_cfg, base, files_at, log)
                 continue

@@ -117,8 +117,8 @@ class Buffer:
             wait max(timeout_s, CONSTRUCTION_MIN_TIMEOUT_S).
         max_topk: the largest K a call may use (sizes the routing buffers).
         expert_placement: optional list of E owner ranks (default: contiguous blocks).
-        low_latency: reserve the low-latency slots (shared-memory pages are only
-            touched when used); False saves address space for normal-mode-only use.
+        low_latency: False (default, as DeepEP's low_latency_mode): normal mode only; True
+            also maps the low-latency slots, which `low_latency_dispatch`/`_combine` need.
         faults: a `ubep.faults.FaultPlan` to inject a fault (tests only; default none).
         workers: threads per rank that move dispatch rows while the calling thread waits for
             the next source, following the token scheduler's slices (`ubep.schedule`); 1 is
@@ -160,7 +160,7 @@ class Buffer:
         timeout_s: float | None = None,
         max_topk: int = 16,
         expert_placement: list[int] | torch.Tensor | None = None,
-        low_latency: bool = True,
+        low_latency: bool = False,
         faults: FaultPlan | None = None,
         workers: int = 1,
         schedule: str = DISTANCE,
@@ -603,7 +603,10 @@ class Buffer:
         if self._ll is None or self._exchange is None or self._membership.retired or os.getpid() != self._pid:
             self._live()  # closed, retired or forked: its error
         if self._ll is None:
-            raise ValueError("this Buffer was built with low_latency=False")
+            raise ValueError(
+                "this Buffer was built without low-latency slots (low_latency=False, the default); "
+                "build it with low_latency=True for low_latency_dispatch and low_latency_combine"
+            )
         return self._ll
 
     # -- shrinking around dead ranks ---------------------------------------------------------------

@@ -176,7 +176,7 @@ def run_bench(args: argparse.Namespace) -> int:
         require("ubep bench --plot", "matplotlib", "bench")
     from ubep.bench import report
     from ubep.bench.hosts import HostsFailedError
-    from ubep.bench.run import plan, run
+    from ubep.bench.run import plan, room_refused, run
 
     namespaces = False
     if args.hosts:
@@ -259,6 +259,11 @@ def run_bench(args: argparse.Namespace) -> int:
         run(cfg, systems, measured)
     except HostsFailedError as failed:  # the whole output is in its tail; one line says what went wrong
         raise SystemExit(f"ubep bench --hosts {args.hosts}: {failed.line()}") from None
+    except Exception as error:
+        if (said := room_refused(error)) is None:
+            raise
+        save(complete=False)
+        raise SystemExit(f"ubep bench: {said}") from None
     except KeyboardInterrupt:  # keep what was measured: on disk (already) and on the screen
         notes.append(f"interrupted: {batches} of {len(cfg.tokens)} batch sizes measured")
         save(complete=False)

@@ -151,11 +151,18 @@ def heap_blocks(
     return normal + (LLBlocks.of(sizing, in_word=ll_flag == IN_WORD).all() if low_latency else ())
 
 
+def heap_layout(
+    sizing: Sizing, protocol: str = registry.UBEP.name, low_latency: bool = False, ll_flag: str = AFTER_DATA
+) -> Layout:
+    """The layout of one rank's memory for these options: `nbytes` mapped, `touchable` by calls."""
+    return Layout(sizing.num_ranks, heap_blocks(sizing, protocol, low_latency, ll_flag))
+
+
 def heap_bytes(
-    sizing: Sizing, protocol: str = registry.UBEP.name, low_latency: bool = True, ll_flag: str = AFTER_DATA
+    sizing: Sizing, protocol: str = registry.UBEP.name, low_latency: bool = False, ll_flag: str = AFTER_DATA
 ) -> int:
     """Bytes of shared memory one rank maps for these options (the size of its segment)."""
-    return Layout(sizing.num_ranks, heap_blocks(sizing, protocol, low_latency, ll_flag)).nbytes
+    return heap_layout(sizing, protocol, low_latency, ll_flag).nbytes
 
 
 def build(

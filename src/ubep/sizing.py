@@ -1,14 +1,17 @@
 """How much shared memory a Buffer takes, before constructing it.
 
 The bytes come from the same blocks and layout the transports build their
-segments from (`ubep.factory.heap_bytes`; the hierarchical transport's own
+segments from (`ubep.factory.heap_layout`; the hierarchical transport's own
 blocks), so the answer is exact, not an estimate. On one host every
-rank maps one segment of `segment_bytes`; the host's /dev/shm, the memory
-cgroup (if it has a limit) and the host's available memory must each hold
-`host_bytes`, which is what construction checks (`ubep.transport.segments.check_room`). Calls
-touch far fewer of those pages (docs/reliability.md, "Footprint"). Example: 8 ranks, H = 7168, T = 128, 256
-experts, top-8: `size_hint(hidden=7168, num_experts=256, max_tokens_per_rank=128,
-num_ranks=8, max_topk=8).host_bytes`.
+rank maps one segment of `segment_bytes`, sparse: a page is taken once touched,
+and calls can touch at most `touchable_bytes` of it (the low-latency slots hold
+T rows for every (source, local expert), of which one call fills at most
+T * min(K, L) per source: `ubep.protocols.ll.blocks.LLBlocks.of`). The host's
+/dev/shm, the memory cgroup (if it has a limit) and the host's available memory
+must each hold `host_touchable_bytes`, which is what construction checks
+(`ubep.transport.segments.check_room`; docs/reliability.md, "Footprint"). Example:
+8 ranks, H = 7168, T = 128, 256 experts, top-8: `size_hint(hidden=7168,
+num_experts=256, max_tokens_per_rank=128, num_ranks=8, max_topk=8).host_touchable_bytes`.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import torch
 
 from ubep import validate
 from ubep.across.collectives.bsp_hier import HierBlocks
-from ubep.factory import heap_bytes
+from ubep.factory import heap_layout
 from ubep.layout import ExpertPlacement
 from ubep.protocols.base import Sizing
 from ubep.registry import PROTOCOLS, UBEP, one_of
@@ -27,14 +30,20 @@ from ubep.transport.heap import Layout
 
 
 class SizeHint(NamedTuple):
-    """Shared memory of one Buffer: each rank's segment, and all of one host's segments."""
+    """Shared memory of one Buffer: each rank's segment (mapped) and the most of it calls can touch
+    (what construction checks), and the same for all of one host's segments."""
 
     segment_bytes: int
     ranks_per_host: int
+    touchable_bytes: int
 
     @property
     def host_bytes(self) -> int:
         return self.segment_bytes * self.ranks_per_host
+
+    @property
+    def host_touchable_bytes(self) -> int:
+        return self.touchable_bytes * self.ranks_per_host
 
 
 def size_hint(
@@ -45,15 +54,16 @@ def size_hint(
     num_ranks: int,
     protocol: str = UBEP.name,
     max_topk: int = 16,
-    low_latency: bool = True,
+    low_latency: bool = False,
     expert_placement: list[int] | torch.Tensor | None = None,
     num_nodes: int = 1,
     ll_flag: str = "after-data",
 ) -> SizeHint:
-    """The shared memory a Buffer with these arguments maps, for a group of `num_ranks` ranks
-    on `num_nodes` hosts (more than one: the hierarchical transport, whose low-latency
-    path runs over torch.distributed and takes no shared memory). `ll_flag="in-word"`: low-latency
-    slots hold rows as epoch words, twice the bytes."""
+    """The shared memory a Buffer with these arguments maps, and can touch, for a group of
+    `num_ranks` ranks on `num_nodes` hosts (more than one: the hierarchical transport, whose
+    low-latency path runs over torch.distributed and takes no shared memory). `low_latency`:
+    with the low-latency slots (a Buffer's default is without). `ll_flag="in-word"`:
+    low-latency slots hold rows as epoch words, twice the bytes."""
     for name, value in (
         ("hidden", hidden),
         ("num_experts", num_experts),
@@ -74,5 +84,7 @@ def size_hint(
     sizing = Sizing(hidden=hidden, capacity=max_tokens_per_rank, max_topk=max_topk, placement=placement)
     per_host = num_ranks // num_nodes
     if num_nodes > 1:
-        return SizeHint(Layout(per_host, HierBlocks.of(sizing, num_nodes, per_host).all()).nbytes, per_host)
-    return SizeHint(heap_bytes(sizing, protocol, low_latency, ll_flag), per_host)
+        layout = Layout(per_host, HierBlocks.of(sizing, num_nodes, per_host).all())
+    else:
+        layout = heap_layout(sizing, protocol, low_latency, ll_flag)
+    return SizeHint(layout.nbytes, per_host, layout.touchable)

@@ -99,7 +99,12 @@ def without_collectives(transport: str) -> int:
         for i in range(2)
     ]
     with ubep.Buffer(
-        hidden=64, num_experts=4 * R, max_tokens_per_rank=16, transport=transport, timeout_s=30
+        hidden=64,
+        num_experts=4 * R,
+        max_tokens_per_rank=16,
+        transport=transport,
+        timeout_s=30,
+        low_latency=True,
     ) as buf:
         assert "no collective inside a call" in buf.explain(), buf.explain()
         with NoCollectives():

@@ -206,6 +206,7 @@ def core_calls(group, me: int, sent: Sent, protocol: str, engine: str | None, tr
         engine=engine,
         transport=transport,
         stats=True,
+        low_latency=True,
     ) as buf:
         per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, E)
         kept.add("layout", per_rank, per_expert, in_rank)

@@ -185,7 +185,12 @@ def ll_matrix(transport: str) -> int:
     R = dist.get_world_size() if dist.is_initialized() else 1
     E = 4 * R
     with ubep.Buffer(
-        hidden=HIDDEN, num_experts=E, max_tokens_per_rank=CAPACITY, transport=transport, timeout_s=20
+        hidden=HIDDEN,
+        num_experts=E,
+        max_tokens_per_rank=CAPACITY,
+        transport=transport,
+        timeout_s=20,
+        low_latency=True,
     ) as buf:
         for case in cases(R):
             run_case(buf, case, me, R, E)
@@ -211,7 +216,7 @@ def test_low_latency_one_rank():
 
 
 def test_handle_before_receive_and_foreign_topk_are_rejected():
-    with ubep.Buffer(hidden=HIDDEN, num_experts=4, max_tokens_per_rank=4) as buf:
+    with ubep.Buffer(hidden=HIDDEN, num_experts=4, max_tokens_per_rank=4, low_latency=True) as buf:
         x = torch.randn(3, HIDDEN).bfloat16()
         idx = torch.tensor([[0, 1], [2, -1], [-1, -1]])
         w = torch.ones(3, 2)

@@ -61,7 +61,7 @@ def overlap_run(transport: str) -> list[dict[str, float]]:
     me, R = dist.get_rank(), dist.get_world_size()
     E = 2 * R
     with ubep.Buffer(
-        hidden=H, num_experts=E, max_tokens_per_rank=T, transport=transport, timeout_s=20
+        hidden=H, num_experts=E, max_tokens_per_rank=T, transport=transport, timeout_s=20, low_latency=True
     ) as buf:
         timed_round(buf, me, R, E, "sync", seed=0)  # warm up
         return [timed_round(buf, me, R, E, mode, seed=i) for i, mode in enumerate(MODES, 1)]

@@ -217,7 +217,9 @@ def placed_rank(per_node: int):
         logical = torch.where(got.recv_topk_idx_MK >= 0, got.recv_topk_idx_MK + r * (E_MP // R_MP), -1)
         ys.append(expert(logical, got.recv_topk_weights_MK, got.recv_x_MH))
     want = reference.combine(ys, ref, [x.shape[0] for x in xs])[me]
-    with ubep.Buffer(hidden=H_MP, num_experts=R_MP * L_MP, max_tokens_per_rank=8, timeout_s=30) as buf:
+    with ubep.Buffer(
+        hidden=H_MP, num_experts=R_MP * L_MP, max_tokens_per_rank=8, timeout_s=30, low_latency=True
+    ) as buf:
         other = Placement(R_MP, E_MP, p.logical_of_physical_U.roll(1))  # what rank 1 passes
         with pytest.raises(ubep.ConfigMismatchError, match="placement"):
             buf.set_placement(p if me != 1 else other)

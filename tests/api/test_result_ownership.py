@@ -44,7 +44,9 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 def _calls(rank, engine: str) -> list[tuple[str, int, bool]]:
     """(call, tensors, whether all are unchanged) after three more calls of every kind."""
     kept = {}
-    with ubep.Buffer(rank, hidden=H, num_experts=E, max_tokens_per_rank=T, engine=engine) as buf:
+    with ubep.Buffer(
+        rank, hidden=H, num_experts=E, max_tokens_per_rank=T, engine=engine, low_latency=True
+    ) as buf:
         for call in range(4):
             x, idx, w = _inputs(rank.rank, call)
             got = buf.dispatch(x, topk_idx=idx, topk_weights=w)

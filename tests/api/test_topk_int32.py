@@ -26,7 +26,7 @@ def both_modes(rank: VirtualRank, engine: str) -> bool:
     x, idx32, w = xs[me], idxs[me].to(torch.int32), ws[me]
     ref = reference.dispatch(xs, idxs, ws, E)
     with ubep.Buffer(
-        rank, hidden=H, num_experts=E, max_tokens_per_rank=N, engine=engine, timeout_s=20
+        rank, hidden=H, num_experts=E, max_tokens_per_rank=N, engine=engine, timeout_s=20, low_latency=True
     ) as buf:
         layout = buf.get_dispatch_layout(idx32, E)
         got = buf.dispatch(x, topk_idx=idx32, topk_weights=w)

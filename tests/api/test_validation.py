@@ -174,7 +174,13 @@ def calls_with_grad_inputs(protocol: str, transport: str) -> list[str]:
     want = reference.combine(ys, ref, [x.shape[0] for x in xs])[me]
     problems = []
     with ubep.Buffer(
-        hidden=H, num_experts=4, max_tokens_per_rank=T, protocol=protocol, transport=transport, timeout_s=20
+        hidden=H,
+        num_experts=4,
+        max_tokens_per_rank=T,
+        protocol=protocol,
+        transport=transport,
+        timeout_s=20,
+        low_latency=True,
     ) as b:
         x = xs[me].float().requires_grad_()
         w = ws[me].clone().requires_grad_()

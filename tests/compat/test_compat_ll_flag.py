@@ -23,8 +23,9 @@ H, E, T, K = 128, 4, 4, 2
 def sized(num_ranks: int, **options) -> int:
     """One rank's segment for a low-latency ubep.Buffer of the compat layer's shapes."""
     return size_hint(
-        hidden=H, num_experts=E, max_tokens_per_rank=T, num_ranks=num_ranks, max_topk=11, **options
-    ).segment_bytes
+        hidden=H, num_experts=E, max_tokens_per_rank=T, num_ranks=num_ranks, max_topk=11, low_latency=True,
+        **options,
+    ).segment_bytes  # fmt: skip
 
 
 @pytest.fixture

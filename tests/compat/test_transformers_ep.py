@@ -94,10 +94,22 @@ def ep_logits_error(paths: dict[str, str], modes: dict[str, tuple[str, ...]], to
             with torch.no_grad():
                 got = model(ids, use_cache=True)
                 got_step = model(step, cache=got.cache, use_cache=True).logits
+            check_one_buffer(model, mode)
             errors[name, mode] = max(
                 float((got.logits - want.logits).abs().max()), float((got_step - want_step).abs().max())
             )
     return errors
+
+
+def check_one_buffer(model, mode: str) -> None:
+    """Every MoE layer ran on one Buffer, with low-latency slots only for ubep_low_latency; closing it
+    from one layer closes it for all."""
+    layers = [m.ubep_ep for m in model.modules() if hasattr(m, "ubep_ep")]
+    buffers = {id(ep.shared.buffer) for ep in layers}
+    assert len(buffers) == 1 and layers[0].shared.buffer is not None, (mode, len(layers), len(buffers))
+    assert layers[0].shared.buffer.low_latency == (mode == "ubep_low_latency"), mode
+    layers[-1].close()
+    assert all(ep.shared.buffer is None for ep in layers)
 
 
 def check(errors_per_rank: list[dict]) -> None:
@@ -177,3 +189,42 @@ def test_experts_that_do_not_divide_name_the_setting():
 
     with pytest.raises(ValueError, match=r"8 routed experts.*ep_size=3.*divides 8"):
         distributed_config(tiny_configs()["mixtral"], ep_size=3)
+
+
+class Mesh:
+    """Stands in for the EP DeviceMesh, where the shared Buffers live."""
+
+
+def test_layers_share_one_buffer_sized_for_the_largest_and_closed_once():
+    """One rank, no processes: two layers join, the first forward builds one Buffer for the larger
+    of them (and its stats have a load row per layer), a larger hidden size rebuilds it, closing
+    closes it once; another model's config, or another mode, gets its own."""
+    import pickle
+
+    from ubep.integrations.transformers import SharedBuffer
+
+    mesh, config, other = Mesh(), object(), object()
+    shared = SharedBuffer.on(mesh, config, None, False)
+    shared.join(hidden=64, num_experts=4, max_tokens=8, max_topk=2)
+    shared.join(hidden=32, num_experts=4, max_tokens=16, max_topk=4)
+    assert SharedBuffer.on(mesh, config, None, False) is shared
+    assert SharedBuffer.on(mesh, other, None, False) is not shared
+    assert SharedBuffer.on(mesh, config, None, True) is not shared
+    first = shared.get(None, 32, protocol=None, low_latency=False, stats=True)
+    assert shared.get(None, 64, protocol=None, low_latency=False, stats=True) is first
+    s = first.sizing
+    assert (s.hidden, s.capacity, s.max_topk, first.low_latency) == (64, 16, 4, False)
+    assert first.stats().expert_load_LE.shape == (2, 4)
+    bigger = shared.get(None, 128, protocol=None, low_latency=False, stats=False)
+    assert bigger is not first and bigger.sizing.hidden == 128
+    with pytest.raises(RuntimeError, match="closed"):
+        first.dispatch(
+            torch.ones(1, 64), topk_idx=torch.zeros(1, 1, dtype=torch.int64), topk_weights=torch.ones(1, 1)
+        )
+    shared.close()
+    shared.close()
+    assert shared.buffer is None
+    copied = pickle.loads(pickle.dumps(vars(mesh)))  # a mesh pickled with its DTensor carries no Buffer
+    assert all(s.buffer is None and s.layers == 0 for s in copied["ubep_buffers"].values())
+    with pytest.raises(ValueError, match="4 and 8 routed experts"):
+        shared.join(hidden=64, num_experts=8, max_tokens=8, max_topk=2)

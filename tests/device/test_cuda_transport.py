@@ -82,7 +82,7 @@ def test_inputs_must_live_on_the_buffers_device():
 def test_a_cpu_buffer_names_the_argument_on_another_device():
     import ubep
 
-    with ubep.Buffer(hidden=128, num_experts=4, max_tokens_per_rank=4) as buf:
+    with ubep.Buffer(hidden=128, num_experts=4, max_tokens_per_rank=4, low_latency=True) as buf:
         assert buf.device == torch.device("cpu")
         x = torch.zeros(2, 128, dtype=torch.bfloat16)
         idx = torch.zeros(2, 1, dtype=torch.int64, device="meta")

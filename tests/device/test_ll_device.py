@@ -79,16 +79,17 @@ def test_in_word_slots_take_twice_the_bytes():
     plain, word = LLBlocks.of(s), LLBlocks.of(s, in_word=True)
     assert word.slots.shape == (R, L, T, 2 * B) and word.back_slots.shape == (R, per_writer(s), 2 * B)
     extra = 2 * (R * L * T * B + R * per_writer(s) * B)  # both halves of both slot regions, once more
-    grew = heap_bytes(s, ll_flag="in-word") - heap_bytes(s)
+    grew = heap_bytes(s, low_latency=True, ll_flag="in-word") - heap_bytes(s, low_latency=True)
     assert extra <= grew < extra + 4 * 4096, (grew, extra)  # (regions are page aligned)
     assert plain.slots.shape[-1] == B
     assert ubep.Buffer.size_hint(
-        hidden=128, num_experts=8, max_tokens_per_rank=4, num_ranks=2, max_topk=2, ll_flag="in-word"
-    ).segment_bytes == heap_bytes(s, ll_flag="in-word")
+        hidden=128, num_experts=8, max_tokens_per_rank=4, num_ranks=2, max_topk=2, low_latency=True,
+        ll_flag="in-word",
+    ).segment_bytes == heap_bytes(s, low_latency=True, ll_flag="in-word")  # fmt: skip
 
 
 def test_flags_need_the_triton_halves(monkeypatch):
-    kw = dict(hidden=128, num_experts=4, max_tokens_per_rank=4)
+    kw = dict(hidden=128, num_experts=4, max_tokens_per_rank=4, low_latency=True)
     with pytest.raises(ValueError, match="ll_flag must be one of"):
         ubep.Buffer(ll_flag="after", **kw)
     with pytest.raises(ValueError, match=r"ll_flag='in-word', capturable=False: these need .*Triton halves"):
@@ -116,7 +117,7 @@ def against_reference_and_numba(_: int) -> list[str]:
     R, me = torch.distributed.get_world_size(), torch.distributed.get_rank()
     E = 2 * R
     checked = []
-    kw = dict(hidden=HIDDEN, num_experts=E, max_tokens_per_rank=CAPACITY, timeout_s=60)
+    kw = dict(hidden=HIDDEN, num_experts=E, max_tokens_per_rank=CAPACITY, timeout_s=60, low_latency=True)
     got = {}
     for flag in ("after-data", "in-word"):
         with ubep.Buffer(engine="triton", ll_flag=flag, **kw) as buf:
@@ -302,7 +303,7 @@ def without_host_reads(_: int) -> str:
     R, me = torch.distributed.get_world_size(), torch.distributed.get_rank()
     E = 2 * R
     with ubep.Buffer(hidden=HIDDEN, num_experts=E, max_tokens_per_rank=CAPACITY, timeout_s=60,
-                     engine="triton") as buf:  # fmt: skip
+                     engine="triton", low_latency=True) as buf:  # fmt: skip
         ll = buf._ll
         device = LLTriton(ll.t, ll.blocks, buf.sizing, ll._consumed, buf.engine, capturable=True)
         xs, idxs, ws = LLCase(name="sync", drop=0.2, seed=3).inputs(R, E)
@@ -373,7 +374,8 @@ def buffer_without_host_reads(_: int) -> list[str]:
     seen = []
     for flag in ("after-data", "in-word"):
         with ubep.Buffer(hidden=HIDDEN, num_experts=E, max_tokens_per_rank=CAPACITY, timeout_s=60,
-                         engine="triton", ll_flag=flag, capturable=True) as buf:  # fmt: skip
+                         engine="triton", ll_flag=flag, capturable=True,
+                         low_latency=True) as buf:  # fmt: skip
             assert "capturable" in buf.explain()
             use_fp8 = flag == "in-word"  # FP8 quantizes on the way out: tensor operations only
             patched: list = []
@@ -432,7 +434,7 @@ def errors(rank, done: threading.Barrier) -> str:
 
     me, R, E = rank.rank, rank.world_size, 2 * rank.world_size
     with ubep.Buffer(rank, hidden=HIDDEN, num_experts=E, max_tokens_per_rank=CAPACITY, timeout_s=60,
-                     engine="triton") as buf:  # fmt: skip
+                     engine="triton", low_latency=True) as buf:  # fmt: skip
         xs, idxs, _ = LLCase(name="T", seed=8).inputs(R, E)
         if me == 0:  # rejected before its send; the peer learns it from the rejected word, in its kernel
             with pytest.raises(ValueError, match="more than num_max_dispatch_tokens_per_rank=4"):

@@ -485,7 +485,7 @@ def buffer_calls(rank: object) -> int:
             checked += 1
     E = 2 * R
     with ubep.Buffer(group, hidden=HIDDEN, num_experts=E, max_tokens_per_rank=CAPACITY, timeout_s=60,
-                     engine="triton") as buf:  # fmt: skip
+                     engine="triton", low_latency=True) as buf:  # fmt: skip
         for case in (c for c in cases(R) if c.name in LOW_LATENCY):
             run_case(buf, case, me, R, E)
             checked += 1

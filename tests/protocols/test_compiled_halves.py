@@ -194,7 +194,9 @@ def _count_calls(rank, low_latency: bool) -> tuple[int, int, Counter[str]]:
             depth[0] -= 1
 
     ops = _TorchOps()
-    with ubep.Buffer(rank, hidden=H, num_experts=E, max_tokens_per_rank=T, engine="numba") as buf:
+    with ubep.Buffer(
+        rank, hidden=H, num_experts=E, max_tokens_per_rank=T, engine="numba", low_latency=low_latency
+    ) as buf:
 
         def pair(profiled: bool = False) -> None:
             sys.setprofile(profile if profiled else None)  # set in here: this function's own call uncounted
@@ -264,7 +266,13 @@ def _every_kind_of_call(rank, compiles: CompilesByThread) -> list[str]:
 
 def _kinds_on(rank, protocol, x, idx, w, sc, compiles: CompilesByThread) -> list[str]:
     with ubep.Buffer(
-        rank, hidden=256, num_experts=4, max_tokens_per_rank=sc.capacity, engine="numba", protocol=protocol
+        rank,
+        hidden=256,
+        num_experts=4,
+        max_tokens_per_rank=sc.capacity,
+        engine="numba",
+        protocol=protocol,
+        low_latency=True,
     ) as buf:
         built = len(compiles.here())
         for payload in (x, x.float(), fp8.quantize(x)):

@@ -65,6 +65,7 @@ def every_case(protocol: str, engine: str) -> dict[str, list[tuple[str, float]]]
             engine=engine,
             transport="shm",
             timeout_s=TIMEOUT_S,
+            low_latency=True,
         ) as buf:
             steps = [functools.partial(_departing, buf, me, case)]
             if case == "skipped combine":  # both ranks dispatch next, but one has dispatched more

@@ -22,7 +22,12 @@ def stalled_low_latency(transport: str) -> tuple[str, str, float]:
     """Rank 1 stalls before its low-latency dispatch; rank 0 must give up and name it."""
     me = dist.get_rank()
     with ubep.Buffer(
-        hidden=128, num_experts=4, max_tokens_per_rank=8, transport=transport, timeout_s=TIMEOUT_S
+        hidden=128,
+        num_experts=4,
+        max_tokens_per_rank=8,
+        transport=transport,
+        timeout_s=TIMEOUT_S,
+        low_latency=True,
     ) as buf:
         x = torch.randn(8, 128).to(torch.bfloat16)
         idx = torch.tensor([[0, 2]] * 8)

@@ -94,7 +94,12 @@ def run_case(case: str, transport: str) -> tuple[str, str, float, bool]:
     calls are exact."""
     me = dist.get_rank()
     with ubep.Buffer(
-        hidden=SC.hidden, num_experts=E, max_tokens_per_rank=T, transport=transport, timeout_s=TIMEOUT_S
+        hidden=SC.hidden,
+        num_experts=E,
+        max_tokens_per_rank=T,
+        transport=transport,
+        timeout_s=TIMEOUT_S,
+        low_latency=True,
     ) as buf:
         start = time.monotonic()
         try:
@@ -156,6 +161,7 @@ def hier_kinds(protocol: str) -> tuple[str, str]:
         transport="hier",
         timeout_s=1,
         protocol=protocol,
+        low_latency=True,
     ) as buf:
         try:
             mismatch(buf, me, "kinds")

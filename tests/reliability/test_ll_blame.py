@@ -30,7 +30,12 @@ def lingering_rank() -> str:
     idx = torch.stack([torch.randperm(E, generator=gen)[:2] for _ in range(T)])
     stop = threading.Event()
     with ubep.Buffer(
-        hidden=H, num_experts=E, max_tokens_per_rank=T, transport="dist", timeout_s=TIMEOUT_S
+        hidden=H,
+        num_experts=E,
+        max_tokens_per_rank=T,
+        transport="dist",
+        timeout_s=TIMEOUT_S,
+        low_latency=True,
     ) as buf:
         buf.low_latency_dispatch(x, idx, T, E)  # one call that works
         if me == LINGERER:  # its own code raised; it stays, and calls nothing more for a while

@@ -60,7 +60,14 @@ def one_call(rank: VirtualRank, sent: threading.Barrier, value: int | None, engi
     Returns combined_x, or the exception this rank's calls raised."""
     x_NH, topk_idx_NK, topk_weights_NK = inputs(rank.rank)
     with ubep.Buffer(
-        rank, hidden=H, num_experts=E, max_tokens_per_rank=T, max_topk=K, timeout_s=TIMEOUT_S, engine=engine
+        rank,
+        hidden=H,
+        num_experts=E,
+        max_tokens_per_rank=T,
+        max_topk=K,
+        timeout_s=TIMEOUT_S,
+        engine=engine,
+        low_latency=True,
     ) as buf:
         both_past = False  # once both ranks left the barriers, breaking it would only hit a slow leaver
         try:

@@ -82,9 +82,9 @@ def build_on_small_shm(low_latency: bool):
 
 def small_shm_job() -> None:
     """Run inside the mount namespace: print the sizes, then each build's results."""
-    big = size_hint(**SMALL_SHM_ARGS, num_ranks=2)
-    small = size_hint(**SMALL_SHM_ARGS, num_ranks=2, low_latency=False)
-    print("SIZES", big.host_bytes, small.host_bytes, flush=True)
+    big = size_hint(**SMALL_SHM_ARGS, num_ranks=2, low_latency=True)
+    small = size_hint(**SMALL_SHM_ARGS, num_ranks=2)
+    print("SIZES", big.host_touchable_bytes, small.host_touchable_bytes, flush=True)
     for low_latency in (True, False):
         results = ubep.LocalLaunch(world_size=2, timeout_s=120).run(build_on_small_shm, low_latency)
         print("RESULT", json.dumps(results), flush=True)
@@ -105,7 +105,7 @@ def test_small_dev_shm_refuses_on_every_rank_with_the_sizes_and_the_argument():
     for needed, free, message in refused:  # every rank raised, before allocating anything
         assert needed == big and free <= 64 * 2**20, message
         assert f"need {big} bytes" in message and "/dev/shm has" in message
-        assert "lower max_tokens_per_rank" in message and "low_latency=False" in message
+        assert "lower max_tokens_per_rank" in message and "without low_latency=True" in message
     assert fitted == ["built", "built"]
 
 

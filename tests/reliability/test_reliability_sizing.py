@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 
 import pytest
+import torch
 
 from ubep.errors import SharedMemorySizeError
 from ubep.sizing import size_hint
@@ -85,7 +86,7 @@ def test_room_check_names_the_bytes_the_limit_and_the_arguments():
     message = str(error)
     assert f"need {4 * GiB} bytes" in message and "4 ranks x 1073741824 bytes" in message
     assert "the memory cgroup's limit leaves 3221225472 bytes" in message
-    assert "max_tokens_per_rank" in message and "low_latency=False" in message
+    assert "max_tokens_per_rank" in message and "max_topk" in message and "low_latency=True" in message
     assert isinstance(error, ValueError)
 
 
@@ -110,7 +111,9 @@ def test_available_memory_is_memavailable_plus_free_swap(tmp_path):
 
 
 def test_size_hint_follows_the_arguments_that_the_error_names():
-    base = dict(hidden=1024, num_experts=16, max_tokens_per_rank=64, num_ranks=8, max_topk=8)
+    base = dict(
+        hidden=1024, num_experts=16, max_tokens_per_rank=64, num_ranks=8, max_topk=8, low_latency=True
+    )
     full = size_hint(**base)
     assert full.host_bytes == 8 * full.segment_bytes
     for smaller in (
@@ -134,3 +137,103 @@ def test_names_carry_pid_namespace_and_start_time():
     assert Creator(me.pid, me.pid_ns, me.start + 1).is_gone(), "a reused pid is another process"
     assert not Creator(me.pid, me.pid_ns + 1, me.start + 1).is_gone(), "another namespace: never judged"
     assert segment_creator("ubep-12-feedface") is None and segment_creator("ubep-1-2-3-") is None
+
+
+# -- a Buffer reserves only what its calls can touch (issue 42) -----------------------------------------
+
+PAGE = 4096
+
+
+def _ll_blocks_by_hand(R: int, H: int, T: int, K: int, L: int) -> tuple[int, int]:
+    """(mapped, touchable) bytes of low-latency mode's blocks, from the shapes docs/low_latency.md gives
+    them, written out here rather than taken from the code: both halves of the slots [R, L, T, 4H]
+    and slot_info [R, L, T] int64, of which one call fills per source at most T * min(K, L) rows in
+    at most min(L, T * min(K, L)) runs (each run's pages: its bytes, and up to two pages more); the
+    rest whole: the inbox headers (per source: stamp, dtype, T, width, L counts; per expert rank:
+    stamp, dtype, count), the back slots [R, T * min(K, L), 4H], 8 done and 2 rejected words."""
+    S, rows, runs = 4 * H, T * min(K, L), min(L, T * min(K, L))
+    slots, info = R * L * T * S, R * L * T * 8
+    slots_touch = min(slots, R * (rows * S + 2 * runs * PAGE))
+    info_touch = min(info, R * (rows * 8 + 2 * runs * PAGE))
+    whole = 2 * R * (4 + L) * 8 + 2 * R * 3 * 8 + 2 * R * rows * S + 8 * 8 + 2 * 8
+    return whole + 2 * (slots + info), whole + 2 * (slots_touch + info_touch)
+
+
+@pytest.mark.skipif(os.sysconf("SC_PAGE_SIZE") != PAGE, reason="the arithmetic below is for 4 KiB pages")
+@pytest.mark.parametrize(
+    ("R", "H", "T", "K", "E"), [(2, 7168, 8, 2, 32), (8, 7168, 128, 8, 256), (2, 64, 4, 2, 8)]
+)
+def test_touchable_bytes_are_the_normal_regions_and_one_calls_low_latency_rows(R, H, T, K, E):
+    """size_hint's touchable bytes against the arithmetic of `_ll_blocks_by_hand`; the normal-mode
+    regions count whole. Alignment pads the mapping a little (64-byte block starts), never the pages
+    a call touches."""
+    kw = dict(hidden=H, num_experts=E, max_tokens_per_rank=T, num_ranks=R, max_topk=K)
+    normal, both = size_hint(**kw, low_latency=False), size_hint(**kw, low_latency=True)
+    assert normal.touchable_bytes <= normal.segment_bytes < normal.touchable_bytes + 64 * 40
+    mapped, touchable = _ll_blocks_by_hand(R, H, T, K, E // R)
+    assert both.touchable_bytes - normal.touchable_bytes == touchable
+    assert 0 <= (both.segment_bytes - normal.segment_bytes) - mapped < 64 * 20
+    assert both.host_touchable_bytes == R * both.touchable_bytes
+
+
+def test_the_room_check_counts_touchable_bytes_and_names_the_knobs():
+    """8 ranks at the bench's decode shape with low-latency slots: 2.25 GiB a rank mapped, 0.94 GiB
+    touchable; a host with 10 GiB free holds them (it refused before), one with 7 GiB does not."""
+    hint = size_hint(hidden=7168, num_experts=256, max_tokens_per_rank=128, num_ranks=8, max_topk=8,
+                     low_latency=True)  # fmt: skip
+    assert hint.segment_bytes > 2 * GiB and hint.touchable_bytes < GiB
+    check_room(hint.segment_bytes, [intro(10 * GiB, None)] * 8, hint.touchable_bytes)
+    with pytest.raises(SharedMemorySizeError) as caught:
+        check_room(hint.segment_bytes, [intro(7 * GiB, None)] * 8, hint.touchable_bytes)
+    assert caught.value.needed == 8 * hint.touchable_bytes
+    said = str(caught.value)
+    assert f"8 ranks x {hint.touchable_bytes} bytes that calls can touch, of the {hint.segment_bytes}" in said
+    for knob in ("max_tokens_per_rank", "max_topk", "without low_latency=True"):
+        assert knob in said, knob
+
+
+def _default_and_ll(rank) -> tuple[int, int, str, list[int]]:
+    """(a default Buffer's heap bytes, a low_latency=True one's, the default's low-latency refusal,
+    the pages of each half of this rank's low-latency slots that four calls touched)."""
+    import ubep
+
+    kw = dict(hidden=7168, num_experts=32, max_tokens_per_rank=8, max_topk=2, engine="torch")
+    with ubep.Buffer(rank, **kw) as buf:
+        default = buf._exchange.t._layout.nbytes
+        x = torch.full((8, 7168), 3.0, dtype=torch.float32, device="cpu")  # full-width rows: every byte set
+        idx = torch.tensor([[2 * t, 2 * t + 1] for t in range(8)], dtype=torch.int64, device="cpu")  # 16 runs
+        with pytest.raises(ValueError) as refused:
+            buf.low_latency_dispatch(x, idx, 8, 32)
+    with ubep.Buffer(rank, low_latency=True, **kw) as buf:
+        heap = buf._ll.t
+        for _ in range(2):  # dispatch and combine, twice: both halves
+            got = buf.low_latency_dispatch(x, idx, 8, 32)
+            buf.low_latency_combine(got.recv_x, idx, torch.ones(8, 2, dtype=torch.float32), got.handle)
+        pages = []
+        for half in (0, 1):
+            slots = heap._tensor_at("ll.slots", half, rank.rank).view(-1)
+            at = torch.nonzero(slots).flatten() + slots.data_ptr()
+            pages.append(len(set((at // PAGE).tolist())))
+        return default, heap._layout.nbytes, str(refused.value), pages
+
+
+def test_a_default_buffer_maps_no_low_latency_slots_and_a_call_stays_in_its_bound():
+    """The default (low_latency=False, as DeepEP) maps what size_hint says without the slots; its
+    low-latency call says how to get them. With them, two dispatches of 8 float32 tokens, each
+    token on two of rank 0's 16 experts (16 runs a source), touch no more pages of a half than the
+    bound of `_ll_blocks_by_hand`: one row of each source's 16 expert blocks of 8, not all 8."""
+    from ubep.transport.virtual import VirtualWorld
+
+    hint = dict(hidden=7168, num_experts=32, max_tokens_per_rank=8, num_ranks=2, max_topk=2)
+    got = VirtualWorld(2, timeout_s=60).run(_default_and_ll)
+    for default, with_ll, refused, pages in got:
+        assert (
+            default
+            == size_hint(**hint).segment_bytes
+            < with_ll
+            == size_hint(**hint, low_latency=True).segment_bytes
+        )
+        assert "low_latency=True" in refused and "low_latency=False, the default" in refused
+        per_half = 2 * (16 * 4 * 7168 + 2 * 16 * PAGE) // PAGE  # R * (rows * S + 2 * runs pages)
+        assert max(pages) <= per_half < 2 * 16 * 8 * 4 * 7168 // PAGE, (pages, per_half)
+    assert min(got[0][3]) > per_half // 2, "rank 0 holds every row: both sources' 16 runs in each half"

@@ -24,7 +24,7 @@ def _inputs():
 def test_a_second_thread_is_refused_while_a_call_runs(second: str) -> None:
     x, idx, w = _inputs()
     slow = FaultPlan(rank=0, point="dispatch.start", action="delay", call=2, delay_s=1.0)
-    with ubep.Buffer(hidden=32, num_experts=4, max_tokens_per_rank=4, faults=slow) as buf:
+    with ubep.Buffer(hidden=32, num_experts=4, max_tokens_per_rank=4, faults=slow, low_latency=True) as buf:
         first = buf.dispatch(x, topk_idx=idx, topk_weights=w)  # call 1
         inside = threading.Thread(
             target=lambda: buf.dispatch(x, topk_idx=idx, topk_weights=w)

@@ -66,7 +66,7 @@ def low_latency_call(buf: ubep.Buffer, seed: int, masked: set[int]) -> None:
     assert torch.equal(out.combined_x, want), where
 
 
-def buffer(group, protocol: str, timeout_s: float, **kw) -> ubep.Buffer:
+def buffer(group, protocol: str, timeout_s: float, low_latency: bool = True, **kw) -> ubep.Buffer:
     R = group.world_size if hasattr(group, "world_size") else torch.distributed.get_world_size()
     return ubep.Buffer(
         group,
@@ -76,5 +76,6 @@ def buffer(group, protocol: str, timeout_s: float, **kw) -> ubep.Buffer:
         max_topk=TOPK,
         protocol=protocol,
         timeout_s=timeout_s,
+        low_latency=low_latency,
         **kw,
     )

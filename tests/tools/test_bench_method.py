@@ -421,3 +421,24 @@ def test_low_latency_check_takes_one_ranks_rows_not_every_ranks():
     verify_ll("ubep", got, combined.to(x.dtype), work, T, me)
     grown = _peak_rss() - before
     assert grown < 4 * mine.recv_x_LMX.nbytes, (grown, mine.recv_x_LMX.nbytes)
+
+
+def test_a_rank_refused_shared_memory_is_told_in_the_command_lines_terms():
+    """The ranks' SharedMemorySizeError names Python arguments (max_tokens_per_rank, low_latency); the
+    bench says it with its own flags, and leaves any other failure alone."""
+    from ubep.bench.run import room_refused
+    from ubep.errors import SharedMemorySizeError
+    from ubep.launcher import RankFailedError
+    from ubep.transport.segments import Creator, Introduction, check_room
+
+    room = Introduction(Creator.this_process(), "t", 2**30, None, None)
+    with pytest.raises(SharedMemorySizeError) as caught:
+        check_room(2**30, [room] * 8, 2**29)
+    traceback = (
+        f"Traceback (most recent call last):\n  ...\nubep.errors.SharedMemorySizeError: {caught.value}\n"
+    )
+    said = room_refused(RankFailedError(3, f"rank 3 failed:\n{traceback}"))
+    assert said.startswith("Buffer construction: the shared segments need 4294967296 bytes"), said
+    assert "--tokens" in said and "--systems" in said
+    assert "max_tokens_per_rank" not in said and "low_latency" not in said
+    assert room_refused(RankFailedError(1, "rank 1 failed:\nValueError: x has 9 tokens")) is None

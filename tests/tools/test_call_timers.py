@@ -48,7 +48,7 @@ def _calls(rank, on: bool) -> tuple[dict, float]:
     idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
     w = torch.rand(T, K, generator=g)
     with ubep.Buffer(
-        rank, hidden=H, num_experts=E, max_tokens_per_rank=T, engine="numba", call_timers=on
+        rank, hidden=H, num_experts=E, max_tokens_per_rank=T, engine="numba", call_timers=on, low_latency=True
     ) as buf:
         if not on:
             return buf.call_timers, 0.0

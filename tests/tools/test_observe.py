@@ -66,8 +66,9 @@ def _ll_calls(buf: ubep.Buffer, sc: Scenario, me: int) -> None:
 def _recorded(group, sc: Scenario, mode: str, **kw) -> Stats:
     me = group.rank if hasattr(group, "rank") else dist.get_rank()
     with ubep.Buffer(
-        group, hidden=sc.hidden, num_experts=sc.num_experts, max_tokens_per_rank=sc.capacity, stats=True, **kw
-    ) as buf:
+        group, hidden=sc.hidden, num_experts=sc.num_experts, max_tokens_per_rank=sc.capacity, stats=True,
+        low_latency=mode == "ll", **kw,
+    ) as buf:  # fmt: skip
         (_ll_calls if mode == "ll" else _normal_calls)(buf, sc, me)
         return buf.stats(merge=True)
 
@@ -501,9 +502,9 @@ def _transformers_layers(path: str) -> dict:
     ids = torch.randint(0, config.vocab_size, (2, 3 + me), generator=torch.Generator().manual_seed(me))
     with torch.no_grad():
         model(ids)
-    layers = ubep_tf.layer_stats(model, merge=True)
-    explained = model.model.layers[0].mlp.experts.ubep_ep._buffer.explain()
-    return {name: s.to_dict() for name, s in layers.items()} | {"explain": explained}
+    stats = ubep_tf.model_stats(model, merge=True)
+    explained = model.model.layers[0].mlp.experts.ubep_ep.shared.buffer.explain()
+    return {"stats": stats.to_dict(), "explain": explained}
 
 
 @pytest.mark.timeout(300)
@@ -515,12 +516,16 @@ def test_transformers_layers_record_stats_from_the_environment(tmp_path):
     torch.manual_seed(0)
     transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(tmp_path)
     got = ubep.LocalLaunch(world_size=2, timeout_s=240).run(_transformers_layers, str(tmp_path))[0]
-    assert "timeout_s 45.0 (from UBEP_TIMEOUT_S)" in got.pop("explain")
-    assert len(got) == config.num_hidden_layers
+    assert "timeout_s 45.0 (from UBEP_TIMEOUT_S)" in got["explain"]
+    stats = Stats.from_dict(got["stats"])  # the one Buffer every MoE layer shares: a load row per layer
+    layers = config.num_hidden_layers
+    assert stats.calls["dispatch"] == layers and stats.expert_load_LE.shape == (
+        layers,
+        config.num_local_experts,
+    )
     tokens = (2 * 3) + (2 * 4)  # both ranks' batches
-    for stats in map(Stats.from_dict, got.values()):
-        assert stats.calls["dispatch"] == 1
-        assert int(stats.expert_load_E.sum()) == tokens * config.num_experts_per_tok
+    for load_E in stats.expert_load_LE:
+        assert int(load_E.sum()) == tokens * config.num_experts_per_tok
 
 
 # -- the bench -------------------------------------------------------------------------------------

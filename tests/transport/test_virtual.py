@@ -51,7 +51,13 @@ def test_normal_mode_matches_reference(protocol, world_size, engine):
 def low_latency(rank: VirtualRank, engine: str) -> int:
     R, E = rank.world_size, 2 * rank.world_size
     with ubep.Buffer(
-        rank, hidden=HIDDEN, num_experts=E, max_tokens_per_rank=CAPACITY, engine=engine, timeout_s=20
+        rank,
+        hidden=HIDDEN,
+        num_experts=E,
+        max_tokens_per_rank=CAPACITY,
+        engine=engine,
+        timeout_s=20,
+        low_latency=True,
     ) as buf:
         for case in cases(R):
             run_case(buf, case, rank.rank, R, E)

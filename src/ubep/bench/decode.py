@@ -149,13 +149,13 @@ def trace_path(cfg: DecodeConfig, system: str) -> str:
 
 
 def _save_trace(model, system: str, cfg: DecodeConfig) -> None:
-    """Every MoE layer's merged stats (a collective per layer), written by rank 0 as one trace."""
-    from ubep.integrations.transformers import layer_stats
+    """The merged stats of the Buffer the MoE layers share (a collective), written by rank 0 as a trace."""
+    from ubep.integrations.transformers import model_stats
     from ubep.observe import write_trace
 
-    layers = layer_stats(model, merge=True)
-    if layers and dist.get_rank() == 0:
-        write_trace(layers, trace_path(cfg, system))
+    stats = model_stats(model, merge=True)
+    if stats is not None and dist.get_rank() == 0:
+        write_trace(stats, trace_path(cfg, system))
 
 
 def _decode_once(path: str, system: str, cfg: DecodeConfig, mesh, first: bool = False) -> dict:
@@ -253,7 +253,7 @@ def run(cfg: DecodeConfig) -> list[dict]:
         config.ubep_max_tokens_per_rank = cfg.batch * cfg.prompt  # the prefill is the largest batch
         config.ubep_low_latency_tokens_per_rank = cfg.batch  # a decode step: low-latency mode's T
         if cfg.trace:
-            config.ubep_stats = True  # every layer's Buffer records (ubep.integrations.transformers)
+            config.ubep_stats = True  # the layers' shared Buffer records (ubep.integrations.transformers)
         transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(path)
         per_rank = LocalLaunch(world_size=cfg.ranks, timeout_s=cfg.timeout_s).run(_rank_decode, path, cfg)
     return summarize(per_rank, cfg)

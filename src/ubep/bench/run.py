@@ -27,10 +27,12 @@ from ubep.bench.timing import latencies_us
 from ubep.bench.torch_systems import measure_rank
 from ubep.bench.turns import Conductor, Samples, round_order
 from ubep.bench.workload import UBEP_ROW, BenchConfig, build
+from ubep.errors import SharedMemorySizeError
 from ubep.extras import install_hint
 from ubep.factory import ready_engine
 from ubep.launcher import LocalLaunch
 from ubep.layout import ExpertPlacement
+from ubep.transport.segments import KNOBS
 
 SINGLE_HOST = ("bsp-shm", "mpi")  # no row across emulated nodes
 ACROSS_ONLY = ("hier-bsp", "ubep-nixl")  # rows of the exchange between nodes
@@ -221,6 +223,19 @@ def measure(
         row = report.Row.build(system, cfg.mode, tokens, nbytes, d, c)
         rows.append(replace(row, boundary_bytes=crossing.get(system)))
     return report.with_ratios(rows)
+
+
+def room_refused(error: BaseException) -> str | None:
+    """A rank's SharedMemorySizeError, from the traceback a launch's error carries, in the command
+    line's terms (its advice names the Python arguments); None where the ranks failed otherwise."""
+    for line in reversed(str(error).splitlines()):
+        _, found, said = line.partition(f"{SharedMemorySizeError.__name__}: ")
+        if found:
+            return (
+                f"{said.replace(f'; {KNOBS}', '')}. Lower --tokens (the largest sizes every row's Buffer), "
+                "or measure fewer --systems at once (each row keeps its Buffer open)"
+            )
+    return None
 
 
 def run(cfg: BenchConfig, systems: tuple[str, ...], measured: Callable[[list[report.Row]], None]) -> None:

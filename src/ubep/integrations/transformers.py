@@ -18,12 +18,15 @@ model first and names the setting to change when it does not fit:
                         shared heap (for comparison: `ubep decode`).
 
 Every rank of the EP group holds its own batch (`fsdp_size == ep_size`, `tp_size == 1`).
-Each MoE layer gets its own ubep.Buffer, built on its first forward with room for
-`config.ubep_max_tokens_per_rank` tokens per rank (DEFAULT_MAX_TOKENS if unset).
+The model's MoE layers share one ubep.Buffer (`SharedBuffer`), as DeepEP's users share one per
+group: built at the first forward, with room for `config.ubep_max_tokens_per_rank` tokens per
+rank (DEFAULT_MAX_TOKENS if unset) of the largest layer's hidden size and top-k, in normal mode
+only but for "ubep_low_latency" (one Buffer per layer took 48 times the memory for
+Qwen3-30B-A3B's 48 layers: docs/reliability.md, "Footprint").
 Timeout, engine, transport and (for "ubep") the protocol come from UBEP_TIMEOUT_S,
-UBEP_ENGINE, UBEP_TRANSPORT and UBEP_PROTOCOL (`ubep.settings`); with UBEP_STATS=1 every
-layer's Buffer records what its calls do (or with `config.ubep_stats = True`), and
-`layer_stats(model)` collects it.
+UBEP_ENGINE, UBEP_TRANSPORT and UBEP_PROTOCOL (`ubep.settings`); with UBEP_STATS=1 the
+Buffer records what its calls do (or with `config.ubep_stats = True`), one expert-load row per
+MoE layer, and `model_stats(model)` collects it.
 Normal mode ("ubep", "ubep_bsp") also trains: the dispatch's backward is the
 combine of the gradients (of the rows and of the routing weights), the combine's
 backward a cached dispatch, as Megatron wraps DeepEP. The FP8 and low-latency
@@ -36,26 +39,29 @@ import torch
 from transformers.distributed import DistributedConfig
 from transformers.distributed.expert_parallel import EPImplementation, EPImplementationInterface
 
-from ubep import fp8
+from ubep import fp8, settings
 from ubep.buffer import Buffer
 from ubep.registry import BSP
-from ubep.stats import Stats
+from ubep.stats import Stats, StatsOptions
 
 DEFAULT_MAX_TOKENS = 256  # tokens per rank and forward: a decode batch, or a short prefill
+DEFAULT_MAX_TOPK = 16  # where the model's config names no top-k (`num_experts_per_tok`): ubep.Buffer's
 MAX_TOKENS_SETTING = "ubep_max_tokens_per_rank"
 LOW_LATENCY_TOKENS_SETTING = "ubep_low_latency_tokens_per_rank"
-STATS_SETTING = "ubep_stats"  # config.ubep_stats = True: every layer's Buffer records stats
+STATS_SETTING = "ubep_stats"  # config.ubep_stats = True: the shared Buffer records stats
 IMPLEMENTATIONS = ("ubep", "ubep_low_latency", "ubep_fp8", "ubep_bsp")
+MESH_ATTRIBUTE = "ubep_buffers"  # on the EP DeviceMesh: its `SharedBuffer`s (`SharedBuffer.on`)
 
 __all__ = [
     "IMPLEMENTATIONS",
+    "SharedBuffer",
     "UbepBspEP",
     "UbepEP",
     "UbepFp8EP",
     "UbepLowLatencyEP",
     "distributed_config",
     "expert_parallel_plan",
-    "layer_stats",
+    "model_stats",
 ]
 
 
@@ -82,11 +88,82 @@ def _num_experts(model_config) -> int:
     raise ValueError(f"{type(model_config).__name__} names no routed-expert count; is it a MoE model?")
 
 
+class SharedBuffer:
+    """The one ubep Buffer a model's MoE layers share on one EP mesh (for one protocol and mode).
+
+    Each layer joins when transformers builds its implementation, with its hidden size, expert
+    count, tokens and top-k; the first forward of any layer builds the Buffer, collectively (every
+    rank runs its layers in the same order), sized for the largest layer that joined; a forward with
+    a larger hidden size than that builds it again, larger. `close` closes it once, whichever layer
+    asks; the next forward builds it again. It lives on the mesh (the EP group's scope: no state of
+    the module's own), one per model config object there; a mesh pickled or copied (a DTensor's)
+    carries none.
+    """
+
+    def __init__(self, config=None) -> None:
+        self.config = config  # the model's: held, so that its id keys no other model's layers
+        self.buffer: Buffer | None = None
+        self.layers = 0  # the layers that joined: one expert-load row each, in forward order
+        self.hidden = self.max_tokens = self.max_topk = 0
+        self.num_experts: int | None = None
+
+    @classmethod
+    def on(cls, mesh, config, protocol: str | None, low_latency: bool) -> SharedBuffer:
+        """The mesh's SharedBuffer for the layers of the model with `config`, made on first use."""
+        shared = vars(mesh).setdefault(MESH_ATTRIBUTE, {})
+        key = (id(config), protocol, low_latency)
+        if key not in shared:
+            shared[key] = cls(config)
+        return shared[key]
+
+    def __reduce__(self):
+        return (type(self), ())  # Buffers belong to this process: a copy starts empty, and no config
+
+    def join(self, *, hidden: int, num_experts: int, max_tokens: int, max_topk: int) -> None:
+        """Count one more layer, and size the Buffer for it too (0: not known until its forward)."""
+        if self.num_experts not in (None, num_experts):
+            raise ValueError(
+                f"MoE layers with {self.num_experts} and {num_experts} routed experts cannot share one ubep "
+                "Buffer (the expert count places the experts on the ranks): give them one expert count"
+            )
+        self.num_experts = num_experts
+        self.hidden, self.max_topk = max(self.hidden, hidden), max(self.max_topk, max_topk)
+        self.max_tokens = max(self.max_tokens, max_tokens)
+        self.layers += 1
+
+    def get(
+        self, group, hidden: int, *, protocol: str | None, low_latency: bool, stats: bool | None
+    ) -> Buffer:
+        """The shared Buffer, built (collectively) where none is or where `hidden` outgrows it."""
+        if self.buffer is not None and self.buffer.sizing.hidden < hidden:
+            self.close()
+        if self.buffer is None:
+            recording = settings.resolve({"stats": stats})["stats"].value  # UBEP_STATS where stats is None
+            self.buffer = Buffer(
+                group,
+                hidden=max(self.hidden, hidden),
+                num_experts=self.num_experts,
+                max_tokens_per_rank=self.max_tokens,
+                max_topk=self.max_topk,
+                protocol=protocol,
+                low_latency=low_latency,
+                stats=StatsOptions(layers=self.layers) if recording else False,
+            )
+        return self.buffer
+
+    def close(self) -> None:
+        """Close the Buffer (idempotent); the next forward builds it again."""
+        buffer, self.buffer = self.buffer, None
+        if buffer is not None:
+            buffer.close()
+
+
 class UbepEP(EPImplementation):
     """Normal mode: dispatch, this rank's experts on the rows it got, combine (plain sums)."""
 
     use_fp8 = False
     protocol: str | None = None  # None: UBEP_PROTOCOL where set, else "ubep"
+    low_latency = False  # the shared Buffer's low-latency slots: only for the implementation using them
 
     def __init__(self, experts, ep_mesh, tp_mesh):
         super().__init__(experts, ep_mesh, tp_mesh)
@@ -103,26 +180,25 @@ class UbepEP(EPImplementation):
         low_latency = getattr(config, LOW_LATENCY_TOKENS_SETTING, None)
         self.low_latency_tokens = min(self.max_tokens, int(low_latency)) if low_latency else self.max_tokens
         self.stats = getattr(config, STATS_SETTING, None)  # None: UBEP_STATS, else off
-        self._buffer: Buffer | None = None  # built collectively on the first forward
-        experts.ubep_ep = self  # where `layer_stats` finds this layer's Buffer
+        self.shared = SharedBuffer.on(ep_mesh, config, self.protocol, self.low_latency)
+        hidden = getattr(experts, "hidden_dim", None) or getattr(config, "hidden_size", None)
+        topk = getattr(config, "num_experts_per_tok", None)
+        self.shared.join(
+            hidden=hidden if isinstance(hidden, int) else 0,
+            num_experts=self.num_experts,
+            max_tokens=self.max_tokens,
+            max_topk=topk if isinstance(topk, int) else DEFAULT_MAX_TOPK,
+        )
+        experts.ubep_ep = self  # where `model_stats` finds the shared Buffer
 
     def _buffer_for(self, hidden: int) -> Buffer:
-        if self._buffer is None:
-            self._buffer = Buffer(
-                self.group,
-                hidden=hidden,
-                num_experts=self.num_experts,
-                max_tokens_per_rank=self.max_tokens,
-                protocol=self.protocol,
-                stats=self.stats,
-            )
-        return self._buffer
+        return self.shared.get(
+            self.group, hidden, protocol=self.protocol, low_latency=self.low_latency, stats=self.stats
+        )
 
     def close(self) -> None:
-        """Release this layer's ubep Buffer (it is rebuilt on the next forward)."""
-        buffer, self._buffer = self._buffer, None
-        if buffer is not None:
-            buffer.close()
+        """Release the ubep Buffer every MoE layer shares (the next forward builds it again)."""
+        self.shared.close()
 
     def _check_batch(self, num_tokens: int, error: ValueError) -> None:
         if num_tokens > self.max_tokens:
@@ -167,6 +243,8 @@ class UbepBspEP(UbepEP):
 
 class UbepLowLatencyEP(UbepEP):
     """Low-latency mode: expert-major rows, the experts run on the valid ones, weighted combine."""
+
+    low_latency = True
 
     def __call__(self, hidden_states, top_k_index, top_k_weights):
         if torch.is_grad_enabled() and hidden_states.requires_grad:
@@ -238,16 +316,15 @@ def expert_parallel_plan(model) -> dict[str, str]:
     return plan
 
 
-def layer_stats(model, merge: bool = False) -> dict[str, Stats]:
-    """Each MoE layer's `Buffer.stats(merge)`, by module name, for the layers that have run a
-    forward with stats on (UBEP_STATS=1). With `merge`, a collective over each layer's group:
-    call it on every rank at the same point."""
-    out = {}
-    for name, module in model.named_modules():
+def model_stats(model, merge: bool = False) -> Stats | None:
+    """`Buffer.stats(merge)` of the Buffer `model`'s MoE layers share, once a forward has built it
+    with stats on (UBEP_STATS=1; else None): `expert_load_LE` has one row per MoE layer, in forward
+    order. With `merge`, a collective over the group: call it on every rank at the same point."""
+    for module in model.modules():
         ep = getattr(module, "ubep_ep", None)
-        if isinstance(ep, UbepEP) and ep._buffer is not None:
-            out[name] = ep._buffer.stats(merge)
-    return out
+        if isinstance(ep, UbepEP) and ep.shared.buffer is not None:
+            return ep.shared.buffer.stats(merge)
+    return None
 
 
 EPImplementationInterface.register("ubep", UbepEP)

@@ -25,6 +25,7 @@ Legend: see `ubep.layout`.
 
 from __future__ import annotations
 
+import mmap
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -35,19 +36,35 @@ import torch
 from ubep.calls import CallId
 from ubep.errors import PeerDataError
 
+PAGE_BYTES = mmap.PAGESIZE  # what a shared segment's memory is taken in: a page, once touched
+
 
 @dataclass(frozen=True, slots=True)
 class Region:
     """A named block that every rank's memory holds at the same place.
 
     `double`: two halves, one per epoch parity, so call e + 1 can be written
-    while a slow peer still reads call e.
+    while a slow peer still reads call e. `touch`: the most bytes of one half that one
+    call can write or read, whole pages counted (`run_bytes`; the half's size caps it),
+    where the protocol knows a bound below the whole half (None: all of it). On a host's shared segments an
+    untouched page costs nothing; construction checks room for the touchable bytes.
     """
 
     name: str
     shape: tuple[int, ...]
     dtype: torch.dtype
     double: bool = False
+    touch: int | None = None
+
+
+def run_bytes(items: int, item_bytes: int, runs: int) -> int:
+    """The most bytes of whole pages that `items` items of `item_bytes`, laid in at most `runs`
+    runs each starting anywhere, can reach: a run of n items spans at most ceil(n * item_bytes /
+    page) + 1 pages, which is at most n * item_bytes / page + 2, so all of them at most
+    items * item_bytes + 2 * runs pages' bytes. Example: 4 items of 1,000 bytes in 2 runs on
+    4 KiB pages: 4,000 + 2 * 2 * 4,096 = 20,384 bytes (each run of 2,000 bytes can straddle a
+    page boundary: 4 pages, 16,384 bytes, at most)."""
+    return items * item_bytes + 2 * runs * PAGE_BYTES
 
 
 @dataclass(frozen=True, slots=True)

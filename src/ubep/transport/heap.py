@@ -71,10 +71,14 @@ def unpack_call(word: int) -> tuple[int, int, int]:
 
 
 class Layout:
-    """Byte offsets of every block, the same in every rank's memory."""
+    """Byte offsets of every block, the same in every rank's memory.
+
+    `nbytes`: what a rank's memory maps; `touchable`: the most of it the calls can touch, every
+    block whole but for a `Region.touch` bound, per half (the gaps between blocks are never touched).
+    """
 
     def __init__(self, num_ranks: int, blocks: Iterable[Region | Header]):
-        self.nbytes = 0
+        self.nbytes = self.touchable = 0
         self.offsets: dict[tuple[str, int], tuple[int, tuple[int, ...], torch.dtype]] = {}
         self._place("ctl", 0, (CTL_WORDS,), torch.int64)
         # Two generations of a rank's membership record: [generation, call seq, masked flag per rank].
@@ -83,13 +87,18 @@ class Layout:
             shape, dtype = _shape_of(block, num_ranks)
             if any(name == block.name for name, _ in self.offsets):
                 raise ValueError(f"two blocks are named {block.name!r}")
+            touch = block.touch if isinstance(block, Region) else None
             for half in (0, 1) if block.double else (0,):
-                self._place(block.name, half, shape, dtype)
+                self._place(block.name, half, shape, dtype, touch)
 
-    def _place(self, name: str, half: int, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    def _place(
+        self, name: str, half: int, shape: tuple[int, ...], dtype: torch.dtype, touch: int | None = None
+    ) -> None:
         offset = -(-self.nbytes // ALIGN) * ALIGN
+        nbytes = math.prod(shape) * dtype.itemsize
         self.offsets[(name, half)] = (offset, shape, dtype)
-        self.nbytes = offset + math.prod(shape) * dtype.itemsize
+        self.nbytes = offset + nbytes
+        self.touchable += nbytes if touch is None else min(touch, nbytes)
 
 
 def _shape_of(block: Region | Header, num_ranks: int) -> tuple[tuple[int, ...], torch.dtype]:

@@ -4,8 +4,9 @@ Construction, over `group`, in three all-gathers:
 
     1. introduce  every rank's identity (pid, PID namespace, start time), a random
                   token, and the room it sees (/dev/shm free, cgroup headroom).
-                  The segments must fit the least room any rank sees, or every
-                  rank raises `SharedMemorySizeError` before a byte is allocated.
+                  What calls can touch of the segments must fit the least room
+                  any rank sees, or every rank raises `SharedMemorySizeError`
+                  before a byte is allocated.
                   The tokens make the job's secret: segment names and doorbell
                   addresses derive from it, so no outsider can guess or squat them.
     2. create     each rank creates its own segment (mode 0600); statuses gathered.
@@ -237,13 +238,22 @@ class Introduction:
         )
 
 
-def check_room(segment_bytes: int, everyone: list[Introduction]) -> None:
-    """Raise SharedMemorySizeError unless every rank's segment fits the least room any rank sees: in
-    /dev/shm, under the memory cgroup's limit, and in the host's available memory (a segment may
-    take every page it maps, though calls touch far fewer: docs/reliability.md, "Footprint").
+KNOBS = (
+    "lower max_tokens_per_rank or max_topk, or, where the Buffer makes no low-latency calls, "
+    "build it without low_latency=True (ubep.sizing.size_hint tells the bytes before constructing)"
+)
+
+
+def check_room(segment_bytes: int, everyone: list[Introduction], touchable: int | None = None) -> None:
+    """Raise SharedMemorySizeError unless every rank's `touchable` bytes (default: the whole segment)
+    fit the least room any rank sees: in /dev/shm, under the memory cgroup's limit, and in the host's
+    available memory. A segment maps `segment_bytes`, but a tmpfs page is taken only once touched,
+    so the check counts the most the calls can touch (`ubep.transport.heap.Layout.touchable`;
+    docs/reliability.md, "Footprint").
 
     Every rank sees the same introductions, so every rank raises, or none does."""
-    needed = segment_bytes * len(everyone)
+    touchable = segment_bytes if touchable is None else touchable
+    needed = touchable * len(everyone)
     free, where = min(i.shm_free for i in everyone), f"{SHM_DIR} has"
     for limit, said in (
         ([i.cgroup_free for i in everyone], "the memory cgroup's limit leaves"),
@@ -255,9 +265,8 @@ def check_room(segment_bytes: int, everyone: list[Introduction]) -> None:
     if needed > free:
         raise SharedMemorySizeError(
             f"Buffer construction: the shared segments need {needed} bytes ({_mib(needed)}) on this host "
-            f"({len(everyone)} ranks x {segment_bytes} bytes), but {where} {free} bytes ({_mib(free)}) "
-            "free; lower max_tokens_per_rank, hidden or max_topk, or pass low_latency=False "
-            "(ubep.sizing.size_hint tells the bytes before constructing)",
+            f"({len(everyone)} ranks x {touchable} bytes that calls can touch, of the {segment_bytes} "
+            f"bytes each rank maps), but {where} {free} bytes ({_mib(free)}) free; {KNOBS}",
             needed,
             free,
         )
@@ -328,20 +337,30 @@ def _described(error: BaseException | None) -> str | None:
 class SymmetricHeap:
     """Every rank's segment, mapped here; built collectively over `group` (see the module doc).
 
+    `touchable`: the most bytes of a segment its users can touch (default: all), what the room
+    check counts (`check_room`).
+
     `names` are every rank's segment name (unlinked once built); `doorbell_key` is a
     secret every rank of the job shares and nobody else can learn, for `ubep.doorbell`;
     `creators` say who each rank is (`creators[r].is_gone()`: rank r provably exited,
     correct across PID namespaces, where a bare pid is not).
     """
 
-    def __init__(self, layout: SegmentLayout, group: dist.ProcessGroup, rank: int, world_size: int):
+    def __init__(
+        self,
+        layout: SegmentLayout,
+        group: dist.ProcessGroup,
+        rank: int,
+        world_size: int,
+        touchable: int | None = None,
+    ):
         self.layout = layout
         self.rank = rank
         self.world_size = world_size
         self._maps: list[mmap.mmap] = []
         sweep_stale_segments()
         everyone: list[Introduction] = _gather(group, world_size, Introduction.here())
-        check_room(layout.nbytes, everyone)
+        check_room(layout.nbytes, everyone, touchable)
         self.creators = [i.creator for i in everyone]
         key = hashlib.sha256("".join(i.token for i in everyone).encode()).digest()
         self.names = [_name(i.creator, _token(key, f"segment {r}")) for r, i in enumerate(everyone)]
@@ -368,8 +387,7 @@ class SymmetricHeap:
         if isinstance(error, OSError) and error.errno in (errno.ENOMEM, errno.ENOSPC, errno.EFBIG):
             error = SharedMemorySizeError(
                 f"Buffer construction: rank {self.rank} could not create its {nbytes}-byte "
-                f"({_mib(nbytes)}) shared segment ({error.strerror}); lower max_tokens_per_rank, hidden "
-                "or max_topk, or pass low_latency=False",
+                f"({_mib(nbytes)}) shared segment ({error.strerror}); {KNOBS}",
                 nbytes,
                 0,
             )

@@ -22,10 +22,10 @@ from ubep.transport.segments import SegmentLayout, SymmetricHeap
 class SharedSegments:
     """Every rank's segment mapped here, and the doorbells (the `Memory` of a host's heap)."""
 
-    def __init__(self, nbytes: int, group: dist.ProcessGroup, rank: int, world_size: int):
-        layout = SegmentLayout()
-        layout.add("arena", (nbytes,), torch.uint8)
-        self._segments = SymmetricHeap(layout, group, rank, world_size)
+    def __init__(self, layout: Layout, group: dist.ProcessGroup, rank: int, world_size: int):
+        segment = SegmentLayout()
+        segment.add("arena", (layout.nbytes,), torch.uint8)
+        self._segments = SymmetricHeap(segment, group, rank, world_size, touchable=layout.touchable)
         try:
             self._doorbell = Doorbell(self._segments.names[rank], self._segments.doorbell_key)
         except BaseException:
@@ -53,7 +53,7 @@ def shm_heap(
 ) -> Heap:
     """Collective: every rank of `group` maps every rank's segment holding `blocks`."""
     layout = Layout(world_size, blocks)
-    segments = SharedSegments(layout.nbytes, group, rank, world_size)
+    segments = SharedSegments(layout, group, rank, world_size)
     heap = Heap(layout, segments, rank, world_size, timeout_s)
     heap.learn_peers(segments.creators)
     dist.barrier(group=group)  # every doorbell is ready before the first wait

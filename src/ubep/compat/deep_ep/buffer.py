@@ -1,9 +1,11 @@
 """DeepEP's `deep_ep.Buffer` on top of ubep's public `ubep.Buffer`.
 
 DeepEP sizes its Buffer in bytes (`num_nvl_bytes`, `num_rdma_bytes`) and learns
-shapes at each call; ubep sizes by shape. This layer keeps one ubep.Buffer per
-shape it meets, built collectively at the first call with that shape (every
-rank makes the same calls, so every rank builds it at the same moment):
+shapes at each call; ubep sizes by shape. The constructor loads the compiled call
+halves of every mode the Buffer can run (the seconds of a process's first ubep
+Buffer), as DeepEP allocates there; this layer keeps one ubep.Buffer per shape it
+meets, built collectively at the first call with that shape (every rank makes the
+same calls, so every rank builds it at the same moment; tens of milliseconds):
   - normal mode, per (hidden, num_experts): max_tokens_per_rank is the most
     tokens whose shared segment fits in max(num_nvl_bytes, num_rdma_bytes).
   - low-latency mode, per (hidden, num_experts, T): max_tokens_per_rank is T;
@@ -33,25 +35,28 @@ raises (naming it), and the next calls run without the masked ranks.
 from __future__ import annotations
 
 import textwrap
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from ubep import fp8, settings, validate
+from ubep import fp8, registry, settings, validate
 from ubep import layout as ep_layout
+from ubep.buffer import CONSTRUCTION_MIN_TIMEOUT_S
 from ubep.buffer import Buffer as UbepBuffer
 from ubep.compat.deep_ep import scales
 from ubep.compat.deep_ep.handles import LowLatencyView, NormalHandle, normal_handle
 from ubep.compat.deep_ep.header_gather import CallHeaders, opens
 from ubep.compat.deep_ep.utils.event import EventHandle, EventOverlap, pending_event, wait_previous
 from ubep.errors import SharedMemorySizeError
-from ubep.factory import heap_bytes
-from ubep.group import join_group
+from ubep.factory import heap_bytes, ready_engine
+from ubep.group import choose_transport, join_group
 from ubep.layout import tokens_per_node
 from ubep.overlap import EventOverlap as Pending
 from ubep.protocols.base import Sizing
+from ubep.protocols.warmup import needed
 from ubep.results import LowLatencyHandle
 from ubep.stats import Stats
 
@@ -69,24 +74,35 @@ def _max_topk(num_ranks: int) -> int:
     return max(MAX_TOPK, num_ranks)
 
 
-def _segment_bytes(hidden: int, num_ranks: int, num_experts: int, tokens: int, low_latency: bool) -> int:
-    """Bytes of one rank's shared segment for a ubep.Buffer of these shapes built now (the normal-mode
-    Buffer with low_latency=False, the low-latency one with it): its protocol and low-latency row form
-    come from the environment as that Buffer's will (`ubep.settings`: UBEP_PROTOCOL, UBEP_LL_FLAG; with
-    `in-word` the low-latency slots take twice the bytes)."""
+def _segment_sizer(hidden: int, num_ranks: int, num_experts: int, low_latency: bool) -> Callable[[int], int]:
+    """Bytes of one rank's shared segment for a ubep.Buffer of these shapes built now, by its tokens per
+    rank (the normal-mode Buffer with low_latency=False, the low-latency one with it): its protocol and
+    low-latency row form come from the environment as that Buffer's will (`ubep.settings`:
+    UBEP_PROTOCOL, UBEP_LL_FLAG; with `in-word` the low-latency slots take twice the bytes)."""
     chosen = settings.resolve({})
     placement = ep_layout.ExpertPlacement.contiguous(num_experts, num_ranks)
     max_topk = LL_MAX_TOPK if low_latency else _max_topk(num_ranks)
-    sizing = Sizing(hidden=hidden, capacity=tokens, max_topk=max_topk, placement=placement)
-    return heap_bytes(sizing, chosen["protocol"].value, low_latency, chosen["ll_flag"].value)
+    protocol, ll_flag = chosen["protocol"].value, chosen["ll_flag"].value
+
+    def segment_bytes(tokens: int) -> int:
+        sizing = Sizing(hidden=hidden, capacity=tokens, max_topk=max_topk, placement=placement)
+        return heap_bytes(sizing, protocol, low_latency, ll_flag)
+
+    return segment_bytes
+
+
+def _segment_bytes(hidden: int, num_ranks: int, num_experts: int, tokens: int, low_latency: bool) -> int:
+    """`_segment_sizer`'s bytes for `tokens` tokens per rank."""
+    return _segment_sizer(hidden, num_ranks, num_experts, low_latency)(tokens)
 
 
 def _tokens_that_fit(num_bytes: int, hidden: int, num_ranks: int) -> int:
     """The most tokens per rank whose normal-mode segment fits in num_bytes (0 if none)."""
+    segment_bytes = _segment_sizer(hidden, num_ranks, num_ranks, low_latency=False)
     lo, hi = 0, 1 << 24
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        if _segment_bytes(hidden, num_ranks, num_ranks, mid, low_latency=False) <= num_bytes:
+        if segment_bytes(mid) <= num_bytes:
             lo = mid
         else:
             hi = mid - 1
@@ -163,11 +179,27 @@ class Buffer:
         self.explicitly_destroy = explicitly_destroy
         self.enable_shrink = bool(enable_shrink)
         self._buffers: dict[tuple, UbepBuffer] = {}  # lives as long as this Buffer, keyed by shape
+        self._normal_tokens: dict[int, int] = {}  # by hidden: the tokens per rank the bytes hold
         self._masked: set[int] = set()  # ranks masked in every buffer above (enable_shrink)
         self._combine_inputs: dict[tuple, torch.Tensor] = {}  # zero-copy combine buffers, by shape
         self._raw: dict[bool, torch.Tensor] = {}  # get_local_buffer_tensor's bytes, by use_rdma_buffer
-        timeout_s = settings.resolve({})["timeout_s"].value  # as the ubep Buffers built here take it
-        self._headers = CallHeaders(self._info, timeout_s, "deep_ep.Buffer")  # opens every call
+        chosen = settings.resolve({})  # as the ubep Buffers built here take them
+        self._headers = CallHeaders(self._info, chosen["timeout_s"].value, "deep_ep.Buffer")  # every call
+        self._ready_halves(chosen)
+
+    def _ready_halves(self, chosen: dict[str, settings.Setting]) -> None:
+        """Load (or compile) the call halves of every mode this Buffer can run, now: DeepEP allocates
+        in its constructor, so its first call costs what a later one does. A ubep Buffer's memory
+        depends on the shapes the calls bring (built at the first call of each), but most of a first
+        build is not its memory: it is this process's first load of the compiled halves (seconds;
+        a later ubep Buffer in the process takes milliseconds: scripts/deep_ep_first_call.py)."""
+        transport, _ = choose_transport(chosen["transport"].value, self._info)
+        engine = chosen["engine"].value
+        if registry.TRANSPORTS[transport].on_device and engine == registry.AUTO:  # as ubep.Buffer picks
+            engine = registry.TRITON.name
+        halves = needed(chosen["protocol"].value, self.low_latency_mode, workers=1)
+        timeout_s = max(chosen["timeout_s"].value, CONSTRUCTION_MIN_TIMEOUT_S)
+        ready_engine(engine, halves, time.monotonic() + timeout_s)
 
     def explain(self) -> str:
         """Which implementation serves this DeepEP Buffer, and the ubep Buffers built so far (each
@@ -275,7 +307,10 @@ class Buffer:
         if key in self._buffers:
             return 0
         self._check_unmasked(key)
-        tokens = _tokens_that_fit(max(self.num_nvl_bytes, self.num_rdma_bytes), hidden, self.group_size)
+        if hidden not in self._normal_tokens:
+            num_bytes = max(self.num_nvl_bytes, self.num_rdma_bytes)
+            self._normal_tokens[hidden] = _tokens_that_fit(num_bytes, hidden, self.group_size)
+        tokens = self._normal_tokens[hidden]
         if tokens < 1:
             raise ValueError(
                 f"num_nvl_bytes={self.num_nvl_bytes} holds no token of hidden size {hidden}; "
@@ -321,6 +356,7 @@ class Buffer:
                 num_experts=num_experts,
                 max_tokens_per_rank=max_tokens,
                 max_topk=LL_MAX_TOPK,
+                low_latency=True,
             )
         return self._buffers[key]
 

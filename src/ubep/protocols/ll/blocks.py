@@ -17,7 +17,7 @@ import torch
 
 from ubep.protocols.base import CODE_RANGE, Sizing
 from ubep.protocols.ll.plans import per_writer
-from ubep.transport.base import Field, Header, Region
+from ubep.transport.base import Field, Header, Region, run_bytes
 
 # `done[kind, half, word]`: CONSUMED, the last call of that kind whose receive half
 # finished (or that this rank rejected) on that half; SKIPPED, a rejected call whose
@@ -50,9 +50,20 @@ class LLBlocks:
     @classmethod
     def of(cls, s: Sizing, in_word: bool = False) -> LLBlocks:
         """The blocks for this sizing; `in_word`: slot rows hold every 4 bytes as an 8-byte word
-        (payload and epoch), twice the bytes."""
+        (payload and epoch), twice the bytes.
+
+        What one call touches of a half of `slots` (and of `slot_info`, 8 bytes a row): source s
+        writes the rows of local expert j at [s, j, 0:count), and the receiver reads exactly those.
+        Each of s's at most T tokens selects at most min(K, L) of this rank's L experts (never one
+        twice), so s writes at most T * min(K, L) rows, in at most min(L, T * min(K, L)) runs from
+        the start of a (source, expert) block: `run_bytes` of R times that, full-width (float32)
+        rows, never more than the half. DeepSeek-V3 at 8 ranks (T 128, K 8, L 32): a quarter of
+        the half. That is one call's bound: the pages calls touched stay taken, so calls whose
+        routing moves between experts can take up to the whole half over a Buffer's life
+        (docs/reliability.md, "Footprint")."""
         R, T, K, L, B = s.num_ranks, s.capacity, s.max_topk, s.placement.num_local_experts, s.row_bytes
         S = 2 * B if in_word else B  # bytes of a slot row
+        rows, runs = R * T * min(K, L), R * min(L, T * min(K, L))  # one call, into a half (above)
         dtype = Field("dtype", lo=CODE_RANGE[0], hi=CODE_RANGE[1])
         return cls(
             sent=Header(
@@ -60,8 +71,8 @@ class LLBlocks:
                 (dtype, Field("T", hi=T), Field("width", hi=B), Field("counts", length=L, hi=T)),
                 inbox=True,
             ),
-            slots=Region("ll.slots", (R, L, T, S), torch.uint8, double=True),
-            slot_info=Region("ll.slot_info", (R, L, T), torch.int64, double=True),
+            slots=Region("ll.slots", (R, L, T, S), torch.uint8, True, touch=run_bytes(rows, S, runs)),
+            slot_info=Region("ll.slot_info", (R, L, T), torch.int64, True, touch=run_bytes(rows, 8, runs)),
             returned=Header("ll.returned", (dtype, Field("count", hi=T * K)), inbox=True),
             back_slots=Region("ll.back_slots", (R, per_writer(s), S), torch.uint8, double=True),
             done=Region("ll.done", (2, 2, 2), torch.int64),
