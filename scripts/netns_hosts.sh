@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Hosts on one machine: N network namespaces on a bridge, one command per namespace.
 #
-#   scripts/netns_hosts.sh [-n HOSTS] [-r RATE] [-d DELAY] [-p PORT] -- COMMAND [ARG...]
+#   scripts/netns_hosts.sh [-n HOSTS] [-r RATE] [-d DELAY] [-b BURST] [-p PORT] -- COMMAND [ARG...]
 #
 #   root namespace:  bridge ubr<pid> (no address: nothing routes from here into the hosts)
 #                      |-- veth --> namespace ubep<pid>h0: eth0 10.231.0.1/24, lo
@@ -11,8 +11,9 @@
 # Each host's eth0 sends through `tc netem rate RATE delay DELAY` (defaults 25gbit: a 25 GbE NIC,
 # common on CPU servers; 15us one way: a switch hop and the kernel's TCP stack), so a message
 # between hosts pays the delay once and the rate; ranks of one host talk over its own lo,
-# unshaped. Where the kernel has no netem, a token bucket (tbf) keeps the rate, without the delay,
-# and a line on stderr says so.
+# unshaped. Where the kernel has no netem, a token bucket (tbf, bursts of BURST, default 4mb) keeps
+# the rate, without the delay, and a line on stderr says so. Each namespace has its own /etc/hosts
+# (/etc/netns/NAME/hosts) naming every host, so no address lookup waits on an unreachable DNS server.
 #
 # COMMAND runs once in every namespace (as torchrun would on every host), with torchrun's
 # settings in its environment: PET_NNODES, PET_NODE_RANK, PET_MASTER_ADDR (host 0's address),
@@ -23,13 +24,14 @@
 # made here is removed on exit, on Ctrl-C and on SIGTERM. Needs root and iproute2.
 set -euo pipefail
 
-hosts=2 rate=25gbit delay=15us port=29500
+hosts=2 rate=25gbit delay=15us burst=4mb port=29500
 usage() { sed -n '2,/^set -euo/{/^#/p}' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
-while getopts "n:r:d:p:h" opt; do
+while getopts "n:r:d:b:p:h" opt; do
     case $opt in
         n) hosts=$OPTARG ;;
         r) rate=$OPTARG ;;
         d) delay=$OPTARG ;;
+        b) burst=$OPTARG ;;
         p) port=$OPTARG ;;
         *) usage ;;
     esac
@@ -52,6 +54,7 @@ cleanup() {
     for ns in "${namespaces[@]}"; do
         for pid in $(ip netns pids "$ns" 2>/dev/null); do kill -KILL "$pid" 2>/dev/null || true; done
         ip netns del "$ns" 2>/dev/null || true  # takes its veth pair with it
+        rm -rf "/etc/netns/$ns"
     done
     ip link del "$bridge" 2>/dev/null || true
 }
@@ -61,18 +64,27 @@ trap cleanup EXIT
 
 shape() {  # shape NS: eth0's egress, netem where the kernel has it, else tbf for the rate alone
     if ! ip netns exec "$1" tc qdisc add dev eth0 root netem rate "$rate" delay "$delay" limit 100000 2>/dev/null; then
-        ip netns exec "$1" tc qdisc add dev eth0 root tbf rate "$rate" burst 4mb latency 10ms
-        [[ $1 == "${namespaces[0]}" ]] && echo "netns_hosts: no netem in this kernel: rate $rate by tbf, no added delay" >&2
+        ip netns exec "$1" tc qdisc add dev eth0 root tbf rate "$rate" burst "$burst" latency 10ms
+        [[ $1 == "${namespaces[0]}" ]] && echo "netns_hosts: no netem in this kernel: rate $rate by tbf (burst $burst), no added delay" >&2
     fi
     return 0
 }
 
 ip link add "$bridge" type bridge
 ip link set "$bridge" up
+# Every host's name, for each form of its address: c10d looks up each peer's (getnameinfo, on an
+# IPv6 socket: ::ffff:10.231.0.2) and would otherwise ask a DNS server no namespace can reach.
+names=$'127.0.0.1 localhost\n::ffff:127.0.0.1 localhost\n::1 localhost\n'
+for ((i = 0; i < hosts; i++)); do
+    names+="10.231.0.$((i + 1)) ubep${tag}h$i"$'\n'"::ffff:10.231.0.$((i + 1)) ubep${tag}h$i"$'\n'
+done
+
 for ((i = 0; i < hosts; i++)); do
     ns=ubep${tag}h$i
     ip netns add "$ns"
     namespaces+=("$ns")
+    mkdir -p "/etc/netns/$ns"  # `ip netns exec` mounts this over /etc: a namespace's own hosts file,
+    printf '%s' "$names" >"/etc/netns/$ns/hosts"  # so no lookup waits on a DNS server it cannot reach
     ip link add "uv${tag}h$i" type veth peer name eth0 netns "$ns"
     ip link set "uv${tag}h$i" master "$bridge" up
     ip netns exec "$ns" ip link set lo up

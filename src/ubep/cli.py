@@ -178,22 +178,23 @@ def run_bench(args: argparse.Namespace) -> int:
     from ubep.bench.hosts import HostsFailedError
     from ubep.bench.run import plan, room_refused, run
 
-    namespaces = False
-    if args.hosts:
-        from ubep.bench.hosts import namespaces_available
-
-        namespaces, why = namespaces_available()
-        print(f"ubep bench --hosts {args.hosts}: " + (f"namespace hosts ({why})" if namespaces else
-              f"no namespace hosts ({why}): {args.hosts} emulated nodes instead"))  # fmt: skip
-        args.nodes = args.hosts
+    flag, args.nodes = ("--hosts", args.hosts) if args.hosts else ("--nodes", args.nodes)  # as typed
     if args.ranks % args.nodes:
-        raise SystemExit(f"ubep bench: --ranks ({args.ranks}) must split evenly into --nodes ({args.nodes})")
+        raise SystemExit(f"ubep bench: --ranks ({args.ranks}) must split evenly into {flag} ({args.nodes})")
     if args.experts % args.ranks:
         raise SystemExit(
             f"ubep bench: --experts ({args.experts}) must be a multiple of --ranks ({args.ranks})"
         )
     if args.slow_rank >= args.ranks or args.delay_us < 0 or (args.slow_rank >= 0) != (args.delay_us > 0):
         raise SystemExit("ubep bench: --slow-rank R (below --ranks) and --delay-us D (> 0) go together")
+    links, namespaces = "", False  # links: what joins the namespace hosts, for the table's notes
+    if args.hosts:
+        from ubep.bench.hosts import link_note, namespaces_available
+
+        found = namespaces_available()
+        namespaces, links = found.ok, link_note(args.hosts, found.netem) if found.ok else ""
+        print(f"ubep bench --hosts {args.hosts}: " + (f"namespace hosts ({found.why})" if namespaces else
+              f"no namespace hosts ({found.why}): {args.hosts} emulated nodes instead"))  # fmt: skip
     stats_path = args.stats or (_scratch_stats() if args.trace else "")
     cfg = BenchConfig(
         ranks=args.ranks,
@@ -229,6 +230,7 @@ def run_bench(args: argparse.Namespace) -> int:
         systems, notes = plan(cfg)
     except ValueError as why:
         raise SystemExit(f"ubep bench: {why}") from None
+    notes += [links] if links else []
     where = "namespace hosts" if cfg.namespaces else "emulated nodes"
     title = (
         f"{cfg.mode} mode, {cfg.ranks} ranks on {os.cpu_count()} cores, hidden {cfg.hidden}, "

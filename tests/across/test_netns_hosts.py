@@ -13,9 +13,9 @@ import time
 
 import pytest
 
-from ubep.bench.hosts import SCRIPT, namespaces_available
+from ubep.bench.hosts import SCRIPT, Namespaces, namespaces_available
 
-ok, why = namespaces_available()
+ok, why, _ = namespaces_available()
 pytestmark = [pytest.mark.skipif(not ok, reason=f"no namespace hosts here: {why}"), pytest.mark.timeout(180)]
 
 # Host 0 listens on its address, host 1 connects to MASTER_ADDR: a byte crosses the bridge. Each
@@ -43,7 +43,9 @@ def leftovers(pid: int) -> list[str]:
     """This run's namespaces and bridge still present (the script names them by its pid)."""
     names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=30).stdout
     links = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True, timeout=30).stdout
-    return [w for w in (names + links).split() if w.startswith((f"ubep{pid}h", f"ubr{pid}"))]
+    hosts_files = [f"/etc/netns/{n}" for n in os.listdir("/etc/netns")] if os.path.isdir("/etc/netns") else []
+    found = (names + links).split() + hosts_files
+    return [w for w in found if w.startswith((f"ubep{pid}h", f"ubr{pid}", f"/etc/netns/ubep{pid}h"))]
 
 
 def test_two_hosts_talk_and_everything_is_removed():
@@ -82,7 +84,7 @@ def test_without_tc_on_path_the_hosts_are_refused_naming_it(tmp_path, monkeypatc
     `env -i`) refuses up front instead of failing inside the script."""
     (tmp_path / "ip").symlink_to(shutil.which("ip"))
     monkeypatch.setenv("PATH", str(tmp_path))
-    ok, why = namespaces_available()
+    ok, why, _ = namespaces_available()
     assert not ok and "`tc`" in why
 
 
@@ -98,10 +100,35 @@ def test_a_tc_that_fails_is_named_in_one_line_before_and_during_a_run(tmp_path, 
     tc.write_text("#!/bin/sh\necho 'tc: this tc is broken' >&2\nexit 1\n")
     tc.chmod(0o755)
     monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
-    ok, why = namespaces_available()
+    ok, why, _ = namespaces_available()
     assert not ok and why == "`tc` cannot shape a link here (tc: this tc is broken)", why
-    monkeypatch.setattr(ubep.bench.hosts, "namespaces_available", lambda: (True, "as if the probe passed"))
+    monkeypatch.setattr(ubep.bench.hosts, "namespaces_available", lambda: Namespaces(True, "as if"))
     argv = ["bench", "--hosts", "2", "--ranks", "2", "--experts", "4", "--topk", "2", "--hidden", "64"]
     with pytest.raises(SystemExit) as ended:
         main([*argv, "--tokens", "8", "--iters", "1", "--warmup", "0", "--systems", "ubep"])
     assert str(ended.value) == "ubep bench --hosts 2: namespace hosts failed (exit 1): tc: this tc is broken"
+
+
+RENDEZVOUS = """
+import torch.distributed as dist
+dist.init_process_group("gloo")
+dist.barrier()
+print("rank", dist.get_rank(), "of", dist.get_world_size(), flush=True)
+dist.destroy_process_group()
+"""
+
+
+def test_torchrun_across_hosts_says_no_c10d_hostname_warning(tmp_path):
+    """c10d looks up each peer's address (::ffff:10.231.0.2 on its IPv6 socket); without a name for
+    it in the namespace's hosts file, the lookup asked a DNS server no namespace reaches and each
+    host printed "[c10d] The hostname of the client socket cannot be retrieved" (six in a bench run)."""
+    job = tmp_path / "rendezvous.py"
+    job.write_text(RENDEZVOUS)
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", str(job)]
+    hosts = ["bash", str(SCRIPT), "-n", "2", "--", *torchrun]
+    proc = subprocess.Popen(hosts, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    out, err = proc.communicate(timeout=150)
+    assert proc.returncode == 0, err
+    assert sorted(out.split("\n"))[-2:] == ["rank 0 of 2", "rank 1 of 2"], out
+    assert "[c10d]" not in err, err
+    assert leftovers(proc.pid) == []

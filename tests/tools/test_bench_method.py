@@ -215,22 +215,50 @@ def test_ratios_are_medians_of_per_round_totals():
     assert bsp.dispatch_us == 230 and bsp.combine_p99_us == 200  # median, and p99 (the max of 5)
 
 
-def test_table_is_never_cut_to_the_terminal_width(capsys):
-    """Wider than any fixed cap (140 columns before): every cell of every row printed whole."""
-    slow = [1e7 + i for i in range(5)]  # 10 s calls: "10,000,002"
-    rows = [replace(r, boundary_bytes=123_456_789.0) for r in report.with_ratios(_rows())]
-    rows.append(report.with_ratios([*_rows(), report.Row.build("bsp-shm", "normal", 8, 1e4, slow, slow)])[-1])
+def test_table_fits_120_columns_and_is_never_cut(capsys):
+    """Every column a run can have, and 10 s calls ("10,000,002"): the table splits in two (latency,
+    then the ratios) rather than pass 120 columns (it was about 170) or cut a cell."""
+    slow = [1e7 + i for i in range(5)]
+    rows = report.with_ratios([*_rows(), report.Row.build("bsp-shm", "normal", 8, 1e4, slow, slow)])
+    hier = dict(vs_hier_bsp=1.5, vs_hier_bsp_ci95=(1.25, 1.75))
+    rows = [replace(r, boundary_bytes=123_456_789.0, **hier) for r in rows]
     report.print_table(rows, "normal mode, a title", ["a note"])
     out = capsys.readouterr().out
-    assert "…" not in out
+    assert "…" not in out and max(len(ln) for ln in out.splitlines()) <= 120
     for r in rows:
-        line = next(ln for ln in out.splitlines() if ln.startswith(f"│ {r.system} "))
-        cells = [f"{r.dispatch_us:,.0f}", f"{r.combine_p99_us:,.0f}", f"{r.vs_ubep:.2f}"]
-        cells += [f"{r.vs_ubep_ci95[0]:.2f}-{r.vs_ubep_ci95[1]:.2f}", f"{r.floor_fraction:.0%}"]
-        cells += [] if r.boundary_bytes is None else [f"{r.boundary_bytes / 1e6:.2f}"]
+        lines = [ln for ln in out.splitlines() if ln.startswith(f"│ {r.system} ")]
+        assert len(lines) == 2  # one in each half
+        cells = [f"{r.dispatch_us:,.0f}", f"{r.combine_p99_us:,.0f}", f"{r.floor_fraction:.0%}"]
+        cells += [f"{r.vs_ubep:.2f}" + ("" if r.system == "ubep" else f" ({r.vs_ubep_ci95[0]:.2f}-")]
+        cells += ["1.50 (1.25-1.75)", f"{r.boundary_bytes / 1e6:.2f}"]
         for cell in cells:
-            assert cell in line
-    assert max(len(ln) for ln in out.splitlines()) > 140
+            assert cell in " ".join(lines), (cell, lines)
+
+
+def test_a_dash_says_why_and_a_column_of_dashes_is_left_out():
+    """Across nodes there is no floor row: no "of floor" column of "-", a note instead; the floor
+    row across nodes moves nothing between them: its "-" in "MB across nodes" gets a note."""
+    ubep_row, gloo, floor = _rows()
+    across = report.with_ratios([replace(ubep_row, boundary_bytes=1e6), replace(gloo, boundary_bytes=2e6)])
+    shown, notes = report.tables(across, "t")
+    headers = [c.header for t in shown for c in t.columns]
+    assert "of floor" not in headers and "MB across nodes" in headers
+    assert notes == ['no "of floor" column: ' + report.DASH["of floor"]]
+    assert "one host only" in notes[0]
+    rows = report.with_ratios([replace(ubep_row, boundary_bytes=1e6), floor])
+    shown, notes = report.tables(rows, "t")
+    assert notes == ['"-" in "MB across nodes": ' + report.DASH["MB across nodes"]]
+    assert all(len(ln) <= 120 for t in shown for ln in _rendered(t).splitlines())
+
+
+def _rendered(table) -> str:
+    import io
+
+    from rich.console import Console
+
+    console = Console(file=io.StringIO(), width=1000)
+    console.print(table)
+    return console.file.getvalue()
 
 
 def test_cpu_model_comes_from_cpuinfo():
@@ -319,7 +347,8 @@ def test_the_ratio_to_hier_bsp_has_its_interval():
     assert ubep_row.vs_hier_bsp == pytest.approx(160 / 315) and hier.vs_hier_bsp == 1.0
     assert ubep_row.vs_hier_bsp_ci95[0] <= ubep_row.vs_hier_bsp <= ubep_row.vs_hier_bsp_ci95[1]
     assert bsp.vs_hier_bsp == 1.0  # the same rounds
-    assert "x hier-bsp" in [c.header for c in report.table(got, "t").columns]
+    shown, _ = report.tables(got, "t")
+    assert "x hier-bsp (95% CI)" in [c.header for t in shown for c in t.columns]
 
 
 def test_hosts_fall_back_to_emulated_nodes_and_say_why(monkeypatch, capsys):
@@ -331,7 +360,8 @@ def test_hosts_fall_back_to_emulated_nodes_and_say_why(monkeypatch, capsys):
         planned.append(cfg)
         raise ValueError("stop here")
 
-    monkeypatch.setattr(hosts, "namespaces_available", lambda: (False, "network namespaces need root"))
+    no_root = hosts.Namespaces(False, "network namespaces need root")
+    monkeypatch.setattr(hosts, "namespaces_available", lambda: no_root)
     monkeypatch.setattr(bench_run, "plan", plan)
     with pytest.raises(SystemExit):
         main(["bench", "--hosts", "2"])
@@ -343,6 +373,39 @@ def test_hosts_fall_back_to_emulated_nodes_and_say_why(monkeypatch, capsys):
     assert (
         cfg.nodes == 2 and not cfg.namespaces and cfg.systems == ("ubep", "ubep-nixl", "hier-bsp", "bsp-gloo")
     )
+
+
+def test_hosts_that_do_not_split_the_ranks_name_the_hosts_flag():
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench", "--hosts", "3"])
+    assert exit_.value.code == "ubep bench: --ranks (8) must split evenly into --hosts (3)"
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench", "--nodes", "3"])
+    assert exit_.value.code == "ubep bench: --ranks (8) must split evenly into --nodes (3)"
+
+
+@pytest.mark.parametrize(
+    "netem,said",
+    [
+        (False, "links between the 2 hosts: 25gbit by a token bucket (tc tbf, burst 4mb); no added delay: "
+         "this kernel has no netem"),
+        (True, "links between the 2 hosts: 25gbit, 15us one way (tc netem)"),
+    ],
+)  # fmt: skip
+def test_hosts_say_what_the_links_are_under_the_table(netem, said, monkeypatch, capsys):
+    from ubep.bench import hosts
+
+    def measure(cfg, tokens, systems, progress):
+        return report.with_ratios([report.Row.build("ubep", cfg.mode, tokens, 1e4, [100.0], [50.0])])
+
+    monkeypatch.setattr(hosts, "namespaces_available", lambda: hosts.Namespaces(True, "as if", netem))
+    monkeypatch.setattr(bench_run, "plan", lambda cfg: (("ubep",), []))
+    monkeypatch.setattr(bench_run, "measure", measure)
+    assert main(["bench", "--hosts", "2", "--ranks", "2", "--experts", "8", "--tokens", "8"]) == 0
+    assert said in " ".join(capsys.readouterr().out.split())
+    assert [hosts.LINK_RATE, hosts.LINK_DELAY, hosts.LINK_BURST] == [
+        hosts.hosts_command(BenchConfig(nodes=2), 8, ("ubep",), "d")[i] for i in (4, 6, 8)
+    ]  # what the note says is what the script is told
 
 
 def test_an_interrupted_sweep_keeps_its_rows_and_exits_130(tmp_path, monkeypatch, capsys):

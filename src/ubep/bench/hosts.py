@@ -20,6 +20,7 @@ import subprocess
 import sys
 from datetime import timedelta
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -29,41 +30,65 @@ from ubep.bench.workload import BenchConfig
 
 SCRIPT = Path(__file__).resolve().parents[3] / "scripts" / "netns_hosts.sh"  # in a source checkout
 STOP_S = 20.0  # how long the hosts get to end after QUIT, and again after SIGTERM
+# The links between namespace hosts, passed to the script: a 25 GbE NIC, common on CPU servers; a
+# switch hop and the kernel's TCP stack one way; the token bucket's burst where netem is missing.
+LINK_RATE, LINK_DELAY, LINK_BURST = "25gbit", "15us", "4mb"
 
 
-def namespaces_available(script: Path = SCRIPT) -> tuple[bool, str]:
+class Namespaces(NamedTuple):
+    """Whether namespace hosts can be made here, why (or why not), and whether the kernel has netem
+    (the links then get LINK_DELAY as well as LINK_RATE; without it a token bucket keeps the rate)."""
+
+    ok: bool
+    why: str
+    netem: bool = False
+
+
+def namespaces_available(script: Path = SCRIPT) -> Namespaces:
     """Whether namespace hosts can be made here, and if not, why (a probe namespace is made and removed)."""
     if not script.exists():
-        return False, f"{script} not found (it comes with ubep's source checkout)"
+        return Namespaces(False, f"{script} not found (it comes with ubep's source checkout)")
     if os.geteuid() != 0:
-        return False, "network namespaces need root"
+        return Namespaces(False, "network namespaces need root")
     for command, what in (("ip", "namespaces and links"), ("tc", "the link's rate and delay")):
         if shutil.which(command) is None:  # tc lives in sbin, which a plain user's PATH may leave out
-            return False, f"no `{command}` command on PATH (iproute2; {what})"
+            return Namespaces(False, f"no `{command}` command on PATH (iproute2; {what})")
     probe = f"ubep-probe{os.getpid()}"
     made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True, timeout=30)
     if made.returncode != 0:
-        return False, f"`ip netns add` failed: {_last_line(made.stderr) or made.returncode}"
+        return Namespaces(False, f"`ip netns add` failed: {_last_line(made.stderr) or made.returncode}")
     try:
-        shaped = _shape_probe(probe)
+        shaped, said = _shape_probe(probe)
     finally:
         subprocess.run(["ip", "netns", "del", probe], capture_output=True, timeout=30)
-    if shaped is not None:
-        return False, f"`tc` cannot shape a link here ({shaped})"
-    return True, "root, and `ip netns` and `tc` work"
+    if shaped is None:
+        return Namespaces(False, f"`tc` cannot shape a link here ({said})")
+    return Namespaces(True, "root, and `ip netns` and `tc` work", netem=shaped == "netem")
 
 
-def _shape_probe(namespace: str) -> str | None:
-    """Shape the probe namespace's lo as the script shapes each host's link (netem, else tbf); None
-    where that works, else what `tc` said (a `tc` on PATH may still fail: a wrapper, no qdisc modules)."""
+def _shape_probe(namespace: str) -> tuple[str | None, str]:
+    """Shape the probe namespace's lo as the script shapes each host's link (netem, else tbf): the
+    qdisc that worked, else None and what `tc` said (a `tc` on PATH may still fail: a wrapper, no
+    qdisc modules)."""
     said = ""
-    for qdisc in (["netem", "delay", "15us"], ["tbf", "rate", "1gbit", "burst", "4mb", "latency", "10ms"]):
+    tries = (["netem", "delay", LINK_DELAY], ["tbf", "rate", "1gbit", "burst", LINK_BURST, "latency", "10ms"])
+    for qdisc in tries:
         command = ["ip", "netns", "exec", namespace, "tc", "qdisc", "add", "dev", "lo", "root", *qdisc]
         done = subprocess.run(command, capture_output=True, text=True, timeout=30)
         if done.returncode == 0:
-            return None
+            return qdisc[0], ""
         said = _last_line(done.stderr) or f"exit {done.returncode}"
-    return said
+    return None, said
+
+
+def link_note(hosts: int, netem: bool) -> str:
+    """What the links between the namespace hosts are, for the notes under the bench's table."""
+    if netem:
+        return f"links between the {hosts} hosts: {LINK_RATE}, {LINK_DELAY} one way (tc netem)"
+    return (
+        f"links between the {hosts} hosts: {LINK_RATE} by a token bucket (tc tbf, burst {LINK_BURST}); "
+        "no added delay: this kernel has no netem"
+    )
 
 
 def _last_line(text: str) -> str:
@@ -86,7 +111,7 @@ class HostsFailedError(RuntimeError):
 def hosts_command(cfg: BenchConfig, tokens: int, systems: tuple[str, ...], turns_dir: str) -> list[str]:
     """The script, one torchrun agent per host, this module as every rank."""
     return [
-        str(SCRIPT), "-n", str(cfg.nodes), "--",
+        str(SCRIPT), "-n", str(cfg.nodes), "-r", LINK_RATE, "-d", LINK_DELAY, "-b", LINK_BURST, "--",
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(cfg.ranks // cfg.nodes),
         "-m", "ubep.bench.hosts", json.dumps(cfg.as_dict()), str(tokens), ",".join(systems), turns_dir,
     ]  # fmt: skip

@@ -95,49 +95,93 @@ def with_ratios(rows: list[Row]) -> list[Row]:
     return out
 
 
-def table(rows: list[Row], title: str) -> Table:
+WIDTH = 120  # the widest a table prints; past it the table is split in two, never cut
+# Why a column shows "-" for a row: said under the table, or, where the whole column would be "-",
+# instead of the column.
+DASH = {
+    "x ubep": "no ubep row at this batch size (it is the reference of the ratio)",
+    "x hier-bsp": "no hier-bsp row at this batch size",
+    "of floor": "no memcpy-floor row in this run: the floor is one host's memory copy, not a link, so "
+    "it runs by default on one host only (add it with --systems)",
+    "MB across nodes": "the row moves no token between nodes (the floor copies within a host)",
+}
+LATENCY = ("dispatch us", "p99", "combine us", "p99 ", "GB/s d/c")  # the first table of a split
+
+
+def _columns(rows: list[Row]) -> list[tuple[str, list[str]]]:
+    """(header, one cell per row) of every column the rows can fill."""
+    return [
+        ("system", [r.system for r in rows]),
+        ("tokens", [str(r.tokens_per_rank) for r in rows]),
+        ("dispatch us", [f"{r.dispatch_us:,.0f}" for r in rows]),
+        ("p99", [f"{r.dispatch_p99_us:,.0f}" for r in rows]),
+        ("combine us", [f"{r.combine_us:,.0f}" for r in rows]),
+        ("p99 ", [f"{r.combine_p99_us:,.0f}" for r in rows]),
+        ("GB/s d/c", [f"{r.dispatch_gbps:.2f}/{r.combine_gbps:.2f}" for r in rows]),
+        ("x ubep", [_ratio(r.vs_ubep, r.vs_ubep_ci95) for r in rows]),
+        ("x hier-bsp", [_ratio(r.vs_hier_bsp, r.vs_hier_bsp_ci95) for r in rows]),
+        ("of floor", ["-" if r.floor_fraction is None else f"{r.floor_fraction:.0%}" for r in rows]),
+        ("MB across nodes", ["-" if r.boundary_bytes is None else f"{r.boundary_bytes / 1e6:.2f}"
+                             for r in rows]),
+    ]  # fmt: skip
+
+
+def tables(rows: list[Row], title: str, width: int = WIDTH) -> tuple[list[Table], list[str]]:
+    """The rows as one table, or two (latencies, then ratios) where one would be wider than
+    `width`; and a note for each "-" they show, saying why (a column of nothing but "-" is left out,
+    its note said instead). Ratios carry their paired bootstrap interval in brackets."""
+    columns, notes = [], []
+    for header, cells in _columns(rows):
+        dashes = cells.count("-")
+        if header in DASH and dashes == len(cells):
+            if header not in ("x hier-bsp", "MB across nodes"):  # those two exist across nodes only
+                notes.append(f'no "{header}" column: {DASH[header]}')
+            continue
+        if dashes and header in DASH:
+            notes.append(f'"-" in "{header}": {DASH[header]}')
+        columns.append((header, cells))
+    whole = _table(title, columns)
+    if _width(whole) <= width:
+        return [whole], notes
+    key, latency = columns[:2], [c for c in columns if c[0] in LATENCY]
+    rest = [c for c in columns[2:] if c[0] not in LATENCY]
+    return [_table(title, key + latency), _table("the same rows, compared", key + rest)], notes
+
+
+def _table(title: str, columns: list[tuple[str, list[str]]]) -> Table:
     t = Table(title=title)
-    crossing = any(r.boundary_bytes is not None for r in rows)
-    hier = any(r.vs_hier_bsp is not None for r in rows)
-    cols = ["system", "tokens", "dispatch us", "p99", "combine us", "p99", "GB/s d/c", "x ubep"]
-    cols += [f"{LEVEL:.0%} interval"] + (["x hier-bsp", f"{LEVEL:.0%} interval "] if hier else [])
-    cols += ["of floor"] + (["MB across nodes"] if crossing else [])
-    for col in cols:
-        t.add_column(col, justify="left" if col == "system" else "right", no_wrap=True)
-    for r in rows:
-        t.add_row(
-            r.system,
-            str(r.tokens_per_rank),
-            f"{r.dispatch_us:,.0f}",
-            f"{r.dispatch_p99_us:,.0f}",
-            f"{r.combine_us:,.0f}",
-            f"{r.combine_p99_us:,.0f}",
-            f"{r.dispatch_gbps:.2f}/{r.combine_gbps:.2f}",
-            _ratio(r.vs_ubep),
-            _interval(r.vs_ubep_ci95),
-            *([] if not hier else [_ratio(r.vs_hier_bsp), _interval(r.vs_hier_bsp_ci95)]),
-            "-" if r.floor_fraction is None else f"{r.floor_fraction:.0%}",
-            *([] if not crossing else ["-" if r.boundary_bytes is None else f"{r.boundary_bytes / 1e6:.2f}"]),
-        )
+    for header, _ in columns:
+        label = header if header not in ("x ubep", "x hier-bsp") else f"{header} ({LEVEL:.0%} CI)"
+        t.add_column(label.strip(), justify="left" if header == "system" else "right", no_wrap=True)
+    for cells in zip(*(cells for _, cells in columns), strict=True):
+        t.add_row(*cells)
     return t
 
 
-def _ratio(value: float | None) -> str:
-    return "-" if value is None else f"{value:.2f}"
+def _width(t: Table) -> int:
+    console = Console(width=1_000_000)
+    return Measurement.get(console, console.options, t).maximum
 
 
-def _interval(ends: tuple[float, float] | None) -> str:
-    return "-" if ends is None else f"{ends[0]:.2f}-{ends[1]:.2f}"
+def _ratio(value: float | None, ends: tuple[float, float] | None) -> str:
+    """The point and its interval, "1.27 (1.11-1.59)" ("1.00" alone for the reference row)."""
+    if value is None:
+        return "-"
+    if ends is None or ends[0] == ends[1] == value:
+        return f"{value:.2f}"
+    return f"{value:.2f} ({ends[0]:.2f}-{ends[1]:.2f})"
 
 
 def print_table(rows: list[Row], title: str, notes: list[str]) -> None:
-    """The table at its full width, whatever the terminal's or a pipe's: no column is squeezed or cut."""
-    t = table(rows, title)
+    """The table (or its two halves) with every cell whole, at most WIDTH columns wide, then the
+    notes: the run's, and why any cell shows "-"."""
+    shown, dashes = tables(rows, title)
     console = Console()
-    full = Measurement.get(console, console.options.update_width(1_000_000), t).maximum
-    console = Console(width=max(full, console.width if console.is_terminal else 0))
-    console.print(t)
-    for note in notes:
+    widest = max(_width(t) for t in shown)
+    console = Console(width=max(widest, min(console.width, WIDTH) if console.is_terminal else WIDTH))
+    for t in shown:
+        console.print(t)
+    for note in [*notes, *dashes]:
         console.print(f"[dim]{note}[/dim]")
 
 
