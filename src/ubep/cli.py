@@ -9,7 +9,9 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import tempfile
 import time
+import traceback
 from importlib.metadata import version
 
 from ubep.bench.decode import add_parser as add_decode
@@ -447,10 +449,37 @@ def main(argv: list[str] | None = None) -> int:
     add_decode(sub)
     add_report(sub)
     add_warm(sub)
+    for command in sub.choices.values():
+        command.add_argument(
+            "-v",
+            "--verbose",
+            action="store_true",
+            help="on a failure, print the whole traceback (a failed rank's included) instead of one "
+            "line naming the log file that holds it",
+        )
     args = parser.parse_args(argv)
     if args.command == "decode":
         _without_hub_progress_bars()
-    return args.func(args)
+    if args.verbose:
+        return args.func(args)
+    try:
+        return args.func(args)
+    except Exception as error:  # a rank's failure arrives as a nested traceback of 50 lines or more
+        raise SystemExit(failure_line(f"ubep {args.command}", error)) from None
+
+
+def failure_line(command: str, error: Exception) -> str:
+    """One line for a command that failed: what failed (for a rank, the last line of its traceback)
+    and the log file, written here, that holds the whole traceback."""
+    fd, path = tempfile.mkstemp(prefix=f"{command.replace(' ', '-')}-", suffix=".log")
+    with os.fdopen(fd, "w") as log:
+        log.write("".join(traceback.format_exception(error)))
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()] or [""]
+    if len(lines) == 1:  # "TimeoutError: 2 rank(s) of mpi not set up after 480 s"
+        what = f"{type(error).__name__}: {lines[0]}"
+    else:  # "rank 3 failed:" and its traceback: "rank 3 failed: ValueError: ..."
+        what = f"{lines[0].rstrip(':')}: {lines[-1]}"
+    return f"{command}: {what} (the whole traceback: {path}; --verbose prints it instead)"
 
 
 def _without_hub_progress_bars() -> None:

@@ -10,7 +10,7 @@ from ubep.bench.run import nixl_available
 from ubep.cli import main
 
 
-def test_bench_small_sweep_writes_json_and_plot(tmp_path):
+def test_bench_small_sweep_writes_json_and_plot(tmp_path, capsys):
     out, png = tmp_path / "bench.json", tmp_path / "bench.png"
     code = main(
         [
@@ -54,6 +54,11 @@ def test_bench_small_sweep_writes_json_and_plot(tmp_path):
             assert row["vs_ubep"] == 1.0
     assert data["config"]["ranks"] == 2 and png.stat().st_size > 0
     assert data["complete"] is True and data["meta"]["host"]["cores"] > 0
+    said = capsys.readouterr().err.splitlines()  # each row said ready, from its ranks, before round 1
+    for tokens in (4, 16):
+        mine = [line for line in said if line.startswith(f"ubep bench: {tokens} tokens/rank: ")]
+        ready = [line.split(": ")[2].split()[0] for line in mine if " ready (open, and checked" in line]
+        assert sorted(ready) == sorted(expected) and "every row ready" in mine[1 + len(ready)], mine
 
 
 def test_bench_low_latency_mode(tmp_path):

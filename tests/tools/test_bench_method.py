@@ -56,6 +56,8 @@ def _thread_group(directory: str, ranks: int, systems: tuple[str, ...], log: lis
 
         calls = {s: Calls(call(s, "dispatch"), call(s, "combine")) for s in systems}
         turns = Turns(directory, rank, timeout_s=30)
+        for system in systems if rank == 0 else ():
+            turns.opened(system)
         results[rank] = take_turns(turns, calls, time.monotonic)
         turns.close()
 
@@ -73,9 +75,10 @@ def test_conductor_runs_one_system_at_a_time_in_round_order(tmp_path):
     conductor = Conductor(str(tmp_path), dict.fromkeys(groups, ranks), timeout_s=30)
     log, lock = [], threading.Lock()
     started = {g: _thread_group(conductor.directory(g), ranks, s, log, lock) for g, s in groups.items()}
+    heard = []
     try:
-        for g in groups:
-            conductor.ready(g, lambda: None)
+        conductor.ready(dict.fromkeys(groups, lambda: None), heard.append)  # both groups at once
+        assert sorted(heard) == sorted(systems)  # rank 0 of each named each of its systems
         for order in round_order(systems, rounds):
             for system in order:
                 conductor.turn(group_of[system], system, lambda: None)
@@ -414,7 +417,7 @@ def test_an_interrupted_sweep_keeps_its_rows_and_exits_130(tmp_path, monkeypatch
     path = tmp_path / "sweep.json"
     seen_on_disk = []
 
-    def measure(cfg, tokens, systems, advance=lambda: None):
+    def measure(cfg, tokens, systems, progress):
         if tokens == 16:
             seen_on_disk.append(json.loads(path.read_text()))
             raise KeyboardInterrupt
@@ -444,7 +447,7 @@ def test_an_interrupted_sweep_keeps_its_rows_and_exits_130(tmp_path, monkeypatch
 def test_a_finished_sweep_says_complete(tmp_path, monkeypatch):
     path = tmp_path / "sweep.json"
 
-    def measure(cfg, tokens, systems, advance=lambda: None):
+    def measure(cfg, tokens, systems, progress):
         return [report.Row.build("ubep", cfg.mode, tokens, 1e4, [100.0], [50.0])]
 
     monkeypatch.setattr(bench_run, "plan", lambda cfg: (("ubep",), []))

@@ -198,18 +198,67 @@ class FakeRow(NamedTuple):
 
 
 def test_bench_says_a_line_per_stage_and_system_when_no_bar_can_be_drawn(monkeypatch, capsys):
+    """Per batch size: what it starts, each row as it is ready (MPI's start-up is the slow one: it
+    was 26-63 s of silence after "starting 8 ranks"), the first round, and a line per result."""
     from ubep.bench import run
 
-    def measure(cfg, tokens, systems, advance):
+    def measure(cfg, tokens, systems, progress):
+        for system in reversed(systems):
+            progress.opened(system)
         for _ in range(cfg.warmup + cfg.iters):
-            advance()
+            progress.advance()
         return [FakeRow(s, 10.0 * tokens, 20.0) for s in systems]
 
     monkeypatch.setattr(run, "measure", measure)
     got = []
     cfg = BenchConfig(ranks=2, tokens=(8, 16), iters=3, warmup=1)
-    run.run(cfg, ("ubep", "bsp-shm"), got.append)  # stderr is captured: not a terminal
+    run.run(cfg, ("ubep", "bsp-shm", "mpi"), got.append)  # stderr is captured: not a terminal
     lines = capsys.readouterr().err.splitlines()
-    assert len(got) == 2 and len(lines) == 2 * (2 + 2)  # per size: start, checked, one per system
+    assert len(got) == 2 and len(lines) == 2 * (1 + 3 + 1 + 3)  # per size: start, ready, round, results
     assert all(re.fullmatch(r"ubep bench: (8|16) tokens/rank: .* \(\d+ s\)", line) for line in lines), lines
-    assert "ubep: dispatch 160.0 us, combine 20.0 us" in lines[-2] and "bsp-shm" in lines[-1]
+    assert (
+        "starting 2 ranks for ubep, bsp-shm and an mpirun job of 2 for mpi; each row is checked" in lines[0]
+    )
+    assert [line.split(": ")[2] for line in lines[1:4]] == [
+        "mpi ready (open, and checked against the reference) (0 s)",
+        "bsp-shm ready (open, and checked against the reference) (0 s)",
+        "ubep ready (open, and checked against the reference) (0 s)",
+    ]
+    assert "every row ready; round 1 of 4 done (1 warm-up)" in lines[4]
+    assert "ubep: dispatch 160.0 us, combine 20.0 us" in lines[-3] and "mpi" in lines[-1]
+
+
+RANK_TRACEBACK = """rank 3 failed:
+Traceback (most recent call last):
+  File "src/ubep/bench/torch_systems.py", line 200, in measure_rank
+    calls[name] = open_system(name, cfg, work, tokens, stack, opened)
+AssertionError: ubep: dispatch on rank 3 differs from the reference"""
+
+
+def test_a_failed_rank_is_one_line_naming_the_log_that_holds_its_traceback(monkeypatch, capsys):
+    """The nested traceback (50 lines and more) goes to a log file; the line names the rank, its
+    error and the file; --verbose raises it as before."""
+    from ubep.bench import run
+    from ubep.launcher import RankFailedError
+
+    def measure(cfg, tokens, systems, progress):
+        raise RankFailedError(3, RANK_TRACEBACK)
+
+    monkeypatch.setattr(run, "plan", lambda cfg: (("ubep",), []))
+    monkeypatch.setattr(run, "measure", measure)
+    argv = ["bench", "--ranks", "4", "--experts", "8", "--tokens", "8"]
+    with pytest.raises(SystemExit) as ended:
+        main(argv)
+    line = str(ended.value.code)
+    said = re.fullmatch(
+        r"ubep bench: rank 3 failed: AssertionError: ubep: dispatch on rank 3 differs from the reference "
+        r"\(the whole traceback: (\S+\.log); --verbose prints it instead\)",
+        line,
+    )
+    assert said, line
+    with open(said.group(1)) as log:
+        logged = log.read()
+    os.unlink(said.group(1))
+    assert RANK_TRACEBACK in logged and logged.startswith("Traceback (most recent call last):")
+    with pytest.raises(RankFailedError, match="rank 3 failed"):
+        main([*argv, "--verbose"])

@@ -176,6 +176,8 @@ def main(config_json: str, tokens: int, turns_dir: str) -> None:
         raise SystemExit(f"mpi: results differ from the reference on rank(s) {comm.allgather(ok)}")
     calls = {"mpi": Calls(lambda: mpi.dispatch(x, idx, w), lambda: mpi.combine(recv_x, route))}
     turns = Turns(turns_dir, me, cfg.timeout_s * 4)
+    if me == 0:
+        turns.opened("mpi")
     samples = take_turns(turns, calls, lambda: _common_start(comm))["mpi"]
     turns.close()
     got = {op: (starts, comm.gather(finishes, root=0)) for op, (starts, finishes) in samples.items()}

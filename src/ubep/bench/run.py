@@ -15,10 +15,12 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
+from contextlib import ExitStack
 from dataclasses import replace
+from typing import Protocol
 
 from rich.console import Console
-from rich.progress import Progress
+from rich.progress import Progress as RichProgress
 
 from ubep.across.collectives.bsp_hier import boundary_bytes
 from ubep.bench import mpi_system, placed, report
@@ -173,8 +175,17 @@ def start_group(
     return group(cfg, tokens, tuple(s for s in systems if s != "mpi"), turns_dir)
 
 
+class Progress(Protocol):
+    """What the bench says while it runs (`Lines` in a log, `Bar` on a terminal)."""
+
+    def starting(self, tokens: int) -> None: ...  # a batch size's ranks are being started
+    def opened(self, system: str) -> None: ...  # a row is open and checked, its turns can start
+    def advance(self) -> None: ...  # a round of turns is done
+    def measured(self, rows: list[report.Row]) -> None: ...  # a batch size's rows are in
+
+
 def take_rounds(
-    cfg: BenchConfig, tokens: int, systems: tuple[str, ...], advance: Callable[[], None]
+    cfg: BenchConfig, tokens: int, systems: tuple[str, ...], progress: Progress
 ) -> dict[str, Timings]:
     """`warmup + iters` rounds of every system at one batch size, one entry per round."""
     group_of = {s: "mpi" if s == "mpi" else "launch" for s in systems}
@@ -185,12 +196,11 @@ def take_rounds(
         try:
             for name in names:
                 groups[name] = start_group(name, cfg, tokens, systems, conductor.directory(name))
-            for name, group in groups.items():
-                conductor.ready(name, group.check)
+            conductor.ready({name: group.check for name, group in groups.items()}, progress.opened)
             for order in round_order(systems, cfg.warmup + cfg.iters):
                 for system in order:
                     conductor.turn(group_of[system], system, groups[group_of[system]].check)
-                advance()
+                progress.advance()
             for name in groups:
                 conductor.quit(name)
             results = {name: group.finish() for name, group in groups.items()}
@@ -205,11 +215,9 @@ def take_rounds(
     return {s: results["mpi"] if s == "mpi" else gathered(results["launch"], s) for s in systems}
 
 
-def measure(
-    cfg: BenchConfig, tokens: int, systems: tuple[str, ...], advance: Callable[[], None] = lambda: None
-) -> list[report.Row]:
+def measure(cfg: BenchConfig, tokens: int, systems: tuple[str, ...], progress: Progress) -> list[report.Row]:
     """One batch size: every system's row, ratios filled in; the warm-up rounds are dropped."""
-    timings = take_rounds(cfg, tokens, systems, advance)
+    timings = take_rounds(cfg, tokens, systems, progress)
     nbytes = build(cfg, tokens).bytes_per_rank(cfg.mode)
     crossing = boundary_per_rank(cfg, tokens)
     if cfg.nodes > 1 and placed.systems(cfg):
@@ -241,25 +249,31 @@ def room_refused(error: BaseException) -> str | None:
 def run(cfg: BenchConfig, systems: tuple[str, ...], measured: Callable[[list[report.Row]], None]) -> None:
     """Every batch size in turn; `measured` gets each one's rows as soon as they are in. Progress goes
     to stderr: a bar on a terminal, else lines (`Lines`), so a log is never silent for long."""
-    if not sys.stderr.isatty():
-        lines = Lines(cfg, systems)
+    with ExitStack() as stack:
+        if sys.stderr.isatty():
+            progress: Progress = stack.enter_context(Bar(cfg, systems))
+        else:
+            progress = Lines(cfg, systems)
         for tokens in cfg.tokens:
-            lines.starting(tokens)
-            rows = measure(cfg, tokens, systems, lines.advance)
-            lines.measured(rows)
+            progress.starting(tokens)
+            rows = measure(cfg, tokens, systems, progress)
+            progress.measured(rows)
             measured(rows)
-        return
-    with Progress(console=Console(stderr=True), transient=True) as progress:
-        task = progress.add_task("benchmarking", total=len(cfg.tokens) * (cfg.warmup + cfg.iters))
-        for tokens in cfg.tokens:
-            progress.update(task, description=f"{tokens} tokens/rank, rounds of {', '.join(systems)}")
-            measured(measure(cfg, tokens, systems, lambda: progress.advance(task)))
+
+
+def starting_what(cfg: BenchConfig, systems: tuple[str, ...]) -> str:
+    """What a batch size starts: the launch group's ranks and the MPI job, each with its rows."""
+    launched = [s for s in systems if s != "mpi"]
+    where = f" on {cfg.nodes} namespace hosts (torchrun)" if cfg.namespaces else ""
+    said = [f"{cfg.ranks} ranks{where} for {', '.join(launched)}"] if launched else []
+    said += [f"an mpirun job of {cfg.ranks} for mpi"] if "mpi" in systems else []
+    return f"starting {' and '.join(said)}; each row is checked against the reference as it opens"
 
 
 class Lines:
-    """Progress as lines on stderr, where no bar can be drawn: per batch size, when its ranks start,
-    when every system has been checked and the timed rounds begin, and one line per system with its
-    result, each with the seconds since the start."""
+    """Progress as lines on stderr, where no bar can be drawn: per batch size, what its start-up
+    starts, each row as it is ready (the slowest to start, MPI's, comes last), the first timed
+    round, and one line per system with its result, each with the seconds since the start."""
 
     def __init__(self, cfg: BenchConfig, systems: tuple[str, ...]):
         self._cfg, self._systems, self._start = cfg, systems, time.monotonic()
@@ -271,16 +285,54 @@ class Lines:
 
     def starting(self, tokens: int) -> None:
         self._tokens, self._rounds = tokens, 0
-        self._say(
-            f"starting {self._cfg.ranks} ranks; checking {', '.join(self._systems)} against the reference"
-        )
+        self._say(starting_what(self._cfg, self._systems))
+
+    def opened(self, system: str) -> None:
+        self._say(f"{system} ready (open, and checked against the reference)")
 
     def advance(self) -> None:
         self._rounds += 1
         if self._rounds == 1:
             rounds = self._cfg.warmup + self._cfg.iters
-            self._say(f"every system checked; round 1 of {rounds} done ({self._cfg.warmup} warm-up)")
+            self._say(f"every row ready; round 1 of {rounds} done ({self._cfg.warmup} warm-up)")
 
     def measured(self, rows: list[report.Row]) -> None:
         for row in rows:
             self._say(f"{row.system}: dispatch {row.dispatch_us:.1f} us, combine {row.combine_us:.1f} us")
+
+
+class Bar:
+    """Progress as a bar on a terminal: its text says what is starting and which rows are ready,
+    then which rounds run; a context manager (the bar is drawn while it is open)."""
+
+    def __init__(self, cfg: BenchConfig, systems: tuple[str, ...]):
+        self._cfg, self._systems, self._ready = cfg, systems, []
+        self._bar = RichProgress(console=Console(stderr=True), transient=True)
+        self._task = self._bar.add_task("benchmarking", total=len(cfg.tokens) * (cfg.warmup + cfg.iters))
+        self._tokens = 0
+
+    def __enter__(self) -> Bar:
+        self._bar.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._bar.__exit__(*exc)
+
+    def _show(self, text: str) -> None:
+        self._bar.update(self._task, description=f"{self._tokens} tokens/rank: {text}")
+
+    def starting(self, tokens: int) -> None:
+        self._tokens, self._ready = tokens, []
+        self._show(starting_what(self._cfg, self._systems).split(";")[0])
+
+    def opened(self, system: str) -> None:
+        self._ready.append(system)
+        waiting = [s for s in self._systems if s not in self._ready]
+        self._show(f"ready: {', '.join(self._ready)}; starting {', '.join(waiting)}" if waiting else "ready")
+
+    def advance(self) -> None:
+        self._show(f"rounds of {', '.join(self._systems)}")
+        self._bar.advance(self._task)
+
+    def measured(self, rows: list[report.Row]) -> None:
+        pass  # the table follows

@@ -197,12 +197,15 @@ def measure_rank(cfg: BenchConfig, tokens: int, systems: tuple[str, ...], turns_
     opened: dict[str, ubep.Buffer] = {}
     with ExitStack() as stack:
         stack.callback(turns.close)
-        calls = {
-            name: open_floor(cfg, work)
-            if name == "memcpy-floor"
-            else slowed(open_system(name, cfg, work, tokens, stack, opened), cfg)
-            for name in systems
-        }
+        calls = {}
+        for name in systems:
+            calls[name] = (
+                open_floor(cfg, work)
+                if name == "memcpy-floor"
+                else slowed(open_system(name, cfg, work, tokens, stack, opened), cfg)
+            )
+            if dist.get_rank() == 0:  # the bench says which rows are ready as they come
+                turns.opened(name)
         samples = take_turns(turns, calls, common_start)
         if STATS_SYSTEM in opened:  # every rank merges; rank 0 keeps the file
             merged = opened[STATS_SYSTEM].stats(merge=True)

@@ -18,6 +18,9 @@ turn to that rank (the index of the system in ROWS, or QUIT), and `done`
 one byte per rank back (also once after setup: ready). The conductor writes
 the next turn only after every rank of the group has answered. A waiting rank
 sleeps in the kernel: the group whose turn it is has the host's cores to itself.
+During setup, the group's rank 0 names each system it has opened and checked on
+`progress`, one line each, so the bench can say which rows are ready while the
+slowest (the MPI job's start-up) is still coming.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from __future__ import annotations
 import os
 import select
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import NamedTuple
 
 from ubep.bench.timing import timed
@@ -63,10 +66,15 @@ class Turns:
         # O_RDWR: opening a pipe does not wait for the other end, and a reader never sees EOF.
         self._go = os.open(os.path.join(directory, f"go.{rank}"), os.O_RDWR)
         self._done = os.open(os.path.join(directory, "done"), os.O_RDWR)
+        self._progress = os.open(os.path.join(directory, "progress"), os.O_RDWR)
         self._timeout_s = timeout_s
 
     def answer(self) -> None:
         os.write(self._done, b"\x01")
+
+    def opened(self, system: str) -> None:
+        """Tell the bench that `system` is open and checked (rank 0 speaks for its group)."""
+        os.write(self._progress, f"{system}\n".encode())
 
     def next(self) -> str | None:
         """The system whose turn it is, or None when the conductor says QUIT."""
@@ -79,6 +87,7 @@ class Turns:
     def close(self) -> None:
         os.close(self._go)
         os.close(self._done)
+        os.close(self._progress)
 
 
 def take_turns(turns: Turns, calls: dict[str, Calls], start: Callable[[], float]) -> Samples:
@@ -107,10 +116,12 @@ class Conductor:
         self._timeout_s = timeout_s
         self._go: dict[str, list[int]] = {}  # one pipe per rank
         self._done: dict[str, int] = {}
+        self._progress: dict[str, int] = {}
         for group, size in sizes.items():
             os.mkdir(self.directory(group))
             self._go[group] = [self._pipe(group, f"go.{rank}") for rank in range(size)]
             self._done[group] = self._pipe(group, "done")
+            self._progress[group] = self._pipe(group, "progress")
 
     def directory(self, group: str) -> str:
         return os.path.join(self._root, group)
@@ -120,9 +131,34 @@ class Conductor:
         os.mkfifo(path, 0o600)
         return os.open(path, os.O_RDWR)
 
-    def ready(self, group: str, check: Callable[[], None]) -> None:
-        """Wait until every rank of `group` has set up (and verified) its systems."""
-        self._answers(group, check)
+    def ready(
+        self, checks: Mapping[str, Callable[[], None]], opened: Callable[[str], None] = lambda system: None
+    ) -> None:
+        """Wait until every rank of every group in `checks` (group -> its check) has set up and
+        verified its systems, all groups at once; `opened(system)` hears each system as a group's
+        rank 0 reports it open and checked."""
+        missing = {group: len(self._go[group]) for group in checks}
+        partial = dict.fromkeys(checks, b"")  # a line's start, where a read ended inside it
+        deadline = time.monotonic() + self._timeout_s
+        while any(missing.values()):
+            said = {self._progress[g]: g for g in checks}  # read first: rank 0 says before it answers
+            answers = {self._done[g]: g for g in checks if missing[g]}
+            readable, _, _ = select.select([*said, *answers], [], [], POLL_S)
+            for fd in sorted(readable, key=lambda fd: fd not in said):
+                group = said.get(fd) or answers[fd]
+                if fd in said:
+                    *lines, partial[group] = (partial[group] + os.read(fd, 4096)).split(b"\n")
+                    for line in lines:
+                        opened(line.decode())
+                else:
+                    missing[group] -= len(os.read(fd, missing[group]))
+            if readable:
+                continue
+            for group in [g for g in checks if missing[g]]:
+                checks[group]()
+            if time.monotonic() > deadline:
+                late = ", ".join(f"{n} rank(s) of {g}" for g, n in missing.items() if n)
+                raise TimeoutError(f"{late} not set up after {self._timeout_s:g} s")
 
     def turn(self, group: str, system: str, check: Callable[[], None]) -> None:
         """One turn: every rank of `group` times `system` once; returns when all have answered."""
@@ -133,10 +169,14 @@ class Conductor:
         self._send(group, QUIT)
 
     def close(self) -> None:
-        for fd in [fd for fds in self._go.values() for fd in fds] + list(self._done.values()):
+        for fd in [fd for fds in self._go.values() for fd in fds] + [
+            *self._done.values(),
+            *self._progress.values(),
+        ]:
             os.close(fd)
         self._go.clear()
         self._done.clear()
+        self._progress.clear()
 
     def _send(self, group: str, code: int) -> None:
         for fd in self._go[group]:
