@@ -7,6 +7,8 @@ kernels' cache, so that no Buffer on this host compiles."""
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import json
 import logging
 import os
 import tempfile
@@ -16,7 +18,7 @@ from importlib.metadata import version
 
 from ubep.bench.decode import add_parser as add_decode
 from ubep.bench.workload import ACROSS_SYSTEMS, ALL_SYSTEMS, DTYPES, SYSTEMS, BenchConfig
-from ubep.extras import require
+from ubep.extras import install_hint, require
 from ubep.registry import NUMBA
 from ubep.routing import ROUTINGS
 from ubep.schedule import POLICIES
@@ -82,7 +84,10 @@ def add_bench(subparsers) -> None:
         "--ranks", type=_at_least(2), default=d.ranks, help="local rank processes (default %(default)s)"
     )
     p.add_argument(
-        "--tokens", type=_ints, default=d.tokens, help="tokens per rank; a comma list sweeps (128)"
+        "--tokens",
+        type=_ints,
+        default=d.tokens,
+        help=f"tokens per rank; a comma list sweeps (default {','.join(map(str, d.tokens))})",
     )
     p.add_argument("--hidden", type=_at_least(1), default=d.hidden, help="hidden size (default %(default)s)")
     p.add_argument(
@@ -95,13 +100,21 @@ def add_bench(subparsers) -> None:
     p.add_argument(
         "--warmup", type=_at_least(0), default=d.warmup, help="untimed rounds first (default %(default)s)"
     )
-    p.add_argument("--routing", choices=ROUTINGS, default=d.routing, help="routing distribution")
-    p.add_argument("--skew", type=float, default=d.skew, help="zipf exponent, or hot share for 'hot'")
+    p.add_argument(
+        "--routing", choices=ROUTINGS, default=d.routing, help="routing distribution (default %(default)s)"
+    )
+    p.add_argument(
+        "--skew",
+        type=float,
+        default=d.skew,
+        help="zipf exponent, or hot share for 'hot' (default %(default)s)",
+    )
     p.add_argument(
         "--mode",
         choices=("normal", "ll"),
         default=d.mode,
-        help="normal (high-throughput) or ll (low-latency: expert-major, weighted combine)",
+        help="normal (high-throughput) or ll (low-latency: expert-major, weighted combine); default "
+        "%(default)s",
     )
     p.add_argument(
         "--dtype", choices=tuple(DTYPES), default=d.dtype, help="token dtype (default %(default)s)"
@@ -116,7 +129,8 @@ def add_bench(subparsers) -> None:
         "--nodes",
         type=_at_least(1),
         default=d.nodes,
-        help="emulate this many nodes (ranks split evenly; torch.distributed between them)",
+        help="emulate this many nodes (ranks split evenly; torch.distributed between them); default "
+        "%(default)s",
     )
     p.add_argument(
         "--hosts",
@@ -129,13 +143,14 @@ def add_bench(subparsers) -> None:
         "--workers",
         type=_at_least(1),
         default=d.workers,
-        help="put workers per rank for the ubep row, following the token scheduler (1)",
+        help="put workers per rank for the ubep row, following the token scheduler (default %(default)s)",
     )
     p.add_argument(
         "--schedule",
         choices=POLICIES,
         default=d.schedule,
-        help="the scheduler's policy with several workers (distance, balanced, bsp, ...)",
+        help="the scheduler's policy with several workers (distance, balanced, bsp, ...); default "
+        "%(default)s",
     )
     p.add_argument(
         "--placement",
@@ -145,8 +160,15 @@ def add_bench(subparsers) -> None:
         "hierarchical or global / ubep's, by load and distance)",
     )
     p.add_argument("--redundant", type=_at_least(0), help="redundant expert slots of --placement rows (E/8)")
-    p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--timeout", type=float, default=d.timeout_s, help="per-wait deadline in seconds")
+    p.add_argument(
+        "--seed", type=int, default=d.seed, help="seed of the inputs and routing (default %(default)s)"
+    )
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=d.timeout_s,
+        help="per-wait deadline in seconds (default %(default)g)",
+    )
     p.add_argument("--json", metavar="PATH", help="write results as JSON")
     p.add_argument("--plot", metavar="PATH.png", help="plot latency against tokens per rank")
     p.add_argument(
@@ -164,10 +186,18 @@ def add_bench(subparsers) -> None:
     )
     p.add_argument("--trace", metavar="PATH.json", help="write a Perfetto / Chrome trace of ubep-stats")
     p.add_argument(
-        "--slow-rank", type=_at_least(0), default=-1, metavar="R", help="this rank sleeps before each call"
+        "--slow-rank",
+        type=_at_least(0),
+        default=-1,
+        metavar="R",
+        help="this rank sleeps before each call (default: none)",
     )
     p.add_argument(
-        "--delay-us", type=float, default=0.0, metavar="D", help="how long the slow rank sleeps (us)"
+        "--delay-us",
+        type=float,
+        default=0.0,
+        metavar="D",
+        help="how long the slow rank sleeps, in us (default 0)",
     )
     p.set_defaults(func=run_bench)
 
@@ -233,12 +263,7 @@ def run_bench(args: argparse.Namespace) -> int:
     except ValueError as why:
         raise SystemExit(f"ubep bench: {why}") from None
     notes += [links] if links else []
-    where = "namespace hosts" if cfg.namespaces else "emulated nodes"
-    title = (
-        f"{cfg.mode} mode, {cfg.ranks} ranks on {os.cpu_count()} cores, hidden {cfg.hidden}, "
-        f"{cfg.experts} experts, top-{cfg.topk}, {cfg.dtype}, {cfg.routing} routing"
-        + (f", {cfg.nodes} {where}" if cfg.nodes > 1 else "")
-    )
+    title = report.title(cfg, os.cpu_count())
     notes.append(
         f"systems take turns, one dispatch + combine each per round, {cfg.iters} rounds after "
         f"{cfg.warmup} warm-up; latency: median over rounds of the slowest rank, from a common start "
@@ -325,7 +350,8 @@ def add_report(subparsers) -> None:
         "report",
         help="summarise a stats file and name the straggler",
         description="Read a merged stats snapshot (buf.stats(merge=True).save(path), or ubep bench "
-        "--stats) and print its summary and straggler report; optionally export it.",
+        "--stats) and print its summary and straggler report; optionally export it. Given a bench "
+        "results file (ubep bench --json), print its table again, with its date, host and command.",
     )
     p.add_argument("stats", metavar="STATS.json", help="the snapshot")
     p.add_argument("--trace", metavar="PATH.json", help="write a Perfetto / Chrome trace")
@@ -351,6 +377,8 @@ def run_report(args: argparse.Namespace) -> int:
     from ubep import observe
     from ubep.stats import Stats
 
+    if (bench := _bench_results(args.stats)) is not None:
+        return _report_bench(args, bench)
     try:
         stats = Stats.load(args.stats)
     except (OSError, ValueError, KeyError) as why:
@@ -367,6 +395,48 @@ def run_report(args: argparse.Namespace) -> int:
     if args.heatmap:
         observe.write_heatmap(stats, args.heatmap)
         print(f"wrote {args.heatmap}: heatmap of the traffic matrix and expert load")
+    return 0
+
+
+def _bench_results(path: str) -> dict | None:
+    """The file, parsed, where it is a bench results file (`ubep bench --json`); else None, and
+    reading it as a stats file says what is wrong with it."""
+    from ubep.bench.results import is_bench_results
+
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (OSError, ValueError, RecursionError):
+        return None
+    return data if is_bench_results(data) else None
+
+
+def _report_bench(args: argparse.Namespace, data: dict) -> int:
+    """A bench results file: its table again, with when, where and by which command it was measured;
+    the exports need a stats file."""
+    said = f"ubep report: {args.stats} is a bench results file (ubep bench --json)"
+    if args.trace or args.prometheus or args.heatmap:
+        raise SystemExit(
+            f"{said}: it holds timings, not stats; --trace, --prometheus and --heatmap read a stats file "
+            "(ubep bench --stats, or Stats.save)"
+        )
+    if importlib.util.find_spec("rich") is None:
+        raise SystemExit(
+            f"{said}; ubep report reads stats files (written by ubep bench --stats), and shows a "
+            f"bench results file's table with rich ({install_hint('bench')})"
+        )
+    from ubep.bench import report, results
+
+    cfg = results.config_of(data)
+    meta = data.get("meta", {})
+    rows = [report.Row.from_dict(r) for r in data["results"]]
+    measured = f"measured {meta.get('date', 'on an unrecorded date')}" + (
+        f" on {results.host(data)}" if "host" in meta else ""
+    )
+    complete = "" if data.get("complete", True) else " (incomplete: the sweep stopped early)"
+    cores = meta.get("host", {}).get("cores")
+    notes = [*data.get("notes", []), f"{measured}{complete}: {results.command(cfg)}"]
+    report.print_table(rows, report.title(cfg, cores), notes)
     return 0
 
 
@@ -404,14 +474,15 @@ def run_warm(args: argparse.Namespace) -> int:
     """One line: how many functions were compiled or loaded, where the cache lives, how long it took;
     before it, the lines that say what it waits for or repairs (the `ubep` logger's INFO lines)."""
     require("ubep warm", "numba", "fast")
-    from ubep.engine.compile_once import cache_location
+    from ubep.engine.compile_once import cache_location, counting_compiles, kernel_stats
     from ubep.errors import CompileWaitTimeoutError, CorruptCacheError
     from ubep.factory import ready_engine
 
     _progress_lines("ubep warm")
     start = time.perf_counter()
     try:  # every warm-up: both protocols, both modes
-        engine, _ = ready_engine(NUMBA.name, deadline=time.monotonic() + args.timeout)
+        with counting_compiles() as compiled:
+            ready_engine(NUMBA.name, deadline=time.monotonic() + args.timeout)
     except CompileWaitTimeoutError as error:
         raise SystemExit(
             f"ubep warm: gave up after {error.waited_s:.0f} s: pid {error.holder} holds the compile lock "
@@ -420,9 +491,23 @@ def run_warm(args: argparse.Namespace) -> int:
         ) from None
     except CorruptCacheError as error:
         raise SystemExit(f"ubep warm: {error}") from None
-    seconds, where = time.perf_counter() - start, cache_location().path
-    print(f"ubep warm: kernels {engine.kernels_origin()}, cached in {where}, {seconds:.1f} s")
+    seconds, location = time.perf_counter() - start, cache_location()
+    loaded = sum(hits for _, hits in kernel_stats().values())
+    print(f"ubep warm: {warm_counts(compiled.entry, compiled.inner, loaded)}, cached in {location.path}"
+          + (f" ({location.note})" if location.note else "") + f", {seconds:.1f} s")  # fmt: skip
     return 0
+
+
+def warm_counts(compiled: int, inner: int, loaded: int) -> str:
+    """The kernels `ubep warm` made ready, counted alike whether compiled or loaded: a kernel is a
+    signature called from Python; those it calls are compiled inside it, and come with it from the
+    cache, so they are named apart ("32 kernels compiled (and 69 functions inside them)")."""
+    inside = f" (and {inner} functions inside them)" if inner else ""
+    if not loaded:
+        return f"{compiled} kernels compiled{inside}"
+    if not compiled:
+        return f"{loaded} kernels loaded from the cache"
+    return f"{compiled + loaded} kernels: {compiled} compiled{inside}, {loaded} loaded from the cache"
 
 
 def _progress_lines(command: str) -> None:
@@ -439,7 +524,8 @@ def _progress_lines(command: str) -> None:
     log.setLevel(logging.INFO)
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """`ubep` and its commands, each with a description, every option with its help and default."""
     parser = argparse.ArgumentParser(prog="ubep", description=__doc__)
     parser.add_argument("--version", action="version", version=f"%(prog)s {version('ubep')}")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -457,7 +543,11 @@ def main(argv: list[str] | None = None) -> int:
             help="on a failure, print the whole traceback (a failed rank's included) instead of one "
             "line naming the log file that holds it",
         )
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     if args.command == "decode":
         _without_hub_progress_bars()
     if args.verbose:

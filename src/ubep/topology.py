@@ -256,7 +256,11 @@ def load(name_or_path: str) -> Topology:
         return preset(name_or_path)
     path = Path(name_or_path)
     if not path.is_file():
-        raise ValueError(f"topology must be one of {', '.join(PRESETS)} or a JSON file, got {name_or_path!r}")
+        presets = f"{', '.join(PRESETS)} or a JSON file"
+        if path.exists() or path.suffix == ".json" or os.sep in name_or_path:  # meant as a file
+            missing = "is not a file" if path.exists() else "does not exist"
+            raise ValueError(f"topology file {name_or_path} {missing} (a topology is one of {presets})")
+        raise ValueError(f"topology must be one of {presets}, got {name_or_path!r}")
     try:
         return from_dict(json.loads(path.read_text()))
     except (OSError, ValueError) as err:  # JSONDecodeError and UnicodeDecodeError are ValueErrors

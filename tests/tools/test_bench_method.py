@@ -3,6 +3,7 @@ report's JSON and table, the command line's refusals and a sweep interrupted by 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import platform
@@ -508,3 +509,102 @@ def test_a_rank_refused_shared_memory_is_told_in_the_command_lines_terms():
     assert "--tokens" in said and "--systems" in said
     assert "max_tokens_per_rank" not in said and "low_latency" not in said
     assert room_refused(RankFailedError(1, "rank 1 failed:\nValueError: x has 9 tokens")) is None
+
+
+# --- results files: the command of a run, the table of the newest runs ---------------------------
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        BenchConfig(),
+        BenchConfig(tokens=(8, 128), timeout_s=60.0, seed=3),
+        BenchConfig(nodes=2, namespaces=True, systems=("ubep", "ubep-nixl", "hier-bsp", "bsp-gloo")),
+        BenchConfig(ranks=4, nodes=2, systems=("ubep", "bsp-gloo"), slow_rank=1, delay_us=2500.0),
+        BenchConfig(routing="zipf", skew=1.2, workers=2, schedule="balanced", mode="ll", dtype="fp32"),
+        BenchConfig(systems=("ubep",), stats_path="s.json", iters=60, placements=("eplb",), redundant=4),
+    ],
+)
+def test_the_command_of_a_run_measures_that_run(cfg):
+    """What `results.command` writes, read back by the bench's own parser, is the same run."""
+    from ubep.bench.results import command
+    from ubep.cli import build_parser
+
+    said = command(cfg).split()
+    args = build_parser().parse_args(said[1:])
+    assert said[:2] == ["ubep", "bench"] and args.command == "bench"
+    assert (args.hosts or args.nodes, bool(args.hosts)) == (cfg.nodes, cfg.namespaces)
+    default_systems = (
+        ("ubep", "ubep-nixl", "hier-bsp", "bsp-gloo") if cfg.nodes > 1 else BenchConfig().systems
+    )
+    assert (args.systems or default_systems) == cfg.systems and bool(args.stats) == bool(cfg.stats_path)
+    same = ("ranks", "tokens", "hidden", "experts", "topk", "iters", "warmup", "routing", "skew", "mode")
+    same += ("dtype", "seed", "workers", "schedule", "slow_rank", "delay_us", "redundant")
+    assert {f: getattr(args, f) for f in same} == {f: getattr(cfg, f) for f in same}
+    assert (args.timeout, args.placement) == (cfg.timeout_s, cfg.placements)
+
+
+def _results_file(date: str, cpu: str, vs_bsp: float, ubep_rounds: list[float], **config) -> dict:
+    """A results file as `ubep bench --json` writes it, at one batch size of 8 tokens."""
+    rows = [
+        report.Row.build("ubep", "normal", 8, 1e4, *([r / 2 for r in ubep_rounds],) * 2),  # d + c: a round
+        replace(report.Row.build("bsp-shm", "normal", 8, 1e4, [1.0], [1.0]), vs_ubep=vs_bsp),
+    ]
+    return {
+        "config": BenchConfig(**config).as_dict(),
+        "meta": {"date": date, "host": {"cpu": cpu, "cores": 2}},
+        "complete": True,
+        "results": [json.loads(json.dumps(dataclasses.asdict(r))) for r in rows],
+    }
+
+
+def test_the_table_takes_each_commands_newest_day_on_one_host_and_medians_over_its_runs():
+    from ubep.bench import results
+
+    files = [
+        _results_file("2026-12-01T10:00:00+00:00", "A", 9.0, [900.0], tokens=(8,)),  # an older day
+        _results_file("2026-12-02T10:00:00+00:00", "A", 1.0, [100.0, 300.0, 200.0], tokens=(8,)),
+        _results_file("2026-12-02T11:00:00+00:00", "A", 4.0, [400.0], tokens=(8,)),
+        _results_file("2026-12-02T12:00:00+00:00", "A", 2.0, [250.0, 260.0], tokens=(8,)),
+        _results_file("2026-12-02T09:00:00+00:00", "B", 7.0, [700.0], tokens=(8,)),  # another host
+        _results_file("2026-12-01T09:00:00+00:00", "A", 3.0, [50.0], ranks=2, tokens=(8,)),
+        {
+            **_results_file("2026-12-03T09:00:00+00:00", "A", 5.0, [1.0], ranks=2, tokens=(8,)),
+            "complete": False,
+        },
+        {"config": {}, "results": []},  # not dated: before the bench recorded when
+    ]
+    groups = results.newest_runs(files)
+    assert [(g.command, len(g.files), g.date) for g in groups] == [
+        ("ubep bench --tokens 8", 3, "2026-12-02"),
+        ("ubep bench --ranks 2 --tokens 8", 1, "2026-12-01"),  # the plainest command first
+    ]
+    table = results.markdown(groups).splitlines()
+    assert table[0] == "| command | date (UTC) | host | runs | tokens/rank | ubep d+c (us) | bsp-shm |"
+    # ubep: the median of each run's median over rounds (200, 400, 255); bsp-shm: of 1.0, 4.0, 2.0
+    assert table[2] == "| `ubep bench --tokens 8` | 2026-12-02 | A, 2 cores | 3 | 8 | 255 | 2.00 |"
+    assert table[3] == "| `ubep bench --ranks 2 --tokens 8` | 2026-12-01 | A, 2 cores | 1 | 8 | 50 | 3.00 |"
+    assert not results.is_bench_results({"ranks": [0, 1], "calls": {}})  # a stats file
+
+
+def test_report_prints_a_bench_results_file_again(tmp_path, capsys):
+    """`ubep report` on a bench file said "missing field 'ranks'"; it shows the table, when, where
+    and the command, and refuses the stats exports in one line."""
+    path = tmp_path / "bench.json"
+    rows = report.with_ratios(_rows())
+    cfg = BenchConfig(ranks=2, tokens=(8,), experts=8)
+    report.write_json(
+        str(path), config=cfg.as_dict(), meta=report.metadata(), rows=rows, notes=["n"], complete=True
+    )
+    assert main(["report", str(path)]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    for r in rows:
+        assert f"│ {r.system} │ 8 │ {r.dispatch_us:,.0f} │" in out
+    assert (
+        f"on {report.cpu_model()}, {os.cpu_count()} cores: ubep bench --ranks 2 --tokens 8 --experts 8" in out
+    )
+    with pytest.raises(SystemExit) as ended:
+        main(["report", str(path), "--trace", str(tmp_path / "t.json")])
+    assert str(ended.value.code).startswith(
+        f"ubep report: {path} is a bench results file (ubep bench --json)"
+    )

@@ -62,7 +62,38 @@ def test_warm_fills_the_cache_and_says_where(capsys):
     pytest.importorskip("numba")
     assert main(["warm"]) == 0
     line = capsys.readouterr().out.strip()
-    assert line.startswith("ubep warm: kernels ") and "loaded from the cache, cached in " in line, line
+    assert re.fullmatch(
+        r"ubep warm: \d+ kernels (loaded from the cache|compiled .*|: .*), cached in .*", line
+    ), line
+
+
+def test_warm_counts_the_same_kernels_compiled_or_loaded():
+    """Setup said "kernels 101 compiled", a rerun "32 loaded from the cache": the first counted the
+    functions compiled inside others too, which come from the cache inside their callers. A kernel
+    is now a signature called from Python, whichever way it came."""
+    numba = pytest.importorskip("numba")
+    from ubep.cli import warm_counts
+    from ubep.engine.compile_once import counting_compiles
+
+    @numba.njit(cache=False)
+    def inner(v):
+        return v + 1
+
+    @numba.njit(cache=False)
+    def outer(v):
+        return inner(v) * 2
+
+    with counting_compiles() as first:
+        assert outer(1) == 4 and outer(2.5) == 7.0  # two signatures of outer, each compiling inner's
+    with counting_compiles() as again:
+        outer(3)
+    assert (first.entry, first.inner) == (2, 2) and (again.entry, again.inner) == (0, 0)
+    assert warm_counts(32, 69, 0) == "32 kernels compiled (and 69 functions inside them)"
+    assert warm_counts(0, 0, 32) == "32 kernels loaded from the cache"
+    assert (
+        warm_counts(4, 2, 28)
+        == "32 kernels: 4 compiled (and 2 functions inside them), 28 loaded from the cache"
+    )
 
 
 def test_version_names_the_installed_package(capsys):
@@ -94,10 +125,17 @@ SMALL_FABRIC = {  # two nodes of four devices; a slow port between them
         (["simulate", "--topology", "{bad}"], "ubep simulate: topology file {bad}: Expecting property name"),
         (["plan", "--topology", "{bad}"], "ubep plan: topology file {bad}: Expecting property name"),
         (["plan", "--topology", "{partial}"], "ubep plan: topology file {partial}: missing 'levels'"),
+        (
+            ["plan", "--topology", "nope.json"],
+            "ubep plan: topology file nope.json does not exist (a topology",
+        ),
+        (["simulate", "--topology", "{gone}"], "ubep simulate: topology file {gone} does not exist"),
+        (["plan", "--topology", "{folder}"], "ubep plan: topology file {folder} is not a file"),
     ],
 )
 def test_bad_simulator_arguments_give_one_line_naming_the_problem(tmp_path, argv, said):
-    files = {"bad": tmp_path / "bad.json", "partial": tmp_path / "partial.json"}
+    files = {"bad": tmp_path / "bad.json", "partial": tmp_path / "partial.json", "folder": tmp_path}
+    files["gone"] = tmp_path / "gone" / "fabric"  # no .json: a path all the same
     files["bad"].write_text('{"name": "x",\n')
     files["partial"].write_text('{"name": "x", "ports_gbps": {"p": 1}}')
     argv = [a.format(**files) for a in argv]
@@ -262,3 +300,54 @@ def test_a_failed_rank_is_one_line_naming_the_log_that_holds_its_traceback(monke
     assert RANK_TRACEBACK in logged and logged.startswith("Traceback (most recent call last):")
     with pytest.raises(RankFailedError, match="rank 3 failed"):
         main([*argv, "--verbose"])
+
+
+def test_every_command_has_a_description_and_every_option_its_help_and_default():
+    """`simulate` and `plan` had no description in --help, and options had neither help nor default."""
+    import argparse
+
+    from ubep.cli import build_parser
+
+    parser = build_parser()
+    (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    missing = []
+    for name, command in sub.choices.items():
+        if not command.description:
+            missing.append(f"{name}: no description")
+        for action in command._actions:
+            if isinstance(action, argparse._HelpAction):
+                continue
+            flag = f"{name} {action.option_strings[-1] if action.option_strings else action.dest}"
+            if not action.help:
+                missing.append(f"{flag}: no help")
+            elif not _unset(action.default) and "default" not in action.help:
+                missing.append(f"{flag}: no default in its help ({action.default!r})")
+    assert missing == []
+
+
+def _unset(default) -> bool:
+    """An option whose default is "not given" (None, a flag's False, nothing), not a value."""
+    return default is None or default is False or (isinstance(default, str | tuple) and not default)
+
+
+def test_the_ablations_print_their_units(capsys):
+    """`--ablation headline` printed "-41.3  -52.4": a change in %, said nowhere."""
+    from ubep.sim.ablation import PAPER_HEADLINE
+
+    assert main(["simulate", "--ablation", "headline", "--tokens", "8,16"]) == 0
+    title, header, _, *rows = capsys.readouterr().out.splitlines()
+    assert "change (%)" in title and header.split()[:3] == ["case", "variant", "simulated"]
+    shapes = [re.fullmatch(r"EP64 +batch (8|16) +-\d+\.\d%( +-\d+\.\d%)?", row.rstrip()) for row in rows]
+    assert all(shapes) and len(rows) == 2, rows
+    assert rows[0].split()[-1] == f"{-PAPER_HEADLINE[(64, 8)]:.1f}%"  # the paper's, with its unit
+
+
+def test_report_on_a_bench_file_without_rich_says_what_the_file_is(without_rich, tmp_path):
+    path = tmp_path / "bench.json"
+    path.write_text(json.dumps({"config": {"ranks": 2}, "results": [{"system": "ubep", "dispatch_us": 1.0}]}))
+    with pytest.raises(SystemExit) as ended:
+        main(["report", str(path)])
+    assert str(ended.value.code).startswith(
+        f"ubep report: {path} is a bench results file (ubep bench --json); ubep report reads stats files "
+        "(written by ubep bench --stats)"
+    )

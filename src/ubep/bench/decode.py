@@ -320,8 +320,14 @@ def add_parser(subparsers) -> None:
         "topk",
     ):
         p.add_argument(f"--{name}", type=int, default=getattr(d, name), help=f"(default {getattr(d, name)})")
-    p.add_argument("--systems", default=",".join(d.systems), help=f"comma list of {', '.join(SYSTEMS)}")
-    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument(
+        "--systems",
+        default=",".join(d.systems),
+        help=f"comma list of {', '.join(SYSTEMS)} (default %(default)s)",
+    )
+    p.add_argument(
+        "--seed", type=int, default=d.seed, help="seed of the weights and inputs (default %(default)s)"
+    )
     p.add_argument("--json", metavar="PATH", help="write results as JSON")
     p.add_argument("--plot", metavar="PATH.png", help="plot time per token, exchange against the rest")
     p.add_argument(

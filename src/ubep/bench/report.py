@@ -6,7 +6,7 @@ import json
 import os
 import platform
 import statistics
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, fields, replace
 from datetime import UTC, datetime
 
 import torch
@@ -17,7 +17,7 @@ from rich.table import Table
 import ubep
 from ubep.bench.ratio import LEVEL, paired_ratio
 from ubep.bench.timing import Stats
-from ubep.bench.workload import UBEP_ROW
+from ubep.bench.workload import UBEP_ROW, BenchConfig
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,10 +69,26 @@ class Row:
             combine_rounds_us=tuple(combine_us),
         )
 
+    @classmethod
+    def from_dict(cls, row: dict) -> Row:
+        """A row as `write_json` wrote it (lists back to tuples; fields of other versions left out)."""
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in row.items() if k in known})
+
     @property
     def rounds_us(self) -> list[float]:
         """Dispatch + combine, round by round."""
         return [d + c for d, c in zip(self.dispatch_rounds_us, self.combine_rounds_us, strict=True)]
+
+
+def title(cfg: BenchConfig, cores: int | None) -> str:
+    """The table's title: the mode, the ranks on how many cores, the shape, the routing, the nodes."""
+    where = "namespace hosts" if cfg.namespaces else "emulated nodes"
+    return (
+        f"{cfg.mode} mode, {cfg.ranks} ranks on {cores} cores, hidden {cfg.hidden}, "
+        f"{cfg.experts} experts, top-{cfg.topk}, {cfg.dtype}, {cfg.routing} routing"
+        + (f", {cfg.nodes} {where}" if cfg.nodes > 1 else "")
+    )
 
 
 def with_ratios(rows: list[Row]) -> list[Row]:

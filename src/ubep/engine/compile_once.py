@@ -41,7 +41,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numba
-from numba.core import caching, config
+from numba.core import caching, config, event
 from numba.core.dispatcher import Dispatcher
 
 from ubep.engine import numba_kernels
@@ -202,6 +202,37 @@ def kernel_stats() -> dict[str, tuple[int, int]]:
                     sum(s.cache_hits.values()),
                 )
     return stats
+
+
+@dataclass(slots=True)
+class Compiles:
+    """numba's compiles while counting (`counting_compiles`): `entry`, signatures called from Python
+    (what a later process loads from the cache, one each), and `inner`, those compiled inside them
+    (they come inside their callers' cached code, and are never loaded on their own)."""
+
+    entry: int = 0
+    inner: int = 0
+
+
+@contextmanager
+def counting_compiles() -> Iterator[Compiles]:
+    """Count numba's compiles in this process while the block runs, as `Compiles`: so that `ubep
+    warm` counts the same kernels when it compiles them as when it loads them."""
+    counted, depth = Compiles(), [0]  # depth: compiles under way, the outermost first
+
+    class Counter(event.Listener):
+        def on_start(self, _: event.Event) -> None:
+            if depth[0]:
+                counted.inner += 1
+            else:
+                counted.entry += 1
+            depth[0] += 1
+
+        def on_end(self, _: event.Event) -> None:
+            depth[0] -= 1
+
+    with event.install_listener("numba:compile", Counter()):
+        yield counted
 
 
 def describe() -> str:

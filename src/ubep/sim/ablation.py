@@ -37,12 +37,20 @@ FIT_HOT_SHARE = 0.03  # the hot experts' share of picks, fitted on the first ste
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Bar:
-    """One simulated number beside the published one (None where the paper gives none)."""
+    """One simulated number beside the published one (None where the paper gives none), in `unit`:
+    "us" (a latency) or "%" (a change against a baseline)."""
 
     group: str
     label: str
     simulated: float
+    unit: str
     published: float | None = None
+
+    def shown(self, value: float | None) -> str:
+        """`value` (the simulated or the published one) with its unit: "-41.3%", "43.5 us"."""
+        if value is None:
+            return ""
+        return f"{value:.1f}%" if self.unit == "%" else f"{value:.1f} {self.unit}"
 
 
 def scheduling_config(params: CostParams, hot_share: float) -> SimConfig:
@@ -60,10 +68,10 @@ def scheduling(params: CostParams, hot_share: float) -> list[Bar]:
     cfg = scheduling_config(params, hot_share)
     wl = workload(cfg)
     us = {p: simulate(replace(cfg, policy=p), UBEP.name, wl).dispatch_worker_us for p in PAPER_SCHEDULING_US}
-    bars = [Bar(group="slowest worker (us)", label=p, simulated=us[p], published=v)
+    bars = [Bar(group="slowest worker (us)", label=p, simulated=us[p], unit="us", published=v)
             for p, v in PAPER_SCHEDULING_US.items()]  # fmt: skip
     for a, b in ((BASELINE, BALANCED), (BALANCED, DISTANCE)):
-        bars.append(Bar(group="step (%)", label=f"{a} -> {b}", simulated=_change(us[a], us[b]),
+        bars.append(Bar(group="step (%)", label=f"{a} -> {b}", simulated=_change(us[a], us[b]), unit="%",
                         published=_change(PAPER_SCHEDULING_US[a], PAPER_SCHEDULING_US[b])))  # fmt: skip
     return bars
 
@@ -79,7 +87,7 @@ def sync(params: CostParams, batches=BATCHES, ranks: int = 64) -> list[Bar]:
         cfg = SimConfig(ranks=ranks, experts=ranks, tokens=n, params=params)
         wl = workload(cfg)
         us = {s: simulate(replace(cfg, sync=s), UBEP.name, wl).dispatch_us for s in SYNCS}
-        bars += [Bar(group=f"batch {n}", label=s, simulated=_change(us["stop-and-wait"], us[s]))
+        bars += [Bar(group=f"batch {n}", label=s, simulated=_change(us["stop-and-wait"], us[s]), unit="%")
                  for s in DATA_AS_FLAG]  # fmt: skip
     return bars
 
@@ -93,7 +101,7 @@ def headline(params: CostParams, batches=BATCHES, eps=(64, 128)) -> list[Bar]:
             wl = workload(cfg)
             u, b = (simulate(cfg, p, wl).dispatch_us for p in (UBEP.name, BSP.name))
             pub = PAPER_HEADLINE.get((ep, n))
-            bars.append(Bar(group=f"EP{ep}", label=f"batch {n}", simulated=_change(b, u),
+            bars.append(Bar(group=f"EP{ep}", label=f"batch {n}", simulated=_change(b, u), unit="%",
                             published=None if pub is None else -pub))  # fmt: skip
     return bars
 

@@ -39,35 +39,89 @@ def _names(choices: tuple[str, ...], name: Callable[[str], str] = str):
     return parse
 
 
+def _listed(values: list) -> str:
+    """A list default as the user types it: [8, 16] -> "8,16"."""
+    return ",".join(map(str, values))
+
+
 def add_parser(subparsers) -> None:
     """Add the `simulate` subcommand (func=run) to an argparse subparsers object."""
-    p = subparsers.add_parser("simulate", help="simulate dispatch/combine on a superpod model")
-    p.add_argument("--topology", default="cm384", help=f"{', '.join(topology.PRESETS)} or a JSON file")
-    p.add_argument("--ranks", type=_ints, default=[64], help="comma list of EP sizes")
-    p.add_argument("--tokens", type=_ints, default=[8, 16, 32, 64, 128], help="tokens per rank (comma list)")
-    p.add_argument("--protocol", type=_names(PROTOCOLS), default=[UBEP.name, BSP.name])
+    p = subparsers.add_parser(
+        "simulate",
+        help="simulate dispatch/combine on a superpod model",
+        description="Run the protocols' plans (ubep, bsp) on a model of a fabric: a superpod preset "
+        "(CloudMatrix384, NVL72, NVL576, HGX with RDMA) or a JSON topology, calibrated against "
+        "published numbers, and print dispatch and combine latency per EP size and batch. No rank "
+        "processes and no extra needed (--plot needs matplotlib). --ablation sets the simulator "
+        "beside the paper's ablations; --placement compares expert placements.",
+    )
+    p.add_argument(
+        "--topology",
+        default="cm384",
+        help=f"{', '.join(topology.PRESETS)} or a JSON file (default %(default)s)",
+    )
+    ranks, tokens = [64], [8, 16, 32, 64, 128]
+    p.add_argument(
+        "--ranks", type=_ints, default=ranks, help=f"EP sizes, a comma list (default {_listed(ranks)})"
+    )
+    p.add_argument(
+        "--tokens",
+        type=_ints,
+        default=tokens,
+        help=f"tokens per rank, a comma list (default {_listed(tokens)})",
+    )
+    protocols_ = [UBEP.name, BSP.name]
+    p.add_argument(
+        "--protocol",
+        type=_names(PROTOCOLS),
+        default=protocols_,
+        help=f"comma list of {', '.join(PROTOCOLS)} (default {_listed(protocols_)})",
+    )
     p.add_argument(
         "--policy",
         type=_names(schedule.POLICIES, schedule.policy_name),
         default=[schedule.DISTANCE],
-        help="ubep's scheduler policies",
+        help=f"ubep's scheduler policies, a comma list of {', '.join(schedule.NAMES)} "
+        f"(default {schedule.DISTANCE})",
     )
-    p.add_argument("--sync", type=_names(sync.SYNCS), default=["tff"], help="ubep's synchronization variants")
-    p.add_argument("--model", choices=sorted(MODELS), default="deepseek-v3")
-    p.add_argument("--hidden", type=int)
-    p.add_argument("--experts", type=int)
-    p.add_argument("--topk", type=int)
-    p.add_argument("--dispatch-dtype", choices=("bf16", "fp8"), default="bf16")
-    p.add_argument("--routing", choices=[r for r in routing.ROUTINGS if r != "hot"], default="uniform")
+    p.add_argument(
+        "--sync",
+        type=_names(sync.SYNCS),
+        default=["tff"],
+        help=f"ubep's synchronization variants, a comma list of {', '.join(sync.SYNCS)} (default tff)",
+    )
+    p.add_argument(
+        "--model",
+        choices=sorted(MODELS),
+        default="deepseek-v3",
+        help="the model whose hidden size, experts and top-k are sent (default %(default)s)",
+    )
+    p.add_argument("--hidden", type=int, help="hidden size (default: the model's)")
+    p.add_argument("--experts", type=int, help="routed experts (default: the model's)")
+    p.add_argument("--topk", type=int, help="experts per token (default: the model's)")
+    p.add_argument(
+        "--dispatch-dtype",
+        choices=("bf16", "fp8"),
+        default="bf16",
+        help="what dispatch sends per value (default %(default)s; combine sends bf16)",
+    )
+    p.add_argument(
+        "--routing",
+        choices=[r for r in routing.ROUTINGS if r != "hot"],
+        default="uniform",
+        help="routing distribution (default %(default)s)",
+    )
     p.add_argument("--skew", type=float, default=1.0, help="zipf's exponent (default %(default)s)")
-    p.add_argument("--hot-experts", type=int, default=0, help="N hot experts (overrides --routing)")
+    p.add_argument(
+        "--hot-experts", type=int, default=0, help="N hot experts; overrides --routing (default 0: none)"
+    )
     p.add_argument(
         "--hot-share",
         type=float,
-        help="share of picks the hot experts get (0.6; the fitted one with --ablation)",
+        help="share of picks the hot experts get (default 0.6; with --ablation, the fitted one)",
     )
-    p.add_argument("--workers", type=int, help="sender workers per device (default: per topology)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--workers", type=int, help="sender workers per device (default: the topology's)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the routing (default %(default)s)")
     p.add_argument(
         "--ablation",
         choices=("scheduling", "sync", "headline"),
@@ -79,8 +133,8 @@ def add_parser(subparsers) -> None:
         help="instead: these expert placements (none, eplb, ubep) side by side, on the first --protocol",
     )
     p.add_argument("--redundant", type=int, help="redundant expert slots with --placement (default E/8)")
-    p.add_argument("--json", help="write results as JSON to this path")
-    p.add_argument("--plot", help="write a dispatch-latency plot (PNG) to this path")
+    p.add_argument("--json", metavar="PATH", help="write results as JSON to this path")
+    p.add_argument("--plot", metavar="PATH.png", help="write a dispatch-latency plot (PNG) to this path")
     p.set_defaults(func=run)
 
 
@@ -177,13 +231,11 @@ def _plot(results: list[SimResult], path: str) -> None:
     plt.close(fig)
 
 
-def _ablation_table(name: str, bars: list[ablation.Bar]) -> str:
-    rows = [
-        [b.group, b.label, f"{b.simulated:.1f}", "" if b.published is None else f"{b.published:.1f}"]
-        for b in bars
-    ]
-    title = f"{name}: simulated beside the paper (docs/paper_figures.md)"
-    return render(title, ["case", "variant", "simulated", "paper"], rows, left=("case", "variant"))
+def _ablation_table(title: str, bars: list[ablation.Bar]) -> str:
+    """Each bar's simulated and published figures, with their units (us, or % change)."""
+    rows = [[b.group, b.label, b.shown(b.simulated), b.shown(b.published)] for b in bars]
+    columns = ["case", "variant", "simulated", "paper (docs/paper_figures.md)"]
+    return render(title, columns, rows, left=("case", "variant"))
 
 
 def run_ablation(args) -> int:
@@ -199,8 +251,8 @@ def run_ablation(args) -> int:
         band = ablation.PAPER_SYNC_RANGE
     else:
         bars = ablation.headline(params, batches=args.tokens, eps=args.ranks)
-        title, band = "ubep vs bsp, CM384, one expert per device: dispatch change (%)", None
-    print(_ablation_table(args.ablation, bars))
+        title, band = "ubep's dispatch against bsp's, CM384, one expert per device: change (%)", None
+    print(_ablation_table(title, bars))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"ablation": args.ablation, "bars": [asdict(b) for b in bars]}, f, indent=1)
@@ -259,12 +311,40 @@ def run_placements(args, runs: list[tuple[SimConfig, Workload]]) -> int:
 
 def add_plan_parser(subparsers) -> None:
     """Add the `plan` subcommand (func=run_plan): advice for a user's own fabric."""
-    p = subparsers.add_parser("plan", help="advise workers, policy, protocol and sync for a fabric")
-    p.add_argument("--topology", default="cm384", help=f"{', '.join(topology.PRESETS)} or a JSON file")
-    p.add_argument("--model", choices=sorted(MODELS), default="deepseek-v3")
+    p = subparsers.add_parser(
+        "plan",
+        help="advise workers, policy, protocol and sync for a fabric",
+        description="Advise how to run ubep on a fabric (a preset, or your own as a JSON topology: "
+        "docs/topology.md) for a model: the protocol, the synchronization, the scheduler's policy and "
+        "the workers per rank, each chosen by simulating the alternatives at the largest batch. "
+        "Prints the advice, what each choice tried gave, and the predicted dispatch and combine "
+        "latency per batch with the bottleneck.",
+    )
+    p.add_argument(
+        "--topology",
+        default="cm384",
+        help=f"{', '.join(topology.PRESETS)} or a JSON file (default %(default)s)",
+    )
+    p.add_argument(
+        "--model",
+        choices=sorted(MODELS),
+        default="deepseek-v3",
+        help="the model whose hidden size, experts and top-k are sent (default %(default)s)",
+    )
     p.add_argument("--ranks", type=int, help="EP size (default: the most ranks that divide the experts)")
-    p.add_argument("--tokens", type=_ints, default=[8, 16, 32, 64, 128], help="batches per rank (comma list)")
-    p.add_argument("--dispatch-dtype", choices=("bf16", "fp8"), default="bf16")
+    tokens = [8, 16, 32, 64, 128]
+    p.add_argument(
+        "--tokens",
+        type=_ints,
+        default=tokens,
+        help=f"tokens per rank, a comma list (default {_listed(tokens)})",
+    )
+    p.add_argument(
+        "--dispatch-dtype",
+        choices=("bf16", "fp8"),
+        default="bf16",
+        help="what dispatch sends per value (default %(default)s; combine sends bf16)",
+    )
     p.set_defaults(func=run_plan)
 
 
