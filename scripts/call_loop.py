@@ -1,6 +1,6 @@
 """Dispatch + combine in a tight loop on local ranks, no bench around it: the slowest rank's wall
 and each rank's CPU per pair, in microseconds. For before/after comparisons of the per-call cost
-(docs/benchmarks.md, "Fewer torch calls around the halves"):
+(docs/benchmarks-log.md, "Fewer torch calls around the halves"):
 
     python scripts/call_loop.py [--ranks 2] [--tokens 8] [--pairs 5000]
 

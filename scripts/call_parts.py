@@ -1,6 +1,6 @@
 """What the Python around a decode-size dispatch costs, piece by piece, warm and in isolation: the
 send plan (validation and the compiled routing check), its parts, and the numpy views the halves
-take. The upper bound of what moving a piece into a compiled half can save (docs/benchmarks.md,
+take. The upper bound of what moving a piece into a compiled half can save (docs/benchmarks-log.md,
 "What the rest of item 2 would save"):
 
     python scripts/call_parts.py [--tokens 8] [--number 20000]

@@ -7,7 +7,7 @@ Two processes, as two ranks of a heap: the sleeper blocks in `Doorbell.wait`, or
 reading its doorbell; the ringer rings once every 200 us (so a sleeper has gone back to sleep) and
 times each `ring` with `time.thread_time_ns` (its own CPU: the sendto and, for a sleeper, the
 kernel's wake-up done in the ringer's context). Run with the host otherwise idle; the printout
-gives medians and the 90th percentile in microseconds (docs/benchmarks.md, "Waiting").
+gives medians and the 90th percentile in microseconds (docs/benchmarks-log.md, "Waiting").
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 several (spins, yields) budgets, in turns, at 8 and 128 tokens per rank.
 
 The budget is a constant of `ubep.protocols.halves`, chosen once from these figures
-(docs/benchmarks.md, "Waiting"). To try others without a setting a user would never need, each
+(docs/benchmarks-log.md, "Waiting"). To try others without a setting a user would never need, each
 run puts a `sitecustomize` on PYTHONPATH that sets the two constants in every rank process
 before the bench starts. Budgets are run in turns (budget 1, 2, ..., then again), so a drift in
 the host's load spreads over all of them.

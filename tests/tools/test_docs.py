@@ -221,3 +221,76 @@ def test_the_checks_find_a_moved_path_and_a_moved_module():
         (2, "collectives/"),
     ]
     assert unresolved_names(text) == [(2, "ubep.fabric.base.Fabric"), (2, "ubep.across.fabric.base.Nothing")]
+
+
+# --- a newcomer's commands: the environment, the signatures, today's numbers ----------------------
+
+# A command a reader would type without `.venv/bin/` before it: setup makes .venv but does not
+# activate it, and the system's python has no torch.
+BARE = re.compile(
+    r"(?<![\w/.=-])(ubep (bench|simulate|plan|decode|report|warm)( [-\w]|$)"  # with its arguments
+    r"|python3? (examples|scripts)/|python3? -m )"
+)
+ACTIVATE = "source .venv/bin/activate"
+
+
+def bare_commands(text: str) -> list[tuple[int, str]]:
+    """(line, command) for each command typed without `.venv/bin/` (`BARE`)."""
+    return [(n, m.group(0)) for n, line in enumerate(text.splitlines(), 1) for m in BARE.finditer(line)]
+
+
+def test_the_readme_types_every_command_with_its_venv_and_each_doc_says_how_to_activate():
+    """The README writes `.venv/bin/ubep ...`; a doc page that writes a bare `ubep bench` or
+    `python scripts/...` says once how to activate the environment those mean."""
+    readme = _read("README.md")
+    assert bare_commands(readme) == [] and ACTIVATE in _flat(readme)
+    unexplained = [f for f in _doc_files()[1:] if bare_commands(_read(f)) and ACTIVATE not in _flat(_read(f))]
+    assert unexplained == []
+
+
+def test_the_bare_command_check_finds_what_it_should():
+    text = "run `ubep bench --tokens 8`\n    python scripts/soak.py\n"
+    text += ".venv/bin/ubep plan x, `.venv/bin/python -m pytest`"
+    assert bare_commands(text) == [(1, "ubep bench -"), (2, "python scripts/")]
+    said = bare_commands("the `ubep bench` table (a name); `PYTHONPATH=src python -m pytest`")
+    assert said == [(1, "python -m ")]  # an environment variable is no venv
+
+
+def test_the_readme_states_local_launchs_signature_as_the_code_has_it():
+    stated_text = re.search(r"- `ubep\.LocalLaunch\((.*?)\)`:", _read("README.md"), re.S).group(1)
+    stated = [  # world_size=N: N is the reader's, a name
+        (name, d.id if isinstance(d, ast.Name) else ast.literal_eval(d))
+        for name, _, d in _stated_signature(f"*, {stated_text}")
+    ]
+    fields = inspect.signature(ubep.LocalLaunch).parameters.values()
+    assert stated == [(p.name, "N" if p.default is inspect.Parameter.empty else p.default) for p in fields]
+
+
+def test_the_readme_shows_the_import_line_deepep_code_needs():
+    line = "from ubep.compat.deep_ep import Buffer, EventOverlap"
+    assert f"{line}   # was: from deep_ep import Buffer, EventOverlap" in _read("README.md")
+    namespace: dict = {}
+    exec(line, namespace)  # the line works as written
+    assert namespace["Buffer"].__module__.startswith("ubep.compat.deep_ep")
+
+
+def test_todays_numbers_are_the_table_the_script_prints_from_the_results_files():
+    """docs/benchmarks.md opens with the table scripts/results_table.py prints from docs/results/:
+    a results file added without the table, or a table edited by hand, fails here."""
+    from ubep.bench.results import BEGIN, END
+
+    doc = _read("docs", "benchmarks.md")
+    assert doc.index("## Today's numbers") < doc.index(BEGIN) < doc.index("## How the bench measures")
+    in_doc = doc.split(BEGIN, 1)[1].split(END, 1)[0].strip()
+    printed = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "scripts", "results_table.py")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=dict(os.environ, PYTHONPATH=os.path.join(ROOT, "src")),
+    )
+    assert printed.returncode == 0, printed.stderr
+    assert in_doc == printed.stdout.strip()
+    assert "| `ubep bench --tokens 8,128` |" in in_doc  # the default run leads
+    readme = _read("README.md")
+    assert "[docs/benchmarks.md](docs/benchmarks.md#todays-numbers)" in readme

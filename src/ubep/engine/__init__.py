@@ -26,7 +26,7 @@ def choose_engine(
     "numba" raises when numba is missing or its kernels (or the warm-ups of the call halves in
     `halves`, by name) fail; "auto" falls back to torch and gives the reason. The first call in a
     process compiles the numba kernels (once per host, `compile_once`) or loads them from numba's
-    disk cache (see docs/benchmarks.md, "Engines"); waiting past `deadline` (time.monotonic) for
+    disk cache (see docs/benchmarks-log.md, "Engines"); waiting past `deadline` (time.monotonic) for
     another process's compile that shows no progress raises CompileWaitTimeoutError whatever was
     requested.
     """

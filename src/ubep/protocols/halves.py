@@ -27,7 +27,7 @@ DONE, WAITING = 0, 1  # the codes every compiled half shares
 MASKED = -1  # a send half stopped after a block: the peers masked this rank (`numba_sync.masked_by`)
 # Polls with the spin-wait hint before a half yields its core: few where ranks outnumber cores (a
 # spinning rank would hold the core its peer needs), many where each rank has a core of its own
-# (a sleep and its wake-up cost tens of microseconds). Chosen from the sweep in docs/benchmarks.md
+# (a sleep and its wake-up cost tens of microseconds). Chosen from the sweep in docs/benchmarks-log.md
 # ("Waiting, rings and the combine reduction"): no yields, or long spins with ranks sharing cores, are slower.
 SPIN_POLLS_SHARED, SPIN_POLLS_ALONE = 256, 16384
 
