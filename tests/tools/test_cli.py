@@ -351,3 +351,21 @@ def test_report_on_a_bench_file_without_rich_says_what_the_file_is(without_rich,
         f"ubep report: {path} is a bench results file (ubep bench --json); ubep report reads stats files "
         "(written by ubep bench --stats)"
     )
+
+
+def test_a_prose_column_wraps_within_120_columns_and_keeps_every_word():
+    """`ubep plan`'s bottleneck column made lines of 159 columns; a left-aligned last column now
+    wraps under itself, and numbers are never cut."""
+    from ubep.sim.table import render
+
+    prose = " ".join(f"word{i}" for i in range(60))
+    text = render(
+        "t", ["tokens", "dispatch us", "why"], [["8", "63.8", prose], ["128", "77.1", "short"]], left=("why",)
+    )
+    lines = text.splitlines()
+    assert max(map(len, lines)) <= 120 and len(lines) > 5
+    assert " ".join(w for ln in lines[3:] for w in ln.split() if w.startswith("word")) == prose
+    assert lines[3].split()[:2] == ["8", "63.8"] and lines[4].startswith(" " * 10)  # a continuation
+    assert lines[-1].split() == ["128", "77.1", "short"]
+    wide = render("t", ["n"], [["9" * 150]])  # a number: whole, however wide
+    assert wide.splitlines()[-1] == "9" * 150

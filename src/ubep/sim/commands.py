@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import textwrap
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -20,7 +21,7 @@ from ubep.registry import BSP, UBEP
 from ubep.sim import ablation, placed, sync
 from ubep.sim.protocols import Workload
 from ubep.sim.run import MODELS, PROTOCOLS, SimConfig, SimResult, simulate, workload
-from ubep.sim.table import render
+from ubep.sim.table import WIDTH, render
 
 
 def _ints(text: str) -> list[int]:
@@ -299,10 +300,11 @@ def run_placements(args, runs: list[tuple[SimConfig, Workload]]) -> int:
             rows.append(
                 {"placement": name, **stats._asdict(), "imbalance": stats.imbalance, **result.as_dict()}
             )
-    print(
+    note = (
         "load: (token, expert) pairs per rank; MB across nodes: dispatch + combine per rank, one row "
         "per (token, remote node); flat: per (token, remote rank); placed on the batch's own loads"
     )
+    print(textwrap.fill(note, WIDTH))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"placement": rows}, f, indent=1)
