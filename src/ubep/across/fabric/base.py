@@ -19,21 +19,28 @@ Every message is framed with the call it belongs to (seq, kind): a message of
 an older call (one this rank gave up on) is dropped, never taken for a later
 one, and a peer ahead of this rank is named. A rank that gives up on a call
 tells its peers at once (`abort`), as the shared-memory transport does.
+
+`Fabric` holds what every engine shares, once: the wait for a call's messages,
+the check of each frame against its lane, dropping an abandoned call's message,
+the mask rounds. An engine (`gloo`, `nixl`) says how a message is put and how
+one is seen to land, through a few hooks (`_landed_frame`, `_contents`, `_drop`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 
 from ubep.calls import KINDS, METHODS, CallId
 from ubep.errors import PeerDataError
-from ubep.waiting import AbortNotice, PeerAbortedError
+from ubep.waiting import AbortNotice, PeerAbortedError, Waiter
 
 MASK_LANE = "mask"  # every engine's own lane: the rounds of `mask_ranks`
+Slot = tuple[int, int, int]  # (lane, peer, half): where one peer's message of one call parity lands
+Frame = tuple[int, int, int, int]  # (seq, kind code, header words, payload bytes) of a landed message
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,18 +75,35 @@ class Message:
     payload: torch.Tensor  # uint8 [nbytes sent]
 
 
-class Fabric(Protocol):
-    """One rank's end of the fabric: its inboxes, its puts, its waits."""
+class Fabric(ABC):
+    """One rank's end of the fabric: its inboxes, its puts, its waits.
+
+    What every engine shares is here, once: the wait for a call's messages (`arrivals`), the check of
+    each frame against its lane, dropping a message of a call this rank gave up on, and the mask
+    rounds. An engine says how a message is put (`outbox`, `send`, `abort`'s notice) and how one is
+    seen to land, through the hooks below (`_frame`, `_contents`, `_drop`, ...)."""
 
     name: str
-    rank: int
-    num_ranks: int
-    live: tuple[int, ...]  # the ranks taking part, ascending (all of them until some are masked)
 
+    def __init__(self, rank: int, num_ranks: int, lanes: Sequence[Lane], timeout_s: float):
+        self.rank, self.num_ranks, self.timeout_s = rank, num_ranks, timeout_s
+        lanes = (*lanes, mask_lane(num_ranks))  # the fabric's own: `mask` rounds
+        self.lanes = {lane.name: i for i, lane in enumerate(lanes)}
+        self._lanes = tuple(lanes)
+        self.live = tuple(range(num_ranks))  # the ranks taking part, ascending (all, until some are masked)
+        self.peers = [p for p in range(num_ranks) if p != rank]
+        self._generation = 0  # mask rounds so far
+        self._notices: dict[tuple[int, int, bool], AbortNotice] = {}  # `notice_key` -> its notice
+        self._abandoned: set[int] = set()  # calls this rank gave up on (their messages are dropped)
+
+    # -- the interface ----------------------------------------------------------------------------
+
+    @abstractmethod
     def outbox(self, lane: str, peer: int, call: CallId, words: int, nbytes: int) -> Outgoing:
         """This rank's message of `call` on `lane` to `peer`, to fill: `words` header words, `nbytes`
         payload bytes (the lane's limits at most). Its memory is the engine's (registered)."""
 
+    @abstractmethod
     def send(self, out: Outgoing) -> None:
         """Send a filled message; returns at once: no sender waits for its receiver."""
 
@@ -96,25 +120,143 @@ class Fabric(Protocol):
         pending peer gave up on the call, PeerDataError when a peer is in another call. A pending
         peer's message of the same seq on another lane (a call of another kind) goes to
         `other_call(peer, its header)`, which raises in the protocol's words."""
+        i, half = self.lanes[lane], call.seq % 2
+        pending = [p for p in peers if p != self.rank]
+        notice = self._notice_of(call)
+        waiter = Waiter(phase, self.timeout_s, self._gone, notice)
+        while pending:
+            self._progress()
+            landed = []
+            for p in pending:
+                if (fault := self._misbehaved(p)) is not None:
+                    raise PeerDataError(f"{phase}: rank {p} {fault}")
+                while (frame := self._frame((i, p, half))) is not None:
+                    seq, kind, words, nbytes = frame
+                    if not is_this_call(phase, call, p, seq, kind, notice):
+                        self._drop((i, p, half))  # an older call's message: dropped
+                        continue
+                    landed.append((p, words, nbytes))
+                    self._taken(p, seq)
+                    break
+            for p, words, nbytes in landed:
+                pending.remove(p)
+                header, payload = self._contents((i, p, half), words, nbytes)
+                yield Message(p, header.clone(), payload)  # the header read once: checked, then used
+            if pending and not landed:
+                self._other_calls(i, call, pending, other_call)
+                waiter.pause(pending)
+        self._settle(i, call, waiter)
 
+    @abstractmethod
     def release(self, lane: str, peer: int, call: CallId) -> None:
         """This rank is done with `peer`'s message of `call` on `lane`: its inbox may take a later one."""
 
     def begin(self, call: CallId) -> None:
         """This rank begins `call` (before its first message of it): inboxes still holding an older
-        call's message, one this rank gave up on, are freed for the peers' later messages."""
+        call's message, one this rank gave up on, are freed for the peers' later messages. (A message
+        of a call whose receive half is still to come, a low-latency hook, stays.)"""
+        self._progress()
+        for slot in self._occupied():
+            frame = self._landed_frame(slot)
+            if frame is not None and frame[0] in self._abandoned:
+                self._drop(slot)
 
     def abort(self, call: CallId, culprit: int | None = None, rejected: bool = False) -> None:
         """Tell every peer that this rank gives up on `call`, blaming `culprit` (None: itself;
         `rejected`: it rejected its own input for the call, before sending anything)."""
+        self._abandoned.add(call.seq)
+        self._tell_abort(0 if culprit is None else culprit + 1, 2 * KINDS[call.kind] + rejected, call.seq)
 
     def mask(self, ranks: Iterable[int], seq: int) -> int:
         """Collective among the ranks that stay (over the fabric): leave `ranks` out of every later
         wait. `seq` is the last call this rank started; returns the largest any staying rank started,
         after which they all continue (as `ubep.transport.base.Transport.mask`)."""
+        self._generation += 1
+        self.live, latest = agree_on_mask(self, ranks, seq, self._generation)
+        return latest
 
+    @abstractmethod
     def close(self) -> None:
         """Release every inbox and connection; idempotent."""
+
+    # -- the engine's hooks -----------------------------------------------------------------------
+
+    @abstractmethod
+    def _landed_frame(self, slot: Slot) -> Frame | None:
+        """(seq, kind, header words, payload bytes) of the message in `slot` (lane, peer, half) once
+        all of it has landed, else None: as the peer framed it, unchecked (`_frame` checks it)."""
+
+    @abstractmethod
+    def _contents(self, slot: Slot, words: int, nbytes: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(header int64 [words], payload uint8 [nbytes]): views of the landed message in `slot`."""
+
+    @abstractmethod
+    def _drop(self, slot: Slot) -> None:
+        """Free `slot` for its peer's next message, the one in it unread (an older call's)."""
+
+    @abstractmethod
+    def _occupied(self) -> Iterable[Slot]:
+        """The slots that may hold a landed message (a copy: the caller may drop some)."""
+
+    @abstractmethod
+    def _gone(self, peer: int) -> bool:
+        """The Waiter's peer_gone: whether `peer` provably left (its process exited, its connection
+        is lost)."""
+
+    @abstractmethod
+    def _notice_of(self, call: CallId) -> Callable[[int], AbortNotice | None]:
+        """The Waiter's peer_abort for `call`: the notice a peer sent that it gave up on it."""
+
+    @abstractmethod
+    def _tell_abort(self, culprit: int, how: int, seq: int) -> None:
+        """Send every peer an abort notice: culprit + 1 (0: this rank), 2 kind + rejected, seq."""
+
+    def _progress(self) -> None:
+        """Drive the engine once (take notices, complete transfers); each wait does so between pauses."""
+        return None
+
+    def _misbehaved(self, peer: int) -> str | None:
+        """What `peer` sent outside any message that this rank cannot read, if anything."""
+        return None
+
+    def _taken(self, peer: int, seq: int) -> None:
+        """`peer`'s message of call `seq` was taken."""
+        return None
+
+    def _settle(self, lane: int, call: CallId, waiter: Waiter) -> None:
+        """After every peer's message of `call` on `lane` is in: what the engine waits for before the
+        receive half returns."""
+        return None
+
+    # -- shared -----------------------------------------------------------------------------------
+
+    def _frame(self, slot: Slot) -> Frame | None:
+        """The landed message's frame, checked: out of its lane's bounds (or of the other half), the
+        peer is blamed."""
+        frame = self._landed_frame(slot)
+        if frame is not None and not self._in_bounds(slot, frame):
+            lane, peer, half = slot
+            seq, _, words, nbytes = frame
+            raise PeerDataError(
+                f"rank {peer} framed a message of call #{seq} in half {half} with {words} words "
+                f"and {nbytes} bytes"
+            )
+        return frame
+
+    def _in_bounds(self, slot: Slot, frame: Frame) -> bool:
+        """Whether a frame's sizes fit its lane, and its seq the half it landed in."""
+        limit, (seq, _, words, nbytes) = self._lanes[slot[0]], frame
+        return 0 <= words <= limit.words and 0 <= nbytes <= limit.nbytes and seq % 2 == slot[2]
+
+    def _other_calls(self, lane: int, call: CallId, pending: list[int], other_call) -> None:
+        """A pending peer's landed message of this seq on another lane: `other_call` raises on it."""
+        if other_call is None:
+            return
+        for slot in self._occupied():
+            if slot[0] == lane or slot[1] not in pending or (frame := self._frame(slot)) is None:
+                continue
+            if frame[0] == call.seq:
+                other_call(slot[1], self._contents(slot, frame[2], 0)[0].clone())
 
 
 def mask_lane(num_ranks: int) -> Lane:

@@ -30,27 +30,17 @@ busy-polls: a wait yields, then sleeps (`ubep.waiting.Waiter`).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from ubep.across.fabric.base import (
-    Lane,
-    Message,
-    Outgoing,
-    abort_notice,
-    agree_on_mask,
-    is_this_call,
-    mask_lane,
-    notice_key,
-)
+from ubep.across.fabric.base import Fabric, Frame, Lane, Outgoing, Slot, abort_notice, notice_key
 from ubep.calls import KINDS, CallId
 from ubep.deadlines import PeerPids, collective_deadline
-from ubep.errors import PeerDataError
-from ubep.waiting import AbortNotice, Waiter
+from ubep.waiting import AbortNotice
 
 FRAME = 4  # int64 words before the header: header words, payload bytes, kind, seq (last: it says the
 WORDS, NBYTES, KIND, SEQ = range(FRAME)  # frame has landed)
@@ -85,7 +75,7 @@ class _Inbox:
     waited: bool = False  # its receive was waited on (a second wait would wait for another message)
 
 
-class GlooFabric:
+class GlooFabric(Fabric):
     """One rank's end of the fabric over a gloo group of its own. Collective to build."""
 
     name = "gloo"
@@ -98,29 +88,21 @@ class GlooFabric:
         lanes: Sequence[Lane],
         timeout_s: float,
     ):
-        self.rank, self.num_ranks, self.timeout_s = rank, num_ranks, timeout_s
-        lanes = (*lanes, mask_lane(num_ranks))  # the fabric's own: `mask` rounds
-        self.lanes = {lane.name: i for i, lane in enumerate(lanes)}
-        self._lanes = tuple(lanes)
-        self.live = tuple(range(num_ranks))  # the ranks taking part (all, until some are masked)
-        self._generation = 0  # mask rounds so far
+        super().__init__(rank, num_ranks, lanes, timeout_s)
         ranks = list(range(num_ranks)) if group is None else dist.get_process_group_ranks(group)
         with collective_deadline(group, timeout_s, "Buffer construction (fabric)"):
             self.group = dist.new_group(ranks, timeout=timedelta(seconds=timeout_s), backend="gloo")
             self._pids = PeerPids.gather(self.group, rank, num_ranks)
         self._global = ranks  # group rank -> global rank, for point-to-point calls
-        self.peers = [p for p in range(num_ranks) if p != rank]
         self._inbox = {
             (i, p, h): _Inbox(torch.empty(_bytes_of(lane), dtype=torch.uint8, device="cpu"))
-            for i, lane in enumerate(lanes)
+            for i, lane in enumerate(self._lanes)
             for p in self.peers
             if lane.peers is None or p in lane.peers
             for h in (0, 1)
         }
         self._in_flight: dict[int, list[tuple[int, torch.Tensor, object]]] = {p: [] for p in self.peers}
         self._control = {p: _Inbox(torch.zeros(NOTICE, dtype=torch.int64, device="cpu")) for p in self.peers}
-        self._notices: dict[tuple[int, int, bool], AbortNotice] = {}  # `notice_key` -> its notice
-        self._abandoned: set[int] = set()  # calls this rank gave up on (their messages may be dropped)
         self._closed = False
         for key in self._inbox:
             self._post(key)
@@ -129,9 +111,9 @@ class GlooFabric:
 
     # -- receiving --------------------------------------------------------------------------------
 
-    def _post(self, key: tuple[int, int, int]) -> None:
-        lane, peer, half = key
-        box = self._inbox[key]
+    def _post(self, slot: Slot) -> None:
+        lane, peer, half = slot
+        box = self._inbox[slot]
         box.buffer[8 * SEQ : 8 * (SEQ + 1)].zero_()  # no message yet (a seq is never 0)
         box.waited = False
         try:
@@ -149,18 +131,18 @@ class GlooFabric:
         except RuntimeError:  # the peer closed its end: no notice will come
             box.work = None
 
-    def _frame(self, lane: int, peer: int, half: int) -> tuple[int, int, int, int] | None:
-        """(seq, kind, header words, payload bytes) of the message in an inbox once all of it has landed
-        (its receive then completed), else None. A frame out of the lane's bounds blames the peer."""
-        box = self._inbox[(lane, peer, half)]
+    def _landed_frame(self, slot: Slot) -> Frame | None:
+        """The inbox's frame once all of its message has landed (its receive then completed): the
+        frame's seq is there, and the trailer after the length it says (a frame out of the lane's
+        bounds at once: there is no length to look after)."""
+        box = self._inbox[slot]
         frame = box.buffer[: 8 * FRAME].view(torch.int64)
         seq = int(frame[SEQ])
         if seq == 0:
             return None
         words, nbytes, kind = int(frame[WORDS]), int(frame[NBYTES]), int(frame[KIND])
-        limit = self._lanes[lane]
-        if not (0 <= words <= limit.words and 0 <= nbytes <= limit.nbytes):
-            raise PeerDataError(f"rank {peer} framed a message of {words} words and {nbytes} bytes")
+        if not self._in_bounds(slot, (seq, kind, words, nbytes)):
+            return seq, kind, words, nbytes
         at = 8 * (FRAME + words) + _aligned(nbytes)
         if int(box.buffer[at : at + 8].view(torch.int64)[0]) != _trailer(seq, kind):
             return None  # the frame is here, the rest is still landing
@@ -169,8 +151,21 @@ class GlooFabric:
             box.waited = True
         return seq, kind, words, nbytes
 
-    def _abort_of(self, call: CallId):
-        """Waiter's peer_abort: a notice `peer` sent about this call (seen on its control receive)."""
+    def _contents(self, slot: Slot, words: int, nbytes: int) -> tuple[torch.Tensor, torch.Tensor]:
+        buffer, at = self._inbox[slot].buffer, 8 * (FRAME + words)
+        return buffer[8 * FRAME : at].view(torch.int64), buffer[at : at + nbytes]
+
+    def _drop(self, slot: Slot) -> None:
+        self._post(slot)
+
+    def _occupied(self) -> list[Slot]:
+        return list(self._inbox)
+
+    def _gone(self, peer: int) -> bool:
+        return peer in self._pids.dead()
+
+    def _notice_of(self, call: CallId) -> Callable[[int], AbortNotice | None]:
+        """A notice `peer` sent about this call (seen on its control receive)."""
 
         def notice(peer: int) -> AbortNotice | None:
             box = self._control[peer]
@@ -185,64 +180,11 @@ class GlooFabric:
 
         return notice
 
-    def arrivals(
-        self,
-        lane: str,
-        call: CallId,
-        peers: Iterable[int],
-        phase: str,
-        other_call: Callable[[int, torch.Tensor], None] | None = None,
-    ) -> Iterator[Message]:
-        i, half = self.lanes[lane], call.seq % 2
-        pending = [p for p in peers if p != self.rank]
-        notice = self._abort_of(call)
-        waiter = Waiter(phase, self.timeout_s, lambda p: p in self._pids.dead(), notice)
-        while pending:
-            landed = []
-            for p in pending:
-                while (frame := self._frame(i, p, half)) is not None:
-                    seq, kind, words, nbytes = frame
-                    if not is_this_call(phase, call, p, seq, kind, notice):
-                        self._post((i, p, half))  # an older call's message: dropped
-                        continue
-                    landed.append((p, words, nbytes))
-                    self._retire(p, seq)
-                    break
-            for p, words, nbytes in landed:
-                pending.remove(p)
-                buffer = self._inbox[(i, p, half)].buffer
-                at = 8 * (FRAME + words)
-                header = buffer[8 * FRAME : at].view(torch.int64).clone()  # read once: checked, then used
-                yield Message(p, header, buffer[at : at + nbytes])
-            if pending and not landed:
-                self._other_calls(i, call, pending, other_call)
-                waiter.pause(pending)
-
-    def _other_calls(self, lane: int, call: CallId, pending: list[int], other_call) -> None:
-        """A pending peer's landed message of this seq on another lane: `other_call` raises on it."""
-        if other_call is None:
-            return
-        for (i, p, h), box in self._inbox.items():
-            if (
-                i != lane
-                and p in pending
-                and (frame := self._frame(i, p, h)) is not None
-                and frame[0] == call.seq
-            ):
-                words = frame[2]
-                other_call(p, box.buffer[8 * FRAME : 8 * (FRAME + words)].view(torch.int64).clone())
+    def _taken(self, peer: int, seq: int) -> None:
+        self._retire(peer, seq)
 
     def release(self, lane: str, peer: int, call: CallId) -> None:
         self._post((self.lanes[lane], peer, call.seq % 2))
-
-    def begin(self, call: CallId) -> None:
-        """Before this rank's first message of `call`: every inbox still holding a message of a call this
-        rank gave up on is posted again, so no peer's later message waits behind it. (A message of a
-        call whose receive half is still to come, a low-latency hook, stays.)"""
-        for i, p, h in list(self._inbox):
-            frame = self._frame(i, p, h)
-            if frame is not None and frame[0] in self._abandoned:
-                self._post((i, p, h))
 
     # -- sending ----------------------------------------------------------------------------------
 
@@ -277,25 +219,14 @@ class GlooFabric:
                 keep.append(sent)
         self._in_flight[peer] = keep
 
-    def abort(self, call: CallId, culprit: int | None = None, rejected: bool = False) -> None:
-        self._abandoned.add(call.seq)
-        how = 2 * KINDS[call.kind] + rejected
-        notice = torch.tensor(
-            [0 if culprit is None else culprit + 1, how, call.seq], dtype=torch.int64, device="cpu"
-        )
+    def _tell_abort(self, culprit: int, how: int, seq: int) -> None:
+        notice = torch.tensor([culprit, how, seq], dtype=torch.int64, device="cpu")
         for p in self.peers:
             try:
                 work = dist.isend(notice, dst=self._global[p], group=self.group, tag=CONTROL_TAG)
             except RuntimeError:
                 continue  # a peer already gone: it needs no notice
-            self._in_flight[p].append((call.seq, notice, work))
-
-    # -- membership ---------------------------------------------------------------------------------
-
-    def mask(self, ranks: Iterable[int], seq: int) -> int:
-        self._generation += 1
-        self.live, latest = agree_on_mask(self, ranks, seq, self._generation)
-        return latest
+            self._in_flight[p].append((seq, notice, work))
 
     def close(self) -> None:
         if self._closed:
