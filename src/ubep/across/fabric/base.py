@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from ubep.calls import KINDS, METHODS, CallId
-from ubep.errors import PeerDataError
+from ubep.errors import CommTimeoutError, PeerDataError
 from ubep.waiting import AbortNotice, PeerAbortedError, Waiter
 
 MASK_LANE = "mask"  # every engine's own lane: the rounds of `mask_ranks`
@@ -95,6 +95,7 @@ class Fabric(ABC):
         self._generation = 0  # mask rounds so far
         self._notices: dict[tuple[int, int, bool], AbortNotice] = {}  # `notice_key` -> its notice
         self._abandoned: set[int] = set()  # calls this rank gave up on (their messages are dropped)
+        self._bad: dict[int, str] = {}  # peer -> what it sent outside a message that this rank cannot read
 
     # -- the interface ----------------------------------------------------------------------------
 
@@ -128,22 +129,22 @@ class Fabric(ABC):
             self._progress()
             landed = []
             for p in pending:
-                if (fault := self._misbehaved(p)) is not None:
-                    raise PeerDataError(f"{phase}: rank {p} {fault}")
-                while (frame := self._frame((i, p, half))) is not None:
+                if (fault := self._bad.pop(p, None)) is not None:
+                    raise PeerDataError(f"{phase}: rank {p} {fault}", culprit=p)
+                while (frame := self._frame((i, p, half), phase)) is not None:
                     seq, kind, words, nbytes = frame
                     if not is_this_call(phase, call, p, seq, kind, notice):
                         self._drop((i, p, half))  # an older call's message: dropped
                         continue
                     landed.append((p, words, nbytes))
-                    self._taken(p, seq)
                     break
             for p, words, nbytes in landed:
                 pending.remove(p)
                 header, payload = self._contents((i, p, half), words, nbytes)
                 yield Message(p, header.clone(), payload)  # the header read once: checked, then used
             if pending and not landed:
-                self._other_calls(i, call, pending, other_call)
+                self._other_calls(i, call, pending, phase, other_call)
+                self._check_connections(phase, pending, notice)
                 waiter.pause(pending)
         self._settle(i, call, waiter)
 
@@ -163,7 +164,9 @@ class Fabric(ABC):
 
     def abort(self, call: CallId, culprit: int | None = None, rejected: bool = False) -> None:
         """Tell every peer that this rank gives up on `call`, blaming `culprit` (None: itself;
-        `rejected`: it rejected its own input for the call, before sending anything)."""
+        `rejected`: it rejected its own input for the call, before sending anything). Once a call."""
+        if call.seq in self._abandoned:
+            return
         self._abandoned.add(call.seq)
         self._tell_abort(0 if culprit is None else culprit + 1, 2 * KINDS[call.kind] + rejected, call.seq)
 
@@ -215,13 +218,14 @@ class Fabric(ABC):
         """Drive the engine once (take notices, complete transfers); each wait does so between pauses."""
         return None
 
-    def _misbehaved(self, peer: int) -> str | None:
-        """What `peer` sent outside any message that this rank cannot read, if anything."""
-        return None
+    def _intact(self, slot: Slot) -> bool:
+        """Whether the landed message in `slot` ends where its frame says (engines that can tell)."""
+        return True
 
-    def _taken(self, peer: int, seq: int) -> None:
-        """`peer`'s message of call `seq` was taken."""
-        return None
+    def _lost_peers(self, pending: list[int]) -> tuple[list[int], list[int]]:
+        """(those of `pending` whose connection failed, those of them whose process exited), for engines
+        that name a lost connection at once rather than through `_gone`."""
+        return [], []
 
     def _settle(self, lane: int, call: CallId, waiter: Waiter) -> None:
         """After every peer's message of `call` on `lane` is in: what the engine waits for before the
@@ -230,33 +234,59 @@ class Fabric(ABC):
 
     # -- shared -----------------------------------------------------------------------------------
 
-    def _frame(self, slot: Slot) -> Frame | None:
-        """The landed message's frame, checked: out of its lane's bounds (or of the other half), the
-        peer is blamed."""
+    def _frame(self, slot: Slot, phase: str) -> Frame | None:
+        """The landed message's frame, checked: out of its lane's bounds (or of the other half), or not
+        ending where it says, the inbox is freed for the peer's next message and the peer is blamed."""
         frame = self._landed_frame(slot)
-        if frame is not None and not self._in_bounds(slot, frame):
-            lane, peer, half = slot
-            seq, _, words, nbytes = frame
-            raise PeerDataError(
-                f"rank {peer} framed a message of call #{seq} in half {half} with {words} words "
-                f"and {nbytes} bytes"
+        if frame is None:
+            return None
+        seq, _, words, nbytes = frame
+        if not self._in_bounds(slot, frame):
+            limit = self._lanes[slot[0]]
+            fault = (
+                f"framed a message of call #{seq} in half {slot[2]} with {words} header words and "
+                f"{nbytes} bytes (lane {limit.name!r}: at most {limit.words} and {limit.nbytes})"
             )
-        return frame
+        elif not self._intact(slot):
+            fault = f"sent a message of call #{seq} that does not end where its frame says ({nbytes} bytes)"
+        else:
+            return frame
+        self._drop(slot)
+        raise PeerDataError(f"{phase}: rank {slot[1]} {fault}", culprit=slot[1])
 
     def _in_bounds(self, slot: Slot, frame: Frame) -> bool:
         """Whether a frame's sizes fit its lane, and its seq the half it landed in."""
         limit, (seq, _, words, nbytes) = self._lanes[slot[0]], frame
         return 0 <= words <= limit.words and 0 <= nbytes <= limit.nbytes and seq % 2 == slot[2]
 
-    def _other_calls(self, lane: int, call: CallId, pending: list[int], other_call) -> None:
+    def _other_calls(self, lane: int, call: CallId, pending: list[int], phase: str, other_call) -> None:
         """A pending peer's landed message of this seq on another lane: `other_call` raises on it."""
         if other_call is None:
             return
         for slot in self._occupied():
-            if slot[0] == lane or slot[1] not in pending or (frame := self._frame(slot)) is None:
+            if slot[0] == lane or slot[1] not in pending or (frame := self._frame(slot, phase)) is None:
                 continue
             if frame[0] == call.seq:
                 other_call(slot[1], self._contents(slot, frame[2], 0)[0].clone())
+
+    def _check_connections(self, phase: str, pending: list[int], notice) -> None:
+        """A pending peer whose connection failed is named now: by its abort notice where it sent one
+        first, else as lost (or dead, where its process exited)."""
+        lost, dead = self._lost_peers(pending)
+        for p in lost:
+            if (said := notice(p)) is not None:
+                raise PeerAbortedError(phase, p, said)
+        if lost:
+            raise CommTimeoutError(
+                phase, lost, self.timeout_s, dead, "its connection to this rank closed", lost=not dead
+            )
+
+    def _take_abort(self, peer: int, culprit: int, how: int, seq: int) -> None:
+        """File `peer`'s abort notice (culprit + 1, 2 kind + rejected, seq), its words checked."""
+        if not (0 <= culprit <= self.num_ranks and how // 2 in METHODS and seq > 0):
+            self._bad[peer] = f"sent an abort notice this rank cannot read ({culprit}, {how}, {seq})"
+            return
+        self._notices[notice_key(peer, seq, how // 2)] = abort_notice(culprit - 1, how // 2, how % 2, seq)
 
 
 def mask_lane(num_ranks: int) -> Lane:

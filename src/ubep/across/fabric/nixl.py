@@ -58,7 +58,7 @@ from types import ModuleType
 import torch
 import torch.distributed as dist
 
-from ubep.across.fabric.base import Fabric, Frame, Lane, Outgoing, Slot, abort_notice, notice_key
+from ubep.across.fabric.base import Fabric, Frame, Lane, Outgoing, Slot, notice_key
 from ubep.calls import KINDS, CallId
 from ubep.deadlines import PeerPids, collective_deadline
 from ubep.extras import install_hint
@@ -158,7 +158,6 @@ class NixlFabric(Fabric):
         self._queued: list[_Send] = []  # sent, waiting for their credit
         self._in_flight: list[_Send] = []  # written, not yet complete
         self._failed: list[_Send] = []  # to a lost peer, NIXL would not release them: kept to close
-        self._bad: dict[int, str] = {}  # peer -> what it sent that this rank cannot read
         self._lost: set[int] = set()  # peers NIXL reported disconnected
         self._greeted: set[int] = set()  # peers whose first notice arrived
         self._closed = False
@@ -230,8 +229,7 @@ class NixlFabric(Fabric):
             if (lane, peer, half) in self._there:
                 self._credits.add((lane, peer, half))
         elif tag == b"A" and len(blob) == ABORT.size:
-            _, culprit, how, seq = ABORT.unpack(blob)
-            self._notices[notice_key(peer, seq, how // 2)] = abort_notice(culprit - 1, how // 2, how % 2, seq)
+            self._take_abort(peer, *ABORT.unpack(blob)[1:])
         elif blob == PING:
             self._greeted.add(peer)
         else:
@@ -295,9 +293,6 @@ class NixlFabric(Fabric):
 
     def _notice_of(self, call: CallId) -> Callable[[int], AbortNotice | None]:
         return lambda peer: self._notices.get(notice_key(peer, call.seq, KINDS[call.kind]))
-
-    def _misbehaved(self, peer: int) -> str | None:
-        return self._bad.get(peer)
 
     def _settle(self, lane: int, call: CallId, waiter: Waiter) -> None:
         """Until this rank's own messages of the call are delivered."""
