@@ -18,6 +18,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import signal
+import struct
 import time
 
 import pytest
@@ -247,3 +248,146 @@ def test_a_stopped_rank_resumed_goes_on_and_names_a_peer_that_left(fabric):
     assert resumed == ["none", "none"], resumed  # late, but every row it needed was in
     assert (exact0, exact1) == (AFTER, AFTER), (exact0, exact1)
     assert names(left, 0), left
+
+
+# -- items 8, 9, 10: a hostile peer's message is named, and leaves nothing behind ---------------------
+
+HOSTILE = 1
+
+
+class Tamper:
+    """On the hostile rank: its messages of the next call on `lane` go out altered. "short": the header
+    cut to `value` words; "words", "bytes": the frame says `value` header words or payload bytes;
+    "trailer": the word after the payload does not match the frame (gloo's)."""
+
+    def __init__(self, fabric, lane: str, how: str, value: int):
+        self.fabric, self.lane, self.how, self.value = fabric, lane, how, value
+        self.seq: int | None = None
+        self.cut: dict[int, object] = {}  # the message handed out (by id) -> the one sent in its place
+        self.outbox, self.send = fabric.outbox, fabric.send
+        fabric.outbox, fabric.send = self._outbox, self._send
+        if fabric.name == "nixl":
+            self.initialize_xfer = fabric._agent.initialize_xfer
+            fabric._agent.initialize_xfer = self._initialize_xfer
+
+    def _mine(self, lane: str, seq: int) -> bool:
+        if lane != self.lane or self.seq not in (None, seq):
+            return False
+        self.seq = seq
+        return True
+
+    def _outbox(self, lane, peer, call, words, nbytes):
+        if not self._mine(lane, call.seq) or self.how != "short":
+            return self.outbox(lane, peer, call, words, nbytes)
+        sent = self.outbox(lane, peer, call, self.value, nbytes)
+        handed = type(sent)(torch.zeros(words, dtype=torch.int64), sent.payload, sent.key)
+        self.cut[id(handed)] = sent
+        return handed
+
+    def _send(self, out) -> None:
+        sent = self.cut.pop(id(out), None)
+        if sent is not None:
+            sent.header.copy_(out.header[: sent.header.numel()])
+            out = sent
+        elif self.fabric.name == "gloo" and self.how != "short":
+            (lane, _, seq), buffer = out.key
+            if self._mine(self._lane_name(lane), seq):
+                frame = buffer[:16].view(torch.int64)  # header words, payload bytes
+                if self.how == "trailer":
+                    buffer[-8:].view(torch.int64)[0] ^= 1
+                else:
+                    frame[{"words": 0, "bytes": 1}[self.how]] = self.value
+        self.send(out)
+
+    def _lane_name(self, index: int) -> str:
+        return next(name for name, i in self.fabric.lanes.items() if i == index)
+
+    def _initialize_xfer(self, op, local, remote, agent, frame, *rest, **kw):
+        fields = list(
+            struct.unpack("<cBBqqqq", frame)
+        )  # nixl's MESSAGE: tag, lane, half, seq, kind, words, bytes
+        if self.how in ("words", "bytes") and self._mine(self._lane_name(fields[1]), fields[3]):
+            fields[{"words": 5, "bytes": 6}[self.how]] = self.value
+            frame = struct.pack("<cBBqqqq", *fields)
+        return self.initialize_xfer(op, local, remote, agent, frame, *rest, **kw)
+
+
+def fabric_of(buf: ubep.Buffer):
+    return buf._exchange.fabric
+
+
+def hostile_call(buf: ubep.Buffer, call: str, me: int) -> bool:
+    """One call of kind `call` (a combine after an honest dispatch); True: it completed."""
+    xs, idxs, ws = SC.inputs()
+    if call.startswith("ll"):
+        got = buf.low_latency_dispatch(xs[me], idxs[me], T, E)
+        if call == "ll_combine":
+            buf.low_latency_combine(got.recv_x, idxs[me], ws[me], got.handle)
+        return True
+    got = buf.dispatch(xs[me], topk_idx=idxs[me], topk_weights=ws[me])
+    if call == "combine":
+        buf.combine(got.recv_x, got.handle)
+    return True
+
+
+def hostile_peer(fabric: str, call: str, how: str, value: int) -> tuple[str, int]:
+    """Rank HOSTILE alters its messages of one call; returns (this rank's error in it, exact rounds
+    after it)."""
+    me = dist.get_rank()
+    rounds = Rounds(SC, me)
+    with buffer(fabric, low_latency=call.startswith("ll")) as buf:
+        assert rounds.one(buf)
+        if me == HOSTILE:
+            Tamper(fabric_of(buf), call, how, value)
+        error = attempt(lambda: hostile_call(buf, call, me))
+        return error, rounds.exact(buf)
+
+
+def blames(error: str, rank: int) -> bool:
+    """A ubep error that names `rank` as the one at fault: its data (PeerDataError), or as the culprit
+    another rank passed on (PeerAbortedError)."""
+    if error.startswith("PeerDataError"):
+        return f"rank {rank} " in error
+    return error.startswith("PeerAbortedError") and (
+        f"rank {rank} failed" in error or f"rank {rank} aborted" in error
+    )
+
+
+HOSTILE_CASES = [
+    ("dispatch", "short", 3),  # item 8: fewer words than a call header
+    ("dispatch", "short", 7),  # item 8: the call header alone, no counts
+    ("combine", "short", 3),
+    ("ll_dispatch", "short", 3),
+    ("ll_combine", "short", 7),
+    ("dispatch", "words", -1),  # item 9: a frame outside its lane
+    ("dispatch", "words", 1 << 40),
+    ("combine", "bytes", -8),
+]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("fabric", ENGINES)
+@pytest.mark.parametrize(("call", "how", "value"), HOSTILE_CASES)
+def test_a_hostile_message_is_named_and_the_calls_after_are_exact(fabric, call, how, value):
+    outcomes = ubep.LocalLaunch(world_size=R, timeout_s=100).outcomes(hostile_peer, fabric, call, how, value)
+    check_hostile(outcomes)
+
+
+@pytest.mark.timeout(120)
+def test_a_message_whose_trailer_never_matches_is_named():
+    """Item 10 (gloo: the trailer tells a whole message from one still landing)."""
+    outcomes = ubep.LocalLaunch(world_size=R, timeout_s=100).outcomes(
+        hostile_peer, "gloo", "dispatch", "trailer", 0
+    )
+    check_hostile(outcomes)
+
+
+def check_hostile(outcomes) -> None:
+    for o in outcomes:
+        assert o.ok, f"rank {o.rank}: {o.error}"
+        error, exact = o.result
+        if o.rank == HOSTILE:
+            assert error == "none" or error.startswith(("PeerAbortedError", "PeerDataError")), error
+        else:
+            assert blames(error, HOSTILE), (o.rank, error)
+        assert exact == AFTER, f"rank {o.rank}: {exact} of {AFTER} rounds after the hostile call were exact"

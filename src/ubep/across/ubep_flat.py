@@ -30,8 +30,7 @@ from dataclasses import astuple
 
 import torch
 
-from ubep.across.call_header import NONE, WORDS, CallHeader, check_peer, other_call_check
-from ubep.across.call_header import phase as header_phase
+from ubep.across.call_header import NONE, WORDS, CallHeader, check_message, other_call_check
 from ubep.across.fabric.base import Fabric, Lane, Message
 from ubep.calls import CallId
 from ubep.engine import Engine
@@ -168,7 +167,7 @@ class UbepFabric:
         """(row count, routing [n, 1 + 2K] or None, rows [n, X]) of a landed message,
         checked: the peer's call, its counts, its routing's bounds. A bad one blames the peer."""
         peer, h, T = msg.peer, msg.header, self.sizing.capacity
-        check_peer(header_phase(call), self.me, mine, peer, h[:WORDS])
+        check_message(call, self.me, mine, peer, h, WORDS + 2)
         count, sent = int(h[COUNT]), int(h[TOKENS])
         if not 0 <= sent <= T or not 0 <= count <= sent:
             raise self._bad(
@@ -275,7 +274,7 @@ class UbepFabric:
             "combine", call, self._peers(), "combine", other_call_check(call, self.me, mine)
         ):
             peer = msg.peer
-            check_peer(header_phase(call), self.me, mine, peer, msg.header[:WORDS])
+            check_message(call, self.me, mine, peer, msg.header, WORDS + 1)
             count, want = int(msg.header[COUNT]), int(handle.send_counts_R[peer])
             row_bytes = H * dtype.itemsize
             if count != want or msg.payload.numel() != count * (row_bytes + 4 * K):

@@ -33,8 +33,7 @@ from dataclasses import astuple
 
 import torch
 
-from ubep.across.call_header import NONE, WORDS, CallHeader, check_peer, other_call_check
-from ubep.across.call_header import phase as header_phase
+from ubep.across.call_header import NONE, WORDS, CallHeader, check_message, other_call_check
 from ubep.across.collectives.bsp_hier import HierExchange, HierRoute, as_bytes, columns, in_node
 from ubep.across.fabric.base import Fabric, Lane, Message
 from ubep.calls import CallId
@@ -202,9 +201,9 @@ class HierFabric(HierExchange):
     def _landed(self, lane: str, call: CallId, mine: torch.Tensor):
         """Each rail peer's message of `call` on `lane` as it lands, its call header checked."""
         peers = [p for _, p in self._rail_peers()]
-        where, differ = header_phase(call), other_call_check(call, self.me, mine)
+        differ = other_call_check(call, self.me, mine)
         for msg in self.fabric.arrivals(lane, call, peers, f"{call.kind} (across nodes)", differ):
-            check_peer(where, self.me, mine, msg.peer, msg.header[:WORDS])
+            check_message(call, self.me, mine, msg.peer, msg.header, WORDS + 1)
             yield msg
 
     def _count(self, call: CallId, msg: Message, most: int, row_bytes: int) -> int:
