@@ -39,14 +39,16 @@ AFTER = 50  # exact rounds asked for after the faults
 RAW = ("Timed out", "Connection closed", "pair closure", "Connection reset", "Socket")  # gloo's own words
 
 
-def buffer(fabric: str, num_experts: int = E, low_latency: bool = False) -> ubep.Buffer:
+def buffer(
+    fabric: str, num_experts: int = E, low_latency: bool = False, transport: str = "dist"
+) -> ubep.Buffer:
     if fabric == "nixl":
         os.environ["UCX_TLS"] = "tcp"  # as between hosts
     return ubep.Buffer(
         hidden=H,
         num_experts=num_experts,
         max_tokens_per_rank=T,
-        transport="dist",
+        transport=transport,
         fabric=fabric,
         timeout_s=TIMEOUT_S,
         low_latency=low_latency,
@@ -258,7 +260,8 @@ HOSTILE = 1
 class Tamper:
     """On the hostile rank: its messages of the next call on `lane` go out altered. "short": the header
     cut to `value` words; "words", "bytes": the frame says `value` header words or payload bytes;
-    "trailer": the word after the payload does not match the frame (gloo's)."""
+    "trailer": the word after the payload does not match the frame (gloo's); "token", "expert": hier's
+    first crossing row names source token or expert `value`."""
 
     def __init__(self, fabric, lane: str, how: str, value: int):
         self.fabric, self.lane, self.how, self.value = fabric, lane, how, value
@@ -289,23 +292,28 @@ class Tamper:
         if sent is not None:
             sent.header.copy_(out.header[: sent.header.numel()])
             out = sent
-        elif self.fabric.name == "gloo" and self.how != "short":
-            (lane, _, seq), buffer = out.key
-            if self._mine(self._lane_name(lane), seq):
-                frame = buffer[:16].view(torch.int64)  # header words, payload bytes
-                if self.how == "trailer":
-                    buffer[-8:].view(torch.int64)[0] ^= 1
-                else:
-                    frame[{"words": 0, "bytes": 1}[self.how]] = self.value
+        elif self._mine(*self._lane_and_seq(out)):
+            meta = 8 + 12 * HIER.topk  # a hier row's routing: source token, top-k ids, weights
+            if self.how in ("token", "expert") and out.payload.numel() >= meta:
+                out.payload[:meta].view(torch.int64)[0 if self.how == "token" else 1] = self.value
+            elif self.fabric.name == "gloo" and self.how == "trailer":
+                out.key[1][-8:].view(torch.int64)[0] ^= 1
+            elif self.fabric.name == "gloo" and self.how in ("words", "bytes"):
+                out.key[1][:16].view(torch.int64)[{"words": 0, "bytes": 1}[self.how]] = self.value
         self.send(out)
+
+    def _lane_and_seq(self, out) -> tuple[str, int]:
+        """(lane, call) of a message, as each engine keeps them."""
+        if self.fabric.name == "gloo":
+            (lane, _, seq), _ = out.key
+            return self._lane_name(lane), seq
+        return self._lane_name(out.key.lane), out.key.seq
 
     def _lane_name(self, index: int) -> str:
         return next(name for name, i in self.fabric.lanes.items() if i == index)
 
     def _initialize_xfer(self, op, local, remote, agent, frame, *rest, **kw):
-        fields = list(
-            struct.unpack("<cBBqqqq", frame)
-        )  # nixl's MESSAGE: tag, lane, half, seq, kind, words, bytes
+        fields = list(struct.unpack("<cBBqqqq", frame))  # tag, lane, half, seq, kind, words, bytes
         if self.how in ("words", "bytes") and self._mine(self._lane_name(fields[1]), fields[3]):
             fields[{"words": 5, "bytes": 6}[self.how]] = self.value
             frame = struct.pack("<cBBqqqq", *fields)
@@ -391,3 +399,66 @@ def check_hostile(outcomes) -> None:
         else:
             assert blames(error, HOSTILE), (o.rank, error)
         assert exact == AFTER, f"rank {o.rank}: {exact} of {AFTER} rounds after the hostile call were exact"
+
+
+# -- items 8, 11, 12 across a rail (hier: two nodes of two ranks; rails (0, 2) and (1, 3)) -------------
+
+HIER = Scenario(
+    name="hier-faults", num_ranks=4, num_experts=8, hidden=H, topk=2, tokens=(8,) * 4, capacity=T, seed=2
+)
+RAIL_PEER = 3  # rank HOSTILE's rail peer, the one that reads its rows
+
+
+def hostile_rail_peer(fabric: str, how: str, value: int) -> tuple[str, int]:
+    """Rank HOSTILE alters its rail message of one dispatch ("short", "token", "expert"), or makes its
+    combine in float32 where every other rank's is bfloat16 ("dtype"). Returns (this rank's error in
+    that call, exact rounds after)."""
+    me = dist.get_rank()
+    rounds = Rounds(HIER, me)
+    with buffer(fabric, num_experts=HIER.num_experts, transport="hier") as buf:
+        assert rounds.one(buf)
+        if me == HOSTILE and how != "dtype":
+            Tamper(fabric_of(buf), "hier_dispatch", how, value)
+
+        def call() -> bool:
+            got = buf.dispatch(rounds.x, topk_idx=rounds.idx, topk_weights=rounds.w)
+            if how == "dtype":
+                y = got.recv_x.float() if me == HOSTILE else got.recv_x
+                buf.combine(y, got.handle)
+            return True
+
+        error = attempt(call)
+        return error, rounds.exact(buf)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("fabric", ENGINES)
+@pytest.mark.parametrize(("how", "value"), [("short", 3), ("token", T + 5), ("token", -2), ("expert", 8 + 3)])
+def test_a_hostile_rail_message_is_named_by_its_reader(fabric, how, value):
+    """Items 8 and 11: the rail peer that reads the message names the sender (before relaying a row of
+    it); the node peers it told give up too; 50 rounds after are exact."""
+    launch = ubep.LocalLaunch(world_size=4, ranks_per_node=2, timeout_s=100)
+    outcomes = launch.outcomes(hostile_rail_peer, fabric, how, value)
+    for o in outcomes:
+        assert o.ok, f"rank {o.rank}: {o.error}"
+        error, exact = o.result
+        assert error == "none" or error.startswith(("PeerAbortedError", "PeerDataError")), (o.rank, error)
+        assert exact == AFTER, f"rank {o.rank}: {exact} of {AFTER} rounds after the hostile call were exact"
+    error = outcomes[RAIL_PEER].result[0]
+    assert error.startswith("PeerDataError") and f"rank {HOSTILE} " in error, error
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("fabric", ENGINES)
+def test_a_combine_of_another_dtype_is_blamed_on_its_rank_across_the_forwarder(fabric):
+    """Item 12: rank 1's combine is float32. Rank 0 (its node peer) and rank 3 (its rail peer) see it;
+    rank 2 hears of it from rank 0, across the rail, and must name rank 1, not rank 0."""
+    launch = ubep.LocalLaunch(world_size=4, ranks_per_node=2, timeout_s=100)
+    outcomes = launch.outcomes(hostile_rail_peer, fabric, "dtype", 0)
+    for o in outcomes:
+        assert o.ok, f"rank {o.rank}: {o.error}"
+        error, exact = o.result
+        assert error.startswith(("PeerAbortedError", "PeerDataError")), (o.rank, error)
+        if o.rank != HOSTILE:
+            assert f"rank {HOSTILE} " in error or f"rank(s) {HOSTILE} " in error, (o.rank, error)
+        assert exact == AFTER, f"rank {o.rank}: {exact} of {AFTER} rounds after were exact"

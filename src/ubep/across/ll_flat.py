@@ -218,7 +218,7 @@ class LLFabric:
     def _bad(self, call: CallId, culprit: int, message: str) -> PeerDataError:
         self.fabric.abort(call, culprit)
         self._aborted = call.seq
-        return PeerDataError(message)
+        return PeerDataError(message, culprit=culprit)
 
     def _give_up(self, call: CallId, error: UbepError) -> None:
         self._abort(call, blame_of(error), rejected=False)

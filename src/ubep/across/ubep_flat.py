@@ -291,7 +291,7 @@ class UbepFabric:
         """Blame `culprit` for a value that failed a check: every peer learns it at once."""
         self.fabric.abort(call, culprit)
         self._aborted = call.seq
-        return PeerDataError(message)
+        return PeerDataError(message, culprit=culprit)
 
     def _give_up(self, call: CallId, error: UbepError) -> None:
         """This rank leaves `call` on `error`: tell the peers (passing on the blame), once."""

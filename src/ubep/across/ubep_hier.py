@@ -140,11 +140,8 @@ class HierFabric(HierExchange):
             nonlocal at, turn
             while turn < G and (turn == self.slot or turn in landed):
                 if turn != self.slot:
-                    n, meta_nB, rows_nX = landed.pop(turn)
-                    token_n, idx_nK, w_nK = columns(
-                        meta_nB, [(torch.int64, 1), (torch.int64, K), (torch.float32, K)]
-                    )
-                    ids[at : at + n, 0], ids[at : at + n, 1] = self.rail[turn], token_n[:, 0]
+                    n, (token_n, idx_nK, w_nK), rows_nX = landed.pop(turn)
+                    ids[at : at + n, 0], ids[at : at + n, 1] = self.rail[turn], token_n
                     topk[at : at + n, :K], weights[at : at + n, :K] = idx_nK, w_nK
                     self.engine.copy_rows(rows_nX, None, rows(fwd_FX, n, x_NX.dtype, H, first=at), None)
                     relay_G[turn] = n
@@ -156,8 +153,8 @@ class HierFabric(HierExchange):
         for msg in self._landed("hier_dispatch", call, mine):
             slot = self.rail.index(msg.peer)
             n = self._count(call, msg, T, meta + H * x_NX.element_size())
-            meta_nB = msg.payload[: n * meta].view(n, meta)
-            landed[slot] = (n, meta_nB, msg.payload[n * meta :].view(x_NX.dtype).view(n, H))
+            routing = self._routing(call, msg.peer, msg.payload[: n * meta].view(n, meta), K)
+            landed[slot] = (n, routing, msg.payload[n * meta :].view(x_NX.dtype).view(n, H))
             place_ready()
         place_ready()
         F = at + own_O.numel()
@@ -168,6 +165,18 @@ class HierFabric(HierExchange):
         t.publish(b.route, call, {"count": F, "dtype": code, "topk": K})
         t.publish(b.data, call, {"count": F, "dtype": code})  # rows visible
         return relay_G
+
+    def _routing(self, call: CallId, peer: int, meta_nB: torch.Tensor, K: int):
+        """(source token [n], global top-k ids [n, K], weights [n, K]) of a rail peer's rows, copied out
+        of its message and checked before any is relayed: a token outside [0, T) or an expert id outside
+        [-1, E) blames the peer (its node peers would read them in this rank's forward set)."""
+        token_n1, idx_nK, w_nK = columns(meta_nB, [(torch.int64, 1), (torch.int64, K), (torch.float32, K)])
+        T, E = self.sizing.capacity, self.sizing.placement.num_experts
+        if token_n1.numel() and (token_n1.min() < 0 or token_n1.max() >= T):
+            raise self._bad(call, peer, f"dispatch: rank {peer} sent source tokens outside [0, {T})")
+        if idx_nK.numel() and (idx_nK.min() < -1 or idx_nK.max() >= E):
+            raise self._bad(call, peer, f"dispatch: rank {peer} sent expert ids outside [-1, {E})")
+        return token_n1[:, 0], idx_nK, w_nK
 
     def _dispatch_cached_over_fabric(self, call, plan: SendPlan, x_NX, handle: DispatchHandle) -> Received:
         """The same rows cross and fan out again, x only: the routing is in the handle, so each rail
@@ -280,7 +289,7 @@ class HierFabric(HierExchange):
         """Blame rail peer `culprit`: the node peers (through the heap) and the rail peers learn it."""
         self._tell(call, culprit, rejected=False)
         self.t.abort(call)
-        return PeerDataError(message)
+        return PeerDataError(message, culprit=culprit)
 
     def _give_up(self, call: CallId, error: UbepError) -> None:
         """This rank leaves `call` on `error`: its node peers and rail peers learn it (blame passed on)."""
