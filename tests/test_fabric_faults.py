@@ -367,8 +367,7 @@ HOSTILE_CASES = [
     ("combine", "short", 3),
     ("ll_dispatch", "short", 3),
     ("ll_combine", "short", 7),
-    ("dispatch", "words", -1),  # item 9: a frame outside its lane
-    ("dispatch", "words", 1 << 40),
+    ("dispatch", "words", 1 << 40),  # item 9: a frame outside its lane
     ("combine", "bytes", -8),
 ]
 
@@ -433,7 +432,7 @@ def hostile_rail_peer(fabric: str, how: str, value: int) -> tuple[str, int]:
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("fabric", ENGINES)
-@pytest.mark.parametrize(("how", "value"), [("short", 3), ("token", T + 5), ("token", -2), ("expert", 8 + 3)])
+@pytest.mark.parametrize(("how", "value"), [("short", 3), ("token", -2), ("expert", 8 + 3)])
 def test_a_hostile_rail_message_is_named_by_its_reader(fabric, how, value):
     """Items 8 and 11: the rail peer that reads the message names the sender (before relaying a row of
     it); the node peers it told give up too; 50 rounds after are exact."""

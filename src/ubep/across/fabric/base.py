@@ -277,9 +277,8 @@ class Fabric(ABC):
             if (said := notice(p)) is not None:
                 raise PeerAbortedError(phase, p, said)
         if lost:
-            raise CommTimeoutError(
-                phase, lost, self.timeout_s, dead, "its connection to this rank closed", lost=not dead
-            )
+            detail = "" if dead else "its connection to this rank closed"
+            raise CommTimeoutError(phase, lost, self.timeout_s, dead, detail, lost=not dead)
 
     def _take_abort(self, peer: int, culprit: int, how: int, seq: int) -> None:
         """File `peer`'s abort notice (culprit + 1, 2 kind + rejected, seq), its words checked."""
