@@ -20,6 +20,7 @@ import os
 import signal
 import struct
 import time
+from dataclasses import astuple
 
 import pytest
 import torch
@@ -28,6 +29,10 @@ from scenarios import Scenario, expert_output
 
 import ubep
 from ubep import reference
+from ubep.across.call_header import WORDS, CallHeader, check_message
+from ubep.across.fabric.base import Message, Outgoing, agree_on_mask
+from ubep.calls import CallId
+from ubep.errors import PeerDataError
 
 HAS_NIXL = any(importlib.util.find_spec(name) for name in ("nixl", "nixl_cu12", "nixl_cu13"))
 NO_NIXL = pytest.mark.skipif(not HAS_NIXL, reason="NIXL is not installed")
@@ -461,3 +466,46 @@ def test_a_combine_of_another_dtype_is_blamed_on_its_rank_across_the_forwarder(f
         if o.rank != HOSTILE:
             assert f"rank {HOSTILE} " in error or f"rank(s) {HOSTILE} " in error, (o.rank, error)
         assert exact == AFTER, f"rank {o.rank}: {exact} of {AFTER} rounds after were exact"
+
+
+# -- without processes: the checks themselves ---------------------------------------------------------
+
+
+class OnePeer:
+    """A fabric of two ranks whose peer (rank 1) sends one message, `header`, on every lane."""
+
+    name, rank, num_ranks = "one-peer", 0, 2
+
+    def __init__(self, header: list[int]):
+        self.header = torch.tensor(header, dtype=torch.int64)
+
+    def outbox(self, lane, peer, call, words, nbytes) -> Outgoing:
+        return Outgoing(torch.empty(words, dtype=torch.int64), torch.empty(nbytes, dtype=torch.uint8), None)
+
+    def send(self, out: Outgoing) -> None:
+        pass
+
+    def arrivals(self, lane, call, peers, phase, other_call=None):
+        yield Message(1, self.header.clone(), torch.empty(0, dtype=torch.uint8))
+
+    def release(self, lane, peer, call) -> None:
+        pass
+
+
+@pytest.mark.parametrize("header", [[5], [5, 0, 0, 7], [-1, 0, 0], [5, 0, 2]])
+def test_a_mask_round_that_is_not_a_call_and_flags_names_its_sender(header):
+    with pytest.raises(PeerDataError, match="mask_ranks: rank 1 sent") as raised:
+        agree_on_mask(OnePeer(header), [], 5, 1)
+    assert raised.value.culprit == 1
+    assert agree_on_mask(OnePeer([7, 0, 0]), [], 5, 1) == ((0, 1), 7)  # an honest one: resume after 7
+
+
+@pytest.mark.parametrize("words", [0, 3, WORDS, WORDS + 2])
+def test_a_message_header_of_the_wrong_length_names_its_sender(words):
+    call = CallId(3, 2, "dispatch")
+    mine = torch.tensor(astuple(CallHeader.of(call)), dtype=torch.int64)
+    theirs = torch.cat([mine, torch.zeros(2, dtype=torch.int64)])[:words]
+    with pytest.raises(PeerDataError, match=f"rank 1 sent a message of {words} header words") as raised:
+        check_message(call, 0, mine, 1, theirs, WORDS + 1)
+    assert raised.value.culprit == 1
+    check_message(call, 0, mine, 1, torch.cat([mine, torch.zeros(1, dtype=torch.int64)]), WORDS + 1)

@@ -81,7 +81,7 @@ class Fabric(ABC):
     What every engine shares is here, once: the wait for a call's messages (`arrivals`), the check of
     each frame against its lane, dropping a message of a call this rank gave up on, and the mask
     rounds. An engine says how a message is put (`outbox`, `send`, `abort`'s notice) and how one is
-    seen to land, through the hooks below (`_frame`, `_contents`, `_drop`, ...)."""
+    seen to land, through the hooks below (`_landed_frame`, `_contents`, `_drop`, ...)."""
 
     name: str
 
@@ -195,7 +195,7 @@ class Fabric(ABC):
 
     @abstractmethod
     def _drop(self, slot: Slot) -> None:
-        """Free `slot` for its peer's next message, the one in it unread (an older call's)."""
+        """Free `slot` for its peer's next message, the one in it unread (an older call's, or a bad one)."""
 
     @abstractmethod
     def _occupied(self) -> Iterable[Slot]:
@@ -312,6 +312,10 @@ def agree_on_mask(
     latest = seq
     for msg in fabric.arrivals(MASK_LANE, call, stay, "mask_ranks"):
         theirs = msg.header
+        flags_ok = theirs.numel() == mine.numel() and bool(((theirs[1:] == 0) | (theirs[1:] == 1)).all())
+        if not flags_ok or theirs[0] < 0:
+            said = f"sent {theirs.numel()} words, not a call and {fabric.num_ranks} flags of 0 or 1"
+            raise PeerDataError(f"mask_ranks: rank {msg.peer} {said}", culprit=msg.peer)
         if not torch.equal(theirs[1:], mine[1:]):
             masked = [r for r in range(fabric.num_ranks) if theirs[1 + r]]
             said = f"masks ranks {masked}, this rank {sorted(gone)}"

@@ -37,7 +37,7 @@ a group of its own (so its tags meet no collective of the Buffer's group).
 
 What it can tell of failures: a peer on this host that died is named at once
 (its process is gone); a peer whose connection closed (it left, or died
-elsewhere) as soon as gloo says so; any other silent peer, stopped or dead, at
+elsewhere) once a gloo call on that connection fails; any other silent peer, stopped or dead, at
 the deadline (a receive that never lands cannot be told from one that is late).
 gloo's own errors never reach the caller: a call on a connection that failed
 marks its peer lost, and the wait names it. Nothing here busy-polls: a wait
@@ -118,9 +118,8 @@ class GlooFabric(Fabric):
             self.group = dist.new_group(ranks, timeout=timedelta(seconds=timeout_s), backend="gloo")
             self._pids = PeerPids.gather(self.group, rank, num_ranks)
         self._global = ranks  # group rank -> global rank, for point-to-point calls
-        self._seq_at = (
-            HEAD + 2 * len(self._lanes) + 1
-        )  # the frame's last word: the acknowledgements before it
+        # The frame's last word, its seq: the acknowledgements (per lane and half, then notices) before it.
+        self._seq_at = HEAD + 2 * len(self._lanes) + 1
         self._inbox = {
             (i, p, h): _Inbox(torch.empty(self._inbox_bytes(lane), dtype=torch.uint8, device="cpu"))
             for i, lane in enumerate(self._lanes)
