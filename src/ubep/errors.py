@@ -79,7 +79,13 @@ class ConfigMismatchError(UbepError):
 
 
 class PeerDataError(UbepError):
-    """A peer published a value that fails the receiver's bounds checks."""
+    """A peer published a value that fails the receiver's bounds checks; `culprit` is that peer where
+    one rank is to blame (None: the ranks' calls differ, or the writer is not known), passed on to the
+    other peers when this rank gives up on the call."""
+
+    def __init__(self, message: str, culprit: int | None = None):
+        super().__init__(message)
+        self.culprit = culprit
 
 
 class MaskedOutError(UbepError):

@@ -126,6 +126,7 @@ def every_item(transport: str) -> dict[str, object]:
         max_topk=MAX_TOPK,
         transport=transport,
         timeout_s=TIMEOUT_S,
+        low_latency=True,  # item 7's calls
     ) as buf:
         for name, run in (
             ("weights at odd hidden", lambda: combine_with_weights(buf, me, 0)),

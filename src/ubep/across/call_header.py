@@ -124,9 +124,29 @@ class CallHeaders:
 
 def check_peer(where: str, me: int, mine: torch.Tensor, peer: int, theirs: torch.Tensor) -> None:
     """`check` of one peer's header (int64 [WORDS]) against this rank's, the rows in rank order, so
-    that every rank words a difference alike (a message-based path sees one peer at a time)."""
+    that every rank words a difference alike (a message-based path sees one peer at a time). A
+    header too short to hold a call header blames the peer."""
+    if theirs.numel() != WORDS:
+        raise PeerDataError(
+            f"{where}: rank {peer} sent {theirs.numel()} call header words, a call header has {WORDS}",
+            culprit=peer,
+        )
     rows, names = ((mine, theirs), (me, peer)) if me < peer else ((theirs, mine), (peer, me))
     check(torch.stack(rows), where, names)
+
+
+def check_message(
+    call: CallId, me: int, mine: torch.Tensor, peer: int, header: torch.Tensor, words: int
+) -> None:
+    """A landed message's header words (int64), checked before any is used: exactly `words` of them
+    (the protocol's: the call header, then its counts), the call header as `check_peer` holds it."""
+    if header.numel() != words:
+        raise PeerDataError(
+            f"{phase(call)}: rank {peer} sent a message of {header.numel()} header words, this "
+            f"call's carry {words}",
+            culprit=peer,
+        )
+    check_peer(phase(call), me, mine, peer, header[:WORDS])
 
 
 def phase(call: CallId) -> str:

@@ -24,8 +24,7 @@ from dataclasses import astuple
 
 import torch
 
-from ubep.across.call_header import WORDS, CallHeader, check_peer, other_call_check
-from ubep.across.call_header import phase as header_phase
+from ubep.across.call_header import WORDS, CallHeader, check_message, other_call_check
 from ubep.across.fabric.base import Fabric, Lane
 from ubep.calls import CallId
 from ubep.engine import Engine
@@ -147,9 +146,9 @@ class LLFabric(LowLatencyExchange):
         """(counts [L], rows uint8 [n, B], (token, k) int64 [n, 2]) of a landed dispatch message,
         checked: the peer's call, its counts, its sizes, its tokens' bounds (read once)."""
         peer, h, K = msg.peer, msg.header, self.sizing.max_topk
-        check_peer(header_phase(call), self.me, mine, peer, h[:WORDS])
-        counts_L = h[WORDS : WORDS + self.L].clone()
-        if counts_L.numel() != self.L or counts_L.min() < 0 or counts_L.max() > T:
+        check_message(call, self.me, mine, peer, h, WORDS + self.L)
+        counts_L = h[WORDS:]
+        if counts_L.min() < 0 or counts_L.max() > T:
             said = f"announced pair counts {counts_L.tolist()}, each must lie in [0, {T}]"
             raise self._bad(call, peer, f"low-latency dispatch: rank {peer} {said}")
         n = int(counts_L.sum())
@@ -202,7 +201,7 @@ class LLFabric(LowLatencyExchange):
             phase, differ = "low-latency combine", other_call_check(call, self.me, mine)
             for msg in self.fabric.arrivals("ll_combine", call, self._peers(), phase, differ):
                 peer = msg.peer
-                check_peer(header_phase(call), self.me, mine, peer, msg.header[:WORDS])
+                check_message(call, self.me, mine, peer, msg.header, WORDS + 1)
                 count = int(msg.header[WORDS])
                 if count != expected[peer] or msg.payload.numel() != count * B:
                     said = f"returned {count} rows, expected {expected[peer]}"
@@ -219,7 +218,7 @@ class LLFabric(LowLatencyExchange):
     def _bad(self, call: CallId, culprit: int, message: str) -> PeerDataError:
         self.fabric.abort(call, culprit)
         self._aborted = call.seq
-        return PeerDataError(message)
+        return PeerDataError(message, culprit=culprit)
 
     def _give_up(self, call: CallId, error: UbepError) -> None:
         self._abort(call, blame_of(error), rejected=False)

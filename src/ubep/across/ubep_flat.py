@@ -30,8 +30,7 @@ from dataclasses import astuple
 
 import torch
 
-from ubep.across.call_header import NONE, WORDS, CallHeader, check_peer, other_call_check
-from ubep.across.call_header import phase as header_phase
+from ubep.across.call_header import NONE, WORDS, CallHeader, check_message, other_call_check
 from ubep.across.fabric.base import Fabric, Lane, Message
 from ubep.calls import CallId
 from ubep.engine import Engine
@@ -164,7 +163,7 @@ class UbepFabric(Exchange):
         """(row count, routing [n, 1 + 2K] or None, rows [n, X]) of a landed message,
         checked: the peer's call, its counts, its routing's bounds. A bad one blames the peer."""
         peer, h, T = msg.peer, msg.header, self.sizing.capacity
-        check_peer(header_phase(call), self.me, mine, peer, h[:WORDS])
+        check_message(call, self.me, mine, peer, h, WORDS + 2)
         count, sent = int(h[COUNT]), int(h[TOKENS])
         if not 0 <= sent <= T or not 0 <= count <= sent:
             raise self._bad(
@@ -271,7 +270,7 @@ class UbepFabric(Exchange):
             "combine", call, self._peers(), "combine", other_call_check(call, self.me, mine)
         ):
             peer = msg.peer
-            check_peer(header_phase(call), self.me, mine, peer, msg.header[:WORDS])
+            check_message(call, self.me, mine, peer, msg.header, WORDS + 1)
             count, want = int(msg.header[COUNT]), int(handle.send_counts_R[peer])
             row_bytes = H * dtype.itemsize
             if count != want or msg.payload.numel() != count * (row_bytes + 4 * K):
@@ -288,7 +287,7 @@ class UbepFabric(Exchange):
         """Blame `culprit` for a value that failed a check: every peer learns it at once."""
         self.fabric.abort(call, culprit)
         self._aborted = call.seq
-        return PeerDataError(message)
+        return PeerDataError(message, culprit=culprit)
 
     def _give_up(self, call: CallId, error: UbepError) -> None:
         """This rank leaves `call` on `error`: tell the peers (passing on the blame), once."""

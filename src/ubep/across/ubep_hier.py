@@ -33,8 +33,7 @@ from dataclasses import astuple
 
 import torch
 
-from ubep.across.call_header import NONE, WORDS, CallHeader, check_peer, other_call_check
-from ubep.across.call_header import phase as header_phase
+from ubep.across.call_header import NONE, WORDS, CallHeader, check_message, other_call_check
 from ubep.across.collectives.bsp_hier import HierExchange, HierRoute, as_bytes, columns, in_node
 from ubep.across.fabric.base import Fabric, Lane, Message
 from ubep.calls import CallId
@@ -141,11 +140,8 @@ class HierFabric(HierExchange):
             nonlocal at, turn
             while turn < G and (turn == self.slot or turn in landed):
                 if turn != self.slot:
-                    n, meta_nB, rows_nX = landed.pop(turn)
-                    token_n, idx_nK, w_nK = columns(
-                        meta_nB, [(torch.int64, 1), (torch.int64, K), (torch.float32, K)]
-                    )
-                    ids[at : at + n, 0], ids[at : at + n, 1] = self.rail[turn], token_n[:, 0]
+                    n, (token_n, idx_nK, w_nK), rows_nX = landed.pop(turn)
+                    ids[at : at + n, 0], ids[at : at + n, 1] = self.rail[turn], token_n
                     topk[at : at + n, :K], weights[at : at + n, :K] = idx_nK, w_nK
                     self.engine.copy_rows(rows_nX, None, rows(fwd_FX, n, x_NX.dtype, H, first=at), None)
                     relay_G[turn] = n
@@ -157,8 +153,8 @@ class HierFabric(HierExchange):
         for msg in self._landed("hier_dispatch", call, mine):
             slot = self.rail.index(msg.peer)
             n = self._count(call, msg, T, meta + H * x_NX.element_size())
-            meta_nB = msg.payload[: n * meta].view(n, meta)
-            landed[slot] = (n, meta_nB, msg.payload[n * meta :].view(x_NX.dtype).view(n, H))
+            routing = self._routing(call, msg.peer, msg.payload[: n * meta].view(n, meta), K)
+            landed[slot] = (n, routing, msg.payload[n * meta :].view(x_NX.dtype).view(n, H))
             place_ready()
         place_ready()
         F = at + own_O.numel()
@@ -169,6 +165,18 @@ class HierFabric(HierExchange):
         t.publish(b.route, call, {"count": F, "dtype": code, "topk": K})
         t.publish(b.data, call, {"count": F, "dtype": code})  # rows visible
         return relay_G
+
+    def _routing(self, call: CallId, peer: int, meta_nB: torch.Tensor, K: int):
+        """(source token [n], global top-k ids [n, K], weights [n, K]) of a rail peer's rows, copied out
+        of its message and checked before any is relayed: a token outside [0, T) or an expert id outside
+        [-1, E) blames the peer (its node peers would read them in this rank's forward set)."""
+        token_n1, idx_nK, w_nK = columns(meta_nB, [(torch.int64, 1), (torch.int64, K), (torch.float32, K)])
+        T, E = self.sizing.capacity, self.sizing.placement.num_experts
+        if token_n1.numel() and (token_n1.min() < 0 or token_n1.max() >= T):
+            raise self._bad(call, peer, f"dispatch: rank {peer} sent source tokens outside [0, {T})")
+        if idx_nK.numel() and (idx_nK.min() < -1 or idx_nK.max() >= E):
+            raise self._bad(call, peer, f"dispatch: rank {peer} sent expert ids outside [-1, {E})")
+        return token_n1[:, 0], idx_nK, w_nK
 
     def _dispatch_cached_over_fabric(self, call, plan: SendPlan, x_NX, handle: DispatchHandle) -> Received:
         """The same rows cross and fan out again, x only: the routing is in the handle, so each rail
@@ -202,9 +210,9 @@ class HierFabric(HierExchange):
     def _landed(self, lane: str, call: CallId, mine: torch.Tensor):
         """Each rail peer's message of `call` on `lane` as it lands, its call header checked."""
         peers = [p for _, p in self._rail_peers()]
-        where, differ = header_phase(call), other_call_check(call, self.me, mine)
+        differ = other_call_check(call, self.me, mine)
         for msg in self.fabric.arrivals(lane, call, peers, f"{call.kind} (across nodes)", differ):
-            check_peer(where, self.me, mine, msg.peer, msg.header[:WORDS])
+            check_message(call, self.me, mine, msg.peer, msg.header, WORDS + 1)
             yield msg
 
     def _count(self, call: CallId, msg: Message, most: int, row_bytes: int) -> int:
@@ -281,7 +289,7 @@ class HierFabric(HierExchange):
         """Blame rail peer `culprit`: the node peers (through the heap) and the rail peers learn it."""
         self._tell(call, culprit, rejected=False)
         self.t.abort(call)
-        return PeerDataError(message)
+        return PeerDataError(message, culprit=culprit)
 
     def _give_up(self, call: CallId, error: UbepError) -> None:
         """This rank leaves `call` on `error`: its node peers and rail peers learn it (blame passed on)."""

@@ -406,7 +406,8 @@ class HierExchange(Exchange):
         return got["count"], got.get("topk", 0)
 
     def _read_routing(self, call: CallId, dtype: torch.dtype, K: int):
-        """Every forward set's (ids [S, 2], topk [S, K], weights [S, K], rows per forwarder [P])."""
+        """Every forward set's (ids [S, 2], topk [S, K], weights [S, K], rows per forwarder [P]), copied
+        and checked: a value out of range blames the node peer whose forward set holds it."""
         b, t = self.blocks, self.t
         ids, topk, weights, counts = [], [], [], []
         for f in range(self.P):
@@ -417,14 +418,22 @@ class HierExchange(Exchange):
             topk.append(t.view(b.topk, f, call)[:n, :K])
             weights.append(t.view(b.weights, f, call)[:n, :K])
             counts.append(n)
-        ids_S2, topk_SK = torch.cat(ids), torch.cat(topk)
-        bad_ids = (ids_S2 < 0).any() or (ids_S2[:, 0] >= self.sizing.num_ranks).any()
-        bad_topk = topk_SK.numel() and (
-            topk_SK.min() < -1 or topk_SK.max() >= self.sizing.placement.num_experts
-        )
-        if bad_ids or (ids_S2[:, 1] >= self.sizing.capacity).any() or bad_topk:
-            raise PeerDataError("dispatch: a forward set holds source ids or expert ids out of range")
-        return ids_S2, topk_SK, torch.cat(weights), torch.tensor(counts, dtype=torch.int64, device="cpu")
+        ids_S2, topk_SK = torch.cat(ids), torch.cat(topk)  # copies: read once, checked, then used
+        R, T, E = self.sizing.num_ranks, self.sizing.capacity, self.sizing.placement.num_experts
+        bad_S = (ids_S2 < 0).any(dim=1) | (ids_S2[:, 0] >= R) | (ids_S2[:, 1] >= T)
+        bad_S |= ((topk_SK < -1) | (topk_SK >= E)).any(dim=1)
+        counts_V = torch.tensor(counts, dtype=torch.int64, device="cpu")
+        if bad_S.any():
+            f = int(torch.searchsorted(counts_V.cumsum(0), bad_S.nonzero()[0], right=True))
+            message = f"dispatch: rank {self.node_ranks[f]} relays source ids or expert ids out of range"
+            raise self._blame(call, f, message)
+        return ids_S2, topk_SK, torch.cat(weights), counts_V
+
+    def _blame(self, call: CallId, f: int, message: str) -> PeerDataError:
+        """Node peer `f`'s published value failed a check: the node peers learn whom to blame (through
+        the heap), and so do this rank's peers across nodes (the error's culprit, its EP rank)."""
+        self.t.bad_data(call, f, message)
+        return PeerDataError(message, culprit=self.node_ranks[f])
 
     def _gather_routing(self, call: CallId, dtype: torch.dtype, K: int) -> Routed:
         """Stage 2, fan-out: from every forward set's routing, the rows owned here, in final order."""
@@ -530,9 +539,11 @@ class HierExchange(Exchange):
         for d in range(self.P):
             got = t.read(b.slot, call, d)
             if got["count"] != expected_V[d] or CODE_DTYPES.get(got["dtype"]) != dtype:
-                raise PeerDataError(
+                raise self._blame(
+                    call,
+                    d,
                     f"combine: rank {self.node_ranks[d]} returned {got['count']} rows of "
-                    f"{CODE_DTYPES.get(got['dtype'])}, expected {expected_V[d]} of {dtype}"
+                    f"{CODE_DTYPES.get(got['dtype'])}, expected {expected_V[d]} of {dtype}",
                 )
         _, row_Q = destination_major(route.fwd_in_node_FV)
         F, Q = route.fwd_in_node_FV.shape[0], row_Q.numel()

@@ -19,21 +19,28 @@ Every message is framed with the call it belongs to (seq, kind): a message of
 an older call (one this rank gave up on) is dropped, never taken for a later
 one, and a peer ahead of this rank is named. A rank that gives up on a call
 tells its peers at once (`abort`), as the shared-memory transport does.
+
+`Fabric` holds what every engine shares, once: the wait for a call's messages,
+the check of each frame against its lane, dropping an abandoned call's message,
+the mask rounds. An engine (`gloo`, `nixl`) says how a message is put and how
+one is seen to land, through a few hooks (`_landed_frame`, `_contents`, `_drop`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 
 from ubep.calls import KINDS, METHODS, CallId
-from ubep.errors import PeerDataError
-from ubep.waiting import AbortNotice, PeerAbortedError
+from ubep.errors import CommTimeoutError, PeerDataError
+from ubep.waiting import AbortNotice, PeerAbortedError, Waiter
 
 MASK_LANE = "mask"  # every engine's own lane: the rounds of `mask_ranks`
+Slot = tuple[int, int, int]  # (lane, peer, half): where one peer's message of one call parity lands
+Frame = tuple[int, int, int, int]  # (seq, kind code, header words, payload bytes) of a landed message
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,18 +75,36 @@ class Message:
     payload: torch.Tensor  # uint8 [nbytes sent]
 
 
-class Fabric(Protocol):
-    """One rank's end of the fabric: its inboxes, its puts, its waits."""
+class Fabric(ABC):
+    """One rank's end of the fabric: its inboxes, its puts, its waits.
+
+    What every engine shares is here, once: the wait for a call's messages (`arrivals`), the check of
+    each frame against its lane, dropping a message of a call this rank gave up on, and the mask
+    rounds. An engine says how a message is put (`outbox`, `send`, `abort`'s notice) and how one is
+    seen to land, through the hooks below (`_landed_frame`, `_contents`, `_drop`, ...)."""
 
     name: str
-    rank: int
-    num_ranks: int
-    live: tuple[int, ...]  # the ranks taking part, ascending (all of them until some are masked)
 
+    def __init__(self, rank: int, num_ranks: int, lanes: Sequence[Lane], timeout_s: float):
+        self.rank, self.num_ranks, self.timeout_s = rank, num_ranks, timeout_s
+        lanes = (*lanes, mask_lane(num_ranks))  # the fabric's own: `mask` rounds
+        self.lanes = {lane.name: i for i, lane in enumerate(lanes)}
+        self._lanes = tuple(lanes)
+        self.live = tuple(range(num_ranks))  # the ranks taking part, ascending (all, until some are masked)
+        self.peers = [p for p in range(num_ranks) if p != rank]
+        self._generation = 0  # mask rounds so far
+        self._notices: dict[tuple[int, int, bool], AbortNotice] = {}  # `notice_key` -> its notice
+        self._abandoned: set[int] = set()  # calls this rank gave up on (their messages are dropped)
+        self._bad: dict[int, str] = {}  # peer -> what it sent outside a message that this rank cannot read
+
+    # -- the interface ----------------------------------------------------------------------------
+
+    @abstractmethod
     def outbox(self, lane: str, peer: int, call: CallId, words: int, nbytes: int) -> Outgoing:
         """This rank's message of `call` on `lane` to `peer`, to fill: `words` header words, `nbytes`
         payload bytes (the lane's limits at most). Its memory is the engine's (registered)."""
 
+    @abstractmethod
     def send(self, out: Outgoing) -> None:
         """Send a filled message; returns at once: no sender waits for its receiver."""
 
@@ -96,25 +121,176 @@ class Fabric(Protocol):
         pending peer gave up on the call, PeerDataError when a peer is in another call. A pending
         peer's message of the same seq on another lane (a call of another kind) goes to
         `other_call(peer, its header)`, which raises in the protocol's words."""
+        i, half = self.lanes[lane], call.seq % 2
+        pending = [p for p in peers if p != self.rank]
+        notice = self._notice_of(call)
+        waiter = Waiter(phase, self.timeout_s, self._gone, notice)
+        while pending:
+            self._progress()
+            landed = []
+            for p in pending:
+                if (fault := self._bad.pop(p, None)) is not None:
+                    raise PeerDataError(f"{phase}: rank {p} {fault}", culprit=p)
+                while (frame := self._frame((i, p, half), phase)) is not None:
+                    seq, kind, words, nbytes = frame
+                    if not is_this_call(phase, call, p, seq, kind, notice):
+                        self._drop((i, p, half))  # an older call's message: dropped
+                        continue
+                    landed.append((p, words, nbytes))
+                    break
+            for p, words, nbytes in landed:
+                pending.remove(p)
+                header, payload = self._contents((i, p, half), words, nbytes)
+                yield Message(p, header.clone(), payload)  # the header read once: checked, then used
+            if pending and not landed:
+                self._other_calls(i, call, pending, phase, other_call)
+                self._check_connections(phase, pending, notice)
+                self._pause(waiter, pending)
+        self._settle(i, call, waiter)
 
+    @abstractmethod
     def release(self, lane: str, peer: int, call: CallId) -> None:
         """This rank is done with `peer`'s message of `call` on `lane`: its inbox may take a later one."""
 
     def begin(self, call: CallId) -> None:
         """This rank begins `call` (before its first message of it): inboxes still holding an older
-        call's message, one this rank gave up on, are freed for the peers' later messages."""
+        call's message, one this rank gave up on, are freed for the peers' later messages. (A message
+        of a call whose receive half is still to come, a low-latency hook, stays.)"""
+        self._progress()
+        for slot in self._occupied():
+            frame = self._landed_frame(slot)
+            if frame is not None and frame[0] in self._abandoned:
+                self._drop(slot)
 
     def abort(self, call: CallId, culprit: int | None = None, rejected: bool = False) -> None:
         """Tell every peer that this rank gives up on `call`, blaming `culprit` (None: itself;
-        `rejected`: it rejected its own input for the call, before sending anything)."""
+        `rejected`: it rejected its own input for the call, before sending anything). Once a call."""
+        if call.seq in self._abandoned:
+            return
+        self._abandoned.add(call.seq)
+        self._tell_abort(0 if culprit is None else culprit + 1, 2 * KINDS[call.kind] + rejected, call.seq)
 
     def mask(self, ranks: Iterable[int], seq: int) -> int:
         """Collective among the ranks that stay (over the fabric): leave `ranks` out of every later
         wait. `seq` is the last call this rank started; returns the largest any staying rank started,
         after which they all continue (as `ubep.transport.base.Transport.mask`)."""
+        self._generation += 1
+        self.live, latest = agree_on_mask(self, ranks, seq, self._generation)
+        return latest
 
+    @abstractmethod
     def close(self) -> None:
         """Release every inbox and connection; idempotent."""
+
+    # -- the engine's hooks -----------------------------------------------------------------------
+
+    @abstractmethod
+    def _landed_frame(self, slot: Slot) -> Frame | None:
+        """(seq, kind, header words, payload bytes) of the message in `slot` (lane, peer, half) once
+        all of it has landed, else None: as the peer framed it, unchecked (`_frame` checks it)."""
+
+    @abstractmethod
+    def _contents(self, slot: Slot, words: int, nbytes: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(header int64 [words], payload uint8 [nbytes]): views of the landed message in `slot`."""
+
+    @abstractmethod
+    def _drop(self, slot: Slot) -> None:
+        """Free `slot` for its peer's next message, the one in it unread (an older call's, or a bad one)."""
+
+    @abstractmethod
+    def _occupied(self) -> Iterable[Slot]:
+        """The slots that may hold a landed message (a copy: the caller may drop some)."""
+
+    @abstractmethod
+    def _gone(self, peer: int) -> bool:
+        """The Waiter's peer_gone: whether `peer` provably left (its process exited, its connection
+        is lost)."""
+
+    @abstractmethod
+    def _notice_of(self, call: CallId) -> Callable[[int], AbortNotice | None]:
+        """The Waiter's peer_abort for `call`: the notice a peer sent that it gave up on it."""
+
+    @abstractmethod
+    def _tell_abort(self, culprit: int, how: int, seq: int) -> None:
+        """Send every peer an abort notice: culprit + 1 (0: this rank), 2 kind + rejected, seq."""
+
+    def _progress(self) -> None:
+        """Drive the engine once (take notices, complete transfers); each wait does so between pauses."""
+        return None
+
+    def _intact(self, slot: Slot) -> bool:
+        """Whether the landed message in `slot` ends where its frame says (engines that can tell)."""
+        return True
+
+    def _lost_peers(self, pending: list[int]) -> tuple[list[int], list[int]]:
+        """(those of `pending` whose connection failed, those of them whose process exited), for engines
+        that name a lost connection at once rather than through `_gone`."""
+        return [], []
+
+    def _pause(self, waiter: Waiter, pending: list[int]) -> None:
+        """Wait a while for `pending` (`Waiter.pause`: the deadline, dead peers, abort notices); an
+        engine may reword what the waiter raises."""
+        waiter.pause(pending)
+
+    def _settle(self, lane: int, call: CallId, waiter: Waiter) -> None:
+        """After every peer's message of `call` on `lane` is in: what the engine waits for before the
+        receive half returns."""
+        return None
+
+    # -- shared -----------------------------------------------------------------------------------
+
+    def _frame(self, slot: Slot, phase: str) -> Frame | None:
+        """The landed message's frame, checked: out of its lane's bounds (or of the other half), or not
+        ending where it says, the inbox is freed for the peer's next message and the peer is blamed."""
+        frame = self._landed_frame(slot)
+        if frame is None:
+            return None
+        seq, _, words, nbytes = frame
+        if not self._in_bounds(slot, frame):
+            limit = self._lanes[slot[0]]
+            fault = (
+                f"framed a message of call #{seq} in half {slot[2]} with {words} header words and "
+                f"{nbytes} bytes (lane {limit.name!r}: at most {limit.words} and {limit.nbytes})"
+            )
+        elif not self._intact(slot):
+            fault = f"sent a message of call #{seq} that does not end where its frame says ({nbytes} bytes)"
+        else:
+            return frame
+        self._drop(slot)
+        raise PeerDataError(f"{phase}: rank {slot[1]} {fault}", culprit=slot[1])
+
+    def _in_bounds(self, slot: Slot, frame: Frame) -> bool:
+        """Whether a frame's sizes fit its lane, and its seq the half it landed in."""
+        limit, (seq, _, words, nbytes) = self._lanes[slot[0]], frame
+        return 0 <= words <= limit.words and 0 <= nbytes <= limit.nbytes and seq % 2 == slot[2]
+
+    def _other_calls(self, lane: int, call: CallId, pending: list[int], phase: str, other_call) -> None:
+        """A pending peer's landed message of this seq on another lane: `other_call` raises on it."""
+        if other_call is None:
+            return
+        for slot in self._occupied():
+            if slot[0] == lane or slot[1] not in pending or (frame := self._frame(slot, phase)) is None:
+                continue
+            if frame[0] == call.seq:
+                other_call(slot[1], self._contents(slot, frame[2], 0)[0].clone())
+
+    def _check_connections(self, phase: str, pending: list[int], notice) -> None:
+        """A pending peer whose connection failed is named now: by its abort notice where it sent one
+        first, else as lost (or dead, where its process exited)."""
+        lost, dead = self._lost_peers(pending)
+        for p in lost:
+            if (said := notice(p)) is not None:
+                raise PeerAbortedError(phase, p, said)
+        if lost:
+            detail = "" if dead else "its connection to this rank closed"
+            raise CommTimeoutError(phase, lost, self.timeout_s, dead, detail, lost=not dead)
+
+    def _take_abort(self, peer: int, culprit: int, how: int, seq: int) -> None:
+        """File `peer`'s abort notice (culprit + 1, 2 kind + rejected, seq), its words checked."""
+        if not (0 <= culprit <= self.num_ranks and how // 2 in METHODS and seq > 0):
+            self._bad[peer] = f"sent an abort notice this rank cannot read ({culprit}, {how}, {seq})"
+            return
+        self._notices[notice_key(peer, seq, how // 2)] = abort_notice(culprit - 1, how // 2, how % 2, seq)
 
 
 def check_fits(lane: Lane, peer: int, call: CallId, words: int, nbytes: int) -> None:
@@ -153,6 +329,10 @@ def agree_on_mask(
     latest = seq
     for msg in fabric.arrivals(MASK_LANE, call, stay, "mask_ranks"):
         theirs = msg.header
+        flags_ok = theirs.numel() == mine.numel() and bool(((theirs[1:] == 0) | (theirs[1:] == 1)).all())
+        if not flags_ok or theirs[0] < 0:
+            said = f"sent {theirs.numel()} words, not a call and {fabric.num_ranks} flags of 0 or 1"
+            raise PeerDataError(f"mask_ranks: rank {msg.peer} {said}", culprit=msg.peer)
         if not torch.equal(theirs[1:], mine[1:]):
             masked = [r for r in range(fabric.num_ranks) if theirs[1 + r]]
             said = f"masks ranks {masked}, this rank {sorted(gone)}"

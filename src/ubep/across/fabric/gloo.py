@@ -4,10 +4,11 @@
 
 gloo sends a message only once its receiver has posted a receive for it (the
 receiver tells the sender), so every inbox is posted in advance: both halves of
-every lane at construction, each again as soon as this rank releases it. A
-sender never waits for its receiver to reach the call. A receive may be larger
-than the message, so an inbox is posted at the lane's largest size and the
-message's frame says how much of it landed.
+every lane at construction, each again as soon as this rank frees it (released,
+or dropped: an abandoned call's message, or a bad one). A sender never waits for
+its receiver to reach the call. A receive may be larger than the message, so an
+inbox is posted at the lane's largest size and the message's frame says how much
+of it landed.
 
 Data as flag. gloo's receive completes only when the receiver waits on it, and a
 wait with a timeout closes the connection, so a receiver never waits on one that
@@ -15,57 +16,55 @@ has not landed: it watches the inbox itself. gloo writes a message into it in
 order, so the frame's last word (the call's seq, zeroed before the inbox is
 posted) says the frame is there, and a trailer after the payload (a word derived
 from the seq and kind, which stale bytes match with odds of 2^-64) says the
-whole message is; then the wait returns at once.
+whole message is; then the wait returns at once. A frame whose trailer is still
+missing after `TRAILER_GRACE_S` has its receive waited on (its message is
+landing: the wait ends when it has); a trailer that does not match then names
+the sender, as does a frame outside its lane's bounds, and the inbox is posted
+again either way.
+
+Every send is accounted for. gloo's send has no completion to poll, and a wait
+on one whose receiver never posts times out and closes the connection. So the
+receiver says what it freed: every frame carries, for each of the receiver's
+inboxes of the sender's messages, the latest call whose message it freed there,
+and how many of the sender's abort notices it has taken. A sender waits only on
+sends those words say have landed (the wait returns at once), and keeps the rest.
+Abort notices (culprit, kind, seq) land on one more receive per peer, taken
+whenever this rank drives the fabric, and posted again at once.
 
 Frame (int64 words, before the protocol's header): header words, payload bytes,
-kind, seq. The fabric has a group of its own (so its tags meet no
-collective of the Buffer's group), and one more receive per peer for abort
-notices (seq, culprit), polled while waiting.
+kind, the acknowledgements (per lane and half, then notices), seq. The fabric has
+a group of its own (so its tags meet no collective of the Buffer's group).
 
 What it can tell of failures: a peer on this host that died is named at once
-(its process is gone); any other silent peer, stopped or dead, at the deadline
-(a receive that never lands cannot be told from one that is late). Nothing here
-busy-polls: a wait yields, then sleeps (`ubep.waiting.Waiter`).
+(its process is gone); a peer whose connection closed (it left, or died
+elsewhere) once a gloo call on that connection fails; any other silent peer, stopped or dead, at
+the deadline (a receive that never lands cannot be told from one that is late).
+gloo's own errors never reach the caller: a call on a connection that failed
+marks its peer lost, and the wait names it. Nothing here busy-polls: a wait
+yields, then sleeps (`ubep.waiting.Waiter`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from ubep.across.fabric.base import (
-    Lane,
-    Message,
-    Outgoing,
-    abort_notice,
-    agree_on_mask,
-    check_fits,
-    is_this_call,
-    mask_lane,
-    notice_key,
-)
+from ubep.across.fabric.base import Fabric, Frame, Lane, Outgoing, Slot, check_fits, notice_key
 from ubep.calls import KINDS, CallId
 from ubep.deadlines import PeerPids, collective_deadline
-from ubep.errors import PeerDataError
 from ubep.registry import GLOO
-from ubep.waiting import AbortNotice, Waiter
+from ubep.waiting import AbortNotice
 
-FRAME = 4  # int64 words before the header: header words, payload bytes, kind, seq (last: it says the
-WORDS, NBYTES, KIND, SEQ = range(FRAME)  # frame has landed)
+HEAD = 3  # the frame's first int64 words: header words, payload bytes, kind
+WORDS, NBYTES, KIND = range(HEAD)
 NOTICE = 3  # an abort notice: culprit + 1 (0: the sender itself), 2 kind + rejected, seq (last: landed)
 CONTROL_TAG = 1  # lane i, half h: tag 2 + 2 i + h
-# How many calls behind a peer's latest message a send to it is surely gone: two calls of each
-# low-latency kind may await their receive halves, one normal call, and margin.
-RETIRE_LAG = 8
-
-
-def _bytes_of(lane: Lane) -> int:
-    """An inbox: frame, header, payload (8-byte aligned), trailer."""
-    return 8 * (FRAME + lane.words + 1) + _aligned(lane.nbytes)
+TRAILER_GRACE_S = 0.05  # how long a landed frame waits for its trailer before its receive is waited on
 
 
 def _aligned(nbytes: int) -> int:
@@ -82,12 +81,26 @@ def _trailer(seq: int, kind: int) -> int:
 class _Inbox:
     """One posted receive: its buffer and the work that completes when a message lands in it."""
 
-    buffer: torch.Tensor  # uint8 [frame + header + payload], the lane's largest
-    work: object | None = None
+    buffer: torch.Tensor  # uint8 [frame + header + payload + trailer], the lane's largest
+    work: object | None = None  # None: not posted (its peer's connection is lost)
     waited: bool = False  # its receive was waited on (a second wait would wait for another message)
+    intact: bool = False  # once waited: its trailer matched its frame
+    seen: float | None = None  # when its frame was first seen without its trailer
 
 
-class GlooFabric:
+@dataclass(frozen=True, slots=True)
+class _Sent:
+    """A send kept until the receiver says it landed: `ack` indexes the receiver's acknowledgements (an
+    inbox of this rank's messages, or the notices), `number` is what they must reach (a call's seq, or
+    the notice's count)."""
+
+    ack: int
+    number: int
+    buffer: torch.Tensor
+    work: object
+
+
+class GlooFabric(Fabric):
     """One rank's end of the fabric over a gloo group of its own. Collective to build."""
 
     name = GLOO.name
@@ -100,205 +113,216 @@ class GlooFabric:
         lanes: Sequence[Lane],
         timeout_s: float,
     ):
-        self.rank, self.num_ranks, self.timeout_s = rank, num_ranks, timeout_s
-        lanes = (*lanes, mask_lane(num_ranks))  # the fabric's own: `mask` rounds
-        self.lanes = {lane.name: i for i, lane in enumerate(lanes)}
-        self._lanes = tuple(lanes)
-        self.live = tuple(range(num_ranks))  # the ranks taking part (all, until some are masked)
-        self._generation = 0  # mask rounds so far
+        super().__init__(rank, num_ranks, lanes, timeout_s)
         ranks = list(range(num_ranks)) if group is None else dist.get_process_group_ranks(group)
         with collective_deadline(group, timeout_s, "Buffer construction (fabric)"):
             self.group = dist.new_group(ranks, timeout=timedelta(seconds=timeout_s), backend="gloo")
             self._pids = PeerPids.gather(self.group, rank, num_ranks)
         self._global = ranks  # group rank -> global rank, for point-to-point calls
-        self.peers = [p for p in range(num_ranks) if p != rank]
+        # The frame's last word, its seq: the acknowledgements (per lane and half, then notices) before it.
+        self._seq_at = HEAD + 2 * len(self._lanes) + 1
         self._inbox = {
-            (i, p, h): _Inbox(torch.empty(_bytes_of(lane), dtype=torch.uint8, device="cpu"))
-            for i, lane in enumerate(lanes)
+            (i, p, h): _Inbox(torch.empty(self._inbox_bytes(lane), dtype=torch.uint8, device="cpu"))
+            for i, lane in enumerate(self._lanes)
             for p in self.peers
             if lane.peers is None or p in lane.peers
             for h in (0, 1)
         }
-        self._in_flight: dict[int, list[tuple[int, torch.Tensor, object]]] = {p: [] for p in self.peers}
+        # What this rank tells each peer it freed: per lane and half, the latest call whose message from
+        # the peer it freed there; then how many of the peer's notices it took.
+        self._freed = {
+            p: torch.zeros(self._seq_at - HEAD, dtype=torch.int64, device="cpu") for p in self.peers
+        }
+        self._in_flight: dict[int, list[_Sent]] = {p: [] for p in self.peers}
+        self._notices_sent = dict.fromkeys(self.peers, 0)
         self._control = {p: _Inbox(torch.zeros(NOTICE, dtype=torch.int64, device="cpu")) for p in self.peers}
-        self._notices: dict[tuple[int, int, bool], AbortNotice] = {}  # `notice_key` -> its notice
-        self._abandoned: set[int] = set()  # calls this rank gave up on (their messages may be dropped)
+        self._lost: set[int] = set()  # peers whose connection failed
         self._closed = False
-        for key in self._inbox:
-            self._post(key)
+        for slot in self._inbox:
+            self._post(slot)
         for p in self.peers:
             self._post_control(p)
 
+    def _inbox_bytes(self, lane: Lane) -> int:
+        """An inbox: frame, header, payload (8-byte aligned), trailer."""
+        return 8 * (self._seq_at + 1 + lane.words + 1) + _aligned(lane.nbytes)
+
+    def _guarded(self, peer: int, op: Callable[[], object]) -> object | None:
+        """`op()`, a gloo call on `peer`'s connection; one that fails marks the peer lost (None): a wait
+        names it, in ubep's words."""
+        if peer in self._lost:
+            return None
+        try:
+            return op()
+        except RuntimeError:  # gloo's own error (torch's DistError is one): the connection failed
+            self._lost.add(peer)
+            return None
+
     # -- receiving --------------------------------------------------------------------------------
 
-    def _post(self, key: tuple[int, int, int]) -> None:
-        lane, peer, half = key
-        box = self._inbox[key]
-        box.buffer[8 * SEQ : 8 * (SEQ + 1)].zero_()  # no message yet (a seq is never 0)
-        box.waited = False
-        try:
-            box.work = dist.irecv(
-                box.buffer, src=self._global[peer], group=self.group, tag=2 + 2 * lane + half
-            )
-        except RuntimeError:  # the peer closed its end (it left): no message will come, a wait says so
-            box.work, box.waited = None, True
+    def _post(self, slot: Slot) -> None:
+        lane, peer, half = slot
+        box = self._inbox[slot]
+        box.buffer[8 * self._seq_at : 8 * (self._seq_at + 1)].zero_()  # no message yet (a seq is never 0)
+        box.waited, box.intact, box.seen = False, False, None
+        tag = 2 + 2 * lane + half
+        box.work = self._guarded(
+            peer, lambda: dist.irecv(box.buffer, src=self._global[peer], group=self.group, tag=tag)
+        )
 
     def _post_control(self, peer: int) -> None:
         box = self._control[peer]
         box.buffer.zero_()
-        try:
-            box.work = dist.irecv(box.buffer, src=self._global[peer], group=self.group, tag=CONTROL_TAG)
-        except RuntimeError:  # the peer closed its end: no notice will come
-            box.work = None
+        box.work = self._guarded(
+            peer, lambda: dist.irecv(box.buffer, src=self._global[peer], group=self.group, tag=CONTROL_TAG)
+        )
 
-    def _frame(self, lane: int, peer: int, half: int) -> tuple[int, int, int, int] | None:
-        """(seq, kind, header words, payload bytes) of the message in an inbox once all of it has landed
-        (its receive then completed), else None. A frame out of the lane's bounds blames the peer."""
-        box = self._inbox[(lane, peer, half)]
-        frame = box.buffer[: 8 * FRAME].view(torch.int64)
-        seq = int(frame[SEQ])
+    def _landed_frame(self, slot: Slot) -> Frame | None:
+        """The inbox's frame once all of its message has landed (its receive then completed): the
+        frame's seq is there, and the trailer after the length it says, or its receive was waited on
+        (a frame out of the lane's bounds at once: there is no length to look after)."""
+        box = self._inbox[slot]
+        if box.work is None:
+            return None
+        frame = box.buffer[: 8 * (self._seq_at + 1)].view(torch.int64)
+        seq = int(frame[self._seq_at])
         if seq == 0:
             return None
-        words, nbytes, kind = int(frame[WORDS]), int(frame[NBYTES]), int(frame[KIND])
-        limit = self._lanes[lane]
-        if not (0 <= words <= limit.words and 0 <= nbytes <= limit.nbytes):
-            raise PeerDataError(f"rank {peer} framed a message of {words} words and {nbytes} bytes")
-        at = 8 * (FRAME + words) + _aligned(nbytes)
-        if int(box.buffer[at : at + 8].view(torch.int64)[0]) != _trailer(seq, kind):
-            return None  # the frame is here, the rest is still landing
-        if not box.waited:
-            box.work.wait()  # it has landed: returns at once
-            box.waited = True
-        return seq, kind, words, nbytes
+        landed = (seq, int(frame[KIND]), int(frame[WORDS]), int(frame[NBYTES]))
+        if box.waited or not self._in_bounds(slot, landed):
+            return landed
+        if not self._whole(box, landed):
+            now = time.monotonic()
+            box.seen = box.seen or now
+            if now - box.seen < TRAILER_GRACE_S:
+                return None  # the frame is here, the rest is still landing
+        if not self._complete(slot):
+            return None
+        box.intact = self._whole(box, landed)
+        if box.intact:
+            self._retire(slot[1], frame[HEAD : self._seq_at].tolist())
+        return landed
 
-    def _abort_of(self, call: CallId):
-        """Waiter's peer_abort: a notice `peer` sent about this call (seen on its control receive)."""
+    def _whole(self, box: _Inbox, frame: Frame) -> bool:
+        """Whether the trailer after the message the frame announces is there."""
+        seq, kind, words, nbytes = frame
+        at = 8 * (self._seq_at + 1 + words) + _aligned(nbytes)
+        return int(box.buffer[at : at + 8].view(torch.int64)[0]) == _trailer(seq, kind)
+
+    def _complete(self, slot: Slot) -> bool:
+        """Wait on the inbox's receive, whose message has begun to land (at once where all of it has);
+        False: the connection failed meanwhile."""
+        box = self._inbox[slot]
+        box.waited = self._guarded(slot[1], box.work.wait) is not None
+        return box.waited
+
+    def _intact(self, slot: Slot) -> bool:
+        return self._inbox[slot].intact
+
+    def _contents(self, slot: Slot, words: int, nbytes: int) -> tuple[torch.Tensor, torch.Tensor]:
+        buffer, at = self._inbox[slot].buffer, 8 * (self._seq_at + 1 + words)
+        return buffer[8 * (self._seq_at + 1) : at].view(torch.int64), buffer[at : at + nbytes]
+
+    def _drop(self, slot: Slot) -> None:
+        """Free the inbox: all of its message in first (its receive completed), then posted again; the
+        sender learns it from this rank's next frame."""
+        lane, peer, half = slot
+        box = self._inbox[slot]
+        if box.work is not None and not box.waited:
+            self._complete(slot)
+        seq = int(box.buffer[: 8 * (self._seq_at + 1)].view(torch.int64)[self._seq_at])
+        freed = self._freed[peer]
+        freed[2 * lane + half] = max(int(freed[2 * lane + half]), seq)
+        self._post(slot)
+
+    def _occupied(self) -> list[Slot]:
+        return list(self._inbox)
+
+    def _gone(self, peer: int) -> bool:
+        return peer in self._pids.dead()
+
+    def _lost_peers(self, pending: list[int]) -> tuple[list[int], list[int]]:
+        lost = [p for p in pending if p in self._lost]
+        return lost, [p for p in self._pids.dead_after_grace() if p in lost] if lost else []
+
+    def _progress(self) -> None:
+        """Take every abort notice that landed (each control receive is posted again at once)."""
+        for p in self.peers:
+            self._take_notices(p)
+
+    def _take_notices(self, peer: int) -> None:
+        box = self._control[peer]
+        while box.work is not None and int(box.buffer[NOTICE - 1]) != 0:  # seq, last: it landed
+            if self._guarded(peer, box.work.wait) is None:
+                return
+            self._take_abort(peer, *box.buffer.tolist())
+            self._freed[peer][-1] += 1
+            self._post_control(peer)
+
+    def _notice_of(self, call: CallId) -> Callable[[int], AbortNotice | None]:
+        """A notice `peer` sent about this call (seen on its control receive)."""
 
         def notice(peer: int) -> AbortNotice | None:
-            box = self._control[peer]
-            while box.work is not None and int(box.buffer[NOTICE - 1]) != 0:  # seq, last: it landed
-                box.work.wait()
-                culprit, how, seq = (int(v) for v in box.buffer)
-                self._notices[notice_key(peer, seq, how // 2)] = abort_notice(
-                    culprit - 1, how // 2, how % 2, seq
-                )
-                self._post_control(peer)
+            self._take_notices(peer)
             return self._notices.get(notice_key(peer, call.seq, KINDS[call.kind]))
 
         return notice
 
-    def arrivals(
-        self,
-        lane: str,
-        call: CallId,
-        peers: Iterable[int],
-        phase: str,
-        other_call: Callable[[int, torch.Tensor], None] | None = None,
-    ) -> Iterator[Message]:
-        i, half = self.lanes[lane], call.seq % 2
-        pending = [p for p in peers if p != self.rank]
-        notice = self._abort_of(call)
-        waiter = Waiter(phase, self.timeout_s, lambda p: p in self._pids.dead(), notice)
-        while pending:
-            landed = []
-            for p in pending:
-                while (frame := self._frame(i, p, half)) is not None:
-                    seq, kind, words, nbytes = frame
-                    if not is_this_call(phase, call, p, seq, kind, notice):
-                        self._post((i, p, half))  # an older call's message: dropped
-                        continue
-                    landed.append((p, words, nbytes))
-                    self._retire(p, seq)
-                    break
-            for p, words, nbytes in landed:
-                pending.remove(p)
-                buffer = self._inbox[(i, p, half)].buffer
-                at = 8 * (FRAME + words)
-                header = buffer[8 * FRAME : at].view(torch.int64).clone()  # read once: checked, then used
-                yield Message(p, header, buffer[at : at + nbytes])
-            if pending and not landed:
-                self._other_calls(i, call, pending, other_call)
-                waiter.pause(pending)
-
-    def _other_calls(self, lane: int, call: CallId, pending: list[int], other_call) -> None:
-        """A pending peer's landed message of this seq on another lane: `other_call` raises on it."""
-        if other_call is None:
-            return
-        for (i, p, h), box in self._inbox.items():
-            if (
-                i != lane
-                and p in pending
-                and (frame := self._frame(i, p, h)) is not None
-                and frame[0] == call.seq
-            ):
-                words = frame[2]
-                other_call(p, box.buffer[8 * FRAME : 8 * (FRAME + words)].view(torch.int64).clone())
-
     def release(self, lane: str, peer: int, call: CallId) -> None:
-        self._post((self.lanes[lane], peer, call.seq % 2))
-
-    def begin(self, call: CallId) -> None:
-        """Before this rank's first message of `call`: every inbox still holding a message of a call this
-        rank gave up on is posted again, so no peer's later message waits behind it. (A message of a
-        call whose receive half is still to come, a low-latency hook, stays.)"""
-        for i, p, h in list(self._inbox):
-            frame = self._frame(i, p, h)
-            if frame is not None and frame[0] in self._abandoned:
-                self._post((i, p, h))
+        self._drop((self.lanes[lane], peer, call.seq % 2))
 
     # -- sending ----------------------------------------------------------------------------------
 
     def outbox(self, lane: str, peer: int, call: CallId, words: int, nbytes: int) -> Outgoing:
-        """A message to fill for `peer`, in a buffer of its own (kept until the send has surely left)."""
-        i = self.lanes[lane]
+        """A message to fill for `peer`, in a buffer of its own (kept until the peer says it landed)."""
+        i, first = self.lanes[lane], 8 * (self._seq_at + 1)
         check_fits(self._lanes[i], peer, call, words, nbytes)
-        at, end = 8 * (FRAME + words), 8 * (FRAME + words) + _aligned(nbytes)
+        at, end = first + 8 * words, first + 8 * words + _aligned(nbytes)
         buffer = torch.empty(end + 8, dtype=torch.uint8, device="cpu")
-        frame = buffer[: 8 * FRAME].view(torch.int64)
-        frame[SEQ], frame[KIND], frame[WORDS], frame[NBYTES] = call.seq, KINDS[call.kind], words, nbytes
+        frame = buffer[:first].view(torch.int64)
+        frame[self._seq_at], frame[KIND], frame[WORDS], frame[NBYTES] = (
+            call.seq,
+            KINDS[call.kind],
+            words,
+            nbytes,
+        )
         buffer[end : end + 8].view(torch.int64)[0] = _trailer(call.seq, KINDS[call.kind])
         key = (i, peer, call.seq)
-        return Outgoing(buffer[8 * FRAME : at].view(torch.int64), buffer[at : at + nbytes], (key, buffer))
+        return Outgoing(buffer[first:at].view(torch.int64), buffer[at : at + nbytes], (key, buffer))
 
     def send(self, out: Outgoing) -> None:
-        """Send a filled message; returns at once. Its buffer and work stay referenced until the send has
-        surely left (`_retire`): gloo's send has no completion to poll, and a wait on one whose receiver
-        has not posted would time out and close the connection."""
+        """Send a filled message, with what this rank freed of the peer's messages; returns at once. Its
+        buffer and work are kept until the peer says it landed (`_retire`). Nothing goes to a lost peer."""
         (lane, peer, seq), buffer = out.key
-        work = dist.isend(buffer, dst=self._global[peer], group=self.group, tag=2 + 2 * lane + seq % 2)
-        self._in_flight[peer].append((seq, buffer, work))
+        buffer[8 * HEAD : 8 * self._seq_at].view(torch.int64).copy_(self._freed[peer])
+        tag = 2 + 2 * lane + seq % 2
+        work = self._guarded(
+            peer, lambda: dist.isend(buffer, dst=self._global[peer], group=self.group, tag=tag)
+        )
+        if work is not None:
+            self._in_flight[peer].append(_Sent(2 * lane + seq % 2, seq, buffer, work))
 
-    def _retire(self, peer: int, seq: int) -> None:
-        """`peer` sent a message of call `seq`, so it has received (or given up on) this rank's messages
-        of calls far enough behind: at most two low-latency calls of a kind await a receive half, and
-        calls a rank gave up on are posted again at its next call (`begin`). Those sends have left."""
+    def _retire(self, peer: int, freed: list[int]) -> None:
+        """`peer` freed this rank's messages up to `freed` (its acknowledgements, as `_freed`): those
+        sends have landed, and are waited on (at once); the rest are kept."""
         keep = []
         for sent in self._in_flight[peer]:
-            if sent[0] <= seq - RETIRE_LAG:
-                sent[2].wait()  # it has left: returns at once
-            else:
+            landed = sent.number < freed[-1] if sent.ack == len(freed) - 1 else sent.number <= freed[sent.ack]
+            if not landed:
                 keep.append(sent)
+            elif self._guarded(peer, sent.work.wait) is None:
+                return  # the connection failed: nothing more to wait on
         self._in_flight[peer] = keep
 
-    def abort(self, call: CallId, culprit: int | None = None, rejected: bool = False) -> None:
-        self._abandoned.add(call.seq)
-        how = 2 * KINDS[call.kind] + rejected
-        notice = torch.tensor(
-            [0 if culprit is None else culprit + 1, how, call.seq], dtype=torch.int64, device="cpu"
-        )
+    def _tell_abort(self, culprit: int, how: int, seq: int) -> None:
+        notice = torch.tensor([culprit, how, seq], dtype=torch.int64, device="cpu")
         for p in self.peers:
-            try:
-                work = dist.isend(notice, dst=self._global[p], group=self.group, tag=CONTROL_TAG)
-            except RuntimeError:
-                continue  # a peer already gone: it needs no notice
-            self._in_flight[p].append((call.seq, notice, work))
-
-    # -- membership ---------------------------------------------------------------------------------
-
-    def mask(self, ranks: Iterable[int], seq: int) -> int:
-        self._generation += 1
-        self.live, latest = agree_on_mask(self, ranks, seq, self._generation)
-        return latest
+            work = self._guarded(
+                p, lambda p=p: dist.isend(notice, dst=self._global[p], group=self.group, tag=CONTROL_TAG)
+            )
+            if work is not None:
+                self._in_flight[p].append(_Sent(len(self._freed[p]) - 1, self._notices_sent[p], notice, work))
+                self._notices_sent[p] += 1
 
     def close(self) -> None:
         if self._closed:

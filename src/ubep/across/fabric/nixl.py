@@ -50,7 +50,7 @@ import importlib
 import os
 import struct
 import uuid
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from types import ModuleType
@@ -58,20 +58,10 @@ from types import ModuleType
 import torch
 import torch.distributed as dist
 
-from ubep.across.fabric.base import (
-    Lane,
-    Message,
-    Outgoing,
-    abort_notice,
-    agree_on_mask,
-    check_fits,
-    is_this_call,
-    mask_lane,
-    notice_key,
-)
+from ubep.across.fabric.base import Fabric, Frame, Lane, Outgoing, Slot, check_fits, notice_key
 from ubep.calls import KINDS, CallId
 from ubep.deadlines import PeerPids, collective_deadline
-from ubep.errors import CommTimeoutError, PeerDataError
+from ubep.errors import CommTimeoutError
 from ubep.extras import install_hint
 from ubep.registry import NIXL
 from ubep.waiting import AbortNotice, Waiter
@@ -138,7 +128,7 @@ class _Send:
         return self.lane, self.peer, self.seq % 2
 
 
-class NixlFabric:
+class NixlFabric(Fabric):
     """One rank's end of the fabric: a NIXL agent without a progress thread. Collective to build."""
 
     name = NIXL.name
@@ -153,13 +143,8 @@ class NixlFabric:
     ):
         api, bindings = nixl_modules()
         self._lost_error = bindings.nixlRemoteDisconnectError
-        self.rank, self.num_ranks, self.timeout_s = rank, num_ranks, timeout_s
-        lanes = (*lanes, mask_lane(num_ranks))  # the fabric's own: `mask` rounds
-        self.lanes = {lane.name: i for i, lane in enumerate(lanes)}
-        self._lanes = tuple(lanes)
-        self.live = tuple(range(num_ranks))  # the ranks taking part (all, until some are masked)
-        self._generation = 0  # mask rounds so far
-        self.peers = [p for p in range(num_ranks) if p != rank]
+        super().__init__(rank, num_ranks, lanes, timeout_s)
+        lanes = self._lanes  # with the fabric's own
         self._slots, inbox_bytes = _inbox_layout(lanes, rank, num_ranks)
         config = api.nixl_agent_config(
             enable_prog_thread=False, enable_listen_thread=False, backends=[BACKEND]
@@ -175,9 +160,6 @@ class NixlFabric:
         self._queued: list[_Send] = []  # sent, waiting for their credit
         self._in_flight: list[_Send] = []  # written, not yet complete
         self._failed: list[_Send] = []  # to a lost peer, NIXL would not release them: kept to close
-        self._notices: dict[tuple[int, int, bool], AbortNotice] = {}  # `notice_key` -> its notice
-        self._abandoned: set[int] = set()  # calls this rank gave up on (their messages are dropped)
-        self._bad: dict[int, str] = {}  # peer -> what it sent that this rank cannot read
         self._lost: set[int] = set()  # peers NIXL reported disconnected
         self._greeted: set[int] = set()  # peers whose first notice arrived
         self._closed = False
@@ -249,8 +231,7 @@ class NixlFabric:
             if (lane, peer, half) in self._there:
                 self._credits.add((lane, peer, half))
         elif tag == b"A" and len(blob) == ABORT.size:
-            _, culprit, how, seq = ABORT.unpack(blob)
-            self._notices[notice_key(peer, seq, how // 2)] = abort_notice(culprit - 1, how // 2, how % 2, seq)
+            self._take_abort(peer, *ABORT.unpack(blob)[1:])
         elif blob == PING:
             self._greeted.add(peer)
         else:
@@ -298,60 +279,28 @@ class NixlFabric:
 
     # -- receiving --------------------------------------------------------------------------------
 
-    def _frame(self, slot: tuple[int, int, int]) -> tuple[int, int, int, int] | None:
-        """(seq, kind, header words, payload bytes) of the message in `slot` once its notice came,
-        else None. A frame out of the lane's bounds blames the peer."""
-        frame = self._landed.get(slot)
-        if frame is None:
-            return None
-        seq, _, words, nbytes = frame
-        limit = self._lanes[slot[0]]
-        if not (0 <= words <= limit.words and 0 <= nbytes <= limit.nbytes) or seq % 2 != slot[2]:
-            raise PeerDataError(
-                f"rank {slot[1]} framed a message of call #{seq} in half {slot[2]} with {words} words "
-                f"and {nbytes} bytes"
-            )
-        return frame
+    def _landed_frame(self, slot: Slot) -> Frame | None:
+        """The slot's frame once its notice came (NIXL sends it after the write completed)."""
+        return self._landed.get(slot)
 
-    def _abort_of(self, call: CallId) -> Callable[[int], AbortNotice | None]:
+    def _contents(self, slot: Slot, words: int, nbytes: int) -> tuple[torch.Tensor, torch.Tensor]:
+        at = self._slots[slot]
+        return self._inbox[at : at + 8 * words].view(torch.int64), self._inbox[at + 8 * words :][:nbytes]
+
+    def _drop(self, slot: Slot) -> None:
+        self._release(slot)
+
+    def _occupied(self) -> list[Slot]:
+        return list(self._landed)
+
+    def _notice_of(self, call: CallId) -> Callable[[int], AbortNotice | None]:
         return lambda peer: self._notices.get(notice_key(peer, call.seq, KINDS[call.kind]))
 
-    def arrivals(
-        self,
-        lane: str,
-        call: CallId,
-        peers: Iterable[int],
-        phase: str,
-        other_call: Callable[[int, torch.Tensor], None] | None = None,
-    ) -> Iterator[Message]:
-        i, half = self.lanes[lane], call.seq % 2
-        pending = [p for p in peers if p != self.rank]
-        notice = self._abort_of(call)
-        waiter = Waiter(phase, self.timeout_s, self._gone, notice)
-        while pending:
+    def _settle(self, lane: int, call: CallId, waiter: Waiter) -> None:
+        """Until this rank's own messages of the call are delivered."""
+        while True:
             self._progress()
-            landed = []
-            for p in pending:
-                if p in self._bad:
-                    raise PeerDataError(f"{phase}: rank {p} {self._bad[p]}")
-                if (frame := self._frame((i, p, half))) is None:
-                    continue
-                seq, kind, words, nbytes = frame
-                if not is_this_call(phase, call, p, seq, kind, notice):
-                    self._release((i, p, half))  # an older call's message: dropped
-                    continue
-                landed.append((p, words, nbytes))
-            for p, words, nbytes in landed:
-                pending.remove(p)
-                at = self._slots[(i, p, half)]
-                header = self._inbox[at : at + 8 * words].view(torch.int64).clone()  # read once
-                yield Message(p, header, self._inbox[at + 8 * words : at + 8 * words + nbytes])
-            if pending and not landed:
-                self._other_calls(i, call, pending, other_call)
-                self._pause(waiter, pending)
-        while True:  # until this rank's own messages of the call are delivered
-            self._progress()
-            if not (late := self._undelivered(i, call)):
+            if not (late := self._undelivered(lane, call)):
                 return
             self._pause(waiter, late)
 
@@ -378,32 +327,14 @@ class NixlFabric:
             if p not in self._lost and notice_key(p, call.seq, KINDS[call.kind]) not in self._notices
         )
 
-    def _other_calls(self, lane: int, call: CallId, pending: list[int], other_call) -> None:
-        """A pending peer's landed message of this seq on another lane: `other_call` raises on it."""
-        if other_call is None:
-            return
-        for (i, p, h), (seq, _, words, _) in list(self._landed.items()):
-            if i != lane and p in pending and seq == call.seq and self._frame((i, p, h)) is not None:
-                at = self._slots[(i, p, h)]
-                other_call(p, self._inbox[at : at + 8 * words].view(torch.int64).clone())
-
     def release(self, lane: str, peer: int, call: CallId) -> None:
         self._release((self.lanes[lane], peer, call.seq % 2))
 
-    def _release(self, slot: tuple[int, int, int]) -> None:
+    def _release(self, slot: Slot) -> None:
         """Free `slot` for its peer's next message: its credit goes back."""
         lane, peer, half = slot
         self._landed.pop(slot, None)
         self._notify(peer, CREDIT.pack(b"C", lane, half))
-
-    def begin(self, call: CallId) -> None:
-        """Before this rank's first message of `call`: slots holding a message of a call this rank gave
-        up on are freed, so no peer's later message waits for their credit. (A message of a call whose
-        receive half is still to come, a low-latency hook, stays.)"""
-        self._progress()
-        for slot, (seq, *_) in list(self._landed.items()):
-            if seq in self._abandoned:
-                self._release(slot)
 
     # -- sending ----------------------------------------------------------------------------------
 
@@ -458,18 +389,11 @@ class NixlFabric:
         else:
             self._in_flight.append(send)
 
-    def abort(self, call: CallId, culprit: int | None = None, rejected: bool = False) -> None:
-        self._abandoned.add(call.seq)
-        how = 2 * KINDS[call.kind] + rejected
-        notice = ABORT.pack(b"A", 0 if culprit is None else culprit + 1, how, call.seq)
+    def _tell_abort(self, culprit: int, how: int, seq: int) -> None:
+        notice = ABORT.pack(b"A", culprit, how, seq)
         for p in self.peers:
             self._notify(p, notice)
         self._progress()
-
-    def mask(self, ranks: Iterable[int], seq: int) -> int:
-        self._generation += 1
-        self.live, latest = agree_on_mask(self, ranks, seq, self._generation)
-        return latest
 
     def close(self) -> None:
         """Cancel what is still in flight (to a lost or stopped peer), deregister, drop the agent."""
