@@ -261,3 +261,79 @@ def credit_order() -> list[int]:
 @pytest.mark.timeout(120)
 def test_a_writer_waits_for_the_release_of_the_slot_it_writes():
     assert ubep.LocalLaunch(world_size=2, timeout_s=100).run(credit_order) == [[7], [1, 1, 1, 3, 3, 3]]
+
+
+# -- a clean exit, quietly (issue 42, item 4) --------------------------------------------------------
+
+
+def test_ucx_leaves_out_its_efa_module_only_on_hosts_without_efa(tmp_path):
+    from ubep.across.fabric.nixl import without_efa_module
+
+    sysfs = tmp_path / "infiniband"
+    (sysfs / "mlx5_0" / "device").mkdir(parents=True)
+    (tmp_path / "mlx5_core").mkdir()
+    (sysfs / "mlx5_0" / "device" / "driver").symlink_to(tmp_path / "mlx5_core")
+    environ: dict[str, str] = {}
+    assert without_efa_module(environ, str(sysfs)) and environ == {"UCX_MODULES": "^efa"}
+    chosen = {"UCX_MODULES": "ib"}  # the user's choice stands
+    assert not without_efa_module(chosen, str(sysfs)) and chosen == {"UCX_MODULES": "ib"}
+    (sysfs / "rdmap0" / "device").mkdir(parents=True)
+    (tmp_path / "efa").mkdir()
+    (sysfs / "rdmap0" / "device" / "driver").symlink_to(tmp_path / "efa")
+    on_efa: dict[str, str] = {}
+    assert not without_efa_module(on_efa, str(sysfs)) and on_efa == {}  # EFA carries the traffic there
+
+
+def test_nixl_logs_at_ubeps_level_unless_the_user_set_its_own():
+    import logging
+
+    from ubep.across.fabric.nixl import quiet_nixl
+
+    nixl, ours = logging.getLogger("nixl"), logging.getLogger("ubep")
+    kept = nixl.level, ours.level
+    try:
+        ours.setLevel(logging.ERROR)
+        nixl.setLevel(logging.INFO)
+        quiet_nixl({})
+        assert nixl.level == logging.ERROR
+        nixl.setLevel(logging.INFO)
+        quiet_nixl({"NIXL_LOG_LEVEL": "INFO"})
+        assert nixl.level == logging.INFO
+    finally:
+        nixl.setLevel(kept[0])
+        ours.setLevel(kept[1])
+
+
+CLEAN_RUN = """
+import torch, ubep
+def calls():
+    with ubep.Buffer(hidden=64, num_experts=4, max_tokens_per_rank=8, transport="dist", timeout_s=20) as buf:
+        x, w = torch.ones(8, 64), torch.ones(8, 1)
+        idx = torch.arange(8).remainder(4).view(8, 1)
+        for _ in range(3):
+            got = buf.dispatch(x, topk_idx=idx, topk_weights=w)
+            buf.combine(got.recv_x, got.handle)
+    return "ok"
+if __name__ == "__main__":
+    print(ubep.LocalLaunch(world_size=2, timeout_s=100).run(calls))
+"""
+
+
+@pytest.mark.timeout(150)
+def test_a_clean_run_over_nixl_prints_nothing_of_nixl(tmp_path):
+    """No INFO lines of NIXL's at ubep's default level, and no NIXL_ERR_REMOTE_DISCONNECT from a peer
+    returning its last credits to an agent already dropped: ranks say goodbye before they close."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in ("NIXL_LOG_LEVEL", "UBEP_LOG_LEVEL")}
+    env.update(UBEP_FABRIC="nixl", UCX_TLS="tcp")
+    script = tmp_path / "clean_run.py"  # a file: the launcher pickles its function by module
+    script.write_text(CLEAN_RUN)
+    for _ in range(2):  # the late credit shows in some runs only
+        run = subprocess.run(
+            [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=140
+        )
+        assert run.returncode == 0 and "['ok', 'ok']" in run.stdout, run.stdout[-2000:] + run.stderr[-2000:]
+        said = run.stdout + run.stderr
+        assert "NIXL" not in said, said[-3000:]

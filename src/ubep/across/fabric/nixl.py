@@ -46,11 +46,14 @@ its messages), and a peer that gave up on a call and went on is named as such.
 
 from __future__ import annotations
 
+import glob
 import importlib
+import logging
 import os
 import struct
+import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from types import ModuleType
@@ -67,23 +70,59 @@ from ubep.registry import NIXL
 from ubep.waiting import AbortNotice, Waiter
 
 BACKEND = "UCX"
+INFINIBAND = "/sys/class/infiniband"  # RDMA devices; an EFA device's driver is "efa"
 MESSAGE = struct.Struct("<cBBqqqq")  # b"M", lane, half, seq, kind, header words, payload bytes
 CREDIT = struct.Struct("<cBB")  # b"C", lane, half: the sender freed this rank's slot at it
 ABORT = struct.Struct("<cqqq")  # b"A", culprit + 1 (0: the sender itself), 2 kind + rejected, seq
 PING = b"P"  # no content: a liveness probe, and construction's first notice
+BYE = b"B"  # no content: the sender closes its Buffer, and sends this rank nothing more
+CLOSE_GRACE_S = 2.0  # how long close() waits for the peers' BYE before it drops the agent
+FAREWELL_POLL_S = 0.001  # between looks for the peers' BYE
 
 
 def nixl_modules() -> tuple[ModuleType, ModuleType]:
     """NIXL's agent API and its bindings (for the disconnect error): the `nixl` meta package where
     installed (it picks the CUDA variant), else the nixl-cu12 or nixl-cu13 wheel (each runs on
-    hosts without CUDA too). ImportError names the extra where none is installed."""
+    hosts without CUDA too). ImportError names the extra where none is installed. NIXL's logger
+    then follows ubep's (`quiet_nixl`)."""
+    without_efa_module()
     for name in ("nixl", "nixl_cu12", "nixl_cu13"):
         try:
-            return importlib.import_module(f"{name}._api"), importlib.import_module(f"{name}._bindings")
+            api = importlib.import_module(f"{name}._api"), importlib.import_module(f"{name}._bindings")
         except ModuleNotFoundError as error:
             if error.name != name:
                 raise
+            continue
+        quiet_nixl()
+        return api
     raise ImportError(f"fabric 'nixl' needs NIXL ({install_hint('nixl')})")
+
+
+def without_efa_module(environ: MutableMapping[str, str] = os.environ, devices: str = INFINIBAND) -> bool:
+    """On a host with no EFA device, and where the user set no UCX_MODULES: UCX without its EFA module.
+
+    NIXL 1.5.1's wheel loads the host's `libefa` (installed with rdma-core, which Open MPI's packages
+    pull in) beside its own `libnl-route`, and the process then dies with SIGSEGV at exit, which a
+    launcher that checks exit codes reports as a failed rank (docs/multinode.md). UCX reads its modules
+    when the agent is made, from the environment only: so this sets the variable, once, before the
+    first agent. Returns whether it did. A host with EFA keeps the module (it carries the traffic)."""
+    if "UCX_MODULES" in environ or any(
+        os.path.basename(os.path.realpath(driver)) == "efa"
+        for driver in glob.glob(f"{devices}/*/device/driver")
+    ):
+        return False
+    environ["UCX_MODULES"] = "^efa"
+    return True
+
+
+def quiet_nixl(environ: Mapping[str, str] = os.environ) -> None:
+    """NIXL's Python logger ("nixl", INFO on stdout by NIXL's own configuration) at ubep's level, unless
+    the user chose one with NIXL_LOG_LEVEL: two INFO lines per agent would otherwise interleave with
+    a program's output whatever `UBEP_LOG_LEVEL` says."""
+    if "NIXL_LOG_LEVEL" not in environ:
+        logging.getLogger("nixl").setLevel(
+            logging.getLogger("ubep").getEffectiveLevel()
+        )  # `ubep.settings.LOGGER`
 
 
 def _slot_bytes(lane: Lane) -> int:
@@ -162,6 +201,7 @@ class NixlFabric(Fabric):
         self._failed: list[_Send] = []  # to a lost peer, NIXL would not release them: kept to close
         self._lost: set[int] = set()  # peers NIXL reported disconnected
         self._greeted: set[int] = set()  # peers whose first notice arrived
+        self._closing: set[int] = set()  # peers that closed their Buffer (their BYE arrived)
         self._closed = False
         self._connect(group, timeout_s)
 
@@ -234,6 +274,8 @@ class NixlFabric(Fabric):
             self._take_abort(peer, *ABORT.unpack(blob)[1:])
         elif blob == PING:
             self._greeted.add(peer)
+        elif blob == BYE:
+            self._closing.add(peer)
         else:
             self._bad[peer] = f"sent a notice of {len(blob)} bytes this rank cannot read"
 
@@ -264,7 +306,7 @@ class NixlFabric(Fabric):
     def _gone(self, peer: int) -> bool:
         """The Waiter's peer_gone: `peer` exited (its process, on this host) or NIXL lost it (a ping
         to it fails once the connection is gone)."""
-        if peer not in self._lost and peer in self._pids.dead():
+        if peer not in self._lost and (peer in self._closing or peer in self._pids.dead()):
             self._lost.add(peer)
         if peer not in self._lost:
             self._notify(peer, PING)
@@ -400,6 +442,7 @@ class NixlFabric(Fabric):
         if self._closed:
             return
         self._closed = True
+        self._farewell()
         for send in self._in_flight:
             try:
                 send.xfer.release()
@@ -411,3 +454,17 @@ class NixlFabric(Fabric):
         for name in self._names.values():
             self._agent.remove_remote_agent(name)
         self._agent = None
+
+    def _farewell(self) -> None:
+        """Tell every peer this rank closes, and wait (at most CLOSE_GRACE_S) for theirs: a peer still
+        returning credits for the last call's messages would otherwise write to a dropped agent, and
+        NIXL logs that as an error (NIXL_ERR_REMOTE_DISCONNECT) on a clean exit."""
+        for peer in self.peers:
+            if peer not in self._lost:
+                self._notify(peer, BYE)
+        end = time.monotonic() + min(CLOSE_GRACE_S, self.timeout_s)
+        while any(p not in self._closing and p not in self._lost for p in self.peers):
+            if time.monotonic() > end:
+                return
+            self._progress()
+            time.sleep(FAREWELL_POLL_S)
