@@ -242,9 +242,9 @@ class Buffer:
         self._recorder: Recorder | None = None
         if stats or log.isEnabledFor(logging.DEBUG):  # the debug line per call comes from the recorder
             self._record(StatsOptions() if isinstance(stats, bool) else stats, log)
-        # Low-latency calls go to Triton halves that check input values in their kernels, so the host
-        # reads none (not when stats are recorded: the recorder reads the plans' counts).
-        self._ll_device = self._recorder is None and self._ll is not None and self._ll.on_device
+        # Low-latency calls go to compiled halves that check input values and route themselves, so the
+        # host reads none and builds no plan (not when stats are recorded: the recorder reads the plans).
+        self._ll_routed = self._recorder is None and self._ll is not None and self._ll.routes_in_halves
         if log.isEnabledFor(logging.INFO):
             log.info("Buffer built: %s", self.explain())
         self._timers = CallTimers() if call_timers else None  # the blocks of every call (`ubep.timers`)
@@ -258,6 +258,7 @@ class Buffer:
             self.sizing,
             self.device,
             route=self.engine.route,
+            engine=self.engine,
             layout_by_send=self._exchange.layout_by_send,
             capturable=self.capturable,
             membership=self._membership,
@@ -537,10 +538,9 @@ class Buffer:
         """
         ll = self._live_ll()
         call = self._calls.next("ll_dispatch")
-        on_device = self._ll_device
         try:
             plan, out = self._plans.ll_dispatch(
-                x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, use_fp8, on_device, call.seq
+                x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, use_fp8, self._ll_routed, call.seq
             )
         except BaseException:
             ll.abort(call, "dispatch")  # its slots and headers are its own: release them, tell the peers
@@ -570,13 +570,12 @@ class Buffer:
         """
         ll = self._live_ll()
         call = self._calls.next("ll_combine")
-        on_device = self._ll_device
         try:
-            got = self._plans.ll_combine(x, topk_idx, topk_weights, handle, out, on_device)
+            got = self._plans.ll_combine(x, topk_idx, topk_weights, handle, out, self._ll_routed)
         except BaseException:
             ll.abort(call, "combine")  # its slots and headers are its own: release them, tell the peers
             raise
-        if got.plan is None:  # on the device: the send kernel checks the handle and topk_idx's values
+        if got.plan is None:  # the send half checks the handle and topk_idx's values, and routes
             receive = ll.combine_rows(call, got.x, got.topk_weights_NK, handle, got.out_NH, got.topk_idx_NK)
         else:
             receive = ll.combine_send(call, got.plan, got.out_NH)

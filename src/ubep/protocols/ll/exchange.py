@@ -107,8 +107,10 @@ class LLExchange(LowLatencyExchange):
 
             return LLTriton(transport, self.blocks, sizing, self._consumed, engine, capturable, flag=flag)
 
-        # each call half one compiled function, where the engine and memory allow
+        # each call half one compiled function, where the engine and memory allow; they route and
+        # check this rank's inputs themselves
         self._compiled = halves.compiled_form(engine, on_numba, on_triton) if on_heap else None
+        self.routes_in_halves = self._compiled is not None
 
     @property
     def halves(self) -> str:
@@ -292,10 +294,10 @@ class LLExchange(LowLatencyExchange):
     def combine_send(self, call: CallId, plan: LLCombinePlan, out_NH: torch.Tensor) -> Callable[[], None]:
         self.t.begin(call)
         try:
+            if self._compiled is not None:  # it checks the rows per home itself
+                return self._compiled.combine_send(call, plan, out_NH)
             if int(plan.send_counts_R.max()) > self._per_writer:
                 raise too_many_returned(plan, self._per_writer)
-            if self._compiled is not None:
-                return self._compiled.combine_send(call, plan, out_NH)
             self._reserve(call, COMBINE, "combine")
             for i, home in enumerate(self._others_first()):
                 if i == 1:
@@ -316,9 +318,9 @@ class LLExchange(LowLatencyExchange):
         out_NH: torch.Tensor,
         topk_NK: torch.Tensor,
     ) -> Callable[[], None]:
-        """`on_device` only: combine's send half from the expert outputs and the handle alone (no plan,
-        which reads counts on the host); the kernel checks what `combine_send`'s callers check on the
-        host (the handle received, topk_NK the dispatch's, no home over its run)."""
+        """`routes_in_halves` only: combine's send half from the expert outputs and the handle alone (no
+        plan, which reads counts on the host); the half checks what `combine_send`'s callers check on
+        the host (the handle received, topk_NK the dispatch's, no home over its run)."""
         self.t.begin(call)
         try:
             return self._compiled.combine_rows(call, x_LMH, weights_NK, handle, out_NH, topk_NK)
