@@ -36,6 +36,7 @@ from ubep.protocols.ll.plans import (
     dispatch_plan,
     wire_rows,
 )
+from ubep.recycle import Recycler
 from ubep.results import DispatchHandle, LowLatencyHandle
 
 Payload = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
@@ -82,6 +83,8 @@ class Planner:
         self.max_recv = sizing.capacity * self.num_ranks  # the most rows a rank receives in one dispatch
         self.rank_of_expert_E = sizing.placement.rank_of_expert_E.numpy()  # for the compiled route
         self.device_placement = sizing.placement.to(device)  # its tables where the caller's topk_idx lives
+        # low-latency recv_x in host memory that no earlier result holds any more (`ubep.recycle`)
+        self.recycler = Recycler() if device.type == "cpu" else None
 
     # -- normal mode ------------------------------------------------------------------------------
 
@@ -245,7 +248,8 @@ class Planner:
             plan = wire_rows(x, max_tokens, use_fp8)
         else:
             plan = dispatch_plan(x, idx, s.placement, max_tokens, use_fp8, compiled)
-        return plan, dispatch_outputs(plan, s.hidden, self.num_ranks, idx, self.num_experts, seq)
+        empty = None if self.recycler is None else self.recycler.empty
+        return plan, dispatch_outputs(plan, s.hidden, self.num_ranks, idx, self.num_experts, seq, empty)
 
     def ll_combine(
         self, x, topk_idx, topk_weights, handle, out: torch.Tensor | None, routed: bool

@@ -146,17 +146,24 @@ def dispatch_outputs(
     topk_idx_NK: torch.Tensor,
     num_experts: int,
     seq: int = 0,
+    empty: Callable[[tuple[int, ...], torch.dtype], torch.Tensor] | None = None,
 ) -> LLDispatchOut:
     """Allocate recv_x (rows uninitialised), the handle (-1 until received), the caller's recv_count
-    (-1 until received) and byte views of recv_x, on topk_idx's device."""
+    (-1 until received) and byte views of recv_x, on topk_idx's device; recv_x by `empty(shape,
+    dtype)` where given (`ubep.recycle`: host memory no earlier result holds any more)."""
     L, M, dev = num_experts // num_ranks, num_ranks * plan.max_tokens, topk_idx_NK.device
+    if empty is None:
+
+        def empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+            return torch.empty(shape, dtype=dtype, device=dev)
+
     if plan.code == DTYPE_CODES[fp8.VALUE_DTYPE]:
-        values = torch.empty(L, M, hidden, dtype=fp8.VALUE_DTYPE, device=dev)
-        scales = torch.empty(L, M, hidden // fp8.BLOCK, dtype=fp8.SCALE_DTYPE, device=dev)
+        values = empty((L, M, hidden), fp8.VALUE_DTYPE)
+        scales = empty((L, M, hidden // fp8.BLOCK), fp8.SCALE_DTYPE)
         recv_x: Payload = (values, scales)
         tensors = (values, scales)
     else:
-        recv_x = torch.empty(L, M, hidden, dtype=CODE_DTYPES[plan.code], device=dev)
+        recv_x = empty((L, M, hidden), CODE_DTYPES[plan.code])
         tensors = (recv_x,)
     planes, lo = [], 0
     for t in tensors:
