@@ -87,6 +87,22 @@ def test_bench_low_latency_mode(tmp_path):
     assert all(r["mode"] == "ll" for r in rows)
 
 
+def test_bench_low_latency_row_beside_normal_mode(tmp_path):
+    """The ubep-ll row: low-latency mode in the rounds of a normal-mode run, checked against the
+    reference like every row, its bytes low-latency mode's (a row per (token, expert) pair)."""
+    out = tmp_path / "both.json"
+    shape = ["--ranks", "2", "--tokens", "8", "--hidden", "256", "--experts", "8", "--topk", "2"]
+    code = main(
+        ["bench", *shape, "--iters", "2", "--warmup", "1", "--systems", "ubep,ubep-ll", "--json", str(out)]
+    )
+    assert code == 0
+    rows = {r["system"]: r for r in json.loads(out.read_text())["results"]}
+    assert set(rows) == {"ubep", "ubep-ll"} and rows["ubep-ll"]["vs_ubep"] > 0
+    # 2 ranks, top-2 of 8 experts: 8 tokens x 2 pairs per rank land as 16 rows on average in ll mode,
+    # fewer (a token whose two experts share a rank lands once) in normal mode
+    assert rows["ubep-ll"]["bytes_per_rank"] == 16 * 256 * 2 > rows["ubep"]["bytes_per_rank"]
+
+
 def test_bench_emulated_nodes_report_bytes_across(tmp_path):
     out = tmp_path / "nodes.json"
     code = main(
