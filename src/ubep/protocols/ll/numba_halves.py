@@ -47,13 +47,14 @@ from ubep.engine.numba_kernels import (
     words_once,
 )
 from ubep.engine.numba_sync import (
+    ASLEEP_REUSE,
     back_off,
     load_acquire,
     masked_by,
     store_relaxed,
     store_release,
     wake_if_asleep,
-    wake_sleepers,
+    wake_reusers,
 )
 from ubep.protocols.ll.blocks import (
     BACK_SLOTS,
@@ -135,7 +136,7 @@ def _reusable(table, asleep, me, live, kind, half, epoch, pending, spins, yields
     store_relaxed(asleep[me], 0)
     step = 0
     n = _not_reusable(table, live, me, kind, half, before, pending)
-    while n and back_off(step, spins, yields, asleep, me):
+    while n and back_off(step, spins, yields, asleep, me, ASLEEP_REUSE):
         n = _not_reusable(table, live, me, kind, half, before, pending)
         step += 1
     if n:
@@ -191,10 +192,11 @@ def _others_first(live, me, R):
 
 @_jit
 def _consumed(table, asleep, me, live, kind, half, epoch, wake):
-    """This rank read its last byte of the call's half: peers may reuse it (and are woken to)."""
+    """This rank read its last byte of the call's half: peers may reuse it (and those that sleep
+    waiting to are woken)."""
     skipped = load_acquire(_done_word(table, me, kind, half, SKIPPED))
     store_release(_done_word(table, me, kind, half, CONSUMED), max(epoch, skipped))
-    return wake_sleepers(asleep, live, me, wake)
+    return wake_reusers(asleep, live, me, wake)
 
 
 # -- dispatch ---------------------------------------------------------------------------------------
