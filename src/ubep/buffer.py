@@ -281,6 +281,9 @@ class Buffer:
             "expert_placement": self.sizing.placement.rank_of_expert_E.tolist(),
             "low_latency": self.low_latency,
             "ll_flag": self.ll_flag,  # the slots' layout
+            # where a low-latency dispatch's rows wait: put into the receivers' slots (the Triton
+            # halves), or staged in the sender's own (the CPU forms, `ubep.protocols.ll.exchange`)
+            "ll_rows": "put" if registry.ENGINES[self.engine.name].device_kernels else "staged",
         }
         check_agreement(self._info, mine, "Buffer")
 

@@ -22,9 +22,10 @@ peer whose stamp is missing while its `rejected` word for this kind has reached
 the call's epoch rejected the call itself: E_REJECTED names it at once.
 
 Example (R = 2, L = 1, T = 2, rank 0 sends token 1 with k = 0 to rank 1's expert):
-ll_dispatch_send writes the row into rank 1's slot [0, 0, 0] with info 1 * Kmax + 0,
-then stamps its record in rank 1's `sent` inbox, counts [1]; ll_dispatch_recv on
-rank 1 places it at recv_x[0, 0] with recv_src_token 1, recv_src_rank 0, recv_src_k 0.
+ll_dispatch_send stages its rows in its own slots[0] (token 1 at row 1), writes info
+1 * Kmax + 0 into rank 1's slot_info [0, 0, 0], then stamps its record in rank 1's
+`sent` inbox, counts [1]; ll_dispatch_recv on rank 1 copies rank 0's staged row 1 to
+recv_x[0, 0] with recv_src_token 1, recv_src_rank 0, recv_src_k 0.
 
 Legend: see `ubep.protocols.ll.plans` (L local experts, P pairs, Q rows sent back).
 """
@@ -207,13 +208,15 @@ def ll_dispatch_send(
     table, asleep, me, epoch, half, live, rows, topk, rank_of_expert, local_of_expert, code, T,
     Kmax, Tcap, row_bytes, wake, members, generation, pending, spins, yields, status,
 ):  # fmt: skip
-    """Check this rank's topk_idx, wait until every peer consumed call e - 2, then put every (token,
-    expert) pair's row into its destination's slot and stamp this rank's record there.
+    """Check this rank's topk_idx, wait until every peer consumed call e - 2, stage this rank's rows
+    once in its own slots, then give each destination the (token, top-k slot) of every pair it
+    receives and stamp this rank's record there.
 
-    rows uint8 [N, b] (this rank's tokens in wire form), topk int64 [N, K]; each destination gets
-    its pairs by (local expert, token), with their counts in the record. Before the first block and
-    after each, the membership check (`masked_by`). Returns DONE (status[5]: destinations to ring,
-    marked in `wake`), WAITING (the reuse wait), MASKED, or an error code before anything was put.
+    rows uint8 [N, b] (this rank's tokens in wire form) go to rows 0..N-1 of this rank's own
+    slots[me] (`ubep.protocols.ll.exchange`: the staged form); topk int64 [N, K]. Each destination
+    gets its pairs' infos by (local expert, token), their counts in the record. Before the first
+    block and after each, the membership check (`masked_by`). Returns DONE (status[5]: destinations
+    to ring, marked in `wake`), WAITING (the reuse wait), MASKED, or an error code before any write.
     """
     R, L = table.shape[0], rank_of_expert.size // table.shape[0]
     N, K = topk.shape
@@ -226,15 +229,20 @@ def ll_dispatch_send(
         return code_now
     if masked_by(members, live, me, generation) >= 0:
         return MASKED
+    staged = table[me, SLOTS, half] + me * L * Tcap * row_bytes  # this rank's own slots[me]
+    if b == row_bytes:
+        _move(staged, rows.ctypes.data, N * b)
+    else:
+        for t in range(N):
+            _move(staged + t * row_bytes, rows.ctypes.data + t * b, b)
     counts_RL = np.zeros((R, L), dtype=np.int64)
     for t in range(N):
         for k in range(K):
             if topk[t, k] >= 0:
                 counts_RL[rank_of_expert[topk[t, k]], local_of_expert[topk[t, k]]] += 1
     woken = 0
-    placed = np.empty(L, dtype=np.int64)  # rows put so far into each local expert's run of slots
+    placed = np.empty(L, dtype=np.int64)  # infos written so far for each local expert
     for dst in _others_first(live, me, R):
-        slots = table[dst, SLOTS, half] + me * L * Tcap * row_bytes
         info = _elements_at(_I64, table[dst, SLOT_INFO, half] + me * L * Tcap * 8, L * Tcap)
         placed[:] = 0
         for t in range(N):  # tokens ascending: each expert's run in token order
@@ -242,15 +250,13 @@ def ll_dispatch_send(
                 e = topk[t, k]
                 if e >= 0 and rank_of_expert[e] == dst:
                     j = local_of_expert[e]
-                    slot = j * Tcap + placed[j]
-                    _move(slots + slot * row_bytes, rows.ctypes.data + t * b, b)
-                    info[slot] = t * Kmax + k
+                    info[j * Tcap + placed[j]] = t * Kmax + k
                     placed[j] += 1
         record = _elements_at(_I64, table[dst, SENT, half] + me * words * 8, words)
         record[S_DTYPE], record[S_T], record[S_WIDTH] = code, T, b
         for j in range(L):
             record[S_COUNTS + j] = counts_RL[dst, j]
-        store_release(table[dst, SENT, half] + me * words * 8, epoch)  # the rows above are visible
+        store_release(table[dst, SENT, half] + me * words * 8, epoch)  # the rows and infos are visible
         if dst != me:
             woken += wake_if_asleep(asleep, dst, wake)
         if masked_by(members, live, me, generation) >= 0:
@@ -265,7 +271,8 @@ def ll_dispatch_recv(
     plane0, plane1, src_token, src_rank, src_k, layout_range, recv_count, state, wake,
     pending, spins, yields, status,
 ):  # fmt: skip
-    """Place each source's rows, in ascending source order, as its record lands.
+    """Place each source's rows, in ascending source order, as its record lands: each (token, top-k
+    slot) of its infos here names a row it staged in its own slots[src], copied from there.
 
     plane0 uint8 [L, M, w0] and plane1 uint8 [L, M, w1] (w1 = 0 unless FP8: values,
     then scales) receive each row's first w0 and next w1 bytes; live_R uint8 [R] marks
@@ -307,14 +314,14 @@ def ll_dispatch_recv(
             if record[S_COUNTS + j] > T:
                 return _fail(status, E_COUNTS, src, 0, 0, 0)
         info = _elements_at(_I64, table[me, SLOT_INFO, half] + src * L * Tcap * 8, L * Tcap)
-        slots = table[me, SLOTS, half] + src * L * Tcap * row_bytes
+        staged = table[src, SLOTS, half] + src * L * Tcap * row_bytes  # the source's rows, in its memory
         for j in range(L):  # each row's info read once: checked, then placed from the same value
             n = record[S_COUNTS + j]
             for i in range(n):
                 slot_info = info[j * Tcap + i]
                 if slot_info < 0 or slot_info // Kmax >= T:
                     return _fail(status, E_TOKENS, src, 0, 0, 0)
-                row, pos = slots + (j * Tcap + i) * row_bytes, begin[j] + i
+                row, pos = staged + (slot_info // Kmax) * row_bytes, begin[j] + i
                 _move(plane0[j, pos].ctypes.data, row, w0)
                 if w1:
                     _move(plane1[j, pos].ctypes.data, row + w0, w1)
