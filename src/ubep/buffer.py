@@ -96,6 +96,8 @@ def _receive_half(buffer: Buffer, call: CallId, receive) -> None:
             f"event.wait()) was issued before rank(s) {list(buffer.masked_ranks)} were masked; the call "
             "is over (its buffers serve the calls after the mask): issue it again"
         )
+    if call.timers is not None:
+        call.timers.resume()  # the caller's time since the call returned is no block's
     receive()
 
 
@@ -138,7 +140,7 @@ class Buffer:
         fabric: how bytes reach ranks on other hosts, where protocol "ubep" crosses hosts: "gloo"
             (torch.distributed point-to-point over TCP; "auto" takes it) or "nixl" (NIXL one-sided
             writes over UCX: TCP, InfiniBand, EFA; the `nixl` extra). docs/multinode.md.
-        call_timers: time the blocks of every normal-mode call (validation, halves, waiting,
+        call_timers: time the blocks of every call (validation, halves, waiting,
             results) and count its sleeps, rings and yields, for `call_timers` (default False;
             `ubep.timers`). Off, nothing is timed.
 
@@ -335,7 +337,7 @@ class Buffer:
 
     @property
     def call_timers(self) -> CallTimers | None:
-        """Where this Buffer's normal-mode calls spent their time, block by block (`ubep.timers`);
+        """Where this Buffer's calls spent their time, block by block (`ubep.timers`);
         None unless built with call_timers=True (or UBEP_CALL_TIMERS=1)."""
         return self._timers
 
@@ -541,6 +543,7 @@ class Buffer:
         """
         ll = self._live_ll()
         call = self._calls.next("ll_dispatch")
+        times = call.timers
         try:
             plan, out = self._plans.ll_dispatch(
                 x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, use_fp8, self._ll_routed, call.seq
@@ -548,11 +551,16 @@ class Buffer:
         except BaseException:
             ll.abort(call, "dispatch")  # its slots and headers are its own: release them, tell the peers
             raise
+        if times is not None:
+            times.lap("validate")
         receive = received(out, ll.dispatch_send(call, plan, out))  # a failing send half tells its peers
         event, hook = receive_later(
             self._later(call, receive, async_finish or return_recv_hook), async_finish, return_recv_hook
         )
-        return LowLatencyDispatchResult(out.recv_x, out.recv_count_L, out.handle, event, hook)
+        result = LowLatencyDispatchResult(out.recv_x, out.recv_count_L, out.handle, event, hook)
+        if times is not None:
+            times.end()
+        return result
 
     @_one_at_a_time
     def low_latency_combine(
@@ -573,11 +581,14 @@ class Buffer:
         """
         ll = self._live_ll()
         call = self._calls.next("ll_combine")
+        times = call.timers
         try:
             got = self._plans.ll_combine(x, topk_idx, topk_weights, handle, out, self._ll_routed)
         except BaseException:
             ll.abort(call, "combine")  # its slots and headers are its own: release them, tell the peers
             raise
+        if times is not None:
+            times.lap("validate")
         if got.plan is None:  # the send half checks the handle and topk_idx's values, and routes
             receive = ll.combine_rows(call, got.x, got.topk_weights_NK, handle, got.out_NH, got.topk_idx_NK)
         else:
@@ -585,7 +596,10 @@ class Buffer:
         event, hook = receive_later(
             self._later(call, receive, async_finish or return_recv_hook), async_finish, return_recv_hook
         )
-        return LowLatencyCombineResult(got.out_NH, event, hook)
+        result = LowLatencyCombineResult(got.out_NH, event, hook)
+        if times is not None:
+            times.end()
+        return result
 
     def check(self) -> None:
         """Raise the first error the device recorded in calls since the last check, normal mode's first

@@ -136,3 +136,13 @@ def test_bench_emulated_nodes_report_bytes_across(tmp_path):
     assert 0 < rows["ubep"]["boundary_bytes"] <= rows["bsp-gloo"]["boundary_bytes"]
     assert rows["hier-bsp"]["boundary_bytes"] == rows["ubep"]["boundary_bytes"]
     assert rows["ubep"]["vs_hier_bsp"] is not None and rows["hier-bsp"]["vs_hier_bsp"] == 1.0
+
+
+def test_bench_profile_of_low_latency_mode(capsys):
+    """--profile --mode ll: the call timers and the CPU categories of low-latency calls (not of
+    normal-mode ones, which the profile timed alone before)."""
+    shape = ["--ranks", "2", "--tokens", "4", "--hidden", "256", "--experts", "8", "--topk", "2"]
+    assert main(["bench", "--mode", "ll", "--profile", *shape, "--iters", "2", "--warmup", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "ll_dispatch" in out and "ll_combine" in out and "ll-mode combine: CPU time per call" in out
+    assert "normal-mode" not in out

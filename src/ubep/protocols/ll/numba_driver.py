@@ -82,6 +82,7 @@ class LLNumba(halves.HeapHalves):
             t, call, phase, k.ll_dispatch_send, *self._memory(call), rows_NB.numpy(), topk_NK,
             self.rank_of_expert_E, self.local_of_expert_E, code, T, s.max_topk, s.capacity, self.row_bytes,
             self.wake, self.members, t.generation, np.empty(self.R, dtype=np.int64), *self.budget, status,
+            block="send",
         )  # fmt: skip
         self._sent(call, phase, code_now, status, T, topk_NK)
         return lambda: self._receive_tokens(call, out)
@@ -127,7 +128,7 @@ class LLNumba(halves.HeapHalves):
             if code != k.DONE:
                 raise self._error(call, "low-latency dispatch (tokens)", code, status, T)
             if status[5]:
-                self.t.ring_marked(self.wake)
+                self.t.ring_marked(self.wake, call.timers)
             t.check_member("low-latency dispatch")  # what was read above was whole
         except BaseException:
             h.recv_count_L.fill_(-1)  # not received
@@ -165,16 +166,36 @@ class LLNumba(halves.HeapHalves):
         pending, status = np.empty(self.R, dtype=np.int64), np.zeros(6, dtype=np.int64)
         if self.faults.armed:  # the fault tests' stop after a block and its check: split the loop there
             code_now = halves.run(
-                t, call, phase, k.ll_combine_send, *args, 0, 1, pending, *self.budget, status
+                t, call, phase, k.ll_combine_send, *args, 0, 1, pending, *self.budget, status, block="send"
             )
             self._sent(call, phase, code_now, status, code, dispatched)
             self.faults.at("ll_combine.put", call)
             code_now = halves.run(
-                t, call, phase, k.ll_combine_send, *args, 1, self.R, pending, *self.budget, status
+                t,
+                call,
+                phase,
+                k.ll_combine_send,
+                *args,
+                1,
+                self.R,
+                pending,
+                *self.budget,
+                status,
+                block="send",
             )
         else:
             code_now = halves.run(
-                t, call, phase, k.ll_combine_send, *args, 0, self.R, pending, *self.budget, status
+                t,
+                call,
+                phase,
+                k.ll_combine_send,
+                *args,
+                0,
+                self.R,
+                pending,
+                *self.budget,
+                status,
+                block="send",
             )
         self._sent(call, phase, code_now, status, code, dispatched)
         return lambda: self._reduce(call, dispatched, weights_NK, out_NH, code)
@@ -187,7 +208,7 @@ class LLNumba(halves.HeapHalves):
         if code != k.DONE:
             raise self._error(call, phase, code, status, mine, topk_NK)
         if status[5]:
-            self.t.ring_marked(self.wake)
+            self.t.ring_marked(self.wake, call.timers)
 
     def _reduce(
         self, call: CallId, topk_NK: np.ndarray, weights_NK: torch.Tensor, out_NH: torch.Tensor, code: int
@@ -205,7 +226,7 @@ class LLNumba(halves.HeapHalves):
             if code_now != k.DONE:
                 raise self._error(call, "low-latency combine", code_now, status, code, topk_NK)
             if status[5]:
-                self.t.ring_marked(self.wake)
+                self.t.ring_marked(self.wake, call.timers)
             t.check_member("low-latency combine")  # the rows were whole
         except BaseException:
             self.release(call, COMBINE)
