@@ -121,15 +121,19 @@ class LLNumba(halves.HeapHalves):
                 h.recv_count_L.numpy(),
                 np.zeros(1 + h.recv_count_L.numel(), np.int64),
                 self.wake,
+                self.members,
+                t.generation,
                 pending,
                 *self.budget,
                 status,
             )
+            if code == k.MASKED:  # what was read may not be whole
+                t.check_member("low-latency dispatch")
+                raise RuntimeError("low-latency dispatch: the peers masked this rank")  # raised already
             if code != k.DONE:
                 raise self._error(call, "low-latency dispatch (tokens)", code, status, T)
             if status[5]:
                 self.t.ring_marked(self.wake, call.timers)
-            t.check_member("low-latency dispatch")  # what was read above was whole
         except BaseException:
             h.recv_count_L.fill_(-1)  # not received
             self.release(call, DISPATCH)
@@ -221,13 +225,15 @@ class LLNumba(halves.HeapHalves):
                 t, call, "low-latency combine", k.ll_combine_recv, *self._memory(call), topk_NK,
                 self.rank_of_expert_E, self.local_of_expert_E, code, *CODE_RANGE, s.capacity * s.max_topk,
                 self.per_writer, self.row_bytes, weights_NK.numpy(), out, np.zeros(1, np.int64), self.wake,
-                pending, *self.budget, status,
+                self.members, t.generation, pending, *self.budget, status,
             )  # fmt: skip
+            if code_now == k.MASKED:  # the rows may not be whole
+                t.check_member("low-latency combine")
+                raise RuntimeError("low-latency combine: the peers masked this rank")  # raised already
             if code_now != k.DONE:
                 raise self._error(call, "low-latency combine", code_now, status, code, topk_NK)
             if status[5]:
                 self.t.ring_marked(self.wake, call.timers)
-            t.check_member("low-latency combine")  # the rows were whole
         except BaseException:
             self.release(call, COMBINE)
             raise

@@ -269,7 +269,7 @@ def ll_dispatch_send(
 def ll_dispatch_recv(
     table, asleep, me, epoch, half, live_R, code, T, Kmax, Tcap, row_bytes, dtype_lo, dtype_hi,
     plane0, plane1, src_token, src_rank, src_k, layout_range, recv_count, state, wake,
-    pending, spins, yields, status,
+    members, generation, pending, spins, yields, status,
 ):  # fmt: skip
     """Place each source's rows, in ascending source order, as its record lands: each (token, top-k
     slot) of its infos here names a row it staged in its own slots[src], copied from there.
@@ -277,7 +277,8 @@ def ll_dispatch_recv(
     plane0 uint8 [L, M, w0] and plane1 uint8 [L, M, w1] (w1 = 0 unless FP8: values,
     then scales) receive each row's first w0 and next w1 bytes; live_R uint8 [R] marks
     live ranks. state int64 [1 + L]: the next source, then the rows placed per expert.
-    Returns DONE (recv_count set, the half released), WAITING or an error code.
+    Returns DONE (recv_count set, the half released), WAITING, MASKED (the peers masked this
+    rank meanwhile: what it read may not be whole; not released) or an error code.
     """
     L, M, w0 = plane0.shape
     w1 = plane1.shape[2]
@@ -333,9 +334,12 @@ def ll_dispatch_recv(
             layout_range[j, src, 0], layout_range[j, src, 1] = begin[j], n
             begin[j] += n
         state[0] += 1
+    live = np.flatnonzero(live_R)
+    if masked_by(members, live, me, generation) >= 0:  # what was read above was whole: this rank was live
+        return MASKED
     for j in range(L):
         recv_count[j] = begin[j]
-    status[5] = _consumed(table, asleep, me, np.flatnonzero(live_R), 0, half, epoch, wake)  # to ring
+    status[5] = _consumed(table, asleep, me, live, 0, half, epoch, wake)  # to ring
     return DONE
 
 
@@ -450,7 +454,8 @@ def _return_slots(topk, rank_of_expert, local_of_expert, R, L, per_writer):
 @_jit
 def ll_combine_recv(
     table, asleep, me, epoch, half, live, topk, rank_of_expert, local_of_expert, code, dtype_lo,
-    dtype_hi, count_hi, per_writer, row_bytes, weights, out, state, wake, pending, spins, yields, status,
+    dtype_hi, count_hi, per_writer, row_bytes, weights, out, state, wake, members, generation,
+    pending, spins, yields, status,
 ):  # fmt: skip
     """Once every expert rank this rank expects rows from has stamped, check them, then
     out[t] = sum over k ascending of weights[t, k] * y(t, k) where topk[t, k] >= 0 (float32, rounded
@@ -459,7 +464,9 @@ def ll_combine_recv(
     topk int64 [N, K]: this rank's routing, masked ranks' experts dropped (the send half checked it
     is the dispatch's; its ids are checked again here, before they index anything); y(t, k) lands
     in the back slot `_return_slots` gives. out [N, H] float32, or bf16 as uint16 bits; live: the
-    live ranks; state int64 [1]: the next rank to wait for.
+    live ranks; state int64 [1]: the next rank to wait for. Returns DONE, WAITING, MASKED (the
+    peers masked this rank: the rows may not be whole; out is written, the half not released) or
+    an error code.
     """
     R = table.shape[0]
     E = rank_of_expert.size
@@ -509,5 +516,7 @@ def ll_combine_recv(
             out_row = out[t, c : c + width]
             for j in range(width):
                 store(out_row, j, acc[j])
+    if masked_by(members, live, me, generation) >= 0:  # the rows were whole: this rank was live
+        return MASKED
     status[5] = _consumed(table, asleep, me, live, 1, half, epoch, wake)  # peers to ring
     return DONE
