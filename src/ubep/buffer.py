@@ -96,6 +96,8 @@ def _receive_half(buffer: Buffer, call: CallId, receive) -> None:
             f"event.wait()) was issued before rank(s) {list(buffer.masked_ranks)} were masked; the call "
             "is over (its buffers serve the calls after the mask): issue it again"
         )
+    if call.timers is not None:
+        call.timers.resume()  # the caller's time since the call returned is no block's
     receive()
 
 
@@ -138,7 +140,7 @@ class Buffer:
         fabric: how bytes reach ranks on other hosts, where protocol "ubep" crosses hosts: "gloo"
             (torch.distributed point-to-point over TCP; "auto" takes it) or "nixl" (NIXL one-sided
             writes over UCX: TCP, InfiniBand, EFA; the `nixl` extra). docs/multinode.md.
-        call_timers: time the blocks of every normal-mode call (validation, halves, waiting,
+        call_timers: time the blocks of every call (validation, halves, waiting,
             results) and count its sleeps, rings and yields, for `call_timers` (default False;
             `ubep.timers`). Off, nothing is timed.
 
@@ -242,9 +244,9 @@ class Buffer:
         self._recorder: Recorder | None = None
         if stats or log.isEnabledFor(logging.DEBUG):  # the debug line per call comes from the recorder
             self._record(StatsOptions() if isinstance(stats, bool) else stats, log)
-        # Low-latency calls go to Triton halves that check input values in their kernels, so the host
-        # reads none (not when stats are recorded: the recorder reads the plans' counts).
-        self._ll_device = self._recorder is None and self._ll is not None and self._ll.on_device
+        # Low-latency calls go to compiled halves that check input values and route themselves, so the
+        # host reads none and builds no plan (not when stats are recorded: the recorder reads the plans).
+        self._ll_routed = self._recorder is None and self._ll is not None and self._ll.routes_in_halves
         if log.isEnabledFor(logging.INFO):
             log.info("Buffer built: %s", self.explain())
         self._timers = CallTimers() if call_timers else None  # the blocks of every call (`ubep.timers`)
@@ -258,6 +260,7 @@ class Buffer:
             self.sizing,
             self.device,
             route=self.engine.route,
+            engine=self.engine,
             layout_by_send=self._exchange.layout_by_send,
             capturable=self.capturable,
             membership=self._membership,
@@ -280,6 +283,9 @@ class Buffer:
             "expert_placement": self.sizing.placement.rank_of_expert_E.tolist(),
             "low_latency": self.low_latency,
             "ll_flag": self.ll_flag,  # the slots' layout
+            # where a low-latency dispatch's rows wait: put into the receivers' slots (the Triton
+            # halves), or staged in the sender's own (the CPU forms, `ubep.protocols.ll.exchange`)
+            "ll_rows": "put" if registry.ENGINES[self.engine.name].device_kernels else "staged",
         }
         check_agreement(self._info, mine, "Buffer")
 
@@ -331,7 +337,7 @@ class Buffer:
 
     @property
     def call_timers(self) -> CallTimers | None:
-        """Where this Buffer's normal-mode calls spent their time, block by block (`ubep.timers`);
+        """Where this Buffer's calls spent their time, block by block (`ubep.timers`);
         None unless built with call_timers=True (or UBEP_CALL_TIMERS=1)."""
         return self._timers
 
@@ -537,19 +543,24 @@ class Buffer:
         """
         ll = self._live_ll()
         call = self._calls.next("ll_dispatch")
-        on_device = self._ll_device
+        times = call.timers
         try:
             plan, out = self._plans.ll_dispatch(
-                x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, use_fp8, on_device, call.seq
+                x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, use_fp8, self._ll_routed, call.seq
             )
         except BaseException:
             ll.abort(call, "dispatch")  # its slots and headers are its own: release them, tell the peers
             raise
+        if times is not None:
+            times.lap("validate")
         receive = received(out, ll.dispatch_send(call, plan, out))  # a failing send half tells its peers
         event, hook = receive_later(
             self._later(call, receive, async_finish or return_recv_hook), async_finish, return_recv_hook
         )
-        return LowLatencyDispatchResult(out.recv_x, out.recv_count_L, out.handle, event, hook)
+        result = LowLatencyDispatchResult(out.recv_x, out.recv_count_L, out.handle, event, hook)
+        if times is not None:
+            times.end()
+        return result
 
     @_one_at_a_time
     def low_latency_combine(
@@ -570,20 +581,25 @@ class Buffer:
         """
         ll = self._live_ll()
         call = self._calls.next("ll_combine")
-        on_device = self._ll_device
+        times = call.timers
         try:
-            got = self._plans.ll_combine(x, topk_idx, topk_weights, handle, out, on_device)
+            got = self._plans.ll_combine(x, topk_idx, topk_weights, handle, out, self._ll_routed)
         except BaseException:
             ll.abort(call, "combine")  # its slots and headers are its own: release them, tell the peers
             raise
-        if got.plan is None:  # on the device: the send kernel checks the handle and topk_idx's values
+        if times is not None:
+            times.lap("validate")
+        if got.plan is None:  # the send half checks the handle and topk_idx's values, and routes
             receive = ll.combine_rows(call, got.x, got.topk_weights_NK, handle, got.out_NH, got.topk_idx_NK)
         else:
             receive = ll.combine_send(call, got.plan, got.out_NH)
         event, hook = receive_later(
             self._later(call, receive, async_finish or return_recv_hook), async_finish, return_recv_hook
         )
-        return LowLatencyCombineResult(got.out_NH, event, hook)
+        result = LowLatencyCombineResult(got.out_NH, event, hook)
+        if times is not None:
+            times.end()
+        return result
 
     def check(self) -> None:
         """Raise the first error the device recorded in calls since the last check, normal mode's first

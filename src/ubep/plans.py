@@ -21,6 +21,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from ubep import validate
+from ubep.engine import Engine
 from ubep.layout import aligned, expert_counts, token_in_rank
 from ubep.membership import Membership
 from ubep.placement.slots import PlacedSlots
@@ -35,6 +36,7 @@ from ubep.protocols.ll.plans import (
     dispatch_plan,
     wire_rows,
 )
+from ubep.recycle import Recycler
 from ubep.results import DispatchHandle, LowLatencyHandle
 
 Payload = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
@@ -63,6 +65,7 @@ class Planner:
         device: torch.device,
         *,
         route: Route | None,
+        engine: Engine | None = None,
         layout_by_send: bool,
         capturable: bool,
         membership: Membership,
@@ -70,6 +73,8 @@ class Planner:
     ):
         self.sizing, self.device, self.num_ranks = sizing, device, sizing.num_ranks
         self.route = route  # the engine's compiled check-and-layout, where it has one
+        # the engine whose compiled low-latency plans check the values (`Engine.ll_pairs`), or None
+        self.ll_engine = engine if engine is not None and engine.ll_pairs is not None else None
         self.layout_by_send = layout_by_send  # the exchange's send kernel derives the layout (Triton)
         self.capturable = capturable  # no host reads at all: the kernels check values, counts not taken
         self.membership, self.slots = membership, slots
@@ -78,6 +83,8 @@ class Planner:
         self.max_recv = sizing.capacity * self.num_ranks  # the most rows a rank receives in one dispatch
         self.rank_of_expert_E = sizing.placement.rank_of_expert_E.numpy()  # for the compiled route
         self.device_placement = sizing.placement.to(device)  # its tables where the caller's topk_idx lives
+        # low-latency recv_x in host memory that no earlier result holds any more (`ubep.recycle`)
+        self.recycler = Recycler() if device.type == "cpu" else None
 
     # -- normal mode ------------------------------------------------------------------------------
 
@@ -221,34 +228,36 @@ class Planner:
     # -- low-latency mode -------------------------------------------------------------------------
 
     def ll_dispatch(
-        self, x, topk_idx, max_tokens: int, num_experts: int, use_fp8: bool, on_device: bool, seq: int
+        self, x, topk_idx, max_tokens: int, num_experts: int, use_fp8: bool, routed: bool, seq: int
     ) -> tuple[LLDispatchPlan | WireRows, LLDispatchOut]:
-        """The send plan (on the device: the rows on the wire, the kernel routes them) and the outputs
-        its receive half fills."""
+        """The send plan (`routed`: the rows on the wire alone, the halves route them and check the
+        values) and the outputs its receive half fills."""
         s = self.sizing
         if num_experts != self.num_experts or self.slots.placement is not None:  # else it holds
             self.slots.check_num_experts(num_experts)
         x = validate.low_latency_x(x, s.hidden, max_tokens, s.capacity, use_fp8, self.device)
         if self.slots.copy_map is not None:
             topk_idx = self.slots.physical(topk_idx)
-        # on the device, the send kernel checks the values
-        idx = validate.topk_idx(
-            topk_idx, x.shape[0], self.num_experts, s.max_topk, not on_device, self.device
-        )
+        # routed, the send half checks the values; else the engine's compiled plan, where it has one
+        compiled = None if routed or self.membership.masked else self.ll_engine
+        values = not routed and compiled is None
+        idx = validate.topk_idx(topk_idx, x.shape[0], self.num_experts, s.max_topk, values, self.device)
         if self.membership.masked:
             idx = self.membership.drop(idx, count=False)[0]
-        if on_device:
+        if routed:
             plan = wire_rows(x, max_tokens, use_fp8)
         else:
-            plan = dispatch_plan(x, idx, s.placement, max_tokens, use_fp8)
-        return plan, dispatch_outputs(plan, s.hidden, self.num_ranks, idx, self.num_experts, seq)
+            plan = dispatch_plan(x, idx, s.placement, max_tokens, use_fp8, compiled)
+        empty = None if self.recycler is None else self.recycler.empty
+        return plan, dispatch_outputs(plan, s.hidden, self.num_ranks, idx, self.num_experts, seq, empty)
 
     def ll_combine(
-        self, x, topk_idx, topk_weights, handle, out: torch.Tensor | None, on_device: bool
+        self, x, topk_idx, topk_weights, handle, out: torch.Tensor | None, routed: bool
     ) -> LLCombineInputs:
-        """A low-latency combine's inputs, checked; on the device halves (whose send kernel checks them)
-        no value of the handle or topk_idx is read on the host."""
-        values = not on_device
+        """A low-latency combine's inputs, checked; `routed` (the send half checks them and routes) no
+        value of the handle or topk_idx is read on the host and no plan is built."""
+        values = not routed
+        compiled = None if routed or self.membership.masked else self.ll_engine
         if not isinstance(handle, LowLatencyHandle):
             raise TypeError(f"handle must come from Buffer.low_latency_dispatch, got {type(handle).__name__}")
         R, L, H = self.num_ranks, self.num_local_experts, self.sizing.hidden
@@ -262,7 +271,7 @@ class Planner:
         if self.slots.copy_map is not None:
             topk_idx = self.slots.physical(topk_idx)
         N, K = handle.num_tokens, self.sizing.max_topk
-        idx = validate.topk_idx(topk_idx, N, self.num_experts, K, values, self.device)
+        idx = validate.topk_idx(topk_idx, N, self.num_experts, K, values and compiled is None, self.device)
         if self.membership.masked:
             idx = self.membership.drop(idx, count=False)[0]
         if idx.shape != handle.topk_idx_NK.shape or (values and not torch.equal(idx, handle.topk_idx_NK)):
@@ -274,5 +283,5 @@ class Planner:
             out = validate.tensor("out", out, x.dtype, 2, self.device)
             if tuple(out.shape) != (N, H) or not out.is_contiguous():
                 raise ValueError(f"out must be a contiguous [{N}, {H}] tensor")
-        plan = None if on_device else combine_plan(x, w, handle, self.sizing.placement)
+        plan = None if routed else combine_plan(x, w, handle, self.sizing.placement, compiled)
         return LLCombineInputs(x=x, topk_idx_NK=idx, topk_weights_NK=w, out_NH=out, plan=plan)

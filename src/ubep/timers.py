@@ -1,14 +1,15 @@
-"""Call timers: where a normal-mode call's time goes, without a profiler's inflation.
+"""Call timers: where a call's time goes, without a profiler's inflation.
 
 A Buffer built with `call_timers=True` (or UBEP_CALL_TIMERS=1) keeps one `BlockTimes` per kind of
-call ("dispatch", "combine"); every `CallId` of that kind carries it down (`CallId.timers`), and
+call ("dispatch", "combine", "ll_dispatch", "ll_combine"); every `CallId` of that kind carries it
+down (`CallId.timers`), and
 each layer marks the end of the block it just ran with `lap(block)`, which charges the wall and
 CPU time since the previous mark to that block. The blocks therefore partition a call:
 
     validate  the Buffer's checks and send plan, up to the exchange
     between   Python in the exchange outside the compiled halves (outputs allocated, arguments)
-    send      the compiled send half (its arguments' numpy views included), and the rings of the
-              peers it found asleep
+    send      the compiled send half (its arguments' numpy views included; a low-latency one's
+              reuse wait too), and the rings of the peers it found asleep
     receive   entries of the compiled receive halves, re-entries after a sleep included (their own
               spin and yield polls are inside them)
     wait      sleeping on the doorbell between entries (`Heap.sleeper`), with its peer checks
@@ -19,9 +20,11 @@ in Python waits (a compiled half's own yields are not seen from here), and the t
 (blocking) and involuntary (preempted, or a sched_yield that gave the core away) context switches.
 Off (the default) nothing is timed: `CallId.timers` is None and each site tests only that.
 
-The marks sit on protocol ubep's compiled (numba) path; on other paths what is not marked (a bsp
-send half, the torch or Triton halves, the collectives across hosts) falls in "between", and
-the receive entries of any half entered through `ubep.protocols.halves.run` in "receive".
+The marks sit on protocol ubep's compiled (numba) path and low-latency mode's; on other paths what
+is not marked (a bsp send half, the torch or Triton halves, the collectives across hosts) falls in
+"between", and the receive entries of any half entered through `ubep.protocols.halves.run` in
+"receive". A low-latency receive half run later (its hook, or event.wait()) is charged from where
+it starts (`BlockTimes.resume`), not from the call's return.
 CPU time is this thread's (`time.thread_time_ns`): the compiled halves run in the calling thread;
 mover threads (workers > 1) are not counted.
 """
@@ -32,7 +35,7 @@ import resource
 import time
 from dataclasses import dataclass, field
 
-TIMED_KINDS = ("dispatch", "combine")
+TIMED_KINDS = ("dispatch", "combine", "ll_dispatch", "ll_combine")
 BLOCKS = ("validate", "between", "send", "receive", "wait", "results")
 COUNTS = ("entries", "sleeps", "rings", "yields", "switches_voluntary", "switches_involuntary")
 
@@ -61,6 +64,11 @@ class BlockTimes:
         self._switches = (usage.ru_nvcsw, usage.ru_nivcsw)
         self._wall, self._cpu = time.perf_counter_ns(), time.thread_time_ns()
         return self
+
+    def resume(self) -> None:
+        """A receive half run later (a hook) starts: mark now, so the caller's time since the call
+        returned is charged to no block."""
+        self._wall, self._cpu = time.perf_counter_ns(), time.thread_time_ns()
 
     def lap(self, block: str) -> None:
         """Charge the time since the previous mark to `block` (one of BLOCKS) and mark now."""
@@ -93,7 +101,7 @@ class CallTimers:
         self.kinds = {kind: BlockTimes() for kind in TIMED_KINDS}
 
     def begin(self, kind: str) -> BlockTimes | None:
-        """The times of a call of `kind` that starts now, or None for a kind not timed (low latency)."""
+        """The times of a call of `kind` that starts now, or None for a kind not timed."""
         times = self.kinds.get(kind)
         return None if times is None else times.begin()
 

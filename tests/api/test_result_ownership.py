@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import ubep
+from ubep.recycle import Recycler
 from ubep.transport.virtual import VirtualWorld
 
 T, H, E, K = 6, 32, 8, 3
@@ -76,3 +77,41 @@ def test_results_outlive_the_next_calls(engine):
         for name, count, unchanged in calls:
             assert count > 0, f"rank {rank}: {name} returned no tensor"
             assert unchanged, f"rank {rank}: a later call changed a tensor {name} returned"
+
+
+def test_recycled_memory_is_never_memory_a_result_still_holds():
+    """`ubep.recycle.Recycler` (the memory of the low-latency recv_x) hands a block out again only once
+    no tensor, view, storage or numpy array refers to it, and then does hand it out again."""
+    recycler, shape = Recycler(keep=1), (2, 3, 4)
+    holders = {
+        "the tensor": lambda t: t,
+        "a view": lambda t: t[1:].view(torch.uint8),
+        "its storage": lambda t: t.untyped_storage(),
+        "a numpy array": lambda t: t.view(torch.int16).numpy(),
+    }
+    for what, hold in holders.items():
+        first = recycler.empty(shape, torch.bfloat16)
+        at, held = first.data_ptr(), hold(first)
+        del first
+        busy = recycler.empty(shape, torch.bfloat16)
+        assert busy.data_ptr() != at, f"a block was handed out while {what} held it"
+        del busy, held
+        again = recycler.empty(shape, torch.bfloat16)
+        assert again.data_ptr() == at, f"a block was not handed out again once {what} was dropped"
+        del again
+    live = [recycler.empty(shape, torch.bfloat16) for _ in range(3)]
+    assert len({t.data_ptr() for t in live}) == 3 and recycler.kept_bytes() == 2 * 3 * 4 * 2  # keep=1
+
+
+def test_a_dropped_low_latency_recv_x_is_reused():
+    """The low-latency dispatch takes recv_x from the Buffer's recycler: once the caller dropped an
+    earlier recv_x, a later dispatch writes into the same memory (no page faults), and one still
+    held keeps its bytes (test_results_outlive_the_next_calls)."""
+
+    def body(rank) -> bool:
+        x, idx, _ = _inputs(rank.rank, 0)
+        with ubep.Buffer(rank, hidden=H, num_experts=E, max_tokens_per_rank=T, low_latency=True) as buf:
+            at = buf.low_latency_dispatch(x, idx, T, E).recv_x.data_ptr()  # dropped at once
+            return buf.low_latency_dispatch(x, idx, T, E).recv_x.data_ptr() == at
+
+    assert all(VirtualWorld(2, timeout_s=120).run(body))

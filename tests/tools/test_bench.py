@@ -92,6 +92,22 @@ def test_bench_low_latency_mode(tmp_path):
     assert all(r["mode"] == "ll" for r in rows)
 
 
+def test_bench_low_latency_row_beside_normal_mode(tmp_path):
+    """The ubep-ll row: low-latency mode in the rounds of a normal-mode run, checked against the
+    reference like every row, its bytes low-latency mode's (a row per (token, expert) pair)."""
+    out = tmp_path / "both.json"
+    shape = ["--ranks", "2", "--tokens", "8", "--hidden", "256", "--experts", "8", "--topk", "2"]
+    code = main(
+        ["bench", *shape, "--iters", "2", "--warmup", "1", "--systems", "ubep,ubep-ll", "--json", str(out)]
+    )
+    assert code == 0
+    rows = {r["system"]: r for r in json.loads(out.read_text())["results"]}
+    assert set(rows) == {"ubep", "ubep-ll"} and rows["ubep-ll"]["vs_ubep"] > 0
+    # 2 ranks, top-2 of 8 experts: 8 tokens x 2 pairs per rank land as 16 rows on average in ll mode,
+    # fewer (a token whose two experts share a rank lands once) in normal mode
+    assert rows["ubep-ll"]["bytes_per_rank"] == 16 * 256 * 2 > rows["ubep"]["bytes_per_rank"]
+
+
 def test_bench_emulated_nodes_report_bytes_across(tmp_path):
     out = tmp_path / "nodes.json"
     code = main(
@@ -125,3 +141,13 @@ def test_bench_emulated_nodes_report_bytes_across(tmp_path):
     assert 0 < rows["ubep"]["boundary_bytes"] <= rows["bsp-gloo"]["boundary_bytes"]
     assert rows["hier-bsp"]["boundary_bytes"] == rows["ubep"]["boundary_bytes"]
     assert rows["ubep"]["vs_hier_bsp"] is not None and rows["hier-bsp"]["vs_hier_bsp"] == 1.0
+
+
+def test_bench_profile_of_low_latency_mode(capsys):
+    """--profile --mode ll: the call timers and the CPU categories of low-latency calls (not of
+    normal-mode ones, which the profile timed alone before)."""
+    shape = ["--ranks", "2", "--tokens", "4", "--hidden", "256", "--experts", "8", "--topk", "2"]
+    assert main(["bench", "--mode", "ll", "--profile", *shape, "--iters", "2", "--warmup", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "ll_dispatch" in out and "ll_combine" in out and "ll-mode combine: CPU time per call" in out
+    assert "normal-mode" not in out

@@ -332,6 +332,19 @@ def test_select_systems_drops_what_cannot_run_and_says_why():
         bench_run.select_systems(BenchConfig(ranks=4, nodes=2, systems=("bsp-shm",)), (True, ""))
 
 
+def test_the_low_latency_row_runs_beside_normal_mode_on_one_host_only():
+    """ubep-ll times low-latency mode in a normal-mode run (its x ubep: the ratio of the two modes); in
+    --mode ll the ubep row is that mode already, and across nodes low-latency mode has no row."""
+    systems, notes = bench_run.select_systems(BenchConfig(systems=("ubep", "ubep-ll")), (True, ""))
+    assert systems == ("ubep", "ubep-ll") and "over normal mode" in notes[-1]
+    systems, notes = bench_run.select_systems(BenchConfig(mode="ll", systems=("ubep", "ubep-ll")), (True, ""))
+    assert systems == ("ubep",) and "no ubep-ll row" in notes[-1]
+    systems, notes = bench_run.select_systems(
+        BenchConfig(ranks=4, nodes=2, systems=("ubep", "ubep-ll")), (True, "")
+    )
+    assert systems == ("ubep",) and "no ubep-ll row (one host only)" in notes[0]
+
+
 def test_rows_across_nodes_run_only_across_nodes_and_nixl_only_where_installed(monkeypatch):
     across = ("ubep", "ubep-nixl", "hier-bsp", "bsp-gloo")
     systems, notes = bench_run.select_systems(BenchConfig(systems=across), (True, ""))

@@ -26,13 +26,15 @@ def test_laps_charge_the_time_since_the_previous_mark():
     assert set(got) == {f"{w} {b}" for w in ("wall", "cpu") for b in BLOCKS} | set(COUNTS)
 
 
-def test_only_normal_mode_kinds_are_timed_and_reset_forgets():
+def test_each_kind_is_timed_apart_and_reset_forgets():
     timers = CallTimers()
-    assert timers.begin("ll_dispatch") is None
+    assert timers.begin("no such kind") is None
     timers.begin("dispatch").end()
-    assert timers.kinds["dispatch"].calls == 1 and timers.per_call()["combine"] == {}
+    timers.begin("ll_dispatch").end()
+    assert timers.kinds["dispatch"].calls == timers.kinds["ll_dispatch"].calls == 1
+    assert timers.per_call()["combine"] == {} == timers.per_call()["ll_combine"]
     timers.reset()
-    assert timers.per_call() == {"dispatch": {}, "combine": {}}
+    assert timers.per_call() == {"dispatch": {}, "combine": {}, "ll_dispatch": {}, "ll_combine": {}}
 
 
 def test_the_environment_turns_them_on():
@@ -56,8 +58,13 @@ def _calls(rank, on: bool) -> tuple[dict, float]:
         for _ in range(6):
             got = buf.dispatch(x, topk_idx=idx, topk_weights=w)
             buf.combine(got.recv_x, got.handle)
-        elapsed = (time.perf_counter_ns() - start) / 6 / 1e3
-        buf.low_latency_dispatch(x, idx, T, E)  # not timed
+        for _ in range(3):
+            got = buf.low_latency_dispatch(x, idx, T, E)
+            buf.low_latency_combine(got.recv_x, idx, w, got.handle)
+        elapsed = (time.perf_counter_ns() - start) / 6 / 1e3  # per normal pair, and half a low-latency one
+        hooked = buf.low_latency_dispatch(x, idx, T, E, return_recv_hook=True)  # its receive half later:
+        time.sleep(0.05)  # the caller's time until the hook is no block's
+        hooked.hook()
         return buf.call_timers.per_call(), elapsed
 
 
@@ -65,12 +72,22 @@ def test_a_buffer_times_each_block_of_its_calls():
     pytest.importorskip("numba")
     assert VirtualWorld(2, timeout_s=60).run(lambda r: _calls(r, False))[0][0] is None
     for per_call, elapsed in VirtualWorld(2, timeout_s=60).run(lambda r: _calls(r, True)):
-        for kind, halves in (("dispatch", 2), ("combine", 1)):  # receive halves: routes and gather; reduce
+        # halves entered: normal dispatch, routes and gather; combine, the reduce; low latency, each
+        # kind's send half (its reuse wait) and receive half
+        for kind, halves in (("dispatch", 2), ("combine", 1), ("ll_dispatch", 2), ("ll_combine", 2)):
             got = per_call[kind]
             assert got["entries"] >= halves and got["cpu send"] > 0 and got["cpu validate"] > 0
             assert got["entries"] == halves + got["sleeps"]  # every sleep is followed by an entry
-        walls = sum(v for kind in per_call.values() for k, v in kind.items() if k.startswith("wall "))
-        assert walls <= elapsed  # the blocks partition each call; the loop adds only itself
+        for kind in ("dispatch", "combine"):
+            walls = sum(v for k, v in per_call[kind].items() if k.startswith("wall "))
+            assert walls <= elapsed  # the blocks partition each call; the loop adds only itself
+        ll = sum(
+            v
+            for kind in ("ll_dispatch", "ll_combine")
+            for k, v in per_call[kind].items()
+            if k.startswith("wall ")
+        )
+        assert ll <= 2 * elapsed and per_call["ll_dispatch"]["wall between"] < 5_000  # not the 50 ms slept
 
 
 def test_the_profile_table_shows_medians_over_ranks():

@@ -1,5 +1,6 @@
 """`ubep bench --profile`: where one rank's CPU time goes in a Buffer row's dispatch and combine
-(the first of --systems that is one: ubep by default; across --nodes also hier-bsp, ubep-nixl).
+(the first of --systems that is one: ubep by default; across --nodes also hier-bsp, ubep-nixl), in
+normal mode or, with --mode ll, low-latency mode.
 
 Two views, each from a Buffer of its own:
 
@@ -19,6 +20,7 @@ import os
 import pstats
 import statistics
 import time
+from collections.abc import Callable
 
 import torch.distributed as dist
 from rich.console import Console
@@ -73,9 +75,35 @@ def _buffer(cfg: BenchConfig, tokens: int, name: str, call_timers: bool) -> ubep
         protocol=system.protocol,
         transport=system.across if cfg.nodes > 1 else system.transport,
         fabric=system.fabric,
-        low_latency=False,  # normal-mode calls only: no low-latency slots (128 tokens, 8 ranks: GBs)
+        low_latency=cfg.mode == "ll",  # slots only for that mode (128 tokens, 8 ranks: GBs)
         call_timers=call_timers,
     )
+
+
+def _pair(buf: ubep.Buffer, cfg: BenchConfig, x, idx, w) -> None:
+    """One dispatch and the combine of its rows, in cfg.mode, as a model's layer calls them."""
+    if cfg.mode == "ll":
+        got = buf.low_latency_dispatch(x, idx, x.shape[0], cfg.experts)
+        buf.low_latency_combine(got.recv_x, idx, w, got.handle)
+    else:
+        got = buf.dispatch(x, topk_idx=idx, topk_weights=w)
+        buf.combine(got.recv_x, got.handle)
+
+
+def _calls(
+    buf: ubep.Buffer, cfg: BenchConfig, x, idx, w
+) -> tuple[Callable[[], object], Callable[[], object]]:
+    """(dispatch, combine) of `buf` in cfg.mode on this rank's inputs, each to repeat alone: the
+    combine returns the rows of one dispatch made here."""
+    if cfg.mode == "ll":
+        T = x.shape[0]
+        got = buf.low_latency_dispatch(x, idx, T, cfg.experts)
+        return (
+            lambda: buf.low_latency_dispatch(x, idx, T, cfg.experts),
+            lambda: buf.low_latency_combine(got.recv_x, idx, w, got.handle),
+        )
+    got = buf.dispatch(x, topk_idx=idx, topk_weights=w)
+    return lambda: buf.dispatch(x, topk_idx=idx, topk_weights=w), lambda: buf.combine(got.recv_x, got.handle)
 
 
 def profile_rank(cfg: BenchConfig, tokens: int, calls: int, name: str) -> dict:
@@ -90,15 +118,10 @@ def profile_rank(cfg: BenchConfig, tokens: int, calls: int, name: str) -> dict:
             if i == cfg.warmup:
                 dist.barrier()
                 buf.call_timers.reset()
-            got = buf.dispatch(x, topk_idx=idx, topk_weights=w)
-            buf.combine(got.recv_x, got.handle)
-        out["timers"] = buf.call_timers.per_call()
+            _pair(buf, cfg, x, idx, w)
+        out["timers"] = {kind: t for kind, t in buf.call_timers.per_call().items() if t}
     with _buffer(cfg, tokens, name, call_timers=False) as buf:
-        got = buf.dispatch(x, topk_idx=idx, topk_weights=w)
-        ops = {
-            "dispatch": lambda: buf.dispatch(x, topk_idx=idx, topk_weights=w),
-            "combine": lambda: buf.combine(got.recv_x, got.handle),
-        }
+        ops = dict(zip(("dispatch", "combine"), _calls(buf, cfg, x, idx, w), strict=True))
         for op, fn in ops.items():
             for _ in range(cfg.warmup):
                 fn()
@@ -122,7 +145,8 @@ def timer_table(per_rank: list[dict], title: str) -> Table:
     the rank's mean."""
     table = Table(title=title)
     table.add_column("block", justify="left")
-    for kind in TIMED_KINDS:
+    kinds = [kind for kind in TIMED_KINDS if kind in per_rank[0]["timers"]]  # the kinds the calls had
+    for kind in kinds:
         table.add_column(f"{kind} wall us", justify="right")
         table.add_column(f"{kind} CPU us", justify="right")
 
@@ -131,13 +155,13 @@ def timer_table(per_rank: list[dict], title: str) -> Table:
 
     for block in (*BLOCKS, "total"):
         cells = []
-        for kind in TIMED_KINDS:
+        for kind in kinds:
             for clock in ("wall", "cpu"):
                 keys = [f"{clock} {b}" for b in BLOCKS] if block == "total" else [f"{clock} {block}"]
                 cells.append(f"{median(kind, keys):,.1f}")
         table.add_row(f"[bold]{block}[/bold]" if block == "total" else block, *cells)
     for count in COUNTS:
-        cells = [cell for kind in TIMED_KINDS for cell in (f"{median(kind, [count]):.2f}", "")]
+        cells = [cell for kind in kinds for cell in (f"{median(kind, [count]):.2f}", "")]
         table.add_row(f"{COUNT_LABELS[count]} / call", *cells)
     return table
 
@@ -154,13 +178,14 @@ def run_profile(cfg: BenchConfig, tokens: int) -> None:
     console.print(
         timer_table(
             per_rank,
-            f"{name}: call timers, {calls} dispatch + combine pairs, median over {cfg.ranks} ranks "
-            f"of each rank's mean per call ({tokens} tokens/rank; no profiler)",
+            f"{name}: call timers, {calls} {cfg.mode}-mode dispatch + combine pairs, median over "
+            f"{cfg.ranks} ranks of each rank's mean per call ({tokens} tokens/rank; no profiler)",
         )
     )
     for op in ("dispatch", "combine"):
         table = Table(
-            title=f"{name} {op}: CPU time per call, mean over {cfg.ranks} ranks ({tokens} tokens/rank)"
+            title=f"{name} {cfg.mode}-mode {op}: CPU time per call, mean over {cfg.ranks} ranks "
+            f"({tokens} tokens/rank)"
         )
         for col in ("where", "us per call", "share"):
             table.add_column(col, justify="left" if col == "where" else "right")

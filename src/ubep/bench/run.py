@@ -28,7 +28,7 @@ from ubep.bench.hosts import HostsGroup
 from ubep.bench.timing import latencies_us
 from ubep.bench.torch_systems import measure_rank
 from ubep.bench.turns import Conductor, Samples, round_order
-from ubep.bench.workload import UBEP_ROW, BenchConfig, build
+from ubep.bench.workload import LL_ROW, UBEP_ROW, BenchConfig, build
 from ubep.errors import SharedMemorySizeError
 from ubep.extras import install_hint
 from ubep.factory import ready_engine
@@ -36,7 +36,7 @@ from ubep.launcher import LocalLaunch
 from ubep.layout import ExpertPlacement
 from ubep.transport.segments import KNOBS
 
-SINGLE_HOST = ("bsp-shm", "mpi")  # no row across emulated nodes
+SINGLE_HOST = ("bsp-shm", "mpi", LL_ROW)  # no row across emulated nodes
 ACROSS_ONLY = ("hier-bsp", "ubep-nixl")  # rows of the exchange between nodes
 NORMAL_ONLY = ("bsp-shm", "mpi")  # no low-latency mode
 STOP_S = 30.0  # how long a stopped group gets to wind down
@@ -89,6 +89,11 @@ def select_systems(cfg: BenchConfig, mpi: tuple[bool, str]) -> tuple[tuple[str, 
                 f"ll mode: no {', '.join(unsupported)} row (low-latency mode is ubep's protocol on "
                 "shared memory, or the collective path, shown as bsp-gloo)"
             )
+        if LL_ROW in systems:
+            systems.remove(LL_ROW)
+            notes.append(f"ll mode: no {LL_ROW} row (the ubep row is low-latency mode here)")
+    elif LL_ROW in systems:
+        notes.append(f"{LL_ROW}: ubep's low-latency mode in the same rounds (its x ubep: over normal mode)")
     if cfg.stats_path and UBEP_ROW in systems:  # beside ubep, in the same rounds: the overhead A/B
         systems.insert(systems.index(UBEP_ROW) + 1, "ubep-stats")
     if "mpi" in systems and not mpi[0]:
@@ -218,7 +223,8 @@ def take_rounds(
 def measure(cfg: BenchConfig, tokens: int, systems: tuple[str, ...], progress: Progress) -> list[report.Row]:
     """One batch size: every system's row, ratios filled in; the warm-up rounds are dropped."""
     timings = take_rounds(cfg, tokens, systems, progress)
-    nbytes = build(cfg, tokens).bytes_per_rank(cfg.mode)
+    work = build(cfg, tokens)
+    nbytes = {mode: work.bytes_per_rank(mode) for mode in {cfg.mode, "ll"}}
     crossing = boundary_per_rank(cfg, tokens)
     if cfg.nodes > 1 and placed.systems(cfg):
         per_rank = {
@@ -228,7 +234,7 @@ def measure(cfg: BenchConfig, tokens: int, systems: tuple[str, ...], progress: P
     rows = []
     for system in systems:
         d, c = (latencies_us(*timings[system][op])[cfg.warmup :] for op in ("dispatch", "combine"))
-        row = report.Row.build(system, cfg.mode, tokens, nbytes, d, c)
+        row = report.Row.build(system, cfg.mode, tokens, nbytes["ll" if system == LL_ROW else cfg.mode], d, c)
         rows.append(replace(row, boundary_bytes=crossing.get(system)))
     return report.with_ratios(rows)
 

@@ -25,7 +25,15 @@ from ubep import reference
 from ubep.bench import placed
 from ubep.bench.timing import LEAD_S
 from ubep.bench.turns import Calls, Samples, Turns, take_turns
-from ubep.bench.workload import PLACED_SYSTEMS, UBEP_ROW, BenchConfig, Workload, build, expected_combine
+from ubep.bench.workload import (
+    LL_ROW,
+    PLACED_SYSTEMS,
+    UBEP_ROW,
+    BenchConfig,
+    Workload,
+    build,
+    expected_combine,
+)
 from ubep.registry import BSP, DIST, HIER, NIXL, SHM, UBEP
 
 
@@ -47,7 +55,7 @@ BUFFER_SYSTEMS = {
     "bsp-gloo": BufferSystem(BSP.name, DIST.name, DIST.name),  # the flat gloo all-to-all
 }
 # Low-latency mode exists as the ubep protocol on shared memory and as the collective path.
-LL_SYSTEMS = {UBEP_ROW: SHM.name, "ubep-stats": SHM.name, "bsp-gloo": DIST.name}
+LL_SYSTEMS = {UBEP_ROW: SHM.name, "ubep-stats": SHM.name, "bsp-gloo": DIST.name, LL_ROW: SHM.name}
 STATS_SYSTEM = "ubep-stats"
 
 
@@ -182,6 +190,15 @@ def open_floor(cfg: BenchConfig, work: Workload) -> Calls:
     return Calls(*copies)
 
 
+def _open(name: str, cfg: BenchConfig, work: Workload, tokens: int, stack: ExitStack, opened: dict) -> Calls:
+    """Row `name`'s calls: the floor's copies, or a Buffer in low-latency mode (--mode ll, or the
+    ubep-ll row of a normal-mode run) or in normal mode, late on the slow rank (--slow-rank)."""
+    if name == "memcpy-floor":
+        return open_floor(cfg, work)
+    opener = open_ll if cfg.mode == "ll" or name == LL_ROW else open_buffer
+    return slowed(opener(name, cfg, work, tokens, stack, opened), cfg)
+
+
 def measure_rank(cfg: BenchConfig, tokens: int, systems: tuple[str, ...], turns_dir: str) -> Samples:
     """Open and verify every requested system, then time the one named at each turn, until QUIT.
 
@@ -192,18 +209,13 @@ def measure_rank(cfg: BenchConfig, tokens: int, systems: tuple[str, ...], turns_
         os.environ.setdefault("UCX_MODULES", "^efa")  # else NIXL 1.5.1 crashes at exit (docs/multinode.md)
         os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")  # two INFO lines per agent otherwise
     work = build(cfg, tokens)
-    open_system = open_ll if cfg.mode == "ll" else open_buffer
     turns = Turns(turns_dir, dist.get_rank(), cfg.timeout_s * 4)
     opened: dict[str, ubep.Buffer] = {}
     with ExitStack() as stack:
         stack.callback(turns.close)
         calls = {}
         for name in systems:
-            calls[name] = (
-                open_floor(cfg, work)
-                if name == "memcpy-floor"
-                else slowed(open_system(name, cfg, work, tokens, stack, opened), cfg)
-            )
+            calls[name] = _open(name, cfg, work, tokens, stack, opened)
             if dist.get_rank() == 0:  # the bench says which rows are ready as they come
                 turns.opened(name)
         samples = take_turns(turns, calls, common_start)

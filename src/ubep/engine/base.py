@@ -45,6 +45,11 @@ class Engine(Protocol):
     # The compiled check-and-layout of a routing (numba's `route`), or None: the Buffer's planner then
     # checks topk_idx and derives the layout in torch.
     route: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
+    # The compiled plans of low-latency mode (numba's `ll_pairs`, `ll_owners`, `ll_returns`), or None:
+    # `ubep.protocols.ll.plans` then checks and orders in torch.
+    ll_pairs: Callable[..., tuple[torch.Tensor, ...]] | None = None
+    ll_owners: Callable[..., tuple[torch.Tensor, ...]] | None = None
+    ll_returns: Callable[..., tuple[torch.Tensor, ...]] | None = None
 
     def kernels_origin(self) -> str | None:
         """Where this process's compiled kernels came from (numba's disk cache), or None."""

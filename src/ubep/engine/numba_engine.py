@@ -105,6 +105,14 @@ def _concatenated(indices: Sequence[torch.Tensor]) -> tuple[np.ndarray, np.ndarr
     return prefix_S1, torch.cat([i if i.dtype == torch.int64 else i.to(torch.int64) for i in indices]).numpy()
 
 
+def _raise_verdict(verdict: int, topk_idx_NK: torch.Tensor, num_experts: int, found: np.ndarray) -> None:
+    """Raise a routing kernel's BAD_EXPERT or REPEATED verdict in `ubep.validate`'s words."""
+    if verdict == kernels.BAD_EXPERT:
+        raise validate.bad_expert(num_experts, int(found[0]))
+    if verdict == kernels.REPEATED:
+        raise validate.repeated_expert(topk_idx_NK, int(found[0]))
+
+
 class NumbaEngine(Engine):
     """Kernels compiled by numba; see `ubep.engine.base.Engine` for the contract of each."""
 
@@ -171,7 +179,21 @@ class NumbaEngine(Engine):
         in_rank_NR, counts_R = self.route(_i64([[3, 0], [1, -1]]), np.array([0, 0, 1, 1]), 2)
         if in_rank_NR.tolist() != [[True, True], [True, False]] or counts_R.tolist() != [2, 1]:
             raise RuntimeError("numba kernels: wrong route")
+        self._check_low_latency_examples()
         self._check_block_examples()
+
+    def _check_low_latency_examples(self) -> None:
+        """The low-latency plans on their docstring examples (experts 0-1 on rank 0, 2-3 on rank 1)."""
+        rank_of_E, local_of_E = _i64([0, 0, 1, 1]), _i64([0, 1, 0, 1])
+        pairs = self.ll_pairs(_i64([[3, 0], [1, -1]]), rank_of_E, local_of_E, 2)
+        if [p.tolist() for p in pairs] != [[0, 1, 0], [1, 0, 0], [0, 1, 1], [[1, 1], [0, 1]]]:
+            raise RuntimeError("numba kernels: wrong ll_pairs")
+        owners = self.ll_owners(_i64([[3, -1]]), rank_of_E, local_of_E, 2)
+        if [o.tolist() for o in owners] != [[[1, -1]], [[1, -1]], [[True, False]], [0, 1]]:
+            raise RuntimeError("numba kernels: wrong ll_owners")
+        returns = self.ll_returns(torch.tensor([2, 1], dtype=torch.int32), _i64([[1, 0], [0, -1]]), 2)
+        if [r.tolist() for r in returns] != [[0, 1, 0], [1, 0, 0], [2, 1]]:
+            raise RuntimeError("numba kernels: wrong ll_returns")
 
     def _check_block_examples(self) -> None:
         """The several-source kernels on their docstring examples, for every row dtype a call reduces,
@@ -377,12 +399,66 @@ class NumbaEngine(Engine):
         counts, found = np.empty(num_ranks, dtype=np.int64), np.zeros(1, dtype=np.int64)
         E = rank_of_expert_E.size
         args = (topk_idx_NK.numpy(), rank_of_expert_E, E, in_rank.view(np.uint8), counts, found)
-        verdict = kernels.route_tokens(*args)
-        if verdict == kernels.BAD_EXPERT:
-            raise validate.bad_expert(rank_of_expert_E.size, int(found[0]))
-        if verdict == kernels.REPEATED:
-            raise validate.repeated_expert(topk_idx_NK, int(found[0]))
+        _raise_verdict(kernels.route_tokens(*args), topk_idx_NK, E, found)
         return tensors(in_rank, counts)
+
+    def ll_pairs(
+        self,
+        topk_idx_NK: torch.Tensor,
+        rank_of_expert_E: torch.Tensor,
+        local_of_expert_E: torch.Tensor,
+        R: int,
+    ) -> tuple[torch.Tensor, ...]:
+        """(token_P, k_P, local_P, counts_RL) of a contiguous int64 routing: its (token, expert) pairs
+        ordered by (owner rank, local expert, token), after checking its values (ValueError in
+        `ubep.validate`'s words); `ubep.protocols.ll.plans.dispatch_plan` in one compiled pass."""
+        N, K = topk_idx_NK.shape
+        E = rank_of_expert_E.numel()
+        pairs_3P = np.empty((3, N * K), dtype=np.int64)  # token, k, local
+        counts_RL, found = np.empty((R, E // R), dtype=np.int64), np.zeros(1, dtype=np.int64)
+        P = kernels.ll_pairs(
+            topk_idx_NK.numpy(), rank_of_expert_E.numpy(), local_of_expert_E.numpy(), found,
+            pairs_3P[0], pairs_3P[1], pairs_3P[2], counts_RL,
+        )  # fmt: skip
+        if P < 0:
+            _raise_verdict(P, topk_idx_NK, E, found)
+        return tensors(pairs_3P[0, :P], pairs_3P[1, :P], pairs_3P[2, :P], counts_RL)
+
+    def ll_owners(
+        self,
+        topk_idx_NK: torch.Tensor,
+        rank_of_expert_E: torch.Tensor,
+        local_of_expert_E: torch.Tensor,
+        R: int,
+    ) -> tuple[torch.Tensor, ...]:
+        """(owner_NK, local_NK, valid_NK, expected_R) of a contiguous int64 routing: the rank and local
+        id of each selected expert (-1 where none), whether one is, and the rows each rank returns,
+        after checking its values as `ll_pairs` does."""
+        N, K = topk_idx_NK.shape
+        owner, local = np.empty((N, K), dtype=np.int64), np.empty((N, K), dtype=np.int64)
+        expected, found = np.empty(R, dtype=np.int64), np.zeros(1, dtype=np.int64)
+        args = (topk_idx_NK.numpy(), rank_of_expert_E.numpy(), local_of_expert_E.numpy(), found)
+        verdict = kernels.ll_owners(*args, owner, local, expected)
+        if verdict != kernels.OK:
+            _raise_verdict(verdict, topk_idx_NK, rank_of_expert_E.numel(), found)
+        return tensors(owner, local, owner >= 0, expected)
+
+    def ll_returns(
+        self, recv_count_L: torch.Tensor, src_rank_LM: torch.Tensor, R: int
+    ) -> tuple[torch.Tensor, ...]:
+        """(local_Q, row_Q, counts_R): the rows a low-latency dispatch received, ordered by (home rank,
+        local expert, row), and the rows per home; ValueError where a row's source is not a rank."""
+        L, M = src_rank_LM.shape
+        local_Q, row_Q = np.empty(L * M, dtype=np.int64), np.empty(L * M, dtype=np.int64)
+        counts_R, found = np.empty(R, dtype=np.int64), np.zeros(2, dtype=np.int64)
+        Q = kernels.ll_returns(recv_count_L.numpy(), src_rank_LM.numpy(), found, local_Q, row_Q, counts_R)
+        if Q == kernels.BAD_SOURCE:
+            j, i = found.tolist()
+            raise ValueError(
+                f"handle: received row {i} of local expert {j} names source rank "
+                f"{int(src_rank_LM[j, i])}, not one of the {R} ranks (the handle was changed)"
+            )
+        return tensors(local_Q[:Q], row_Q[:Q], counts_R)
 
     def weighted_sum(self, y_NKH: torch.Tensor, w_NK: torch.Tensor, valid_NK: torch.Tensor) -> torch.Tensor:
         supported = (

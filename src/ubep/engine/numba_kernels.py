@@ -437,6 +437,7 @@ def weighted_sum(y, w, valid, out):
 
 
 BAD_EXPERT, REPEATED = -3, -4  # route_tokens' verdicts on a routing
+BAD_SOURCE = -5  # ll_returns: a received row whose source is not a rank
 
 
 @_jit
@@ -451,13 +452,10 @@ def _id_range(topk):
 
 
 @_jit
-def route_tokens(topk, rank_of_expert, num_experts, in_rank, counts, found):
-    """Check a routing and lay it out in one pass: topk int64 [N, K] must hold ids in [-1, E) and no
-    expert twice in a row; in_rank uint8 [N, R] gets 1 where token n selects an expert on rank r,
-    counts int64 [R] the tokens per rank. Returns OK, BAD_EXPERT (found[0]: the smallest id if one
-    is below -1, else the largest) or REPEATED (found[0]: the first such row), writing nothing then.
-    Example (R = 2, experts 0-1 on rank 0, 2-3 on rank 1): row [3, 0] -> in_rank row [1, 1].
-    """
+def _routing_verdict(topk, num_experts, found):
+    """OK if topk int64 [N, K] holds ids in [-1, E) and no expert twice in a row; else BAD_EXPERT
+    (found[0]: the smallest id if one is below -1, else the largest) or REPEATED (found[0]: the
+    first such row)."""
     N, K = topk.shape
     lo, hi = _id_range(topk)
     if N * K and (lo < -1 or hi >= num_experts):
@@ -470,6 +468,21 @@ def route_tokens(topk, rank_of_expert, num_experts, in_rank, counts, found):
                     if topk[t, j] == topk[t, k]:
                         found[0] = t
                         return REPEATED
+    return OK
+
+
+@_jit
+def route_tokens(topk, rank_of_expert, num_experts, in_rank, counts, found):
+    """Check a routing and lay it out in one pass: topk int64 [N, K] must hold ids in [-1, E) and no
+    expert twice in a row; in_rank uint8 [N, R] gets 1 where token n selects an expert on rank r,
+    counts int64 [R] the tokens per rank. Returns OK, BAD_EXPERT (found[0]: the smallest id if one
+    is below -1, else the largest) or REPEATED (found[0]: the first such row), writing nothing then.
+    Example (R = 2, experts 0-1 on rank 0, 2-3 on rank 1): row [3, 0] -> in_rank row [1, 1].
+    """
+    N, K = topk.shape
+    verdict = _routing_verdict(topk, num_experts, found)
+    if verdict != OK:
+        return verdict
     counts[:] = 0
     for t in range(N):
         in_rank[t, :] = 0
@@ -479,6 +492,99 @@ def route_tokens(topk, rank_of_expert, num_experts, in_rank, counts, found):
         for r in range(counts.size):
             counts[r] += in_rank[t, r]
     return OK
+
+
+@_jit
+def ll_pairs(topk, rank_of_expert, local_of_expert, found, token_P, k_P, local_P, counts_RL):
+    """Check a routing as `route_tokens` does, then order its (token, expert) pairs for low-latency
+    dispatch by (owner rank, local expert, token): token_P, k_P (its top-k slot) and local_P (the
+    local expert id there) get the P pairs, counts_RL int64 [R, L] the pairs per (rank, local
+    expert). Returns P, or BAD_EXPERT / REPEATED as `route_tokens` (writing nothing then).
+    Example (R = 2, L = 2, experts 0-1 on rank 0, 2-3 on rank 1): rows [[3, 0], [1, -1]] ->
+    (token, k, local) (0, 1, 0), (1, 0, 1), (0, 0, 1); counts [[1, 1], [0, 1]].
+    """
+    N, K = topk.shape
+    R, L = counts_RL.shape
+    verdict = _routing_verdict(topk, rank_of_expert.size, found)
+    if verdict != OK:
+        return verdict
+    counts_RL[:] = 0
+    for t in range(N):
+        for k in range(K):
+            e = topk[t, k]
+            if e >= 0:
+                counts_RL[rank_of_expert[e], local_of_expert[e]] += 1
+    at = np.empty(R * L, dtype=np.int64)  # the next place of each (rank, local expert) bucket
+    P = 0
+    for r in range(R):
+        for j in range(L):
+            at[r * L + j] = P
+            P += counts_RL[r, j]
+    for t in range(N):  # tokens ascending: each bucket gets its pairs in token order
+        for k in range(K):
+            e = topk[t, k]
+            if e >= 0:
+                bucket = rank_of_expert[e] * L + local_of_expert[e]
+                p = at[bucket]
+                token_P[p], k_P[p], local_P[p] = t, k, local_of_expert[e]
+                at[bucket] = p + 1
+    return P
+
+
+@_jit
+def ll_owners(topk, rank_of_expert, local_of_expert, found, owner, local, expected):
+    """The home side of a low-latency combine: check a routing as `route_tokens` does, then owner and
+    local int64 [N, K] get the rank and local id of each selected expert (-1 where none) and
+    expected int64 [R] the rows each rank returns. Returns OK, or BAD_EXPERT / REPEATED.
+    Example (experts 0-1 on rank 0, 2-3 on rank 1): row [3, -1] -> owner [1, -1], local [1, -1],
+    expected [0, 1].
+    """
+    N, K = topk.shape
+    verdict = _routing_verdict(topk, rank_of_expert.size, found)
+    if verdict != OK:
+        return verdict
+    expected[:] = 0
+    for t in range(N):
+        for k in range(K):
+            e = topk[t, k]
+            if e >= 0:
+                owner[t, k], local[t, k] = rank_of_expert[e], local_of_expert[e]
+                expected[owner[t, k]] += 1
+            else:
+                owner[t, k], local[t, k] = -1, -1
+    return OK
+
+
+@_jit
+def ll_returns(recv_count, src_rank, found, local_Q, row_Q, counts_R):
+    """The expert side of a low-latency combine: the rows a dispatch received (rows [0, recv_count[j])
+    of local expert j, row i from source src_rank[j, i]) ordered by (home rank, local expert, row)
+    into local_Q and row_Q, counts_R int64 [R] the rows per home. Returns Q, or BAD_SOURCE where a
+    row's source is not a rank (found: its j and i).
+    Example (R = 2, counts [2, 1], sources [[1, 0], [0, _]]): (local, row) (0, 1), (1, 0), (0, 0);
+    counts [2, 1].
+    """
+    L, M = src_rank.shape
+    R = counts_R.size
+    counts_R[:] = 0
+    for j in range(L):
+        for i in range(min(recv_count[j], M)):
+            home = src_rank[j, i]
+            if not 0 <= home < R:
+                found[0], found[1] = j, i
+                return BAD_SOURCE
+            counts_R[home] += 1
+    at = np.empty(R, dtype=np.int64)  # the next place of each home's rows
+    Q = 0
+    for r in range(R):
+        at[r] = Q
+        Q += counts_R[r]
+    for j in range(L):
+        for i in range(min(recv_count[j], M)):
+            q = at[src_rank[j, i]]
+            local_Q[q], row_Q[q] = j, i
+            at[src_rank[j, i]] = q + 1
+    return Q
 
 
 @_jit

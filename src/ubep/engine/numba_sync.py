@@ -128,17 +128,26 @@ def pause(typingctx):
     return types.none(), codegen
 
 
+# What a rank's raised ASLEEP word says it sleeps for: a peer's stamp (data), or a peer's word that
+# it consumed a buffer half (the reuse wait of low-latency mode). A stamp's writer rings a sleeper of
+# either kind (`wake_if_asleep`, `wake_sleepers`); a rank that only consumed a half rings the reuse
+# sleepers alone (`wake_reusers`), not every peer that sleeps for its data, which would wake, look,
+# and sleep again.
+ASLEEP_DATA, ASLEEP_REUSE = 1, 2
+
+
 @_jit
-def back_off(step, spins, yields, asleep, me):
+def back_off(step, spins, yields, asleep, me, mark=ASLEEP_DATA):
     """Step `step` of a wait's budget: the spin hint for the first `spins` steps, then `yields`
-    yields of the core, then one step that raises this rank's ASLEEP word and fences (the last
-    look before the half hands the wait to Python's doorbell sleep). False once the budget is spent."""
+    yields of the core, then one step that raises this rank's ASLEEP word to `mark` and fences (the
+    last look before the half hands the wait to Python's doorbell sleep). False once the budget is
+    spent."""
     if step < spins:
         pause()
     elif step < spins + yields:
         yield_cpu()
     elif step == spins + yields:
-        store_relaxed(asleep[me], 1)
+        store_relaxed(asleep[me], mark)
         full_fence()
     else:
         return False
@@ -163,6 +172,19 @@ def wake_sleepers(asleep, live, me, wake):
     n = 0
     for p in live:
         if p != me and load_relaxed(asleep[p]) != 0:
+            wake[p] = 1
+            n += 1
+    return n
+
+
+@_jit
+def wake_reusers(asleep, live, me, wake):
+    """After this rank consumed a buffer half: fence once, then mark in `wake` each peer that sleeps
+    waiting to reuse one (ASLEEP_REUSE); returns how many."""
+    full_fence()
+    n = 0
+    for p in live:
+        if p != me and load_relaxed(asleep[p]) == ASLEEP_REUSE:
             wake[p] = 1
             n += 1
     return n

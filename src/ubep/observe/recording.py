@@ -203,6 +203,7 @@ class RecordedLowLatency(LowLatencyExchange):
     def __init__(self, inner: LowLatencyExchange, recorder: Recorder):
         self._inner, self._rec = inner, recorder
         self.name, self.halves, self.on_device = inner.name, inner.halves, inner.on_device
+        self.routes_in_halves = inner.routes_in_halves
 
     def dispatch_send(self, call: CallId, plan: LLDispatchPlan, out: LLDispatchOut):
         ready = time.time_ns()
@@ -223,7 +224,7 @@ class RecordedLowLatency(LowLatencyExchange):
         ready = time.time_ns()
         receive = self._inner.combine_send(call, plan, out_NH)
         sent = time.time_ns()
-        counts_R, row_bytes, rows = plan.send_counts_R, plan.x_LMB.shape[-1], plan.home_Q.shape[0]
+        counts_R, row_bytes, rows = plan.send_counts_R, plan.x_LMB.shape[-1], plan.local_Q.shape[0]
 
         def received() -> None:
             receive()

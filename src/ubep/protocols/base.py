@@ -162,9 +162,11 @@ class LowLatencyExchange(ABC):
 
     name: str
     halves: str | None = None  # how each call half runs, in words (`Buffer.explain`); None: say nothing
-    # The Triton halves: the send kernel checks topk_idx and the handle, so the Buffer reads no value
-    # on the host and the combine enters through `combine_rows` (no host-built plan).
-    on_device: bool = False
+    # The compiled halves (numba, Triton): the send half checks topk_idx and the handle and routes
+    # from them, so the Buffer reads no value on the host and builds no plan (wire rows to
+    # `dispatch_send`, the combine through `combine_rows`).
+    routes_in_halves: bool = False
+    on_device: bool = False  # the halves are Triton kernels (device epochs, `check`)
 
     @abstractmethod
     def dispatch_send(self, call: CallId, plan, out) -> Callable[[], None]:
@@ -181,8 +183,8 @@ class LowLatencyExchange(ABC):
     def combine_rows(
         self, call: CallId, x_LMH: torch.Tensor, w_NK: torch.Tensor, handle, out_NH: torch.Tensor, idx_NK
     ) -> Callable[[], None]:
-        """`on_device` only: combine's send half from the expert outputs and the handle alone."""
-        raise NotImplementedError(f"{self.name}: combine_rows needs the device halves (on_device)")
+        """`routes_in_halves` only: combine's send half from the expert outputs and the handle alone."""
+        raise NotImplementedError(f"{self.name}: combine_rows needs halves that route (routes_in_halves)")
 
     def check(self) -> None:
         """Raise the first error the device deferred since the last check (capturable halves only)."""

@@ -104,19 +104,20 @@ class OnHalves(Exchange):
             self._compiled.check()
 
 
-def run(heap: Heap, call: CallId, phase: str, half, *args) -> int:
-    """Enter `half(*args)` until it stops waiting; returns DONE or its error code (details in status)."""
+def run(heap: Heap, call: CallId, phase: str, half, *args, block: str = "receive") -> int:
+    """Enter `half(*args)` until it stops waiting; returns DONE or its error code (details in status).
+    With call timers on, its entries are charged to `block` ("send" for a send half that waits)."""
     times = call.timers
     if times is not None:
         times.lap("between")
         times.entries += 1
     code = half(*args)
     if times is not None:
-        times.lap("receive")
-    return code if code != WAITING else resume(heap, call, phase, half, *args)
+        times.lap(block)
+    return code if code != WAITING else resume(heap, call, phase, half, *args, block=block)
 
 
-def resume(heap: Heap, call: CallId, phase: str, half, *args) -> int:
+def resume(heap: Heap, call: CallId, phase: str, half, *args, block: str = "receive") -> int:
     """A half returned WAITING: sleep on the doorbell, enter again, until it stops waiting."""
     pending, status = args[-4], args[-1]
     sleeper = heap.sleeper(phase, call)
@@ -128,7 +129,7 @@ def resume(heap: Heap, call: CallId, phase: str, half, *args) -> int:
             times.entries += 1
         code = half(*args)
         if times is not None:
-            times.lap("receive")
+            times.lap(block)
     return code
 
 

@@ -1,14 +1,21 @@
 """Low-latency dispatch/combine over a one-sided transport: puts into per-peer slots, data as flag.
 
 Dispatch (call epoch e, half p = e % 2 of every double-buffered region):
-  send half: for each destination d, copy the rows of every (token, expert on d)
-    pair straight into d's slot for (local expert j, this rank), `ll.d{p}.x[j, me]`,
-    with each row's (token, top-k slot) beside it; then publish this rank's
-    header in d (the per-expert counts, dtype, T), stamped e, last.
+  send half: stage this rank's N rows once, in rows 0..N-1 of its own slots for
+    source `me` (`ll.slots[me]` in its own memory); then for each destination d,
+    write the (token, top-k slot) of every (token, expert on d) pair into d's
+    slot infos for (local expert j, this rank), and publish this rank's header in
+    d (the per-expert counts, dtype, T), stamped e, last.
     The counts travel with the data: there is no count round and no barrier.
   receive half: for each source s in ascending order, wait for its stamp, then
-    copy its rows into recv_x[j, begin : begin + count], where begin is the rows
-    already placed for j by sources < s. Finally publish "dispatch e consumed".
+    copy the rows its infos name, from s's staged rows, into
+    recv_x[j, begin : begin + count], where begin is the rows already placed for
+    j by sources < s. Finally publish "dispatch e consumed".
+  A token goes to up to K experts on several ranks: staged once, it is copied once
+  per (token, expert) pair by its receivers, where putting it into each receiver's
+  slots copied it twice per pair (docs/low_latency.md). The Triton halves still
+  put rows into the receiver's slots (a GPU writes its NVLink peers' memory): the
+  `ll_rows` word of the handshake keeps the two forms out of one group.
 Combine mirrors it: the expert rank puts the rows y(t, k) it returns to a home
   into its own run of the home's back slots, `ll.back_slots[me]`, ordered by
   (local expert, token) as its dispatch received them, then publishes its header
@@ -23,9 +30,10 @@ their results, however late a put that was under way lands (docs/reliability.md,
 put and after each block, and stops with MaskedOutError.
 
 Reuse argument (two outstanding calls, double buffering). The slots for call e
-are reused by call e + 2. A sender writes call e + 2 into d only after reading
-d's "consumed" word for that half (`done[kind, p]`) at >= e, which d writes at
-the end of its receive half of e, after its last read of those slots. So no
+are reused by call e + 2. A sender writes call e + 2 (into d, or its own staged
+rows that d reads) only after reading every peer d's "consumed" word for that
+half (`done[kind, p]`) at >= e, which d writes at the end of its receive half of
+e, after its last read of those slots. So no
 write of e + 2 lands under a read of e, whatever the order in which hooks run.
 Stamps cannot be confused across calls either: a receiver waits for the exact
 epoch, and each writer stamps e before e + 2 (program order; x86 keeps stores
@@ -107,8 +115,10 @@ class LLExchange(LowLatencyExchange):
 
             return LLTriton(transport, self.blocks, sizing, self._consumed, engine, capturable, flag=flag)
 
-        # each call half one compiled function, where the engine and memory allow
+        # each call half one compiled function, where the engine and memory allow; they route and
+        # check this rank's inputs themselves
         self._compiled = halves.compiled_form(engine, on_numba, on_triton) if on_heap else None
+        self.routes_in_halves = self._compiled is not None
 
     @property
     def halves(self) -> str:
@@ -216,32 +226,37 @@ class LLExchange(LowLatencyExchange):
             if self._compiled is not None:
                 return self._compiled.dispatch_send(call, plan, out)
             self._reserve(call, DISPATCH, "dispatch")
+            self._stage_tokens(call, plan)
             for dst in self._others_first():
-                self._put_tokens(call, plan, dst)
+                self._put_infos(call, plan, dst)
                 self.t.check_member("low-latency dispatch (send)")  # after each block it put
         except BaseException:
             self.abort(call, "dispatch")
             raise
         return lambda: self._receive_tokens(call, out)
 
-    def _put_tokens(self, call: CallId, plan: LLDispatchPlan, dst: int) -> None:
+    def _staged(self, call: CallId, owner: int) -> torch.Tensor:
+        """uint8 [L * T, row bytes]: rank `owner`'s slots for its own rows, where it stages them."""
+        slots_LTB = self.t.view(self.blocks.slots, owner, call)[owner]  # contiguous
+        L, T, width = slots_LTB.shape
+        return slots_LTB.view(L * T, width)
+
+    def _stage_tokens(self, call: CallId, plan: LLDispatchPlan) -> None:
+        """This rank's N rows, once, into rows 0..N-1 of its own slots[me] (before any stamp)."""
+        N, B = plan.rows_NB.shape
+        self.engine.copy_rows(plan.rows_NB, None, self._staged(call, self.me)[:N, :B], None)
+
+    def _put_infos(self, call: CallId, plan: LLDispatchPlan, dst: int) -> None:
         b, t, pairs, B = self.blocks, self.t, plan.to(dst), plan.rows_NB.shape[1]
         counts_L = plan.counts_RL[dst]
         local_n, index_n = slot_positions(counts_L)
-        token_n = plan.pair_token_P[pairs]
-        slots_LTB = t.view(b.slots, dst, call)[self.me]  # this rank's slots in dst, contiguous
-        L, T, width = slots_LTB.shape
-        self.engine.copy_rows(
-            plan.rows_NB, token_n, slots_LTB.view(L * T, width)[:, :B], local_n * T + index_n
-        )
         info_LT = t.view(b.slot_info, dst, call)[self.me]
-        info_LT[local_n, index_n] = token_n * self.sizing.max_topk + plan.pair_k_P[pairs]
+        info_LT[local_n, index_n] = plan.pair_token_P[pairs] * self.sizing.max_topk + plan.pair_k_P[pairs]
         values = {"dtype": plan.code, "T": plan.max_tokens, "width": B, "counts": counts_L.tolist()}
-        t.publish(b.sent, call, values, to=dst)  # the rows above are visible from here on
+        t.publish(b.sent, call, values, to=dst)  # the staged rows and the infos are visible from here on
 
     def _receive_tokens(self, call: CallId, out: LLDispatchOut) -> None:
         b, t, K = self.blocks, self.t, self.sizing.max_topk
-        slots = t.view(b.slots, self.me, call)
         infos = t.view(b.slot_info, self.me, call)
         begin_L = torch.zeros(
             self.sizing.placement.num_local_experts, dtype=torch.int64, device=out.handle.recv_count_L.device
@@ -263,7 +278,7 @@ class LLExchange(LowLatencyExchange):
                     raise t.bad_data(
                         call, src, f"low-latency dispatch: rank {src} sent token indices out of range"
                     )
-                rows_nB = slots[src, :, :, : out.row_width][local_n, index_n]
+                rows_nB = self._staged(call, src)[token_n, : out.row_width]  # read from src's memory
                 place_source(self.engine, out, src, begin_L, counts_L, rows_nB, token_n, k_n)
                 begin_L = begin_L + counts_L
             self.t.check_member("low-latency dispatch")  # what was read above was whole
@@ -292,10 +307,10 @@ class LLExchange(LowLatencyExchange):
     def combine_send(self, call: CallId, plan: LLCombinePlan, out_NH: torch.Tensor) -> Callable[[], None]:
         self.t.begin(call)
         try:
+            if self._compiled is not None:  # it checks the rows per home itself
+                return self._compiled.combine_send(call, plan, out_NH)
             if int(plan.send_counts_R.max()) > self._per_writer:
                 raise too_many_returned(plan, self._per_writer)
-            if self._compiled is not None:
-                return self._compiled.combine_send(call, plan, out_NH)
             self._reserve(call, COMBINE, "combine")
             for i, home in enumerate(self._others_first()):
                 if i == 1:
@@ -316,9 +331,9 @@ class LLExchange(LowLatencyExchange):
         out_NH: torch.Tensor,
         topk_NK: torch.Tensor,
     ) -> Callable[[], None]:
-        """`on_device` only: combine's send half from the expert outputs and the handle alone (no plan,
-        which reads counts on the host); the kernel checks what `combine_send`'s callers check on the
-        host (the handle received, topk_NK the dispatch's, no home over its run)."""
+        """`routes_in_halves` only: combine's send half from the expert outputs and the handle alone (no
+        plan, which reads counts on the host); the half checks what `combine_send`'s callers check on
+        the host (the handle received, topk_NK the dispatch's, no home over its run)."""
         self.t.begin(call)
         try:
             return self._compiled.combine_rows(call, x_LMH, weights_NK, handle, out_NH, topk_NK)

@@ -9,16 +9,23 @@ rank's memory for both halves; headers are inbox records (the owner's memory
 holds one per writer: writer p's record at row p), stamp first, then the fields
 (sent: dtype, T, width, counts[L]; returned: dtype, count).
 
+As the Triton halves, the send halves take this rank's topk_idx (and in combine the
+handle) and find every row's place themselves, after checking them (E_EXPERT, ...)
+before their one wait (the reuse wait) and before any put: a call builds no plan on
+the host.
+
 Waiting is `ubep.protocols.ubep.numba_halves`'s: spin, yield, arm the ASLEEP word, then
 return WAITING for Python to sleep on the doorbell and enter again; `state`
-keeps the progress between entries. A peer whose stamp is missing while its
-`rejected` word for this kind has reached the call's epoch rejected the call
-itself: E_REJECTED names it at once.
+keeps the progress between entries (a send half re-entered checks its inputs
+again and resumes its reuse wait: it puts nothing before that wait is over). A
+peer whose stamp is missing while its `rejected` word for this kind has reached
+the call's epoch rejected the call itself: E_REJECTED names it at once.
 
 Example (R = 2, L = 1, T = 2, rank 0 sends token 1 with k = 0 to rank 1's expert):
-ll_dispatch_send writes the row into rank 1's slot [0, 0, 0] with info 1 * Kmax + 0,
-then stamps its record in rank 1's `sent` inbox, counts [1]; ll_dispatch_recv on
-rank 1 places it at recv_x[0, 0] with recv_src_token 1, recv_src_rank 0, recv_src_k 0.
+ll_dispatch_send stages its rows in its own slots[0] (token 1 at row 1), writes info
+1 * Kmax + 0 into rank 1's slot_info [0, 0, 0], then stamps its record in rank 1's
+`sent` inbox, counts [1]; ll_dispatch_recv on rank 1 copies rank 0's staged row 1 to
+recv_x[0, 0] with recv_src_token 1, recv_src_rank 0, recv_src_k 0.
 
 Legend: see `ubep.protocols.ll.plans` (L local experts, P pairs, Q rows sent back).
 """
@@ -27,19 +34,34 @@ from __future__ import annotations
 
 import numpy as np
 
-from ubep.engine.numba_kernels import CHUNK, _elements_at, _jit, _move, store, widen, words_once
+from ubep.engine.numba_kernels import (
+    BAD_EXPERT,
+    CHUNK,
+    OK,
+    _elements_at,
+    _id_range,
+    _jit,
+    _move,
+    _routing_verdict,
+    store,
+    widen,
+    words_once,
+)
 from ubep.engine.numba_sync import (
+    ASLEEP_REUSE,
     back_off,
     load_acquire,
     masked_by,
     store_relaxed,
     store_release,
     wake_if_asleep,
-    wake_sleepers,
+    wake_reusers,
 )
 from ubep.protocols.ll.blocks import (
     BACK_SLOTS,
+    COMBINE,
     CONSUMED,
+    DISPATCH,
     DONE_WORDS,
     R_COUNT,
     R_DTYPE,
@@ -58,13 +80,19 @@ from ubep.protocols.ll.blocks import (
 from ubep.protocols.ll.codes import (
     DONE,
     E_COUNTS,
+    E_EXPERT,
     E_FIELD,
     E_FORMAT,
+    E_LAYOUT,
     E_MINE,
+    E_OTHER_TOPK,
     E_REJECTED,
+    E_REPEATED,
     E_RETURNED,
     E_T,
     E_TOKENS,
+    E_TOO_MANY,
+    E_UNRECEIVED,
     WAITING,
 )
 
@@ -99,15 +127,17 @@ def _not_reusable(table, live, me, kind, half, before, pending):
 
 
 @_jit
-def ll_reserve(table, asleep, me, live, kind, half, epoch, pending, spins, yields, status):
-    """Wait until every live peer consumed call epoch - 2 of this kind (it used the same half)."""
+def _reusable(table, asleep, me, live, kind, half, epoch, pending, spins, yields, status):
+    """Wait until every live peer consumed call epoch - 2 of this kind (it used the same half):
+    DONE, WAITING (status[1] peers in pending) or E_MINE (this rank's own receive half of that call
+    has not run)."""
     before = epoch - 2
     if load_acquire(_done_word(table, me, kind, half, CONSUMED)) < before:
         return _fail(status, E_MINE, me, before, 0, 0)
     store_relaxed(asleep[me], 0)
     step = 0
     n = _not_reusable(table, live, me, kind, half, before, pending)
-    while n and back_off(step, spins, yields, asleep, me):
+    while n and back_off(step, spins, yields, asleep, me, ASLEEP_REUSE):
         n = _not_reusable(table, live, me, kind, half, before, pending)
         step += 1
     if n:
@@ -115,6 +145,19 @@ def ll_reserve(table, asleep, me, live, kind, half, epoch, pending, spins, yield
         return WAITING
     store_relaxed(asleep[me], 0)
     return DONE
+
+
+@_jit
+def _own_topk(topk, num_experts, me, status):
+    """This rank's topk_idx [N, K], checked as `ubep.validate.topk_idx` does: DONE, E_EXPERT (status[2]:
+    the smallest id if one is below -1, else the largest) or E_REPEATED (status[4]: the first such row)."""
+    found = np.zeros(1, dtype=np.int64)
+    verdict = _routing_verdict(topk, num_experts, found)
+    if verdict == OK:
+        return DONE
+    if verdict == BAD_EXPERT:
+        return _fail(status, E_EXPERT, me, found[0], num_experts, 0)
+    return _fail(status, E_REPEATED, me, 0, 0, found[0])
 
 
 @_jit
@@ -150,10 +193,11 @@ def _others_first(live, me, R):
 
 @_jit
 def _consumed(table, asleep, me, live, kind, half, epoch, wake):
-    """This rank read its last byte of the call's half: peers may reuse it (and are woken to)."""
+    """This rank read its last byte of the call's half: peers may reuse it (and those that sleep
+    waiting to are woken)."""
     skipped = load_acquire(_done_word(table, me, kind, half, SKIPPED))
     store_release(_done_word(table, me, kind, half, CONSUMED), max(epoch, skipped))
-    return wake_sleepers(asleep, live, me, wake)
+    return wake_reusers(asleep, live, me, wake)
 
 
 # -- dispatch ---------------------------------------------------------------------------------------
@@ -161,57 +205,80 @@ def _consumed(table, asleep, me, live, kind, half, epoch, wake):
 
 @_jit
 def ll_dispatch_send(
-    table, asleep, me, epoch, half, live, rows, pair_token, pair_k, pair_local, counts_RL, code, T,
-    Kmax, Tcap, row_bytes, wake, members, generation,
+    table, asleep, me, epoch, half, live, rows, topk, rank_of_expert, local_of_expert, code, T,
+    Kmax, Tcap, row_bytes, wake, members, generation, pending, spins, yields, status,
 ):  # fmt: skip
-    """Put every (token, expert) pair's row into its destination's slot, then stamp the record there.
+    """Check this rank's topk_idx, wait until every peer consumed call e - 2, stage this rank's rows
+    once in its own slots, then give each destination the (token, top-k slot) of every pair it
+    receives and stamp this rank's record there.
 
-    rows uint8 [N, b] (this rank's tokens in wire form); the pair arrays sorted by
-    (destination, local expert, token); counts_RL int64 [R, L] pairs per (destination,
-    local expert). After each destination's block, the membership check (`masked_by`).
-    Returns how many destinations to ring (marked in `wake`), or MASKED.
+    rows uint8 [N, b] (this rank's tokens in wire form) go to rows 0..N-1 of this rank's own
+    slots[me] (`ubep.protocols.ll.exchange`: the staged form); topk int64 [N, K]. Each destination
+    gets its pairs' infos by (local expert, token), their counts in the record. Before the first
+    block and after each, the membership check (`masked_by`). Returns DONE (status[5]: destinations
+    to ring, marked in `wake`), WAITING (the reuse wait), MASKED, or an error code before any write.
     """
-    R, L = counts_RL.shape
+    R, L = table.shape[0], rank_of_expert.size // table.shape[0]
+    N, K = topk.shape
     b = rows.shape[1]
     words = S_COUNTS + L
-    first = np.zeros(R + 1, dtype=np.int64)
-    for r in range(R):
-        first[r + 1] = first[r] + counts_RL[r].sum()
+    code_now = _own_topk(topk, rank_of_expert.size, me, status)
+    if code_now == DONE:
+        code_now = _reusable(table, asleep, me, live, DISPATCH, half, epoch, pending, spins, yields, status)
+    if code_now != DONE:
+        return code_now
+    if masked_by(members, live, me, generation) >= 0:
+        return MASKED
+    staged = table[me, SLOTS, half] + me * L * Tcap * row_bytes  # this rank's own slots[me]
+    if b == row_bytes:
+        _move(staged, rows.ctypes.data, N * b)
+    else:
+        for t in range(N):
+            _move(staged + t * row_bytes, rows.ctypes.data + t * b, b)
+    counts_RL = np.zeros((R, L), dtype=np.int64)
+    for t in range(N):
+        for k in range(K):
+            if topk[t, k] >= 0:
+                counts_RL[rank_of_expert[topk[t, k]], local_of_expert[topk[t, k]]] += 1
     woken = 0
+    placed = np.empty(L, dtype=np.int64)  # infos written so far for each local expert
     for dst in _others_first(live, me, R):
-        slots = table[dst, SLOTS, half] + me * L * Tcap * row_bytes
         info = _elements_at(_I64, table[dst, SLOT_INFO, half] + me * L * Tcap * 8, L * Tcap)
-        pair = first[dst]
-        for j in range(L):
-            for i in range(counts_RL[dst, j]):
-                t = pair_token[pair]
-                _move(slots + (j * Tcap + i) * row_bytes, rows.ctypes.data + t * b, b)
-                info[j * Tcap + i] = t * Kmax + pair_k[pair]
-                pair += 1
+        placed[:] = 0
+        for t in range(N):  # tokens ascending: each expert's run in token order
+            for k in range(K):
+                e = topk[t, k]
+                if e >= 0 and rank_of_expert[e] == dst:
+                    j = local_of_expert[e]
+                    info[j * Tcap + placed[j]] = t * Kmax + k
+                    placed[j] += 1
         record = _elements_at(_I64, table[dst, SENT, half] + me * words * 8, words)
         record[S_DTYPE], record[S_T], record[S_WIDTH] = code, T, b
         for j in range(L):
             record[S_COUNTS + j] = counts_RL[dst, j]
-        store_release(table[dst, SENT, half] + me * words * 8, epoch)  # the rows above are visible
+        store_release(table[dst, SENT, half] + me * words * 8, epoch)  # the rows and infos are visible
         if dst != me:
             woken += wake_if_asleep(asleep, dst, wake)
         if masked_by(members, live, me, generation) >= 0:
             return MASKED
-    return woken
+    status[5] = woken
+    return DONE
 
 
 @_jit
 def ll_dispatch_recv(
     table, asleep, me, epoch, half, live_R, code, T, Kmax, Tcap, row_bytes, dtype_lo, dtype_hi,
     plane0, plane1, src_token, src_rank, src_k, layout_range, recv_count, state, wake,
-    pending, spins, yields, status,
+    members, generation, pending, spins, yields, status,
 ):  # fmt: skip
-    """Place each source's rows, in ascending source order, as its record lands.
+    """Place each source's rows, in ascending source order, as its record lands: each (token, top-k
+    slot) of its infos here names a row it staged in its own slots[src], copied from there.
 
     plane0 uint8 [L, M, w0] and plane1 uint8 [L, M, w1] (w1 = 0 unless FP8: values,
     then scales) receive each row's first w0 and next w1 bytes; live_R uint8 [R] marks
     live ranks. state int64 [1 + L]: the next source, then the rows placed per expert.
-    Returns DONE (recv_count set, the half released), WAITING or an error code.
+    Returns DONE (recv_count set, the half released), WAITING, MASKED (the peers masked this
+    rank meanwhile: what it read may not be whole; not released) or an error code.
     """
     L, M, w0 = plane0.shape
     w1 = plane1.shape[2]
@@ -248,14 +315,14 @@ def ll_dispatch_recv(
             if record[S_COUNTS + j] > T:
                 return _fail(status, E_COUNTS, src, 0, 0, 0)
         info = _elements_at(_I64, table[me, SLOT_INFO, half] + src * L * Tcap * 8, L * Tcap)
-        slots = table[me, SLOTS, half] + src * L * Tcap * row_bytes
+        staged = table[src, SLOTS, half] + src * L * Tcap * row_bytes  # the source's rows, in its memory
         for j in range(L):  # each row's info read once: checked, then placed from the same value
             n = record[S_COUNTS + j]
             for i in range(n):
                 slot_info = info[j * Tcap + i]
                 if slot_info < 0 or slot_info // Kmax >= T:
                     return _fail(status, E_TOKENS, src, 0, 0, 0)
-                row, pos = slots + (j * Tcap + i) * row_bytes, begin[j] + i
+                row, pos = staged + (slot_info // Kmax) * row_bytes, begin[j] + i
                 _move(plane0[j, pos].ctypes.data, row, w0)
                 if w1:
                     _move(plane1[j, pos].ctypes.data, row + w0, w1)
@@ -267,9 +334,12 @@ def ll_dispatch_recv(
             layout_range[j, src, 0], layout_range[j, src, 1] = begin[j], n
             begin[j] += n
         state[0] += 1
+    live = np.flatnonzero(live_R)
+    if masked_by(members, live, me, generation) >= 0:  # what was read above was whole: this rank was live
+        return MASKED
     for j in range(L):
         recv_count[j] = begin[j]
-    status[5] = _consumed(table, asleep, me, np.flatnonzero(live_R), 0, half, epoch, wake)  # to ring
+    status[5] = _consumed(table, asleep, me, live, 0, half, epoch, wake)  # to ring
     return DONE
 
 
@@ -277,52 +347,93 @@ def ll_dispatch_recv(
 
 
 @_jit
-def ll_combine_send(
-    table, asleep, me, epoch, half, live, x, local_Q, row_Q, counts_R, code, per_writer, row_bytes, wake,
-    members, generation, first_home, last_home,
-):  # fmt: skip
-    """Put the rows each home gets back into this rank's own run of its slots, then stamp there.
+def _own_handle(recv_count, layout_range, topk, given, per_writer, M, me, status):
+    """A combine's own inputs, as the Triton send kernel checks them: the handle's dispatch was received
+    (recv_count [L] >= 0), its layout_range [L, R, 2] names rows inside [0, recv_count) <= M,
+    topk_idx `given` [N, K] is the dispatch's `topk`, and no home sent more rows than its tokens can
+    select here (per_writer). DONE or the error code."""
+    L, R, _ = layout_range.shape
+    for j in range(L):
+        if recv_count[j] < 0:
+            return _fail(status, E_UNRECEIVED, me, 0, 0, 0)
+        if recv_count[j] > M:
+            return _fail(status, E_LAYOUT, me, j, 0, 0)
+    for t in range(given.shape[0]):
+        for k in range(given.shape[1]):
+            if given[t, k] != topk[t, k]:
+                return _fail(status, E_OTHER_TOPK, me, 0, 0, t)
+    for home in range(R):
+        rows = 0
+        for j in range(L):
+            begin, n = layout_range[j, home, 0], layout_range[j, home, 1]
+            if begin < 0 or n < 0 or begin + n > recv_count[j]:
+                return _fail(status, E_LAYOUT, me, j, home, 0)
+            rows += n
+        if rows > per_writer:
+            return _fail(status, E_TOO_MANY, home, rows, per_writer, 0)
+    return DONE
 
-    x uint8 [L, M, b] (contiguous); the Q arrays sorted by (home rank, local expert, row),
-    counts_R rows per home; row i for `home` goes to home's back slot me * per_writer + i.
-    Homes in send order from first_home to last_home (a fault test splits the loop);
-    after each home's block, the membership check. Returns the homes to ring, or MASKED.
+
+@_jit
+def ll_combine_send(
+    table, asleep, me, epoch, half, live, x, layout_range, recv_count, topk, given, code, per_writer,
+    row_bytes, wake, members, generation, first_home, last_home, pending, spins, yields, status,
+):  # fmt: skip
+    """Check the combine's own inputs (`_own_handle`), wait until every peer consumed call e - 2, then
+    put the rows each home gets back into this rank's own run of its slots and stamp there.
+
+    x uint8 [L, M, b] (contiguous): the rows of local expert j that came from `home` are
+    layout_range[j, home] = (begin, count); they go to home's back slot me * per_writer
+    onwards, ordered by (local expert, row). Homes in send order from first_home to last_home (a
+    fault test splits the loop); before the first block and after each, the membership check.
+    Returns DONE (status[5]: homes to ring), WAITING, MASKED, or an error code before any put.
     """
-    R = counts_R.size
+    R = table.shape[0]
     L, M, b = x.shape
-    first = np.zeros(R + 1, dtype=np.int64)
-    for r in range(R):
-        first[r + 1] = first[r] + counts_R[r]
+    code_now = _own_handle(recv_count, layout_range, topk, given, per_writer, M, me, status)
+    if code_now == DONE:
+        code_now = _reusable(table, asleep, me, live, COMBINE, half, epoch, pending, spins, yields, status)
+    if code_now != DONE:
+        return code_now
+    if masked_by(members, live, me, generation) >= 0:
+        return MASKED
     woken = 0
     for home in _others_first(live, me, R)[first_home:last_home]:
-        slots = table[home, BACK_SLOTS, half] + me * per_writer * row_bytes
-        for q in range(first[home], first[home + 1]):
-            _move(
-                slots + (q - first[home]) * row_bytes,
-                x.ctypes.data + (local_Q[q] * M + row_Q[q]) * b,
-                b,
-            )
+        slot = table[home, BACK_SLOTS, half] + me * per_writer * row_bytes
+        sent = 0
+        for j in range(L):
+            begin, n = layout_range[j, home, 0], layout_range[j, home, 1]
+            if b == row_bytes:  # the rows are contiguous in x and in the slots: one move
+                _move(slot, x.ctypes.data + (j * M + begin) * b, n * b)
+                slot += n * b
+            else:
+                for i in range(begin, begin + n):
+                    _move(slot, x.ctypes.data + (j * M + i) * b, b)
+                    slot += row_bytes
+            sent += n
         record = _elements_at(_I64, table[home, RETURNED, half] + me * R_WORDS * 8, R_WORDS)
-        record[R_DTYPE], record[R_COUNT] = code, counts_R[home]
+        record[R_DTYPE], record[R_COUNT] = code, sent
         store_release(table[home, RETURNED, half] + me * R_WORDS * 8, epoch)  # the rows above are visible
         if home != me:
             woken += wake_if_asleep(asleep, home, wake)
         if masked_by(members, live, me, generation) >= 0:
             return MASKED
-    return woken
+    status[5] = woken
+    return DONE
 
 
 @_jit
-def _return_slots(owner, local, valid, R, L, per_writer):
+def _return_slots(topk, rank_of_expert, local_of_expert, R, L, per_writer):
     """int64 [N, K]: the back slot of each valid y(t, k) (-1 elsewhere). Expert rank r writes the
     rows it returns to this rank in its own run of slots (r * per_writer onwards), ordered by
     (local expert, token): the order its dispatch received them in."""
-    N, K = valid.shape
+    N, K = topk.shape
     count = np.zeros(R * L, dtype=np.int64)
     for t in range(N):
         for k in range(K):
-            if valid[t, k]:
-                count[owner[t, k] * L + local[t, k]] += 1
+            e = topk[t, k]
+            if e >= 0:
+                count[rank_of_expert[e] * L + local_of_expert[e]] += 1
     at = np.empty_like(count)
     for r in range(R):
         run = r * per_writer
@@ -332,8 +443,9 @@ def _return_slots(owner, local, valid, R, L, per_writer):
     slot = np.full((N, K), -1, dtype=np.int64)
     for t in range(N):
         for k in range(K):
-            if valid[t, k]:
-                i = owner[t, k] * L + local[t, k]
+            e = topk[t, k]
+            if e >= 0:
+                i = rank_of_expert[e] * L + local_of_expert[e]
                 slot[t, k] = at[i]
                 at[i] += 1
     return slot
@@ -341,19 +453,34 @@ def _return_slots(owner, local, valid, R, L, per_writer):
 
 @_jit
 def ll_combine_recv(
-    table, asleep, me, epoch, half, live, expected_R, code, dtype_lo, dtype_hi, count_hi, per_writer,
-    row_bytes, weights, valid, owner, local, L, out, state, wake, pending, spins, yields, status,
+    table, asleep, me, epoch, half, live, topk, rank_of_expert, local_of_expert, code, dtype_lo,
+    dtype_hi, count_hi, per_writer, row_bytes, weights, out, state, wake, members, generation,
+    pending, spins, yields, status,
 ):  # fmt: skip
     """Once every expert rank this rank expects rows from has stamped, check them, then
-    out[t] = sum over k ascending of weights[t, k] * y(t, k) where valid (float32, rounded once).
+    out[t] = sum over k ascending of weights[t, k] * y(t, k) where topk[t, k] >= 0 (float32, rounded
+    once).
 
-    out [N, H] float32, or bf16 as uint16 bits; valid uint8 [N, K]; owner, local int64 [N, K]:
-    the rank and local id of each selected expert (where y(t, k) lands: `_return_slots`);
-    state int64 [1]: the next rank to wait for.
+    topk int64 [N, K]: this rank's routing, masked ranks' experts dropped (the send half checked it
+    is the dispatch's; its ids are checked again here, before they index anything); y(t, k) lands
+    in the back slot `_return_slots` gives. out [N, H] float32, or bf16 as uint16 bits; live: the
+    live ranks; state int64 [1]: the next rank to wait for. Returns DONE, WAITING, MASKED (the
+    peers masked this rank: the rows may not be whole; out is written, the half not released) or
+    an error code.
     """
-    R = expected_R.size
+    R = table.shape[0]
+    E = rank_of_expert.size
+    L = E // R
     N, H = out.shape
     K = weights.shape[1]
+    lo, hi = _id_range(topk)
+    if N * K and (lo < -1 or hi >= E):  # changed since the send half checked it
+        return _fail(status, E_EXPERT, me, lo if lo < -1 else hi, E, 0)
+    expected_R = np.zeros(R, dtype=np.int64)
+    for t in range(N):
+        for k in range(K):
+            if topk[t, k] >= 0:
+                expected_R[rank_of_expert[topk[t, k]]] += 1
     while state[0] < R:
         r = state[0]
         if expected_R[r] > 0:
@@ -375,13 +502,13 @@ def ll_combine_recv(
             return _fail(status, E_RETURNED, r, record[R_COUNT], record[R_DTYPE], expected_R[r])
     acc = np.empty(CHUNK, dtype=np.float32)
     slots = table[me, BACK_SLOTS, half]
-    slot = _return_slots(owner, local, valid, R, L, per_writer)
+    slot = _return_slots(topk, rank_of_expert, local_of_expert, R, L, per_writer)
     for t in range(N):
         for c in range(0, H, CHUNK):  # a chunk of the row at a time (see `ubep_halves.CHUNK`)
             width = min(CHUNK, H - c)
             acc[:width] = np.float32(0.0)
             for k in range(K):
-                if valid[t, k]:
+                if slot[t, k] >= 0:
                     w = np.float32(weights[t, k])
                     row = _elements_at(out[0, :0], slots + slot[t, k] * row_bytes + c * out.itemsize, width)
                     for j in range(width):
@@ -389,5 +516,7 @@ def ll_combine_recv(
             out_row = out[t, c : c + width]
             for j in range(width):
                 store(out_row, j, acc[j])
+    if masked_by(members, live, me, generation) >= 0:  # the rows were whole: this rank was live
+        return MASKED
     status[5] = _consumed(table, asleep, me, live, 1, half, epoch, wake)  # peers to ring
     return DONE

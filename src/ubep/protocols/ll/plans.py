@@ -87,10 +87,20 @@ def _packed(x: Payload, use_fp8: bool) -> tuple[int, torch.Tensor]:
 
 
 def dispatch_plan(
-    x: Payload, topk_idx_NK: torch.Tensor, placement: ExpertPlacement, max_tokens: int, use_fp8: bool
+    x: Payload,
+    topk_idx_NK: torch.Tensor,
+    placement: ExpertPlacement,
+    max_tokens: int,
+    use_fp8: bool,
+    engine: Engine | None = None,
 ) -> LLDispatchPlan:
-    """Pack x into wire rows (quantising when asked) and order the (token, expert) pairs."""
+    """Pack x into wire rows (quantising when asked) and order the (token, expert) pairs: in one
+    compiled pass that also checks topk_idx's values where `engine` has one (`Engine.ll_pairs`)."""
     code, rows_NB = _packed(x, use_fp8)
+    if engine is not None and engine.ll_pairs is not None:
+        R = placement.num_ranks
+        pairs = engine.ll_pairs(topk_idx_NK, placement.rank_of_expert_E, placement.local_index_E, R)
+        return LLDispatchPlan(max_tokens, code, rows_NB, *pairs)
     N = topk_idx_NK.shape[0]
     R, L = placement.num_ranks, placement.num_local_experts
     token_P, k_P = torch.nonzero(topk_idx_NK >= 0, as_tuple=True)
@@ -136,17 +146,24 @@ def dispatch_outputs(
     topk_idx_NK: torch.Tensor,
     num_experts: int,
     seq: int = 0,
+    empty: Callable[[tuple[int, ...], torch.dtype], torch.Tensor] | None = None,
 ) -> LLDispatchOut:
     """Allocate recv_x (rows uninitialised), the handle (-1 until received), the caller's recv_count
-    (-1 until received) and byte views of recv_x, on topk_idx's device."""
+    (-1 until received) and byte views of recv_x, on topk_idx's device; recv_x by `empty(shape,
+    dtype)` where given (`ubep.recycle`: host memory no earlier result holds any more)."""
     L, M, dev = num_experts // num_ranks, num_ranks * plan.max_tokens, topk_idx_NK.device
+    if empty is None:
+
+        def empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+            return torch.empty(shape, dtype=dtype, device=dev)
+
     if plan.code == DTYPE_CODES[fp8.VALUE_DTYPE]:
-        values = torch.empty(L, M, hidden, dtype=fp8.VALUE_DTYPE, device=dev)
-        scales = torch.empty(L, M, hidden // fp8.BLOCK, dtype=fp8.SCALE_DTYPE, device=dev)
+        values = empty((L, M, hidden), fp8.VALUE_DTYPE)
+        scales = empty((L, M, hidden // fp8.BLOCK), fp8.SCALE_DTYPE)
         recv_x: Payload = (values, scales)
         tensors = (values, scales)
     else:
-        recv_x = torch.empty(L, M, hidden, dtype=CODE_DTYPES[plan.code], device=dev)
+        recv_x = empty((L, M, hidden), CODE_DTYPES[plan.code])
         tensors = (recv_x,)
     planes, lo = [], 0
     for t in tensors:
@@ -251,18 +268,15 @@ class LLCombinePlan:
 
     code: int
     x_LMB: torch.Tensor  # uint8 view of the expert outputs
-    home_Q: torch.Tensor  # int64: home rank of each row sent back
-    local_Q: torch.Tensor
-    row_Q: torch.Tensor
-    token_Q: torch.Tensor  # token index on the home rank
-    k_Q: torch.Tensor  # its top-k slot there
+    local_Q: torch.Tensor  # int64: the local expert of each row sent back
+    row_Q: torch.Tensor  # int64: its row there
+    send_counts_R: torch.Tensor  # int64 [R]: rows sent back to each home
     topk_weights_NK: torch.Tensor
-    valid_NK: torch.Tensor
     owner_NK: torch.Tensor  # rank owning each selected expert (-1 where none)
     local_NK: torch.Tensor  # its local id there (-1 where none)
+    valid_NK: torch.Tensor  # bool: whether a slot selects an expert
+    expected_R: torch.Tensor  # int64 [R]: rows each expert rank returns to this rank
     num_local_experts: int
-
-    send_counts_R: torch.Tensor  # int64 [R]: rows sent back to each home
     handle_seq: int = 0  # the call number of the dispatch whose handle this combine uses
     handle: LowLatencyHandle | None = None  # that handle (device halves read its layout themselves)
 
@@ -273,44 +287,60 @@ class LLCombinePlan:
 
     def expected_from(self, expert_rank: int) -> int:
         """Rows this rank (as home) gets back from `expert_rank`."""
-        return int((self.owner_NK == expert_rank).sum())
+        return int(self.expected_R[expert_rank])
 
 
 def combine_plan(
-    x_LMH: torch.Tensor, topk_weights_NK: torch.Tensor, handle: LowLatencyHandle, placement: ExpertPlacement
+    x_LMH: torch.Tensor,
+    topk_weights_NK: torch.Tensor,
+    handle: LowLatencyHandle,
+    placement: ExpertPlacement,
+    engine: Engine | None = None,
 ) -> LLCombinePlan:
-    """Which received rows go back where, and the home side's view of its own routing."""
-    M = x_LMH.shape[1]
+    """Which received rows go back where, and the home side's view of its own routing: in compiled
+    passes that also check the handle's topk_idx values where `engine` has them (`Engine.ll_owners`,
+    `Engine.ll_returns`)."""
+    idx_NK, R = handle.topk_idx_NK, handle.num_ranks
+    if engine is not None and engine.ll_owners is not None and engine.ll_returns is not None:
+        rows = engine.ll_returns(handle.recv_count_L, handle.recv_src_rank_LM, R)
+        home = engine.ll_owners(idx_NK, placement.rank_of_expert_E, placement.local_index_E, R)
+    else:
+        rows, home = _returns(handle), _owners(idx_NK, placement)
+    return LLCombinePlan(
+        DTYPE_CODES[x_LMH.dtype],
+        x_LMH.contiguous().view(torch.uint8),
+        *rows,
+        topk_weights_NK,
+        *home,
+        num_local_experts=handle.num_local_experts,
+        handle_seq=handle.seq,
+        handle=handle,
+    )
+
+
+def _returns(handle: LowLatencyHandle) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(local_Q, row_Q, counts_R): the received rows ordered by (home rank, local expert, row)."""
+    M = handle.recv_src_rank_LM.shape[1]
     valid_LM = torch.arange(
         M, dtype=torch.int64, device=handle.recv_count_L.device
     ) < handle.recv_count_L.long().unsqueeze(1)
     local_Q, row_Q = torch.nonzero(valid_LM, as_tuple=True)  # sorted by (local expert, row)
     home_Q = handle.recv_src_rank_LM[local_Q, row_Q]
     order_Q = torch.argsort(home_Q, stable=True)
-    local_Q, row_Q = local_Q[order_Q], row_Q[order_Q]
-    idx_NK = handle.topk_idx_NK
+    return local_Q[order_Q], row_Q[order_Q], torch.bincount(home_Q, minlength=handle.num_ranks)
+
+
+def _owners(idx_NK: torch.Tensor, placement: ExpertPlacement) -> tuple[torch.Tensor, ...]:
+    """(owner_NK, local_NK, valid_NK, expected_R): each selected expert's rank and local id (-1 where
+    none), whether one is, and the rows each rank returns."""
     valid_NK = idx_NK >= 0
     safe_NK = idx_NK.clamp(min=0)
     rank_of_E, local_of_E = placement.rank_of_expert_E, placement.local_index_E
     if idx_NK.is_cuda:  # the placement's tables live on the CPU
         rank_of_E, local_of_E = rank_of_E.to(idx_NK.device), local_of_E.to(idx_NK.device)
-    return LLCombinePlan(
-        code=DTYPE_CODES[x_LMH.dtype],
-        x_LMB=x_LMH.contiguous().view(torch.uint8),
-        home_Q=home_Q[order_Q],
-        local_Q=local_Q,
-        row_Q=row_Q,
-        token_Q=handle.recv_src_token_LM[local_Q, row_Q],
-        k_Q=handle.recv_src_k_LM[local_Q, row_Q],
-        topk_weights_NK=topk_weights_NK,
-        valid_NK=valid_NK,
-        owner_NK=torch.where(valid_NK, rank_of_E[safe_NK], -1),
-        local_NK=torch.where(valid_NK, local_of_E[safe_NK], -1),
-        send_counts_R=torch.bincount(home_Q, minlength=handle.num_ranks),
-        num_local_experts=handle.num_local_experts,
-        handle_seq=handle.seq,
-        handle=handle,
-    )
+    owner_NK = torch.where(valid_NK, rank_of_E[safe_NK], -1)
+    expected_R = torch.bincount(owner_NK[valid_NK], minlength=placement.num_ranks)
+    return owner_NK, torch.where(valid_NK, local_of_E[safe_NK], -1), valid_NK, expected_R
 
 
 def home_order(plan: LLCombinePlan) -> tuple[torch.Tensor, torch.Tensor]:

@@ -19,6 +19,7 @@ from ubep.protocols.ll.codes import (  # noqa: F401 (the codes are this module's
     E_EXPERT,
     E_FIELD,
     E_FORMAT,
+    E_LAYOUT,
     E_MINE,
     E_OTHER_TOPK,
     E_REJECTED,
@@ -70,7 +71,7 @@ def error(
     return PeerDataError(messages[code])
 
 
-# This rank's own input, checked in the Triton send kernels: the host's exceptions, from (a, b, c).
+# This rank's own input, checked in the compiled send halves: the host's exceptions, from (a, b, c).
 OWN_INPUT = {
     E_EXPERT: lambda value, num_experts, row: bad_expert(num_experts, value),
     E_REPEATED: lambda expert, _, row: repeated_in_row(row, expert),
@@ -79,6 +80,9 @@ OWN_INPUT = {
     ),
     E_OTHER_TOPK: lambda _a, _b, row: ValueError(
         f"topk_idx must be the one passed to the low_latency_dispatch that made handle (row {row} differs)"
+    ),
+    E_LAYOUT: lambda j, home, _: ValueError(
+        f"handle: layout_range[{j}, {home}] names rows its dispatch did not receive (the handle was changed)"
     ),
 }
 
