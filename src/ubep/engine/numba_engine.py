@@ -191,7 +191,9 @@ class NumbaEngine(Engine):
         owners = self.ll_owners(_i64([[3, -1]]), rank_of_E, local_of_E, 2)
         if [o.tolist() for o in owners] != [[[1, -1]], [[1, -1]], [[True, False]], [0, 1]]:
             raise RuntimeError("numba kernels: wrong ll_owners")
-        returns = self.ll_returns(torch.tensor([2, 1], dtype=torch.int32), _i64([[1, 0], [0, -1]]), 2)
+        returns = self.ll_returns(
+            torch.tensor([2, 1], dtype=torch.int32, device="cpu"), _i64([[1, 0], [0, -1]]), 2
+        )
         if [r.tolist() for r in returns] != [[0, 1, 0], [1, 0, 0], [2, 1]]:
             raise RuntimeError("numba kernels: wrong ll_returns")
 
