@@ -110,10 +110,12 @@ def test_a_tc_that_fails_is_named_in_one_line_before_and_during_a_run(tmp_path, 
 
 
 RENDEZVOUS = """
+import sys
 import torch.distributed as dist
 dist.init_process_group("gloo")
 dist.barrier()
-print("rank", dist.get_rank(), "of", dist.get_world_size(), flush=True)
+sys.stdout.write(f"rank {dist.get_rank()} of {dist.get_world_size()}\\n")  # one write: the hosts share a pipe
+sys.stdout.flush()
 dist.destroy_process_group()
 """
 
@@ -130,5 +132,5 @@ def test_torchrun_across_hosts_says_no_c10d_hostname_warning(tmp_path):
     out, err = proc.communicate(timeout=150)
     assert proc.returncode == 0, err
     assert sorted(out.split("\n"))[-2:] == ["rank 0 of 2", "rank 1 of 2"], out
-    assert "[c10d]" not in err, err
+    assert "hostname of the client socket cannot be retrieved" not in err, err  # c10d's other lines may come under load
     assert leftovers(proc.pid) == []

@@ -120,6 +120,34 @@ def test_conductor_reports_a_group_that_ended_instead_of_waiting(tmp_path):
     conductor.close()
 
 
+def test_ready_hears_a_line_written_in_the_same_instant_as_the_last_answer(tmp_path, monkeypatch):
+    """CI's race: rank 1 answers, the conductor's select wakes for it, and before its read rank 0
+    says "mpi" and answers too; that read takes both answers, the wait ends, and the line was
+    never heard (the bench then left mpi out of its "ready" lines)."""
+    from ubep.bench import turns as turns_module
+
+    conductor = Conductor(str(tmp_path), {"mpi": 2}, timeout_s=30)
+    rank0, rank1 = (Turns(conductor.directory("mpi"), r, timeout_s=30) for r in (0, 1))
+    real_select = turns_module.select.select
+    raced = []
+
+    def select_then_rank0_races_in(read, write, error, timeout):
+        woke = real_select(read, write, error, timeout)
+        if woke[0] and not raced:
+            raced.append(True)
+            rank0.opened("mpi")
+            rank0.answer()
+        return woke
+
+    monkeypatch.setattr(turns_module.select, "select", select_then_rank0_races_in)
+    rank1.answer()
+    heard: list[str] = []
+    conductor.ready({"mpi": lambda: None}, heard.append)
+    assert raced and heard == ["mpi"]
+    for turns in (rank0, rank1, conductor):
+        turns.close()
+
+
 def test_a_rank_without_a_turn_times_out(tmp_path):
     conductor = Conductor(str(tmp_path), {"launch": 1}, timeout_s=1)
     turns = Turns(conductor.directory("launch"), 0, timeout_s=0.2)

@@ -138,20 +138,22 @@ class Conductor:
         verified its systems, all groups at once; `opened(system)` hears each system as a group's
         rank 0 reports it open and checked."""
         missing = {group: len(self._go[group]) for group in checks}
+        said = {self._progress[g]: g for g in checks}
         partial = dict.fromkeys(checks, b"")  # a line's start, where a read ended inside it
+
+        def hear(fds: list[int]) -> None:
+            for fd in fds:
+                *lines, partial[said[fd]] = (partial[said[fd]] + os.read(fd, 4096)).split(b"\n")
+                for line in lines:
+                    opened(line.decode())
+
         deadline = time.monotonic() + self._timeout_s
         while any(missing.values()):
-            said = {self._progress[g]: g for g in checks}  # read first: rank 0 says before it answers
             answers = {self._done[g]: g for g in checks if missing[g]}
             readable, _, _ = select.select([*said, *answers], [], [], POLL_S)
-            for fd in sorted(readable, key=lambda fd: fd not in said):
-                group = said.get(fd) or answers[fd]
-                if fd in said:
-                    *lines, partial[group] = (partial[group] + os.read(fd, 4096)).split(b"\n")
-                    for line in lines:
-                        opened(line.decode())
-                else:
-                    missing[group] -= len(os.read(fd, missing[group]))
+            hear([fd for fd in readable if fd in said])  # first: rank 0 says before it answers
+            for fd in [fd for fd in readable if fd in answers]:
+                missing[answers[fd]] -= len(os.read(fd, missing[answers[fd]]))
             if readable:
                 continue
             for group in [g for g in checks if missing[g]]:
@@ -159,6 +161,10 @@ class Conductor:
             if time.monotonic() > deadline:
                 late = ", ".join(f"{n} rank(s) of {g}" for g, n in missing.items() if n)
                 raise TimeoutError(f"{late} not set up after {self._timeout_s:g} s")
+        # The last answer can come in the read that a select woke for an earlier one, before the
+        # line its rank wrote first was heard: every line is in its pipe by now.
+        while readable := select.select(list(said), [], [], 0)[0]:
+            hear(readable)
 
     def turn(self, group: str, system: str, check: Callable[[], None]) -> None:
         """One turn: every rank of `group` times `system` once; returns when all have answered."""
