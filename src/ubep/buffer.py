@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from ubep import registry, settings, validate
 from ubep.calls import CallCounter, CallId
-from ubep.deadlines import collective_deadline
+from ubep.deadlines import collective_deadline, construction_s
 from ubep.factory import Options, build, ready_engine
 from ubep.faults import FaultPlan, FaultPoints
 from ubep.group import (
@@ -61,9 +61,6 @@ from ubep.timers import CallTimers
 from ubep.validate import CPU
 
 VERSION = version("ubep")  # from the package metadata (pyproject.toml): ranks must run the same
-# Construction waits at least this long: ranks reach it at different times (imports,
-# model loading), which says nothing about a stalled exchange.
-CONSTRUCTION_MIN_TIMEOUT_S = 10.0
 
 
 def _one_at_a_time(method):
@@ -116,7 +113,7 @@ class Buffer:
             `explain()` says what was chosen and why.
         protocol: "ubep" (default; asynchronous, data as flag) or "bsp" (the barrier baseline).
         timeout_s: deadline of every wait on a peer (default 30); construction's collectives
-            wait max(timeout_s, CONSTRUCTION_MIN_TIMEOUT_S).
+            wait max(timeout_s, 10), in every layer (`ubep.deadlines.construction_s`).
         max_topk: the largest K a call may use (sizes the routing buffers).
         expert_placement: optional list of E owner ranks (default: contiguous blocks).
         low_latency: False (default, as DeepEP's low_latency_mode): normal mode only; True
@@ -203,7 +200,7 @@ class Buffer:
             raise ValueError(f"ll_flag must be one of {FLAGS}, got {ll_flag!r}")
         self.ll_flag, self.capturable = ll_flag, bool(capturable)
         self.timeout_s = validate.seconds("timeout_s", timeout_s)
-        construct_s = max(self.timeout_s, CONSTRUCTION_MIN_TIMEOUT_S)
+        construct_s = construction_s(self.timeout_s)
         # Slow where this host never compiled the halves: before the ranks meet. Waiting for another
         # process's compile counts against construction's deadline while that compile shows no progress.
         warm_ups = needed(protocol, bool(low_latency), workers)

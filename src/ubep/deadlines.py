@@ -4,7 +4,8 @@ Shared-memory waits keep their own deadline (`ubep.waiting`); collectives wait
 inside the backend, which keeps the process group's timeout (30 minutes by
 default). `collective_deadline` sets the gloo backend's timeout to the
 Buffer's `timeout_s` for the duration of ubep's own collectives, restores it
-afterwards, and turns a backend failure into `CommTimeoutError`.
+afterwards, and turns a backend failure into `CommTimeoutError`. Construction
+waits `construction_s(timeout_s)` instead, in every layer.
 
 What a backend failure can tell: gloo reports a dead peer at once ("connection
 reset") and a silent one at the deadline, but by socket address, not by rank.
@@ -35,6 +36,18 @@ DEATH_GRACE_S = 0.5  # how long a failed collective looks for a dead local peer
 LINGER_S = 0.3  # how long a rank that named a dead peer stays alive before raising (see _timeout_error)
 WATCH_PERIOD_S = 0.02  # how often a `DeathWatch` looks at its peers
 REASON_CHARS = 200  # how much of a backend's first line an error quotes (cut at a sentence end)
+# Construction waits at least this long: ranks reach it at different times (imports, model loading,
+# a loaded host), which says nothing about a stalled exchange.
+CONSTRUCTION_MIN_TIMEOUT_S = 10.0
+
+
+def construction_s(timeout_s: float) -> float:
+    """The deadline (seconds) of every wait while a Buffer is built, given its calls' `timeout_s`.
+
+    One rule for every layer that builds something collectively (a fabric's group, a pid exchange, a
+    rail group), so that none of them waits a call's deadline inside construction: a rank that reaches
+    a layer's construction late (load, a slow import) is not a stalled call."""
+    return max(timeout_s, CONSTRUCTION_MIN_TIMEOUT_S)
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,6 +9,7 @@ import torch.distributed as dist
 
 import ubep
 import ubep.buffer
+import ubep.deadlines
 
 BASE = dict(hidden=64, num_experts=8, max_tokens_per_rank=16, protocol="ubep", transport="shm")
 
@@ -78,7 +79,7 @@ def absent_rank(timeout_s: float) -> tuple[str, str, float]:
 
 
 def test_construction_has_a_deadline():
-    timeout_s = ubep.buffer.CONSTRUCTION_MIN_TIMEOUT_S  # a shorter timeout_s would be raised to this
+    timeout_s = ubep.deadlines.CONSTRUCTION_MIN_TIMEOUT_S  # a shorter timeout_s would be raised to this
     results = ubep.LocalLaunch(world_size=3, timeout_s=60).run(absent_rank, timeout_s)
     for rank, (kind, message, elapsed) in enumerate(results):
         if rank == 1:

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from ubep.across.call_header import NONE, CallHeader, CallHeaders
-from ubep.deadlines import PeerPids, collective_deadline
+from ubep.deadlines import PeerPids, collective_deadline, construction_s
 from ubep.errors import PeerDataError
 from ubep.faults import NO_FAULTS, FaultPoints
 from ubep.layout import destination_major, localize_for_destinations, prefix_offsets
@@ -58,7 +58,7 @@ class BspDist(Exchange):
         self.sizing = sizing
         self.timeout_s = timeout_s
         self.faults = faults
-        with collective_deadline(group, timeout_s, "Buffer construction (pid exchange)"):
+        with collective_deadline(group, construction_s(timeout_s), "Buffer construction (pid exchange)"):
             self._pids = PeerPids.gather(group, rank, self.R)
         # deadline(phase): a partial, not a bound method, so no reference cycle keeps the group alive
         # after close (a gloo group freed in the interpreter's teardown can abort the process)

@@ -42,7 +42,7 @@ import torch.distributed as dist
 
 from ubep.across.call_header import NONE, CallHeader, CallHeaders
 from ubep.calls import CallId
-from ubep.deadlines import collective_deadline
+from ubep.deadlines import collective_deadline, construction_s
 from ubep.engine import Engine
 from ubep.errors import PeerDataError
 from ubep.group import GroupInfo
@@ -181,8 +181,9 @@ def in_node(call: CallId) -> CallId:
 
 
 def subgroups(nodes: NodeMap, rank: int, timeout_s: float) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
-    """(rail group, node group) of `rank`. Every rank creates every group, in the same order
-    (torch's rule for `new_group`); gloo, because the payloads are CPU tensors."""
+    """(rail group, node group) of `rank`, connected within `timeout_s` (construction's deadline; each
+    call sets its own). Every rank creates every group, in the same order (torch's rule for
+    `new_group`; hier runs on the whole world); gloo, because the payloads are CPU tensors."""
     timeout = timedelta(seconds=timeout_s)
     rails = [nodes.rail(local) for local in range(nodes.ranks_per_node)]
     members = rails + [nodes.node_ranks(n) for n in range(nodes.num_nodes)]
@@ -234,7 +235,7 @@ class HierExchange(Exchange):
         self.node_ranks = list(nodes.node_ranks(info.node_of_rank[info.rank]))
         # Sources whose rows reach this node through node rank f: those with local index f.
         self.sources_via = [nodes.rail(f) for f in range(self.P)]
-        self.groups = subgroups(nodes, info.rank, timeout_s)
+        self.groups = subgroups(nodes, info.rank, construction_s(timeout_s))
         self.timeout_s, self.engine = timeout_s, engine
         self.blocks = HierBlocks.of(sizing, self.G, self.P)
         self.t = shm_heap(self.blocks.all(), self.groups[1], self.local, self.P, timeout_s)

@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from ubep.across.call_header import CallHeader, CallHeaders
 from ubep.calls import CallId
-from ubep.deadlines import PeerPids, collective_deadline
+from ubep.deadlines import PeerPids, collective_deadline, construction_s
 from ubep.engine import Engine
 from ubep.errors import PeerDataError
 from ubep.protocols.base import LowLatencyExchange, Sizing
@@ -54,7 +54,7 @@ class LLDist(LowLatencyExchange):
         self.L = sizing.placement.num_local_experts
         self.engine = engine
         self.timeout_s = timeout_s
-        with collective_deadline(group, timeout_s, "Buffer construction (pid exchange)"):
+        with collective_deadline(group, construction_s(timeout_s), "Buffer construction (pid exchange)"):
             self._pids = PeerPids.gather(group, rank, self.R)
         # Every collective of this path, and every wait for one, runs under the Buffer's deadline; a
         # partial, not a bound method, so no reference cycle keeps the group alive after close.

@@ -33,7 +33,8 @@ whenever this rank drives the fabric, and posted again at once.
 
 Frame (int64 words, before the protocol's header): header words, payload bytes,
 kind, the acknowledgements (per lane and half, then notices), seq. The fabric has
-a group of its own (so its tags meet no collective of the Buffer's group).
+a group of its own (so its tags meet no collective of the Buffer's group), under a
+name only its members know (`own_group`).
 
 What it can tell of failures: a peer on this host that died is named at once
 (its process is gone); a peer whose connection closed (it left, or died
@@ -47,6 +48,7 @@ yields, then sleeps (`ubep.waiting.Waiter`).
 from __future__ import annotations
 
 import time
+import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -56,7 +58,7 @@ import torch.distributed as dist
 
 from ubep.across.fabric.base import Fabric, Frame, Lane, Outgoing, Slot, check_fits, notice_key
 from ubep.calls import KINDS, CallId
-from ubep.deadlines import PeerPids, collective_deadline
+from ubep.deadlines import PeerPids, collective_deadline, construction_s
 from ubep.registry import GLOO
 from ubep.waiting import AbortNotice
 
@@ -100,6 +102,23 @@ class _Sent:
     work: object
 
 
+def own_group(
+    group: dist.ProcessGroup | None, rank: int, num_ranks: int, timeout_s: float
+) -> dist.ProcessGroupGloo:
+    """Collective over `group`: a gloo group of the same ranks with connections of its own, made within
+    `timeout_s`.
+
+    Not `dist.new_group`: that needs every rank of the world to create every group in the same
+    order, which a Buffer on a subgroup cannot ask of the ranks outside it. Two subgroups building
+    at once then took the same name, and so read each other's addresses in the store (one of them
+    timed out connecting). Here rank 0 of `group` draws a name that only its members learn."""
+    name = [uuid.uuid4().hex if rank == 0 else None]
+    dist.broadcast_object_list(name, group=group, group_src=0)
+    root = dist.distributed_c10d._get_process_group_store(group if group is not None else dist.group.WORLD)
+    store = dist.PrefixStore(f"ubep-fabric/{name[0]}/", root)
+    return dist.ProcessGroupGloo(store, rank, num_ranks, timedelta(seconds=timeout_s))
+
+
 class GlooFabric(Fabric):
     """One rank's end of the fabric over a gloo group of its own. Collective to build."""
 
@@ -114,11 +133,10 @@ class GlooFabric(Fabric):
         timeout_s: float,
     ):
         super().__init__(rank, num_ranks, lanes, timeout_s)
-        ranks = list(range(num_ranks)) if group is None else dist.get_process_group_ranks(group)
-        with collective_deadline(group, timeout_s, "Buffer construction (fabric)"):
-            self.group = dist.new_group(ranks, timeout=timedelta(seconds=timeout_s), backend="gloo")
-            self._pids = PeerPids.gather(self.group, rank, num_ranks)
-        self._global = ranks  # group rank -> global rank, for point-to-point calls
+        with collective_deadline(group, construction_s(timeout_s), "Buffer construction (fabric)"):
+            self._pids = PeerPids.gather(group, rank, num_ranks)
+            self.group = own_group(group, rank, num_ranks, construction_s(timeout_s))
+        self.group._set_default_timeout(timedelta(seconds=timeout_s))  # a call's waits, from here on
         # The frame's last word, its seq: the acknowledgements (per lane and half, then notices) before it.
         self._seq_at = HEAD + 2 * len(self._lanes) + 1
         self._inbox = {
@@ -166,16 +184,12 @@ class GlooFabric(Fabric):
         box.buffer[8 * self._seq_at : 8 * (self._seq_at + 1)].zero_()  # no message yet (a seq is never 0)
         box.waited, box.intact, box.seen = False, False, None
         tag = 2 + 2 * lane + half
-        box.work = self._guarded(
-            peer, lambda: dist.irecv(box.buffer, src=self._global[peer], group=self.group, tag=tag)
-        )
+        box.work = self._guarded(peer, lambda: self.group.recv([box.buffer], peer, tag))
 
     def _post_control(self, peer: int) -> None:
         box = self._control[peer]
         box.buffer.zero_()
-        box.work = self._guarded(
-            peer, lambda: dist.irecv(box.buffer, src=self._global[peer], group=self.group, tag=CONTROL_TAG)
-        )
+        box.work = self._guarded(peer, lambda: self.group.recv([box.buffer], peer, CONTROL_TAG))
 
     def _landed_frame(self, slot: Slot) -> Frame | None:
         """The inbox's frame once all of its message has landed (its receive then completed): the
@@ -296,9 +310,7 @@ class GlooFabric(Fabric):
         (lane, peer, seq), buffer = out.key
         buffer[8 * HEAD : 8 * self._seq_at].view(torch.int64).copy_(self._freed[peer])
         tag = 2 + 2 * lane + seq % 2
-        work = self._guarded(
-            peer, lambda: dist.isend(buffer, dst=self._global[peer], group=self.group, tag=tag)
-        )
+        work = self._guarded(peer, lambda: self.group.send([buffer], peer, tag))
         if work is not None:
             self._in_flight[peer].append(_Sent(2 * lane + seq % 2, seq, buffer, work))
 
@@ -317,9 +329,7 @@ class GlooFabric(Fabric):
     def _tell_abort(self, culprit: int, how: int, seq: int) -> None:
         notice = torch.tensor([culprit, how, seq], dtype=torch.int64, device="cpu")
         for p in self.peers:
-            work = self._guarded(
-                p, lambda p=p: dist.isend(notice, dst=self._global[p], group=self.group, tag=CONTROL_TAG)
-            )
+            work = self._guarded(p, lambda p=p: self.group.send([notice], p, CONTROL_TAG))
             if work is not None:
                 self._in_flight[p].append(_Sent(len(self._freed[p]) - 1, self._notices_sent[p], notice, work))
                 self._notices_sent[p] += 1
@@ -328,4 +338,4 @@ class GlooFabric(Fabric):
         if self._closed:
             return
         self._closed = True
-        dist.destroy_process_group(self.group)
+        self.group.shutdown()

@@ -7,8 +7,8 @@ lane, per peer of the lane and per half (the call's seq parity) a slot of the
 lane's largest message (header words, then payload bytes), and per lane a pool
 of outboxes (registered as it grows, which it does only while more messages are
 in flight than it holds). The agents' metadata, each region's address and where
-each peer's slots lie in it travel once over a gloo group made for construction
-and dropped after it (the address table: no call computes a peer's address);
+each peer's slots lie in it travel once over the Buffer's group, at construction
+(the address table: no call computes a peer's address);
 then every rank sends every peer a first notice and waits for theirs, so every
 connection is up (or its peer named) before the first call.
 
@@ -55,7 +55,6 @@ import time
 import uuid
 from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
-from datetime import timedelta
 from types import ModuleType
 
 import torch
@@ -63,7 +62,7 @@ import torch.distributed as dist
 
 from ubep.across.fabric.base import Fabric, Frame, Lane, Outgoing, Slot, check_fits, notice_key
 from ubep.calls import KINDS, CallId
-from ubep.deadlines import PeerPids, collective_deadline
+from ubep.deadlines import PeerPids, collective_deadline, construction_s
 from ubep.errors import CommTimeoutError
 from ubep.extras import install_hint
 from ubep.registry import NIXL
@@ -219,16 +218,15 @@ class NixlFabric(Fabric):
         self._pool[lane].extend(self._register(count * size).split(size) if count else ())
 
     def _connect(self, group: dist.ProcessGroup | None, timeout_s: float) -> None:
-        """Exchange every agent's metadata, inbox address and slots once, over a gloo group made for it;
-        then greet every peer and wait for their greeting (each connection is up, or named)."""
-        ranks = list(range(self.num_ranks)) if group is None else dist.get_process_group_ranks(group)
+        """Exchange every agent's metadata, inbox address and slots once, over the Buffer's group (no
+        group of its own: `dist.new_group` needs every rank of the world, which a Buffer on a subgroup
+        cannot ask of the others); then greet every peer and wait for their greeting (each connection
+        is up, or named). Construction's deadline throughout (`construction_s`)."""
         mine = (self._agent.name, self._agent.get_agent_metadata(), self._inbox.data_ptr(), self._slots)
         everyone: list[tuple[str, bytes, int, dict] | None] = [None] * self.num_ranks
-        with collective_deadline(group, timeout_s, "Buffer construction (fabric)"):
-            exchange = dist.new_group(ranks, timeout=timedelta(seconds=timeout_s), backend="gloo")
-            self._pids = PeerPids.gather(exchange, self.rank, self.num_ranks)
-            dist.all_gather_object(everyone, mine, group=exchange)
-        dist.destroy_process_group(exchange)
+        with collective_deadline(group, construction_s(timeout_s), "Buffer construction (fabric)"):
+            self._pids = PeerPids.gather(group, self.rank, self.num_ranks)
+            dist.all_gather_object(everyone, mine, group=group)
         for p in self.peers:
             self._agent.add_remote_agent(everyone[p][1])
         self._names = {p: everyone[p][0] for p in self.peers}  # as notices name their sender
@@ -241,7 +239,8 @@ class NixlFabric(Fabric):
         }
         for p in self.peers:
             self._notify(p, PING)
-        waiter = Waiter("Buffer construction (fabric: first notices)", timeout_s, self._gone, lambda p: None)
+        first = "Buffer construction (fabric: first notices)"
+        waiter = Waiter(first, construction_s(timeout_s), self._gone, lambda p: None)
         while pending := [p for p in self.peers if p not in self._greeted]:
             self._progress()
             self._pause(waiter, pending)

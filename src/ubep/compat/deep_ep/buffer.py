@@ -44,12 +44,12 @@ import torch.distributed as dist
 
 from ubep import fp8, registry, settings, validate
 from ubep import layout as ep_layout
-from ubep.buffer import CONSTRUCTION_MIN_TIMEOUT_S
 from ubep.buffer import Buffer as UbepBuffer
 from ubep.compat.deep_ep import scales
 from ubep.compat.deep_ep.handles import LowLatencyView, NormalHandle, normal_handle
 from ubep.compat.deep_ep.header_gather import CallHeaders, opens
 from ubep.compat.deep_ep.utils.event import EventHandle, EventOverlap, pending_event, wait_previous
+from ubep.deadlines import construction_s
 from ubep.errors import SharedMemorySizeError
 from ubep.factory import heap_bytes, ready_engine
 from ubep.group import choose_transport, join_group
@@ -198,7 +198,7 @@ class Buffer:
         if registry.TRANSPORTS[transport].on_device and engine == registry.AUTO:  # as ubep.Buffer picks
             engine = registry.TRITON.name
         halves = needed(chosen["protocol"].value, self.low_latency_mode, workers=1)
-        timeout_s = max(chosen["timeout_s"].value, CONSTRUCTION_MIN_TIMEOUT_S)
+        timeout_s = construction_s(chosen["timeout_s"].value)
         ready_engine(engine, halves, time.monotonic() + timeout_s)
 
     def explain(self) -> str:
