@@ -10,6 +10,7 @@ import signal
 import time
 
 import pytest
+import torch
 import torch.distributed as dist
 from faultcase import Report, group_pids, iteration, make_buffer, residue, run_until_failure, scenario
 
@@ -159,3 +160,39 @@ def test_delayed_rank(protocol):
         assert re.search(r"rank(\(s\))? 1 (after 1.5 s|sent nothing)", stalled.message), stalled.message
         assert stalled.message.startswith("combine"), stalled.message
         assert 1.4 <= stalled.elapsed_s < 3 * 1.5, stalled
+
+
+def reject_and_go_on() -> list[str]:
+    """Three dispatches A, B, C: rank 1 (slow) sleeps in A after publishing its own rows, before it reads
+    the others'; rank VICTIM rejects its input in B and goes straight on to C. Returns what each call
+    came to on this rank: "exact", or the error."""
+    me, sc = dist.get_rank(), scenario()
+    xs, idxs, ws, ref = sc.expected()
+    slow = FaultPlan(rank=1, point="dispatch.sent", action="delay", call=1, delay_s=1.0)
+    said = []
+    with make_buffer(sc, "ubep", "shm", REJECT_DEADLINE_S, faults=slow) as buf:
+        for call in "ABC":
+            idx = idxs[me].clone()
+            if call == "B" and me == VICTIM:
+                idx[0, 0] = sc.num_experts  # out of range: rejected at the boundary
+            try:
+                got = buf.dispatch(xs[me], topk_idx=idx, topk_weights=ws[me])
+                said.append("exact" if torch.equal(got.recv_x, ref[me].recv_x_MH) else "wrong")
+            except (ValueError, ubep.UbepError) as error:
+                said.append(f"{type(error).__name__}: {error}")
+        dist.barrier()  # no rank closes while a peer may still read its rows
+    return said
+
+
+def test_a_rank_that_rejects_a_call_and_goes_on_leaves_a_slow_peer_its_call_before():
+    """Issue 45, item 5: rank 2 completed A, rejected B and wrote C's rows over A's half while rank 1
+    still read A there: rank 1 failed A (`CommTimeoutError`), which every other rank had completed,
+    and the group was out of step after it. Now a rank that abandoned a call waits, as it begins the
+    next, until every peer has left the call before the abandoned one."""
+    results = ubep.LocalLaunch(world_size=WORLD, timeout_s=90).run(reject_and_go_on)
+    for rank, (a, b, c) in enumerate(results):
+        assert (a, c) == ("exact", "exact"), (rank, a, b, c)
+        if rank == VICTIM:
+            assert b.startswith("ValueError: topk_idx"), b
+        else:
+            assert b.startswith("PeerAbortedError") and f"rank {VICTIM} aborted the call" in b, (rank, b)

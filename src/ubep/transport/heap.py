@@ -401,9 +401,30 @@ class Heap:
             self.abort(call)
 
     def begin(self, call: CallId) -> None:
-        """Record that this rank began `call` (its kind and per-kind number), for peers' waits."""
+        """Record that this rank began `call` (its kind and per-kind number), for peers' waits; first,
+        where this rank abandoned the call before, wait until every peer has left the calls before
+        that one (`_after_abandoned`)."""
+        if self._notice(self.rank, call.seq - 1) is not None and call.seq - 1 > self._resumed_after:
+            self._after_abandoned(call)
         word = (call.seq << 32) | ((call.epoch & 0xFFFFFF) << 8) | KINDS.get(call.kind, 0)  # per call: inline
         self._ctl[self.rank][CTL_CALLS + call.seq % CALL_RING] = word
+
+    def _after_abandoned(self, call: CallId) -> None:
+        """Wait until every live peer began or abandoned the call before `call` (or began `call`), so
+        it has left every call before that: this rank abandoned that call, so never heard from them in
+        it. A call it completed proves as much (its peers had begun it), and so lets the next call of a
+        kind write over the half the one before used; an abandoned one does not, and a peer slow in
+        the call before (a pull protocol: still reading this rank's rows there) would find them
+        overwritten and fail a call every other rank completed (issue 45, item 5)."""
+        before = call.seq - 1
+
+        def left(peer: int) -> bool:
+            began = unpack_call(int(self._ctl[peer][CTL_CALLS + before % CALL_RING]))[0] == before
+            now = unpack_call(int(self._ctl[peer][CTL_CALLS + call.seq % CALL_RING]))[0] == call.seq
+            return began or now or self._notice(peer, before) is not None
+
+        others = [r for r in self.live if r != self.rank]
+        self.wait(f"{call.kind} (peers leaving call #{before - 1})", call, others, left)
 
     def check_in_step(self, call: CallId, phase: str) -> None:
         """Raise PeerDataError (and tell the peers) if a live rank began another call of this seq
