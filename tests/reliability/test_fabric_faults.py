@@ -2,13 +2,13 @@
 engines (gloo; nixl where installed).
 
 - Failed calls leave nothing behind: a rank late past the deadline twice, a dispatch met by a combine
-  twice, a peer killed, stopped or closed and then masked: 50 calls after the faults are exact on
-  every rank, none raising an engine's own error (a send no receive was posted for, waited on
-  later, timed out and closed the connection).
+  twice, a peer killed, stopped or closed and then masked: 50 calls after the faults (UBEP_FAULT_CALLS
+  sets how many) are exact on every rank, none raising an engine's own error (a send no receive
+  was posted for, waited on later, timed out and closed the connection).
 - A lost peer is named with a ubep error on every survivor, never by the engine's raw words.
 - A hostile peer's message (a header too short, a frame outside its lane, a trailer that never
   matches, routing out of range across a rail) is `PeerDataError` naming it on the ranks that
-  read it, the others name it as the culprit, and 50 calls after it are exact.
+  read it, the others name it as the culprit, and the calls after it are exact.
 
 Hosts are emulated on this one (`LocalLaunch`): every message between ranks goes over the fabric.
 """
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import signal
 import struct
 import time
@@ -40,7 +41,11 @@ ENGINES = ["gloo", pytest.param("nixl", marks=NO_NIXL)]
 R, E, H, T = 3, 6, 32, 8
 SC = Scenario(name="fabric-faults", num_ranks=R, num_experts=E, hidden=H, topk=2, capacity=T, seed=11)
 TIMEOUT_S = 2.0
-AFTER = 50  # exact rounds asked for after the faults
+# Exact rounds asked for after each fault: 50 keeps the suite fast; UBEP_FAULT_CALLS=500 is the soak
+# docs/reliability.md records. Every launch's hard deadline grows with it (seconds).
+AFTER = int(os.environ.get("UBEP_FAULT_CALLS", "50"))
+LAUNCH_S = 100.0 * max(1.0, AFTER / 50)
+CASE_S = LAUNCH_S + 20.0
 RAW = ("Timed out", "Connection closed", "pair closure", "Connection reset", "Socket")  # gloo's own words
 
 
@@ -115,20 +120,29 @@ def failed_calls(fabric: str, how: str) -> tuple[list[str], int]:
         return errors, rounds.exact(buf)
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(CASE_S)
 @pytest.mark.parametrize("fabric", ENGINES)
 @pytest.mark.parametrize("how", ["late", "kinds"])
 def test_two_failed_calls_leave_the_fabric_exact_for_the_calls_after(fabric, how):
-    outcomes = ubep.LocalLaunch(world_size=R, timeout_s=100).outcomes(failed_calls, fabric, how)
+    outcomes = ubep.LocalLaunch(world_size=R, timeout_s=LAUNCH_S).outcomes(failed_calls, fabric, how)
     for o in outcomes:
         assert o.ok, f"rank {o.rank}: {o.error}"
         errors, exact = o.result
         assert not any(word in e for e in errors for word in RAW), (o.rank, errors)
         if how == "kinds":
-            assert all(e.startswith("PeerDataError") and "differ in kind" in e for e in errors), errors
+            assert all(differ_in_kind(e) for e in errors), errors
         elif o.rank != 1:
             assert all(e.startswith(("CommTimeoutError", "PeerAbortedError")) for e in errors), errors
         assert exact == AFTER, f"rank {o.rank}: {exact} of {AFTER} rounds after the faults were exact"
+
+
+def differ_in_kind(error: str) -> bool:
+    """Whether an error says the ranks' calls differ in kind: this rank's own header check, or a peer's
+    abort notice that landed first (nixl, now and then) saying it gave up on a call of the other kind."""
+    if error.startswith("PeerDataError"):
+        return "differ in kind" in error
+    told = re.fullmatch(r"PeerAbortedError: (\w+) .* aborted the call \(it gave up on its (\w+) .*", error)
+    return told is not None and told[1] != told[2]  # this rank's call, the peer's
 
 
 # -- items 1 and 2: a lost peer is named, masked, and the survivors go on ------------------------------
@@ -182,11 +196,11 @@ def names(error: str, rank: int) -> bool:
     return error.startswith(("CommTimeoutError", "PeerAbortedError")) and named
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(CASE_S)
 @pytest.mark.parametrize("fabric", ENGINES)
 @pytest.mark.parametrize("how", ["kill", "stop", "close"])
 def test_a_lost_peer_is_named_and_the_survivors_go_on_exactly(fabric, how):
-    outcomes = ubep.LocalLaunch(world_size=R, timeout_s=100).outcomes(lost_peer, fabric, how)
+    outcomes = ubep.LocalLaunch(world_size=R, timeout_s=LAUNCH_S).outcomes(lost_peer, fabric, how)
     for o in outcomes[:VICTIM]:
         assert o.ok, f"rank {o.rank}: {o.error}"
         errors, exact = o.result
@@ -244,10 +258,10 @@ def resumed_after_stop(fabric: str) -> tuple[list[str], int, str]:
     return errors, exact, left
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(CASE_S)
 @pytest.mark.parametrize("fabric", ENGINES)
 def test_a_stopped_rank_resumed_goes_on_and_names_a_peer_that_left(fabric):
-    outcomes = ubep.LocalLaunch(world_size=2, timeout_s=100).outcomes(resumed_after_stop, fabric)
+    outcomes = ubep.LocalLaunch(world_size=2, timeout_s=LAUNCH_S).outcomes(resumed_after_stop, fabric)
     for o in outcomes:
         assert o.ok, f"rank {o.rank}: {o.error}"
     (first, exact0, _), (resumed, exact1, left) = (o.result for o in outcomes)
@@ -377,18 +391,20 @@ HOSTILE_CASES = [
 ]
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(CASE_S)
 @pytest.mark.parametrize("fabric", ENGINES)
 @pytest.mark.parametrize(("call", "how", "value"), HOSTILE_CASES)
 def test_a_hostile_message_is_named_and_the_calls_after_are_exact(fabric, call, how, value):
-    outcomes = ubep.LocalLaunch(world_size=R, timeout_s=100).outcomes(hostile_peer, fabric, call, how, value)
+    outcomes = ubep.LocalLaunch(world_size=R, timeout_s=LAUNCH_S).outcomes(
+        hostile_peer, fabric, call, how, value
+    )
     check_hostile(outcomes)
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(CASE_S)
 def test_a_message_whose_trailer_never_matches_is_named():
     """Item 10 (gloo: the trailer tells a whole message from one still landing)."""
-    outcomes = ubep.LocalLaunch(world_size=R, timeout_s=100).outcomes(
+    outcomes = ubep.LocalLaunch(world_size=R, timeout_s=LAUNCH_S).outcomes(
         hostile_peer, "gloo", "dispatch", "trailer", 0
     )
     check_hostile(outcomes)
@@ -435,13 +451,13 @@ def hostile_rail_peer(fabric: str, how: str, value: int) -> tuple[str, int]:
         return error, rounds.exact(buf)
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(CASE_S)
 @pytest.mark.parametrize("fabric", ENGINES)
 @pytest.mark.parametrize(("how", "value"), [("short", 3), ("token", -2), ("expert", 8 + 3)])
 def test_a_hostile_rail_message_is_named_by_its_reader(fabric, how, value):
     """Items 8 and 11: the rail peer that reads the message names the sender (before relaying a row of
-    it); the node peers it told give up too; 50 rounds after are exact."""
-    launch = ubep.LocalLaunch(world_size=4, ranks_per_node=2, timeout_s=100)
+    it); the node peers it told give up too; the rounds after are exact."""
+    launch = ubep.LocalLaunch(world_size=4, ranks_per_node=2, timeout_s=LAUNCH_S)
     outcomes = launch.outcomes(hostile_rail_peer, fabric, how, value)
     for o in outcomes:
         assert o.ok, f"rank {o.rank}: {o.error}"
@@ -452,12 +468,12 @@ def test_a_hostile_rail_message_is_named_by_its_reader(fabric, how, value):
     assert error.startswith("PeerDataError") and f"rank {HOSTILE} " in error, error
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(CASE_S)
 @pytest.mark.parametrize("fabric", ENGINES)
 def test_a_combine_of_another_dtype_is_blamed_on_its_rank_across_the_forwarder(fabric):
     """Item 12: rank 1's combine is float32. Rank 0 (its node peer) and rank 3 (its rail peer) see it;
     rank 2 hears of it from rank 0, across the rail, and must name rank 1, not rank 0."""
-    launch = ubep.LocalLaunch(world_size=4, ranks_per_node=2, timeout_s=100)
+    launch = ubep.LocalLaunch(world_size=4, ranks_per_node=2, timeout_s=LAUNCH_S)
     outcomes = launch.outcomes(hostile_rail_peer, fabric, "dtype", 0)
     for o in outcomes:
         assert o.ok, f"rank {o.rank}: {o.error}"
