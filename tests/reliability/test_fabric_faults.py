@@ -1,5 +1,5 @@
-"""The fabric after failed calls, lost peers and hostile messages (issue 45, items 1, 2, 8-12), on both
-engines (gloo; nixl where installed).
+"""The fabric after failed calls, lost peers and hostile messages (issue 45, items 1, 2, 8-12), on every
+engine (gloo; zmq and nixl where installed).
 
 - Failed calls leave nothing behind: a rank late past the deadline twice, a dispatch met by a combine
   twice, a peer killed, stopped or closed and then masked: 50 calls after the faults are exact on
@@ -36,7 +36,8 @@ from ubep.errors import PeerDataError
 
 HAS_NIXL = any(importlib.util.find_spec(name) for name in ("nixl", "nixl_cu12", "nixl_cu13"))
 NO_NIXL = pytest.mark.skipif(not HAS_NIXL, reason="NIXL is not installed")
-ENGINES = ["gloo", pytest.param("nixl", marks=NO_NIXL)]
+NO_ZMQ = pytest.mark.skipif(importlib.util.find_spec("zmq") is None, reason="pyzmq is not installed")
+ENGINES = ["gloo", pytest.param("zmq", marks=NO_ZMQ), pytest.param("nixl", marks=NO_NIXL)]
 R, E, H, T = 3, 6, 32, 8
 SC = Scenario(name="fabric-faults", num_ranks=R, num_experts=E, hidden=H, topk=2, capacity=T, seed=11)
 TIMEOUT_S = 2.0
@@ -305,6 +306,8 @@ class Tamper:
                 out.key[1][-8:].view(torch.int64)[0] ^= 1
             elif self.fabric.name == "gloo" and self.how in ("words", "bytes"):
                 out.key[1][:16].view(torch.int64)[{"words": 0, "bytes": 1}[self.how]] = self.value
+            elif self.fabric.name == "zmq" and self.how in ("words", "bytes"):  # frame: lane, seq, kind, ...
+                out.key.buffer[:40].view(torch.int64)[{"words": 3, "bytes": 4}[self.how]] = self.value
         self.send(out)
 
     def _lane_and_seq(self, out) -> tuple[str, int]:

@@ -124,7 +124,7 @@ class Fabric(ABC):
         i, half = self.lanes[lane], call.seq % 2
         pending = [p for p in peers if p != self.rank]
         notice = self._notice_of(call)
-        waiter = Waiter(phase, self.timeout_s, self._gone, notice)
+        waiter = self._waiter(phase, notice)
         while pending:
             self._progress()
             landed = []
@@ -226,6 +226,11 @@ class Fabric(ABC):
         """(those of `pending` whose connection failed, those of them whose process exited), for engines
         that name a lost connection at once rather than through `_gone`."""
         return [], []
+
+    def _waiter(self, phase: str, notice: Callable[[int], AbortNotice | None]) -> Waiter:
+        """The wait of one receive (`Waiter`: yields, then sleeps); an engine that can block on all its
+        peers at once passes its own `block`."""
+        return Waiter(phase, self.timeout_s, self._gone, notice)
 
     def _pause(self, waiter: Waiter, pending: list[int]) -> None:
         """Wait a while for `pending` (`Waiter.pause`: the deadline, dead peers, abort notices); an
