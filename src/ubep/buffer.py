@@ -137,9 +137,11 @@ class Buffer:
         capturable: calls on the Triton halves read nothing back on the host, so a CUDA graph can
             capture them (low-latency calls; normal-mode calls with `num_worst_tokens`); their
             errors (a bad topk_idx value too) raise at `check()`. docs/device.md.
-        fabric: how bytes reach ranks on other hosts, where protocol "ubep" crosses hosts: "gloo"
-            (torch.distributed point-to-point over TCP; "auto" takes it) or "nixl" (NIXL one-sided
-            writes over UCX: TCP, InfiniBand, EFA; the `nixl` extra). docs/multinode.md.
+        fabric: how bytes reach ranks on other hosts, where protocol "ubep" crosses hosts: "zmq"
+            (ZeroMQ over TCP, waits that block on all peers at once; the `zmq` extra), "gloo"
+            (torch.distributed point-to-point over TCP, no extra; its waits poll) or "nixl" (NIXL
+            one-sided writes over UCX: TCP, InfiniBand, EFA; the `nixl` extra). "auto" takes zmq
+            where every rank has pyzmq, else gloo. docs/multinode.md.
         call_timers: time the blocks of every call (validation, halves, waiting,
             results) and count its sleeps, rings and yields, for `call_timers` (default False;
             `ubep.timers`). Off, nothing is timed.

@@ -10,7 +10,7 @@
   others gave up on is never taken for a later call.
 
 Nodes are emulated on this host (`LocalLaunch(ranks_per_node=...)`): traffic between them really
-goes over the fabric (gloo point-to-point over loopback TCP).
+goes over the fabric (its default engine, zmq where pyzmq is installed, over loopback TCP).
 """
 
 from __future__ import annotations
