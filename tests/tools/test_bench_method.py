@@ -374,13 +374,13 @@ def test_the_low_latency_row_runs_beside_normal_mode_on_one_host_only():
 
 
 def test_rows_across_nodes_run_only_across_nodes_and_nixl_only_where_installed(monkeypatch):
-    across = ("ubep", "ubep-nixl", "hier-bsp", "bsp-gloo")
+    across = ("ubep", "ubep-gloo", "ubep-nixl", "hier-bsp", "bsp-gloo")
     systems, notes = bench_run.select_systems(BenchConfig(systems=across), (True, ""))
-    assert systems == ("ubep", "bsp-gloo") and "no ubep-nixl, hier-bsp row" in notes[0]
+    assert systems == ("ubep", "bsp-gloo") and "no ubep-gloo, ubep-nixl, hier-bsp row" in notes[0]
     monkeypatch.setattr(bench_run, "nixl_available", lambda: (False, "NIXL is not installed"))
     systems, notes = bench_run.select_systems(BenchConfig(nodes=2, systems=across), (True, ""))
     assert (
-        systems == ("ubep", "hier-bsp", "bsp-gloo")
+        systems == ("ubep", "ubep-gloo", "hier-bsp", "bsp-gloo")
         and notes[0] == "ubep-nixl row skipped: NIXL is not installed"
     )
 
@@ -416,7 +416,9 @@ def test_hosts_fall_back_to_emulated_nodes_and_say_why(monkeypatch, capsys):
     )
     (cfg,) = planned
     assert (
-        cfg.nodes == 2 and not cfg.namespaces and cfg.systems == ("ubep", "ubep-nixl", "hier-bsp", "bsp-gloo")
+        cfg.nodes == 2
+        and not cfg.namespaces
+        and cfg.systems == ("ubep", "ubep-gloo", "ubep-nixl", "hier-bsp", "bsp-gloo")
     )
 
 
@@ -560,7 +562,9 @@ def test_a_rank_refused_shared_memory_is_told_in_the_command_lines_terms():
     [
         BenchConfig(),
         BenchConfig(tokens=(8, 128), timeout_s=60.0, seed=3),
-        BenchConfig(nodes=2, namespaces=True, systems=("ubep", "ubep-nixl", "hier-bsp", "bsp-gloo")),
+        BenchConfig(
+            nodes=2, namespaces=True, systems=("ubep", "ubep-gloo", "ubep-nixl", "hier-bsp", "bsp-gloo")
+        ),
         BenchConfig(ranks=4, nodes=2, systems=("ubep", "bsp-gloo"), slow_rank=1, delay_us=2500.0),
         BenchConfig(routing="zipf", skew=1.2, workers=2, schedule="balanced", mode="ll", dtype="fp32"),
         BenchConfig(systems=("ubep",), stats_path="s.json", iters=60, placements=("eplb",), redundant=4),
@@ -576,7 +580,7 @@ def test_the_command_of_a_run_measures_that_run(cfg):
     assert said[:2] == ["ubep", "bench"] and args.command == "bench"
     assert (args.hosts or args.nodes, bool(args.hosts)) == (cfg.nodes, cfg.namespaces)
     default_systems = (
-        ("ubep", "ubep-nixl", "hier-bsp", "bsp-gloo") if cfg.nodes > 1 else BenchConfig().systems
+        ("ubep", "ubep-gloo", "ubep-nixl", "hier-bsp", "bsp-gloo") if cfg.nodes > 1 else BenchConfig().systems
     )
     assert (args.systems or default_systems) == cfg.systems and bool(args.stats) == bool(cfg.stats_path)
     same = ("ranks", "tokens", "hidden", "experts", "topk", "iters", "warmup", "routing", "skew", "mode")
