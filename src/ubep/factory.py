@@ -123,7 +123,7 @@ def ubep_over_fabric(
         if rail is None:
             exchange: Exchange = UbepFabric(fabric, engine, sizing, reason)
         else:
-            exchange = HierFabric(info, sizing, o.timeout_s, engine, fabric)
+            exchange = HierFabric(info, sizing, o.timeout_s, engine, fabric, reason)
     except BaseException:
         fabric.close()
         raise

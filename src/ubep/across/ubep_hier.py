@@ -68,11 +68,20 @@ def lanes(s: Sizing, rail: tuple[int, ...]) -> tuple[Lane, ...]:
 class HierFabric(HierExchange):
     """Hierarchical dispatch/combine whose crossings between nodes are fabric messages."""
 
-    def __init__(self, info: GroupInfo, sizing: Sizing, timeout_s: float, engine: Engine, fabric: Fabric):
+    def __init__(
+        self,
+        info: GroupInfo,
+        sizing: Sizing,
+        timeout_s: float,
+        engine: Engine,
+        fabric: Fabric,
+        reason: str = "",
+    ):
         super().__init__(info, sizing, timeout_s, engine)
         self.fabric = fabric
         self.across_hosts = (
-            f"rails over the {fabric.name} fabric, no collective inside a call; shared memory within a node"
+            f"rails over the {fabric.name} fabric ({reason}), no collective inside a call; "
+            "shared memory within a node"
         )
         self._told = 0  # the last call this rank told its rail peers it gave up on
 
