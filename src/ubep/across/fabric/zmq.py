@@ -35,6 +35,7 @@ send that fails marks its peer lost, and the wait names it.
 
 from __future__ import annotations
 
+import math
 import os
 import socket
 import struct
@@ -122,9 +123,13 @@ class ZmqFabric(Fabric):
         self._down: dict[int, float] = {}  # peers whose connection dropped without a BYE: since when
         self._closed = False
         self._context = zmq.Context()
-        self._router = self._context.socket(zmq.ROUTER)
-        self._router.bind(f"tcp://{reachable_address()}:*")
-        self._connect(group, timeout_s)
+        try:
+            self._router = self._context.socket(zmq.ROUTER)
+            self._router.bind(f"tcp://{reachable_address()}:*")
+            self._connect(group, timeout_s)
+        except BaseException:  # a failed construction leaves no socket nor I/O thread behind
+            self._context.destroy(linger=0)
+            raise
 
     # -- construction -----------------------------------------------------------------------------
 
@@ -165,7 +170,7 @@ class ZmqFabric(Fabric):
 
     def _block(self, timeout_s: float) -> None:
         """Sleep until a message lands or a connection changes, at most `timeout_s`."""
-        for sock, _ in self._poller.poll(max(0, int(1000 * timeout_s))):
+        for sock, _ in self._poller.poll(max(0, math.ceil(1000 * timeout_s))):
             if sock is not self._router:
                 self._take_events(sock)
 
@@ -206,7 +211,7 @@ class ZmqFabric(Fabric):
         """File `peer`'s message in its slot (behind any it still holds), or its abort notice."""
         if len(parts) != 1 or len(parts[0]) < FRAME.size:
             sizes = [len(part) for part in parts]
-            self._bad[peer] = f"sent a message of parts {sizes} bytes this rank cannot read"
+            self._bad[peer] = f"sent a message this rank cannot read (parts of {sizes} bytes)"
             return
         body = parts[0]
         data = torch.frombuffer(body.buffer, dtype=torch.uint8)
