@@ -432,12 +432,12 @@ def test_hosts_that_do_not_split_the_ranks_name_the_hosts_flag():
 @pytest.mark.parametrize(
     "netem,said",
     [
-        (False, "links between the 2 hosts: 25gbit by a token bucket (tc tbf, burst 4mb); no added delay: "
-         "this kernel has no netem"),
-        (True, "links between the 2 hosts: 25gbit, 15us one way (tc netem)"),
+        (False, "links between the 2 hosts: 1gbit by a token bucket (tc tbf, burst 250000 bytes); no delay: "
+         "kernel has no netem"),
+        (True, "links between the 2 hosts: 1gbit, 15us one way (tc netem)"),
     ],
 )  # fmt: skip
-def test_hosts_say_what_the_links_are_under_the_table(netem, said, monkeypatch, capsys):
+def test_hosts_say_what_the_links_are_under_the_table(netem, said, tmp_path, monkeypatch, capsys):
     from ubep.bench import hosts
 
     def measure(cfg, tokens, systems, progress):
@@ -446,11 +446,26 @@ def test_hosts_say_what_the_links_are_under_the_table(netem, said, monkeypatch, 
     monkeypatch.setattr(hosts, "namespaces_available", lambda: hosts.Namespaces(True, "as if", netem))
     monkeypatch.setattr(bench_run, "plan", lambda cfg: (("ubep",), []))
     monkeypatch.setattr(bench_run, "measure", measure)
-    assert main(["bench", "--hosts", "2", "--ranks", "2", "--experts", "8", "--tokens", "8"]) == 0
+    argv = [
+        "bench",
+        "--hosts",
+        "2",
+        "--ranks",
+        "2",
+        "--experts",
+        "8",
+        "--tokens",
+        "8",
+        "--link-rate",
+        "1gbit",
+    ]
+    assert main([*argv, "--json", str(tmp_path / "run.json")]) == 0
     assert said in " ".join(capsys.readouterr().out.split())
-    assert [hosts.LINK_RATE, hosts.LINK_DELAY, hosts.LINK_BURST] == [
-        hosts.hosts_command(BenchConfig(nodes=2), 8, ("ubep",), "d")[i] for i in (4, 6, 8)
-    ]  # what the note says is what the script is told
+    link = json.loads((tmp_path / "run.json").read_text())["meta"]["link"]
+    assert link == {"rate": "1gbit", "bytes_per_s": 125_000_000, "burst_bytes": None if netem else 250_000,
+                    "delay": "15us" if netem else None}  # fmt: skip
+    told = hosts.hosts_command(BenchConfig(nodes=2, link_rate="1gbit"), 8, ("ubep",), "d")
+    assert told[told.index("-r") + 1] == "1gbit" and "-b" not in told  # the script sizes the burst itself
 
 
 def test_an_interrupted_sweep_keeps_its_rows_and_exits_130(tmp_path, monkeypatch, capsys):

@@ -30,14 +30,14 @@ from ubep.bench.workload import BenchConfig
 
 SCRIPT = Path(__file__).resolve().parents[3] / "scripts" / "netns_hosts.sh"  # in a source checkout
 STOP_S = 20.0  # how long the hosts get to end after QUIT, and again after SIGTERM
-# The links between namespace hosts, passed to the script: a 25 GbE NIC, common on CPU servers; a
-# switch hop and the kernel's TCP stack one way; the token bucket's burst where netem is missing.
-LINK_RATE, LINK_DELAY, LINK_BURST = "25gbit", "15us", "4mb"
+# The delay of a link between namespace hosts where the kernel has netem: a switch hop and the
+# kernel's TCP stack, one way (its rate is the bench's --link-rate, `BenchConfig.link_rate`).
+LINK_DELAY = "15us"
 
 
 class Namespaces(NamedTuple):
     """Whether namespace hosts can be made here, why (or why not), and whether the kernel has netem
-    (the links then get LINK_DELAY as well as LINK_RATE; without it a token bucket keeps the rate)."""
+    (the links then get LINK_DELAY as well as their rate; without it a token bucket keeps the rate)."""
 
     ok: bool
     why: str
@@ -71,7 +71,7 @@ def _shape_probe(namespace: str) -> tuple[str | None, str]:
     qdisc that worked, else None and what `tc` said (a `tc` on PATH may still fail: a wrapper, no
     qdisc modules)."""
     said = ""
-    tries = (["netem", "delay", LINK_DELAY], ["tbf", "rate", "1gbit", "burst", LINK_BURST, "latency", "10ms"])
+    tries = (["netem", "delay", LINK_DELAY], ["tbf", "rate", "1gbit", "burst", "250000", "latency", "10ms"])
     for qdisc in tries:
         command = ["ip", "netns", "exec", namespace, "tc", "qdisc", "add", "dev", "lo", "root", *qdisc]
         done = subprocess.run(command, capture_output=True, text=True, timeout=30)
@@ -81,14 +81,37 @@ def _shape_probe(namespace: str) -> tuple[str | None, str]:
     return None, said
 
 
-def link_note(hosts: int, netem: bool) -> str:
-    """What the links between the namespace hosts are, for the notes under the bench's table."""
+class Link(NamedTuple):
+    """The link between two namespace hosts, as the script makes it: `rate` in tc's units (1gbit),
+    that rate in bytes per second, the token bucket's burst in bytes (None under netem, which paces
+    each packet), and the delay one way (None: the kernel has no netem, so none is added)."""
+
+    rate: str
+    bytes_per_s: int
+    burst_bytes: int | None
+    delay: str | None
+
+    def note(self, hosts: int) -> str:
+        """What the links are, for the notes under the bench's table."""
+        if self.delay is not None:
+            return f"links between the {hosts} hosts: {self.rate}, {self.delay} one way (tc netem)"
+        return (
+            f"links between the {hosts} hosts: {self.rate} by a token bucket (tc tbf, burst "
+            f"{self.burst_bytes} bytes); no delay: kernel has no netem"
+        )
+
+
+def link_of(rate: str, netem: bool, script: Path = SCRIPT) -> Link:
+    """The link the script makes at `rate` (its sizing, asked with -s: nothing is made), with
+    LINK_DELAY where the kernel has netem. Raises ValueError with the script's reason for a rate it
+    refuses."""
+    said = subprocess.run(["bash", str(script), "-r", rate, "-s"], capture_output=True, text=True, timeout=30)
+    if said.returncode != 0:
+        raise ValueError(_last_line(said.stderr) or f"{script} -s exited {said.returncode}")
+    sizing = dict(word.split("=", 1) for word in said.stdout.split())
     if netem:
-        return f"links between the {hosts} hosts: {LINK_RATE}, {LINK_DELAY} one way (tc netem)"
-    return (
-        f"links between the {hosts} hosts: {LINK_RATE} by a token bucket (tc tbf, burst {LINK_BURST}); "
-        "no added delay: this kernel has no netem"
-    )
+        return Link(rate, int(sizing["bytes_per_s"]), None, LINK_DELAY)
+    return Link(rate, int(sizing["bytes_per_s"]), int(sizing["burst"]), None)
 
 
 def _last_line(text: str) -> str:
@@ -111,7 +134,7 @@ class HostsFailedError(RuntimeError):
 def hosts_command(cfg: BenchConfig, tokens: int, systems: tuple[str, ...], turns_dir: str) -> list[str]:
     """The script, one torchrun agent per host, this module as every rank."""
     return [
-        str(SCRIPT), "-n", str(cfg.nodes), "-r", LINK_RATE, "-d", LINK_DELAY, "-b", LINK_BURST, "--",
+        str(SCRIPT), "-n", str(cfg.nodes), "-r", cfg.link_rate, "-d", LINK_DELAY, "--",
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(cfg.ranks // cfg.nodes),
         "-m", "ubep.bench.hosts", json.dumps(cfg.as_dict()), str(tokens), ",".join(systems), turns_dir,
     ]  # fmt: skip
