@@ -280,7 +280,10 @@ def run_bench(args: argparse.Namespace) -> int:
     if args.profile:
         from ubep.bench.profile import run_profile
 
-        run_profile(cfg, cfg.tokens[0])
+        try:
+            run_profile(cfg, cfg.tokens[0])
+        except HostsFailedError as failed:
+            raise SystemExit(f"ubep bench --hosts {args.hosts}: {failed.line()}") from None
         return 0
     try:
         systems, notes = plan(cfg)

@@ -7,8 +7,9 @@
 Each host has its own network stack (veth on a bridge, shaped by the script), so traffic between
 hosts crosses a real link; the turns' named pipes and the monotonic clock are shared by every
 namespace, so turns and timing work as for emulated nodes. Run as a module, this file is one rank:
-it measures like a rank of ubep's launcher (`torch_systems.measure_rank`) and leaves its samples
-in a file for the bench.
+it measures like a rank of ubep's launcher (`torch_systems.measure_rank`), or profiles like one
+(`profile.profile_rank`, for `ubep bench --profile --hosts N`), and leaves its result in a file for
+the bench.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from datetime import timedelta
 from pathlib import Path
 from typing import NamedTuple
@@ -131,13 +133,39 @@ class HostsFailedError(RuntimeError):
         return f"namespace hosts failed (exit {self.exit_code}): {_last_line(self.tail) or 'no output'}"
 
 
-def hosts_command(cfg: BenchConfig, tokens: int, systems: tuple[str, ...], turns_dir: str) -> list[str]:
-    """The script, one torchrun agent per host, this module as every rank."""
+def hosts_command(cfg: BenchConfig, job: list[str]) -> list[str]:
+    """The script, one torchrun agent per host, this module as every rank running `job` (`main`'s
+    arguments)."""
     return [
         str(SCRIPT), "-n", str(cfg.nodes), "-r", cfg.link_rate, "-d", LINK_DELAY, "--",
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(cfg.ranks // cfg.nodes),
-        "-m", "ubep.bench.hosts", json.dumps(cfg.as_dict()), str(tokens), ",".join(systems), turns_dir,
+        "-m", "ubep.bench.hosts", *job,
     ]  # fmt: skip
+
+
+def measure_job(cfg: BenchConfig, tokens: int, systems: tuple[str, ...], turns_dir: str) -> list[str]:
+    """Every rank measures `systems` at `tokens`, taking turns through `turns_dir` (`HostsGroup`)."""
+    return ["measure", json.dumps(cfg.as_dict()), str(tokens), ",".join(systems), turns_dir]
+
+
+def profile_on_hosts(cfg: BenchConfig, tokens: int, calls: int, name: str) -> list[dict]:
+    """Every rank's `ubep.bench.profile.profile_rank` of row `name`, run on cfg.nodes namespace hosts,
+    in rank order. Raises HostsFailedError with the end of the hosts' output if they fail."""
+    with tempfile.TemporaryDirectory(prefix="ubep-profile-") as out_dir:
+        job = ["profile", json.dumps(cfg.as_dict()), str(tokens), f"{calls},{name}", out_dir]
+        with open(os.path.join(out_dir, "hosts.out"), "w+") as out:
+            done = subprocess.run(
+                hosts_command(cfg, job), stdout=out, stderr=subprocess.STDOUT, timeout=cfg.timeout_s * 4
+            )
+            if done.returncode != 0:
+                out.seek(0)
+                raise HostsFailedError(done.returncode, out.read()[-3000:])
+        return [_load(os.path.join(out_dir, f"result.{rank}.json")) for rank in range(cfg.ranks)]
+
+
+def _load(path: str):
+    with open(path) as f:
+        return json.load(f)
 
 
 class HostsGroup:
@@ -147,7 +175,9 @@ class HostsGroup:
         self._dir, self._ranks = turns_dir, cfg.ranks
         self._out = open(os.path.join(turns_dir, "hosts.out"), "w+")
         self._proc = subprocess.Popen(
-            hosts_command(cfg, tokens, systems, turns_dir), stdout=self._out, stderr=subprocess.STDOUT
+            hosts_command(cfg, measure_job(cfg, tokens, systems, turns_dir)),
+            stdout=self._out,
+            stderr=subprocess.STDOUT,
         )
         self._timeout_s = cfg.timeout_s * 3
 
@@ -160,11 +190,7 @@ class HostsGroup:
         """After QUIT: every rank's samples, in rank order."""
         if self._proc.wait(timeout=self._timeout_s) != 0:
             raise self._failure()
-        per_rank = []
-        for rank in range(self._ranks):
-            with open(os.path.join(self._dir, f"samples.{rank}.json")) as f:
-                per_rank.append(json.load(f))
-        return per_rank
+        return [_load(os.path.join(self._dir, f"result.{rank}.json")) for rank in range(self._ranks)]
 
     def stop(self) -> None:
         """Let the hosts end, else SIGTERM the script (which stops their processes and removes the
@@ -183,22 +209,29 @@ class HostsGroup:
         return HostsFailedError(self._proc.returncode, self._out.read()[-3000:])
 
 
-def main(config_json: str, tokens: int, systems: str, turns_dir: str) -> None:
-    """One rank under torchrun: measure, then leave the samples beside the turns' pipes."""
-    from ubep.bench.torch_systems import measure_rank
-
+def main(job: str, config_json: str, tokens: int, what: str, out_dir: str) -> None:
+    """One rank under torchrun: run `job` ("measure": the rows `what` names, taking turns through
+    `out_dir`; "profile": "CALLS,ROW"), then leave its result in `out_dir` as result.RANK.json."""
     torch.set_num_threads(1)
     cfg = BenchConfig.from_json(config_json)
     dist.init_process_group("gloo", timeout=timedelta(seconds=cfg.timeout_s * 4))
     try:
-        samples = measure_rank(cfg, tokens, tuple(systems.split(",")), turns_dir)
-        partial = os.path.join(turns_dir, f"samples.{dist.get_rank()}.json.tmp")
+        if job == "measure":
+            from ubep.bench.torch_systems import measure_rank
+
+            result = measure_rank(cfg, tokens, tuple(what.split(",")), out_dir)
+        else:
+            from ubep.bench.profile import profile_rank
+
+            calls, name = what.split(",")
+            result = profile_rank(cfg, tokens, int(calls), name)
+        partial = os.path.join(out_dir, f"result.{dist.get_rank()}.json.tmp")
         with open(partial, "w") as f:
-            json.dump(samples, f)
+            json.dump(result, f)
         os.replace(partial, partial.removesuffix(".tmp"))
     finally:
         dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4])
+    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4], sys.argv[5])
