@@ -103,5 +103,31 @@ def test_the_profile_table_shows_medians_over_ranks():
     console.print(timer_table([rank(1.0), rank(2.0), rank(30.0)], "t"))
     rows = [line.replace("│", " ").split() for line in console.export_text().splitlines()]
     assert ["validate", "2.0", "2.0", "2.0", "2.0"] in rows  # the median, not the mean
-    assert ["total", "12.0", "12.0", "12.0", "12.0"] in rows  # 6 blocks of the median rank
+    assert ["total", "14.0", "14.0", "14.0", "14.0"] in rows  # 7 blocks of the median rank
     assert ["doorbell", "sleeps", "/", "call", "2.00", "2.00"] in rows
+
+
+def _profile_hier() -> dict:
+    """The profile's call timers (`profile_rank`) of the rows ubep and hier-bsp, 2 emulated nodes of 2."""
+    from ubep.bench.profile import profile_rank
+    from ubep.bench.workload import BenchConfig
+
+    cfg = BenchConfig(ranks=4, nodes=2, hidden=64, experts=8, topk=2, iters=2, warmup=1, timeout_s=60)
+    return {name: profile_rank(cfg, 8, 2, name)["timers"] for name in ("ubep", "hier-bsp")}
+
+
+def test_the_profile_fills_the_blocks_of_hier_across_nodes():
+    """Across nodes, hier's calls were one "between" block (issue 44): now the rail messages (or
+    hier-bsp's collectives) are "send", the fabric's and the heap's waits "wait", the moves for the
+    node's other ranks "forward", the partials added at home "receive"."""
+    pytest.importorskip("numba")
+    from ubep.launcher import LocalLaunch
+
+    per_rank = LocalLaunch(world_size=4, timeout_s=120, ranks_per_node=2).run(_profile_hier)
+    for timers in per_rank:
+        for name, kinds in timers.items():
+            for kind in ("dispatch", "combine"):
+                got = kinds[kind]
+                filled = {b for b in ("send", "forward", "wait", "results") if got[f"wall {b}"] > 0}
+                assert filled == {"send", "forward", "wait", "results"}, (name, kind, got)
+            assert kinds["combine"]["wall receive"] > 0, name  # the home adds every node's partials
