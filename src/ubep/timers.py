@@ -12,12 +12,13 @@ CPU time since the previous mark to that block. The blocks therefore partition a
               reuse wait too), and the rings of the peers it found asleep; across hosts, the
               messages to the peers (filled and sent), or a collective of hier-bsp's rails (it
               sends and waits in one call)
-    forward   across hosts, hierarchical only: rows moved for other ranks of the node (a rail
-              peer's rows into the forward set, the fan out's pulls, the combine's puts to the
-              forwarders and their sum in the node)
+    forward   across hosts, hierarchical only: rows on their way through the node (a rail peer's
+              rows and this rank's own into its forward set; the combine's puts to the forwarders,
+              and each forwarder's sum over its node)
     receive   entries of the compiled receive halves, re-entries after a sleep included (their own
               spin and yield polls are inside them); across hosts, a landed message's rows taken
-              into place (or added, in a combine)
+              into place (or added, in a combine), and hier's fan out (this rank's rows pulled from
+              every forward set)
     wait      sleeping on the doorbell between entries (`Heap.sleeper`), with its peer checks;
               across hosts, waiting for a peer's message in the fabric (`timed`) or a node peer's
               stamp in the heap

@@ -118,8 +118,8 @@ def _profile_hier() -> dict:
 
 def test_the_profile_fills_the_blocks_of_hier_across_nodes():
     """Across nodes, hier's calls were one "between" block (issue 44): now the rail messages (or
-    hier-bsp's collectives) are "send", the fabric's and the heap's waits "wait", the moves for the
-    node's other ranks "forward", the partials added at home "receive"."""
+    hier-bsp's collectives) are "send", the fabric's and the heap's waits "wait", the rows on their
+    way through the node "forward", the fan out's pulls and the partials added at home "receive"."""
     pytest.importorskip("numba")
     from ubep.launcher import LocalLaunch
 
@@ -128,6 +128,5 @@ def test_the_profile_fills_the_blocks_of_hier_across_nodes():
         for name, kinds in timers.items():
             for kind in ("dispatch", "combine"):
                 got = kinds[kind]
-                filled = {b for b in ("send", "forward", "wait", "results") if got[f"wall {b}"] > 0}
-                assert filled == {"send", "forward", "wait", "results"}, (name, kind, got)
-            assert kinds["combine"]["wall receive"] > 0, name  # the home adds every node's partials
+                blocks = ("send", "forward", "receive", "wait", "results")
+                assert {b for b in blocks if got[f"wall {b}"] > 0} == set(blocks), (name, kind, got)

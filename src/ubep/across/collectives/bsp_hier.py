@@ -479,10 +479,10 @@ class HierExchange(Exchange):
         recv_x_MH = x_NH.new_empty((route.recv_fwd_M.numel(), x_NH.shape[1]))
         own_first = [(self.local + i) % self.P for i in range(self.P)]
         stamps = self.t.landed(self.blocks.data, call, own_first, self._phase("dispatch (tokens in node)"))
-        lap(call.timers, "forward")  # the fan out's routing
+        lap(call.timers, "receive")  # the fan out's routing: which rows of the forward sets are this rank's
         for f in timed(stamps, call.timers):
             self._pull(call, f, recv_x_MH, route, prefix_R1)
-            lap(call.timers, "forward")
+            lap(call.timers, "receive")
         return recv_x_MH
 
     def _pull(self, call: CallId, f: int, recv_x_MH: torch.Tensor, route: HierRoute, prefix_R1) -> None:
