@@ -8,6 +8,7 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import threading
 import time
 from dataclasses import replace
@@ -664,3 +665,41 @@ def test_report_prints_a_bench_results_file_again(tmp_path, capsys):
     assert str(ended.value.code).startswith(
         f"ubep report: {path} is a bench results file (ubep bench --json)"
     )
+
+
+@pytest.mark.parametrize(
+    "rate,bits_per_s", [("1gbit", 10**9), ("25gbit", 25 * 10**9), ("2500mbit", 25 * 10**8), ("8kbit", 8000)]
+)
+def test_the_links_burst_holds_the_rate_per_call(rate, bits_per_s):
+    """The script's token bucket (asked with -s: nothing made, no root) holds 2 ms at the rate, and
+    at least one 1514-byte frame: at 1gbit a 2 MB call can burst out at most an eighth of itself,
+    where the 4 MB burst of before let all of it through at line speed (issue 44)."""
+    from ubep.bench import hosts
+
+    link = hosts.link_of(rate, netem=False)
+    assert link.bytes_per_s == bits_per_s // 8
+    assert link.burst_bytes == max(bits_per_s // 8 * 2 // 1000, 1514)
+    assert link.delay is None and "no delay: kernel has no netem" in link.note(2)
+    if rate == "1gbit":
+        assert link.burst_bytes * 8 <= 2_000_000
+    netem = hosts.link_of(rate, netem=True)
+    assert netem.burst_bytes is None and netem.delay == hosts.LINK_DELAY
+
+
+def test_a_rate_or_burst_the_script_cannot_size_is_refused_naming_it(monkeypatch):
+    from ubep.bench import hosts
+
+    with pytest.raises(ValueError) as refused:
+        hosts.link_of("1.5gbit", netem=False)
+    assert (
+        str(refused.value)
+        == "netns_hosts: -r must be a whole number of bit, kbit, mbit, gbit or tbit, got 1.5gbit"
+    )
+    monkeypatch.setattr(hosts, "namespaces_available", lambda: hosts.Namespaces(True, "as if"))
+    with pytest.raises(SystemExit) as ended:
+        main(["bench", "--hosts", "2", "--link-rate", "fast"])
+    assert str(ended.value).startswith(
+        "ubep bench --link-rate: netns_hosts: -r must be"
+    ) and "got fast" in str(ended.value)
+    small = subprocess.run(["bash", str(hosts.SCRIPT), "-b", "1000", "-s"], capture_output=True, text=True)
+    assert small.returncode == 2 and "at least one 1514-byte frame, got 1000" in small.stderr
