@@ -577,6 +577,7 @@ def test_a_rank_refused_shared_memory_is_told_in_the_command_lines_terms():
         BenchConfig(),
         BenchConfig(tokens=(8, 128), timeout_s=60.0, seed=3),
         BenchConfig(nodes=2, namespaces=True, systems=("ubep", "ubep-nixl", "hier-bsp", "bsp-gloo")),
+        BenchConfig(ranks=4, nodes=2, namespaces=True, link_rate="1gbit", systems=("ubep", "hier-bsp")),
         BenchConfig(ranks=4, nodes=2, systems=("ubep", "bsp-gloo"), slow_rank=1, delay_us=2500.0),
         BenchConfig(routing="zipf", skew=1.2, workers=2, schedule="balanced", mode="ll", dtype="fp32"),
         BenchConfig(systems=("ubep",), stats_path="s.json", iters=60, placements=("eplb",), redundant=4),
@@ -598,7 +599,7 @@ def test_the_command_of_a_run_measures_that_run(cfg):
     same = ("ranks", "tokens", "hidden", "experts", "topk", "iters", "warmup", "routing", "skew", "mode")
     same += ("dtype", "seed", "workers", "schedule", "slow_rank", "delay_us", "redundant")
     assert {f: getattr(args, f) for f in same} == {f: getattr(cfg, f) for f in same}
-    assert (args.timeout, args.placement) == (cfg.timeout_s, cfg.placements)
+    assert (args.timeout, args.placement, args.link_rate) == (cfg.timeout_s, cfg.placements, cfg.link_rate)
 
 
 def _results_file(date: str, cpu: str, vs_bsp: float, ubep_rounds: list[float], **config) -> dict:
