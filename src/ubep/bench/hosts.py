@@ -154,16 +154,32 @@ def profile_on_hosts(cfg: BenchConfig, tokens: int, calls: int, name: str) -> li
     with tempfile.TemporaryDirectory(prefix="ubep-profile-") as out_dir:
         job = ["profile", json.dumps(cfg.as_dict()), str(tokens), f"{calls},{name}", out_dir]
         with open(os.path.join(out_dir, "hosts.out"), "w+") as out:
-            done = subprocess.run(
-                hosts_command(cfg, job), stdout=out, stderr=subprocess.STDOUT, timeout=cfg.timeout_s * 4
-            )
-            if done.returncode != 0:
+            proc = subprocess.Popen(hosts_command(cfg, job), stdout=out, stderr=subprocess.STDOUT)
+            try:
+                code = proc.wait(timeout=cfg.timeout_s * 4)
+            except subprocess.TimeoutExpired:
+                code = None
+            if code != 0:
+                stop_hosts(proc)  # the script removes its namespaces on SIGTERM
                 out.seek(0)
-                raise HostsFailedError(done.returncode, out.read()[-3000:])
+                raise HostsFailedError(code, out.read()[-3000:])
         return [_load(os.path.join(out_dir, f"result.{rank}.json")) for rank in range(cfg.ranks)]
 
 
-def _load(path: str):
+def stop_hosts(proc: subprocess.Popen) -> None:
+    """Let the hosts' script end, else SIGTERM it (it stops their processes and removes the
+    namespaces), then SIGKILL."""
+    for end in (lambda: None, proc.terminate, proc.kill):
+        end()
+        try:
+            proc.wait(timeout=STOP_S)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def _load(path: str) -> dict:
+    """A rank's result file (`main`)."""
     with open(path) as f:
         return json.load(f)
 
@@ -193,15 +209,8 @@ class HostsGroup:
         return [_load(os.path.join(self._dir, f"result.{rank}.json")) for rank in range(self._ranks)]
 
     def stop(self) -> None:
-        """Let the hosts end, else SIGTERM the script (which stops their processes and removes the
-        namespaces), then SIGKILL."""
-        for end in (lambda: None, self._proc.terminate, self._proc.kill):
-            end()
-            try:
-                self._proc.wait(timeout=STOP_S)
-                break
-            except subprocess.TimeoutExpired:
-                continue
+        """Let the hosts end (`stop_hosts`), then close their output."""
+        stop_hosts(self._proc)
         self._out.close()
 
     def _failure(self) -> HostsFailedError:
@@ -220,11 +229,13 @@ def main(job: str, config_json: str, tokens: int, what: str, out_dir: str) -> No
             from ubep.bench.torch_systems import measure_rank
 
             result = measure_rank(cfg, tokens, tuple(what.split(",")), out_dir)
-        else:
+        elif job == "profile":
             from ubep.bench.profile import profile_rank
 
             calls, name = what.split(",")
             result = profile_rank(cfg, tokens, int(calls), name)
+        else:
+            raise ValueError(f"ubep.bench.hosts: job must be measure or profile, got {job!r}")
         partial = os.path.join(out_dir, f"result.{dist.get_rank()}.json.tmp")
         with open(partial, "w") as f:
             json.dump(result, f)
