@@ -50,6 +50,7 @@ class BenchConfig:
     schedule: str = DISTANCE  # the scheduler's policy when workers > 1
     nodes: int = 1  # emulated nodes: ranks are split evenly; traffic between them uses torch.distributed
     namespaces: bool = False  # the nodes are network namespace hosts (bench.hosts), not emulated
+    link_rate: str = "25gbit"  # links between namespace hosts (tc's units): a 25 GbE NIC, common
     stats_path: str = ""  # set: add the row "ubep-stats" (ubep recording stats), its merged snapshot here
     slow_rank: int = -1  # >= 0: this rank sleeps delay_us before each call of every Buffer row
     delay_us: float = 0.0
