@@ -1,0 +1,111 @@
+"""on_peer_failure="mask": a rank killed (SIGKILL) or stopped (SIGSTOP) in the middle of a call, and
+every survivor finishes that call and the next ones without it. Each result is checked bit for bit
+against the reference fed the membership of that call (`reference.without_ranks`), the masked
+rank's outputs left out of a combine it died in, and `Buffer.left_out` against the entries the
+reference dropped. A rank late but within the deadline is never masked."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from scenarios import assert_dispatch_matches, expert_output
+from shrinkcase import NUM_EXPERTS_PER_RANK, buffer, inputs, low_latency_call
+
+import ubep
+from ubep import reference
+from ubep.faults import FaultPlan
+
+WORLD, DEAD = 4, 2
+CALLS_AFTER = 30  # dispatch + combine pairs after the fault (60 calls), then low-latency pairs
+LL_CALLS_AFTER = 10
+
+
+def checked_pair(buf: ubep.Buffer, seed: int) -> set[int]:
+    """One dispatch and combine, each checked against the reference fed the ranks masked when it
+    returned; a rank masked inside the combine has its rows left out of the sums. Returns the
+    ranks masked at the end."""
+    me, R = buf.rank, buf.num_ranks
+    E = NUM_EXPERTS_PER_RANK * R
+    xs, idxs, ws = inputs(seed, R)
+    got = buf.dispatch(xs[me], topk_idx=idxs[me], topk_weights=ws[me])
+    at_dispatch = set(buf.masked_ranks)
+    rx, ri, rw = reference.without_ranks(xs, idxs, ws, at_dispatch, E)
+    ref = reference.dispatch(rx, ri, rw, E)
+    where = f"call {seed} rank {me} masked {sorted(at_dispatch)}"
+    assert_dispatch_matches(got, ref[me], where)
+    out = buf.combine(expert_output(got.recv_x, me), got.handle, topk_weights=got.recv_topk_weights)
+    at_combine = set(buf.masked_ranks)
+    ys = [expert_output(ref[r].recv_x_MH, r) for r in range(R)]
+    for r in at_combine - at_dispatch:  # masked inside the combine: what it would return is left out
+        ys[r] = torch.zeros_like(ys[r])
+    want = reference.combine(ys, ref, [x.shape[0] for x in rx])[me]
+    assert torch.equal(out.combined_x, want), where
+    _, ri_now, _ = reference.without_ranks(xs, idxs, ws, at_combine, E)
+    assert torch.equal(out.combined_topk_weights, torch.where(ri_now[me] >= 0, ws[me], 0.0)), where
+    assert torch.equal(buf.left_out(idxs[me]), (idxs[me] >= 0) & (ri_now[me] < 0)), where
+    return at_combine
+
+
+def fault_then_on(plan: FaultPlan, timeout_s: float) -> dict:
+    """Checked pairs on every rank under on_peer_failure="mask" until `plan` kills or stops rank DEAD
+    inside one, then CALLS_AFTER more pairs and LL_CALLS_AFTER low-latency pairs. Every survivor
+    must finish every call; rank 0 ends a stopped rank afterwards."""
+    me = dist.get_rank()
+    pids: list[int] = [0] * dist.get_world_size()
+    dist.all_gather_object(pids, os.getpid())
+    with buffer(None, "ubep", timeout_s=timeout_s, faults=plan, on_peer_failure="mask") as buf:
+        seed = 0
+        while not buf.masked_ranks:
+            assert seed < 10, "the fault was never met"
+            started = time.monotonic()
+            checked_pair(buf, seed)
+            seed += 1
+        met = {"seed": seed - 1, "ranks": list(buf.masked_ranks), "seconds": time.monotonic() - started}
+        for seed in range(100, 100 + CALLS_AFTER):
+            checked_pair(buf, seed)
+        for seed in range(200, 200 + LL_CALLS_AFTER):
+            low_latency_call(buf, seed, set(buf.masked_ranks))
+    if me == 0 and plan.action == "stop":
+        os.kill(pids[DEAD], signal.SIGKILL)
+    return met
+
+
+def check_survivors(outcomes, cause: str) -> list[dict]:
+    assert outcomes[DEAD].cause == cause, outcomes[DEAD]
+    survivors = [o for o in outcomes if o.rank != DEAD]
+    for o in survivors:
+        assert o.ok, (o.rank, o.cause, o.error)
+        assert o.result["ranks"] == [DEAD], (o.rank, o.result)
+    return [o.result for o in survivors]
+
+
+KILLS = [  # (point, call, the pair whose calls meet the death: its first with rows missing)
+    ("dispatch.start", 7, 3),  # the 4th pair's dispatch, before it publishes: masked in the dispatch
+    ("dispatch.sent", 7, 3),  # its tokens are out: every survivor's dispatch completes, the combine masks
+    ("combine.start", 8, 3),  # before its combine rows: masked in the combine
+    ("combine.mid", 8, 4),  # its combine rows are out (pulled by the homes): the next dispatch masks
+]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("point,call,pair", KILLS)
+def test_a_rank_killed_mid_call_is_masked_inside_it_and_every_survivor_finishes(point, call, pair):
+    plan = FaultPlan(rank=DEAD, point=point, action="kill", call=call)
+    outcomes = ubep.LocalLaunch(world_size=WORLD, timeout_s=100).outcomes(fault_then_on, plan, 3.0)
+    results = check_survivors(outcomes, "died")
+    assert {r["seed"] for r in results} == {pair}, results
+    assert max(r["seconds"] for r in results) < 3.0, results  # a death is seen before the deadline
+
+
+@pytest.mark.timeout(120)
+def test_a_stopped_rank_is_masked_at_the_deadline_and_every_survivor_finishes():
+    plan = FaultPlan(rank=DEAD, point="dispatch.sent", action="stop", call=7)
+    outcomes = ubep.LocalLaunch(world_size=WORLD, timeout_s=100).outcomes(fault_then_on, plan, 1.5)
+    results = check_survivors(outcomes, "died")  # rank 0 ended it afterwards
+    assert {r["seed"] for r in results} == {3}, results
+    assert min(r["seconds"] for r in results) >= 1.5, results  # silence: masked at the deadline
