@@ -14,15 +14,16 @@ import pytest
 import torch
 import torch.distributed as dist
 from scenarios import assert_dispatch_matches, expert_output
-from shrinkcase import NUM_EXPERTS_PER_RANK, buffer, inputs, low_latency_call
+from shrinkcase import NUM_EXPERTS_PER_RANK, buffer, inputs
+from test_low_latency import CAPACITY, LLCase, check_dispatch
 
 import ubep
 from ubep import reference
 from ubep.faults import FaultPlan
 
 WORLD, DEAD = 4, 2
-CALLS_AFTER = 30  # dispatch + combine pairs after the fault (60 calls), then low-latency pairs
-LL_CALLS_AFTER = 10
+CALLS_AFTER = 25  # dispatch + combine pairs after the fault (50 calls), then low-latency pairs
+LL_CALLS_AFTER = 5
 
 
 def checked_pair(buf: ubep.Buffer, seed: int) -> set[int]:
@@ -51,6 +52,26 @@ def checked_pair(buf: ubep.Buffer, seed: int) -> set[int]:
     return at_combine
 
 
+def checked_ll_pair(buf: ubep.Buffer, seed: int) -> set[int]:
+    """One low-latency dispatch and combine, each checked as `checked_pair` checks its calls."""
+    me, R = buf.rank, buf.num_ranks
+    E = NUM_EXPERTS_PER_RANK * R
+    xs, idxs, ws = inputs(seed, R)
+    got = buf.low_latency_dispatch(xs[me], idxs[me], CAPACITY, E)
+    at_dispatch = set(buf.masked_ranks)
+    rx, ri, rw = reference.without_ranks(xs, idxs, ws, at_dispatch, E)
+    ref = reference.low_latency_dispatch(rx, ri, E, CAPACITY)
+    where = f"low-latency call {seed} rank {me} masked {sorted(at_dispatch)}"
+    check_dispatch(got, ref[me], None, LLCase(name="mask"), R, where)
+    ys = [expert_output(r.recv_x_LMX, rank) for rank, r in enumerate(ref)]
+    out = buf.low_latency_combine(ys[me], idxs[me], ws[me], got.handle)
+    at_combine = set(buf.masked_ranks)
+    _, ri_now, _ = reference.without_ranks(xs, idxs, ws, at_combine, E)  # masked inside: its rows left out
+    assert torch.equal(out.combined_x, reference.low_latency_combine(ys, ref, ri_now, rw)[me]), where
+    assert torch.equal(buf.left_out(idxs[me]), (idxs[me] >= 0) & (ri_now[me] < 0)), where
+    return at_combine
+
+
 def fault_then_on(plan: FaultPlan, timeout_s: float) -> dict:
     """Checked pairs on every rank under on_peer_failure="mask" until `plan` kills or stops rank DEAD
     inside one, then CALLS_AFTER more pairs and LL_CALLS_AFTER low-latency pairs. Every survivor
@@ -69,7 +90,7 @@ def fault_then_on(plan: FaultPlan, timeout_s: float) -> dict:
         for seed in range(100, 100 + CALLS_AFTER):
             checked_pair(buf, seed)
         for seed in range(200, 200 + LL_CALLS_AFTER):
-            low_latency_call(buf, seed, set(buf.masked_ranks))
+            checked_ll_pair(buf, seed)
     if me == 0 and plan.action == "stop":
         os.kill(pids[DEAD], signal.SIGKILL)
     return met
@@ -87,7 +108,6 @@ def check_survivors(outcomes, cause: str) -> list[dict]:
 KILLS = [  # (point, call, the pair whose calls meet the death: its first with rows missing)
     ("dispatch.start", 7, 3),  # the 4th pair's dispatch, before it publishes: masked in the dispatch
     ("dispatch.sent", 7, 3),  # its tokens are out: every survivor's dispatch completes, the combine masks
-    ("combine.start", 8, 3),  # before its combine rows: masked in the combine
     ("combine.mid", 8, 4),  # its combine rows are out (pulled by the homes): the next dispatch masks
 ]
 
@@ -109,3 +129,44 @@ def test_a_stopped_rank_is_masked_at_the_deadline_and_every_survivor_finishes():
     results = check_survivors(outcomes, "died")  # rank 0 ended it afterwards
     assert {r["seed"] for r in results} == {3}, results
     assert min(r["seconds"] for r in results) >= 1.5, results  # silence: masked at the deadline
+
+
+def killed_in_low_latency(timeout_s: float) -> dict:
+    """Low-latency pairs; rank DEAD kills itself before the 4th pair's dispatch, so every survivor
+    meets its death inside that dispatch."""
+    with buffer(None, "ubep", timeout_s=timeout_s, on_peer_failure="mask") as buf:
+        for seed in range(3):
+            checked_ll_pair(buf, seed)
+        if buf.rank == DEAD:
+            os.kill(os.getpid(), signal.SIGKILL)
+        started = time.monotonic()
+        checked_ll_pair(buf, 3)
+        met = {"seed": 3, "ranks": list(buf.masked_ranks), "seconds": time.monotonic() - started}
+        for seed in range(100, 100 + CALLS_AFTER):
+            checked_ll_pair(buf, seed)
+        checked_pair(buf, 200)
+    return met
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_killed_before_a_low_latency_dispatch_is_masked_inside_it():
+    outcomes = ubep.LocalLaunch(world_size=WORLD, timeout_s=100).outcomes(killed_in_low_latency, 3.0)
+    check_survivors(outcomes, "died")
+
+
+def late_within_the_deadline() -> list[int]:
+    """Rank DEAD sleeps 1 s of the 2 s deadline inside the 2nd pair's dispatch (its tokens out, its
+    rows not received) and before the 4th pair's combine."""
+    plan = FaultPlan(rank=DEAD, point="dispatch.sent", action="delay", delay_s=1.0, call=3)
+    with buffer(None, "ubep", timeout_s=2.0, faults=plan, on_peer_failure="mask") as buf:
+        for seed in range(6):
+            if seed == 3 and buf.rank == DEAD:
+                time.sleep(1.0)
+            checked_pair(buf, seed)
+        return list(buf.masked_ranks)
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_late_within_the_deadline_is_never_masked():
+    """Slow is not dead: nobody masks the late rank, and every result is the full reference's."""
+    assert ubep.LocalLaunch(world_size=WORLD, timeout_s=100).run(late_within_the_deadline) == [[]] * WORLD
