@@ -8,20 +8,23 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 
 import pytest
 import torch
 import torch.distributed as dist
 from scenarios import assert_dispatch_matches, expert_output
-from shrinkcase import NUM_EXPERTS_PER_RANK, buffer, inputs
+from shrinkcase import NUM_EXPERTS_PER_RANK, buffer, inputs, normal_call
 from test_low_latency import CAPACITY, LLCase, check_dispatch
 
 import ubep
 from ubep import reference
+from ubep.errors import CommTimeoutError
 from ubep.faults import FaultPlan
+from ubep.transport.virtual import VirtualRank, VirtualWorld
 
-WORLD, DEAD = 4, 2
+WORLD, DEAD = 3, 1
 CALLS_AFTER = 25  # dispatch + combine pairs after the fault (50 calls), then low-latency pairs
 LL_CALLS_AFTER = 5
 
@@ -170,3 +173,30 @@ def late_within_the_deadline() -> list[int]:
 def test_a_rank_late_within_the_deadline_is_never_masked():
     """Slow is not dead: nobody masks the late rank, and every result is the full reference's."""
     assert ubep.LocalLaunch(world_size=WORLD, timeout_s=100).run(late_within_the_deadline) == [[]] * WORLD
+
+
+def suspecting(rank: VirtualRank, suspects: dict[int, int], done: threading.Barrier) -> str:
+    """Rank r's call fails naming rank suspects[r] as silent; the staying ranks agree on the union,
+    and go on exact without it. A rank that does not call (absent from `suspects`) is the dead one."""
+    with buffer(rank, "ubep", timeout_s=5, on_peer_failure="mask") as buf:
+        normal_call(buf, 0, set())
+        done.wait()  # every rank finished the call before any masks (a masked rank's reads must fail)
+        if rank.rank not in suspects:
+            return "dead"
+        failed = CommTimeoutError("dispatch (tokens)", [suspects[rank.rank]], 5.0, [])
+        try:
+            buf._membership.mask_failed(failed, buf._exchange, buf._ll, buf._calls, buf._calls.seq)
+        except ubep.MaskedOutError:
+            return "masked out"
+        for seed in (1, 2):
+            normal_call(buf, seed, set(buf.masked_ranks))
+        return str(sorted(buf.masked_ranks))
+
+
+@pytest.mark.timeout(60)
+def test_the_staying_ranks_agree_on_the_union_of_what_each_detected():
+    """Rank 0 saw rank 3 fail, rank 1 saw rank 2, and rank 2 (alive) saw rank 3: every staying rank
+    masks both 2 and 3, and rank 2, masked by the others, learns it inside the agreement."""
+    done = threading.Barrier(4)
+    got = VirtualWorld(4, timeout_s=50).run(lambda rank: suspecting(rank, {0: 3, 1: 2, 2: 3}, done))
+    assert got == ["[2, 3]", "[2, 3]", "masked out", "dead"], got
