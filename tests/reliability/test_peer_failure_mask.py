@@ -200,3 +200,28 @@ def test_the_staying_ranks_agree_on_the_union_of_what_each_detected():
     done = threading.Barrier(4)
     got = VirtualWorld(4, timeout_s=50).run(lambda rank: suspecting(rank, {0: 3, 1: 2, 2: 3}, done))
     assert got == ["[2, 3]", "[2, 3]", "masked out", "dead"], got
+
+
+def two_die_at_once() -> dict:
+    """Ranks 2 and 3 of 4 (a host's worth) die before the 4th pair's dispatch; ranks 0 and 1 mask both
+    inside it, whichever each saw first, and go on."""
+    with buffer(None, "ubep", timeout_s=3.0, on_peer_failure="mask") as buf:
+        for seed in range(3):
+            checked_pair(buf, seed)
+        if buf.rank >= 2:
+            os.kill(os.getpid(), signal.SIGKILL)
+        checked_pair(buf, 3)
+        met = {"ranks": list(buf.masked_ranks)}
+        for seed in range(100, 100 + CALLS_AFTER):
+            checked_pair(buf, seed)
+        checked_ll_pair(buf, 200)
+    return met
+
+
+@pytest.mark.timeout(120)
+def test_two_ranks_killed_at_once_are_both_masked_inside_the_call():
+    outcomes = ubep.LocalLaunch(world_size=4, timeout_s=100).outcomes(two_die_at_once)
+    assert [o.cause for o in outcomes[2:]] == ["died", "died"], outcomes[2:]
+    for o in outcomes[:2]:
+        assert o.ok, (o.rank, o.cause, o.error)
+        assert o.result["ranks"] == [2, 3], (o.rank, o.result)
