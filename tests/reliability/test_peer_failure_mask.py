@@ -75,14 +75,14 @@ def checked_ll_pair(buf: ubep.Buffer, seed: int) -> set[int]:
     return at_combine
 
 
-def fault_then_on(plan: FaultPlan, timeout_s: float) -> dict:
+def fault_then_on(plan: FaultPlan, timeout_s: float, protocol: str = "ubep") -> dict:
     """Checked pairs on every rank under on_peer_failure="mask" until `plan` kills or stops rank DEAD
     inside one, then CALLS_AFTER more pairs and LL_CALLS_AFTER low-latency pairs. Every survivor
     must finish every call; rank 0 ends a stopped rank afterwards."""
     me = dist.get_rank()
     pids: list[int] = [0] * dist.get_world_size()
     dist.all_gather_object(pids, os.getpid())
-    with buffer(None, "ubep", timeout_s=timeout_s, faults=plan, on_peer_failure="mask") as buf:
+    with buffer(None, protocol, timeout_s=timeout_s, faults=plan, on_peer_failure="mask") as buf:
         seed = 0
         while not buf.masked_ranks:
             assert seed < 10, "the fault was never met"
@@ -108,18 +108,24 @@ def check_survivors(outcomes, cause: str) -> list[dict]:
     return [o.result for o in survivors]
 
 
-KILLS = [  # (point, call, the pair whose calls meet the death: its first with rows missing)
-    ("dispatch.start", 7, 3),  # the 4th pair's dispatch, before it publishes: masked in the dispatch
-    ("dispatch.sent", 7, 3),  # its tokens are out: every survivor's dispatch completes, the combine masks
-    ("combine.mid", 8, 4),  # its combine rows are out (pulled by the homes): the next dispatch masks
+KILLS = [  # (protocol, point, call, the pair whose calls meet the death: its first with rows missing)
+    ("ubep", "dispatch.start", 7, 3),  # the 4th pair's dispatch, before it publishes: masked in the dispatch
+    (
+        "ubep",
+        "dispatch.sent",
+        7,
+        3,
+    ),  # its tokens are out: every survivor's dispatch completes, the combine masks
+    ("ubep", "combine.mid", 8, 4),  # its combine rows are out (pulled by the homes): the next dispatch masks
+    ("bsp", "dispatch.sent", 7, 3),  # the barrier baseline: the same, through its barriers
 ]
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("point,call,pair", KILLS)
-def test_a_rank_killed_mid_call_is_masked_inside_it_and_every_survivor_finishes(point, call, pair):
+@pytest.mark.parametrize("protocol,point,call,pair", KILLS)
+def test_a_rank_killed_mid_call_is_masked_inside_it_and_every_survivor_finishes(protocol, point, call, pair):
     plan = FaultPlan(rank=DEAD, point=point, action="kill", call=call)
-    outcomes = ubep.LocalLaunch(world_size=WORLD, timeout_s=100).outcomes(fault_then_on, plan, 3.0)
+    outcomes = ubep.LocalLaunch(world_size=WORLD, timeout_s=100).outcomes(fault_then_on, plan, 3.0, protocol)
     results = check_survivors(outcomes, "died")
     assert {r["seed"] for r in results} == {pair}, results
     assert max(r["seconds"] for r in results) < 3.0, results  # a death is seen before the deadline
