@@ -20,7 +20,7 @@ from test_low_latency import CAPACITY, LLCase, check_dispatch
 
 import ubep
 from ubep import reference
-from ubep.errors import CommTimeoutError
+from ubep.errors import CommTimeoutError, UbepError
 from ubep.faults import FaultPlan
 from ubep.transport.virtual import VirtualRank, VirtualWorld
 
@@ -231,3 +231,30 @@ def test_two_ranks_killed_at_once_are_both_masked_inside_the_call():
     for o in outcomes[:2]:
         assert o.ok, (o.rank, o.cause, o.error)
         assert o.result["ranks"] == [2, 3], (o.rank, o.result)
+
+
+def killed_between_two_puts() -> str:
+    """Rank DEAD dies inside a low-latency combine after putting its rows into one home only: that
+    home completes the call, the others cannot, so the call raises (the documented limit), with
+    the rank masked on every survivor alike; the calls after it are exact."""
+    plan = FaultPlan(rank=DEAD, point="ll_combine.put", action="kill", call=8)
+    with buffer(None, "ubep", timeout_s=3.0, faults=plan, on_peer_failure="mask") as buf:
+        said = ""
+        try:
+            for seed in range(6):
+                checked_ll_pair(buf, seed)
+        except UbepError as error:  # one survivor in the combine, another in the next dispatch
+            said = str(error)
+        for seed in range(100, 110):  # every survivor calls again from here
+            checked_ll_pair(buf, seed)
+        checked_pair(buf, 200)
+        return f"{list(buf.masked_ranks)} {bool(said)}"
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_killed_between_two_homes_puts_is_masked_and_the_call_raises():
+    outcomes = ubep.LocalLaunch(world_size=WORLD, timeout_s=100).outcomes(killed_between_two_puts)
+    assert outcomes[DEAD].cause == "died", outcomes[DEAD]
+    for o in outcomes:
+        if o.rank != DEAD:
+            assert o.ok and o.result == f"[{DEAD}] True", (o.rank, o.cause, o.error, o.result)
