@@ -75,14 +75,15 @@ def checked_ll_pair(buf: ubep.Buffer, seed: int) -> set[int]:
     return at_combine
 
 
-def fault_then_on(plan: FaultPlan, timeout_s: float, protocol: str = "ubep") -> dict:
+def fault_then_on(plan: FaultPlan, timeout_s: float, protocol: str = "ubep", transport: str = "shm") -> dict:
     """Checked pairs on every rank under on_peer_failure="mask" until `plan` kills or stops rank DEAD
     inside one, then CALLS_AFTER more pairs and LL_CALLS_AFTER low-latency pairs. Every survivor
     must finish every call; rank 0 ends a stopped rank afterwards."""
     me = dist.get_rank()
     pids: list[int] = [0] * dist.get_world_size()
     dist.all_gather_object(pids, os.getpid())
-    with buffer(None, protocol, timeout_s=timeout_s, faults=plan, on_peer_failure="mask") as buf:
+    mask = {"faults": plan, "on_peer_failure": "mask", "transport": transport}
+    with buffer(None, protocol, timeout_s=timeout_s, **mask) as buf:
         seed = 0
         while not buf.masked_ranks:
             assert seed < 10, "the fault was never met"
@@ -108,24 +109,30 @@ def check_survivors(outcomes, cause: str) -> list[dict]:
     return [o.result for o in survivors]
 
 
-KILLS = [  # (protocol, point, call, the pair whose calls meet the death: its first with rows missing)
-    ("ubep", "dispatch.start", 7, 3),  # the 4th pair's dispatch, before it publishes: masked in the dispatch
+KILLS = [  # (protocol, transport, point, call, the pair whose calls meet the death)
+    ("ubep", "shm", "dispatch.start", 7, 3),  # the 4th pair's dispatch, before it publishes: masked there
+    ("ubep", "shm", "dispatch.sent", 7, 3),  # its tokens are out: every dispatch completes, the combine masks
     (
         "ubep",
-        "dispatch.sent",
-        7,
-        3,
-    ),  # its tokens are out: every survivor's dispatch completes, the combine masks
-    ("ubep", "combine.mid", 8, 4),  # its combine rows are out (pulled by the homes): the next dispatch masks
-    ("bsp", "dispatch.sent", 7, 3),  # the barrier baseline: the same, through its barriers
+        "shm",
+        "combine.mid",
+        8,
+        4,
+    ),  # its combine rows are out (the homes pull them): the next call masks
+    ("bsp", "shm", "dispatch.sent", 7, 3),  # the barrier baseline: the same, through its barriers
+    ("ubep", "dist", "dispatch.start", 7, 3),  # across hosts, over the gloo fabric: masked in the dispatch
 ]
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("protocol,point,call,pair", KILLS)
-def test_a_rank_killed_mid_call_is_masked_inside_it_and_every_survivor_finishes(protocol, point, call, pair):
+@pytest.mark.parametrize("protocol,transport,point,call,pair", KILLS)
+def test_a_rank_killed_mid_call_is_masked_inside_it_and_every_survivor_finishes(
+    protocol, transport, point, call, pair
+):
     plan = FaultPlan(rank=DEAD, point=point, action="kill", call=call)
-    outcomes = ubep.LocalLaunch(world_size=WORLD, timeout_s=100).outcomes(fault_then_on, plan, 3.0, protocol)
+    outcomes = ubep.LocalLaunch(world_size=WORLD, timeout_s=100).outcomes(
+        fault_then_on, plan, 3.0, protocol, transport
+    )
     results = check_survivors(outcomes, "died")
     assert {r["seed"] for r in results} == {pair}, results
     assert max(r["seconds"] for r in results) < 3.0, results  # a death is seen before the deadline
@@ -208,10 +215,10 @@ def test_the_staying_ranks_agree_on_the_union_of_what_each_detected():
     assert got == ["[2, 3]", "[2, 3]", "masked out", "dead"], got
 
 
-def two_die_at_once() -> dict:
+def two_die_at_once(transport: str) -> dict:
     """Ranks 2 and 3 of 4 (a host's worth) die before the 4th pair's dispatch; ranks 0 and 1 mask both
     inside it, whichever each saw first, and go on."""
-    with buffer(None, "ubep", timeout_s=3.0, on_peer_failure="mask") as buf:
+    with buffer(None, "ubep", timeout_s=3.0, on_peer_failure="mask", transport=transport) as buf:
         for seed in range(3):
             checked_pair(buf, seed)
         if buf.rank >= 2:
@@ -225,8 +232,9 @@ def two_die_at_once() -> dict:
 
 
 @pytest.mark.timeout(120)
-def test_two_ranks_killed_at_once_are_both_masked_inside_the_call():
-    outcomes = ubep.LocalLaunch(world_size=4, timeout_s=100).outcomes(two_die_at_once)
+@pytest.mark.parametrize("transport", ["shm", "dist"])
+def test_two_ranks_killed_at_once_are_both_masked_inside_the_call(transport):
+    outcomes = ubep.LocalLaunch(world_size=4, timeout_s=100).outcomes(two_die_at_once, transport)
     assert [o.cause for o in outcomes[2:]] == ["died", "died"], outcomes[2:]
     for o in outcomes[:2]:
         assert o.ok, (o.rank, o.cause, o.error)

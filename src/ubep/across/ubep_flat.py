@@ -39,6 +39,7 @@ from ubep.layout import destination_major, localize_for_destinations
 from ubep.protocols.base import DTYPE_CODES, Exchange, Received, SendPlan, Sizing
 from ubep.registry import UBEP
 from ubep.results import DispatchHandle, RecvRoute
+from ubep.transport.base import Agreement
 from ubep.waiting import blame_of
 
 COUNT, TOKENS = WORDS, WORDS + 1  # header words after the call header: rows in this message, tokens sent
@@ -306,6 +307,9 @@ class UbepFabric(Exchange):
     def mask(self, ranks: Collection[int], seq: int) -> int:
         """Leave `ranks` out of every later call (`Fabric.mask`); low-latency mode shares the fabric."""
         return self.fabric.mask(ranks, seq)
+
+    def agree_to_mask(self, error: Exception, seq: int) -> Agreement | None:
+        return self.fabric.agree_to_mask(error, seq)
 
     def close(self) -> None:
         self.fabric.close()
