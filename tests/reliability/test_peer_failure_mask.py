@@ -6,6 +6,7 @@ reference dropped. A rank late but within the deadline is never masked."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import signal
 import threading
@@ -215,10 +216,13 @@ def test_the_staying_ranks_agree_on_the_union_of_what_each_detected():
     assert got == ["[2, 3]", "[2, 3]", "masked out", "dead"], got
 
 
-def two_die_at_once(transport: str) -> dict:
+def two_die_at_once(transport: str, fabric: str) -> dict:
     """Ranks 2 and 3 of 4 (a host's worth) die before the 4th pair's dispatch; ranks 0 and 1 mask both
     inside it, whichever each saw first, and go on."""
-    with buffer(None, "ubep", timeout_s=3.0, on_peer_failure="mask", transport=transport) as buf:
+    if fabric == "nixl":
+        os.environ["UCX_TLS"] = "tcp"  # as between hosts
+    on = {"on_peer_failure": "mask", "transport": transport, "fabric": fabric}
+    with buffer(None, "ubep", timeout_s=3.0, **on) as buf:
         for seed in range(3):
             checked_pair(buf, seed)
         if buf.rank >= 2:
@@ -231,10 +235,20 @@ def two_die_at_once(transport: str) -> dict:
     return met
 
 
+HAS_NIXL = any(importlib.util.find_spec(name) for name in ("nixl", "nixl_cu12", "nixl_cu13"))
+
+
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("transport", ["shm", "dist"])
-def test_two_ranks_killed_at_once_are_both_masked_inside_the_call(transport):
-    outcomes = ubep.LocalLaunch(world_size=4, timeout_s=100).outcomes(two_die_at_once, transport)
+@pytest.mark.parametrize(
+    "transport,fabric",
+    [
+        ("shm", "auto"),
+        ("dist", "gloo"),
+        pytest.param("dist", "nixl", marks=pytest.mark.skipif(not HAS_NIXL, reason="NIXL is not installed")),
+    ],
+)
+def test_two_ranks_killed_at_once_are_both_masked_inside_the_call(transport, fabric):
+    outcomes = ubep.LocalLaunch(world_size=4, timeout_s=100).outcomes(two_die_at_once, transport, fabric)
     assert [o.cause for o in outcomes[2:]] == ["died", "died"], outcomes[2:]
     for o in outcomes[:2]:
         assert o.ok, (o.rank, o.cause, o.error)

@@ -386,22 +386,33 @@ def agree_on_union(
                 out.header.copy_(mine)
                 fabric.send(out)
         union, seqs, same = set(gone), {seq}, True
-        for msg in fabric.arrivals(MASK_LANE, call, stay, f"agreeing to mask rank(s) {sorted(gone)}"):
-            theirs = msg.header
-            if theirs.numel() != mine.numel() or not bool(((theirs[1:] == 0) | (theirs[1:] == 1)).all()):
-                raise PeerDataError(f"mask: rank {msg.peer} sent {theirs.numel()} words", culprit=msg.peer)
-            fabric.release(MASK_LANE, msg.peer, call)
-            if theirs[1 + fabric.rank]:
-                raise MaskedOutError(
-                    f"rank {msg.peer} and the others masked rank {fabric.rank} out of the group (they saw "
-                    "it die or go silent); it takes part in no further call"
-                )
-            said = {r for r in range(fabric.num_ranks) if theirs[1 + r]}
-            union, same = union | said, same and said == gone
-            seqs.add(int(theirs[0]))
+        try:
+            for msg in fabric.arrivals(MASK_LANE, call, stay, f"agreeing to mask rank(s) {sorted(gone)}"):
+                said = _mask_message(fabric, msg, mine.numel())
+                fabric.release(MASK_LANE, msg.peer, call)
+                union, same = union | said, same and said == gone
+                seqs.add(int(msg.header[0]))
+        except CommTimeoutError as late:  # a rank died (or fell silent) while the others agreed
+            if not (died := failed_peers(late)):
+                raise
+            union, same = union | died, False
         if same:
             return stay, max(seqs), seqs == {seq}, generation
         gone = frozenset(union)
+
+
+def _mask_message(fabric: Fabric, msg: Message, words: int) -> set[int]:
+    """The ranks a peer's mask-round message leaves out, checked; MaskedOutError when they include
+    this rank (the others masked it)."""
+    theirs = msg.header
+    if theirs.numel() != words or not bool(((theirs[1:] == 0) | (theirs[1:] == 1)).all()):
+        raise PeerDataError(f"mask: rank {msg.peer} sent {theirs.numel()} words", culprit=msg.peer)
+    if theirs[1 + fabric.rank]:
+        raise MaskedOutError(
+            f"rank {msg.peer} and the others masked rank {fabric.rank} out of the group (they saw it die "
+            "or go silent); it takes part in no further call"
+        )
+    return {r for r in range(fabric.num_ranks) if theirs[1 + r]}
 
 
 def abort_notice(culprit: int, kind: int, rejected: int, seq: int) -> AbortNotice:
