@@ -140,9 +140,12 @@ def test_a_rank_killed_mid_call_is_masked_inside_it_and_every_survivor_finishes(
 
 
 @pytest.mark.timeout(120)
-def test_a_stopped_rank_is_masked_at_the_deadline_and_every_survivor_finishes():
-    plan = FaultPlan(rank=DEAD, point="dispatch.sent", action="stop", call=7)
-    outcomes = ubep.LocalLaunch(world_size=WORLD, timeout_s=100).outcomes(fault_then_on, plan, 1.5)
+@pytest.mark.parametrize("transport", ["shm", "dist"])
+def test_a_stopped_rank_is_masked_at_the_deadline_and_every_survivor_finishes(transport):
+    plan = FaultPlan(rank=DEAD, point="dispatch.start", action="stop", call=7)
+    outcomes = ubep.LocalLaunch(world_size=WORLD, timeout_s=100).outcomes(
+        fault_then_on, plan, 1.5, "ubep", transport
+    )
     results = check_survivors(outcomes, "died")  # rank 0 ended it afterwards
     assert {r["seed"] for r in results} == {3}, results
     assert min(r["seconds"] for r in results) >= 1.5, results  # silence: masked at the deadline
