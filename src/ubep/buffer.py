@@ -165,9 +165,9 @@ class Buffer:
             `ubep.timers`). Off, nothing is timed.
         on_peer_failure: what a call does when a peer is dead, stopped or silent past the deadline:
             "raise" (default; CommTimeoutError or PeerAbortedError naming it, then `mask_ranks`) or
-            "mask" (on a shared heap: the staying ranks agree inside the call on whom to leave out,
-            and every one of them finishes the call without those ranks; `left_out` says which
-            top-k entries that dropped). docs/reliability.md.
+            "mask" (on a shared heap, and on "dist" over the fabric: the staying ranks agree inside
+            the call on whom to leave out, and every one of them finishes the call without those
+            ranks; `left_out` says which top-k entries that dropped). docs/reliability.md.
 
     transport, protocol, timeout_s, engine, stats, ll_flag, capturable, fabric, call_timers and
     on_peer_failure left as None come from the environment (UBEP_TRANSPORT, UBEP_PROTOCOL,
@@ -215,19 +215,9 @@ class Buffer:
                 "on_peer_failure": on_peer_failure,
             }
         )
-        values = (s.value for s in self._settings.values())
-        (
-            transport,
-            protocol,
-            timeout_s,
-            engine,
-            stats,
-            ll_flag,
-            capturable,
-            fabric,
-            call_timers,
-            on_failure,
-        ) = values
+        transport, protocol, timeout_s, engine, stats, ll_flag, capturable, fabric, call_timers, on_dead = (
+            s.value for s in self._settings.values()
+        )
         validate.positive("hidden", hidden)
         validate.positive("num_experts", num_experts)
         validate.expert_tables(num_experts)
@@ -239,9 +229,9 @@ class Buffer:
             raise ValueError(f"schedule must be one of {POLICIES}, got {schedule!r}")
         if ll_flag not in FLAGS:
             raise ValueError(f"ll_flag must be one of {FLAGS}, got {ll_flag!r}")
-        if on_failure not in ON_PEER_FAILURE:
-            raise ValueError(f"on_peer_failure must be one of {ON_PEER_FAILURE}, got {on_failure!r}")
-        self.on_peer_failure = on_failure
+        if on_dead not in ON_PEER_FAILURE:
+            raise ValueError(f"on_peer_failure must be one of {ON_PEER_FAILURE}, got {on_dead!r}")
+        self.on_peer_failure = on_dead
         self.ll_flag, self.capturable = ll_flag, bool(capturable)
         self.timeout_s = validate.seconds("timeout_s", timeout_s)
         construct_s = max(self.timeout_s, CONSTRUCTION_MIN_TIMEOUT_S)
