@@ -275,3 +275,23 @@ def test_a_rank_killed_between_two_homes_puts_is_masked_and_the_call_raises():
     for o in outcomes:
         if o.rank != DEAD:
             assert o.ok and o.result == f"[{DEAD}] True", (o.rank, o.cause, o.error, o.result)
+
+
+def test_the_option_comes_from_its_variable_and_is_checked(monkeypatch):
+    def one_rank(**kw) -> ubep.Buffer:
+        return ubep.Buffer(hidden=64, num_experts=4, max_tokens_per_rank=4, **kw)
+
+    monkeypatch.setenv("UBEP_ON_PEER_FAILURE", "mask")
+    with one_rank() as buf:
+        assert buf.on_peer_failure == "mask"
+        assert "on_peer_failure 'mask' (from UBEP_ON_PEER_FAILURE)" in buf.explain()
+    with one_rank(on_peer_failure="raise") as buf:  # the argument wins
+        assert "on_peer_failure 'raise' (argument)" in buf.explain()
+    monkeypatch.setenv("UBEP_ON_PEER_FAILURE", "retry")
+    with pytest.raises(ValueError, match="UBEP_ON_PEER_FAILURE='retry'"):
+        one_rank()
+    monkeypatch.delenv("UBEP_ON_PEER_FAILURE")
+    with pytest.raises(ValueError, match="on_peer_failure must be one of"):
+        one_rank(on_peer_failure="drop")
+    with one_rank() as buf:
+        assert buf.on_peer_failure == "raise"
