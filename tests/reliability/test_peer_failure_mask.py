@@ -144,10 +144,10 @@ def test_a_stopped_rank_is_masked_at_the_deadline_and_every_survivor_finishes(tr
     assert min(r["seconds"] for r in results) >= 1.5, results  # silence: masked at the deadline
 
 
-def killed_in_low_latency(timeout_s: float) -> dict:
+def killed_in_low_latency(timeout_s: float, transport: str) -> dict:
     """Low-latency pairs; rank DEAD kills itself before the 4th pair's dispatch, so every survivor
     meets its death inside that dispatch."""
-    with buffer(None, "ubep", timeout_s=timeout_s, on_peer_failure="mask") as buf:
+    with buffer(None, "ubep", timeout_s=timeout_s, on_peer_failure="mask", transport=transport) as buf:
         for seed in range(3):
             checked_ll_pair(buf, seed)
         if buf.rank == DEAD:
@@ -162,8 +162,11 @@ def killed_in_low_latency(timeout_s: float) -> dict:
 
 
 @pytest.mark.timeout(120)
-def test_a_rank_killed_before_a_low_latency_dispatch_is_masked_inside_it():
-    outcomes = ubep.LocalLaunch(world_size=WORLD, timeout_s=100).outcomes(killed_in_low_latency, 3.0)
+@pytest.mark.parametrize("transport", ["shm", "dist"])
+def test_a_rank_killed_before_a_low_latency_dispatch_is_masked_inside_it(transport):
+    outcomes = ubep.LocalLaunch(world_size=WORLD, timeout_s=100).outcomes(
+        killed_in_low_latency, 3.0, transport
+    )
     check_survivors(outcomes, "died")
 
 
