@@ -40,6 +40,7 @@ from ubep.protocols.base import DTYPE_CODES, Exchange, Received, SendPlan, Sizin
 from ubep.registry import UBEP
 from ubep.results import DispatchHandle, RecvRoute
 from ubep.timers import lap, timed
+from ubep.transport.base import Agreement
 from ubep.waiting import blame_of
 
 COUNT, TOKENS = WORDS, WORDS + 1  # header words after the call header: rows in this message, tokens sent
@@ -317,6 +318,9 @@ class UbepFabric(Exchange):
     def mask(self, ranks: Collection[int], seq: int) -> int:
         """Leave `ranks` out of every later call (`Fabric.mask`); low-latency mode shares the fabric."""
         return self.fabric.mask(ranks, seq)
+
+    def agree_to_mask(self, error: Exception, seq: int) -> Agreement | None:
+        return self.fabric.agree_to_mask(error, seq)
 
     def close(self) -> None:
         self.fabric.close()
