@@ -114,7 +114,7 @@ KILLS = [  # (protocol, transport, point, call, the pair whose calls meet the de
     ("ubep", "shm", "dispatch.start", 7, 3),  # the 4th pair's dispatch, before it publishes: masked there
     ("ubep", "shm", "dispatch.sent", 7, 3),  # its tokens are out: every dispatch completes, the combine masks
     ("bsp", "shm", "dispatch.sent", 7, 3),  # the barrier baseline: the same, through its barriers
-    ("ubep", "dist", "dispatch.start", 7, 3),  # across hosts, over the gloo fabric: masked in the dispatch
+    ("ubep", "dist", "dispatch.start", 7, 3),  # across hosts, over the default fabric: masked in the dispatch
 ]
 
 
@@ -234,6 +234,7 @@ def two_die_at_once(transport: str, fabric: str) -> dict:
     return met
 
 
+HAS_ZMQ = importlib.util.find_spec("zmq") is not None
 HAS_NIXL = any(importlib.util.find_spec(name) for name in ("nixl", "nixl_cu12", "nixl_cu13"))
 
 
@@ -242,6 +243,7 @@ HAS_NIXL = any(importlib.util.find_spec(name) for name in ("nixl", "nixl_cu12", 
     "transport,fabric",
     [
         ("dist", "gloo"),
+        pytest.param("dist", "zmq", marks=pytest.mark.skipif(not HAS_ZMQ, reason="pyzmq is not installed")),
         pytest.param("dist", "nixl", marks=pytest.mark.skipif(not HAS_NIXL, reason="NIXL is not installed")),
     ],
 )
