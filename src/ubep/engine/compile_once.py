@@ -44,7 +44,7 @@ import numba
 from numba.core import caching, config, event
 from numba.core.dispatcher import Dispatcher
 
-from ubep.engine import numba_kernels
+from ubep.engine import NUMBA_MODULES, numba_kernels
 from ubep.errors import CompileWaitTimeoutError, CorruptCacheError
 
 log = logging.getLogger("ubep")  # `ubep.settings.LOGGER`, which imports the engines
@@ -53,16 +53,6 @@ LOCK_FILE = "ubep-compile.lock"
 ANNOUNCE_S = 1.5  # a compile (or a wait for one) that lasts longer is logged at INFO while it lasts
 POLL_S = 0.05  # how often a waiting process tries the lock
 HEARTBEAT_S = 1.0  # how often the holder touches the lock file: a waiter's sign that it is compiling
-# Every module that holds compiled functions: their sources name the markers, so an edited
-# source takes the lock again (numba then recompiles what changed).
-MODULES = (
-    "ubep.engine.numba_kernels",
-    "ubep.engine.numba_sync",
-    "ubep.protocols.combine.numba_halves",
-    "ubep.protocols.ubep.numba_halves",
-    "ubep.protocols.bsp.numba_halves",
-    "ubep.protocols.ll.numba_halves",
-)
 
 
 @dataclass(frozen=True, slots=True)
@@ -192,7 +182,7 @@ def kernel_stats() -> dict[str, tuple[int, int]]:
     compiled here, signatures loaded from the disk cache). A function compiled as part of another
     that came from the cache is in neither count."""
     stats = {}
-    for module_name in MODULES:
+    for module_name in NUMBA_MODULES:
         module = sys.modules.get(module_name)
         for attr in vars(module).values() if module is not None else ():
             if isinstance(attr, Dispatcher) and attr.py_func.__module__ == module_name:
@@ -247,7 +237,7 @@ def describe() -> str:
 def _fingerprint() -> str:
     """Names numba's version, Python's and the compiled modules' sources (size and time)."""
     parts = [numba.__version__, sys.version]
-    for name in MODULES:
+    for name in NUMBA_MODULES:
         spec = importlib.util.find_spec(name)
         st = os.stat(spec.origin) if spec is not None and spec.origin else None
         parts.append(f"{name}:{st.st_size}:{st.st_mtime_ns}" if st else name)
