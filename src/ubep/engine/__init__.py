@@ -53,6 +53,7 @@ def choose_engine(
     requested: str = AUTO,
     deadline: float | None = None,
     halves: Mapping[str, Callable[[Engine], None]] | None = None,
+    examples: bool = False,
 ) -> tuple[Engine, str]:
     """(engine, reason) for a requested name; ValueError names the choices.
 
@@ -61,7 +62,8 @@ def choose_engine(
     process compiles the numba kernels (once per host, `compile_once`) or loads them from numba's
     disk cache (see docs/benchmarks-log.md, "Engines"); waiting past `deadline` (time.monotonic) for
     another process's compile that shows no progress raises CompileWaitTimeoutError whatever was
-    requested.
+    requested. `examples`: run the numba kernels' examples even where the cache was checked
+    (`NumbaEngine.warm_up`).
     """
     one_of("engine", ENGINES, requested)
     if requested == TRITON.name:  # imported here: triton is optional, and on CPU needs TRITON_INTERPRET=1
@@ -81,7 +83,7 @@ def choose_engine(
         return TorchEngine(), f"numba not installed ({e})"
     engine = NumbaEngine()
     try:
-        cached = engine.warm_up(deadline, halves)
+        cached = engine.warm_up(deadline, halves, examples)
     except CompileWaitTimeoutError:
         raise
     except Exception as e:  # a numba or LLVM failure on this host: any of them means "use torch"
