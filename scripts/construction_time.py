@@ -3,7 +3,8 @@
 Each run is a fresh interpreter in which R ranks of `ubep.LocalLaunch` each time one
 `ubep.Buffer` (hidden 256, 32 experts, 8 tokens, the defaults otherwise) and then one
 dispatch + combine. Cold: an empty NUMBA_CACHE_DIR; warm: the directory the cold run
-filled. The first table gives, per case, the median over runs of the slowest rank's times.
+filled. The first table gives, per case, the median over runs of the slowest rank's times
+(build: the phases import, engine and group below).
 
 The second splits a rank's time into phases, each as wall seconds / CPU seconds of the
 rank's process (median over ranks and runs): the CPU column is what 2 cores shared by R
@@ -44,7 +45,8 @@ def timed(phase: str, times: dict[str, list[float]], step: Callable[[], object])
 
 
 def one_rank() -> dict[str, list[float]]:
-    """This rank's [wall, CPU] seconds per phase, and "build": the whole constructor's."""
+    """This rank's [wall, CPU] seconds per phase, and "build": what a Buffer constructor pays,
+    numba's import included (the first Buffer of a process imports the numba engine)."""
     import importlib
 
     import torch
@@ -55,15 +57,15 @@ def one_rank() -> dict[str, list[float]]:
     from ubep.protocols.warmup import needed
 
     times: dict[str, list[float]] = {}
-    timed("import", times, lambda: importlib.import_module("ubep.engine.numba_engine"))
     t0 = time.perf_counter()
+    timed("import", times, lambda: importlib.import_module("ubep.engine.numba_engine"))
     engine = settings.resolve({"engine": None})["engine"].value
     warm_ups = needed(settings.resolve({"protocol": None})["protocol"].value, False, 1)
     timed("engine", times, lambda: ready_engine(engine, warm_ups, time.monotonic() + 300))
     buf = timed(
         "group", times, lambda: ubep.Buffer(hidden=HIDDEN, num_experts=EXPERTS, max_tokens_per_rank=TOKENS)
     )
-    times["build"] = [time.perf_counter() - t0, times["engine"][1] + times["group"][1]]
+    times["build"] = [time.perf_counter() - t0, sum(times[p][1] for p in ("import", "engine", "group"))]
     x = torch.ones(TOKENS, HIDDEN, dtype=torch.bfloat16, device="cpu")
     idx = torch.arange(TOKENS * 2, dtype=torch.int64, device="cpu").view(TOKENS, 2) % EXPERTS
     w = torch.full((TOKENS, 2), 0.5, dtype=torch.float32, device="cpu")
@@ -104,8 +106,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     parser.add_argument("--ranks", default="8,4,2", help="comma list of world sizes")
     parser.add_argument("--repeats", type=int, default=3, help="runs per case (each cold run a new cache)")
-    parser.add_argument("--cold-repeats", type=int, help="cold runs per size (default: --repeats; 0: warm only)")
-    parser.add_argument("--cache", help="a warm cache directory to use for the warm runs (default: the cold run's)")
+    parser.add_argument("--cold-repeats", type=int, help="cold runs per size (default: --repeats; 0: none)")
+    parser.add_argument("--cache", help="a warm cache directory for the warm runs (default: the cold run's)")
     args = parser.parse_args()
     cases = []
     print(f"# {load()}", flush=True)
@@ -117,7 +119,8 @@ def main() -> None:
             warm = [run_once(R, cache) for _ in range(args.repeats)]
         cases += [(R, name, runs) for name, runs in (("cold", cold), ("warm", warm)) if runs]
         print(f"# {R} ranks done, {load()}", flush=True)
-    print("| ranks | cache | build, slowest rank (s) | build, median rank (s) | first call, slowest (s) | runs |")
+    columns = ("build, slowest rank (s)", "build, median rank (s)", "first call, slowest (s)", "runs")
+    print("| ranks | cache | " + " | ".join(columns) + " |")
     print("|---|---|---|---|---|---|")
     for R, name, runs in cases:
         slowest = statistics.median(max(r["build"][0] for r in run) for run in runs)
