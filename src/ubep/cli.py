@@ -509,9 +509,9 @@ def run_warm(args: argparse.Namespace) -> int:
 
     _progress_lines("ubep warm")
     start = time.perf_counter()
-    try:  # every warm-up: both protocols, both modes
+    try:  # every warm-up: both protocols, both modes, and every kernel's example
         with counting_compiles() as compiled:
-            ready_engine(NUMBA.name, deadline=time.monotonic() + args.timeout)
+            ready_engine(NUMBA.name, deadline=time.monotonic() + args.timeout, examples=True)
     except CompileWaitTimeoutError as error:
         raise SystemExit(
             f"ubep warm: gave up after {error.waited_s:.0f} s: pid {error.holder} holds the compile lock "
