@@ -2,6 +2,7 @@
 # Hosts on one machine: N network namespaces on a bridge, one command per namespace.
 #
 #   scripts/netns_hosts.sh [-n HOSTS] [-r RATE] [-d DELAY] [-b BURST] [-p PORT] -- COMMAND [ARG...]
+#   scripts/netns_hosts.sh [-r RATE] [-b BURST] -s     (say the link's sizing, make nothing)
 #
 #   root namespace:  bridge ubr<pid> (no address: nothing routes from here into the hosts)
 #                      |-- veth --> namespace ubep<pid>h0: eth0 10.231.0.1/24, lo
@@ -11,9 +12,17 @@
 # Each host's eth0 sends through `tc netem rate RATE delay DELAY` (defaults 25gbit: a 25 GbE NIC,
 # common on CPU servers; 15us one way: a switch hop and the kernel's TCP stack), so a message
 # between hosts pays the delay once and the rate; ranks of one host talk over its own lo,
-# unshaped. Where the kernel has no netem, a token bucket (tbf, bursts of BURST, default 4mb) keeps
-# the rate, without the delay, and a line on stderr says so. Each namespace has its own /etc/hosts
+# unshaped. Where the kernel has no netem, a token bucket (tbf) keeps the rate, and no delay can be
+# added. RATE is a whole number of bit, kbit, mbit, gbit or tbit per second (1gbit, 2500mbit).
+# The bucket's BURST (bytes; default: the bytes RATE sends in 2 ms, and at least one 1514-byte
+# Ethernet frame) is what may leave at line speed after a pause: kept that small, the rate holds
+# per call (at 1gbit, 250000 bytes: a 2 MB message takes its 16 ms, where a 4 MB burst let it out
+# at once). Before the command starts, one line on stderr says the link: its rate, its burst and
+# its delay, or "no delay: kernel has no netem". Each namespace has its own /etc/hosts
 # (/etc/netns/NAME/hosts) naming every host, so no address lookup waits on an unreachable DNS server.
+#
+# With -s the script prints the sizing it would use, `rate=RATE bytes_per_s=B burst=BYTES`, and
+# exits: nothing is made and no root is needed.
 #
 # COMMAND runs once in every namespace (as torchrun would on every host), with torchrun's
 # settings in its environment: PET_NNODES, PET_NODE_RANK, PET_MASTER_ADDR (host 0's address),
@@ -24,20 +33,47 @@
 # made here is removed on exit, on Ctrl-C and on SIGTERM. Needs root and iproute2.
 set -euo pipefail
 
-hosts=2 rate=25gbit delay=15us burst=4mb port=29500
+hosts=2 rate=25gbit delay=15us burst="" port=29500 say_sizing=0
+burst_ms=2 frame=1514  # the bucket holds 2 ms at the rate, and at least one frame: a 1500-byte MTU and its header
 usage() { sed -n '2,/^set -euo/{/^#/p}' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
-while getopts "n:r:d:b:p:h" opt; do
+while getopts "n:r:d:b:p:sh" opt; do
     case $opt in
         n) hosts=$OPTARG ;;
         r) rate=$OPTARG ;;
         d) delay=$OPTARG ;;
         b) burst=$OPTARG ;;
         p) port=$OPTARG ;;
+        s) say_sizing=1 ;;
         *) usage ;;
     esac
 done
 shift $((OPTIND - 1))
 [[ ${1:-} == -- ]] && shift
+
+bytes_per_s() {  # bytes_per_s RATE: tc's rate units (SI prefixes, bits per second) as bytes per second
+    local scale
+    [[ $1 =~ ^([0-9]+)(bit|kbit|mbit|gbit|tbit)$ ]] || {
+        echo "netns_hosts: -r must be a whole number of bit, kbit, mbit, gbit or tbit, got $1" >&2
+        exit 2
+    }
+    case ${BASH_REMATCH[2]} in
+        bit) scale=1 ;; kbit) scale=1000 ;; mbit) scale=1000000 ;; gbit) scale=1000000000 ;; tbit) scale=1000000000000 ;;
+    esac
+    echo $((BASH_REMATCH[1] * scale / 8))
+}
+rate_bytes=$(bytes_per_s "$rate")
+if [[ -z $burst ]]; then
+    burst=$((rate_bytes * burst_ms / 1000))
+    ((burst >= frame)) || burst=$frame
+fi
+[[ $burst =~ ^[0-9]+$ ]] && ((burst >= frame)) || {
+    echo "netns_hosts: -b must be a whole number of bytes, at least one $frame-byte frame, got $burst" >&2
+    exit 2
+}
+if ((say_sizing)); then
+    echo "rate=$rate bytes_per_s=$rate_bytes burst=$burst"
+    exit 0
+fi
 (($# > 0)) || usage
 [[ $hosts =~ ^[0-9]+$ ]] && ((hosts >= 1 && hosts <= 250)) || { echo "netns_hosts: -n must be 1..250, got $hosts" >&2; exit 2; }
 ((EUID == 0)) || { echo "netns_hosts: needs root (network namespaces), running as uid $EUID" >&2; exit 3; }
@@ -63,10 +99,14 @@ trap 'cleanup; exit 143' TERM
 trap cleanup EXIT
 
 shape() {  # shape NS: eth0's egress, netem where the kernel has it, else tbf for the rate alone
-    if ! ip netns exec "$1" tc qdisc add dev eth0 root netem rate "$rate" delay "$delay" limit 100000 2>/dev/null; then
-        ip netns exec "$1" tc qdisc add dev eth0 root tbf rate "$rate" burst "$burst" latency 10ms
-        [[ $1 == "${namespaces[0]}" ]] && echo "netns_hosts: no netem in this kernel: rate $rate by tbf (burst $burst), no added delay" >&2
+    local said
+    if ip netns exec "$1" tc qdisc add dev eth0 root netem rate "$rate" delay "$delay" limit 100000 2>/dev/null; then
+        said="netns_hosts: link rate $rate, burst none (netem paces each packet), delay $delay one way (tc netem)"
+    else  # the queue holds 50 ms at the rate: the 4 ranks of a host sending at once are delayed, not dropped
+        ip netns exec "$1" tc qdisc add dev eth0 root tbf rate "$rate" burst "$burst" latency 50ms
+        said="netns_hosts: link rate $rate, burst $burst bytes (tc tbf), no delay: kernel has no netem"
     fi
+    [[ $1 == "${namespaces[0]}" ]] && echo "$said" >&2
     return 0
 }
 

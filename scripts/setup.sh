@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Set up ubep on a fresh machine: Open MPI (for the bench's MPI row), a virtual environment with
-# torch (CPU build) and ubep with its test tools and NIXL (fabric="nixl"), and numba's kernels
-# compiled once for this host. Each step says what it does and, when done, how long it took: the
-# installs and the compile take a minute or more each, with nothing else to show.
+# torch (CPU build) and ubep with its test tools, pyzmq (fabric="zmq") and NIXL (fabric="nixl"), and
+# numba's kernels compiled once for this host. Each step says what it does and, when done, how long
+# it took: the installs and the compile take a minute or more each, with nothing else to show.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 begun=$SECONDS
@@ -26,7 +26,7 @@ say "3/6 upgrading pip in .venv"
 quiet_pip install -q --upgrade pip
 say "4/6 installing torch 2.13.0 (the largest download: a minute or more)"
 quiet_pip install -q torch==2.13.0
-extras="dev,bench,fast,device,frameworks,observe,nixl"  # nixl: the nixl-cu12 wheel, 68 MB, no CUDA needed
+extras="dev,bench,fast,device,frameworks,observe,nixl,zmq"  # nixl: the nixl-cu12 wheel, 68 MB, no CUDA needed
 command -v mpicc >/dev/null 2>&1 && extras="$extras,mpi"
 say "5/6 installing ubep from this clone, editable, with the extras $extras"
 quiet_pip install -q -e ".[$extras]"

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from ubep import registry, settings, validate
 from ubep.calls import CallCounter, CallId
 from ubep.deadlines import collective_deadline, construction_s
+from ubep.errors import UbepError
 from ubep.factory import Options, build, ready_engine
 from ubep.faults import FaultPlan, FaultPoints
 from ubep.group import (
@@ -36,7 +37,7 @@ from ubep.group import (
     torch_group,
 )
 from ubep.layout import ExpertPlacement, dispatch_layout, tokens_per_node
-from ubep.membership import Membership
+from ubep.membership import MASK, ON_PEER_FAILURE, Membership
 from ubep.observe.recording import RecordedExchange, RecordedLowLatency, Recorder
 from ubep.overlap import EventOverlap, receive_later
 from ubep.placement import Placement
@@ -78,6 +79,25 @@ def _one_at_a_time(method):
             return method(self, *args, **kwargs)
         finally:
             self._one_call.release()
+
+    return call
+
+
+def _finished_by_the_rest(method):
+    """With on_peer_failure="mask", a call that a peer's death or silence failed is finished by the
+    staying ranks: they agree inside it on whom to leave out (`Membership.mask_failed`), then each
+    runs it again without them. Each round masks at least one more rank, so it ends."""
+
+    @functools.wraps(method)
+    def call(self, *args, **kwargs):
+        while True:
+            try:
+                return method(self, *args, **kwargs)
+            except UbepError as error:
+                if self.on_peer_failure != MASK or not self._membership.mask_failed(
+                    error, self._exchange, self._ll, self._calls, self._calls.seq
+                ):
+                    raise
 
     return call
 
@@ -134,16 +154,24 @@ class Buffer:
         capturable: calls on the Triton halves read nothing back on the host, so a CUDA graph can
             capture them (low-latency calls; normal-mode calls with `num_worst_tokens`); their
             errors (a bad topk_idx value too) raise at `check()`. docs/device.md.
-        fabric: how bytes reach ranks on other hosts, where protocol "ubep" crosses hosts: "gloo"
-            (torch.distributed point-to-point over TCP; "auto" takes it) or "nixl" (NIXL one-sided
-            writes over UCX: TCP, InfiniBand, EFA; the `nixl` extra). docs/multinode.md.
+        fabric: how bytes reach ranks on other hosts, where protocol "ubep" crosses hosts: "zmq"
+            (ZeroMQ over TCP, waits that block on all peers at once; the `zmq` extra), "gloo"
+            (torch.distributed point-to-point over TCP, no extra; its waits poll) or "nixl" (NIXL
+            one-sided writes over UCX: TCP, InfiniBand, EFA; the `nixl` extra). "auto" takes zmq
+            where every rank has pyzmq, else gloo. docs/multinode.md.
         call_timers: time the blocks of every call (validation, halves, waiting,
             results) and count its sleeps, rings and yields, for `call_timers` (default False;
             `ubep.timers`). Off, nothing is timed.
+        on_peer_failure: what a call does when a peer is dead, stopped or silent past the deadline:
+            "raise" (default; CommTimeoutError or PeerAbortedError naming it, then `mask_ranks`) or
+            "mask" (on a shared heap, and on "dist" over the fabric: the staying ranks agree inside
+            the call on whom to leave out, and every one of them finishes the call without those
+            ranks; `left_out` says which top-k entries that dropped). docs/reliability.md.
 
-    transport, protocol, timeout_s, engine, stats, ll_flag, capturable, fabric and call_timers left as
-    None come from the environment (UBEP_TRANSPORT, UBEP_PROTOCOL, UBEP_TIMEOUT_S, UBEP_ENGINE,
-    UBEP_STATS, UBEP_LL_FLAG, UBEP_CAPTURABLE, UBEP_FABRIC, UBEP_CALL_TIMERS), else from the defaults
+    transport, protocol, timeout_s, engine, stats, ll_flag, capturable, fabric, call_timers and
+    on_peer_failure left as None come from the environment (UBEP_TRANSPORT, UBEP_PROTOCOL,
+    UBEP_TIMEOUT_S, UBEP_ENGINE, UBEP_STATS, UBEP_LL_FLAG, UBEP_CAPTURABLE, UBEP_FABRIC,
+    UBEP_CALL_TIMERS, UBEP_ON_PEER_FAILURE), else from the defaults
     above; an argument given wins (`ubep.settings`, and `explain()` says which).
     """
 
@@ -169,6 +197,7 @@ class Buffer:
         capturable: bool | None = None,
         fabric: str | None = None,
         call_timers: bool | None = None,
+        on_peer_failure: str | None = None,
     ):
         log = settings.configure_logging()
         self._settings = settings.resolve(
@@ -182,9 +211,10 @@ class Buffer:
                 "capturable": capturable,
                 "fabric": fabric,
                 "call_timers": call_timers,
+                "on_peer_failure": on_peer_failure,
             }
         )
-        transport, protocol, timeout_s, engine, stats, ll_flag, capturable, fabric, call_timers = (
+        transport, protocol, timeout_s, engine, stats, ll_flag, capturable, fabric, call_timers, on_dead = (
             s.value for s in self._settings.values()
         )
         validate.positive("hidden", hidden)
@@ -198,6 +228,9 @@ class Buffer:
             raise ValueError(f"schedule must be one of {POLICIES}, got {schedule!r}")
         if ll_flag not in FLAGS:
             raise ValueError(f"ll_flag must be one of {FLAGS}, got {ll_flag!r}")
+        if on_dead not in ON_PEER_FAILURE:
+            raise ValueError(f"on_peer_failure must be one of {ON_PEER_FAILURE}, got {on_dead!r}")
+        self.on_peer_failure = on_dead
         self.ll_flag, self.capturable = ll_flag, bool(capturable)
         self.timeout_s = validate.seconds("timeout_s", timeout_s)
         construct_s = construction_s(self.timeout_s)
@@ -417,6 +450,7 @@ class Buffer:
         )
 
     @_one_at_a_time
+    @_finished_by_the_rest
     def dispatch(
         self,
         x: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
@@ -484,6 +518,7 @@ class Buffer:
         return result
 
     @_one_at_a_time
+    @_finished_by_the_rest
     def combine(
         self,
         x: torch.Tensor,
@@ -499,7 +534,7 @@ class Buffer:
         call = self._calls.next("combine")
         times = call.timers
         try:
-            x, topk_weights = self._plans.combine(x, handle, topk_weights)
+            x, topk_weights, handle = self._plans.combine(x, handle, topk_weights)
             if faults.armed:
                 faults.at("combine.start", call)
             if times is not None:
@@ -518,6 +553,7 @@ class Buffer:
     # -- low-latency mode -------------------------------------------------------------------------
 
     @_one_at_a_time
+    @_finished_by_the_rest
     def low_latency_dispatch(
         self,
         x: torch.Tensor,
@@ -560,6 +596,7 @@ class Buffer:
         return result
 
     @_one_at_a_time
+    @_finished_by_the_rest
     def low_latency_combine(
         self,
         x: torch.Tensor,
@@ -638,6 +675,15 @@ class Buffer:
         further call. Needs a shared-heap transport ("shm", "virtual").
         """
         self._membership.mask(ranks, self._live(), self._ll, self._calls)
+
+    def left_out(self, topk_idx: torch.Tensor) -> torch.Tensor:
+        """bool [N, K]: the entries of a call's `topk_idx` (int64 [N, K], as passed to it) left out
+        because their expert's rank is masked: dispatch sent those tokens no row there, and combine
+        summed nothing from there. Ask after the call (a call that met a dead peer under
+        on_peer_failure="mask" masked it inside), before the next."""
+        E, K = self.num_experts, self.sizing.max_topk
+        idx = validate.topk_idx(topk_idx, _rows(topk_idx), E, K, device=self.device)
+        return self._membership.left_out(self._slots.physical(idx))
 
     @property
     def masked_ranks(self) -> tuple[int, ...]:

@@ -15,6 +15,7 @@ import tempfile
 import time
 import traceback
 from importlib.metadata import version
+from typing import TYPE_CHECKING
 
 from ubep.bench.decode import add_parser as add_decode
 from ubep.bench.workload import ACROSS_SYSTEMS, ALL_SYSTEMS, DTYPES, SYSTEMS, BenchConfig
@@ -24,6 +25,9 @@ from ubep.routing import ROUTINGS
 from ubep.schedule import POLICIES
 from ubep.sim.commands import add_parser as add_simulate
 from ubep.sim.commands import add_plan_parser as add_plan
+
+if TYPE_CHECKING:
+    from ubep.bench.hosts import Link
 
 WARM_WAIT_S = 120.0  # `ubep warm`: how long another process's compile may show no progress
 
@@ -140,6 +144,13 @@ def add_bench(subparsers) -> None:
         "`ip netns` allow, else N emulated nodes, saying why; ranks split evenly",
     )
     p.add_argument(
+        "--link-rate",
+        default=d.link_rate,
+        metavar="RATE",
+        help="the links between --hosts, in tc's units (1gbit, 2500mbit); the token bucket's burst is "
+        "2 ms of it (default %(default)s)",
+    )
+    p.add_argument(
         "--workers",
         type=_at_least(1),
         default=d.workers,
@@ -202,6 +213,24 @@ def add_bench(subparsers) -> None:
     p.set_defaults(func=run_bench)
 
 
+def _namespace_link(args: argparse.Namespace) -> Link | None:
+    """The link between --hosts where namespace hosts can be made (saying so), else None (saying why:
+    the bench then runs emulated nodes)."""
+    from ubep.bench.hosts import link_of, namespaces_available
+
+    found = namespaces_available()
+    if not found.ok:
+        said = f"no namespace hosts ({found.why}): {args.hosts} emulated nodes instead"
+        print(f"ubep bench --hosts {args.hosts}: {said}")
+        return None
+    try:
+        link = link_of(args.link_rate, found.netem)
+    except ValueError as why:
+        raise SystemExit(f"ubep bench --link-rate: {why}") from None
+    print(f"ubep bench --hosts {args.hosts}: namespace hosts ({found.why})")
+    return link
+
+
 def run_bench(args: argparse.Namespace) -> int:
     require("ubep bench", "rich", "bench")
     if args.plot:
@@ -219,14 +248,8 @@ def run_bench(args: argparse.Namespace) -> int:
         )
     if args.slow_rank >= args.ranks or args.delay_us < 0 or (args.slow_rank >= 0) != (args.delay_us > 0):
         raise SystemExit("ubep bench: --slow-rank R (below --ranks) and --delay-us D (> 0) go together")
-    links, namespaces = "", False  # links: what joins the namespace hosts, for the table's notes
-    if args.hosts:
-        from ubep.bench.hosts import link_note, namespaces_available
-
-        found = namespaces_available()
-        namespaces, links = found.ok, link_note(args.hosts, found.netem) if found.ok else ""
-        print(f"ubep bench --hosts {args.hosts}: " + (f"namespace hosts ({found.why})" if namespaces else
-              f"no namespace hosts ({found.why}): {args.hosts} emulated nodes instead"))  # fmt: skip
+    link = _namespace_link(args) if args.hosts else None  # what joins the hosts, for the notes and JSON
+    namespaces = link is not None
     stats_path = args.stats or (_scratch_stats() if args.trace else "")
     cfg = BenchConfig(
         ranks=args.ranks,
@@ -244,6 +267,7 @@ def run_bench(args: argparse.Namespace) -> int:
         seed=args.seed,
         nodes=args.nodes,
         namespaces=namespaces,
+        link_rate=args.link_rate,
         workers=args.workers,
         schedule=args.schedule,
         timeout_s=args.timeout,
@@ -256,13 +280,16 @@ def run_bench(args: argparse.Namespace) -> int:
     if args.profile:
         from ubep.bench.profile import run_profile
 
-        run_profile(cfg, cfg.tokens[0])
+        try:
+            run_profile(cfg, cfg.tokens[0])
+        except HostsFailedError as failed:
+            raise SystemExit(f"ubep bench --hosts {args.hosts}: {failed.line()}") from None
         return 0
     try:
         systems, notes = plan(cfg)
     except ValueError as why:
         raise SystemExit(f"ubep bench: {why}") from None
-    notes += [links] if links else []
+    notes += [link.note(args.hosts)] if link else []
     title = report.title(cfg, os.cpu_count())
     notes.append(
         f"systems take turns, one dispatch + combine each per round, {cfg.iters} rounds after "
@@ -271,6 +298,8 @@ def run_bench(args: argparse.Namespace) -> int:
         "(dispatch + combine), over ubep's, with a paired bootstrap interval over rounds"
     )
     meta, rows, batches = report.metadata(), [], 0
+    if link:
+        meta["link"] = link._asdict()  # what joined the namespace hosts: rate, burst, delay
 
     def save(complete: bool) -> None:
         if args.json:
@@ -480,9 +509,9 @@ def run_warm(args: argparse.Namespace) -> int:
 
     _progress_lines("ubep warm")
     start = time.perf_counter()
-    try:  # every warm-up: both protocols, both modes
+    try:  # every warm-up: both protocols, both modes, and every kernel's example
         with counting_compiles() as compiled:
-            ready_engine(NUMBA.name, deadline=time.monotonic() + args.timeout)
+            ready_engine(NUMBA.name, deadline=time.monotonic() + args.timeout, examples=True)
     except CompileWaitTimeoutError as error:
         raise SystemExit(
             f"ubep warm: gave up after {error.waited_s:.0f} s: pid {error.holder} holds the compile lock "

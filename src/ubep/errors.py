@@ -36,6 +36,7 @@ class CommTimeoutError(UbepError, TimeoutError):
         self.peers = list(peers)
         self.timeout_s = timeout_s
         self.dead_peers = list(dead_peers)
+        self.lost = lost
         self.closed_peers = [p for p in closed or () if p in dead_peers]
         if dead_peers:
             seen = f"seen before the {timeout_s:g} s deadline"

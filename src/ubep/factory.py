@@ -64,15 +64,20 @@ class Options:
 
 
 def ready_engine(
-    requested: str = registry.AUTO, warm_ups: Sequence[str] = WARM_UPS, deadline: float | None = None
+    requested: str = registry.AUTO,
+    warm_ups: Sequence[str] = WARM_UPS,
+    deadline: float | None = None,
+    examples: bool = False,
 ) -> tuple[Engine, str]:
     """`choose_engine`, with the compiled call halves of `warm_ups` (`ubep.protocols.warmup`) loaded
     or compiled, so that no call compiles while its peers wait; "auto" falls back to the torch engine,
     with the reason, where a half does not compile here. Slow the first time on a host (each
     warm-up compiles once per host, `ubep.engine.compile_once`): call it before the ranks meet.
     Waiting past `deadline` (time.monotonic) for another process's compile that shows no progress
-    raises CompileWaitTimeoutError."""
-    return choose_engine(requested, deadline, {name: partial(warm_up, name=name) for name in warm_ups})
+    raises CompileWaitTimeoutError. `examples`: check every kernel on its example in this process,
+    not only where it compiles (`ubep warm`)."""
+    halves = {name: partial(warm_up, name=name) for name in warm_ups}
+    return choose_engine(requested, deadline, halves, examples)
 
 
 # What each protocol declares on a heap, and how it is built over one.
@@ -123,7 +128,7 @@ def ubep_over_fabric(
         if rail is None:
             exchange: Exchange = UbepFabric(fabric, engine, sizing, reason)
         else:
-            exchange = HierFabric(info, sizing, o.timeout_s, engine, fabric)
+            exchange = HierFabric(info, sizing, o.timeout_s, engine, fabric, reason)
     except BaseException:
         fabric.close()
         raise

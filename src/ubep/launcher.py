@@ -31,6 +31,7 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed as dist
 
+from ubep.engine import NUMBA_PRELOAD
 from ubep.transport.segments import sweep_stale_segments
 
 
@@ -171,7 +172,8 @@ def _pickled(fn: Callable[..., Any], args: tuple) -> bytes:
 
 
 def _context(start_method: str):
-    """The multiprocessing context; a fork server preloads torch so each rank starts fast.
+    """The multiprocessing context; a fork server preloads torch and numba so each rank starts fast
+    (`ubep.engine.NUMBA_PRELOAD`: where numba is missing the server skips it).
 
     Forking the caller directly would copy a process that runs threads (torch's
     thread pools, the rendezvous store's server): a lock held by one of them at
@@ -180,7 +182,7 @@ def _context(start_method: str):
     """
     ctx = mp.get_context(start_method)
     if start_method == "forkserver":
-        ctx.set_forkserver_preload(["torch", "torch.distributed", "ubep"])
+        ctx.set_forkserver_preload(["torch", "torch.distributed", "ubep", *NUMBA_PRELOAD])
     return ctx
 
 

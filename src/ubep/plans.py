@@ -102,6 +102,7 @@ class Planner:
         if handle is not None:
             self.check_handle(handle)
             self.slots.check_handle(handle.seq)
+            self.membership.check_cached(handle)
             x, scales = self.payload(x, rows=handle.num_tokens)
             plan = SendPlan(x, None, None, handle.is_token_in_rank_NR, handle.send_counts_R, scales)
             return plan, handle.num_dropped
@@ -201,7 +202,7 @@ class Planner:
             raise TypeError(f"handle must come from Buffer.dispatch, got {type(handle).__name__}")
         if handle.send_counts_R.numel() != self.num_ranks:
             raise ValueError(f"handle is for {handle.num_ranks} ranks, this Buffer has {self.num_ranks}")
-        if handle.seq <= self.membership.after:
+        if handle.seq <= self.membership.stale_after:
             self.membership.check_handle(handle.seq)
 
     def payload(self, x, rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -213,9 +214,11 @@ class Planner:
 
     def combine(
         self, x: torch.Tensor, handle: DispatchHandle, topk_weights: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(rows, weights) a combine sends back: the rows received, not a padded dispatch's padding."""
+    ) -> tuple[torch.Tensor, torch.Tensor | None, DispatchHandle]:
+        """(rows, weights) a combine sends back: the rows received, not a padded dispatch's padding;
+        and the handle to combine with, its sends to ranks masked since its dispatch left out."""
         self.check_handle(handle)
+        handle = self.membership.around(handle)
         M = handle.padded_to or handle.recv.num_rows
         x = validate.payload("x", x, self.sizing.hidden, max(M, self.max_recv), M, self.device)
         if topk_weights is not None:
@@ -223,7 +226,7 @@ class Planner:
         if handle.padded_to:  # the rows received go back, not the padding (a device route has it)
             routed = handle.recv.src_token_M.shape[0]
             x, topk_weights = x[:routed], None if topk_weights is None else topk_weights[:routed]
-        return x, topk_weights
+        return x, topk_weights, handle
 
     # -- low-latency mode -------------------------------------------------------------------------
 
@@ -265,7 +268,7 @@ class Planner:
             raise ValueError("handle comes from a Buffer with another group size or expert count")
         if values and (handle.recv_count_L < 0).any():  # handle.received, without a call
             raise ValueError("handle: its dispatch was not received yet; call its hook or event.wait() first")
-        if handle.seq <= self.membership.after:
+        if handle.seq <= self.membership.stale_after:
             self.membership.check_handle(handle.seq)
         x = validate.expert_output(x, (L, R * handle.num_max_dispatch_tokens_per_rank, H), self.device)
         if self.slots.copy_map is not None:
@@ -274,6 +277,8 @@ class Planner:
         idx = validate.topk_idx(topk_idx, N, self.num_experts, K, values and compiled is None, self.device)
         if self.membership.masked:
             idx = self.membership.drop(idx, count=False)[0]
+        if handle.seq <= self.membership.after:  # masked inside a call since its dispatch: drop there too
+            handle = replace(handle, topk_idx_NK=self.membership.drop(handle.topk_idx_NK, count=False)[0])
         if idx.shape != handle.topk_idx_NK.shape or (values and not torch.equal(idx, handle.topk_idx_NK)):
             raise ValueError("topk_idx must be the one passed to the low_latency_dispatch that made handle")
         w = validate.topk_weights(topk_weights, tuple(idx.shape), device=self.device)

@@ -116,7 +116,10 @@ ENGINES: Mapping[str, EngineSpec] = {e.name: e for e in (TORCH, NUMBA, TRITON)}
 
 GLOO = FabricSpec(name="gloo", summary="torch.distributed point-to-point over TCP, no extra dependency")
 NIXL = FabricSpec(name="nixl", summary="NIXL one-sided writes over UCX: TCP, InfiniBand, EFA", extra="nixl")
-FABRICS: Mapping[str, FabricSpec] = {f.name: f for f in (GLOO, NIXL)}
+ZMQ = FabricSpec(
+    name="zmq", summary="ZeroMQ over TCP, every wait blocked on all peers at once (pyzmq)", extra="zmq"
+)
+FABRICS: Mapping[str, FabricSpec] = {f.name: f for f in (GLOO, ZMQ, NIXL)}
 
 
 def choices(table: Mapping[str, object], auto: bool = True) -> tuple[str, ...]:

@@ -9,6 +9,7 @@ timeout, engine, protocol or transport argument; a job sets them for every Buffe
     UBEP_TIMEOUT_S=60 UBEP_ENGINE=numba UBEP_PROTOCOL=bsp UBEP_TRANSPORT=shm UBEP_STATS=1
     UBEP_LL_FLAG=in-word UBEP_CAPTURABLE=1   # low-latency mode's Triton halves (docs/device.md)
     UBEP_CALL_TIMERS=1                       # time the blocks of each call (`ubep.timers`)
+    UBEP_ON_PEER_FAILURE=mask                # finish a call without a dead peer (docs/reliability.md)
 
 and `Buffer.explain()` names each value's source. `UBEP_LOG_LEVEL` sets the level of the
 `ubep` logger (`ubep.log`). The environment is read when a Buffer is built, here and nowhere
@@ -24,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ubep import validate
+from ubep.membership import ON_PEER_FAILURE, RAISE
 from ubep.protocols.ll.plans import FLAGS
 from ubep.registry import AUTO, ENGINES, FABRICS, PROTOCOLS, TRANSPORTS, UBEP, choices
 
@@ -80,6 +82,7 @@ BUFFER_SETTINGS: dict[str, tuple[str, Callable[[str], Any], Any]] = {
     "capturable": ("UBEP_CAPTURABLE", _flag, False),
     "fabric": ("UBEP_FABRIC", _one_of(choices(FABRICS)), AUTO),
     "call_timers": ("UBEP_CALL_TIMERS", _flag, False),
+    "on_peer_failure": ("UBEP_ON_PEER_FAILURE", _one_of(ON_PEER_FAILURE), RAISE),
 }
 
 

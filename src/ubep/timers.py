@@ -7,12 +7,21 @@ each layer marks the end of the block it just ran with `lap(block)`, which charg
 CPU time since the previous mark to that block. The blocks therefore partition a call:
 
     validate  the Buffer's checks and send plan, up to the exchange
-    between   Python in the exchange outside the compiled halves (outputs allocated, arguments)
+    between   Python in the exchange outside the blocks below (outputs allocated, plans, arguments)
     send      the compiled send half (its arguments' numpy views included; a low-latency one's
-              reuse wait too), and the rings of the peers it found asleep
+              reuse wait too), and the rings of the peers it found asleep; across hosts, the
+              messages to the peers (filled and sent), or a collective of hier-bsp's rails (it
+              sends and waits in one call)
+    forward   across hosts, hierarchical only: rows on their way through the node (a rail peer's
+              rows and this rank's own into its forward set; the combine's puts to the forwarders,
+              and each forwarder's sum over its node)
     receive   entries of the compiled receive halves, re-entries after a sleep included (their own
-              spin and yield polls are inside them)
-    wait      sleeping on the doorbell between entries (`Heap.sleeper`), with its peer checks
+              spin and yield polls are inside them); across hosts, a landed message's rows taken
+              into place (or added, in a combine), and hier's fan out (this rank's rows pulled from
+              every forward set)
+    wait      sleeping on the doorbell between entries (`Heap.sleeper`), with its peer checks;
+              across hosts, waiting for a peer's message in the fabric (`timed`) or a node peer's
+              stamp in the heap
     results   the handle, the expert counts and the result tuple
 
 The counts per call: receive-half entries, doorbell sleeps, rings sent to sleeping peers, yields
@@ -20,23 +29,26 @@ in Python waits (a compiled half's own yields are not seen from here), and the t
 (blocking) and involuntary (preempted, or a sched_yield that gave the core away) context switches.
 Off (the default) nothing is timed: `CallId.timers` is None and each site tests only that.
 
-The marks sit on protocol ubep's compiled (numba) path and low-latency mode's; on other paths what
-is not marked (a bsp send half, the torch or Triton halves, the collectives across hosts) falls in
-"between", and the receive entries of any half entered through `ubep.protocols.halves.run` in
-"receive". A low-latency receive half run later (its hook, or event.wait()) is charged from where
-it starts (`BlockTimes.resume`), not from the call's return.
+The marks sit on protocol ubep's compiled (numba) path, low-latency mode's, and the exchanges
+across hosts over the fabric (`ubep.across`: flat, low-latency, hierarchical) and hier-bsp's; on
+other paths what is not marked (a bsp send half, the torch or Triton halves, bsp-gloo's
+collectives) falls in "between", and the receive entries of any half entered through
+`ubep.protocols.halves.run` in "receive". A low-latency receive half run later (its hook, or
+event.wait()) is charged from where it starts (`BlockTimes.resume`), not from the call's return.
 CPU time is this thread's (`time.thread_time_ns`): the compiled halves run in the calling thread;
-mover threads (workers > 1) are not counted.
+mover threads (workers > 1) and an engine's own I/O threads (gloo's) are not counted.
 """
 
 from __future__ import annotations
 
 import resource
 import time
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 TIMED_KINDS = ("dispatch", "combine", "ll_dispatch", "ll_combine")
-BLOCKS = ("validate", "between", "send", "receive", "wait", "results")
+BLOCKS = ("validate", "between", "send", "forward", "receive", "wait", "results")
 COUNTS = ("entries", "sleeps", "rings", "yields", "switches_voluntary", "switches_involuntary")
 
 
@@ -92,6 +104,27 @@ class BlockTimes:
         out = {f"wall {b}": self.wall_ns[b] / self.calls / 1e3 for b in BLOCKS}
         out |= {f"cpu {b}": self.cpu_ns[b] / self.calls / 1e3 for b in BLOCKS}
         return out | {c: getattr(self, c) / self.calls for c in COUNTS}
+
+
+Item = TypeVar("Item")
+
+
+def lap(times: BlockTimes | None, block: str) -> None:
+    """`times.lap(block)` where the call is timed; nothing where it is not (`times` None)."""
+    if times is not None:
+        times.lap(block)
+
+
+def timed(items: Iterable[Item], times: BlockTimes | None, block: str = "wait") -> Iterator[Item]:
+    """Each of `items` (a wait's arrivals), the time spent getting it charged to `block`: the caller
+    laps its own work on each item (so that work is not charged here at the next one)."""
+    if times is None:
+        yield from items
+        return
+    for item in items:
+        times.lap(block)
+        yield item
+    times.lap(block)  # the last look, after the last item
 
 
 class CallTimers:

@@ -5,16 +5,19 @@
   construction every collective is made to raise, and the results still match the reference
   (2 nodes of 2 ranks, 2 nodes of 4, and every rank its own node).
 - dist with ubep matches the reference on the core scenarios, FP8 and cached dispatch.
+- `fabric="auto"` runs zmq where every rank has pyzmq, else gloo on every rank, and `explain()` says
+  which and why.
 - Failures across hosts: a killed peer is named by every survivor within its deadline, and after
   `mask_ranks` the survivors' calls are exact; a stopped peer likewise; a late message of a call the
   others gave up on is never taken for a later call.
 
 Nodes are emulated on this host (`LocalLaunch(ranks_per_node=...)`): traffic between them really
-goes over the fabric (gloo point-to-point over loopback TCP).
+goes over the fabric (its default engine, zmq where pyzmq is installed, over loopback TCP).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import signal
 import time
@@ -255,3 +258,27 @@ def test_a_late_message_of_an_abandoned_call_is_never_taken_for_a_later_one():
     firsts = [o.result[0] for o in outcomes]
     assert firsts[0] in ("CommTimeoutError", "PeerAbortedError") and firsts[2] != "none", firsts
     assert [o.result[1] for o in outcomes] == [True] * R, outcomes
+
+
+# -- which fabric "auto" picks ---------------------------------------------------------------------
+
+
+def auto_fabric_says(without_zmq: int | None) -> tuple[str, bool]:
+    """(explain(), whether a round was exact) of a Buffer with fabric "auto", where rank `without_zmq`
+    (None: no rank) cannot import pyzmq."""
+    me = dist.get_rank()
+    if me == without_zmq:
+        find_spec = importlib.util.find_spec
+        importlib.util.find_spec = lambda name, *rest: None if name == "zmq" else find_spec(name, *rest)
+    with ubep.Buffer(hidden=H, num_experts=E, max_tokens_per_rank=T, transport="dist", timeout_s=30) as buf:
+        return buf.explain(), survivor_round(buf, me, set())
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(importlib.util.find_spec("zmq") is None, reason="pyzmq is not installed")
+def test_auto_runs_zmq_where_every_rank_has_pyzmq_else_gloo_on_every_rank():
+    launch = ubep.LocalLaunch(world_size=R, timeout_s=100)
+    for without, engine in ((None, "zmq"), (1, "gloo")):
+        said = launch.run(auto_fabric_says, without)
+        assert all(exact and f"over the {engine} fabric (auto: " in text for text, exact in said), said
+    assert all("rank(s) [1] lack pyzmq" in text for text, _ in said), said

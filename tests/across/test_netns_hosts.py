@@ -5,6 +5,7 @@ reason, where namespaces cannot be made (not root, no iproute2)."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -15,11 +16,12 @@ import pytest
 
 from ubep.bench.hosts import SCRIPT, Namespaces, namespaces_available
 
-ok, why, _ = namespaces_available()
+ok, why, netem = namespaces_available()
 pytestmark = [pytest.mark.skipif(not ok, reason=f"no namespace hosts here: {why}"), pytest.mark.timeout(180)]
 
-# Host 0 listens on its address, host 1 connects to MASTER_ADDR: a byte crosses the bridge. Each
-# line is one write, so the two hosts' lines never interleave.
+# Host 0 listens on its address, host 1 connects to MASTER_ADDR and sends 2 MB: they cross the
+# bridge, and host 0 says how long they took from the first byte to the last. Each line is one
+# write, so the two hosts' lines never interleave.
 TALK = """
 import os, socket, time
 me, master = int(os.environ["NODE_RANK"]), os.environ["MASTER_ADDR"]
@@ -28,11 +30,15 @@ say(f"host {me} of {os.environ['PET_NNODES']} gloo on {os.environ['GLOO_SOCKET_I
 if me == 0:
     with socket.create_server((master, 29599)) as server:
         conn, _ = server.accept()
-        say(f"host 0 got {conn.recv(1)}")
+        got = conn.recv(1)
+        first = time.perf_counter()
+        while len(got) < 2_000_000:
+            got += conn.recv(1 << 20)
+        say(f"host 0 got {len(got)} bytes in {(time.perf_counter() - first) * 1e3:.1f} ms")
 else:
     for _ in range(200):
         try:
-            socket.create_connection((master, 29599), timeout=1).sendall(b"x")
+            socket.create_connection((master, 29599), timeout=1).sendall(b"x" * 2_000_000)
             break
         except OSError:
             time.sleep(0.05)
@@ -48,9 +54,12 @@ def leftovers(pid: int) -> list[str]:
     return [w for w in found if w.startswith((f"ubep{pid}h", f"ubr{pid}", f"/etc/netns/ubep{pid}h"))]
 
 
-def test_two_hosts_talk_and_everything_is_removed():
+def test_two_hosts_talk_over_a_link_that_binds_says_so_and_everything_is_removed():
+    """At 1gbit the script's token bucket holds 250000 bytes (2 ms at the rate): 2 MB take their time
+    at the rate past the burst (14 ms; 12 ms is asked, a burst's worth of slack), where the 4 MB
+    burst of before let them through at veth's speed (1-4 ms); the link is said on stderr."""
     proc = subprocess.Popen(
-        ["bash", str(SCRIPT), "-n", "2", "--", sys.executable, "-c", TALK],
+        ["bash", str(SCRIPT), "-n", "2", "-r", "1gbit", "--", sys.executable, "-c", TALK],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -58,7 +67,16 @@ def test_two_hosts_talk_and_everything_is_removed():
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err
     assert "host 0 of 2 gloo on eth0" in out and "host 1 of 2 gloo on eth0" in out, out
-    assert "host 0 got b'x'" in out, out
+    took = re.search(r"host 0 got 2000000 bytes in ([0-9.]+) ms", out)
+    assert took is not None, out
+    assert float(took.group(1)) >= (2_000_000 - 2 * 250_000) / 125_000_000 * 1e3, out  # 12 ms
+    said = [line for line in err.splitlines() if line.startswith("netns_hosts: link ")]
+    expected = (
+        "netns_hosts: link rate 1gbit, burst none (netem paces each packet), delay 15us one way (tc netem)"
+        if netem
+        else "netns_hosts: link rate 1gbit, burst 250000 bytes (tc tbf), no delay: kernel has no netem"
+    )
+    assert said == [expected], err
     assert leftovers(proc.pid) == []
 
 
@@ -135,3 +153,18 @@ def test_torchrun_across_hosts_says_no_c10d_hostname_warning(tmp_path):
     # only the warning this test is about: c10d's other lines may come under load
     assert "hostname of the client socket cannot be retrieved" not in err, err
     assert leftovers(proc.pid) == []
+
+
+def test_the_profile_runs_on_namespace_hosts(capsys):
+    """`ubep bench --profile --hosts 2` profiles ranks on two namespace hosts (torchrun on each), as
+    it says, not emulated nodes over loopback (issue 44), and its call timers fill hier's blocks."""
+    pytest.importorskip("rich")
+    from ubep.cli import main
+
+    shape = ["--ranks", "2", "--experts", "4", "--topk", "2", "--hidden", "64", "--tokens", "4"]
+    assert main(["bench", "--profile", "--hosts", "2", *shape, "--iters", "1", "--warmup", "0"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "ubep bench --hosts 2: namespace hosts" in out and "(2 namespace hosts, 4 tokens/rank" in out, out
+    for block in ("send", "forward", "receive", "wait"):
+        wall = re.search(rf"│ {block} │ ([0-9,.]+) │", out)
+        assert wall is not None and float(wall.group(1).replace(",", "")) > 0, (block, out)

@@ -136,7 +136,7 @@ def test_bench_emulated_nodes_report_bytes_across(tmp_path):
     assert code == 0
     rows = {r["system"]: r for r in json.loads(out.read_text())["results"]}
     nixl = {"ubep-nixl"} if nixl_available()[0] else set()
-    assert set(rows) == {"ubep", "hier-bsp", "bsp-gloo"} | nixl  # the default rows across nodes
+    assert set(rows) == {"ubep", "ubep-gloo", "hier-bsp", "bsp-gloo"} | nixl  # the default rows across nodes
     # The hierarchical transport sends a token once per remote node: never more bytes than flat.
     assert 0 < rows["ubep"]["boundary_bytes"] <= rows["bsp-gloo"]["boundary_bytes"]
     assert rows["hier-bsp"]["boundary_bytes"] == rows["ubep"]["boundary_bytes"]

@@ -8,6 +8,7 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import threading
 import time
 from dataclasses import replace
@@ -374,13 +375,13 @@ def test_the_low_latency_row_runs_beside_normal_mode_on_one_host_only():
 
 
 def test_rows_across_nodes_run_only_across_nodes_and_nixl_only_where_installed(monkeypatch):
-    across = ("ubep", "ubep-nixl", "hier-bsp", "bsp-gloo")
+    across = ("ubep", "ubep-gloo", "ubep-nixl", "hier-bsp", "bsp-gloo")
     systems, notes = bench_run.select_systems(BenchConfig(systems=across), (True, ""))
-    assert systems == ("ubep", "bsp-gloo") and "no ubep-nixl, hier-bsp row" in notes[0]
+    assert systems == ("ubep", "bsp-gloo") and "no ubep-gloo, ubep-nixl, hier-bsp row" in notes[0]
     monkeypatch.setattr(bench_run, "nixl_available", lambda: (False, "NIXL is not installed"))
     systems, notes = bench_run.select_systems(BenchConfig(nodes=2, systems=across), (True, ""))
     assert (
-        systems == ("ubep", "hier-bsp", "bsp-gloo")
+        systems == ("ubep", "ubep-gloo", "hier-bsp", "bsp-gloo")
         and notes[0] == "ubep-nixl row skipped: NIXL is not installed"
     )
 
@@ -416,7 +417,9 @@ def test_hosts_fall_back_to_emulated_nodes_and_say_why(monkeypatch, capsys):
     )
     (cfg,) = planned
     assert (
-        cfg.nodes == 2 and not cfg.namespaces and cfg.systems == ("ubep", "ubep-nixl", "hier-bsp", "bsp-gloo")
+        cfg.nodes == 2
+        and not cfg.namespaces
+        and cfg.systems == ("ubep", "ubep-gloo", "ubep-nixl", "hier-bsp", "bsp-gloo")
     )
 
 
@@ -432,12 +435,12 @@ def test_hosts_that_do_not_split_the_ranks_name_the_hosts_flag():
 @pytest.mark.parametrize(
     "netem,said",
     [
-        (False, "links between the 2 hosts: 25gbit by a token bucket (tc tbf, burst 4mb); no added delay: "
-         "this kernel has no netem"),
-        (True, "links between the 2 hosts: 25gbit, 15us one way (tc netem)"),
+        (False, "links between the 2 hosts: 1gbit by a token bucket (tc tbf, burst 250000 bytes); no delay: "
+         "kernel has no netem"),
+        (True, "links between the 2 hosts: 1gbit, 15us one way (tc netem)"),
     ],
 )  # fmt: skip
-def test_hosts_say_what_the_links_are_under_the_table(netem, said, monkeypatch, capsys):
+def test_hosts_say_what_the_links_are_under_the_table(netem, said, tmp_path, monkeypatch, capsys):
     from ubep.bench import hosts
 
     def measure(cfg, tokens, systems, progress):
@@ -446,11 +449,26 @@ def test_hosts_say_what_the_links_are_under_the_table(netem, said, monkeypatch, 
     monkeypatch.setattr(hosts, "namespaces_available", lambda: hosts.Namespaces(True, "as if", netem))
     monkeypatch.setattr(bench_run, "plan", lambda cfg: (("ubep",), []))
     monkeypatch.setattr(bench_run, "measure", measure)
-    assert main(["bench", "--hosts", "2", "--ranks", "2", "--experts", "8", "--tokens", "8"]) == 0
+    argv = [
+        "bench",
+        "--hosts",
+        "2",
+        "--ranks",
+        "2",
+        "--experts",
+        "8",
+        "--tokens",
+        "8",
+        "--link-rate",
+        "1gbit",
+    ]
+    assert main([*argv, "--json", str(tmp_path / "run.json")]) == 0
     assert said in " ".join(capsys.readouterr().out.split())
-    assert [hosts.LINK_RATE, hosts.LINK_DELAY, hosts.LINK_BURST] == [
-        hosts.hosts_command(BenchConfig(nodes=2), 8, ("ubep",), "d")[i] for i in (4, 6, 8)
-    ]  # what the note says is what the script is told
+    link = json.loads((tmp_path / "run.json").read_text())["meta"]["link"]
+    assert link == {"rate": "1gbit", "bytes_per_s": 125_000_000, "burst_bytes": None if netem else 250_000,
+                    "delay": "15us" if netem else None}  # fmt: skip
+    told = hosts.hosts_command(BenchConfig(nodes=2, link_rate="1gbit"), ["measure"])
+    assert told[told.index("-r") + 1] == "1gbit" and "-b" not in told  # the script sizes the burst itself
 
 
 def test_an_interrupted_sweep_keeps_its_rows_and_exits_130(tmp_path, monkeypatch, capsys):
@@ -560,7 +578,10 @@ def test_a_rank_refused_shared_memory_is_told_in_the_command_lines_terms():
     [
         BenchConfig(),
         BenchConfig(tokens=(8, 128), timeout_s=60.0, seed=3),
-        BenchConfig(nodes=2, namespaces=True, systems=("ubep", "ubep-nixl", "hier-bsp", "bsp-gloo")),
+        BenchConfig(
+            nodes=2, namespaces=True, systems=("ubep", "ubep-gloo", "ubep-nixl", "hier-bsp", "bsp-gloo")
+        ),
+        BenchConfig(ranks=4, nodes=2, namespaces=True, link_rate="1gbit", systems=("ubep", "hier-bsp")),
         BenchConfig(ranks=4, nodes=2, systems=("ubep", "bsp-gloo"), slow_rank=1, delay_us=2500.0),
         BenchConfig(routing="zipf", skew=1.2, workers=2, schedule="balanced", mode="ll", dtype="fp32"),
         BenchConfig(systems=("ubep",), stats_path="s.json", iters=60, placements=("eplb",), redundant=4),
@@ -576,13 +597,13 @@ def test_the_command_of_a_run_measures_that_run(cfg):
     assert said[:2] == ["ubep", "bench"] and args.command == "bench"
     assert (args.hosts or args.nodes, bool(args.hosts)) == (cfg.nodes, cfg.namespaces)
     default_systems = (
-        ("ubep", "ubep-nixl", "hier-bsp", "bsp-gloo") if cfg.nodes > 1 else BenchConfig().systems
+        ("ubep", "ubep-gloo", "ubep-nixl", "hier-bsp", "bsp-gloo") if cfg.nodes > 1 else BenchConfig().systems
     )
     assert (args.systems or default_systems) == cfg.systems and bool(args.stats) == bool(cfg.stats_path)
     same = ("ranks", "tokens", "hidden", "experts", "topk", "iters", "warmup", "routing", "skew", "mode")
     same += ("dtype", "seed", "workers", "schedule", "slow_rank", "delay_us", "redundant")
     assert {f: getattr(args, f) for f in same} == {f: getattr(cfg, f) for f in same}
-    assert (args.timeout, args.placement) == (cfg.timeout_s, cfg.placements)
+    assert (args.timeout, args.placement, args.link_rate) == (cfg.timeout_s, cfg.placements, cfg.link_rate)
 
 
 def _results_file(date: str, cpu: str, vs_bsp: float, ubep_rounds: list[float], **config) -> dict:
@@ -649,3 +670,41 @@ def test_report_prints_a_bench_results_file_again(tmp_path, capsys):
     assert str(ended.value.code).startswith(
         f"ubep report: {path} is a bench results file (ubep bench --json)"
     )
+
+
+@pytest.mark.parametrize(
+    "rate,bits_per_s", [("1gbit", 10**9), ("25gbit", 25 * 10**9), ("2500mbit", 25 * 10**8), ("8kbit", 8000)]
+)
+def test_the_links_burst_holds_the_rate_per_call(rate, bits_per_s):
+    """The script's token bucket (asked with -s: nothing made, no root) holds 2 ms at the rate, and
+    at least one 1514-byte frame: at 1gbit a 2 MB call can burst out at most an eighth of itself,
+    where the 4 MB burst of before let all of it through at line speed (issue 44)."""
+    from ubep.bench import hosts
+
+    link = hosts.link_of(rate, netem=False)
+    assert link.bytes_per_s == bits_per_s // 8
+    assert link.burst_bytes == max(bits_per_s // 8 * 2 // 1000, 1514)
+    assert link.delay is None and "no delay: kernel has no netem" in link.note(2)
+    if rate == "1gbit":
+        assert link.burst_bytes * 8 <= 2_000_000
+    netem = hosts.link_of(rate, netem=True)
+    assert netem.burst_bytes is None and netem.delay == hosts.LINK_DELAY
+
+
+def test_a_rate_or_burst_the_script_cannot_size_is_refused_naming_it(monkeypatch):
+    from ubep.bench import hosts
+
+    with pytest.raises(ValueError) as refused:
+        hosts.link_of("1.5gbit", netem=False)
+    assert (
+        str(refused.value)
+        == "netns_hosts: -r must be a whole number of bit, kbit, mbit, gbit or tbit, got 1.5gbit"
+    )
+    monkeypatch.setattr(hosts, "namespaces_available", lambda: hosts.Namespaces(True, "as if"))
+    with pytest.raises(SystemExit) as ended:
+        main(["bench", "--hosts", "2", "--link-rate", "fast"])
+    assert str(ended.value).startswith(
+        "ubep bench --link-rate: netns_hosts: -r must be"
+    ) and "got fast" in str(ended.value)
+    small = subprocess.run(["bash", str(hosts.SCRIPT), "-b", "1000", "-s"], capture_output=True, text=True)
+    assert small.returncode == 2 and "at least one 1514-byte frame, got 1000" in small.stderr

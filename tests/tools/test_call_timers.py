@@ -6,6 +6,7 @@ import time
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import ubep
 from ubep import settings
@@ -103,5 +104,45 @@ def test_the_profile_table_shows_medians_over_ranks():
     console.print(timer_table([rank(1.0), rank(2.0), rank(30.0)], "t"))
     rows = [line.replace("│", " ").split() for line in console.export_text().splitlines()]
     assert ["validate", "2.0", "2.0", "2.0", "2.0"] in rows  # the median, not the mean
-    assert ["total", "12.0", "12.0", "12.0", "12.0"] in rows  # 6 blocks of the median rank
+    assert ["total", "14.0", "14.0", "14.0", "14.0"] in rows  # 7 blocks of the median rank
     assert ["doorbell", "sleeps", "/", "call", "2.00", "2.00"] in rows
+
+
+def _timers_across_nodes() -> dict:
+    """The profile's call timers (`profile_rank`) of the rows ubep and hier-bsp, 2 emulated nodes of 2,
+    and a Buffer's over the flat fabric (transport "dist"), both modes."""
+    from ubep.bench.profile import profile_rank
+    from ubep.bench.workload import BenchConfig, build
+
+    cfg = BenchConfig(ranks=4, nodes=2, hidden=64, experts=8, topk=2, iters=2, warmup=1, timeout_s=60)
+    out = {name: profile_rank(cfg, 8, 2, name)["timers"] for name in ("ubep", "hier-bsp")}
+    work, me = build(cfg, 8), dist.get_rank()
+    x, idx, w = work.xs[me], work.topk_idx[me], work.topk_weights[me]
+    with ubep.Buffer(
+        hidden=64, num_experts=8, max_tokens_per_rank=8, transport="dist", call_timers=True, low_latency=True
+    ) as buf:
+        for _ in range(2):
+            got = buf.dispatch(x, topk_idx=idx, topk_weights=w)
+            buf.combine(got.recv_x, got.handle)
+            ll = buf.low_latency_dispatch(x, idx, 8, 8)
+            buf.low_latency_combine(ll.recv_x, idx, w, ll.handle)
+        out["flat fabric"] = buf.call_timers.per_call()
+    return out
+
+
+def test_the_profile_fills_the_blocks_of_the_exchanges_across_nodes():
+    """Across nodes, a call was one "between" block (issue 44): now the messages to peers (or
+    hier-bsp's collectives) are "send", the fabric's and the heap's waits "wait", hier's rows on their
+    way through the node "forward", the rows taken into place "receive"."""
+    pytest.importorskip("numba")
+    from ubep.launcher import LocalLaunch
+
+    per_rank = LocalLaunch(world_size=4, timeout_s=120, ranks_per_node=2).run(_timers_across_nodes)
+    for timers in per_rank:
+        for name, kinds in timers.items():
+            hier = name != "flat fabric"
+            for kind in ("dispatch", "combine") + (() if hier else ("ll_dispatch", "ll_combine")):
+                got = kinds[kind]
+                blocks = ("send", "receive", "wait", "results") + (("forward",) if hier else ())
+                assert {b for b in blocks if got[f"wall {b}"] > 0} == set(blocks), (name, kind, got)
+                assert hier or got["wall forward"] == 0  # nothing forwards on the flat fabric

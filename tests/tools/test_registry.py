@@ -122,7 +122,7 @@ def test_settings_list_the_registry_choices():
     assert table["transport"] == ("auto", "shm", "cuda", "dist", "hier", "virtual")  # users pass these
     assert table["protocol"] == ("ubep", "bsp")
     assert table["engine"] == ("auto", "torch", "numba", "triton")
-    assert table["fabric"] == ("auto", "gloo", "nixl")
+    assert table["fabric"] == ("auto", "gloo", "zmq", "nixl")
     for option, allowed in table.items():
         variable, parse, default = settings.BUFFER_SETTINGS[option]
         assert default == allowed[0]

@@ -4,7 +4,8 @@
     protocol (bsp)      -> [across: collectives under a deadline]            -> gloo / NCCL
 
 - `fabric/`: bytes to a rank on another host, as messages on pre-posted lanes (`fabric.base`),
-  over an engine: gloo point-to-point (`fabric.gloo`, the default) or NIXL (`fabric.nixl`).
+  over an engine: ZeroMQ (`fabric.zmq`, the default where pyzmq is installed), gloo
+  point-to-point (`fabric.gloo`, the default otherwise) or NIXL (`fabric.nixl`).
 - `call_header`: the few words that open every message (call id, kind, counts): the data is
   its own flag across hosts too.
 - The strategies of protocol ubep over the fabric: `ubep_flat` (every peer reached directly)

@@ -41,6 +41,7 @@ from ubep.protocols.ll.plans import (
     reduce_returned,
     returned_rows,
 )
+from ubep.timers import lap, timed
 from ubep.waiting import blame_of
 
 
@@ -81,6 +82,7 @@ class LLFabric(LowLatencyExchange):
         meta_P2 = torch.stack([plan.pair_token_P, plan.pair_k_P], dim=1)
         offsets = prefix_offsets(plan.counts_RL.sum(dim=1))
         self.fabric.begin(call)
+        lap(call.timers, "between")
         try:
             for peer in self._peers():
                 a, z = int(offsets[peer]), int(offsets[peer + 1])
@@ -90,6 +92,7 @@ class LLFabric(LowLatencyExchange):
         except UbepError as error:
             self._give_up(call, error)
             raise
+        lap(call.timers, "send")
         a, z = int(offsets[self.me]), int(offsets[self.me + 1])
         own = (plan.counts_RL[self.me], rows_PB[a:z], meta_P2[a:z])
         return lambda: self._receive_rows(call, plan, out, mine, own)
@@ -134,9 +137,12 @@ class LLFabric(LowLatencyExchange):
         phase, differ = "low-latency dispatch (tokens)", other_call_check(call, self.me, mine)
         try:
             place_ready()
-            for msg in self.fabric.arrivals("ll_dispatch", call, self._peers(), phase, differ):
+            lap(call.timers, "receive")  # the own rows
+            arrivals = self.fabric.arrivals("ll_dispatch", call, self._peers(), phase, differ)
+            for msg in timed(arrivals, call.timers):
                 landed[msg.peer] = self._check_sent(call, msg, mine, plan.max_tokens, out.row_width)
                 place_ready()
+                lap(call.timers, "receive")
         except UbepError as error:
             self._give_up(call, error)
             raise
@@ -172,6 +178,7 @@ class LLFabric(LowLatencyExchange):
         rows_QB = returned_rows(plan)  # ordered by home rank
         offsets = prefix_offsets(plan.send_counts_R)
         self.fabric.begin(call)
+        lap(call.timers, "between")
         try:
             for peer in self._peers():
                 a, z = int(offsets[peer]), int(offsets[peer + 1])
@@ -186,6 +193,7 @@ class LLFabric(LowLatencyExchange):
         except UbepError as error:
             self._give_up(call, error)
             raise
+        lap(call.timers, "send")
         a, z = int(offsets[self.me]), int(offsets[self.me + 1])
         return lambda: self._reduce(call, plan, out_NH, mine, rows_QB[a:z])
 
@@ -199,7 +207,8 @@ class LLFabric(LowLatencyExchange):
         rows_PB[int(at[self.me]) : int(at[self.me + 1])] = own_QB
         try:
             phase, differ = "low-latency combine", other_call_check(call, self.me, mine)
-            for msg in self.fabric.arrivals("ll_combine", call, self._peers(), phase, differ):
+            arrivals = self.fabric.arrivals("ll_combine", call, self._peers(), phase, differ)
+            for msg in timed(arrivals, call.timers):
                 peer = msg.peer
                 check_message(call, self.me, mine, peer, msg.header, WORDS + 1)
                 count = int(msg.header[WORDS])
@@ -208,10 +217,12 @@ class LLFabric(LowLatencyExchange):
                     raise self._bad(call, peer, f"low-latency combine: rank {peer} {said}")
                 rows_PB[int(at[peer]) : int(at[peer + 1])] = msg.payload.view(count, B)
                 self.fabric.release("ll_combine", peer, call)
+                lap(call.timers, "receive")
         except UbepError as error:
             self._give_up(call, error)
             raise
         reduce_returned(self.engine, plan, rows_PB, out_NH)
+        lap(call.timers, "receive")
 
     # -- failures ---------------------------------------------------------------------------------
 

@@ -39,6 +39,8 @@ from ubep.layout import destination_major, localize_for_destinations
 from ubep.protocols.base import DTYPE_CODES, Exchange, Received, SendPlan, Sizing
 from ubep.registry import UBEP
 from ubep.results import DispatchHandle, RecvRoute
+from ubep.timers import lap, timed
+from ubep.transport.base import Agreement
 from ubep.waiting import blame_of
 
 COUNT, TOKENS = WORDS, WORDS + 1  # header words after the call header: rows in this message, tokens sent
@@ -84,8 +86,10 @@ class UbepFabric(Exchange):
         self.fabric.begin(call)
         meta_RX = None if cached else self._routing(plan, tokens)
         try:
+            lap(call.timers, "between")
             for peer in self._peers():
                 self._send_rows(call, "dispatch", peer, mine, x_NX, tokens, meta_RX, plan.x_NH.shape[0])
+            lap(call.timers, "send")
             return self._receive_rows(call, plan, handle, mine, x_NX, tokens, meta_RX, K)
         except UbepError as error:
             self._give_up(call, error)
@@ -148,11 +152,14 @@ class UbepFabric(Exchange):
                     self.fabric.release("dispatch", done, call)
 
         place(self.me, landed[self.me][0])
+        lap(call.timers, "receive")  # the own rows
         differ = other_call_check(call, self.me, mine)
-        for msg in self.fabric.arrivals("dispatch", call, self._peers(), "dispatch (tokens)", differ):
+        arrivals = self.fabric.arrivals("dispatch", call, self._peers(), "dispatch (tokens)", differ)
+        for msg in timed(arrivals, call.timers):
             count, meta_nX, rows_nX = self._check_dispatch(call, msg, mine, X, x_NX.dtype, K, handle)
             landed[msg.peer] = (count, meta_nX, rows_nX)
             place(msg.peer, count)
+            lap(call.timers, "receive")
         M = int(prefix_R1[-1])
         if cached:
             return Received.unpacking(plan, out.x_MX, None, None, handle.recv)
@@ -224,8 +231,10 @@ class UbepFabric(Exchange):
         mine = self._header(call, handle, x_MH.dtype, K)  # names the dispatch: every rank must agree
         self.fabric.begin(call)
         try:
+            lap(call.timers, "between")
             for peer in self._peers():
                 self._send_back(call, peer, mine, x_MH, topk_weights_MK, handle)
+            lap(call.timers, "send")
             return self._reduce(call, mine, x_MH, topk_weights_MK, handle)
         except UbepError as error:
             self._give_up(call, error)
@@ -266,9 +275,11 @@ class UbepFabric(Exchange):
         a, z = int(handle.recv_prefix_R1[self.me]), int(handle.recv_prefix_R1[self.me + 1])
         blocks[self.me] = (x_MH[a:z], None if w_MK is None else w_MK[a:z])
         add(self.me, z - a)
-        for msg in self.fabric.arrivals(
+        lap(call.timers, "receive")  # the own rows
+        arrivals = self.fabric.arrivals(
             "combine", call, self._peers(), "combine", other_call_check(call, self.me, mine)
-        ):
+        )
+        for msg in timed(arrivals, call.timers):
             peer = msg.peer
             check_message(call, self.me, mine, peer, msg.header, WORDS + 1)
             count, want = int(msg.header[COUNT]), int(handle.send_counts_R[peer])
@@ -279,6 +290,7 @@ class UbepFabric(Exchange):
             rows_nH = msg.payload[4 * count * K :].view(dtype).view(count, H)
             blocks[peer] = (rows_nH, w_nK)
             add(peer, count)
+            lap(call.timers, "receive")
         return acc_NH.to(dtype), acc_NK
 
     # -- failures and membership -------------------------------------------------------------------
@@ -306,6 +318,9 @@ class UbepFabric(Exchange):
     def mask(self, ranks: Collection[int], seq: int) -> int:
         """Leave `ranks` out of every later call (`Fabric.mask`); low-latency mode shares the fabric."""
         return self.fabric.mask(ranks, seq)
+
+    def agree_to_mask(self, error: Exception, seq: int) -> Agreement | None:
+        return self.fabric.agree_to_mask(error, seq)
 
     def close(self) -> None:
         self.fabric.close()

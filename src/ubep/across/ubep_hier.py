@@ -44,6 +44,7 @@ from ubep.layout import prefix_offsets
 from ubep.nodes import NodeMap
 from ubep.protocols.base import DTYPE_CODES, Received, SendPlan, Sizing, rows
 from ubep.results import DispatchHandle
+from ubep.timers import lap, timed
 from ubep.waiting import blame_of
 
 COUNT = WORDS  # the header word after the call header: rows in this message
@@ -68,11 +69,20 @@ def lanes(s: Sizing, rail: tuple[int, ...]) -> tuple[Lane, ...]:
 class HierFabric(HierExchange):
     """Hierarchical dispatch/combine whose crossings between nodes are fabric messages."""
 
-    def __init__(self, info: GroupInfo, sizing: Sizing, timeout_s: float, engine: Engine, fabric: Fabric):
+    def __init__(
+        self,
+        info: GroupInfo,
+        sizing: Sizing,
+        timeout_s: float,
+        engine: Engine,
+        fabric: Fabric,
+        reason: str = "",
+    ):
         super().__init__(info, sizing, timeout_s, engine)
         self.fabric = fabric
         self.across_hosts = (
-            f"rails over the {fabric.name} fabric, no collective inside a call; shared memory within a node"
+            f"rails over the {fabric.name} fabric ({reason}), no collective inside a call; "
+            "shared memory within a node"
         )
         self._told = 0  # the last call this rank told its rail peers it gave up on
 
@@ -106,9 +116,11 @@ class HierFabric(HierExchange):
                                    plan.topk_weights_NK[send_token_S])], dim=1,
         )  # fmt: skip
         self.fabric.begin(call)
+        lap(call.timers, "between")
         for g, peer in self._rail_peers():
             a, z = int(at_G[g]), int(at_G[g + 1])
             self._send_rows(call, "hier_dispatch", peer, mine, meta_SB[a:z], x_NX, send_token_S[a:z])
+        lap(call.timers, "send")
         relay_G = self._relay_over_fabric(call, plan, x_NX, mine, own_O, K)
         return self._fan_out(call, plan, x_NX, (send_token_S, send_G, own_O, relay_G))
 
@@ -156,6 +168,7 @@ class HierFabric(HierExchange):
             routing = self._routing(call, msg.peer, msg.payload[: n * meta].view(n, meta), K)
             landed[slot] = (n, routing, msg.payload[n * meta :].view(x_NX.dtype).view(n, H))
             place_ready()
+            lap(call.timers, "forward")
         place_ready()
         F = at + own_O.numel()
         ids[at:F, 0], ids[at:F, 1] = self.me, own_O
@@ -164,6 +177,7 @@ class HierFabric(HierExchange):
         code = DTYPE_CODES[x_NX.dtype]
         t.publish(b.route, call, {"count": F, "dtype": code, "topk": K})
         t.publish(b.data, call, {"count": F, "dtype": code})  # rows visible
+        lap(call.timers, "forward")
         return relay_G
 
     def _routing(self, call: CallId, peer: int, meta_nB: torch.Tensor, K: int):
@@ -185,9 +199,11 @@ class HierFabric(HierExchange):
         mine = self._header(call, handle=handle.seq, dtype=DTYPE_CODES[x_NX.dtype])
         at_G, relay_at = prefix_offsets(r.send_counts_G), prefix_offsets(r.relay_counts_G)
         self.fabric.begin(call)
+        lap(call.timers, "between")
         for g, peer in self._rail_peers():
             a, z = int(at_G[g]), int(at_G[g + 1])
             self._send_rows(call, "hier_dispatch", peer, mine, None, x_NX, r.send_token_S[a:z])
+        lap(call.timers, "send")
         b, t, me, H = self.blocks, self.t, self.local, x_NX.shape[1]
         fwd_FX, S = t.view(b.x, me, call), int(r.relay_counts_G.sum())
         for msg in self._landed("hier_dispatch", call, mine):
@@ -201,9 +217,11 @@ class HierFabric(HierExchange):
             into = rows(fwd_FX, n, x_NX.dtype, H, first=int(relay_at[slot]))
             self.engine.copy_rows(msg.payload.view(x_NX.dtype).view(n, H), None, into, None)
             self.fabric.release("hier_dispatch", peer, call)
+            lap(call.timers, "forward")
         own = r.own_token_O.numel()
         self.engine.copy_rows(x_NX, r.own_token_O, rows(fwd_FX, own, x_NX.dtype, H, first=S), None)
         t.publish(b.data, call, {"count": S + own, "dtype": DTYPE_CODES[x_NX.dtype]})
+        lap(call.timers, "forward")
         recv_x_MX = self._gather_rows(call, x_NX, r, handle.recv_prefix_R1)
         return Received.unpacking(plan, recv_x_MX, None, None, handle.recv)
 
@@ -211,7 +229,8 @@ class HierFabric(HierExchange):
         """Each rail peer's message of `call` on `lane` as it lands, its call header checked."""
         peers = [p for _, p in self._rail_peers()]
         differ = other_call_check(call, self.me, mine)
-        for msg in self.fabric.arrivals(lane, call, peers, f"{call.kind} (across nodes)", differ):
+        arrivals = self.fabric.arrivals(lane, call, peers, f"{call.kind} (across nodes)", differ)
+        for msg in timed(arrivals, call.timers):
             check_message(call, self.me, mine, msg.peer, msg.header, WORDS + 1)
             yield msg
 
@@ -233,13 +252,16 @@ class HierFabric(HierExchange):
         mine = self._header(call, handle=handle.seq, dtype=DTYPE_CODES[x_MH.dtype], topk=K or NONE)
         try:
             self.fabric.begin(call)
+            lap(call.timers, "between")
             self._put_to_forwarders(call, x_MH, topk_weights_MK, route)
             partial_FY = self._reduce_in_node(call, x_MH.dtype, x_MH.shape[1], K, route)
             relay_at = prefix_offsets(route.relay_counts_G)
             partials = torch.arange(int(route.relay_counts_G.sum()), dtype=torch.int64, device="cpu")
+            lap(call.timers, "between")
             for g, peer in self._rail_peers():
                 a, z = int(relay_at[g]), int(relay_at[g + 1])
                 self._send_rows(call, "hier_combine", peer, mine, None, partial_FY, partials[a:z])
+            lap(call.timers, "send")
             out_NY = self._sum_partials(call, mine, partial_FY, route, handle.num_tokens)
         except UbepError as error:
             self._give_up(call, error)
@@ -256,6 +278,7 @@ class HierFabric(HierExchange):
         out_NY = torch.zeros(N, Y, dtype=torch.float32, device="cpu")
         landed: dict[int, torch.Tensor] = {self.slot: partial_FY[S:]}
         turn = 0
+        lap(call.timers, "between")
 
         def add_ready() -> None:
             nonlocal turn
@@ -271,6 +294,7 @@ class HierFabric(HierExchange):
                 turn += 1
 
         add_ready()
+        lap(call.timers, "receive")  # the own node's partials
         for msg in self._landed("hier_combine", call, mine):
             slot = self.rail.index(msg.peer)
             want = int(route.send_counts_G[slot])
@@ -281,6 +305,7 @@ class HierFabric(HierExchange):
                 )
             landed[slot] = msg.payload.view(torch.float32).view(n, Y)
             add_ready()
+            lap(call.timers, "receive")
         return out_NY
 
     # -- failures ---------------------------------------------------------------------------------

@@ -7,8 +7,9 @@
 Each host has its own network stack (veth on a bridge, shaped by the script), so traffic between
 hosts crosses a real link; the turns' named pipes and the monotonic clock are shared by every
 namespace, so turns and timing work as for emulated nodes. Run as a module, this file is one rank:
-it measures like a rank of ubep's launcher (`torch_systems.measure_rank`) and leaves its samples
-in a file for the bench.
+it measures like a rank of ubep's launcher (`torch_systems.measure_rank`), or profiles like one
+(`profile.profile_rank`, for `ubep bench --profile --hosts N`), and leaves its result in a file for
+the bench.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from datetime import timedelta
 from pathlib import Path
 from typing import NamedTuple
@@ -30,14 +32,14 @@ from ubep.bench.workload import BenchConfig
 
 SCRIPT = Path(__file__).resolve().parents[3] / "scripts" / "netns_hosts.sh"  # in a source checkout
 STOP_S = 20.0  # how long the hosts get to end after QUIT, and again after SIGTERM
-# The links between namespace hosts, passed to the script: a 25 GbE NIC, common on CPU servers; a
-# switch hop and the kernel's TCP stack one way; the token bucket's burst where netem is missing.
-LINK_RATE, LINK_DELAY, LINK_BURST = "25gbit", "15us", "4mb"
+# The delay of a link between namespace hosts where the kernel has netem: a switch hop and the
+# kernel's TCP stack, one way (its rate is the bench's --link-rate, `BenchConfig.link_rate`).
+LINK_DELAY = "15us"
 
 
 class Namespaces(NamedTuple):
     """Whether namespace hosts can be made here, why (or why not), and whether the kernel has netem
-    (the links then get LINK_DELAY as well as LINK_RATE; without it a token bucket keeps the rate)."""
+    (the links then get LINK_DELAY as well as their rate; without it a token bucket keeps the rate)."""
 
     ok: bool
     why: str
@@ -71,7 +73,7 @@ def _shape_probe(namespace: str) -> tuple[str | None, str]:
     qdisc that worked, else None and what `tc` said (a `tc` on PATH may still fail: a wrapper, no
     qdisc modules)."""
     said = ""
-    tries = (["netem", "delay", LINK_DELAY], ["tbf", "rate", "1gbit", "burst", LINK_BURST, "latency", "10ms"])
+    tries = (["netem", "delay", LINK_DELAY], ["tbf", "rate", "1gbit", "burst", "250000", "latency", "10ms"])
     for qdisc in tries:
         command = ["ip", "netns", "exec", namespace, "tc", "qdisc", "add", "dev", "lo", "root", *qdisc]
         done = subprocess.run(command, capture_output=True, text=True, timeout=30)
@@ -81,14 +83,37 @@ def _shape_probe(namespace: str) -> tuple[str | None, str]:
     return None, said
 
 
-def link_note(hosts: int, netem: bool) -> str:
-    """What the links between the namespace hosts are, for the notes under the bench's table."""
+class Link(NamedTuple):
+    """The link between two namespace hosts, as the script makes it: `rate` in tc's units (1gbit),
+    that rate in bytes per second, the token bucket's burst in bytes (None under netem, which paces
+    each packet), and the delay one way (None: the kernel has no netem, so none is added)."""
+
+    rate: str
+    bytes_per_s: int
+    burst_bytes: int | None
+    delay: str | None
+
+    def note(self, hosts: int) -> str:
+        """What the links are, for the notes under the bench's table."""
+        if self.delay is not None:
+            return f"links between the {hosts} hosts: {self.rate}, {self.delay} one way (tc netem)"
+        return (
+            f"links between the {hosts} hosts: {self.rate} by a token bucket (tc tbf, burst "
+            f"{self.burst_bytes} bytes); no delay: kernel has no netem"
+        )
+
+
+def link_of(rate: str, netem: bool, script: Path = SCRIPT) -> Link:
+    """The link the script makes at `rate` (its sizing, asked with -s: nothing is made), with
+    LINK_DELAY where the kernel has netem. Raises ValueError with the script's reason for a rate it
+    refuses."""
+    said = subprocess.run(["bash", str(script), "-r", rate, "-s"], capture_output=True, text=True, timeout=30)
+    if said.returncode != 0:
+        raise ValueError(_last_line(said.stderr) or f"{script} -s exited {said.returncode}")
+    sizing = dict(word.split("=", 1) for word in said.stdout.split())
     if netem:
-        return f"links between the {hosts} hosts: {LINK_RATE}, {LINK_DELAY} one way (tc netem)"
-    return (
-        f"links between the {hosts} hosts: {LINK_RATE} by a token bucket (tc tbf, burst {LINK_BURST}); "
-        "no added delay: this kernel has no netem"
-    )
+        return Link(rate, int(sizing["bytes_per_s"]), None, LINK_DELAY)
+    return Link(rate, int(sizing["bytes_per_s"]), int(sizing["burst"]), None)
 
 
 def _last_line(text: str) -> str:
@@ -108,13 +133,55 @@ class HostsFailedError(RuntimeError):
         return f"namespace hosts failed (exit {self.exit_code}): {_last_line(self.tail) or 'no output'}"
 
 
-def hosts_command(cfg: BenchConfig, tokens: int, systems: tuple[str, ...], turns_dir: str) -> list[str]:
-    """The script, one torchrun agent per host, this module as every rank."""
+def hosts_command(cfg: BenchConfig, job: list[str]) -> list[str]:
+    """The script, one torchrun agent per host, this module as every rank running `job` (`main`'s
+    arguments)."""
     return [
-        str(SCRIPT), "-n", str(cfg.nodes), "-r", LINK_RATE, "-d", LINK_DELAY, "-b", LINK_BURST, "--",
+        str(SCRIPT), "-n", str(cfg.nodes), "-r", cfg.link_rate, "-d", LINK_DELAY, "--",
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(cfg.ranks // cfg.nodes),
-        "-m", "ubep.bench.hosts", json.dumps(cfg.as_dict()), str(tokens), ",".join(systems), turns_dir,
+        "-m", "ubep.bench.hosts", *job,
     ]  # fmt: skip
+
+
+def measure_job(cfg: BenchConfig, tokens: int, systems: tuple[str, ...], turns_dir: str) -> list[str]:
+    """Every rank measures `systems` at `tokens`, taking turns through `turns_dir` (`HostsGroup`)."""
+    return ["measure", json.dumps(cfg.as_dict()), str(tokens), ",".join(systems), turns_dir]
+
+
+def profile_on_hosts(cfg: BenchConfig, tokens: int, calls: int, name: str) -> list[dict]:
+    """Every rank's `ubep.bench.profile.profile_rank` of row `name`, run on cfg.nodes namespace hosts,
+    in rank order. Raises HostsFailedError with the end of the hosts' output if they fail."""
+    with tempfile.TemporaryDirectory(prefix="ubep-profile-") as out_dir:
+        job = ["profile", json.dumps(cfg.as_dict()), str(tokens), f"{calls},{name}", out_dir]
+        with open(os.path.join(out_dir, "hosts.out"), "w+") as out:
+            proc = subprocess.Popen(hosts_command(cfg, job), stdout=out, stderr=subprocess.STDOUT)
+            try:
+                code = proc.wait(timeout=cfg.timeout_s * 4)
+            except subprocess.TimeoutExpired:
+                code = None
+            if code != 0:
+                stop_hosts(proc)  # the script removes its namespaces on SIGTERM
+                out.seek(0)
+                raise HostsFailedError(code, out.read()[-3000:])
+        return [_load(os.path.join(out_dir, f"result.{rank}.json")) for rank in range(cfg.ranks)]
+
+
+def stop_hosts(proc: subprocess.Popen) -> None:
+    """Let the hosts' script end, else SIGTERM it (it stops their processes and removes the
+    namespaces), then SIGKILL."""
+    for end in (lambda: None, proc.terminate, proc.kill):
+        end()
+        try:
+            proc.wait(timeout=STOP_S)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def _load(path: str) -> dict:
+    """A rank's result file (`main`)."""
+    with open(path) as f:
+        return json.load(f)
 
 
 class HostsGroup:
@@ -124,7 +191,9 @@ class HostsGroup:
         self._dir, self._ranks = turns_dir, cfg.ranks
         self._out = open(os.path.join(turns_dir, "hosts.out"), "w+")
         self._proc = subprocess.Popen(
-            hosts_command(cfg, tokens, systems, turns_dir), stdout=self._out, stderr=subprocess.STDOUT
+            hosts_command(cfg, measure_job(cfg, tokens, systems, turns_dir)),
+            stdout=self._out,
+            stderr=subprocess.STDOUT,
         )
         self._timeout_s = cfg.timeout_s * 3
 
@@ -137,22 +206,11 @@ class HostsGroup:
         """After QUIT: every rank's samples, in rank order."""
         if self._proc.wait(timeout=self._timeout_s) != 0:
             raise self._failure()
-        per_rank = []
-        for rank in range(self._ranks):
-            with open(os.path.join(self._dir, f"samples.{rank}.json")) as f:
-                per_rank.append(json.load(f))
-        return per_rank
+        return [_load(os.path.join(self._dir, f"result.{rank}.json")) for rank in range(self._ranks)]
 
     def stop(self) -> None:
-        """Let the hosts end, else SIGTERM the script (which stops their processes and removes the
-        namespaces), then SIGKILL."""
-        for end in (lambda: None, self._proc.terminate, self._proc.kill):
-            end()
-            try:
-                self._proc.wait(timeout=STOP_S)
-                break
-            except subprocess.TimeoutExpired:
-                continue
+        """Let the hosts end (`stop_hosts`), then close their output."""
+        stop_hosts(self._proc)
         self._out.close()
 
     def _failure(self) -> HostsFailedError:
@@ -160,22 +218,31 @@ class HostsGroup:
         return HostsFailedError(self._proc.returncode, self._out.read()[-3000:])
 
 
-def main(config_json: str, tokens: int, systems: str, turns_dir: str) -> None:
-    """One rank under torchrun: measure, then leave the samples beside the turns' pipes."""
-    from ubep.bench.torch_systems import measure_rank
-
+def main(job: str, config_json: str, tokens: int, what: str, out_dir: str) -> None:
+    """One rank under torchrun: run `job` ("measure": the rows `what` names, taking turns through
+    `out_dir`; "profile": "CALLS,ROW"), then leave its result in `out_dir` as result.RANK.json."""
     torch.set_num_threads(1)
     cfg = BenchConfig.from_json(config_json)
     dist.init_process_group("gloo", timeout=timedelta(seconds=cfg.timeout_s * 4))
     try:
-        samples = measure_rank(cfg, tokens, tuple(systems.split(",")), turns_dir)
-        partial = os.path.join(turns_dir, f"samples.{dist.get_rank()}.json.tmp")
+        if job == "measure":
+            from ubep.bench.torch_systems import measure_rank
+
+            result = measure_rank(cfg, tokens, tuple(what.split(",")), out_dir)
+        elif job == "profile":
+            from ubep.bench.profile import profile_rank
+
+            calls, name = what.split(",")
+            result = profile_rank(cfg, tokens, int(calls), name)
+        else:
+            raise ValueError(f"ubep.bench.hosts: job must be measure or profile, got {job!r}")
+        partial = os.path.join(out_dir, f"result.{dist.get_rank()}.json.tmp")
         with open(partial, "w") as f:
-            json.dump(samples, f)
+            json.dump(result, f)
         os.replace(partial, partial.removesuffix(".tmp"))
     finally:
         dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4])
+    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4], sys.argv[5])

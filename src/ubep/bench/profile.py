@@ -27,6 +27,7 @@ from rich.console import Console
 from rich.table import Table
 
 import ubep
+from ubep.bench.hosts import profile_on_hosts
 from ubep.bench.torch_systems import BUFFER_SYSTEMS
 from ubep.bench.workload import UBEP_ROW, BenchConfig, build
 from ubep.launcher import LocalLaunch
@@ -167,19 +168,26 @@ def timer_table(per_rank: list[dict], title: str) -> Table:
 
 
 def run_profile(cfg: BenchConfig, tokens: int) -> None:
-    """Profile the first Buffer row of cfg.systems on every rank (emulated nodes where cfg.nodes > 1)."""
+    """Profile the first Buffer row of cfg.systems on every rank: on namespace hosts where
+    cfg.namespaces, else on emulated nodes where cfg.nodes > 1."""
     name = next((s for s in cfg.systems if s in BUFFER_SYSTEMS), UBEP_ROW)
     calls = max(cfg.iters, 5)
-    launch = LocalLaunch(
-        world_size=cfg.ranks, timeout_s=cfg.timeout_s * 4, ranks_per_node=cfg.ranks // cfg.nodes
-    )
-    per_rank = launch.run(profile_rank, cfg, tokens, calls, name)
+    if cfg.namespaces:
+        per_rank = profile_on_hosts(cfg, tokens, calls, name)
+    else:
+        launch = LocalLaunch(
+            world_size=cfg.ranks, timeout_s=cfg.timeout_s * 4, ranks_per_node=cfg.ranks // cfg.nodes
+        )
+        per_rank = launch.run(profile_rank, cfg, tokens, calls, name)
     console = Console()
+    where = (
+        f"{cfg.nodes} {'namespace hosts' if cfg.namespaces else 'emulated nodes'}, " if cfg.nodes > 1 else ""
+    )
     console.print(
         timer_table(
             per_rank,
             f"{name}: call timers, {calls} {cfg.mode}-mode dispatch + combine pairs, median over "
-            f"{cfg.ranks} ranks of each rank's mean per call ({tokens} tokens/rank; no profiler)",
+            f"{cfg.ranks} ranks of each rank's mean per call ({where}{tokens} tokens/rank; no profiler)",
         )
     )
     for op in ("dispatch", "combine"):

@@ -75,6 +75,8 @@ def command(cfg: BenchConfig) -> str:
         said += ["--schedule", policy_name(cfg.schedule)]
     if cfg.nodes > 1:
         said += ["--hosts" if cfg.namespaces else "--nodes", str(cfg.nodes)]
+    if cfg.namespaces and cfg.link_rate != default.link_rate:
+        said += ["--link-rate", cfg.link_rate]
     if cfg.systems != (ACROSS_SYSTEMS if cfg.nodes > 1 else SYSTEMS):
         said += ["--systems", _text(cfg.systems)]
     if cfg.placements:

@@ -37,7 +37,7 @@ from ubep.layout import ExpertPlacement
 from ubep.transport.segments import KNOBS
 
 SINGLE_HOST = ("bsp-shm", "mpi", LL_ROW)  # no row across emulated nodes
-ACROSS_ONLY = ("hier-bsp", "ubep-nixl")  # rows of the exchange between nodes
+ACROSS_ONLY = ("hier-bsp", "ubep-gloo", "ubep-nixl")  # rows of the exchange between nodes
 NORMAL_ONLY = ("bsp-shm", "mpi")  # no low-latency mode
 STOP_S = 30.0  # how long a stopped group gets to wind down
 
@@ -55,7 +55,9 @@ def boundary_per_rank(cfg: BenchConfig, tokens: int) -> dict[str, float]:
         return (sum(got[f"dispatch_bytes_{kind}"]) + sum(got[f"combine_bytes_{kind}"])) / cfg.ranks
 
     dedup = mean("dedup")  # the hierarchical rows: a token crosses once per remote node
-    return {UBEP_ROW: dedup, "ubep-nixl": dedup, "hier-bsp": dedup, "bsp-gloo": mean("flat")}
+    return {row: dedup for row in (UBEP_ROW, "ubep-gloo", "ubep-nixl", "hier-bsp")} | {
+        "bsp-gloo": mean("flat")
+    }
 
 
 def select_systems(cfg: BenchConfig, mpi: tuple[bool, str]) -> tuple[tuple[str, ...], list[str]]:
@@ -77,7 +79,8 @@ def select_systems(cfg: BenchConfig, mpi: tuple[bool, str]) -> tuple[tuple[str, 
         notes.append(
             f"{cfg.nodes} {'namespace hosts' if cfg.namespaces else 'emulated nodes'} of "
             f"{cfg.ranks // cfg.nodes} ranks: ubep runs the hierarchical transport (one crossing per "
-            "token and node) with rails over the gloo fabric, ubep-nixl the same over nixl, hier-bsp "
+            "token and node) with rails over the default fabric (zmq where pyzmq is installed), "
+            "ubep-gloo and ubep-nixl the same over gloo and nixl, hier-bsp "
             "the same transport's rail all-to-alls, bsp-gloo the flat all-to-all"
             + (f"; no {', '.join(single_host)} row (one host only)" if single_host else "")
         )

@@ -1,5 +1,6 @@
 """The rows measured inside ubep's own launcher: ubep, bsp-shm, bsp-gloo and the memcpy floor;
-across nodes also ubep-nixl (ubep with the nixl fabric) and hier-bsp (the hierarchical collectives).
+across nodes also ubep-gloo and ubep-nixl (ubep with the gloo or nixl fabric, where the ubep row takes
+the default one) and hier-bsp (the hierarchical collectives).
 
 `measure_rank` runs on every rank: it opens every system and checks one
 dispatch and one combine of each against the reference, then times whichever
@@ -34,7 +35,7 @@ from ubep.bench.workload import (
     build,
     expected_combine,
 )
-from ubep.registry import BSP, DIST, HIER, NIXL, SHM, UBEP
+from ubep.registry import BSP, DIST, GLOO, HIER, NIXL, SHM, UBEP
 
 
 class BufferSystem(NamedTuple):
@@ -43,12 +44,13 @@ class BufferSystem(NamedTuple):
     protocol: str
     transport: str
     across: str  # the transport across nodes
-    fabric: str | None = None  # None: the Buffer's default (gloo)
+    fabric: str | None = None  # None: the Buffer's default ("auto": zmq where pyzmq is installed)
 
 
 BUFFER_SYSTEMS = {
     UBEP_ROW: BufferSystem(UBEP.name, SHM.name, HIER.name),  # across nodes: rails over the fabric
     "ubep-stats": BufferSystem(UBEP.name, SHM.name, HIER.name),
+    "ubep-gloo": BufferSystem(UBEP.name, HIER.name, HIER.name, GLOO.name),
     "ubep-nixl": BufferSystem(UBEP.name, HIER.name, HIER.name, NIXL.name),
     "hier-bsp": BufferSystem(BSP.name, HIER.name, HIER.name),  # rail all-to-alls: the collective path
     "bsp-shm": BufferSystem(BSP.name, SHM.name, SHM.name),

@@ -17,11 +17,12 @@ from ubep.schedule import DISTANCE
 
 UBEP_ROW = UBEP.name  # the ubep protocol's row: shared memory (across nodes, the hierarchical transport)
 SYSTEMS = (UBEP_ROW, "bsp-shm", "bsp-gloo", "mpi", "memcpy-floor")  # the default on one host
-ACROSS_SYSTEMS = (UBEP_ROW, "ubep-nixl", "hier-bsp", "bsp-gloo")  # rows across nodes (the default there)
+# Rows across nodes (the default there): ubep on the default fabric, ubep-gloo and ubep-nixl on those engines.
+ACROSS_SYSTEMS = (UBEP_ROW, "ubep-gloo", "ubep-nixl", "hier-bsp", "bsp-gloo")
 # Low-latency mode beside normal mode, in the same rounds of a normal-mode run: its "x ubep" is the
 # ratio of the two modes on the same workload and host state (one host; --mode ll times it as "ubep").
 LL_ROW = "ubep-ll"
-ALL_SYSTEMS = (*SYSTEMS, *ACROSS_SYSTEMS[1:3], LL_ROW)
+ALL_SYSTEMS = (*SYSTEMS, *ACROSS_SYSTEMS[1:4], LL_ROW)
 PLACED_SYSTEMS = ("ubep+eplb", "ubep+eplb-global", "ubep+placed")  # experts placed: bench.placed
 ROWS = (*ALL_SYSTEMS, "ubep-stats", *PLACED_SYSTEMS)  # every row a run can have ("ubep-stats": --stats)
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -49,6 +50,7 @@ class BenchConfig:
     schedule: str = DISTANCE  # the scheduler's policy when workers > 1
     nodes: int = 1  # emulated nodes: ranks are split evenly; traffic between them uses torch.distributed
     namespaces: bool = False  # the nodes are network namespace hosts (bench.hosts), not emulated
+    link_rate: str = "25gbit"  # links between namespace hosts (tc's units): a 25 GbE NIC, common
     stats_path: str = ""  # set: add the row "ubep-stats" (ubep recording stats), its merged snapshot here
     slow_rank: int = -1  # >= 0: this rank sleeps delay_us before each call of every Buffer row
     delay_us: float = 0.0

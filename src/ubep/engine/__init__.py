@@ -15,11 +15,45 @@ from ubep.engine.torch_engine import TorchEngine
 from ubep.errors import CompileWaitTimeoutError
 from ubep.registry import AUTO, ENGINES, NUMBA, TORCH, TRITON, one_of
 
+# Every module that holds ubep's compiled functions (`ubep.engine.compile_once` names its markers by
+# their sources).
+NUMBA_MODULES = (
+    "ubep.engine.numba_kernels",
+    "ubep.engine.numba_sync",
+    "ubep.protocols.combine.numba_halves",
+    "ubep.protocols.ubep.numba_halves",
+    "ubep.protocols.bsp.numba_halves",
+    "ubep.protocols.ll.numba_halves",
+)
+# What a process imports before its first numba kernel runs, numba included: the numba engine, the
+# modules above, and the costliest of those numba's CPU target imports on its first compile or cache
+# load (`numba.core.cpu.CPUContext.load_additional_registries`). A fork server that imports them once
+# (`ubep.launcher`) spares each rank it starts about 0.35 s of CPU (docs/benchmarks-log.md, "Building
+# a Buffer"); it skips a name that does not import.
+NUMBA_PRELOAD = (
+    "ubep.engine.numba_engine",
+    *NUMBA_MODULES,
+    "numba.core.typing.npydecl",
+    "numba.cpython.unicode",
+    "numba.experimental.jitclass",
+    "numba.np.arraymath",
+    "numba.np.linalg",
+    "numba.np.npdatetime",
+    "numba.np.npyimpl",
+    "numba.np.polynomial.polynomial_functions",
+    "numba.np.random.generator_methods",
+    "numba.np.random.legacy",
+    "numba.typed.typeddict",
+    "numba.typed.typedlist",
+    "numba.typed.typedset",
+)
+
 
 def choose_engine(
     requested: str = AUTO,
     deadline: float | None = None,
     halves: Mapping[str, Callable[[Engine], None]] | None = None,
+    examples: bool = False,
 ) -> tuple[Engine, str]:
     """(engine, reason) for a requested name; ValueError names the choices.
 
@@ -28,7 +62,8 @@ def choose_engine(
     process compiles the numba kernels (once per host, `compile_once`) or loads them from numba's
     disk cache (see docs/benchmarks-log.md, "Engines"); waiting past `deadline` (time.monotonic) for
     another process's compile that shows no progress raises CompileWaitTimeoutError whatever was
-    requested.
+    requested. `examples`: run the numba kernels' examples even where the cache was checked
+    (`NumbaEngine.warm_up`).
     """
     one_of("engine", ENGINES, requested)
     if requested == TRITON.name:  # imported here: triton is optional, and on CPU needs TRITON_INTERPRET=1
@@ -48,7 +83,7 @@ def choose_engine(
         return TorchEngine(), f"numba not installed ({e})"
     engine = NumbaEngine()
     try:
-        cached = engine.warm_up(deadline, halves)
+        cached = engine.warm_up(deadline, halves, examples)
     except CompileWaitTimeoutError:
         raise
     except Exception as e:  # a numba or LLVM failure on this host: any of them means "use torch"
@@ -58,4 +93,4 @@ def choose_engine(
     return engine, f"{'requested' if requested == NUMBA.name else 'compiled kernels'} ({cached})"
 
 
-__all__ = ["Engine", "TorchEngine", "choose_engine"]
+__all__ = ["NUMBA_MODULES", "NUMBA_PRELOAD", "Engine", "TorchEngine", "choose_engine"]

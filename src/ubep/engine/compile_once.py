@@ -19,32 +19,45 @@ compiles both (20 s, one INFO line while it does); ranks 0, 1 and 3 wait (one li
 then each takes the lock in turn, finds the markers, lets go of it and loads (milliseconds).
 The next job finds every marker and loads without the lock, all ranks at once.
 
+A warm-up that only checks what was compiled (the engine's examples: `checks`) runs where
+it compiles, not in every process: the code it checked is what the cache holds. Instead, one
+process per host reads every cache file back (about 10 ms) under the lock whenever the files
+changed since they were last read (a listing of their sizes and times, `ubep-checked-*.json`),
+so a damaged file is still found before any call; every other process compares the listing
+(a stat per file, about a millisecond) and trusts it. A Buffer on a warm cache so loads only
+its halves (issue 42, item 8).
+
 A cache file numba cannot read (a damaged index or data file: a full disk, an interrupted
-copy) raises inside numba on the kernel's first call (UnpicklingError, EOFError). A
-warm-up that fails so is run again under the lock: the file it names is removed, with a
-WARNING naming it, and numba compiles that kernel afresh and writes a good file; a file
-that cannot be removed, or fails again, raises CorruptCacheError naming it.
+copy) raises inside numba on the kernel's first call (UnpicklingError, EOFError), or fails
+that read-back. Such a file is removed, with a WARNING naming it, and the warm-ups run again
+under the lock, so that numba compiles that kernel afresh and writes a good file; so does a
+file gone since the listing. A file that cannot be removed, or fails again, raises
+CorruptCacheError naming it.
 """
 
 from __future__ import annotations
 
 import fcntl
 import hashlib
+import importlib
 import importlib.util
+import json
 import logging
 import os
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
+from types import MappingProxyType
 
 import numba
 from numba.core import caching, config, event
 from numba.core.dispatcher import Dispatcher
 
-from ubep.engine import numba_kernels
+from ubep.engine import NUMBA_MODULES, numba_kernels
 from ubep.errors import CompileWaitTimeoutError, CorruptCacheError
 
 log = logging.getLogger("ubep")  # `ubep.settings.LOGGER`, which imports the engines
@@ -53,16 +66,6 @@ LOCK_FILE = "ubep-compile.lock"
 ANNOUNCE_S = 1.5  # a compile (or a wait for one) that lasts longer is logged at INFO while it lasts
 POLL_S = 0.05  # how often a waiting process tries the lock
 HEARTBEAT_S = 1.0  # how often the holder touches the lock file: a waiter's sign that it is compiling
-# Every module that holds compiled functions: their sources name the markers, so an edited
-# source takes the lock again (numba then recompiles what changed).
-MODULES = (
-    "ubep.engine.numba_kernels",
-    "ubep.engine.numba_sync",
-    "ubep.protocols.combine.numba_halves",
-    "ubep.protocols.ubep.numba_halves",
-    "ubep.protocols.bsp.numba_halves",
-    "ubep.protocols.ll.numba_halves",
-)
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,10 +91,16 @@ def cache_location() -> CacheLocation:
     return CacheLocation(path, "")
 
 
-def once_per_host(warm_ups: Mapping[str, Callable[[], None]], deadline: float | None = None) -> None:
+def once_per_host(
+    warm_ups: Mapping[str, Callable[[], None]],
+    deadline: float | None = None,
+    checks: Mapping[str, Callable[[], None]] = MappingProxyType({}),
+) -> None:
     """Run each warm-up (by name), compiling what it needs at most once on this host (see the
     module doc): those not yet run on this host run under the lock (one INFO line if slow), the
-    others after it, loading from the cache.
+    others after it, loading from the cache. `checks` (by name: the engine's examples) only check
+    what was compiled: they run with the warm-ups that compile, and are skipped on a cache whose
+    files were read back since they last changed (`_check_files`).
 
     `deadline` (time.monotonic) bounds the wait for another process's compile while that process
     shows no progress: CompileWaitTimeoutError past it (see `_acquire`).
@@ -101,19 +110,26 @@ def once_per_host(warm_ups: Mapping[str, Callable[[], None]], deadline: float | 
     if location.note:  # a fallback from a read-only directory, or no cache at all
         (log.info if where else log.warning)("numba cache: %s", location.note)
     if where is None:
-        return _run(warm_ups.values())
+        return _run([*checks.values(), *warm_ups.values()])
     fingerprint = _fingerprint()
-    marker = {name: os.path.join(where, f"ubep-warm-{name}-{fingerprint}") for name in warm_ups}
-    todo = [name for name in warm_ups if not os.path.exists(marker[name])]
-    if todo:
+    every = {**checks, **warm_ups}
+    marker = {name: os.path.join(where, f"ubep-warm-{name}-{fingerprint}") for name in every}
+    checked = os.path.join(where, f"ubep-checked-{fingerprint}.json")
+    todo = [name for name in every if not os.path.exists(marker[name])]
+    if todo or _read_listing(checked) != _cache_files():
         with _host_lock(where, deadline):
-            todo = [name for name in todo if not os.path.exists(marker[name])]  # not compiled meanwhile
-            names = ", ".join(todo)
-            with _announced(f"compiling ubep's numba kernels ({names}) once for this host, in {where}"):
-                for name in todo:
-                    _repaired(warm_ups[name])
-                    with open(marker[name], "w"):
-                        pass
+            listed = _read_listing(checked)
+            if listed != _cache_files():  # not checked meanwhile by another process
+                _check_files(listed, where, fingerprint)
+            todo = [name for name in every if not os.path.exists(marker[name])]  # not compiled meanwhile
+            if todo:
+                names = ", ".join(todo)
+                with _announced(f"compiling ubep's numba kernels ({names}) once for this host, in {where}"):
+                    for name in todo:
+                        _repaired(every[name])
+                        with open(marker[name], "w"):
+                            pass
+            _write_listing(checked)
     for name, warm in warm_ups.items():  # loads, side by side
         if name in todo:
             continue
@@ -124,6 +140,88 @@ def once_per_host(warm_ups: Mapping[str, Callable[[], None]], deadline: float | 
                 raise
             with _host_lock(where, deadline):  # one process repairs; the others find it repaired
                 _repaired(warm)
+
+
+def _cache_files() -> dict[str, list[int]]:
+    """Every file of ubep's compiled functions in numba's cache (indices and data): [size,
+    modification time in ns] by "module/file name" (a copied cache keeps its listing). A stat of
+    each: about a millisecond."""
+    indices: dict[tuple[str, str], set[str]] = {}  # by (module, directory)
+    for module, cache in _caches():
+        indices.setdefault((module, cache._cache_path), set()).add(cache._index_name.removesuffix(".nbi"))
+    files = {}
+    for (module, directory), names in indices.items():
+        try:
+            entries = list(os.scandir(directory))
+        except FileNotFoundError:
+            continue
+        for entry in entries:  # an index "f-192.py311.nbi", its data "f-192.py311.1.nbc", ...
+            stem, suffix = entry.name[:-4], entry.name[-4:]
+            index = {".nbi": stem, ".nbc": stem.rpartition(".")[0]}.get(suffix)
+            if index in names:
+                st = entry.stat()
+                files[f"{module}/{entry.name}"] = [st.st_size, st.st_mtime_ns]
+    return files
+
+
+def _caches() -> Iterator[tuple[str, caching.IndexDataCacheFile]]:
+    """(module, cache file) of each of ubep's compiled functions (none where numba has no cache
+    directory)."""
+    for module in NUMBA_MODULES:
+        for attr in vars(importlib.import_module(module)).values():
+            if isinstance(attr, Dispatcher) and attr.py_func.__module__ == module:
+                cache = getattr(attr._cache, "_cache_file", None)
+                if cache is not None:
+                    yield module, cache
+
+
+def _check_files(listed: dict[str, list[int]] | None, where: str, fingerprint: str) -> None:
+    """Read back every file of the cache (holding the host lock: about 10 ms): a file numba could
+    not read is removed (WARNING naming it; CorruptCacheError where it cannot be), and a file gone
+    since `listed` (the files last checked), or named by an index but absent, is named; either way
+    every warm-up's marker goes, so that the warm-ups run again and compile what is missing."""
+    gone = set(listed or ()) - set(_cache_files())
+    directory, unreadable = {}, []
+    for module, cache in _caches():
+        directory[module] = cache._cache_path
+        try:
+            names = cache._load_index().values()
+        except Exception as error:
+            unreadable.append((cache._index_path, error))
+            continue
+        for name in names:
+            try:
+                cache._load_data(name)
+            except FileNotFoundError:
+                gone.add(f"{module}/{name}")
+            except Exception as error:
+                unreadable.append((os.path.join(cache._cache_path, name), error))
+    for module, _, name in sorted(key.partition("/") for key in gone):
+        path = os.path.join(directory.get(module, module), name)
+        log.warning("numba cache: %s is gone; compiling its kernel again", path)
+    for path, error in unreadable:
+        _remove_unreadable(path, f"{type(error).__name__}: {error}", error)
+    if gone or unreadable:
+        for name in os.listdir(where):
+            if name.startswith("ubep-warm-") and name.endswith(fingerprint):
+                os.remove(os.path.join(where, name))
+
+
+def _read_listing(path: str) -> dict[str, list[int]] | None:
+    """The cache's files as last checked (`_cache_files`), or None where never checked."""
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def _write_listing(path: str) -> None:
+    """Record the cache's files as checked now (written whole, then renamed: a reader sees the old
+    listing or the new)."""
+    with tempfile.NamedTemporaryFile("w", dir=os.path.dirname(path), delete=False) as f:
+        json.dump(_cache_files(), f)
+    os.replace(f.name, path)
 
 
 def _run(warm_ups: Iterable[Callable[[], None]]) -> None:
@@ -151,20 +249,24 @@ def _repaired(warm: Callable[[], None]) -> None:
                     "again; remove the cache directory, or point NUMBA_CACHE_DIR elsewhere",
                     path,
                 ) from error
-            log.warning(
-                "numba cache: %s cannot be read (%s); removed it, compiling that kernel again", path, why
-            )
-            try:
-                os.remove(path)
-            except FileNotFoundError:
-                pass  # another process removed it first
-            except OSError as failed:
-                raise CorruptCacheError(
-                    f"numba cache: {path} cannot be read ({why}) nor removed ({failed.strerror}); remove "
-                    "it, or point NUMBA_CACHE_DIR elsewhere",
-                    path,
-                ) from error
+            _remove_unreadable(path, why, error)
             removed.add(path)
+
+
+def _remove_unreadable(path: str, why: str, error: BaseException) -> None:
+    """Remove a cache file numba cannot read (`why`), with a WARNING naming it, so that its kernel
+    compiles again; CorruptCacheError where it cannot be removed."""
+    log.warning("numba cache: %s cannot be read (%s); removed it, compiling that kernel again", path, why)
+    try:
+        os.remove(path)
+    except FileNotFoundError:
+        pass  # another process removed it first
+    except OSError as failed:
+        raise CorruptCacheError(
+            f"numba cache: {path} cannot be read ({why}) nor removed ({failed.strerror}); remove "
+            "it, or point NUMBA_CACHE_DIR elsewhere",
+            path,
+        ) from error
 
 
 def damaged_file(error: BaseException) -> str | None:
@@ -192,7 +294,7 @@ def kernel_stats() -> dict[str, tuple[int, int]]:
     compiled here, signatures loaded from the disk cache). A function compiled as part of another
     that came from the cache is in neither count."""
     stats = {}
-    for module_name in MODULES:
+    for module_name in NUMBA_MODULES:
         module = sys.modules.get(module_name)
         for attr in vars(module).values() if module is not None else ():
             if isinstance(attr, Dispatcher) and attr.py_func.__module__ == module_name:
@@ -247,7 +349,7 @@ def describe() -> str:
 def _fingerprint() -> str:
     """Names numba's version, Python's and the compiled modules' sources (size and time)."""
     parts = [numba.__version__, sys.version]
-    for name in MODULES:
+    for name in NUMBA_MODULES:
         spec = importlib.util.find_spec(name)
         st = os.stat(spec.origin) if spec is not None and spec.origin else None
         parts.append(f"{name}:{st.st_size}:{st.st_mtime_ns}" if st else name)

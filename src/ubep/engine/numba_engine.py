@@ -122,11 +122,16 @@ class NumbaEngine(Engine):
         self.fallback = TorchEngine()
 
     def warm_up(
-        self, deadline: float | None = None, halves: Mapping[str, Callable[[Engine], None]] | None = None
+        self,
+        deadline: float | None = None,
+        halves: Mapping[str, Callable[[Engine], None]] | None = None,
+        examples: bool = False,
     ) -> str:
         """Compile (once per host: `compile_once`) or load the kernels and check them on the
         docstring examples, then run each of `halves` (warm-ups of the call halves, by name) on
-        this engine.
+        this engine. The examples run where the kernels compile, and where the cache has changed
+        since it was last read back; elsewhere only with `examples` (`ubep warm`): the kernels
+        they do not share with the halves then load on their first call.
 
         Returns where the compiled code is cached; raises RuntimeError if a kernel gives a wrong
         answer or leaves an example to the torch engine (numba's own errors pass through), and
@@ -135,9 +140,12 @@ class NumbaEngine(Engine):
         """
         probe = NumbaEngine()
         probe.fallback = NoFallback()
-        warm_ups = {"engine": probe.check_examples}
-        warm_ups.update({name: partial(warm, self) for name, warm in (halves or {}).items()})
-        compile_once.once_per_host(warm_ups, deadline)
+        checks = {"engine": probe.check_examples}
+        warm_ups = {name: partial(warm, self) for name, warm in (halves or {}).items()}
+        if examples:
+            compile_once.once_per_host({**checks, **warm_ups}, deadline)
+        else:
+            compile_once.once_per_host(warm_ups, deadline, checks)
         where = compile_once.cache_location()
         return f"cached in {where.path}" if where.path else where.note
 

@@ -29,6 +29,7 @@ from ubep.protocols.base import Exchange, LowLatencyExchange, Received, SendPlan
 from ubep.protocols.ll.plans import LLCombinePlan, LLDispatchOut, LLDispatchPlan
 from ubep.results import DispatchHandle
 from ubep.stats import KINDS, CallRecord, Stats, StatsOptions
+from ubep.transport.base import Agreement
 
 ROUTING_BYTES = 8 + 4  # a dispatched row's top-k entry: expert id (int64) and weight (float32)
 SCALE_BYTES = 4  # an FP8 row's scale per 128 values (float32)
@@ -195,6 +196,9 @@ class RecordedExchange(Exchange):
 
     def mask(self, ranks: Collection[int], seq: int) -> int:
         return self._inner.mask(ranks, seq)
+
+    def agree_to_mask(self, error: Exception, seq: int) -> Agreement | None:
+        return self._inner.agree_to_mask(error, seq)
 
 
 class RecordedLowLatency(LowLatencyExchange):

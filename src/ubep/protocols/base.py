@@ -18,7 +18,7 @@ from ubep import fp8
 from ubep.calls import CallId
 from ubep.layout import ExpertPlacement, destination_major
 from ubep.results import DispatchHandle, RecvRoute
-from ubep.transport.base import Record
+from ubep.transport.base import Agreement, Record
 
 # Wire codes for the dtypes a payload may carry (stored next to the data).
 DTYPE_CODES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3, torch.float8_e4m3fn: 4, torch.uint8: 5}
@@ -151,6 +151,12 @@ class Exchange(ABC):
             f"masking ranks needs a shared heap (transport 'shm' or 'virtual') or the fabric; "
             f"this Buffer's {self.name} exchange runs collectives, which cannot leave a rank out"
         )
+
+    def agree_to_mask(self, error: Exception, seq: int) -> Agreement | None:
+        """Inside call `seq`, failed with `error`: agree with the staying ranks on whom to leave out
+        (`Transport.agree_to_mask`). None where `error` is no peer's failure, or where this exchange
+        cannot leave a rank out inside a call (the caller raises `error`)."""
+        return None
 
 
 class LowLatencyExchange(ABC):

@@ -28,7 +28,7 @@ from __future__ import annotations
 import mmap
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import numpy as np
 import torch
@@ -116,6 +116,20 @@ class Header:
 Record = Mapping[str, "int | np.ndarray"]  # a header's fields as read: ints, or int64 arrays for length > 1
 
 
+class Agreement(NamedTuple):
+    """What the staying ranks agreed on inside a failed call (`Transport.agree_to_mask`).
+
+    gone:    every rank left out from now on (those masked before included).
+    seq:     the largest call any staying rank failed in; they all continue after it.
+    in_step: every staying rank failed that same call, so each can finish it again without the
+             ranks in `gone` (False: some completed it, so it cannot be finished in step).
+    """
+
+    gone: frozenset[int]
+    seq: int
+    in_step: bool
+
+
 class Transport(Protocol):
     """One rank's access to every rank's memory, with the waits a protocol needs."""
 
@@ -195,6 +209,12 @@ class Transport(Protocol):
         `seq` is the last call this rank started; returns the largest any staying
         rank started, after which they all continue.
         """
+
+    def agree_to_mask(self, error: Exception, seq: int) -> Agreement | None:
+        """Collective among the ranks that stay, run by each inside call `seq` after it failed with
+        `error`: None where `error` is no peer's failure (bad data, a rejected input); else the
+        ranks agree on the union of the ranks each of them found dead, stopped or silent past the
+        deadline, and leave them out of every later wait and barrier."""
 
     def check_member(self, phase: str, peers: Iterable[int] | None = None) -> None:
         """Raise MaskedOutError if a peer (default: every live one) masked this rank: it stalled and

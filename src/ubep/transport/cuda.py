@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from ubep.calls import CallId
 from ubep.errors import PeerDataError
-from ubep.transport.base import Header, Record, Region
+from ubep.transport.base import Agreement, Header, Record, Region
 from ubep.transport.heap import Heap, Layout
 from ubep.transport.shm import shm_heap
 
@@ -154,6 +154,9 @@ class CudaHeap:
 
     def mask(self, ranks: Collection[int], seq: int) -> int:
         return self._host.mask(ranks, seq)
+
+    def agree_to_mask(self, error: Exception, seq: int) -> Agreement | None:
+        return self._host.agree_to_mask(error, seq)
 
     def check_member(self, phase: str, peers: Iterable[int] | None = None) -> None:
         self._host.check_member(phase, peers)

@@ -34,7 +34,7 @@ import torch
 from ubep.calls import KINDS, METHODS, CallId
 from ubep.errors import CommTimeoutError, MaskedOutError, PeerDataError, UbepError
 from ubep.timers import BlockTimes
-from ubep.transport.base import Field, Header, Record, Region
+from ubep.transport.base import Agreement, Field, Header, Record, Region
 from ubep.waiting import YIELD_POLLS, AbortNotice, PeerAbortedError, ProcessId, Waiter
 
 ALIGN = 64  # bytes; every block starts on a cache line
@@ -500,6 +500,81 @@ class Heap:
         self._resumed_after = max(int(self._members[r][half][1]) for r in stay)
         return self._resumed_after
 
+    def agree_to_mask(self, error: Exception, seq: int) -> Agreement | None:
+        """Inside call `seq`, failed with `error`: the staying ranks agree on whom to leave out.
+
+        Each publishes what it suspects (`failed_peers`) in its next membership record, and
+        takes in every record of a rank it does not suspect: the union grows until every
+        staying rank's record holds the same ranks. A rank that dies meanwhile joins the
+        union; a rank that finds itself in it was masked by the others (MaskedOutError).
+        """
+        suspects = failed_peers(error)
+        if not suspects:
+            return None
+        gone = set(suspects) | (set(range(self.num_ranks)) - set(self.live))
+        g = self.generation + 1
+        record = self._members[self.rank][g % 2]
+
+        def publish() -> None:
+            record[1] = seq
+            record[2:] = [r in gone for r in range(self.num_ranks)]
+            record[0] = g  # last: the record is complete once a peer sees the generation
+            for r in range(self.num_ranks):
+                if r not in gone:
+                    self.ring(r)
+
+        publish()
+        waiter: Waiter | None = None  # one deadline while the union does not grow
+        while True:
+            known = len(gone)
+            pending = self._disagreeing(g, gone)
+            if self.rank in gone:
+                raise MaskedOutError(
+                    f"{getattr(error, 'phase', 'call')}: the other ranks masked rank {self.rank} out of "
+                    "the group (they saw it die or go silent); it takes part in no further call"
+                )
+            if len(gone) > known:
+                publish()
+                waiter = None
+                continue
+            if not pending:
+                break
+            if waiter is None:
+                waiter = Waiter(
+                    f"agreeing to mask rank(s) {sorted(gone)} inside the call",
+                    self.timeout_s,
+                    self._peer_gone,
+                    lambda peer: None,  # every staying rank aborted the failed call: expected here
+                    self._memory.sleep,
+                )
+            try:
+                waiter.pause(pending)
+            except CommTimeoutError as late:  # died, or fell silent, while the others agreed
+                gone |= set(late.dead_peers or late.peers)
+        stay = [r for r in range(self.num_ranks) if r not in gone]
+        seqs = {int(self._members[r][g % 2][1]) for r in stay}
+        self.generation = g
+        self.live, self.live_R = tuple(stay), np.array(stay, dtype=np.int64)
+        self._resumed_after = max(seqs)
+        return Agreement(frozenset(gone), max(seqs), seqs == {seq})
+
+    def _disagreeing(self, g: int, gone: set[int]) -> list[int]:
+        """The staying peers whose record of generation `g` does not hold `gone` yet; adds to `gone`
+        every rank their records suspect."""
+        pending = []
+        for r in range(self.num_ranks):
+            if r in gone or r == self.rank:
+                continue
+            theirs = self._members[r][g % 2]
+            if theirs[0] != g:
+                pending.append(r)
+                continue
+            suspected = {p for p in range(self.num_ranks) if theirs[2 + p]}
+            gone |= suspected
+            if suspected != gone:
+                pending.append(r)
+        return pending
+
     def check_member(self, phase: str, peers: Iterable[int] | None = None) -> None:
         mine = self.generation
         for p in self.live if peers is None else peers:
@@ -553,6 +628,17 @@ class _Bounds:
         at = int(np.flatnonzero((words < self.lo_W) | (words > self.hi_W))[0])
         field = next(f for f, start in zip(self.fields, self.starts, strict=True) if at < start + f.words)
         return field, int(words[at])
+
+
+def failed_peers(error: Exception) -> frozenset[int]:
+    """The ranks `error` says failed this call: dead, stopped or silent past the deadline (a
+    `CommTimeoutError`'s), or the rank a peer gave up on for that reason (its abort notice's
+    culprit); empty for any other error (bad data, a rejected input, this rank masked out)."""
+    if isinstance(error, CommTimeoutError):
+        return frozenset(error.dead_peers or error.peers)
+    if isinstance(error, PeerAbortedError) and error.notice.cause in (CAUSE_DEAD, CAUSE_SILENT):
+        return frozenset({error.culprit}) if error.culprit is not None else frozenset()
+    return frozenset()
 
 
 def complaint(header: Header, field: Field, peer: int, value: int) -> str:

@@ -66,6 +66,7 @@ from ubep.protocols.base import (
 )
 from ubep.registry import HIER
 from ubep.results import DispatchHandle, RecvRoute
+from ubep.timers import lap, timed
 from ubep.transport.base import Field, Header, Region
 from ubep.transport.shm import shm_heap
 
@@ -177,7 +178,7 @@ def in_node(call: CallId) -> CallId:
     is done with this rank's last call on that half (`HierExchange._begin`), so no peer still
     reads it.
     """
-    return CallId(call.seq, call.seq, call.kind)
+    return CallId(call.seq, call.seq, call.kind, call.timers)
 
 
 def subgroups(nodes: NodeMap, rank: int, timeout_s: float) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
@@ -257,7 +258,9 @@ class HierExchange(Exchange):
         done = [self.t.words(self.blocks.done, p) for p in range(self.P)]
         others = [p for p in range(self.P) if p != self.local and done[p][0] < before]
         if others:
+            lap(call.timers, "between")
             self.t.wait(self._phase("previous call"), call, others, lambda p: done[p][0] >= before)
+            lap(call.timers, "wait")
         self._last_on_half[call.parity] = call.seq
         return call
 
@@ -278,11 +281,14 @@ class HierExchange(Exchange):
         """The call header over the rail (`ubep.across.call_header`), first in every call half:
         rail peers whose calls differ raise before any variable-size collective, and node peers
         learn at once. Returns the word each rail peer sent here (int64 [G, 1])."""
+        lap(call.timers, "between")
         try:
             return self.headers.exchange(call, header, mine_G1)
         except BaseException:
             self.t.abort(call)
             raise
+        finally:
+            lap(call.timers, "send")  # a collective: it sends and waits in one call
 
     def _rail_all_to_all(
         self,
@@ -297,12 +303,15 @@ class HierExchange(Exchange):
         node peers at once and names the rail peers."""
         if out is None:
             out = send_SX.new_empty((int(recv_G.sum()), *send_SX.shape[1:]))
+        lap(call.timers, "between")
         try:
             with self._rail_deadline(phase):
                 dist.all_to_all_single(out, send_SX, recv_G.tolist(), send_G.tolist(), group=self.groups[0])
         except BaseException:
             self.t.abort(call)  # node peers learn at once
             raise
+        finally:
+            lap(call.timers, "send")  # a collective: it sends and waits in one call
         return out
 
     def _home_plan(
@@ -360,6 +369,7 @@ class HierExchange(Exchange):
         )
         self.engine.copy_rows(x_NH, own_O, fwd_FH[S:], None)
         self.t.publish(self.blocks.data, call, {"count": F, "dtype": DTYPE_CODES[x_NH.dtype]})  # rows visible
+        lap(call.timers, "forward")
 
     # -- inside the node: dispatch ----------------------------------------------------------------
 
@@ -439,7 +449,9 @@ class HierExchange(Exchange):
     def _gather_routing(self, call: CallId, dtype: torch.dtype, K: int) -> Routed:
         """Stage 2, fan-out: from every forward set's routing, the rows owned here, in final order."""
         placement = self.sizing.placement
+        lap(call.timers, "between")
         self.t.wait_landed(self.blocks.route, call, range(self.P), self._phase("dispatch (routing)"))
+        lap(call.timers, "wait")
         ids_S2, topk_SK, w_SK, counts_V = self._read_routing(call, dtype, K)
         fwd_S = torch.repeat_interleave(torch.arange(self.P, dtype=torch.int64, device="cpu"), counts_V)
         row_S = (
@@ -467,8 +479,11 @@ class HierExchange(Exchange):
         """recv_x [M, H]: each forwarder's rows, pulled as soon as its DATA stamp lands, in any order."""
         recv_x_MH = x_NH.new_empty((route.recv_fwd_M.numel(), x_NH.shape[1]))
         own_first = [(self.local + i) % self.P for i in range(self.P)]
-        for f in self.t.landed(self.blocks.data, call, own_first, self._phase("dispatch (tokens in node)")):
+        stamps = self.t.landed(self.blocks.data, call, own_first, self._phase("dispatch (tokens in node)"))
+        lap(call.timers, "receive")  # the fan out's routing: which rows of the forward sets are this rank's
+        for f in timed(stamps, call.timers):
             self._pull(call, f, recv_x_MH, route, prefix_R1)
+            lap(call.timers, "receive")
         return recv_x_MH
 
     def _pull(self, call: CallId, f: int, recv_x_MH: torch.Tensor, route: HierRoute, prefix_R1) -> None:
@@ -511,6 +526,7 @@ class HierExchange(Exchange):
         out_NY.index_add_(0, token_S[:b], back_SY[:b])
         out_NY.index_add_(0, route.own_token_O, partial_FY[S:])
         out_NY.index_add_(0, token_S[b:], back_SY[b:])
+        lap(call.timers, "receive")
         H = x_MH.shape[1]
         return out_NY[:, :H].to(x_MH.dtype), (out_NY[:, H:].contiguous() if K else None)
 
@@ -531,11 +547,13 @@ class HierExchange(Exchange):
                     w_MK, pos, t.view(b.back_w, f, call)[at : at + n, : w_MK.shape[1]], None
                 )
             t.publish(b.slot, call, {"dtype": DTYPE_CODES[x_MH.dtype], "count": n}, to=f)
+        lap(call.timers, "forward")
 
     def _reduce_in_node(self, call: CallId, dtype, H: int, K: int, route: HierRoute) -> torch.Tensor:
         """float32 [F, H + K]: each forwarded row summed over the node ranks it went to."""
         b, t = self.blocks, self.t
         t.wait_landed(b.slot, call, range(self.P), self._phase("combine (in node)"))
+        lap(call.timers, "wait")
         expected_V = route.fwd_in_node_FV.sum(dim=0).tolist()
         for d in range(self.P):
             got = t.read(b.slot, call, d)
@@ -550,11 +568,12 @@ class HierExchange(Exchange):
         F, Q = route.fwd_in_node_FV.shape[0], row_Q.numel()
         partial_FH = torch.zeros(F, H, dtype=torch.float32, device="cpu")
         self.engine.accumulate_rows(partial_FH, rows(t.view(b.back_x, self.local, call), Q, dtype, H), row_Q)
-        if not K:
-            return partial_FH
-        partial_FK = torch.zeros(F, K, dtype=torch.float32, device="cpu")
-        self.engine.accumulate_rows(partial_FK, t.view(b.back_w, self.local, call)[:Q, :K], row_Q)
-        return torch.cat([partial_FH, partial_FK], dim=1)
+        if K:
+            partial_FK = torch.zeros(F, K, dtype=torch.float32, device="cpu")
+            self.engine.accumulate_rows(partial_FK, t.view(b.back_w, self.local, call)[:Q, :K], row_Q)
+            partial_FH = torch.cat([partial_FH, partial_FK], dim=1)
+        lap(call.timers, "forward")
+        return partial_FH
 
     def abort(self, call: CallId) -> None:
         """Node peers learn at once; rail peers too, from the call header, unless this rank

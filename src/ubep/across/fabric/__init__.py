@@ -1,21 +1,28 @@
 """The fabric floor: bytes to ranks on other hosts, as messages (`ubep.across.fabric.base`).
 
-    protocol -> [fabric: gloo | nixl] -> the wire
+    protocol -> [fabric: zmq | gloo | nixl] -> the wire
 
-`open_fabric` builds the engine a Buffer asks for (`ubep.registry.FABRICS`) and says why: "gloo"
-(torch.distributed point-to-point over TCP, no new dependency, the default) or
+`open_fabric` builds the engine a Buffer asks for (`ubep.registry.FABRICS`) and says why: "zmq"
+(ZeroMQ over TCP: every wait blocks on all peers at once; the `zmq` extra), "gloo"
+(torch.distributed point-to-point over TCP, no new dependency: its waits poll) or
 "nixl" (NIXL one-sided writes with notifications over UCX: TCP, InfiniBand,
-EFA; the `nixl` extra). No protocol imports an engine: they take a `Fabric`.
+EFA; the `nixl` extra). "auto" picks zmq where every rank can import pyzmq, else
+gloo: a rank never waits on a peer by polling where it can block.
+No protocol imports an engine: they take a `Fabric`.
 """
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Sequence
+from datetime import timedelta
 
 import torch.distributed as dist
 
 from ubep.across.fabric.base import Fabric, Lane, Message, Outgoing
-from ubep.registry import FABRICS, GLOO, NIXL, one_of
+from ubep.deadlines import collective_deadline
+from ubep.extras import install_hint
+from ubep.registry import AUTO, FABRICS, GLOO, NIXL, ZMQ, one_of
 
 
 def open_fabric(
@@ -29,16 +36,36 @@ def open_fabric(
     """(fabric, reason), collective over the group; ValueError names the choices, ImportError the
     extra a missing engine needs."""
     one_of("fabric", FABRICS, requested)
-    if requested == NIXL.name:
+    name, reason = (requested, "requested") if requested != AUTO else auto_fabric(group, num_ranks, timeout_s)
+    if name == NIXL.name:
         from ubep.across.fabric.nixl import NixlFabric  # imported here: nixl is optional
 
-        return NixlFabric(group, rank, num_ranks, lanes, timeout_s), "requested"
+        return NixlFabric(group, rank, num_ranks, lanes, timeout_s), reason
+    if name == ZMQ.name:
+        from ubep.across.fabric.zmq import ZmqFabric  # imported here: pyzmq is optional
+
+        return ZmqFabric(group, rank, num_ranks, lanes, timeout_s), reason
     from ubep.across.fabric.gloo import GlooFabric
 
-    reason = (
-        "requested" if requested == GLOO.name else "the default: torch.distributed point-to-point, no extra"
-    )
     return GlooFabric(group, rank, num_ranks, lanes, timeout_s), reason
+
+
+def auto_fabric(group: dist.ProcessGroup | None, num_ranks: int, timeout_s: float) -> tuple[str, str]:
+    """(engine, why) for fabric "auto", the same on every rank (collective): zmq where every rank can
+    import pyzmq (its waits block on all peers at once), else gloo (no extra; its waits poll)."""
+    ranks = list(range(num_ranks)) if group is None else dist.get_process_group_ranks(group)
+    can: list[bool | None] = [None] * num_ranks
+    with collective_deadline(group, timeout_s, "Buffer construction (fabric: auto)"):
+        agree = dist.new_group(ranks, timeout=timedelta(seconds=timeout_s), backend="gloo")
+        dist.all_gather_object(can, importlib.util.find_spec("zmq") is not None, group=agree)
+    dist.destroy_process_group(agree)
+    if all(can):
+        return ZMQ.name, "auto: pyzmq on every rank, so every wait blocks on all peers at once"
+    missing = [r for r, ok in enumerate(can) if not ok]
+    return GLOO.name, (
+        f"auto: rank(s) {missing} lack pyzmq ({install_hint(ZMQ.extra)}), so torch.distributed "
+        "point-to-point, whose waits poll"
+    )
 
 
 __all__ = ["Fabric", "Lane", "Message", "Outgoing", "open_fabric"]

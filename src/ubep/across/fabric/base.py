@@ -35,7 +35,8 @@ from dataclasses import dataclass
 import torch
 
 from ubep.calls import KINDS, METHODS, CallId
-from ubep.errors import CommTimeoutError, PeerDataError
+from ubep.errors import CommTimeoutError, MaskedOutError, PeerDataError
+from ubep.transport.base import Agreement
 from ubep.waiting import AbortNotice, PeerAbortedError, Waiter
 
 MASK_LANE = "mask"  # every engine's own lane: the rounds of `mask_ranks`
@@ -124,7 +125,7 @@ class Fabric(ABC):
         i, half = self.lanes[lane], call.seq % 2
         pending = [p for p in peers if p != self.rank]
         notice = self._notice_of(call)
-        waiter = Waiter(phase, self.timeout_s, self._gone, notice)
+        waiter = self._waiter(phase, notice)
         while pending:
             self._progress()
             landed = []
@@ -178,6 +179,17 @@ class Fabric(ABC):
         self.live, latest = agree_on_mask(self, ranks, seq, self._generation)
         return latest
 
+    def agree_to_mask(self, error: Exception, seq: int) -> Agreement | None:
+        """Inside call `seq`, failed with `error` (on_peer_failure="mask"): the staying ranks agree on
+        the union of the ranks each found dead, silent, or blamed by a peer's abort notice, in mask
+        rounds over the fabric (`agree_on_union`); None where `error` names no such rank."""
+        suspects = failed_peers(error)
+        if not suspects:
+            return None
+        gone = frozenset(suspects) | frozenset(range(self.num_ranks)).difference(self.live)
+        self.live, latest, in_step, self._generation = agree_on_union(self, gone, seq, self._generation)
+        return Agreement(frozenset(range(self.num_ranks)).difference(self.live), latest, in_step)
+
     @abstractmethod
     def close(self) -> None:
         """Release every inbox and connection; idempotent."""
@@ -226,6 +238,11 @@ class Fabric(ABC):
         """(those of `pending` whose connection failed, those of them whose process exited), for engines
         that name a lost connection at once rather than through `_gone`."""
         return [], []
+
+    def _waiter(self, phase: str, notice: Callable[[int], AbortNotice | None]) -> Waiter:
+        """The wait of one receive (`Waiter`: yields, then sleeps); an engine that can block on all its
+        peers at once passes its own `block`."""
+        return Waiter(phase, self.timeout_s, self._gone, notice)
 
     def _pause(self, waiter: Waiter, pending: list[int]) -> None:
         """Wait a while for `pending` (`Waiter.pause`: the deadline, dead peers, abort notices); an
@@ -340,6 +357,67 @@ def agree_on_mask(
         latest = max(latest, int(theirs[0]))
         fabric.release(MASK_LANE, msg.peer, call)
     return stay, latest
+
+
+def failed_peers(error: Exception) -> frozenset[int]:
+    """The ranks `error` says failed a call over the fabric: dead or silent past the deadline (not
+    where only a connection broke and which peer left is unknown), or the culprit of a peer's abort
+    notice (a notice does not say why: a rank blamed for bad data counts too)."""
+    if isinstance(error, CommTimeoutError):
+        if error.dead_peers:
+            return frozenset(error.dead_peers)
+        return frozenset() if error.lost else frozenset(error.peers)
+    if isinstance(error, PeerAbortedError) and error.culprit is not None:
+        return frozenset({error.culprit})
+    return frozenset()
+
+
+def agree_on_union(
+    fabric: Fabric, gone: frozenset[int], seq: int, generation: int
+) -> tuple[tuple[int, ...], int, bool, int]:
+    """Mask rounds until every staying rank leaves out the same ranks: in each, every rank sends the
+    ranks it leaves out and the call it failed to every rank it keeps, and takes in what they send.
+    A round in which all it heard equals its own set is the last, for every rank alike (each sends
+    one set a round to all it keeps). Returns (the staying ranks, the largest call any failed,
+    whether all failed that same call, the generation of the last round)."""
+    while True:
+        generation += 1
+        stay = tuple(p for p in range(fabric.num_ranks) if p not in gone)
+        call = CallId(generation, generation, MASK_LANE)
+        mine = torch.tensor([seq, *(int(r in gone) for r in range(fabric.num_ranks))], dtype=torch.int64)
+        for p in stay:
+            if p != fabric.rank:
+                out = fabric.outbox(MASK_LANE, p, call, mine.numel(), 0)
+                out.header.copy_(mine)
+                fabric.send(out)
+        union, seqs, same = set(gone), {seq}, True
+        try:
+            for msg in fabric.arrivals(MASK_LANE, call, stay, f"agreeing to mask rank(s) {sorted(gone)}"):
+                said = _mask_message(fabric, msg, mine.numel())
+                fabric.release(MASK_LANE, msg.peer, call)
+                union, same = union | said, same and said == gone
+                seqs.add(int(msg.header[0]))
+        except CommTimeoutError as late:  # a rank died (or fell silent) while the others agreed
+            if not (died := failed_peers(late)):
+                raise
+            union, same = union | died, False
+        if same:
+            return stay, max(seqs), seqs == {seq}, generation
+        gone = frozenset(union)
+
+
+def _mask_message(fabric: Fabric, msg: Message, words: int) -> set[int]:
+    """The ranks a peer's mask-round message leaves out, checked; MaskedOutError when they include
+    this rank (the others masked it)."""
+    theirs = msg.header
+    if theirs.numel() != words or not bool(((theirs[1:] == 0) | (theirs[1:] == 1)).all()):
+        raise PeerDataError(f"mask: rank {msg.peer} sent {theirs.numel()} words", culprit=msg.peer)
+    if theirs[1 + fabric.rank]:
+        raise MaskedOutError(
+            f"rank {msg.peer} and the others masked rank {fabric.rank} out of the group (they saw it die "
+            "or go silent); it takes part in no further call"
+        )
+    return {r for r in range(fabric.num_ranks) if theirs[1 + r]}
 
 
 def abort_notice(culprit: int, kind: int, rejected: int, seq: int) -> AbortNotice:

@@ -33,7 +33,7 @@ from ubep.protocols.bsp.blocks import BspBlocks
 from ubep.protocols.combine.torch_halves import publish_back, reduce_home
 from ubep.registry import BSP
 from ubep.results import DispatchHandle, RecvRoute
-from ubep.transport.base import Transport
+from ubep.transport.base import Agreement, Transport
 
 
 class BspExchange(halves.OnHalves):
@@ -197,6 +197,9 @@ class BspExchange(halves.OnHalves):
 
     def mask(self, ranks: Collection[int], seq: int) -> int:
         return self.t.mask(ranks, seq)
+
+    def agree_to_mask(self, error: Exception, seq: int) -> Agreement | None:
+        return self.t.agree_to_mask(error, seq)
 
     def close(self) -> None:
         self.t.close()

@@ -44,7 +44,7 @@ from ubep.protocols.combine.torch_halves import publish_back, reduce_home
 from ubep.protocols.ubep.blocks import UbepBlocks
 from ubep.registry import UBEP
 from ubep.results import DispatchHandle, RecvRoute
-from ubep.transport.base import Transport
+from ubep.transport.base import Agreement, Transport
 
 
 class UbepExchange(halves.OnHalves):
@@ -297,6 +297,9 @@ class UbepExchange(halves.OnHalves):
 
     def mask(self, ranks: Collection[int], seq: int) -> int:
         return self.t.mask(ranks, seq)
+
+    def agree_to_mask(self, error: Exception, seq: int) -> Agreement | None:
+        return self.t.agree_to_mask(error, seq)
 
     def close(self) -> None:
         if self._pool is not None:

@@ -1,0 +1,302 @@
+"""on_peer_failure="mask": a rank killed (SIGKILL) or stopped (SIGSTOP) in the middle of a call, and
+every survivor finishes that call and the next ones without it. Each result is checked bit for bit
+against the reference fed the membership of that call (`reference.without_ranks`), the masked
+rank's outputs left out of a combine it died in, and `Buffer.left_out` against the entries the
+reference dropped. A rank late but within the deadline is never masked."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from scenarios import assert_dispatch_matches, expert_output
+from shrinkcase import NUM_EXPERTS_PER_RANK, buffer, inputs, normal_call
+from test_low_latency import CAPACITY, LLCase, check_dispatch
+
+import ubep
+from ubep import reference
+from ubep.errors import CommTimeoutError, UbepError
+from ubep.faults import FaultPlan
+from ubep.transport.virtual import VirtualRank, VirtualWorld
+
+WORLD, DEAD = 3, 1
+CALLS_AFTER = 25  # dispatch + combine pairs after the fault (50 calls), then low-latency pairs
+LL_CALLS_AFTER = 5
+
+
+def checked_pair(buf: ubep.Buffer, seed: int) -> set[int]:
+    """One dispatch and combine, each checked against the reference fed the ranks masked when it
+    returned; a rank masked inside the combine has its rows left out of the sums. Returns the
+    ranks masked at the end."""
+    me, R = buf.rank, buf.num_ranks
+    E = NUM_EXPERTS_PER_RANK * R
+    xs, idxs, ws = inputs(seed, R)
+    got = buf.dispatch(xs[me], topk_idx=idxs[me], topk_weights=ws[me])
+    at_dispatch = set(buf.masked_ranks)
+    rx, ri, rw = reference.without_ranks(xs, idxs, ws, at_dispatch, E)
+    ref = reference.dispatch(rx, ri, rw, E)
+    where = f"call {seed} rank {me} masked {sorted(at_dispatch)}"
+    assert_dispatch_matches(got, ref[me], where)
+    out = buf.combine(expert_output(got.recv_x, me), got.handle, topk_weights=got.recv_topk_weights)
+    at_combine = set(buf.masked_ranks)
+    ys = [expert_output(ref[r].recv_x_MH, r) for r in range(R)]
+    for r in at_combine - at_dispatch:  # masked inside the combine: what it would return is left out
+        ys[r] = torch.zeros_like(ys[r])
+    want = reference.combine(ys, ref, [x.shape[0] for x in rx])[me]
+    assert torch.equal(out.combined_x, want), where
+    _, ri_now, _ = reference.without_ranks(xs, idxs, ws, at_combine, E)
+    assert torch.equal(out.combined_topk_weights, torch.where(ri_now[me] >= 0, ws[me], 0.0)), where
+    assert torch.equal(buf.left_out(idxs[me]), (idxs[me] >= 0) & (ri_now[me] < 0)), where
+    return at_combine
+
+
+def checked_ll_pair(buf: ubep.Buffer, seed: int) -> set[int]:
+    """One low-latency dispatch and combine, each checked as `checked_pair` checks its calls."""
+    me, R = buf.rank, buf.num_ranks
+    E = NUM_EXPERTS_PER_RANK * R
+    xs, idxs, ws = inputs(seed, R)
+    got = buf.low_latency_dispatch(xs[me], idxs[me], CAPACITY, E)
+    at_dispatch = set(buf.masked_ranks)
+    rx, ri, rw = reference.without_ranks(xs, idxs, ws, at_dispatch, E)
+    ref = reference.low_latency_dispatch(rx, ri, E, CAPACITY)
+    where = f"low-latency call {seed} rank {me} masked {sorted(at_dispatch)}"
+    check_dispatch(got, ref[me], None, LLCase(name="mask"), R, where)
+    ys = [expert_output(r.recv_x_LMX, rank) for rank, r in enumerate(ref)]
+    out = buf.low_latency_combine(ys[me], idxs[me], ws[me], got.handle)
+    at_combine = set(buf.masked_ranks)
+    _, ri_now, _ = reference.without_ranks(xs, idxs, ws, at_combine, E)  # masked inside: its rows left out
+    assert torch.equal(out.combined_x, reference.low_latency_combine(ys, ref, ri_now, rw)[me]), where
+    assert torch.equal(buf.left_out(idxs[me]), (idxs[me] >= 0) & (ri_now[me] < 0)), where
+    return at_combine
+
+
+def fault_then_on(plan: FaultPlan, timeout_s: float, protocol: str = "ubep", transport: str = "shm") -> dict:
+    """Checked pairs on every rank under on_peer_failure="mask" until `plan` kills or stops rank DEAD
+    inside one, then CALLS_AFTER more pairs and LL_CALLS_AFTER low-latency pairs. Every survivor
+    must finish every call; rank 0 ends a stopped rank afterwards."""
+    me = dist.get_rank()
+    pids: list[int] = [0] * dist.get_world_size()
+    dist.all_gather_object(pids, os.getpid())
+    mask = {"faults": plan, "on_peer_failure": "mask", "transport": transport}
+    with buffer(None, protocol, timeout_s=timeout_s, **mask) as buf:
+        seed = 0
+        while not buf.masked_ranks:
+            assert seed < 10, "the fault was never met"
+            started = time.monotonic()
+            checked_pair(buf, seed)
+            seed += 1
+        met = {"seed": seed - 1, "ranks": list(buf.masked_ranks), "seconds": time.monotonic() - started}
+        for seed in range(100, 100 + CALLS_AFTER):
+            checked_pair(buf, seed)
+        for seed in range(200, 200 + LL_CALLS_AFTER):
+            checked_ll_pair(buf, seed)
+    if me == 0 and plan.action == "stop":
+        os.kill(pids[DEAD], signal.SIGKILL)
+    return met
+
+
+def check_survivors(outcomes, cause: str) -> list[dict]:
+    assert outcomes[DEAD].cause == cause, outcomes[DEAD]
+    survivors = [o for o in outcomes if o.rank != DEAD]
+    for o in survivors:
+        assert o.ok, (o.rank, o.cause, o.error)
+        assert o.result["ranks"] == [DEAD], (o.rank, o.result)
+    return [o.result for o in survivors]
+
+
+KILLS = [  # (protocol, transport, point, call, the pair whose calls meet the death)
+    ("ubep", "shm", "dispatch.start", 7, 3),  # the 4th pair's dispatch, before it publishes: masked there
+    ("ubep", "shm", "dispatch.sent", 7, 3),  # its tokens are out: every dispatch completes, the combine masks
+    ("bsp", "shm", "dispatch.sent", 7, 3),  # the barrier baseline: the same, through its barriers
+    ("ubep", "dist", "dispatch.start", 7, 3),  # across hosts, over the default fabric: masked in the dispatch
+]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("protocol,transport,point,call,pair", KILLS)
+def test_a_rank_killed_mid_call_is_masked_inside_it_and_every_survivor_finishes(
+    protocol, transport, point, call, pair
+):
+    plan = FaultPlan(rank=DEAD, point=point, action="kill", call=call)
+    outcomes = ubep.LocalLaunch(world_size=WORLD, timeout_s=100).outcomes(
+        fault_then_on, plan, 3.0, protocol, transport
+    )
+    results = check_survivors(outcomes, "died")
+    assert {r["seed"] for r in results} == {pair}, results
+    assert max(r["seconds"] for r in results) < 3.0, results  # a death is seen before the deadline
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("transport", ["shm", "dist"])
+def test_a_stopped_rank_is_masked_at_the_deadline_and_every_survivor_finishes(transport):
+    plan = FaultPlan(rank=DEAD, point="dispatch.start", action="stop", call=7)
+    outcomes = ubep.LocalLaunch(world_size=WORLD, timeout_s=100).outcomes(
+        fault_then_on, plan, 1.5, "ubep", transport
+    )
+    results = check_survivors(outcomes, "died")  # rank 0 ended it afterwards
+    assert {r["seed"] for r in results} == {3}, results
+    assert min(r["seconds"] for r in results) >= 1.5, results  # silence: masked at the deadline
+
+
+def killed_in_low_latency(timeout_s: float, transport: str) -> dict:
+    """Low-latency pairs; rank DEAD kills itself before the 4th pair's dispatch, so every survivor
+    meets its death inside that dispatch."""
+    with buffer(None, "ubep", timeout_s=timeout_s, on_peer_failure="mask", transport=transport) as buf:
+        for seed in range(3):
+            checked_ll_pair(buf, seed)
+        if buf.rank == DEAD:
+            os.kill(os.getpid(), signal.SIGKILL)
+        started = time.monotonic()
+        checked_ll_pair(buf, 3)
+        met = {"seed": 3, "ranks": list(buf.masked_ranks), "seconds": time.monotonic() - started}
+        for seed in range(100, 100 + CALLS_AFTER):
+            checked_ll_pair(buf, seed)
+        checked_pair(buf, 200)
+    return met
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("transport", ["shm", "dist"])
+def test_a_rank_killed_before_a_low_latency_dispatch_is_masked_inside_it(transport):
+    outcomes = ubep.LocalLaunch(world_size=WORLD, timeout_s=100).outcomes(
+        killed_in_low_latency, 3.0, transport
+    )
+    check_survivors(outcomes, "died")
+
+
+def late_within_the_deadline() -> list[int]:
+    """Rank DEAD sleeps 1 s of the 2 s deadline inside the 2nd pair's dispatch (its tokens out, its
+    rows not received) and before the 4th pair's combine."""
+    plan = FaultPlan(rank=DEAD, point="dispatch.sent", action="delay", delay_s=1.0, call=3)
+    with buffer(None, "ubep", timeout_s=2.0, faults=plan, on_peer_failure="mask") as buf:
+        for seed in range(6):
+            if seed == 3 and buf.rank == DEAD:
+                time.sleep(1.0)
+            checked_pair(buf, seed)
+        return list(buf.masked_ranks)
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_late_within_the_deadline_is_never_masked():
+    """Slow is not dead: nobody masks the late rank, and every result is the full reference's."""
+    assert ubep.LocalLaunch(world_size=WORLD, timeout_s=100).run(late_within_the_deadline) == [[]] * WORLD
+
+
+def suspecting(rank: VirtualRank, suspects: dict[int, int], done: threading.Barrier) -> str:
+    """Rank r's call fails naming rank suspects[r] as silent; the staying ranks agree on the union,
+    and go on exact without it. A rank that does not call (absent from `suspects`) is the dead one."""
+    with buffer(rank, "ubep", timeout_s=5, on_peer_failure="mask") as buf:
+        normal_call(buf, 0, set())
+        done.wait()  # every rank finished the call before any masks (a masked rank's reads must fail)
+        if rank.rank not in suspects:
+            return "dead"
+        failed = CommTimeoutError("dispatch (tokens)", [suspects[rank.rank]], 5.0, [])
+        try:
+            buf._membership.mask_failed(failed, buf._exchange, buf._ll, buf._calls, buf._calls.seq)
+        except ubep.MaskedOutError:
+            return "masked out"
+        for seed in (1, 2):
+            normal_call(buf, seed, set(buf.masked_ranks))
+        return str(sorted(buf.masked_ranks))
+
+
+@pytest.mark.timeout(60)
+def test_the_staying_ranks_agree_on_the_union_of_what_each_detected():
+    """Rank 0 saw rank 3 fail, rank 1 saw rank 2, and rank 2 (alive) saw rank 3: every staying rank
+    masks both 2 and 3, and rank 2, masked by the others, learns it inside the agreement."""
+    done = threading.Barrier(4)
+    got = VirtualWorld(4, timeout_s=50).run(lambda rank: suspecting(rank, {0: 3, 1: 2, 2: 3}, done))
+    assert got == ["[2, 3]", "[2, 3]", "masked out", "dead"], got
+
+
+def two_die_at_once(transport: str, fabric: str) -> dict:
+    """Ranks 2 and 3 of 4 (a host's worth) die before the 4th pair's dispatch; ranks 0 and 1 mask both
+    inside it, whichever each saw first, and go on (the union on the heap: the virtual-rank test)."""
+    if fabric == "nixl":
+        os.environ["UCX_TLS"] = "tcp"  # as between hosts
+    on = {"on_peer_failure": "mask", "transport": transport, "fabric": fabric}
+    with buffer(None, "ubep", timeout_s=3.0, **on) as buf:
+        for seed in range(3):
+            checked_pair(buf, seed)
+        if buf.rank >= 2:
+            os.kill(os.getpid(), signal.SIGKILL)
+        checked_pair(buf, 3)
+        met = {"ranks": list(buf.masked_ranks)}
+        for seed in range(100, 100 + CALLS_AFTER):
+            checked_pair(buf, seed)
+        checked_ll_pair(buf, 200)
+    return met
+
+
+HAS_ZMQ = importlib.util.find_spec("zmq") is not None
+HAS_NIXL = any(importlib.util.find_spec(name) for name in ("nixl", "nixl_cu12", "nixl_cu13"))
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    "transport,fabric",
+    [
+        ("dist", "gloo"),
+        pytest.param("dist", "zmq", marks=pytest.mark.skipif(not HAS_ZMQ, reason="pyzmq is not installed")),
+        pytest.param("dist", "nixl", marks=pytest.mark.skipif(not HAS_NIXL, reason="NIXL is not installed")),
+    ],
+)
+def test_two_ranks_killed_at_once_are_both_masked_inside_the_call(transport, fabric):
+    outcomes = ubep.LocalLaunch(world_size=4, timeout_s=100).outcomes(two_die_at_once, transport, fabric)
+    assert [o.cause for o in outcomes[2:]] == ["died", "died"], outcomes[2:]
+    for o in outcomes[:2]:
+        assert o.ok, (o.rank, o.cause, o.error)
+        assert o.result["ranks"] == [2, 3], (o.rank, o.result)
+
+
+def killed_between_two_puts() -> str:
+    """Rank DEAD dies inside a low-latency combine after putting its rows into one home only: that
+    home completes the call, the others cannot, so the call raises (the documented limit), with
+    the rank masked on every survivor alike; the calls after it are exact."""
+    plan = FaultPlan(rank=DEAD, point="ll_combine.put", action="kill", call=8)
+    with buffer(None, "ubep", timeout_s=3.0, faults=plan, on_peer_failure="mask") as buf:
+        said = ""
+        try:
+            for seed in range(6):
+                checked_ll_pair(buf, seed)
+        except UbepError as error:  # one survivor in the combine, another in the next dispatch
+            said = str(error)
+        for seed in range(100, 110):  # every survivor calls again from here
+            checked_ll_pair(buf, seed)
+        checked_pair(buf, 200)
+        return f"{list(buf.masked_ranks)} {bool(said)}"
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_killed_between_two_homes_puts_is_masked_and_the_call_raises():
+    outcomes = ubep.LocalLaunch(world_size=WORLD, timeout_s=100).outcomes(killed_between_two_puts)
+    assert outcomes[DEAD].cause == "died", outcomes[DEAD]
+    for o in outcomes:
+        if o.rank != DEAD:
+            assert o.ok and o.result == f"[{DEAD}] True", (o.rank, o.cause, o.error, o.result)
+
+
+def test_the_option_comes_from_its_variable_and_is_checked(monkeypatch):
+    def one_rank(**kw) -> ubep.Buffer:
+        return ubep.Buffer(hidden=64, num_experts=4, max_tokens_per_rank=4, **kw)
+
+    monkeypatch.setenv("UBEP_ON_PEER_FAILURE", "mask")
+    with one_rank() as buf:
+        assert buf.on_peer_failure == "mask"
+        assert "on_peer_failure 'mask' (from UBEP_ON_PEER_FAILURE)" in buf.explain()
+    with one_rank(on_peer_failure="raise") as buf:  # the argument wins
+        assert "on_peer_failure 'raise' (argument)" in buf.explain()
+    monkeypatch.setenv("UBEP_ON_PEER_FAILURE", "retry")
+    with pytest.raises(ValueError, match="UBEP_ON_PEER_FAILURE='retry'"):
+        one_rank()
+    monkeypatch.delenv("UBEP_ON_PEER_FAILURE")
+    with pytest.raises(ValueError, match="on_peer_failure must be one of"):
+        one_rank(on_peer_failure="drop")
+    with one_rank() as buf:
+        assert buf.on_peer_failure == "raise"
