@@ -30,6 +30,7 @@ from ubep.deadlines import CONSTRUCTION_MIN_TIMEOUT_S
 
 HAS_NIXL = any(importlib.util.find_spec(name) for name in ("nixl", "nixl_cu12", "nixl_cu13"))
 NO_NIXL = pytest.mark.skipif(not HAS_NIXL, reason="NIXL is not installed")
+NO_ZMQ = pytest.mark.skipif(importlib.util.find_spec("zmq") is None, reason="pyzmq is not installed")
 TIMEOUT_S = 2.0  # the calls' deadline
 LATE_S = TIMEOUT_S + 1.5  # how late the slow rank reaches its layers' construction
 assert LATE_S < CONSTRUCTION_MIN_TIMEOUT_S / 2  # construction's deadline leaves room for load besides
@@ -90,6 +91,7 @@ def late_rank(transport: str, protocol: str, fabric: str) -> str:
     ("transport", "protocol", "fabric"),
     [
         ("dist", "ubep", "gloo"),  # the fabric's group and pid exchange
+        pytest.param("dist", "ubep", "zmq", marks=NO_ZMQ),  # its address exchange and connections
         pytest.param("dist", "ubep", "nixl", marks=NO_NIXL),  # its metadata exchange and first notices
         ("dist", "bsp", "gloo"),  # the collective paths' pid exchanges (normal and low-latency)
         ("hier", "ubep", "gloo"),  # the rail and node groups, and the fabric over the rails
@@ -131,7 +133,9 @@ def side_by_side(fabric: str) -> str:
 
 
 @pytest.mark.timeout(120)
-def test_two_subgroups_build_over_the_fabric_side_by_side():
-    """gloo: the fabric's own group (NIXL's fabric makes none: it exchanges over the Buffer's group)."""
-    said = ubep.LocalLaunch(world_size=HALVES * HALF, timeout_s=100).run(side_by_side, "gloo")
+@pytest.mark.parametrize("fabric", ["gloo", pytest.param("zmq", marks=NO_ZMQ)])
+def test_two_subgroups_build_over_the_fabric_side_by_side(fabric):
+    """gloo: the fabric's own group; zmq: its addresses over the Buffer's group (NIXL's fabric, the
+    same way, makes no group either)."""
+    said = ubep.LocalLaunch(world_size=HALVES * HALF, timeout_s=100).run(side_by_side, fabric)
     assert said == ["exact"] * HALVES * HALF, said

@@ -4,7 +4,7 @@
 
 Sockets. Each rank binds one ROUTER (every peer's messages land there) and
 connects one DEALER to each peer's ROUTER, named by its rank. The addresses
-travel once, at construction, over a gloo group made for it and dropped after;
+travel once, at construction, over the Buffer's group (within construction's deadline);
 construction ends once every DEALER's connection is up (or its peer named).
 ZeroMQ's I/O thread moves the bytes: a send queues its message and returns (no
 high-water mark: never dropped, never blocking), and a receive finds a message
@@ -43,7 +43,6 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -52,7 +51,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from ubep.across.fabric.base import Fabric, Frame, Lane, Outgoing, Slot, check_fits, notice_key
 from ubep.calls import KINDS, CallId
-from ubep.deadlines import PeerPids, collective_deadline
+from ubep.deadlines import PeerPids, collective_deadline, construction_s
 from ubep.registry import ZMQ
 from ubep.waiting import AbortNotice, Waiter
 
@@ -136,14 +135,11 @@ class ZmqFabric(Fabric):
     def _connect(self, group: dist.ProcessGroup | None, timeout_s: float) -> None:
         """Exchange every ROUTER's address over a gloo group made for it; connect a DEALER (and its
         monitor) to each peer's; wait until every connection is up."""
-        ranks = list(range(self.num_ranks)) if group is None else dist.get_process_group_ranks(group)
         endpoints: list[str | None] = [None] * self.num_ranks
         mine = self._router.getsockopt_string(zmq.LAST_ENDPOINT)
-        with collective_deadline(group, timeout_s, "Buffer construction (fabric)"):
-            exchange = dist.new_group(ranks, timeout=timedelta(seconds=timeout_s), backend="gloo")
-            self._pids = PeerPids.gather(exchange, self.rank, self.num_ranks)
-            dist.all_gather_object(endpoints, mine, group=exchange)
-        dist.destroy_process_group(exchange)
+        with collective_deadline(group, construction_s(timeout_s), "Buffer construction (fabric)"):
+            self._pids = PeerPids.gather(group, self.rank, self.num_ranks)
+            dist.all_gather_object(endpoints, mine, group=group)
         self._rank_of = {_identity(p): p for p in self.peers}
         self._dealers: dict[int, zmq.Socket] = {}
         self._monitors: dict[zmq.Socket, int] = {}
@@ -158,7 +154,8 @@ class ZmqFabric(Fabric):
             dealer.connect(endpoints[p])
             self._dealers[p], self._monitors[monitor] = dealer, p
             self._poller.register(monitor, zmq.POLLIN)
-        waiter = self._waiter("Buffer construction (fabric: connections)", lambda p: None)
+        phase, deadline_s = "Buffer construction (fabric: connections)", construction_s(timeout_s)
+        waiter = Waiter(phase, deadline_s, self._gone, lambda p: None, block=self._block, yields=0)
         while pending := [p for p in self.peers if p not in self._up]:
             self._pause(waiter, pending)
 
