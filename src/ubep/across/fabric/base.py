@@ -384,7 +384,9 @@ def agree_on_union(
         generation += 1
         stay = tuple(p for p in range(fabric.num_ranks) if p not in gone)
         call = CallId(generation, generation, MASK_LANE)
-        mine = torch.tensor([seq, *(int(r in gone) for r in range(fabric.num_ranks))], dtype=torch.int64)
+        mine = torch.tensor(
+            [seq, *(int(r in gone) for r in range(fabric.num_ranks))], dtype=torch.int64, device="cpu"
+        )
         for p in stay:
             if p != fabric.rank:
                 out = fabric.outbox(MASK_LANE, p, call, mine.numel(), 0)

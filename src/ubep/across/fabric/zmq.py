@@ -266,7 +266,7 @@ class ZmqFabric(Fabric):
         at = FRAME.size + 8 * words
         buffer = torch.empty(at + nbytes, dtype=torch.uint8, device="cpu")
         frame = (i, call.seq, KINDS[call.kind], words, nbytes)
-        buffer[: FRAME.size].view(torch.int64).copy_(torch.tensor(frame, dtype=torch.int64))
+        buffer[: FRAME.size].view(torch.int64).copy_(torch.tensor(frame, dtype=torch.int64, device="cpu"))
         send = _Send(i, peer, call.seq, buffer)
         return Outgoing(buffer[FRAME.size : at].view(torch.int64), buffer[at:], send)
 
