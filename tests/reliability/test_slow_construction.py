@@ -133,9 +133,9 @@ def side_by_side(fabric: str) -> str:
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("fabric", ["gloo", pytest.param("zmq", marks=NO_ZMQ)])
+@pytest.mark.parametrize("fabric", ["gloo", pytest.param("zmq", marks=NO_ZMQ), "auto"])
 def test_two_subgroups_build_over_the_fabric_side_by_side(fabric):
-    """gloo: the fabric's own group; zmq: its addresses over the Buffer's group (NIXL's fabric, the
-    same way, makes no group either)."""
+    """gloo: the fabric's own group; zmq and auto's choice: over the Buffer's group (NIXL's fabric,
+    the same way, makes no group either)."""
     said = ubep.LocalLaunch(world_size=HALVES * HALF, timeout_s=100).run(side_by_side, fabric)
     assert said == ["exact"] * HALVES * HALF, said

@@ -15,12 +15,11 @@ from __future__ import annotations
 
 import importlib.util
 from collections.abc import Sequence
-from datetime import timedelta
 
 import torch.distributed as dist
 
 from ubep.across.fabric.base import Fabric, Lane, Message, Outgoing
-from ubep.deadlines import collective_deadline
+from ubep.deadlines import collective_deadline, construction_s
 from ubep.extras import install_hint
 from ubep.registry import AUTO, FABRICS, GLOO, NIXL, ZMQ, one_of
 
@@ -53,12 +52,9 @@ def open_fabric(
 def auto_fabric(group: dist.ProcessGroup | None, num_ranks: int, timeout_s: float) -> tuple[str, str]:
     """(engine, why) for fabric "auto", the same on every rank (collective): zmq where every rank can
     import pyzmq (its waits block on all peers at once), else gloo (no extra; its waits poll)."""
-    ranks = list(range(num_ranks)) if group is None else dist.get_process_group_ranks(group)
     can: list[bool | None] = [None] * num_ranks
-    with collective_deadline(group, timeout_s, "Buffer construction (fabric: auto)"):
-        agree = dist.new_group(ranks, timeout=timedelta(seconds=timeout_s), backend="gloo")
-        dist.all_gather_object(can, importlib.util.find_spec("zmq") is not None, group=agree)
-    dist.destroy_process_group(agree)
+    with collective_deadline(group, construction_s(timeout_s), "Buffer construction (fabric: auto)"):
+        dist.all_gather_object(can, importlib.util.find_spec("zmq") is not None, group=group)
     if all(can):
         return ZMQ.name, "auto: pyzmq on every rank, so every wait blocks on all peers at once"
     missing = [r for r, ok in enumerate(can) if not ok]
