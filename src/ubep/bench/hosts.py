@@ -6,10 +6,7 @@
 
 Each host has its own network stack (veth on a bridge, shaped by the script), so traffic between
 hosts crosses a real link; the turns' named pipes and the monotonic clock are shared by every
-namespace, so turns and timing work as for emulated nodes. Run as a module, this file is one rank:
-it measures like a rank of ubep's launcher (`torch_systems.measure_rank`), or profiles like one
-(`profile.profile_rank`, for `ubep bench --profile --hosts N`), and leaves its result in a file for
-the bench.
+namespace, so turns and timing work as for emulated nodes. Each rank runs `ubep.bench.host_rank`.
 """
 
 from __future__ import annotations
@@ -20,12 +17,8 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from datetime import timedelta
 from pathlib import Path
 from typing import NamedTuple
-
-import torch
-import torch.distributed as dist
 
 from ubep.bench.turns import Samples
 from ubep.bench.workload import BenchConfig
@@ -139,7 +132,7 @@ def hosts_command(cfg: BenchConfig, job: list[str]) -> list[str]:
     return [
         str(SCRIPT), "-n", str(cfg.nodes), "-r", cfg.link_rate, "-d", LINK_DELAY, "--",
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(cfg.ranks // cfg.nodes),
-        "-m", "ubep.bench.hosts", *job,
+        "-m", "ubep.bench.host_rank", *job,
     ]  # fmt: skip
 
 
@@ -216,33 +209,3 @@ class HostsGroup:
     def _failure(self) -> HostsFailedError:
         self._out.seek(0)
         return HostsFailedError(self._proc.returncode, self._out.read()[-3000:])
-
-
-def main(job: str, config_json: str, tokens: int, what: str, out_dir: str) -> None:
-    """One rank under torchrun: run `job` ("measure": the rows `what` names, taking turns through
-    `out_dir`; "profile": "CALLS,ROW"), then leave its result in `out_dir` as result.RANK.json."""
-    torch.set_num_threads(1)
-    cfg = BenchConfig.from_json(config_json)
-    dist.init_process_group("gloo", timeout=timedelta(seconds=cfg.timeout_s * 4))
-    try:
-        if job == "measure":
-            from ubep.bench.torch_systems import measure_rank
-
-            result = measure_rank(cfg, tokens, tuple(what.split(",")), out_dir)
-        elif job == "profile":
-            from ubep.bench.profile import profile_rank
-
-            calls, name = what.split(",")
-            result = profile_rank(cfg, tokens, int(calls), name)
-        else:
-            raise ValueError(f"ubep.bench.hosts: job must be measure or profile, got {job!r}")
-        partial = os.path.join(out_dir, f"result.{dist.get_rank()}.json.tmp")
-        with open(partial, "w") as f:
-            json.dump(result, f)
-        os.replace(partial, partial.removesuffix(".tmp"))
-    finally:
-        dist.destroy_process_group()
-
-
-if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4], sys.argv[5])
