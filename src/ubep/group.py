@@ -12,14 +12,16 @@ import gc
 import os
 import platform
 import socket
+import time
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from ubep.deadlines import PeerPids, here
-from ubep.errors import ConfigMismatchError
+from ubep.deadlines import PeerPids, collective_deadline, here
+from ubep.errors import CommTimeoutError, ConfigMismatchError
 from ubep.nodes import NodeMap
 from ubep.registry import AUTO, CUDA, DIST, HIER, LOCAL, SHM, TRANSPORTS, VIRTUAL, one_of
 from ubep.transport.virtual import VirtualRank
@@ -93,6 +95,77 @@ def all_gather_object(info: GroupInfo, obj: Any) -> list[Any]:
     everyone: list[Any] = [None] * info.world_size
     dist.all_gather_object(everyone, obj, group=info.group)
     return everyone
+
+
+def group_among(info: GroupInfo, ranks: tuple[int, ...], timeout_s: float) -> dist.ProcessGroup | None:
+    """A torch.distributed group of `ranks` (ascending; this rank among them) alone, built by them
+    alone (the group's other ranks, dead or gone, need not come), for `all_gather_among`: the
+    group's own connections to a rank that died are broken, and a collective over them fails.
+    None for a virtual rank, whose world gathers among any ranks. Collective among `ranks`."""
+    if isinstance(info.group, VirtualRank):
+        return None
+    group = torch_group(info.group)
+    members = [dist.get_global_rank(group, r) for r in ranks] if group is not None else list(ranks)
+    return dist.new_group(
+        members,
+        timeout=timedelta(seconds=timeout_s),
+        backend=dist.get_backend(group),
+        use_local_synchronization=True,
+    )
+
+
+def all_gather_among(
+    info: GroupInfo,
+    ranks: tuple[int, ...],
+    among: dist.ProcessGroup | None,
+    mine: torch.Tensor,
+    timeout_s: float,
+    phase: str,
+    watch: bool = False,
+) -> torch.Tensor:
+    """[R, *mine.shape]: `mine` of each of `ranks` (ascending, this rank among them), zeros in the
+    rows of the group's other ranks: a collective among `ranks` alone, so ranks masked out of a
+    Buffer (dead, or gone) need not come. Every one of `ranks` passes a tensor of the same shape
+    and dtype. `among`: `group_among(info, ranks)` where `ranks` is not the whole group. Under
+    `timeout_s` seconds; a peer that does not come is named (CommTimeoutError, in `phase`).
+    `watch`: raise as soon as a peer of this host among `ranks` has exited, on every rank alike
+    (a ring's rank that is no neighbour of the dead one would otherwise wait out the deadline)."""
+    if info.rank not in ranks:
+        raise ValueError(f"rank {info.rank} gathers among {list(ranks)}, which leave it out")
+    everyone = [torch.zeros_like(mine) for _ in range(info.world_size)]
+    everyone[info.rank] = mine
+    if isinstance(info.group, VirtualRank):
+        for r, theirs in info.group.world.all_gather_among(info.rank, ranks, mine, phase).items():
+            everyone[r] = theirs
+        return torch.stack(everyone)
+    whole = len(ranks) == info.world_size
+    group = torch_group(info.group) if whole else among
+    parts = everyone if whole else [torch.zeros_like(mine) for _ in ranks]
+    peers = info.peers if whole else None  # (the pids are by the whole group's ranks: `names` says)
+    with collective_deadline(group, timeout_s, phase, peers, None if whole else ranks):
+        work = dist.all_gather(parts, mine, group=group, async_op=True)
+        if watch and info.peers is not None:
+            _wait_watching(work, info.peers, ranks, time.monotonic() + timeout_s, timeout_s, phase)
+        work.wait()
+    if not whole:
+        for r, theirs in zip(ranks, parts, strict=True):
+            everyone[r] = theirs
+    return torch.stack(everyone)
+
+
+WATCH_PAUSE_S = 0.02  # the longest pause between looks at a pending gather and its peers' processes
+
+
+def _wait_watching(work, peers: PeerPids, ranks, deadline: float, timeout_s: float, phase: str) -> None:
+    """Until `work` completes or the deadline passes: raise CommTimeoutError naming the peers among
+    `ranks` whose process exited. Pauses grow from 1 ms to WATCH_PAUSE_S, yielding the CPU."""
+    pause = 0.001
+    while not work.is_completed() and time.monotonic() < deadline:
+        dead = [r for r in peers.dead() if r in ranks]
+        if dead:
+            raise CommTimeoutError(phase, dead, timeout_s, dead, "its process exited during the gather")
+        time.sleep(pause)
+        pause = min(2 * pause, WATCH_PAUSE_S)
 
 
 def check_agreement(info: GroupInfo, mine: dict[str, Any], what: str) -> None:
