@@ -102,6 +102,48 @@ def test_v1_normal_mode_after_a_rank_leaves_is_exact_on_the_rest():
     assert got == [[0, 0, 1, 0]] * 4
 
 
+def v1_both_modes(rank: VirtualRank, done: threading.Barrier) -> str:
+    """The mask between a dispatch and its combine, on a Buffer that ran both modes: the stale
+    combine is refused on every staying rank alike, then both modes go on exact without rank 2."""
+    me, R = rank.rank, rank.world_size
+    E = NUM_EXPERTS_PER_RANK * R
+    ll_bytes = DeepEPBuffer.get_low_latency_rdma_size_hint(CAPACITY, HIDDEN, R, E)
+    nvl_bytes = Config().get_nvl_buffer_size_hint(HIDDEN * 2, R)
+    buf = DeepEPBuffer(rank, nvl_bytes, ll_bytes, low_latency_mode=True, enable_shrink=True)
+    v1_normal_calls(buf, 0, set())
+    xs, idxs, ws = inputs(1, R)
+    per_expert = buf.get_dispatch_layout(idxs[me], E)[2]
+    recv_x, _, _, _, stale, _ = buf.dispatch(
+        xs[me], topk_idx=idxs[me], topk_weights=ws[me], num_tokens_per_expert=per_expert
+    )
+    buf.low_latency_dispatch(xs[me], idxs[me], CAPACITY, E, use_fp8=False)  # the low-latency buffer
+    done.wait()
+    buf.low_latency_update_mask_buffer(2, True)
+    if me == 2:
+        return "left"
+    with pytest.raises(ValueError, match="before rank"):
+        buf.combine(recv_x, stale)
+    for seed in range(10, 13):
+        v1_normal_calls(buf, seed, {2})
+        xs, idxs, ws = inputs(seed, R)
+        rx, ri, rw = reference.without_ranks(xs, idxs, ws, {2}, E)
+        ref = reference.low_latency_dispatch(rx, ri, E, CAPACITY)
+        _, recv_count, handle, _, _ = buf.low_latency_dispatch(xs[me], idxs[me], CAPACITY, E, use_fp8=False)
+        assert torch.equal(recv_count, ref[me].recv_count_L)
+        ys = [expert_output(r.recv_x_LMX, q) for q, r in enumerate(ref)]
+        combined, _, _ = buf.low_latency_combine(ys[me], idxs[me], ws[me], handle)
+        assert torch.equal(combined, reference.low_latency_combine(ys, ref, ri, rw)[me])
+    buf.destroy()
+    return "exact"
+
+
+@pytest.mark.timeout(120)
+def test_v1_mask_between_a_dispatch_and_its_combine_in_both_modes():
+    done = threading.Barrier(3)
+    got = VirtualWorld(3, timeout_s=110).run(lambda rank: v1_both_modes(rank, done))
+    assert got == ["exact", "exact", "left"]
+
+
 def v1_killed(on_peer_failure: str) -> dict:
     """Rank 2 of 4 dies between calls. Under "raise" the survivors' next call raises naming it and
     they mask it with the mask-buffer call; under "mask" (UBEP_ON_PEER_FAILURE, as vLLM's fault
