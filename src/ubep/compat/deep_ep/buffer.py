@@ -441,10 +441,14 @@ class Buffer:
         idx, weights, sent_NR = self._routing(x, hidden, E, is_token_in_rank, topk_idx, topk_weights)
         self._headers.agree(hidden=hidden, num_experts=E, num_worst_tokens=num_worst_tokens)
         inner = self._normal(hidden, E)
-        if self._members.masked:  # no row goes to a masked rank: the layout the caller passed may count some
-            idx, sent_NR = self._around_masked(idx, sent_NR, E, topk_idx is None)
-            num_tokens_per_rank = None
-        counts_RX = self._gather_counts(sent_NR, num_tokens_per_expert)
+        while True:  # again where the gather masked a rank it found dead (UBEP_ON_PEER_FAILURE=mask)
+            masked = self._members.masked
+            if masked:  # no row goes to a masked rank: the layout the caller passed may count some
+                idx, sent_NR = self._around_masked(idx, sent_NR, E, topk_idx is None)
+                num_tokens_per_rank = None
+            counts_RX = self._gather_counts(sent_NR, num_tokens_per_expert)
+            if self._members.masked == masked:
+                break
         received = int(counts_RX[:, self.rank].sum())
         worst_R = counts_RX[:, :R].sum(dim=0)
         if num_worst_tokens and int(worst_R.max()) > num_worst_tokens:

@@ -377,7 +377,7 @@ class ElasticBuffer:
         self._headers.agree(hidden=H, num_experts=E, num_max_tokens_per_rank=T, num_topk=K)
         inner = self._ubep(("dispatch", H, T, K, E), E, K)
         masked = self._members.masked
-        idx_NK, lanes_NR, sent_SRJ = self._notify(idx_NK, E, min(K, L))
+        idx_NK, lanes_NR, sent_SRJ = self._notify(idx_NK, E, min(K, L))  # (it may mask: see below)
         try:
             got = inner.dispatch(payload, topk_idx=idx_NK, topk_weights=_or_zeros(w_NK, idx_NK))
         finally:
