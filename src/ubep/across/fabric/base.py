@@ -36,6 +36,7 @@ import torch
 
 from ubep.calls import KINDS, METHODS, CallId
 from ubep.errors import CommTimeoutError, MaskedOutError, PeerDataError
+from ubep.faults import NO_FAULTS
 from ubep.transport.base import Agreement
 from ubep.waiting import AbortNotice, PeerAbortedError, Waiter
 
@@ -97,6 +98,7 @@ class Fabric(ABC):
         self._notices: dict[tuple[int, int, bool], AbortNotice] = {}  # `notice_key` -> its notice
         self._abandoned: set[int] = set()  # calls this rank gave up on (their messages are dropped)
         self._bad: dict[int, str] = {}  # peer -> what it sent outside a message that this rank cannot read
+        self.faults = NO_FAULTS  # tests: a "cut" plan's peers, which nothing this rank sends reaches
 
     # -- the interface ----------------------------------------------------------------------------
 
