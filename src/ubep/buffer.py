@@ -172,7 +172,8 @@ class Buffer:
             "mask" (on a shared heap, and on "dist" over the fabric: the staying ranks agree inside
             the call on whom to leave out, and every one of them finishes the call without those
             ranks; `left_out` says which top-k entries that dropped; with a placement, the pairs of
-            a lost copy go to a live one). docs/reliability.md.
+            a lost copy go to a live one; a side without a quorum raises PartitionError).
+            docs/reliability.md.
 
     transport, protocol, timeout_s, engine, stats, ll_flag, capturable, fabric, call_timers and
     on_peer_failure left as None come from the environment (UBEP_TRANSPORT, UBEP_PROTOCOL,
@@ -692,7 +693,9 @@ class Buffer:
         (`handle.num_dropped` counts them on the tokens' rank) and combine sums the rest;
         handles from before the mask are refused, and a low-latency receive half still pending
         from before it must not be run. A rank that masks itself leaves: its Buffer takes no
-        further call. With a placement, later calls send each logical expert's
+        further call. Ranks that would keep no quorum of the ranks in (a strict majority, or exactly
+        half with the lowest) raise PartitionError instead, and take no further call: a split
+        never leaves two groups going on. With a placement, later calls send each logical expert's
         pairs to a copy on a staying rank. Needs a shared-heap transport ("shm", "virtual") or
         protocol ubep over "dist"'s fabric.
         """
@@ -724,7 +727,7 @@ class Buffer:
                 "call it, since its memory is shared with the parent's peers: build a Buffer in the child"
             )
         if self._membership.retired:
-            raise RuntimeError(f"rank {self.rank} masked itself out of its group: it takes part in no call")
+            raise RuntimeError(f"rank {self.rank} {self._membership.retired_as}: it takes part in no call")
         return self._exchange
 
     def close(self) -> None:
