@@ -183,7 +183,7 @@ def split(transport: str, sides: list[list[int]]) -> str:
     at = 2 * FAULT_PAIR + 1  # the 4th pair's dispatch
     plan = FaultPlan(rank=me, point="dispatch.start", action="cut", call=at, peers=tuple(others))
     on = {"faults": plan, "on_peer_failure": "mask", "transport": transport, "fabric": "zmq"}
-    with buffer(None, "ubep", timeout_s=2.0, **on) as buf:
+    with buffer(None, "ubep", timeout_s=3.0, **on) as buf:
         for seed in range(FAULT_PAIR):
             checked_pair(buf, seed)
         dist.barrier()  # every rank finished the pair before the cut
