@@ -25,7 +25,7 @@ import torch.distributed as dist
 from ubep import registry, settings, validate
 from ubep.calls import CallCounter, CallId
 from ubep.deadlines import collective_deadline, construction_s
-from ubep.errors import UbepError
+from ubep.errors import ConfigMismatchError, UbepError
 from ubep.factory import Options, build, ready_engine
 from ubep.faults import FaultPlan, FaultPoints
 from ubep.group import (
@@ -94,9 +94,14 @@ def _finished_by_the_rest(method):
             try:
                 return method(self, *args, **kwargs)
             except UbepError as error:
-                if self.on_peer_failure != MASK or not self._membership.mask_failed(
+                if self.on_peer_failure != MASK:
+                    raise
+                masked_now = self._membership.mask_failed(
                     error, self._exchange, self._ll, self._calls, self._calls.seq
-                ):
+                )
+                # the run again (or the next call) maps logical experts to their live copies
+                self._slots.leave_out(self._membership.masked, self._membership.after)
+                if not masked_now:
                     raise
 
     return call
@@ -166,7 +171,9 @@ class Buffer:
             "raise" (default; CommTimeoutError or PeerAbortedError naming it, then `mask_ranks`) or
             "mask" (on a shared heap, and on "dist" over the fabric: the staying ranks agree inside
             the call on whom to leave out, and every one of them finishes the call without those
-            ranks; `left_out` says which top-k entries that dropped). docs/reliability.md.
+            ranks; `left_out` says which top-k entries that dropped; with a placement, the pairs of
+            a lost copy go to a live one; a side without a quorum raises PartitionError).
+            docs/reliability.md.
 
     transport, protocol, timeout_s, engine, stats, ll_flag, capturable, fabric, call_timers and
     on_peer_failure left as None come from the environment (UBEP_TRANSPORT, UBEP_PROTOCOL,
@@ -285,7 +292,8 @@ class Buffer:
         self._one_call = threading.Lock()  # held by the thread inside a call (`_one_at_a_time`)
         self._done = EventOverlap()  # the event of every call that completed before returning
         self._membership = Membership(self.rank, placement, self.device)  # ranks left out (`mask_ranks`)
-        self._slots = PlacedSlots(placement)  # logical experts on the slots (`set_placement`)
+        # logical experts on the slots (`set_placement`), each mapped to its nearest live copy
+        self._slots = PlacedSlots(placement, self.rank, self._info.node_of_rank)
         self._plans = Planner(
             self.sizing,
             self.device,
@@ -403,22 +411,35 @@ class Buffer:
         names local slots (`placement.local_logical(rank)` says which expert each holds) and
         combine sums what the logical routing would. None returns to physical ids. Moving the
         expert weights is the caller's (docs/placement.md); a cached dispatch with the handle of a
-        dispatch from before a change is refused (ValueError, on every rank alike). Refused once ranks
-        are masked (RuntimeError naming them): the agreement needs every rank of the group.
+        dispatch from before a change is refused (ValueError, on every rank alike). Once ranks are
+        masked, the staying ranks agree through the exchange, as a mask does (the masked ones take no
+        part), and the placement must give every logical expert a copy on a staying rank (ValueError);
+        the masked ranks' slots are never chosen.
         """
-        self._live()
+        exchange = self._live()
         self._slots.check(placement)
-        if self._membership.masked:  # every staying rank masked the same ranks: they all refuse
-            raise RuntimeError(
-                f"set_placement needs every rank of the group, and rank(s) {list(self.masked_ranks)} "
-                "are masked (mask_ranks): its agreement is a torch.distributed collective, which cannot "
-                "leave them out; build a Buffer on a group of the staying ranks to place experts"
+        if self._membership.masked:
+            self._agree_among_staying(exchange, placement)
+        else:
+            mine = {"placement": None if placement is None else placement.digest()}
+            group, peers = torch_group(self._info.group), self._info.peers  # peers: a dead one is named
+            with collective_deadline(group, self.timeout_s, "set_placement", peers):
+                check_agreement(self._info, mine, "set_placement")
+        self._slots.hold(placement, self._calls.seq)
+
+    def _agree_among_staying(self, exchange: Exchange, placement: Placement | None) -> None:
+        """set_placement's agreement after a mask: every staying rank's placement fingerprint through
+        the exchange, within the deadline; ConfigMismatchError on every staying rank where they differ,
+        ValueError on every one where the placement needs a masked rank."""
+        word = PlacedSlots.fingerprint(placement)
+        theirs = exchange.agree(word, "set_placement")
+        differ = sorted(r for r, w in theirs.items() if w != word)
+        if differ:
+            raise ConfigMismatchError(
+                f"set_placement: rank {self.rank}'s placement ({self._slots.describe(placement)}) differs "
+                f"from that of rank(s) {differ}; every staying rank must pass the same placement"
             )
-        mine = {"placement": None if placement is None else placement.digest()}
-        group, peers = torch_group(self._info.group), self._info.peers  # peers: a dead one is named
-        with collective_deadline(group, self.timeout_s, "set_placement", peers):
-            check_agreement(self._info, mine, "set_placement")
-        self._slots.hold(placement, self._calls.seq, self.rank, self._info.node_of_rank)
+        self._slots.check_live(placement)
 
     # -- normal mode ------------------------------------------------------------------------------
 
@@ -672,9 +693,14 @@ class Buffer:
         (`handle.num_dropped` counts them on the tokens' rank) and combine sums the rest;
         handles from before the mask are refused, and a low-latency receive half still pending
         from before it must not be run. A rank that masks itself leaves: its Buffer takes no
-        further call. Needs a shared-heap transport ("shm", "virtual").
+        further call. Ranks that would keep no quorum of the ranks in (a strict majority, or exactly
+        half with the lowest) raise PartitionError instead, and take no further call: a split
+        never leaves two groups going on. With a placement, later calls send each logical expert's
+        pairs to a copy on a staying rank. Needs a shared-heap transport ("shm", "virtual") or
+        protocol ubep over "dist"'s fabric.
         """
         self._membership.mask(ranks, self._live(), self._ll, self._calls)
+        self._slots.leave_out(self._membership.masked, self._membership.after)  # later calls: live copies
 
     def left_out(self, topk_idx: torch.Tensor) -> torch.Tensor:
         """bool [N, K]: the entries of a call's `topk_idx` (int64 [N, K], as passed to it) left out
@@ -701,7 +727,7 @@ class Buffer:
                 "call it, since its memory is shared with the parent's peers: build a Buffer in the child"
             )
         if self._membership.retired:
-            raise RuntimeError(f"rank {self.rank} masked itself out of its group: it takes part in no call")
+            raise RuntimeError(f"rank {self.rank} {self._membership.retired_as}: it takes part in no call")
         return self._exchange
 
     def close(self) -> None:

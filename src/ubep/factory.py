@@ -115,7 +115,7 @@ DEVICE_HEADERS = ("ll.sent", "ll.returned")  # `LLBlocks`' headers
 
 
 def ubep_over_fabric(
-    info: GroupInfo, sizing: Sizing, o: Options, engine: Engine
+    info: GroupInfo, sizing: Sizing, o: Options, engine: Engine, faults: FaultPoints
 ) -> tuple[Exchange, LLFabric | None]:
     """UBEP across hosts on one fabric, both modes on its lanes (so a peer in a call of another kind is
     named): every peer over it (transport "dist"), or rails over it and a heap within each node
@@ -124,6 +124,7 @@ def ubep_over_fabric(
     normal = fabric_lanes(sizing) if rail is None else hier_lanes(sizing, rail)
     lanes = normal + (ll_fabric_lanes(sizing) if o.low_latency else ())
     fabric, reason = open_fabric(o.fabric, info.group, info.rank, info.world_size, lanes, o.timeout_s)
+    fabric.faults = faults  # a "cut" fault drops what this rank sends to the peers it names
     try:
         if rail is None:
             exchange: Exchange = UbepFabric(fabric, engine, sizing, reason)
@@ -184,7 +185,7 @@ def build(
     if o.transport == registry.LOCAL.name:
         return LocalExchange(sizing), LLLocal(engine) if o.low_latency else None
     if transport.crosses_hosts and registry.PROTOCOLS[o.protocol].over_fabric:
-        return ubep_over_fabric(info, sizing, o, engine)
+        return ubep_over_fabric(info, sizing, o, engine, faults)
     if transport.crosses_hosts:  # low-latency mode takes the collective path too
         normal = ACROSS_HOSTS[o.transport, o.protocol](info, sizing, o, engine, faults)
         return normal, LLDist(info.group, info.rank, sizing, engine, o.timeout_s) if o.low_latency else None

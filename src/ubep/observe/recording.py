@@ -200,6 +200,9 @@ class RecordedExchange(Exchange):
     def agree_to_mask(self, error: Exception, seq: int) -> Agreement | None:
         return self._inner.agree_to_mask(error, seq)
 
+    def agree(self, value: int, phase: str) -> dict[int, int]:
+        return self._inner.agree(value, phase)
+
 
 class RecordedLowLatency(LowLatencyExchange):
     """A low-latency exchange that records each call once its receive half has run."""

@@ -158,6 +158,11 @@ class Exchange(ABC):
         cannot leave a rank out inside a call (the caller raises `error`)."""
         return None
 
+    def agree(self, value: int, phase: str) -> dict[int, int]:
+        """Collective among the staying ranks, between calls: every staying rank's `value` (an int64),
+        within the deadline (`Transport.agree`). Only exchanges that can mask override this."""
+        raise NotImplementedError(f"{phase}: this Buffer's {self.name} exchange cannot leave a rank out")
+
 
 class LowLatencyExchange(ABC):
     """Low-latency mode bound to its memory or fabric: each `*_send` sends now and returns the

@@ -216,6 +216,10 @@ class Transport(Protocol):
         ranks agree on the union of the ranks each of them found dead, stopped or silent past the
         deadline, and leave them out of every later wait and barrier."""
 
+    def agree(self, value: int, phase: str) -> dict[int, int]:
+        """Collective among the staying ranks, between calls (`set_placement` after a mask): every
+        staying rank's `value`, by rank, within the deadline; the masked ranks take no part."""
+
     def check_member(self, phase: str, peers: Iterable[int] | None = None) -> None:
         """Raise MaskedOutError if a peer (default: every live one) masked this rank: it stalled and
         the others went on without it. Called before writing into peers' memory (they reuse it for

@@ -558,6 +558,30 @@ class Heap:
         self._resumed_after = max(seqs)
         return Agreement(frozenset(gone), max(seqs), seqs == {seq})
 
+    def agree(self, value: int, phase: str) -> dict[int, int]:
+        """Every staying rank's `value`: each publishes it in its next membership record (the masked
+        flags unchanged, so a writer's membership check reads the same), then reads the others'."""
+        gone = set(range(self.num_ranks)) - set(self.live)
+        self.generation += 1
+        g, half = self.generation, self.generation % 2
+        record = self._members[self.rank][half]
+        record[1] = value
+        record[2:] = [r in gone for r in range(self.num_ranks)]
+        record[0] = g  # last: the record is complete once a peer sees the generation
+        for r in self.live:
+            self.ring(r)
+        waiter = Waiter(
+            f"{phase} (the staying ranks agree)",
+            self.timeout_s,
+            self._peer_gone,
+            lambda peer: None,  # aborted calls from before are over
+            self._memory.sleep,
+        )
+        pending = [r for r in self.live if r != self.rank]
+        while pending := [r for r in pending if self._members[r][half][0] != g]:
+            waiter.pause(pending)
+        return {r: int(self._members[r][half][1]) for r in self.live}
+
     def _disagreeing(self, g: int, gone: set[int]) -> list[int]:
         """The staying peers whose record of generation `g` does not hold `gone` yet; adds to `gone`
         every rank their records suspect."""

@@ -201,5 +201,8 @@ class BspExchange(halves.OnHalves):
     def agree_to_mask(self, error: Exception, seq: int) -> Agreement | None:
         return self.t.agree_to_mask(error, seq)
 
+    def agree(self, value: int, phase: str) -> dict[int, int]:
+        return self.t.agree(value, phase)
+
     def close(self) -> None:
         self.t.close()

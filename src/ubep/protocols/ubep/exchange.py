@@ -301,6 +301,9 @@ class UbepExchange(halves.OnHalves):
     def agree_to_mask(self, error: Exception, seq: int) -> Agreement | None:
         return self.t.agree_to_mask(error, seq)
 
+    def agree(self, value: int, phase: str) -> dict[int, int]:
+        return self.t.agree(value, phase)
+
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown()
