@@ -18,7 +18,9 @@ a rank killed in between is named by the Buffer's construction deadline
 (`ubep.deadlines`), which knows every rank's process from joining the group. Whatever
 fails, every rank that learned the names unlinks all of them, so a killed
 rank's name does not outlive the survivors. Once built, the memory lives exactly
-as long as some rank maps it. `sweep_stale_segments` (run by every construction)
+as long as some rank maps it. Every rank keeps each segment's file open: a process restarted
+in a dead rank's place maps them through a live rank's `/proc/PID/fd` (`attach_from`), since
+the names are gone. `sweep_stale_segments` (run by every construction)
 removes what a whole job killed mid-construction left behind: only segments whose
 creator it can prove dead (same PID namespace, pid gone or reused).
 
