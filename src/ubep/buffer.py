@@ -34,6 +34,7 @@ from ubep.group import (
     check_agreement,
     choose_transport,
     join_group,
+    keep_agreed,
     torch_group,
 )
 from ubep.layout import ExpertPlacement, dispatch_layout, tokens_per_node
@@ -59,6 +60,7 @@ from ubep.schedule import DISTANCE, POLICIES
 from ubep.sizing import size_hint
 from ubep.stats import Stats, StatsOptions
 from ubep.timers import CallTimers
+from ubep.transport.shm import Rejoining
 from ubep.validate import CPU
 
 VERSION = version("ubep")  # from the package metadata (pyproject.toml): ranks must run the same
@@ -99,8 +101,7 @@ def _finished_by_the_rest(method):
                 masked_now = self._membership.mask_failed(
                     error, self._exchange, self._ll, self._calls, self._calls.seq
                 )
-                # the run again (or the next call) maps logical experts to their live copies
-                self._slots.leave_out(self._membership.masked, self._membership.after)
+                self._follow_membership()  # the run again (or the next call): live copies
                 if not masked_now:
                     raise
 
@@ -304,6 +305,29 @@ class Buffer:
             membership=self._membership,
             slots=self._slots,
         )
+        if isinstance(self._info.group, Rejoining):  # taken in at the staying ranks' next dispatch
+            try:
+                self._membership.join(self._exchange, self._ll, self._calls, construct_s)
+                self._follow_membership()
+            except BaseException:
+                self.close()
+                raise
+
+    @classmethod
+    def rejoin(cls, rank: int, world_size: int, *, store: dist.Store | None = None, **options) -> Buffer:
+        """Restart rank `rank` of a running `world_size`-rank group on this host (transport "shm")
+        whose ranks masked it: a process started in place of a dead one (a plain restart with the
+        same RANK, or torchrun's agent restarting it) calls this with the options every rank built
+        its Buffer with (`options`: hidden, num_experts, ... as `Buffer`), instead of constructing.
+
+        It needs no process group: it finds the staying ranks through the job's rendezvous `store`
+        (default: a client of MASTER_ADDR:MASTER_PORT, where torchrun's agent or the launcher keeps
+        it), maps their segments through the files a live rank holds open, takes this rank's segment
+        over emptied, and waits (up to the construction deadline) until the staying ranks take it in
+        at the start of a dispatch they agree on. Its first call must be that dispatch (normal or
+        low-latency); the staying ranks' handles from before are refused. docs/reliability.md.
+        """
+        return cls(Rejoining.of(rank, world_size, store), **options)
 
     # -- construction -----------------------------------------------------------------------------
 
@@ -326,6 +350,8 @@ class Buffer:
             "ll_rows": "put" if registry.ENGINES[self.engine.name].device_kernels else "staged",
         }
         check_agreement(self._info, mine, "Buffer")
+        if self.transport == registry.SHM.name:
+            keep_agreed(self._info, mine, "Buffer")  # what a rank that rejoins checks its own against
 
     size_hint = staticmethod(size_hint)  # the shared memory a Buffer would map, before building it
 
@@ -500,6 +526,7 @@ class Buffer:
         then known without a host read. A cached dispatch pads as its handle's did.
         """
         exchange, faults = self._live(), self._faults
+        self._admit(exchange, self._ll, boundary=handle is None)
         call = self._calls.next("dispatch")
         times = call.timers
         try:
@@ -552,6 +579,7 @@ class Buffer:
     ) -> CombineResult:
         """Send expert outputs home; each token gets the plain float32 sum of its rows."""
         exchange, faults = self._live(), self._faults
+        self._admit(exchange, self._ll, boundary=False)
         call = self._calls.next("combine")
         times = call.timers
         try:
@@ -596,6 +624,7 @@ class Buffer:
         anything is sent.
         """
         ll = self._live_ll()
+        self._admit(self._live(), ll, boundary=True)
         call = self._calls.next("ll_dispatch")
         times = call.timers
         try:
@@ -635,6 +664,7 @@ class Buffer:
         result has x's dtype; `out` [N, H] receives it in place when given.
         """
         ll = self._live_ll()
+        self._admit(self._live(), ll, boundary=False)
         call = self._calls.next("ll_combine")
         times = call.timers
         try:
@@ -683,6 +713,16 @@ class Buffer:
     # -- shrinking around dead ranks ---------------------------------------------------------------
 
     @_one_at_a_time
+    def _admit(self, exchange: Exchange, low_latency: LowLatencyExchange | None, boundary: bool) -> None:
+        """A call's start: take restarted ranks back in where the staying ranks agreed to
+        (`Membership.admit`), and route to their copies again."""
+        if self._membership.admit(exchange, low_latency, self._calls, boundary):
+            self._follow_membership()
+
+    def _follow_membership(self) -> None:
+        """Map logical experts to copies on the ranks in, from the call after the latest change on."""
+        self._slots.leave_out(self._membership.masked, self._membership.after)
+
     def mask_ranks(self, ranks: Iterable[int]) -> None:
         """Leave `ranks` out of every later call (shrink around dead ranks); collective among the rest.
 
@@ -700,7 +740,7 @@ class Buffer:
         protocol ubep over "dist"'s fabric.
         """
         self._membership.mask(ranks, self._live(), self._ll, self._calls)
-        self._slots.leave_out(self._membership.masked, self._membership.after)  # later calls: live copies
+        self._follow_membership()
 
     def left_out(self, topk_idx: torch.Tensor) -> torch.Tensor:
         """bool [N, K]: the entries of a call's `topk_idx` (int64 [N, K], as passed to it) left out

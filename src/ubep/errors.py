@@ -105,6 +105,12 @@ class PartitionError(UbepError):
         self.lost = sorted(lost)
 
 
+class RejoinError(UbepError):
+    """A process restarted in a masked rank's place could not join the running group: no record of
+    it in the rendezvous store, no live rank holding its segments, a Buffer built otherwise, or the
+    old process still running."""
+
+
 class SharedMemorySizeError(ValueError):
     """A Buffer's shared segments do not fit this host's /dev/shm, its cgroup's memory limit or its
     available memory.

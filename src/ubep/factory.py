@@ -44,7 +44,7 @@ from ubep.schedule import DISTANCE
 from ubep.transport.base import Header, Region
 from ubep.transport.cuda import cuda_heap
 from ubep.transport.heap import Layout
-from ubep.transport.shm import shm_heap
+from ubep.transport.shm import Rejoining, rejoined_heap, shm_heap
 from ubep.transport.virtual import virtual_heap
 
 
@@ -97,8 +97,10 @@ HEAP_PROTOCOLS = {
 # virtual world's arenas, or each GPU's symmetric memory (the headers of every protocol whose halves
 # run as device kernels with it: those kernels stamp and poll them there).
 HEAPS = {
-    registry.SHM.name: lambda blocks, info, o, headers: shm_heap(
-        blocks, info.group, info.rank, info.world_size, o.timeout_s
+    registry.SHM.name: lambda blocks, info, o, headers: (
+        rejoined_heap(blocks, info.group, o.timeout_s)
+        if isinstance(info.group, Rejoining)
+        else shm_heap(blocks, info.group, info.rank, info.world_size, o.timeout_s)
     ),
     registry.VIRTUAL.name: lambda blocks, info, o, headers: virtual_heap(blocks, info.group, o.timeout_s),
     registry.CUDA.name: lambda blocks, info, o, headers: cuda_heap(

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import atexit
 import gc
+import json
 import os
 import platform
 import socket
@@ -24,6 +25,7 @@ from ubep.deadlines import PeerPids, collective_deadline, here
 from ubep.errors import CommTimeoutError, ConfigMismatchError
 from ubep.nodes import NodeMap
 from ubep.registry import AUTO, CUDA, DIST, HIER, LOCAL, SHM, TRANSPORTS, VIRTUAL, one_of
+from ubep.transport.shm import Rejoining, job_store
 from ubep.transport.virtual import VirtualRank
 
 SHM_ARCHES = ("x86_64", "amd64")
@@ -31,7 +33,7 @@ SHM_ARCHES = ("x86_64", "amd64")
 
 @dataclass(frozen=True, slots=True)
 class GroupInfo:
-    group: dist.ProcessGroup | VirtualRank | None
+    group: dist.ProcessGroup | VirtualRank | Rejoining | None
     rank: int
     world_size: int
     node_of_rank: tuple[int, ...]  # node index of each rank, numbered by first appearance
@@ -42,12 +44,13 @@ class GroupInfo:
         return len(set(self.node_of_rank))
 
 
-def join_group(group: dist.ProcessGroup | VirtualRank | None) -> GroupInfo:
+def join_group(group: dist.ProcessGroup | VirtualRank | Rejoining | None) -> GroupInfo:
     """Resolve `group`; under torchrun with no group initialised yet, join torchrun's.
 
-    A `VirtualRank` is one rank of a virtual world: all its ranks share this process and host.
+    A `VirtualRank` is one rank of a virtual world: all its ranks share this process and host. A
+    `Rejoining` process joins a running job of this host through its store, with no collective.
     """
-    if isinstance(group, VirtualRank):
+    if isinstance(group, VirtualRank | Rejoining):
         return GroupInfo(group, group.rank, group.world_size, (0,) * group.world_size)
     if group is None and not dist.is_initialized():
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:
@@ -90,6 +93,11 @@ def leave_group() -> None:
 
 def all_gather_object(info: GroupInfo, obj: Any) -> list[Any]:
     """Every rank's `obj`, in rank order (collective over the group, whichever kind it is)."""
+    if isinstance(info.group, Rejoining):
+        raise RuntimeError(
+            f"rank {info.rank} rejoined its group through the rendezvous store and holds no process group: "
+            "it cannot take part in a torch.distributed collective (stats(merge=True), set_placement)"
+        )
     if isinstance(info.group, VirtualRank):
         return info.group.world.all_gather(info.rank, obj)
     everyone: list[Any] = [None] * info.world_size
@@ -175,7 +183,10 @@ def check_agreement(info: GroupInfo, mine: dict[str, Any], what: str) -> None:
     """
     if info.world_size == 1:
         return
-    everyone = all_gather_object(info, mine)
+    if isinstance(info.group, Rejoining):
+        everyone = [mine, _agreed(info, what)]
+    else:
+        everyone = all_gather_object(info, mine)
     disagreements = []
     for field in mine:
         values = [cfg.get(field) for cfg in everyone]
@@ -191,6 +202,26 @@ def check_agreement(info: GroupInfo, mine: dict[str, Any], what: str) -> None:
         raise ConfigMismatchError(
             f"{what} on rank {info.rank}: ranks disagree on " + ", and on ".join(disagreements)
         )
+
+
+def agreed_key(world_size: int, what: str) -> str:
+    """Where the running job keeps what its ranks agreed on for `what` (the rendezvous store)."""
+    return f"ubep/rejoin/{world_size}/{what}"
+
+
+def keep_agreed(info: GroupInfo, mine: dict[str, Any], what: str) -> None:
+    """After an agreement on a real group: rank 0 keeps it in the job's store, for a process that
+    rejoins later (`Rejoining`) to check its own against. Nothing without a store."""
+    store = job_store() if info.rank == 0 and isinstance(info.group, dist.ProcessGroup | None) else None
+    if store is not None:
+        store.set(agreed_key(info.world_size, what), json.dumps(mine))
+
+
+def _agreed(info: GroupInfo, what: str) -> dict[str, Any]:
+    store, key = info.group.store, agreed_key(info.world_size, what)
+    if not store.check([key]):
+        raise ConfigMismatchError(f"{what} on rank {info.rank} (rejoining): the job's store holds no {what}")
+    return json.loads(store.get(key))
 
 
 def node_key() -> str:
@@ -245,6 +276,10 @@ def choose_transport(requested: str, info: GroupInfo) -> tuple[str, str]:
     one_of("transport", TRANSPORTS, requested)
     if info.world_size == 1:
         return LOCAL.name, LOCAL.summary
+    if isinstance(info.group, Rejoining):
+        if requested not in (AUTO, SHM.name):
+            raise ValueError(f"a rank rejoins a running group on transport {SHM.name!r}, not {requested!r}")
+        return SHM.name, f"rejoining a running {info.world_size}-rank job on this host's shared segments"
     if isinstance(info.group, VirtualRank):
         if requested not in (AUTO, VIRTUAL.name):
             raise ValueError(f"a virtual rank's group runs transport {VIRTUAL.name!r}, not {requested!r}")
@@ -286,7 +321,7 @@ def choose_transport(requested: str, info: GroupInfo) -> tuple[str, str]:
 def torch_group(group) -> dist.ProcessGroup | None:
     """The torch.distributed group a Buffer's construction will use, where it exists already (for
     its deadline); None for a virtual rank or where torch.distributed is not initialised."""
-    if isinstance(group, VirtualRank):
+    if isinstance(group, VirtualRank | Rejoining):
         return None
     if group is not None or not dist.is_initialized():
         return group

@@ -8,6 +8,9 @@ they own, and from which call on older handles are stale.
                                PartitionError: a split never leaves two groups going on
     every later call        -> [Membership.drop]  -> top-k entries of masked ranks' experts become -1
                                [Membership.around] -> a handle's sends to masked ranks left out
+    a call's start, ranks masked -> [Membership.admit] -> exchange.admissions / admit (a restarted
+                               rank taken back in, at the call the leader announced)
+    Buffer.rejoin (the restarted process) -> [Membership.join] -> exchange.join
 
 Legend: see `ubep.layout`.
 """
@@ -72,13 +75,7 @@ class Membership:
             return
         self._check_quorum(self.masked | gone, "mask_ranks")
         seq = exchange.mask(self.masked | gone, calls.seq)
-        calls.resume(seq)
-        if low_latency is not None:
-            low_latency.resume(seq)  # the calls before are over: their halves are free again
-        self.masked |= gone
-        masked = torch.tensor(sorted(self.masked), dtype=torch.int64, device=self._owners_E.device)
-        self.masked_E = torch.isin(self._owners_E, masked).to(self.masked_E.device)
-        self.after = self.stale_after = seq
+        self._resume(self.masked | gone, seq, low_latency, calls)
 
     def mask_failed(
         self,
@@ -99,19 +96,10 @@ class Membership:
         agreed = exchange.agree_to_mask(error, seq)
         if agreed is None:
             return frozenset()
-        calls.resume(agreed.seq)
-        if low_latency is not None:
-            low_latency.resume(agreed.seq)  # the calls before are over: their halves are free again
         self._check_quorum(agreed.gone, getattr(error, "phase", "call"))
         new = agreed.gone - self.masked
-        self.masked = agreed.gone
-        masked = torch.tensor(sorted(self.masked), dtype=torch.int64, device=self._owners_E.device)
-        self.masked_E = torch.isin(self._owners_E, masked).to(self.masked_E.device)
-        self.after = agreed.seq
-        if not agreed.in_step:
-            self.stale_after = agreed.seq
-            return frozenset()
-        return new
+        self._resume(agreed.gone, agreed.seq, low_latency, calls, stale=not agreed.in_step)
+        return new if agreed.in_step else frozenset()
 
     def _check_quorum(self, gone: frozenset[int], phase: str) -> None:
         """PartitionError (and this rank retires) where the ranks that stay, `gone` left out, hold no
@@ -131,6 +119,55 @@ class Membership:
             "never leaves two groups going on",
             lost,
         )
+
+    def admit(
+        self, exchange: Exchange, low_latency: LowLatencyExchange | None, calls: CallCounter, boundary: bool
+    ) -> bool:
+        """At a call's start, ranks being masked: where `boundary` (a call that takes no handle: a
+        dispatch routed anew, a low-latency dispatch), take back in the restarted ranks every staying
+        rank admits before this call (`Heap.admissions`). All resume after the call before, so handles
+        and pending receive halves from before are refused, as after a mask. Returns whether the
+        membership changed (the caller's copy map then follows it)."""
+        if not self.masked:
+            return False
+        ranks = exchange.admissions(calls.seq + 1, boundary)
+        if not ranks:
+            return False
+        taken = exchange.admit(ranks, calls.seq + 1)  # none: a joiner died, masked again
+        self._resume(self.masked - taken, calls.seq, low_latency, calls)
+        return True
+
+    def join(
+        self,
+        exchange: Exchange,
+        low_latency: LowLatencyExchange | None,
+        calls: CallCounter,
+        deadline_s: float,
+    ) -> None:
+        """This process restarts a masked rank (`Buffer.rejoin`): join the staying ranks at the call
+        they agree on, and take over their membership and call numbers."""
+        agreed = exchange.join(deadline_s)
+        self._resume(agreed.gone, agreed.seq, low_latency, calls)
+
+    def _resume(
+        self,
+        masked: Iterable[int],
+        seq: int,
+        low_latency: LowLatencyExchange | None,
+        calls: CallCounter,
+        stale: bool = True,
+    ) -> None:
+        """Go on from call `seq` with `masked` left out; handles from before are refused where `stale`
+        (a mask inside a call every staying rank failed alike keeps them good)."""
+        calls.resume(seq)
+        if low_latency is not None:
+            low_latency.resume(seq)  # the calls before are over: their halves are free again
+        self.masked = frozenset(masked)
+        masked_R = torch.tensor(sorted(self.masked), dtype=torch.int64, device=self._owners_E.device)
+        self.masked_E = torch.isin(self._owners_E, masked_R).to(self.masked_E.device)
+        self.after = seq
+        if stale:
+            self.stale_after = seq
 
     def around(self, handle: DispatchHandle) -> DispatchHandle:
         """`handle` without its sends to masked ranks: a combine after a mask inside a call sums what
@@ -176,7 +213,5 @@ class Membership:
         """Handles from dispatches before the latest `mask_ranks` may route through masked ranks, and
         may not have completed on every staying rank: refused."""
         if dispatch_seq <= self.stale_after:
-            raise ValueError(
-                f"handle comes from a dispatch before rank(s) {sorted(self.masked)} were masked; "
-                "dispatch again to route around them"
-            )
+            said = f"rank(s) {sorted(self.masked)} were masked" if self.masked else "ranks were taken back in"
+            raise ValueError(f"handle comes from a dispatch before {said}; dispatch again to route anew")
