@@ -712,7 +712,6 @@ class Buffer:
 
     # -- shrinking around dead ranks ---------------------------------------------------------------
 
-    @_one_at_a_time
     def _admit(self, exchange: Exchange, low_latency: LowLatencyExchange | None, boundary: bool) -> None:
         """A call's start: take restarted ranks back in where the staying ranks agreed to
         (`Membership.admit`), and route to their copies again."""
@@ -723,6 +722,7 @@ class Buffer:
         """Map logical experts to copies on the ranks in, from the call after the latest change on."""
         self._slots.leave_out(self._membership.masked, self._membership.after)
 
+    @_one_at_a_time
     def mask_ranks(self, ranks: Iterable[int]) -> None:
         """Leave `ranks` out of every later call (shrink around dead ranks); collective among the rest.
 
