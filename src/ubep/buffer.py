@@ -672,7 +672,9 @@ class Buffer:
         (`handle.num_dropped` counts them on the tokens' rank) and combine sums the rest;
         handles from before the mask are refused, and a low-latency receive half still pending
         from before it must not be run. A rank that masks itself leaves: its Buffer takes no
-        further call. Needs a shared-heap transport ("shm", "virtual").
+        further call. Needs a shared-heap transport ("shm", "virtual"), protocol ubep over the
+        fabric ("dist"), or "hier" where whole nodes are masked (one rank of a node whose other
+        ranks stay: NotImplementedError naming it).
         """
         self._membership.mask(ranks, self._live(), self._ll, self._calls)
 
