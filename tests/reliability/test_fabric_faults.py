@@ -439,11 +439,11 @@ def test_a_message_whose_trailer_never_matches_is_named():
     check_hostile(outcomes)
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(CASE_S)
 @NO_ZMQ
 def test_a_message_shorter_than_its_frame_is_named():
     """zmq: ZeroMQ delivers a message whole, so its length is checked against its frame's."""
-    outcomes = ubep.LocalLaunch(world_size=R, timeout_s=100).outcomes(
+    outcomes = ubep.LocalLaunch(world_size=R, timeout_s=LAUNCH_S).outcomes(
         hostile_peer, "zmq", "dispatch", "cut", 0
     )
     check_hostile(outcomes)
