@@ -736,8 +736,9 @@ class Buffer:
         further call. Ranks that would keep no quorum of the ranks in (a strict majority, or exactly
         half with the lowest) raise PartitionError instead, and take no further call: a split
         never leaves two groups going on. With a placement, later calls send each logical expert's
-        pairs to a copy on a staying rank. Needs a shared-heap transport ("shm", "virtual") or
-        protocol ubep over "dist"'s fabric.
+        pairs to a copy on a staying rank. Needs a shared-heap transport ("shm", "virtual"),
+        protocol ubep over the fabric ("dist"), or "hier" where whole nodes are masked (one rank
+        of a node whose other ranks stay: NotImplementedError naming it).
         """
         self._membership.mask(ranks, self._live(), self._ll, self._calls)
         self._follow_membership()
