@@ -231,8 +231,6 @@ def test_survivors_of_killed_and_stopped_ranks_and_hosts_stay_exact(transport):
     counts = run_episodes(transport, EPISODES, first_seed=int(os.environ.get("UBEP_EPISODE_SEED", "0")))
     print(summary(transport, counts))
     assert counts["hangs"] == 0 and counts["crashes"] == [] and counts["wrong"] == [], counts
-    kills = [s for a, s in counts["recovery_s"] if a == "kill"]
-    assert all(s < TIMEOUT_S for s in kills), counts["recovery_s"]  # a death is seen before the deadline
 
 
 def test_every_expert_is_on_two_hosts_and_a_dead_host_loses_none():
