@@ -190,7 +190,14 @@ def run_episodes(transport: str, episodes: int, first_seed: int = 0) -> dict:
         outcomes = launch.outcomes(episode_rank, seed, transport, fault)
         counts["episodes"] += 1
         where = f"episode {seed} {fault}"
-        print(where, [o.cause for o in outcomes], flush=True)  # a long run's log, episode by episode
+        said = [
+            (o.error or "").strip().splitlines()[-1:]
+            for o in outcomes
+            if not o.ok and o.rank not in fault.victims
+        ]
+        print(
+            where, [o.cause for o in outcomes], said[:1], flush=True
+        )  # a long run's log, episode by episode
         for o in outcomes:
             if o.rank in fault.victims:
                 if o.cause != "died":
@@ -208,6 +215,7 @@ def run_episodes(transport: str, episodes: int, first_seed: int = 0) -> dict:
                 counts["dropped"] += o.result["dropped"]
                 if (seconds := recovery_s(fault, o.result)) is not None:
                     counts["recovery_s"].append((fault.action, seconds))
+        print(where, "crashes so far:", counts["crashes"][-3:], flush=True)
         print(summary(transport, counts), flush=True)
     return counts
 
