@@ -37,7 +37,7 @@ from ubep.layout import ExpertPlacement
 from ubep.transport.segments import KNOBS
 
 SINGLE_HOST = ("bsp-shm", "mpi", LL_ROW)  # no row across emulated nodes
-ACROSS_ONLY = ("hier-bsp", "ubep-gloo", "ubep-nixl")  # rows of the exchange between nodes
+ACROSS_ONLY = ("hier-bsp", "ubep-gloo", "ubep-nixl", "ubep-tiers", "ubep-dist")  # rows between nodes
 NORMAL_ONLY = ("bsp-shm", "mpi")  # no low-latency mode
 STOP_S = 30.0  # how long a stopped group gets to wind down
 
@@ -83,6 +83,12 @@ def select_systems(cfg: BenchConfig, mpi: tuple[bool, str]) -> tuple[tuple[str, 
             "ubep-gloo and ubep-nixl the same over gloo and nixl, hier-bsp "
             "the same transport's rail all-to-alls, bsp-gloo the flat all-to-all"
             + (f"; no {', '.join(single_host)} row (one host only)" if single_host else "")
+        )
+    if cfg.racks > 1:
+        notes.append(
+            f"{cfg.racks} racks of {cfg.nodes // cfg.racks} hosts: ubep-tiers runs transport tiers (a token "
+            "crosses between racks once per rack, then between hosts once per host), ubep-dist every peer "
+            "directly over the default fabric"
         )
     if cfg.mode == "ll":
         unsupported = [s for s in systems if s in NORMAL_ONLY]
