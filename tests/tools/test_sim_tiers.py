@@ -69,3 +69,25 @@ def test_racks_need_their_uplinks_rate_and_must_divide_the_hosts():
             SystemExit, match=r"--racks \(\d\) must divide --hosts \(4\), with --rack-link-rate"
         ):
             main(["bench", "--hosts", "4", "--racks", racks, "--rack-link-rate", rate, "--tokens", "8"])
+
+
+def test_the_bytes_crossing_hosts_are_boundary_bytes_for_flat_and_per_host():
+    """Across hosts (either tier), the flat and the per-host schedules move what
+    `bsp_hier.boundary_bytes` counts (its dedup and flat counts are checked against the rows the
+    exchanges really send), on a random routing of 2 racks of 2 hosts of 2 ranks."""
+    import torch
+
+    from ubep import routing
+    from ubep.across.collectives.bsp_hier import boundary_bytes
+    from ubep.layout import ExpertPlacement, token_in_rank
+
+    gen, placement = torch.Generator().manual_seed(4), ExpertPlacement.contiguous(32, 8)
+    idxs = [routing.make("uniform", 24, 32, K, gen) for _ in range(8)]
+    hit = np.stack([token_in_rank(i, placement).numpy() for i in idxs])
+    counted = boundary_bytes(idxs, placement, [r // 2 for r in range(8)], H, torch.bfloat16)
+    for schedule, kind in (("dist", "flat"), ("hier", "dedup")):
+        got = tier_bytes(schedule, STACK, hit, H, ITEM, K)
+        want = sum(counted[f"dispatch_bytes_{kind}"]) + sum(counted[f"combine_bytes_{kind}"])
+        assert got["slow"] + got["fast"] == want, (schedule, got, want)
+    tiers = tier_bytes("tiers", STACK, hit, H, ITEM, K)
+    assert tiers["slow"] < tier_bytes("hier", STACK, hit, H, ITEM, K)["slow"]
