@@ -262,12 +262,12 @@ class TierFabric(HierFabric):
     def _held_routing(self, call: CallId, peer: int, meta_nB: torch.Tensor, K: int):
         """(source ids [n, 2], global top-k ids [n, K], weights [n, K]) of a host-rail peer's rows,
         copied out and checked: a source rank outside [0, R) blames the peer, then as `_routing`."""
-        ids_n2, rest_nB = columns(meta_nB, [(torch.int64, 1)])[0], meta_nB[:, 8:]
+        rank_n1, rest_nB = columns(meta_nB, [(torch.int64, 1)])[0], meta_nB[:, 8:]
         R = self.sizing.num_ranks
-        if ids_n2.numel() and (ids_n2.min() < 0 or ids_n2.max() >= R):
+        if rank_n1.numel() and (rank_n1.min() < 0 or rank_n1.max() >= R):
             raise self._bad(call, peer, f"dispatch: rank {peer} relays source ranks outside [0, {R})")
         token_n, idx_nK, w_nK = self._routing(call, peer, rest_nB, K)
-        return torch.cat([ids_n2, token_n[:, None]], dim=1), idx_nK, w_nK
+        return torch.cat([rank_n1, token_n[:, None]], dim=1), idx_nK, w_nK
 
     def _dispatch_cached_over_fabric(self, call, plan: SendPlan, x_NX, handle: DispatchHandle) -> Received:
         """The same rows cross the three tiers again, x only: the routing is in the handle."""
