@@ -175,6 +175,9 @@ class Buffer:
             ranks; `left_out` says which top-k entries that dropped; with a placement, the pairs of
             a lost copy go to a live one; a side without a quorum raises PartitionError).
             docs/reliability.md.
+        racks: how many racks the hosts stand in (default 1), each holding the same number of
+            consecutive hosts (by node index); transport "tiers" crosses between racks once per token
+            and rack, then between the hosts of a rack once per token and host. docs/multinode.md.
 
     transport, protocol, timeout_s, engine, stats, ll_flag, capturable, fabric, call_timers and
     on_peer_failure left as None come from the environment (UBEP_TRANSPORT, UBEP_PROTOCOL,
@@ -206,6 +209,7 @@ class Buffer:
         fabric: str | None = None,
         call_timers: bool | None = None,
         on_peer_failure: str | None = None,
+        racks: int = 1,
     ):
         log = settings.configure_logging()
         self._settings = settings.resolve(
@@ -232,6 +236,7 @@ class Buffer:
         validate.positive("max_topk", max_topk)
         registry.one_of("protocol", registry.PROTOCOLS, protocol, auto=False)
         validate.positive("workers", workers)
+        validate.positive("racks", racks)
         if schedule not in POLICIES:
             raise ValueError(f"schedule must be one of {POLICIES}, got {schedule!r}")
         if ll_flag not in FLAGS:
@@ -257,6 +262,7 @@ class Buffer:
         self.protocol = protocol
         self.low_latency = bool(low_latency)
         self.workers, self.schedule = workers, schedule
+        self.racks = racks
         self.transport, self._transport_reason = choose_transport(transport, self._info)
         on_gpu = registry.TRANSPORTS[self.transport].on_device
         self.device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else CPU
@@ -275,6 +281,7 @@ class Buffer:
                 ll_flag=ll_flag,
                 capturable=self.capturable,
                 fabric=fabric,
+                racks=racks,
             )
             exchanges = build(self._info, self.sizing, options, self.engine, self._faults)
             self._exchange: Exchange | None = exchanges[0]
@@ -342,6 +349,7 @@ class Buffer:
             "protocol": self.protocol,
             "transport": requested_transport,
             "fabric": self._settings["fabric"].value,  # a rank on another engine would wait for ever
+            "racks": self.racks,  # the tiers' rails
             "expert_placement": self.sizing.placement.rank_of_expert_E.tolist(),
             "low_latency": self.low_latency,
             "ll_flag": self.ll_flag,  # the slots' layout

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from ubep.deadlines import PeerPids, collective_deadline, here
 from ubep.errors import CommTimeoutError, ConfigMismatchError
 from ubep.nodes import NodeMap
-from ubep.registry import AUTO, CUDA, DIST, HIER, LOCAL, SHM, TRANSPORTS, VIRTUAL, one_of
+from ubep.registry import AUTO, CUDA, DIST, HIER, LOCAL, SHM, TIERS, TRANSPORTS, VIRTUAL, one_of
 from ubep.transport.shm import Rejoining, job_store
 from ubep.transport.virtual import VirtualRank
 
@@ -300,6 +300,11 @@ def choose_transport(requested: str, info: GroupInfo) -> tuple[str, str]:
             f"one rank on each of {info.num_nodes} hosts: no token has two destinations on one host, so "
             "hier's one crossing per host saves nothing; every peer directly sends fewer bytes"
         )
+    if requested == TIERS.name:
+        tiers_ok, tiers_why = hier_supported(info)
+        if not tiers_ok:
+            raise ValueError(f"transport='tiers' is not available: {tiers_why}")
+        return TIERS.name, f"requested: {tiers_why}, one crossing per token and rack between racks"
     if requested == HIER.name or (requested == AUTO and info.num_nodes > 1):
         hier_ok, hier_why = hier_supported(info)
         if hier_ok:

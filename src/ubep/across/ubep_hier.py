@@ -88,6 +88,7 @@ class HierFabric(HierExchange):
             "shared memory within a node"
         )
         self._told = 0  # the last call this rank told its rail peers it gave up on
+        self.most_rows = sizing.capacity  # the most rows one rail message carries
 
     def _rail_peers(self) -> list[tuple[int, int]]:
         """(slot, rank) of every other node's rank on this rank's rail, from the next slot on; a masked
@@ -212,9 +213,17 @@ class HierFabric(HierExchange):
         peer's rows go into place the moment they land."""
         r: HierRoute = handle.route
         mine = self._header(call, handle=handle.seq, dtype=DTYPE_CODES[x_NX.dtype])
-        at_G, relay_at = prefix_offsets(r.send_counts_G), prefix_offsets(r.relay_counts_G)
         self.fabric.begin(call)
         lap(call.timers, "between")
+        self._relay_cached(call, mine, x_NX, r)
+        recv_x_MX = self._gather_rows(call, x_NX, r, handle.recv_prefix_R1)
+        return Received.unpacking(plan, recv_x_MX, None, None, handle.recv)
+
+    def _relay_cached(self, call: CallId, mine: torch.Tensor, x_NX: torch.Tensor, r: HierRoute) -> None:
+        """A cached dispatch's crossing of the rail: rows `r.send_token_S` of `x_NX` to the rail peers,
+        each peer's rows into this rank's forward set as they land, then rows `r.own_token_O`; DATA
+        stamped."""
+        at_G, relay_at = prefix_offsets(r.send_counts_G), prefix_offsets(r.relay_counts_G)
         for g, peer in self._rail_peers():
             a, z = int(at_G[g]), int(at_G[g + 1])
             self._send_rows(call, "hier_dispatch", peer, mine, None, x_NX, r.send_token_S[a:z])
@@ -223,7 +232,7 @@ class HierFabric(HierExchange):
         fwd_FX, S = t.view(b.x, me, call), int(r.relay_counts_G.sum())
         for msg in self._landed("hier_dispatch", call, mine):
             peer, slot = msg.peer, self.rail.index(msg.peer)
-            n = self._count(call, msg, self.sizing.capacity, H * x_NX.element_size())
+            n = self._count(call, msg, self.most_rows, H * x_NX.element_size())
             if n != int(r.relay_counts_G[slot]):
                 said = f"sends {n} rows here, this rank's handle expects {int(r.relay_counts_G[slot])}"
                 raise self._bad(
@@ -237,12 +246,11 @@ class HierFabric(HierExchange):
         self.engine.copy_rows(x_NX, r.own_token_O, rows(fwd_FX, own, x_NX.dtype, H, first=S), None)
         t.publish(b.data, call, {"count": S + own, "dtype": DTYPE_CODES[x_NX.dtype]})
         lap(call.timers, "forward")
-        recv_x_MX = self._gather_rows(call, x_NX, r, handle.recv_prefix_R1)
-        return Received.unpacking(plan, recv_x_MX, None, None, handle.recv)
 
-    def _landed(self, lane: str, call: CallId, mine: torch.Tensor):
-        """Each rail peer's message of `call` on `lane` as it lands, its call header checked."""
-        peers = [p for _, p in self._rail_peers()]
+    def _landed(self, lane: str, call: CallId, mine: torch.Tensor, peers: list[int] | None = None):
+        """Each rail peer's (or each of `peers`') message of `call` on `lane` as it lands, its call
+        header checked."""
+        peers = [p for _, p in self._rail_peers()] if peers is None else peers
         differ = other_call_check(call, self.me, mine)
         arrivals = self.fabric.arrivals(lane, call, peers, f"{call.kind} (across nodes)", differ)
         for msg in timed(arrivals, call.timers):
@@ -317,7 +325,7 @@ class HierFabric(HierExchange):
         for msg in self._landed("hier_combine", call, mine):
             slot = self.rail.index(msg.peer)
             want = int(route.send_counts_G[slot])
-            n = self._count(call, msg, self.sizing.capacity, 4 * Y)
+            n = self._count(call, msg, self.most_rows, 4 * Y)
             if n != want:
                 raise self._bad(
                     call, msg.peer, f"combine: rank {msg.peer} returned {n} partials, expected {want}"
