@@ -190,15 +190,17 @@ def test_a_rank_late_within_the_deadline_is_never_masked():
     assert ubep.LocalLaunch(world_size=WORLD, timeout_s=100).run(late_within_the_deadline) == [[]] * WORLD
 
 
-def suspecting(rank: VirtualRank, suspects: dict[int, int], done: threading.Barrier) -> str:
+def suspecting(
+    rank: VirtualRank, suspects: dict[int, int], done: threading.Barrier, timeout_s: float = 5.0
+) -> str:
     """Rank r's call fails naming rank suspects[r] as silent; the staying ranks agree on the union,
-    and go on exact without it. A rank that does not call (absent from `suspects`) is the dead one."""
-    with buffer(rank, "ubep", timeout_s=5, on_peer_failure="mask") as buf:
+    and go on exact without it. A rank that does not call (absent from `suspects`) is a dead one."""
+    with buffer(rank, "ubep", timeout_s=timeout_s, on_peer_failure="mask") as buf:
         normal_call(buf, 0, set())
         done.wait()  # every rank finished the call before any masks (a masked rank's reads must fail)
         if rank.rank not in suspects:
             return "dead"
-        failed = CommTimeoutError("dispatch (tokens)", [suspects[rank.rank]], 5.0, [])
+        failed = CommTimeoutError("dispatch (tokens)", [suspects[rank.rank]], timeout_s, [])
         try:
             buf._membership.mask_failed(failed, buf._exchange, buf._ll, buf._calls, buf._calls.seq)
         except ubep.MaskedOutError:
@@ -215,6 +217,17 @@ def test_the_staying_ranks_agree_on_the_union_of_what_each_detected():
     done = threading.Barrier(4)
     got = VirtualWorld(4, timeout_s=50).run(lambda rank: suspecting(rank, {0: 3, 1: 2, 2: 3}, done))
     assert got == ["[2, 3]", "[2, 3]", "masked out", "dead"], got
+
+
+@pytest.mark.timeout(60)
+def test_a_rank_found_dead_during_the_agreement_joins_the_union_every_staying_rank_holds():
+    """Ranks 3 and 4 of 5 (a host's worth) die; ranks 0-2 each saw only rank 3 fail, and meet rank 4's
+    silence inside the agreement: each adds it to the union and says so in its record, so all three
+    mask exactly 3 and 4 (a rank that added it without saying so left the others waiting for a
+    record that never came, until each masked every other rank: groups of one)."""
+    done = threading.Barrier(5)
+    got = VirtualWorld(5, timeout_s=50).run(lambda rank: suspecting(rank, {0: 3, 1: 3, 2: 3}, done, 2.0))
+    assert got == ["[3, 4]", "[3, 4]", "[3, 4]", "dead", "dead"], got
 
 
 def two_die_at_once(transport: str, fabric: str) -> dict:

@@ -704,6 +704,8 @@ class Heap:
                 waiter.pause(pending)
             except CommTimeoutError as late:  # died, or fell silent, while the others agreed
                 gone |= set(late.dead_peers or late.peers)
+                publish()  # the union grew here: the others wait for a record that holds it
+                waiter = None
         stay = [r for r in range(self.num_ranks) if r not in gone]
         seqs = {int(self._members[r][g % 2][1]) for r in stay}
         self.generation = g
