@@ -683,7 +683,9 @@ class Buffer:
         if times is not None:
             times.lap("validate")
         if got.plan is None:  # the send half checks the handle and topk_idx's values, and routes
-            receive = ll.combine_rows(call, got.x, got.topk_weights_NK, handle, got.out_NH, got.topk_idx_NK)
+            receive = ll.combine_rows(
+                call, got.x, got.topk_weights_NK, got.handle, got.out_NH, got.topk_idx_NK
+            )
         else:
             receive = ll.combine_send(call, got.plan, got.out_NH)
         event, hook = receive_later(

@@ -46,9 +46,12 @@ Route = Callable[..., tuple[torch.Tensor, torch.Tensor]]  # the engine's compile
 @dataclass(frozen=True, kw_only=True, slots=True)
 class LLCombineInputs:
     """A low-latency combine's checked inputs: x [L, R * T, H], topk_idx and weights [N, K], `out`
-    [N, H], and the host-built plan (None on the device halves, whose send kernel plans)."""
+    [N, H], the handle as this call uses it (its topk_idx without the ranks masked inside a call
+    since its dispatch, as topk_idx), and the host-built plan (None on the device halves, whose
+    send kernel plans)."""
 
     x: torch.Tensor
+    handle: LowLatencyHandle
     topk_idx_NK: torch.Tensor
     topk_weights_NK: torch.Tensor
     out_NH: torch.Tensor
@@ -289,4 +292,4 @@ class Planner:
             if tuple(out.shape) != (N, H) or not out.is_contiguous():
                 raise ValueError(f"out must be a contiguous [{N}, {H}] tensor")
         plan = None if routed else combine_plan(x, w, handle, self.sizing.placement, compiled)
-        return LLCombineInputs(x=x, topk_idx_NK=idx, topk_weights_NK=w, out_NH=out, plan=plan)
+        return LLCombineInputs(x=x, handle=handle, topk_idx_NK=idx, topk_weights_NK=w, out_NH=out, plan=plan)

@@ -56,8 +56,9 @@ def checked_pair(buf: ubep.Buffer, seed: int) -> set[int]:
     return at_combine
 
 
-def checked_ll_pair(buf: ubep.Buffer, seed: int) -> set[int]:
-    """One low-latency dispatch and combine, each checked as `checked_pair` checks its calls."""
+def checked_ll_pair(buf: ubep.Buffer, seed: int, between=None) -> set[int]:
+    """One low-latency dispatch and combine, each checked as `checked_pair` checks its calls;
+    `between()`, when given, runs after the dispatch."""
     me, R = buf.rank, buf.num_ranks
     E = NUM_EXPERTS_PER_RANK * R
     xs, idxs, ws = inputs(seed, R)
@@ -68,10 +69,14 @@ def checked_ll_pair(buf: ubep.Buffer, seed: int) -> set[int]:
     where = f"low-latency call {seed} rank {me} masked {sorted(at_dispatch)}"
     check_dispatch(got, ref[me], None, LLCase(name="mask"), R, where)
     ys = [expert_output(r.recv_x_LMX, rank) for rank, r in enumerate(ref)]
+    if between is not None:
+        between()
     out = buf.low_latency_combine(ys[me], idxs[me], ws[me], got.handle)
     at_combine = set(buf.masked_ranks)
     _, ri_now, _ = reference.without_ranks(xs, idxs, ws, at_combine, E)  # masked inside: its rows left out
-    assert torch.equal(out.combined_x, reference.low_latency_combine(ys, ref, ri_now, rw)[me]), where
+    # a rank masked inside the combine: its own tokens (gone from ri_now) are its dispatch's, unused here
+    homes = [ri[r] if r in at_combine - at_dispatch else ri_now[r] for r in range(R)]
+    assert torch.equal(out.combined_x, reference.low_latency_combine(ys, ref, homes, rw)[me]), where
     assert torch.equal(buf.left_out(idxs[me]), (idxs[me] >= 0) & (ri_now[me] < 0)), where
     return at_combine
 
@@ -170,6 +175,40 @@ def test_a_rank_killed_before_a_low_latency_dispatch_is_masked_inside_it(transpo
         killed_in_low_latency, 3.0, transport
     )
     check_survivors(outcomes, "died")
+
+
+def killed_before_a_low_latency_combine() -> dict:
+    """Rank DEAD kills itself after the 4th low-latency pair's dispatch, which every rank finished:
+    every survivor expects rows from it (`inputs(3, 3)` routes each to its experts), so all fail
+    that combine alike, mask it inside, and finish the combine again from the dispatch's handle,
+    its entries there dropped."""
+    with buffer(None, "ubep", timeout_s=3.0, on_peer_failure="mask") as buf:
+        for seed in range(3):
+            checked_ll_pair(buf, seed)
+
+        def die() -> None:
+            dist.barrier()  # every rank finished the dispatch
+            if buf.rank == DEAD:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        _, idxs, _ = inputs(3, WORLD)
+        L = NUM_EXPERTS_PER_RANK
+        routed = bool(((idxs[buf.rank] >= DEAD * L) & (idxs[buf.rank] < (DEAD + 1) * L)).any())
+        met = {"ranks": sorted(checked_ll_pair(buf, 3, die)), "routed to it": routed}
+        for seed in range(100, 100 + LL_CALLS_AFTER):
+            checked_ll_pair(buf, seed)
+        checked_pair(buf, 200)
+    return met
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_killed_before_a_low_latency_combine_is_masked_and_the_combine_finishes():
+    outcomes = ubep.LocalLaunch(world_size=WORLD, timeout_s=100).outcomes(killed_before_a_low_latency_combine)
+    assert outcomes[DEAD].cause == "died", outcomes[DEAD]
+    for o in outcomes:
+        if o.rank != DEAD:
+            assert o.ok, (o.rank, o.cause, o.error)
+            assert o.result == {"ranks": [DEAD], "routed to it": True}, (o.rank, o.result)
 
 
 def late_within_the_deadline() -> list[int]:
