@@ -730,7 +730,8 @@ class Buffer:
 
     def _follow_membership(self) -> None:
         """Map logical experts to copies on the ranks in, from the call after the latest change on."""
-        self._slots.leave_out(self._membership.masked, self._membership.after)
+        m = self._membership
+        self._slots.leave_out(m.masked, m.after, m.stale_after)
 
     @_one_at_a_time
     def mask_ranks(self, ranks: Iterable[int]) -> None:

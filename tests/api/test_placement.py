@@ -330,3 +330,34 @@ def test_bench_placement_rows_are_checked_and_timed(tmp_path):
     rows = {r["system"]: r for r in json.loads(out.read_text())["results"]}
     assert set(rows) == {"ubep", "ubep+eplb", "ubep+placed"}  # each verified against the reference first
     assert all(r["boundary_bytes"] > 0 and r["vs_ubep"] > 0 for r in rows.values())
+
+
+def test_a_combine_maps_as_its_dispatch_did_after_two_masks_inside_one_call():
+    """A low-latency combine repeats its dispatch's copy map (`PlacedSlots.physical_at`): a host's two
+    ranks found dead one round after the other inside the combine mask twice before it runs again,
+    and the map from before both masks, not the one between them, is the dispatch's."""
+    from ubep.bench.elastic import copied_placement
+    from ubep.layout import ExpertPlacement
+    from ubep.placement.slots import PlacedSlots
+
+    placement = copied_placement(12, 3, 2, 4)  # 3 hosts of 2 ranks, every expert on two hosts
+    nodes = [0, 0, 1, 1, 2, 2]
+
+    def slots(masked: frozenset[int]) -> PlacedSlots:
+        s = PlacedSlots(ExpertPlacement.contiguous(24, 6), 0, nodes)
+        s.hold(placement, 0)
+        if masked:
+            s.leave_out(masked, 0, 0)
+        return s
+
+    ids_NK = torch.arange(12, dtype=torch.int64, device="cpu").view(3, 4)
+    whole, between = slots(frozenset()).physical(ids_NK), slots(frozenset({3})).physical(ids_NK)
+    assert not torch.equal(whole, between)  # rank 0 reaches some expert's nearest copy on rank 3
+    held = slots(frozenset())
+    held.leave_out(frozenset({3}), 7, 0)  # the combine, call 8, masks rank 3: resume after 7
+    held.leave_out(frozenset({2, 3}), 8, 0)  # its run again, call 8, masks rank 2 too
+    assert torch.equal(held.physical_at(ids_NK, 6), whole)  # dispatch 6: before both masks
+    assert torch.equal(held.physical_at(ids_NK, 8), between)
+    assert torch.equal(held.physical_at(ids_NK, 9), slots(frozenset({2, 3})).physical(ids_NK))
+    held.leave_out(frozenset({2, 3, 5}), 12, 10)  # a mask that made handles up to 10 stale
+    assert [last for last, _ in held.maps_before] == [12]  # the maps only refused handles used: gone

@@ -21,7 +21,7 @@ from ubep.placement.table import Placement
 class PlacedSlots:
     """The placement a Buffer holds (None: ids are the slots'), this rank's map to the nearest live
     copy, the last call before the placement changed (a cached dispatch from then is stale), and the
-    map before the latest mask, for a low-latency combine whose dispatch used it."""
+    maps before each mask since, for a low-latency combine whose dispatch used one of them."""
 
     def __init__(self, slots: ExpertPlacement, rank: int, node_of_rank: list[int]):
         self.slots, self.rank, self.node_of_rank = slots, rank, list(node_of_rank)
@@ -29,8 +29,9 @@ class PlacedSlots:
         self.copy_map: CopyMap | None = None
         self.changed_after = 0
         self.masked: frozenset[int] = frozenset()
-        self.remapped_after = 0  # the last call whose dispatch mapped through `map_before`
-        self.map_before: CopyMap | None = None
+        # (last call, map) per mask since the placement: the dispatches up to that call mapped through
+        # it; a call that masks twice (a host's ranks found dead one round after the other) adds two
+        self.maps_before: list[tuple[int, CopyMap | None]] = []
 
     def check(self, placement: Placement | None) -> None:
         """ValueError where `placement` does not lay out this Buffer's slots, contiguously."""
@@ -63,14 +64,17 @@ class PlacedSlots:
         if (None if placement is None else placement.digest()) != self.digest():
             self.changed_after = seq  # older handles route to the old slots
         self.placement = placement
-        self.copy_map, self.remapped_after = self._map(), 0  # older handles: as `changed_after` says
+        self.copy_map, self.maps_before = self._map(), []  # older handles: as `changed_after` says
 
-    def leave_out(self, masked: frozenset[int], seq: int) -> None:
+    def leave_out(self, masked: frozenset[int], seq: int, stale_after: int) -> None:
         """From the call after `seq` on, map each logical expert to its nearest copy on a rank not
-        `masked` (where it has one): a lost copy's tokens go to a live copy instead of being dropped."""
+        `masked` (where it has one): a lost copy's tokens go to a live copy instead of being dropped.
+        The maps only handles up to `stale_after` used are let go: those handles are refused."""
         if masked == self.masked:
             return
-        self.masked, self.remapped_after, self.map_before = masked, seq, self.copy_map
+        self.maps_before.append((seq, self.copy_map))
+        self.maps_before = [(last, m) for last, m in self.maps_before if last > stale_after]
+        self.masked = masked
         self.copy_map = self._map()
 
     def check_live(self, placement: Placement | None) -> None:
@@ -98,8 +102,8 @@ class PlacedSlots:
 
     def physical_at(self, topk_idx: torch.Tensor, seq: int) -> torch.Tensor:
         """topk_idx as slot ids, mapped as the dispatch of call `seq` mapped it (a low-latency combine
-        repeats its dispatch's map, though a mask inside a call changed it since)."""
-        copy_map = self.map_before if seq <= self.remapped_after else self.copy_map
+        repeats its dispatch's map, though masks inside calls changed it since, once or more)."""
+        copy_map = next((m for last, m in self.maps_before if seq <= last), self.copy_map)
         return topk_idx if copy_map is None else copy_map(topk_idx)
 
     def physical(self, topk_idx: torch.Tensor) -> torch.Tensor:
