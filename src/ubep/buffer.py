@@ -754,14 +754,20 @@ class Buffer:
         self._membership.mask(ranks, self._live(), self._ll, self._calls)
         self._follow_membership()
 
-    def left_out(self, topk_idx: torch.Tensor) -> torch.Tensor:
+    def left_out(
+        self, topk_idx: torch.Tensor, handle: DispatchHandle | LowLatencyHandle | None = None
+    ) -> torch.Tensor:
         """bool [N, K]: the entries of a call's `topk_idx` (int64 [N, K], as passed to it) left out
         because their expert's rank is masked: dispatch sent those tokens no row there, and combine
         summed nothing from there. Ask after the call (a call that met a dead peer under
-        on_peer_failure="mask" masked it inside), before the next."""
+        on_peer_failure="mask" masked it inside), before the next. For a combine, pass its `handle`:
+        the entries are then mapped to copies as that handle's dispatch mapped them, so a rank masked
+        inside the combine counts for the rows its dispatch had sent there (no live copy can take
+        rows already sent)."""
         E, K = self.num_experts, self.sizing.max_topk
         idx = validate.topk_idx(topk_idx, _rows(topk_idx), E, K, device=self.device)
-        return self._membership.left_out(self._slots.physical(idx))
+        slots = self._slots.physical(idx) if handle is None else self._slots.physical_at(idx, handle.seq)
+        return self._membership.left_out(slots)
 
     @property
     def masked_ranks(self) -> tuple[int, ...]:

@@ -121,7 +121,7 @@ def checked_pair(buf: ubep.Buffer, placement, seed: int, low_latency: bool) -> t
         local_MK = got.recv_topk_idx
         logical_MK = torch.where(local_MK >= 0, slots_L[local_MK.clamp(min=0)], -1)
         out = buf.combine(expert(logical_MK, got.recv_topk_weights, got.recv_x), got.handle).combined_x
-    left_NK = buf.left_out(idxs[me])
+    left_NK = buf.left_out(idxs[me], got.handle)  # as its dispatch mapped them
     must_NK, may_NK = lost_bounds(placement, buf.masked_ranks, idxs[me])
     if not torch.equal(out, expert(idxs[me].masked_fill(left_NK, -1), ws[me], xs[me])):
         wrong.append("combined rows")
