@@ -189,3 +189,21 @@ def test_feature_names_and_the_missing_list():
     ) as error:
         features.check(wanted, "9.9")
     assert error.value.missing == ["json.Nope"]
+
+
+def test_the_expert_map_fix_hands_the_cpu_kernel_int32_ids():
+    """vLLM's DeepEP high-throughput prepare passes DeepEP's int64 ids; vLLM's CPU kernel takes int32."""
+    import torch
+
+    from ubep.integrations.vllm.manager import with_expert_map
+
+    seen = {}
+
+    def apply(self, topk_weights, topk_ids, expert_map):
+        seen["ids"], seen["weights"] = topk_ids, topk_weights
+
+    expert_map = torch.tensor([-1, -1, 0, 1], dtype=torch.int32, device="cpu")  # this rank owns 2 and 3
+    ids = torch.tensor([[2, 3], [0, 3]], dtype=torch.int64, device="cpu")
+    with_expert_map(apply)(None, torch.ones(2, 2, dtype=torch.float32, device="cpu"), ids, expert_map)
+    assert seen["ids"].dtype == torch.int32
+    assert seen["ids"].tolist() == [[0, 1], [0, 1]] and seen["weights"].tolist() == [[1, 1], [0, 1]]

@@ -151,9 +151,11 @@ def with_expert_map(apply):
     def fixed(*args, **kwargs):
         bound = signature.bind(*args, **kwargs)
         given = bound.arguments
-        given["topk_ids"], given["topk_weights"] = localize_for_kernel(
+        ids, given["topk_weights"] = localize_for_kernel(
             given["topk_ids"], given["topk_weights"], given["expert_map"]
         )
+        # the CPU kernel takes int32 ids; vLLM's DeepEP high-throughput path hands DeepEP's int64
+        given["topk_ids"] = ids.to(torch.int32)
         return apply(*bound.args, **bound.kwargs)
 
     setattr(fixed, FIXED, True)
