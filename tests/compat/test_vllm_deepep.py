@@ -39,8 +39,8 @@ def test_the_switch_rule():
     assert plugin.mode({"VLLM_PLUGINS": "other"}) == "deepep"
     for off in ("0", "false", "No", "off"):
         assert plugin.mode({"UBEP_VLLM": off}) == "off"
-    assert plugin.mode({"UBEP_VLLM": "1"}) == "ubep"
-    assert plugin.mode({"VLLM_PLUGINS": "other,ubep"}) == "ubep"
+    assert plugin.mode({"UBEP_VLLM": "1"}) == "manager"
+    assert plugin.mode({"VLLM_PLUGINS": "other,ubep"}) == "manager"
     with pytest.raises(ValueError, match="UBEP_VLLM must be 1 or 0"):
         plugin.mode({"UBEP_VLLM": "maybe"})
 

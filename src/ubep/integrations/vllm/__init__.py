@@ -77,24 +77,24 @@ def mode(environ: Mapping[str, str]) -> str:
     """What the plugin does in a process with this environment:
 
     "off"     UBEP_VLLM=0 (or false, no, off): nothing
-    "ubep"    UBEP_VLLM=1, or VLLM_PLUGINS names it: the DeepEP backends and ubep's own manager
+    "manager" UBEP_VLLM=1, or VLLM_PLUGINS names it: the DeepEP backends and ubep's own manager
     "deepep"  otherwise (UBEP_VLLM unset): the DeepEP backends only
     """
     value = environ.get("UBEP_VLLM", "").strip().lower()
     if value in _NO:
         return "off"
     if value in _YES:
-        return "ubep"
+        return "manager"
     if value:
         raise ValueError(f"UBEP_VLLM must be 1 or 0 (or unset), got {environ['UBEP_VLLM']!r}")
     selected = environ.get("VLLM_PLUGINS")
     named = selected is not None and PLUGIN_NAME in (name.strip() for name in selected.split(","))
-    return "ubep" if named else "deepep"
+    return "manager" if named else "deepep"
 
 
 def enabled(environ: Mapping[str, str]) -> bool:
     """ubep's own manager asked for: UBEP_VLLM=1, or VLLM_PLUGINS names the plugin."""
-    return mode(environ) == "ubep"
+    return mode(environ) == "manager"
 
 
 def register() -> None:
@@ -111,10 +111,10 @@ def register() -> None:
     from ubep.compat import serve_deep_ep_if_missing
     from ubep.integrations.vllm import features
 
-    wanted = features.COMMON + features.DEEPEP + (features.ALLGATHER if chosen == "ubep" else ())
+    wanted = features.COMMON + features.DEEPEP + (features.ALLGATHER if chosen == "manager" else ())
     features.check(wanted, vllm.__version__)
     serve_deep_ep_if_missing()
-    if chosen == "ubep":
+    if chosen == "manager":
         Settings.from_environ(os.environ)  # a bad setting fails here, before vLLM starts its workers
         from ubep.integrations.vllm import patches
 
