@@ -25,7 +25,7 @@ import torch.distributed as dist
 from ubep import registry, settings, validate
 from ubep.calls import CallCounter, CallId
 from ubep.deadlines import collective_deadline, construction_s
-from ubep.errors import UbepError
+from ubep.errors import ConfigMismatchError, UbepError
 from ubep.factory import Options, build, ready_engine
 from ubep.faults import FaultPlan, FaultPoints
 from ubep.group import (
@@ -34,6 +34,7 @@ from ubep.group import (
     check_agreement,
     choose_transport,
     join_group,
+    keep_agreed,
     torch_group,
 )
 from ubep.layout import ExpertPlacement, dispatch_layout, tokens_per_node
@@ -59,6 +60,7 @@ from ubep.schedule import DISTANCE, POLICIES
 from ubep.sizing import size_hint
 from ubep.stats import Stats, StatsOptions
 from ubep.timers import CallTimers
+from ubep.transport.shm import Rejoining
 from ubep.validate import CPU
 
 VERSION = version("ubep")  # from the package metadata (pyproject.toml): ranks must run the same
@@ -94,9 +96,13 @@ def _finished_by_the_rest(method):
             try:
                 return method(self, *args, **kwargs)
             except UbepError as error:
-                if self.on_peer_failure != MASK or not self._membership.mask_failed(
+                if self.on_peer_failure != MASK:
+                    raise
+                masked_now = self._membership.mask_failed(
                     error, self._exchange, self._ll, self._calls, self._calls.seq
-                ):
+                )
+                self._follow_membership()  # the run again (or the next call): live copies
+                if not masked_now:
                     raise
 
     return call
@@ -166,7 +172,12 @@ class Buffer:
             "raise" (default; CommTimeoutError or PeerAbortedError naming it, then `mask_ranks`) or
             "mask" (on a shared heap, and on "dist" over the fabric: the staying ranks agree inside
             the call on whom to leave out, and every one of them finishes the call without those
-            ranks; `left_out` says which top-k entries that dropped). docs/reliability.md.
+            ranks; `left_out` says which top-k entries that dropped; with a placement, the pairs of
+            a lost copy go to a live one; a side without a quorum raises PartitionError).
+            docs/reliability.md.
+        racks: how many racks the hosts stand in (default 1), each holding the same number of
+            consecutive hosts (by node index); transport "tiers" crosses between racks once per token
+            and rack, then between the hosts of a rack once per token and host. docs/multinode.md.
 
     transport, protocol, timeout_s, engine, stats, ll_flag, capturable, fabric, call_timers and
     on_peer_failure left as None come from the environment (UBEP_TRANSPORT, UBEP_PROTOCOL,
@@ -198,6 +209,7 @@ class Buffer:
         fabric: str | None = None,
         call_timers: bool | None = None,
         on_peer_failure: str | None = None,
+        racks: int = 1,
     ):
         log = settings.configure_logging()
         self._settings = settings.resolve(
@@ -224,6 +236,7 @@ class Buffer:
         validate.positive("max_topk", max_topk)
         registry.one_of("protocol", registry.PROTOCOLS, protocol, auto=False)
         validate.positive("workers", workers)
+        validate.positive("racks", racks)
         if schedule not in POLICIES:
             raise ValueError(f"schedule must be one of {POLICIES}, got {schedule!r}")
         if ll_flag not in FLAGS:
@@ -249,6 +262,7 @@ class Buffer:
         self.protocol = protocol
         self.low_latency = bool(low_latency)
         self.workers, self.schedule = workers, schedule
+        self.racks = racks
         self.transport, self._transport_reason = choose_transport(transport, self._info)
         on_gpu = registry.TRANSPORTS[self.transport].on_device
         self.device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else CPU
@@ -267,6 +281,7 @@ class Buffer:
                 ll_flag=ll_flag,
                 capturable=self.capturable,
                 fabric=fabric,
+                racks=racks,
             )
             exchanges = build(self._info, self.sizing, options, self.engine, self._faults)
             self._exchange: Exchange | None = exchanges[0]
@@ -285,7 +300,8 @@ class Buffer:
         self._one_call = threading.Lock()  # held by the thread inside a call (`_one_at_a_time`)
         self._done = EventOverlap()  # the event of every call that completed before returning
         self._membership = Membership(self.rank, placement, self.device)  # ranks left out (`mask_ranks`)
-        self._slots = PlacedSlots(placement)  # logical experts on the slots (`set_placement`)
+        # logical experts on the slots (`set_placement`), each mapped to its nearest live copy
+        self._slots = PlacedSlots(placement, self.rank, self._info.node_of_rank)
         self._plans = Planner(
             self.sizing,
             self.device,
@@ -296,6 +312,29 @@ class Buffer:
             membership=self._membership,
             slots=self._slots,
         )
+        if isinstance(self._info.group, Rejoining):  # taken in at the staying ranks' next dispatch
+            try:
+                self._membership.join(self._exchange, self._ll, self._calls, construct_s)
+                self._follow_membership()
+            except BaseException:
+                self.close()
+                raise
+
+    @classmethod
+    def rejoin(cls, rank: int, world_size: int, *, store: dist.Store | None = None, **options) -> Buffer:
+        """Restart rank `rank` of a running `world_size`-rank group on this host (transport "shm")
+        whose ranks masked it: a process started in place of a dead one (a plain restart with the
+        same RANK, or torchrun's agent restarting it) calls this with the options every rank built
+        its Buffer with (`options`: hidden, num_experts, ... as `Buffer`), instead of constructing.
+
+        It needs no process group: it finds the staying ranks through the job's rendezvous `store`
+        (default: a client of MASTER_ADDR:MASTER_PORT, where torchrun's agent or the launcher keeps
+        it), maps their segments through the files a live rank holds open, takes this rank's segment
+        over emptied, and waits (up to the construction deadline) until the staying ranks take it in
+        at the start of a dispatch they agree on. Its first call must be that dispatch (normal or
+        low-latency); the staying ranks' handles from before are refused. docs/reliability.md.
+        """
+        return cls(Rejoining.of(rank, world_size, store), **options)
 
     # -- construction -----------------------------------------------------------------------------
 
@@ -310,6 +349,7 @@ class Buffer:
             "protocol": self.protocol,
             "transport": requested_transport,
             "fabric": self._settings["fabric"].value,  # a rank on another engine would wait for ever
+            "racks": self.racks,  # the tiers' rails
             "expert_placement": self.sizing.placement.rank_of_expert_E.tolist(),
             "low_latency": self.low_latency,
             "ll_flag": self.ll_flag,  # the slots' layout
@@ -318,6 +358,8 @@ class Buffer:
             "ll_rows": "put" if registry.ENGINES[self.engine.name].device_kernels else "staged",
         }
         check_agreement(self._info, mine, "Buffer")
+        if self.transport == registry.SHM.name:
+            keep_agreed(self._info, mine, "Buffer")  # what a rank that rejoins checks its own against
 
     size_hint = staticmethod(size_hint)  # the shared memory a Buffer would map, before building it
 
@@ -403,22 +445,35 @@ class Buffer:
         names local slots (`placement.local_logical(rank)` says which expert each holds) and
         combine sums what the logical routing would. None returns to physical ids. Moving the
         expert weights is the caller's (docs/placement.md); a cached dispatch with the handle of a
-        dispatch from before a change is refused (ValueError, on every rank alike). Refused once ranks
-        are masked (RuntimeError naming them): the agreement needs every rank of the group.
+        dispatch from before a change is refused (ValueError, on every rank alike). Once ranks are
+        masked, the staying ranks agree through the exchange, as a mask does (the masked ones take no
+        part), and the placement must give every logical expert a copy on a staying rank (ValueError);
+        the masked ranks' slots are never chosen.
         """
-        self._live()
+        exchange = self._live()
         self._slots.check(placement)
-        if self._membership.masked:  # every staying rank masked the same ranks: they all refuse
-            raise RuntimeError(
-                f"set_placement needs every rank of the group, and rank(s) {list(self.masked_ranks)} "
-                "are masked (mask_ranks): its agreement is a torch.distributed collective, which cannot "
-                "leave them out; build a Buffer on a group of the staying ranks to place experts"
+        if self._membership.masked:
+            self._agree_among_staying(exchange, placement)
+        else:
+            mine = {"placement": None if placement is None else placement.digest()}
+            group, peers = torch_group(self._info.group), self._info.peers  # peers: a dead one is named
+            with collective_deadline(group, self.timeout_s, "set_placement", peers):
+                check_agreement(self._info, mine, "set_placement")
+        self._slots.hold(placement, self._calls.seq)
+
+    def _agree_among_staying(self, exchange: Exchange, placement: Placement | None) -> None:
+        """set_placement's agreement after a mask: every staying rank's placement fingerprint through
+        the exchange, within the deadline; ConfigMismatchError on every staying rank where they differ,
+        ValueError on every one where the placement needs a masked rank."""
+        word = PlacedSlots.fingerprint(placement)
+        theirs = exchange.agree(word, "set_placement")
+        differ = sorted(r for r, w in theirs.items() if w != word)
+        if differ:
+            raise ConfigMismatchError(
+                f"set_placement: rank {self.rank}'s placement ({self._slots.describe(placement)}) differs "
+                f"from that of rank(s) {differ}; every staying rank must pass the same placement"
             )
-        mine = {"placement": None if placement is None else placement.digest()}
-        group, peers = torch_group(self._info.group), self._info.peers  # peers: a dead one is named
-        with collective_deadline(group, self.timeout_s, "set_placement", peers):
-            check_agreement(self._info, mine, "set_placement")
-        self._slots.hold(placement, self._calls.seq, self.rank, self._info.node_of_rank)
+        self._slots.check_live(placement)
 
     # -- normal mode ------------------------------------------------------------------------------
 
@@ -479,6 +534,7 @@ class Buffer:
         then known without a host read. A cached dispatch pads as its handle's did.
         """
         exchange, faults = self._live(), self._faults
+        self._admit(exchange, self._ll, boundary=handle is None)
         call = self._calls.next("dispatch")
         times = call.timers
         try:
@@ -531,6 +587,7 @@ class Buffer:
     ) -> CombineResult:
         """Send expert outputs home; each token gets the plain float32 sum of its rows."""
         exchange, faults = self._live(), self._faults
+        self._admit(exchange, self._ll, boundary=False)
         call = self._calls.next("combine")
         times = call.timers
         try:
@@ -575,6 +632,7 @@ class Buffer:
         anything is sent.
         """
         ll = self._live_ll()
+        self._admit(self._live(), ll, boundary=True)
         call = self._calls.next("ll_dispatch")
         times = call.timers
         try:
@@ -614,6 +672,7 @@ class Buffer:
         result has x's dtype; `out` [N, H] receives it in place when given.
         """
         ll = self._live_ll()
+        self._admit(self._live(), ll, boundary=False)
         call = self._calls.next("ll_combine")
         times = call.timers
         try:
@@ -661,6 +720,16 @@ class Buffer:
 
     # -- shrinking around dead ranks ---------------------------------------------------------------
 
+    def _admit(self, exchange: Exchange, low_latency: LowLatencyExchange | None, boundary: bool) -> None:
+        """A call's start: take restarted ranks back in where the staying ranks agreed to
+        (`Membership.admit`), and route to their copies again."""
+        if self._membership.admit(exchange, low_latency, self._calls, boundary):
+            self._follow_membership()
+
+    def _follow_membership(self) -> None:
+        """Map logical experts to copies on the ranks in, from the call after the latest change on."""
+        self._slots.leave_out(self._membership.masked, self._membership.after)
+
     @_one_at_a_time
     def mask_ranks(self, ranks: Iterable[int]) -> None:
         """Leave `ranks` out of every later call (shrink around dead ranks); collective among the rest.
@@ -672,9 +741,15 @@ class Buffer:
         (`handle.num_dropped` counts them on the tokens' rank) and combine sums the rest;
         handles from before the mask are refused, and a low-latency receive half still pending
         from before it must not be run. A rank that masks itself leaves: its Buffer takes no
-        further call. Needs a shared-heap transport ("shm", "virtual").
+        further call. Ranks that would keep no quorum of the ranks in (a strict majority, or exactly
+        half with the lowest) raise PartitionError instead, and take no further call: a split
+        never leaves two groups going on. With a placement, later calls send each logical expert's
+        pairs to a copy on a staying rank. Needs a shared-heap transport ("shm", "virtual"),
+        protocol ubep over the fabric ("dist"), or "hier" where whole nodes are masked (one rank
+        of a node whose other ranks stay: NotImplementedError naming it).
         """
         self._membership.mask(ranks, self._live(), self._ll, self._calls)
+        self._follow_membership()
 
     def left_out(self, topk_idx: torch.Tensor) -> torch.Tensor:
         """bool [N, K]: the entries of a call's `topk_idx` (int64 [N, K], as passed to it) left out
@@ -701,7 +776,7 @@ class Buffer:
                 "call it, since its memory is shared with the parent's peers: build a Buffer in the child"
             )
         if self._membership.retired:
-            raise RuntimeError(f"rank {self.rank} masked itself out of its group: it takes part in no call")
+            raise RuntimeError(f"rank {self.rank} {self._membership.retired_as}: it takes part in no call")
         return self._exchange
 
     def close(self) -> None:

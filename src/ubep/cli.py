@@ -14,11 +14,12 @@ import os
 import tempfile
 import time
 import traceback
+from dataclasses import asdict
 from importlib.metadata import version
 from typing import TYPE_CHECKING
 
 from ubep.bench.decode import add_parser as add_decode
-from ubep.bench.workload import ACROSS_SYSTEMS, ALL_SYSTEMS, DTYPES, SYSTEMS, BenchConfig
+from ubep.bench.workload import ACROSS_SYSTEMS, ALL_SYSTEMS, DTYPES, RACK_SYSTEMS, SYSTEMS, BenchConfig
 from ubep.extras import install_hint, require
 from ubep.registry import NUMBA
 from ubep.routing import ROUTINGS
@@ -28,6 +29,8 @@ from ubep.sim.commands import add_plan_parser as add_plan
 
 if TYPE_CHECKING:
     from ubep.bench.hosts import Link
+    from ubep.bench.tiers import TierRow
+    from ubep.sim.tiers import Stack
 
 WARM_WAIT_S = 120.0  # `ubep warm`: how long another process's compile may show no progress
 
@@ -151,6 +154,22 @@ def add_bench(subparsers) -> None:
         "2 ms of it (default %(default)s)",
     )
     p.add_argument(
+        "--racks",
+        type=_at_least(1),
+        default=d.racks,
+        metavar="Q",
+        help="the --hosts stand in Q racks (consecutive hosts; a bridge each), joined by uplinks at "
+        "--rack-link-rate; the rows then are ubep-tiers (once per rack, then per host), ubep (per host), "
+        "ubep-dist (flat) and hier-bsp, with the bytes on each tier and the simulator's time beside "
+        "them (default %(default)s)",
+    )
+    p.add_argument(
+        "--rack-link-rate",
+        default=d.rack_link_rate,
+        metavar="RATE",
+        help="each rack's uplink with --racks, in tc's units; its token bucket's burst is 2 ms of it",
+    )
+    p.add_argument(
         "--workers",
         type=_at_least(1),
         default=d.workers,
@@ -224,7 +243,7 @@ def _namespace_link(args: argparse.Namespace) -> Link | None:
         print(f"ubep bench --hosts {args.hosts}: {said}")
         return None
     try:
-        link = link_of(args.link_rate, found.netem)
+        link = link_of(args.link_rate, found.netem, racks=args.racks, rack_rate=args.rack_link_rate)
     except ValueError as why:
         raise SystemExit(f"ubep bench --link-rate: {why}") from None
     print(f"ubep bench --hosts {args.hosts}: namespace hosts ({found.why})")
@@ -246,6 +265,10 @@ def run_bench(args: argparse.Namespace) -> int:
         raise SystemExit(
             f"ubep bench: --experts ({args.experts}) must be a multiple of --ranks ({args.ranks})"
         )
+    if args.racks > 1 and (args.nodes % args.racks or not args.rack_link_rate):
+        raise SystemExit(
+            f"ubep bench: --racks ({args.racks}) must divide {flag} ({args.nodes}), with --rack-link-rate"
+        )
     if args.slow_rank >= args.ranks or args.delay_us < 0 or (args.slow_rank >= 0) != (args.delay_us > 0):
         raise SystemExit("ubep bench: --slow-rank R (below --ranks) and --delay-us D (> 0) go together")
     link = _namespace_link(args) if args.hosts else None  # what joins the hosts, for the notes and JSON
@@ -263,11 +286,13 @@ def run_bench(args: argparse.Namespace) -> int:
         skew=args.skew,
         mode=args.mode,
         dtype=args.dtype,
-        systems=args.systems or (ACROSS_SYSTEMS if args.nodes > 1 else SYSTEMS),
+        systems=args.systems or default_systems(args.nodes, args.racks),
         seed=args.seed,
         nodes=args.nodes,
         namespaces=namespaces,
         link_rate=args.link_rate,
+        racks=args.racks,
+        rack_link_rate=args.rack_link_rate,
         workers=args.workers,
         schedule=args.schedule,
         timeout_s=args.timeout,
@@ -330,7 +355,15 @@ def run_bench(args: argparse.Namespace) -> int:
         else:
             print(notes[-1])
         return 130
+    tiers = _tiers(cfg, rows, link) if cfg.racks > 1 else None
+    if tiers is not None:  # beside the rows in the JSON: each row's bytes per tier, the simulator's time
+        meta["tiers"] = [asdict(t) | {"gap": t.gap} for t in tiers[0]]
+        save(complete=True)
     report.print_table(rows, title, notes)
+    if tiers is not None:
+        from ubep.bench.tiers import print_tiers
+
+        print_tiers(*tiers)
     if any(p != "none" for p in cfg.placements):
         from ubep.bench.placed import print_stats
         from ubep.bench.workload import build
@@ -341,6 +374,22 @@ def run_bench(args: argparse.Namespace) -> int:
     if stats_path:
         _observed(stats_path, rows, args.trace, kept=bool(args.stats))
     return 0
+
+
+def default_systems(nodes: int, racks: int) -> tuple[str, ...]:
+    """The rows a run measures when --systems is not given: on one node, across nodes, across racks."""
+    return RACK_SYSTEMS if racks > 1 else ACROSS_SYSTEMS if nodes > 1 else SYSTEMS
+
+
+def _tiers(cfg: BenchConfig, rows, link: Link | None) -> tuple[list[TierRow], Stack]:
+    """For a --racks run: each row's bytes on each tier and the simulator's time, on the stack of the
+    links the hosts had (or would have had, where the nodes were emulated)."""
+    from ubep.bench.hosts import link_of
+    from ubep.bench.tiers import stack_of, tier_rows
+
+    link = link or link_of(cfg.link_rate, False, racks=cfg.racks, rack_rate=cfg.rack_link_rate)
+    stack = stack_of(cfg, link.bytes_per_s, link.rack_bytes_per_s)
+    return tier_rows(cfg, rows, stack), stack
 
 
 def _scratch_stats() -> str:

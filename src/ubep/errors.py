@@ -94,6 +94,23 @@ class MaskedOutError(UbepError):
     touch their memory again, and takes part in no further call."""
 
 
+class PartitionError(UbepError):
+    """This rank's side of a split group may not go on: the ranks it can still reach are no quorum of
+    the ranks that were in (a strict majority, or on an exact half the side holding the lowest rank),
+    so the other side may be the one that continues. `lost` are the ranks this side lost; the Buffer
+    takes no further call (docs/reliability.md, "A split is not two worlds")."""
+
+    def __init__(self, message: str, lost: list[int]):
+        super().__init__(message)
+        self.lost = sorted(lost)
+
+
+class RejoinError(UbepError):
+    """A process restarted in a masked rank's place could not join the running group: no record of
+    it in the rendezvous store, no live rank holding its segments, a Buffer built otherwise, or the
+    old process still running."""
+
+
 class SharedMemorySizeError(ValueError):
     """A Buffer's shared segments do not fit this host's /dev/shm, its cgroup's memory limit or its
     available memory.

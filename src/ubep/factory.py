@@ -29,6 +29,8 @@ from ubep.across.ubep_flat import UbepFabric
 from ubep.across.ubep_flat import lanes as fabric_lanes
 from ubep.across.ubep_hier import HierFabric, rail_of
 from ubep.across.ubep_hier import lanes as hier_lanes
+from ubep.across.ubep_tiers import Racks, TierFabric
+from ubep.across.ubep_tiers import lanes as tier_lanes
 from ubep.engine import Engine, choose_engine
 from ubep.faults import FaultPoints
 from ubep.group import GroupInfo
@@ -44,7 +46,7 @@ from ubep.schedule import DISTANCE
 from ubep.transport.base import Header, Region
 from ubep.transport.cuda import cuda_heap
 from ubep.transport.heap import Layout
-from ubep.transport.shm import shm_heap
+from ubep.transport.shm import Rejoining, rejoined_heap, shm_heap
 from ubep.transport.virtual import virtual_heap
 
 
@@ -61,6 +63,7 @@ class Options:
     ll_flag: str = AFTER_DATA  # low-latency rows: "after-data" or "in-word" (the Triton halves only)
     capturable: bool = False  # Triton halves (both modes) that read nothing back on the host
     fabric: str = registry.AUTO  # how bytes reach other hosts: "auto" or a name of `ubep.registry.FABRICS`
+    racks: int = 1  # racks of consecutive hosts (transport "tiers": the slow tier runs between them)
 
 
 def ready_engine(
@@ -97,8 +100,10 @@ HEAP_PROTOCOLS = {
 # virtual world's arenas, or each GPU's symmetric memory (the headers of every protocol whose halves
 # run as device kernels with it: those kernels stamp and poll them there).
 HEAPS = {
-    registry.SHM.name: lambda blocks, info, o, headers: shm_heap(
-        blocks, info.group, info.rank, info.world_size, o.timeout_s
+    registry.SHM.name: lambda blocks, info, o, headers: (
+        rejoined_heap(blocks, info.group, o.timeout_s)
+        if isinstance(info.group, Rejoining)
+        else shm_heap(blocks, info.group, info.rank, info.world_size, o.timeout_s)
     ),
     registry.VIRTUAL.name: lambda blocks, info, o, headers: virtual_heap(blocks, info.group, o.timeout_s),
     registry.CUDA.name: lambda blocks, info, o, headers: cuda_heap(
@@ -115,18 +120,27 @@ DEVICE_HEADERS = ("ll.sent", "ll.returned")  # `LLBlocks`' headers
 
 
 def ubep_over_fabric(
-    info: GroupInfo, sizing: Sizing, o: Options, engine: Engine
+    info: GroupInfo, sizing: Sizing, o: Options, engine: Engine, faults: FaultPoints
 ) -> tuple[Exchange, LLFabric | None]:
     """UBEP across hosts on one fabric, both modes on its lanes (so a peer in a call of another kind is
     named): every peer over it (transport "dist"), or rails over it and a heap within each node
-    ("hier"); low-latency mode reaches every peer. Collective to build."""
-    rail = rail_of(info) if registry.TRANSPORTS[o.transport].hierarchical else None
-    normal = fabric_lanes(sizing) if rail is None else hier_lanes(sizing, rail)
+    ("hier"), or rails between racks, then between the hosts of a rack, and a heap within each host
+    ("tiers"); low-latency mode reaches every peer. Collective to build."""
+    spec = registry.TRANSPORTS[o.transport]
+    rail = rail_of(info) if spec.hierarchical else None
+    racks = Racks.of(info.node_of_rank, info.rank, o.racks) if spec.racked else None
+    if racks is not None:
+        normal = tier_lanes(sizing, racks)
+    else:
+        normal = fabric_lanes(sizing) if rail is None else hier_lanes(sizing, rail)
     lanes = normal + (ll_fabric_lanes(sizing) if o.low_latency else ())
     fabric, reason = open_fabric(o.fabric, info.group, info.rank, info.world_size, lanes, o.timeout_s)
+    fabric.faults = faults  # a "cut" fault drops what this rank sends to the peers it names
     try:
         if rail is None:
             exchange: Exchange = UbepFabric(fabric, engine, sizing, reason)
+        elif racks is not None:
+            exchange = TierFabric(info, sizing, o.timeout_s, engine, fabric, reason, racks)
         else:
             exchange = HierFabric(info, sizing, o.timeout_s, engine, fabric, reason)
     except BaseException:
@@ -184,7 +198,11 @@ def build(
     if o.transport == registry.LOCAL.name:
         return LocalExchange(sizing), LLLocal(engine) if o.low_latency else None
     if transport.crosses_hosts and registry.PROTOCOLS[o.protocol].over_fabric:
-        return ubep_over_fabric(info, sizing, o, engine)
+        return ubep_over_fabric(info, sizing, o, engine, faults)
+    if transport.crosses_hosts and (o.transport, o.protocol) not in ACROSS_HOSTS:
+        raise ValueError(
+            f"transport={o.transport!r} runs protocol {registry.UBEP.name!r} only, not {o.protocol!r}"
+        )
     if transport.crosses_hosts:  # low-latency mode takes the collective path too
         normal = ACROSS_HOSTS[o.transport, o.protocol](info, sizing, o, engine, faults)
         return normal, LLDist(info.group, info.rank, sizing, engine, o.timeout_s) if o.low_latency else None

@@ -19,6 +19,10 @@ Fault points, in the order a dispatch/combine pair passes them:
     ll_combine.put   a low-latency combine put its rows into one home and checked its membership;
                      the next home's rows are not put yet (shared heap: the window between a
                      writer's check and its put, where action "stop" freezes it)
+
+Action "cut" (the fabric, zmq engine) is a link down rather than a process fault: from its point on,
+nothing this rank sends over the fabric reaches `peers`. Given to every rank of both sides, naming
+the other side, it splits the group in two with every process alive (a partition).
 """
 
 from __future__ import annotations
@@ -41,7 +45,7 @@ POINTS = (
     "combine.mid",
     "ll_combine.put",
 )
-ACTIONS = ("kill", "delay", "corrupt", "stop")
+ACTIONS = ("kill", "delay", "corrupt", "stop", "cut")
 T = TypeVar("T")
 
 
@@ -55,6 +59,8 @@ class FaultPlan:
     stop:    SIGSTOP this process: it runs on when someone sends SIGCONT (preemption, a
              debugger, a cgroup freeze), not knowing what its peers did meanwhile.
     corrupt: publish `value` instead of the true count (only at "dispatch.count").
+    cut:     from then on, drop every message and abort notice this rank sends over the fabric to
+             `peers` (its link to them is down; both sides go on running).
     """
 
     rank: int
@@ -63,6 +69,7 @@ class FaultPlan:
     call: int = 1
     delay_s: float = 0.0
     value: int = -1
+    peers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.point not in POINTS:
@@ -71,6 +78,8 @@ class FaultPlan:
             raise ValueError(f"FaultPlan.action must be one of {ACTIONS}, got {self.action!r}")
         if (self.action == "corrupt") != (self.point == "dispatch.count"):
             raise ValueError("FaultPlan: action 'corrupt' goes with point 'dispatch.count', and only it")
+        if (self.action == "cut") != bool(self.peers):
+            raise ValueError("FaultPlan: action 'cut' needs the peers it cuts off, and only it takes peers")
         if self.call < 1 or self.rank < 0 or self.delay_s < 0:
             raise ValueError("FaultPlan: call must be >= 1, rank and delay_s >= 0")
 
@@ -78,11 +87,12 @@ class FaultPlan:
 class FaultPoints:
     """The hooks one rank's protocols call; inert unless the plan targets this rank."""
 
-    __slots__ = ("_plan", "armed")
+    __slots__ = ("_plan", "armed", "cut")
 
     def __init__(self, plan: FaultPlan | None = None, rank: int = 0):
         self._plan = plan if plan is not None and plan.rank == rank else None
         self.armed = self._plan is not None  # hot paths test this before calling `at`
+        self.cut: frozenset[int] = frozenset()  # peers the fabric no longer reaches (action "cut")
 
     def _due(self, point: str, call: CallId) -> FaultPlan | None:
         plan = self._plan
@@ -103,6 +113,8 @@ class FaultPoints:
             time.sleep(plan.delay_s)
         elif plan.action == "stop":
             os.kill(os.getpid(), signal.SIGSTOP)
+        elif plan.action == "cut":
+            self.cut = frozenset(plan.peers)
 
     def count(self, point: str, call: CallId, value: T) -> T | int:
         """The count(s) to publish at `point`: `value`, or the plan's corrupt one when due."""

@@ -9,19 +9,23 @@ from __future__ import annotations
 
 import atexit
 import gc
+import json
 import os
 import platform
 import socket
+import time
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from ubep.deadlines import PeerPids, here
-from ubep.errors import ConfigMismatchError
+from ubep.deadlines import PeerPids, collective_deadline, here
+from ubep.errors import CommTimeoutError, ConfigMismatchError
 from ubep.nodes import NodeMap
-from ubep.registry import AUTO, CUDA, DIST, HIER, LOCAL, SHM, TRANSPORTS, VIRTUAL, one_of
+from ubep.registry import AUTO, CUDA, DIST, HIER, LOCAL, SHM, TIERS, TRANSPORTS, VIRTUAL, one_of
+from ubep.transport.shm import Rejoining, job_store
 from ubep.transport.virtual import VirtualRank
 
 SHM_ARCHES = ("x86_64", "amd64")
@@ -29,7 +33,7 @@ SHM_ARCHES = ("x86_64", "amd64")
 
 @dataclass(frozen=True, slots=True)
 class GroupInfo:
-    group: dist.ProcessGroup | VirtualRank | None
+    group: dist.ProcessGroup | VirtualRank | Rejoining | None
     rank: int
     world_size: int
     node_of_rank: tuple[int, ...]  # node index of each rank, numbered by first appearance
@@ -40,12 +44,13 @@ class GroupInfo:
         return len(set(self.node_of_rank))
 
 
-def join_group(group: dist.ProcessGroup | VirtualRank | None) -> GroupInfo:
+def join_group(group: dist.ProcessGroup | VirtualRank | Rejoining | None) -> GroupInfo:
     """Resolve `group`; under torchrun with no group initialised yet, join torchrun's.
 
-    A `VirtualRank` is one rank of a virtual world: all its ranks share this process and host.
+    A `VirtualRank` is one rank of a virtual world: all its ranks share this process and host. A
+    `Rejoining` process joins a running job of this host through its store, with no collective.
     """
-    if isinstance(group, VirtualRank):
+    if isinstance(group, VirtualRank | Rejoining):
         return GroupInfo(group, group.rank, group.world_size, (0,) * group.world_size)
     if group is None and not dist.is_initialized():
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:
@@ -88,11 +93,87 @@ def leave_group() -> None:
 
 def all_gather_object(info: GroupInfo, obj: Any) -> list[Any]:
     """Every rank's `obj`, in rank order (collective over the group, whichever kind it is)."""
+    if isinstance(info.group, Rejoining):
+        raise RuntimeError(
+            f"rank {info.rank} rejoined its group through the rendezvous store and holds no process group: "
+            "it cannot take part in a torch.distributed collective (stats(merge=True), set_placement)"
+        )
     if isinstance(info.group, VirtualRank):
         return info.group.world.all_gather(info.rank, obj)
     everyone: list[Any] = [None] * info.world_size
     dist.all_gather_object(everyone, obj, group=info.group)
     return everyone
+
+
+def group_among(info: GroupInfo, ranks: tuple[int, ...], timeout_s: float) -> dist.ProcessGroup | None:
+    """A torch.distributed group of `ranks` (ascending; this rank among them) alone, built by them
+    alone (the group's other ranks, dead or gone, need not come), for `all_gather_among`: the
+    group's own connections to a rank that died are broken, and a collective over them fails.
+    None for a virtual rank, whose world gathers among any ranks. Collective among `ranks`."""
+    if isinstance(info.group, VirtualRank):
+        return None
+    group = torch_group(info.group)
+    members = [dist.get_global_rank(group, r) for r in ranks] if group is not None else list(ranks)
+    return dist.new_group(
+        members,
+        timeout=timedelta(seconds=timeout_s),
+        backend=dist.get_backend(group),
+        use_local_synchronization=True,
+    )
+
+
+def all_gather_among(
+    info: GroupInfo,
+    ranks: tuple[int, ...],
+    among: dist.ProcessGroup | None,
+    mine: torch.Tensor,
+    timeout_s: float,
+    phase: str,
+    watch: bool = False,
+) -> torch.Tensor:
+    """[R, *mine.shape]: `mine` of each of `ranks` (ascending, this rank among them), zeros in the
+    rows of the group's other ranks: a collective among `ranks` alone, so ranks masked out of a
+    Buffer (dead, or gone) need not come. Every one of `ranks` passes a tensor of the same shape
+    and dtype. `among`: `group_among(info, ranks)` where `ranks` is not the whole group. Under
+    `timeout_s` seconds; a peer that does not come is named (CommTimeoutError, in `phase`).
+    `watch`: raise as soon as a peer of this host among `ranks` has exited, on every rank alike
+    (a ring's rank that is no neighbour of the dead one would otherwise wait out the deadline)."""
+    if info.rank not in ranks:
+        raise ValueError(f"rank {info.rank} gathers among {list(ranks)}, which leave it out")
+    everyone = [torch.zeros_like(mine) for _ in range(info.world_size)]
+    everyone[info.rank] = mine
+    if isinstance(info.group, VirtualRank):
+        for r, theirs in info.group.world.all_gather_among(info.rank, ranks, mine, phase).items():
+            everyone[r] = theirs
+        return torch.stack(everyone)
+    whole = len(ranks) == info.world_size
+    group = torch_group(info.group) if whole else among
+    parts = everyone if whole else [torch.zeros_like(mine) for _ in ranks]
+    peers = info.peers if whole else None  # (the pids are by the whole group's ranks: `names` says)
+    with collective_deadline(group, timeout_s, phase, peers, None if whole else ranks):
+        work = dist.all_gather(parts, mine, group=group, async_op=True)
+        if watch and info.peers is not None:
+            _wait_watching(work, info.peers, ranks, time.monotonic() + timeout_s, timeout_s, phase)
+        work.wait()
+    if not whole:
+        for r, theirs in zip(ranks, parts, strict=True):
+            everyone[r] = theirs
+    return torch.stack(everyone)
+
+
+WATCH_PAUSE_S = 0.02  # the longest pause between looks at a pending gather and its peers' processes
+
+
+def _wait_watching(work, peers: PeerPids, ranks, deadline: float, timeout_s: float, phase: str) -> None:
+    """Until `work` completes or the deadline passes: raise CommTimeoutError naming the peers among
+    `ranks` whose process exited. Pauses grow from 1 ms to WATCH_PAUSE_S, yielding the CPU."""
+    pause = 0.001
+    while not work.is_completed() and time.monotonic() < deadline:
+        dead = [r for r in peers.dead() if r in ranks]
+        if dead:
+            raise CommTimeoutError(phase, dead, timeout_s, dead, "its process exited during the gather")
+        time.sleep(pause)
+        pause = min(2 * pause, WATCH_PAUSE_S)
 
 
 def check_agreement(info: GroupInfo, mine: dict[str, Any], what: str) -> None:
@@ -102,7 +183,10 @@ def check_agreement(info: GroupInfo, mine: dict[str, Any], what: str) -> None:
     """
     if info.world_size == 1:
         return
-    everyone = all_gather_object(info, mine)
+    if isinstance(info.group, Rejoining):
+        everyone = [mine, _agreed(info, what)]
+    else:
+        everyone = all_gather_object(info, mine)
     disagreements = []
     for field in mine:
         values = [cfg.get(field) for cfg in everyone]
@@ -118,6 +202,26 @@ def check_agreement(info: GroupInfo, mine: dict[str, Any], what: str) -> None:
         raise ConfigMismatchError(
             f"{what} on rank {info.rank}: ranks disagree on " + ", and on ".join(disagreements)
         )
+
+
+def agreed_key(world_size: int, what: str) -> str:
+    """Where the running job keeps what its ranks agreed on for `what` (the rendezvous store)."""
+    return f"ubep/rejoin/{world_size}/{what}"
+
+
+def keep_agreed(info: GroupInfo, mine: dict[str, Any], what: str) -> None:
+    """After an agreement on a real group: rank 0 keeps it in the job's store, for a process that
+    rejoins later (`Rejoining`) to check its own against. Nothing without a store."""
+    store = job_store() if info.rank == 0 and isinstance(info.group, dist.ProcessGroup | None) else None
+    if store is not None:
+        store.set(agreed_key(info.world_size, what), json.dumps(mine))
+
+
+def _agreed(info: GroupInfo, what: str) -> dict[str, Any]:
+    store, key = info.group.store, agreed_key(info.world_size, what)
+    if not store.check([key]):
+        raise ConfigMismatchError(f"{what} on rank {info.rank} (rejoining): the job's store holds no {what}")
+    return json.loads(store.get(key))
 
 
 def node_key() -> str:
@@ -172,6 +276,10 @@ def choose_transport(requested: str, info: GroupInfo) -> tuple[str, str]:
     one_of("transport", TRANSPORTS, requested)
     if info.world_size == 1:
         return LOCAL.name, LOCAL.summary
+    if isinstance(info.group, Rejoining):
+        if requested not in (AUTO, SHM.name):
+            raise ValueError(f"a rank rejoins a running group on transport {SHM.name!r}, not {requested!r}")
+        return SHM.name, f"rejoining a running {info.world_size}-rank job on this host's shared segments"
     if isinstance(info.group, VirtualRank):
         if requested not in (AUTO, VIRTUAL.name):
             raise ValueError(f"a virtual rank's group runs transport {VIRTUAL.name!r}, not {requested!r}")
@@ -192,6 +300,11 @@ def choose_transport(requested: str, info: GroupInfo) -> tuple[str, str]:
             f"one rank on each of {info.num_nodes} hosts: no token has two destinations on one host, so "
             "hier's one crossing per host saves nothing; every peer directly sends fewer bytes"
         )
+    if requested == TIERS.name:
+        tiers_ok, tiers_why = hier_supported(info)
+        if not tiers_ok:
+            raise ValueError(f"transport='tiers' is not available: {tiers_why}")
+        return TIERS.name, f"requested: {tiers_why}, one crossing per token and rack between racks"
     if requested == HIER.name or (requested == AUTO and info.num_nodes > 1):
         hier_ok, hier_why = hier_supported(info)
         if hier_ok:
@@ -213,7 +326,7 @@ def choose_transport(requested: str, info: GroupInfo) -> tuple[str, str]:
 def torch_group(group) -> dist.ProcessGroup | None:
     """The torch.distributed group a Buffer's construction will use, where it exists already (for
     its deadline); None for a virtual rank or where torch.distributed is not initialised."""
-    if isinstance(group, VirtualRank):
+    if isinstance(group, VirtualRank | Rejoining):
         return None
     if group is not None or not dist.is_initialized():
         return group

@@ -4,8 +4,13 @@ they own, and from which call on older handles are stale.
     Buffer.mask_ranks(ranks) -> [Membership.mask] -> exchange.mask (agree on the call to resume from)
     a call that meets a dead peer, on_peer_failure="mask"
                             -> [Membership.mask_failed] -> exchange.agree_to_mask (agree on whom)
+    either mask             -> [quorum] a side that holds no quorum of the ranks that were in raises
+                               PartitionError: a split never leaves two groups going on
     every later call        -> [Membership.drop]  -> top-k entries of masked ranks' experts become -1
                                [Membership.around] -> a handle's sends to masked ranks left out
+    a call's start, ranks masked -> [Membership.admit] -> exchange.admissions / admit (a restarted
+                               rank taken back in, at the call the leader announced)
+    Buffer.rejoin (the restarted process) -> [Membership.join] -> exchange.join
 
 Legend: see `ubep.layout`.
 """
@@ -18,6 +23,7 @@ from collections.abc import Iterable
 import torch
 
 from ubep.calls import CallCounter
+from ubep.errors import PartitionError
 from ubep.layout import ExpertPlacement
 from ubep.protocols.base import Exchange, LowLatencyExchange
 from ubep.results import DispatchHandle
@@ -26,6 +32,16 @@ from ubep.results import DispatchHandle
 # (the caller masks and calls again), or mask it with the other staying ranks and finish the call.
 RAISE, MASK = "raise", "mask"
 ON_PEER_FAILURE = (RAISE, MASK)
+
+
+def quorum(before: Iterable[int], stay: Iterable[int]) -> bool:
+    """Whether the ranks `stay` may go on without the rest of `before` (the ranks in until now): they
+    hold a strict majority of them, or exactly half and the lowest of them. Two sides of a split
+    cannot both hold it, so at most one goes on; each side decides from its own ranks alone.
+
+    Example: of 6 ranks in, 4 go on and 2 stop; of 4 ranks, {0, 1} go on and {2, 3} stop."""
+    before, stay = frozenset(before), frozenset(stay) & frozenset(before)
+    return 2 * len(stay) > len(before) or (2 * len(stay) == len(before) > 0 and min(before) in stay)
 
 
 class Membership:
@@ -38,7 +54,8 @@ class Membership:
         self.masked_E = torch.zeros(placement.num_experts, dtype=torch.bool, device=device)
         self.after = 0  # the calls up to this seq are over: their deferred receive halves may not run
         self.stale_after = 0  # handles from dispatches up to this seq may not have completed on every rank
-        self.retired = False  # this rank masked itself out
+        self.retired = False  # this rank masked itself out, or stopped on the losing side of a split
+        self.retired_as = "masked itself out of its group"  # why, in the words of the calls it refuses
 
     def mask(
         self,
@@ -56,14 +73,9 @@ class Membership:
         if self.rank in gone:
             self.retired = True
             return
+        self._check_quorum(self.masked | gone, "mask_ranks")
         seq = exchange.mask(self.masked | gone, calls.seq)
-        calls.resume(seq)
-        if low_latency is not None:
-            low_latency.resume(seq)  # the calls before are over: their halves are free again
-        self.masked |= gone
-        masked = torch.tensor(sorted(self.masked), dtype=torch.int64, device=self._owners_E.device)
-        self.masked_E = torch.isin(self._owners_E, masked).to(self.masked_E.device)
-        self.after = self.stale_after = seq
+        self._resume(self.masked | gone, seq, low_latency, calls)
 
     def mask_failed(
         self,
@@ -84,18 +96,78 @@ class Membership:
         agreed = exchange.agree_to_mask(error, seq)
         if agreed is None:
             return frozenset()
-        calls.resume(agreed.seq)
-        if low_latency is not None:
-            low_latency.resume(agreed.seq)  # the calls before are over: their halves are free again
+        self._check_quorum(agreed.gone, getattr(error, "phase", "call"))
         new = agreed.gone - self.masked
-        self.masked = agreed.gone
-        masked = torch.tensor(sorted(self.masked), dtype=torch.int64, device=self._owners_E.device)
-        self.masked_E = torch.isin(self._owners_E, masked).to(self.masked_E.device)
-        self.after = agreed.seq
-        if not agreed.in_step:
-            self.stale_after = agreed.seq
-            return frozenset()
-        return new
+        self._resume(agreed.gone, agreed.seq, low_latency, calls, stale=not agreed.in_step)
+        return new if agreed.in_step else frozenset()
+
+    def _check_quorum(self, gone: frozenset[int], phase: str) -> None:
+        """PartitionError (and this rank retires) where the ranks that stay, `gone` left out, hold no
+        quorum of the ranks in until now: the lost ranks may be alive on the other side of a split,
+        going on there."""
+        before = [r for r in range(self.num_ranks) if r not in self.masked]
+        stay = [r for r in before if r not in gone]
+        if quorum(before, stay):
+            return
+        self.retired = True
+        self.retired_as = "stopped on the side of a split without a quorum (PartitionError)"
+        lost = sorted(set(before) - set(stay))
+        raise PartitionError(
+            f"{phase}: rank {self.rank} stops: its side keeps rank(s) {stay} of the {len(before)} in, "
+            f"having lost rank(s) {lost}; a side goes on only with a strict majority of the ranks in, "
+            f"or exactly half of them including the lowest (rank {min(before)}), so that a split "
+            "never leaves two groups going on",
+            lost,
+        )
+
+    def admit(
+        self, exchange: Exchange, low_latency: LowLatencyExchange | None, calls: CallCounter, boundary: bool
+    ) -> bool:
+        """At a call's start, ranks being masked: where `boundary` (a call that takes no handle: a
+        dispatch routed anew, a low-latency dispatch), take back in the restarted ranks every staying
+        rank admits before this call (`Heap.admissions`). All resume after the call before, so handles
+        and pending receive halves from before are refused, as after a mask. Returns whether the
+        membership changed (the caller's copy map then follows it)."""
+        if not self.masked:
+            return False
+        ranks = exchange.admissions(calls.seq + 1, boundary)
+        if not ranks:
+            return False
+        taken = exchange.admit(ranks, calls.seq + 1)  # none: a joiner died, masked again
+        self._resume(self.masked - taken, calls.seq, low_latency, calls)
+        return True
+
+    def join(
+        self,
+        exchange: Exchange,
+        low_latency: LowLatencyExchange | None,
+        calls: CallCounter,
+        deadline_s: float,
+    ) -> None:
+        """This process restarts a masked rank (`Buffer.rejoin`): join the staying ranks at the call
+        they agree on, and take over their membership and call numbers."""
+        agreed = exchange.join(deadline_s)
+        self._resume(agreed.gone, agreed.seq, low_latency, calls)
+
+    def _resume(
+        self,
+        masked: Iterable[int],
+        seq: int,
+        low_latency: LowLatencyExchange | None,
+        calls: CallCounter,
+        stale: bool = True,
+    ) -> None:
+        """Go on from call `seq` with `masked` left out; handles from before are refused where `stale`
+        (a mask inside a call every staying rank failed alike keeps them good)."""
+        calls.resume(seq)
+        if low_latency is not None:
+            low_latency.resume(seq)  # the calls before are over: their halves are free again
+        self.masked = frozenset(masked)
+        masked_R = torch.tensor(sorted(self.masked), dtype=torch.int64, device=self._owners_E.device)
+        self.masked_E = torch.isin(self._owners_E, masked_R).to(self.masked_E.device)
+        self.after = seq
+        if stale:
+            self.stale_after = seq
 
     def around(self, handle: DispatchHandle) -> DispatchHandle:
         """`handle` without its sends to masked ranks: a combine after a mask inside a call sums what
@@ -141,7 +213,5 @@ class Membership:
         """Handles from dispatches before the latest `mask_ranks` may route through masked ranks, and
         may not have completed on every staying rank: refused."""
         if dispatch_seq <= self.stale_after:
-            raise ValueError(
-                f"handle comes from a dispatch before rank(s) {sorted(self.masked)} were masked; "
-                "dispatch again to route around them"
-            )
+            said = f"rank(s) {sorted(self.masked)} were masked" if self.masked else "ranks were taken back in"
+            raise ValueError(f"handle comes from a dispatch before {said}; dispatch again to route anew")

@@ -271,8 +271,8 @@ class Planner:
         if handle.seq <= self.membership.stale_after:
             self.membership.check_handle(handle.seq)
         x = validate.expert_output(x, (L, R * handle.num_max_dispatch_tokens_per_rank, H), self.device)
-        if self.slots.copy_map is not None:
-            topk_idx = self.slots.physical(topk_idx)
+        if self.slots.placement is not None:
+            topk_idx = self.slots.physical_at(topk_idx, handle.seq)  # the map its dispatch used
         N, K = handle.num_tokens, self.sizing.max_topk
         idx = validate.topk_idx(topk_idx, N, self.num_experts, K, values and compiled is None, self.device)
         if self.membership.masked:

@@ -43,6 +43,7 @@ class TransportSpec:
     heap: bool = False  # one-sided memory every rank maps (the protocols of `ubep.protocols` run on it)
     crosses_hosts: bool = False  # a strategy of `ubep.across`
     hierarchical: bool = False  # crosses once per token and host, then fans out over a heap inside it
+    racked: bool = False  # hierarchical, and before the hosts crosses once per token and rack (`racks`)
     on_device: bool = False  # the Buffer's tensors live on the GPU
     maskable: bool = False  # `Buffer.mask_ranks` can leave a rank out
     choosable: bool = True  # may be asked for by name (a group of one gets its transport by itself)
@@ -97,12 +98,20 @@ HIER = TransportSpec(
     crosses_hosts=True,
     hierarchical=True,
 )
+TIERS = TransportSpec(
+    name="tiers",
+    summary="across racks of hosts: a token crosses the slow tier once per remote rack, the fast tier once "
+    "per remote host of that rack, then fans out over shared memory",
+    crosses_hosts=True,
+    hierarchical=True,
+    racked=True,
+)
 DIST = TransportSpec(
     name="dist",
     summary="across hosts: every peer reached directly over torch.distributed",
     crosses_hosts=True,
 )
-TRANSPORTS: Mapping[str, TransportSpec] = {t.name: t for t in (LOCAL, SHM, CUDA, DIST, HIER, VIRTUAL)}
+TRANSPORTS: Mapping[str, TransportSpec] = {t.name: t for t in (LOCAL, SHM, CUDA, DIST, HIER, TIERS, VIRTUAL)}
 
 TORCH = EngineSpec(name="torch", summary="portable torch kernels, the readable statement")
 NUMBA = EngineSpec(name="numba", summary="compiled CPU kernels and call halves", compiled=True, extra="fast")

@@ -51,7 +51,8 @@ def leftovers(pid: int) -> list[str]:
     links = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True, timeout=30).stdout
     hosts_files = [f"/etc/netns/{n}" for n in os.listdir("/etc/netns")] if os.path.isdir("/etc/netns") else []
     found = (names + links).split() + hosts_files
-    return [w for w in found if w.startswith((f"ubep{pid}h", f"ubr{pid}", f"/etc/netns/ubep{pid}h"))]
+    made = (f"ubep{pid}h", f"ubr{pid}", f"ubc{pid}", f"uu{pid}r", f"uc{pid}r", f"/etc/netns/ubep{pid}h")
+    return [w for w in found if w.startswith(made)]
 
 
 def test_two_hosts_talk_over_a_link_that_binds_says_so_and_everything_is_removed():
@@ -78,6 +79,64 @@ def test_two_hosts_talk_over_a_link_that_binds_says_so_and_everything_is_removed
     )
     assert said == [expected], err
     assert leftovers(proc.pid) == []
+
+
+# Racks: host 0 takes 2 MB from host 1 (its own rack) and 2 MB from host 2 (the other rack) at once,
+# each on a thread of its own, and says how long each took from its first byte to its last.
+TALK_RACKS = """
+import os, socket, threading, time
+me, master = int(os.environ["NODE_RANK"]), os.environ["MASTER_ADDR"]
+say = lambda text: os.write(1, (text + "\\n").encode())
+def take(conn):
+    got = conn.recv(1)
+    first = time.perf_counter()
+    while len(got) < 2_000_001:
+        got += conn.recv(1 << 20)
+    say(f"host 0 got 2000000 bytes from host {got[0]} in {(time.perf_counter() - first) * 1e3:.1f} ms")
+if me == 0:
+    with socket.create_server((master, 29599)) as server:
+        threads = [threading.Thread(target=take, args=(server.accept()[0],)) for _ in range(2)]
+        [t.start() for t in threads]
+        [t.join() for t in threads]
+elif me in (1, 2):
+    for _ in range(200):
+        try:
+            socket.create_connection((master, 29599), timeout=1).sendall(bytes([me]) + b"x" * 2_000_000)
+            break
+        except OSError:
+            time.sleep(0.05)
+"""
+
+
+def test_racks_put_a_slower_uplink_between_racks_and_say_both_links():
+    """4 hosts in 2 racks, 1gbit links, 100mbit uplinks (burst 25000 bytes: 2 ms at the rate): 2 MB
+    from the other rack take at least their time at the uplink's rate past two bursts (158 ms), and
+    the script says both links; -s says both sizings; nothing is left behind."""
+    sizing = subprocess.run(["bash", str(SCRIPT), "-r", "1gbit", "-u", "100mbit", "-s"], capture_output=True,
+                            text=True, timeout=30)  # fmt: skip
+    assert sizing.stdout.split() == [
+        "rate=1gbit", "bytes_per_s=125000000", "burst=250000",
+        "rack_rate=100mbit", "rack_bytes_per_s=12500000", "rack_burst=25000",
+    ], sizing  # fmt: skip
+    command = ["bash", str(SCRIPT), "-n", "4", "-R", "2", "-r", "1gbit", "-u", "100mbit"]
+    proc = subprocess.Popen(
+        [*command, "--", sys.executable, "-c", TALK_RACKS],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    took = dict(re.findall(r"host 0 got 2000000 bytes from host (\d) in ([0-9.]+) ms", out))
+    assert sorted(took) == ["1", "2"], out
+    assert float(took["2"]) >= (2_000_000 - 2 * 25_000) / 12_500_000 * 1e3, out  # 156 ms
+    said = [line for line in err.splitlines() if line.startswith("netns_hosts: rack uplinks ")]
+    assert said == [
+        "netns_hosts: rack uplinks rate 100mbit, burst 25000 bytes (tc tbf, each way), 2 racks of 2 hosts"
+    ]
+    assert leftovers(proc.pid) == []
+    refused = subprocess.run([*command[:-2], "--", "true"], capture_output=True, text=True, timeout=30)
+    assert refused.returncode == 2 and "-R 2 needs -u RACK_RATE" in refused.stderr, refused
 
 
 def test_ctrl_c_and_a_failing_host_leave_nothing_behind():

@@ -585,6 +585,15 @@ def test_a_rank_refused_shared_memory_is_told_in_the_command_lines_terms():
         BenchConfig(ranks=4, nodes=2, systems=("ubep", "bsp-gloo"), slow_rank=1, delay_us=2500.0),
         BenchConfig(routing="zipf", skew=1.2, workers=2, schedule="balanced", mode="ll", dtype="fp32"),
         BenchConfig(systems=("ubep",), stats_path="s.json", iters=60, placements=("eplb",), redundant=4),
+        BenchConfig(
+            nodes=4,
+            namespaces=True,
+            link_rate="1gbit",
+            racks=2,
+            rack_link_rate="100mbit",
+            systems=("ubep-tiers", "ubep", "ubep-dist", "hier-bsp"),
+        ),
+        BenchConfig(nodes=4, racks=2, rack_link_rate="100mbit", systems=("ubep-tiers", "ubep")),
     ],
 )
 def test_the_command_of_a_run_measures_that_run(cfg):
@@ -597,13 +606,18 @@ def test_the_command_of_a_run_measures_that_run(cfg):
     assert said[:2] == ["ubep", "bench"] and args.command == "bench"
     assert (args.hosts or args.nodes, bool(args.hosts)) == (cfg.nodes, cfg.namespaces)
     default_systems = (
-        ("ubep", "ubep-gloo", "ubep-nixl", "hier-bsp", "bsp-gloo") if cfg.nodes > 1 else BenchConfig().systems
+        ("ubep-tiers", "ubep", "ubep-dist", "hier-bsp")
+        if cfg.racks > 1
+        else ("ubep", "ubep-gloo", "ubep-nixl", "hier-bsp", "bsp-gloo")
+        if cfg.nodes > 1
+        else BenchConfig().systems
     )
     assert (args.systems or default_systems) == cfg.systems and bool(args.stats) == bool(cfg.stats_path)
     same = ("ranks", "tokens", "hidden", "experts", "topk", "iters", "warmup", "routing", "skew", "mode")
     same += ("dtype", "seed", "workers", "schedule", "slow_rank", "delay_us", "redundant")
     assert {f: getattr(args, f) for f in same} == {f: getattr(cfg, f) for f in same}
     assert (args.timeout, args.placement, args.link_rate) == (cfg.timeout_s, cfg.placements, cfg.link_rate)
+    assert (args.racks, args.rack_link_rate) == (cfg.racks, cfg.rack_link_rate)
 
 
 def _results_file(date: str, cpu: str, vs_bsp: float, ubep_rounds: list[float], **config) -> dict:

@@ -119,7 +119,15 @@ def test_settings_list_the_registry_choices():
         "engine": registry.choices(registry.ENGINES),
         "fabric": registry.choices(registry.FABRICS),
     }
-    assert table["transport"] == ("auto", "shm", "cuda", "dist", "hier", "virtual")  # users pass these
+    assert table["transport"] == (
+        "auto",
+        "shm",
+        "cuda",
+        "dist",
+        "hier",
+        "tiers",
+        "virtual",
+    )  # users pass these
     assert table["protocol"] == ("ubep", "bsp")
     assert table["engine"] == ("auto", "torch", "numba", "triton")
     assert table["fabric"] == ("auto", "gloo", "zmq", "nixl")

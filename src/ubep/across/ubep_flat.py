@@ -322,6 +322,9 @@ class UbepFabric(Exchange):
     def agree_to_mask(self, error: Exception, seq: int) -> Agreement | None:
         return self.fabric.agree_to_mask(error, seq)
 
+    def agree(self, value: int, phase: str) -> dict[int, int]:
+        return self.fabric.agree(value, phase)
+
     def close(self) -> None:
         self.fabric.close()
 

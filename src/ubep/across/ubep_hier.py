@@ -29,6 +29,7 @@ Legend: see `ubep.across.collectives.bsp_hier`.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import astuple
 
 import torch
@@ -45,6 +46,7 @@ from ubep.nodes import NodeMap
 from ubep.protocols.base import DTYPE_CODES, Received, SendPlan, Sizing, rows
 from ubep.results import DispatchHandle
 from ubep.timers import lap, timed
+from ubep.transport.base import Agreement
 from ubep.waiting import blame_of
 
 COUNT = WORDS  # the header word after the call header: rows in this message
@@ -80,16 +82,28 @@ class HierFabric(HierExchange):
     ):
         super().__init__(info, sizing, timeout_s, engine)
         self.fabric = fabric
+        self.nodes = NodeMap(info.node_of_rank)
         self.across_hosts = (
             f"rails over the {fabric.name} fabric ({reason}), no collective inside a call; "
             "shared memory within a node"
         )
         self._told = 0  # the last call this rank told its rail peers it gave up on
+        self.most_rows = sizing.capacity  # the most rows one rail message carries
 
     def _rail_peers(self) -> list[tuple[int, int]]:
-        """(slot, rank) of every other node's rank on this rank's rail, from the next slot on."""
-        G = len(self.rail)
-        return [((self.slot + i) % G, self.rail[(self.slot + i) % G]) for i in range(1, G)]
+        """(slot, rank) of every other node's rank on this rank's rail, from the next slot on; a masked
+        one is left out (its whole node is: `_check_whole_nodes`)."""
+        G, live = len(self.rail), self.fabric.live
+        turns = [(self.slot + i) % G for i in range(1, G)]
+        return [(g, self.rail[g]) for g in turns if self.rail[g] in live]
+
+    def _masked(self) -> set[int]:
+        """The ranks masked so far (the fabric keeps the membership)."""
+        return set(range(self.sizing.num_ranks)).difference(self.fabric.live)
+
+    def _masked_slots(self) -> set[int]:
+        """The rail slots whose node is masked: nothing crosses to or from them."""
+        return {g for g, rank in enumerate(self.rail) if rank not in self.fabric.live}
 
     def _header(self, call: CallId, **words: int) -> torch.Tensor:
         return torch.tensor(astuple(CallHeader.of(call, **words)), dtype=torch.int64, device="cpu")
@@ -97,6 +111,7 @@ class HierFabric(HierExchange):
     # -- dispatch ---------------------------------------------------------------------------------
 
     def _dispatch(self, call: CallId, plan: SendPlan, handle: DispatchHandle | None) -> Received:
+        self._check_whole_nodes(self._masked())
         x_NX = plan.packed_rows()  # one tensor crosses: an FP8 pair travels as byte rows
         try:
             if handle is not None:
@@ -147,11 +162,12 @@ class HierFabric(HierExchange):
         weights, fwd_FX = t.view(b.weights, me, call), t.view(b.x, me, call)
         at = 0  # the forward set's next row
         turn = 0  # the next slot in order
+        passed = {self.slot} | self._masked_slots()  # slots that send nothing here
 
         def place_ready() -> None:
             nonlocal at, turn
-            while turn < G and (turn == self.slot or turn in landed):
-                if turn != self.slot:
+            while turn < G and (turn in passed or turn in landed):
+                if turn not in passed:
                     n, (token_n, idx_nK, w_nK), rows_nX = landed.pop(turn)
                     ids[at : at + n, 0], ids[at : at + n, 1] = self.rail[turn], token_n
                     topk[at : at + n, :K], weights[at : at + n, :K] = idx_nK, w_nK
@@ -197,9 +213,17 @@ class HierFabric(HierExchange):
         peer's rows go into place the moment they land."""
         r: HierRoute = handle.route
         mine = self._header(call, handle=handle.seq, dtype=DTYPE_CODES[x_NX.dtype])
-        at_G, relay_at = prefix_offsets(r.send_counts_G), prefix_offsets(r.relay_counts_G)
         self.fabric.begin(call)
         lap(call.timers, "between")
+        self._relay_cached(call, mine, x_NX, r)
+        recv_x_MX = self._gather_rows(call, x_NX, r, handle.recv_prefix_R1)
+        return Received.unpacking(plan, recv_x_MX, None, None, handle.recv)
+
+    def _relay_cached(self, call: CallId, mine: torch.Tensor, x_NX: torch.Tensor, r: HierRoute) -> None:
+        """A cached dispatch's crossing of the rail: rows `r.send_token_S` of `x_NX` to the rail peers,
+        each peer's rows into this rank's forward set as they land, then rows `r.own_token_O`; DATA
+        stamped."""
+        at_G, relay_at = prefix_offsets(r.send_counts_G), prefix_offsets(r.relay_counts_G)
         for g, peer in self._rail_peers():
             a, z = int(at_G[g]), int(at_G[g + 1])
             self._send_rows(call, "hier_dispatch", peer, mine, None, x_NX, r.send_token_S[a:z])
@@ -208,7 +232,7 @@ class HierFabric(HierExchange):
         fwd_FX, S = t.view(b.x, me, call), int(r.relay_counts_G.sum())
         for msg in self._landed("hier_dispatch", call, mine):
             peer, slot = msg.peer, self.rail.index(msg.peer)
-            n = self._count(call, msg, self.sizing.capacity, H * x_NX.element_size())
+            n = self._count(call, msg, self.most_rows, H * x_NX.element_size())
             if n != int(r.relay_counts_G[slot]):
                 said = f"sends {n} rows here, this rank's handle expects {int(r.relay_counts_G[slot])}"
                 raise self._bad(
@@ -222,12 +246,11 @@ class HierFabric(HierExchange):
         self.engine.copy_rows(x_NX, r.own_token_O, rows(fwd_FX, own, x_NX.dtype, H, first=S), None)
         t.publish(b.data, call, {"count": S + own, "dtype": DTYPE_CODES[x_NX.dtype]})
         lap(call.timers, "forward")
-        recv_x_MX = self._gather_rows(call, x_NX, r, handle.recv_prefix_R1)
-        return Received.unpacking(plan, recv_x_MX, None, None, handle.recv)
 
-    def _landed(self, lane: str, call: CallId, mine: torch.Tensor):
-        """Each rail peer's message of `call` on `lane` as it lands, its call header checked."""
-        peers = [p for _, p in self._rail_peers()]
+    def _landed(self, lane: str, call: CallId, mine: torch.Tensor, peers: list[int] | None = None):
+        """Each rail peer's (or each of `peers`') message of `call` on `lane` as it lands, its call
+        header checked."""
+        peers = [p for _, p in self._rail_peers()] if peers is None else peers
         differ = other_call_check(call, self.me, mine)
         arrivals = self.fabric.arrivals(lane, call, peers, f"{call.kind} (across nodes)", differ)
         for msg in timed(arrivals, call.timers):
@@ -247,6 +270,7 @@ class HierFabric(HierExchange):
     # -- combine ----------------------------------------------------------------------------------
 
     def _combine(self, call: CallId, x_MH, handle: DispatchHandle, topk_weights_MK):
+        self._check_whole_nodes(self._masked())
         route: HierRoute = handle.route
         K = 0 if topk_weights_MK is None else topk_weights_MK.shape[1]
         mine = self._header(call, handle=handle.seq, dtype=DTYPE_CODES[x_MH.dtype], topk=K or NONE)
@@ -276,7 +300,9 @@ class HierFabric(HierExchange):
         S = int(route.relay_counts_G.sum())
         send_at = prefix_offsets(route.send_counts_G).tolist()
         out_NY = torch.zeros(N, Y, dtype=torch.float32, device="cpu")
-        landed: dict[int, torch.Tensor] = {self.slot: partial_FY[S:]}
+        # A masked node returns nothing: the rows a dispatch before the mask sent there are left out.
+        landed: dict[int, torch.Tensor | None] = dict.fromkeys(self._masked_slots())
+        landed[self.slot] = partial_FY[S:]
         turn = 0
         lap(call.timers, "between")
 
@@ -288,8 +314,9 @@ class HierFabric(HierExchange):
                     if turn == self.slot
                     else route.send_token_S[send_at[turn] : send_at[turn + 1]]
                 )
-                out_NY.index_add_(0, tokens, landed.pop(turn))
-                if turn != self.slot:
+                if (part := landed.pop(turn)) is not None:
+                    out_NY.index_add_(0, tokens, part)
+                if turn != self.slot and part is not None:
                     self.fabric.release("hier_combine", self.rail[turn], call)
                 turn += 1
 
@@ -298,7 +325,7 @@ class HierFabric(HierExchange):
         for msg in self._landed("hier_combine", call, mine):
             slot = self.rail.index(msg.peer)
             want = int(route.send_counts_G[slot])
-            n = self._count(call, msg, self.sizing.capacity, 4 * Y)
+            n = self._count(call, msg, self.most_rows, 4 * Y)
             if n != want:
                 raise self._bad(
                     call, msg.peer, f"combine: rank {msg.peer} returned {n} partials, expected {want}"
@@ -333,6 +360,38 @@ class HierFabric(HierExchange):
         call = in_node(call)
         self._finish(call)
         self.t.abort(call)
+
+    # -- membership -------------------------------------------------------------------------------
+
+    def mask(self, ranks: Collection[int], seq: int) -> int:
+        """Leave `ranks` out of every later call (`Fabric.mask`): whole nodes only, so the rails lose
+        their masked slots and no route passes a masked forwarder."""
+        self._check_whole_nodes(ranks)
+        return self.fabric.mask(ranks, seq)
+
+    def agree_to_mask(self, error: Exception, seq: int) -> Agreement | None:
+        """Agree over the fabric on whom to leave out (`Fabric.agree_to_mask`); every staying rank
+        raises alike where that is part of a node (`_check_whole_nodes`), and so does every later call."""
+        agreed = self.fabric.agree_to_mask(error, seq)
+        if agreed is not None:
+            self._check_whole_nodes(agreed.gone)
+        return agreed
+
+    def _check_whole_nodes(self, ranks: Collection[int]) -> None:
+        """NotImplementedError naming the masked ranks of a node whose other ranks stay: a node's rows
+        from each other node cross through its rank on their rail, and routes around a masked
+        forwarder (through another rank of its node) are not built. Raised before any call uses the
+        membership, on every staying rank alike (they pass the same ranks)."""
+        gone = set(ranks)
+        for node in range(self.nodes.num_nodes):
+            members = set(self.nodes.node_ranks(node))
+            if gone & members and not members <= gone:
+                raise NotImplementedError(
+                    f"transport 'hier': rank(s) {sorted(gone & members)} of node {node} are masked and "
+                    f"rank(s) {sorted(members - gone)} of it stay; hier masks whole nodes only (their rows "
+                    "cross through the masked ranks as forwarders, and routes around a forwarder are not "
+                    "built): mask all of its ranks, or build the Buffer again without them"
+                )
 
     def close(self) -> None:
         super().close()

@@ -333,10 +333,56 @@ def add_parser(subparsers) -> None:
     p.add_argument(
         "--trace", metavar="PATH.json", default="", help="a Perfetto trace per ubep system (PATH-SYSTEM.json)"
     )
+    faults = p.add_argument_group(
+        "elastic EP: a host dies mid-decode (ubep.bench.elastic_decode, its own small MoE stack)"
+    )
+    faults.add_argument("--hosts", type=int, default=0, help="emulated hosts (with --kill-host; default 3)")
+    faults.add_argument("--kill-host", type=int, help="the host whose ranks SIGKILL themselves at --at-step")
+    faults.add_argument(
+        "--at-step", type=int, default=10, help="the decode step it dies in (default %(default)s)"
+    )
+    faults.add_argument(
+        "--stop", action="store_true", help="SIGSTOP its ranks instead (masked at the deadline)"
+    )
+    faults.add_argument("--rejoin-at-step", type=int, help="bring the host back (not supported yet)")
     p.set_defaults(func=run_decode)
 
 
+def run_elastic(args) -> int:
+    """`ubep decode --kill-host h`: the elastic test bed's timeline (`ubep.bench.elastic_decode`)."""
+    from ubep.bench import elastic_decode
+
+    if args.rejoin_at_step is not None:
+        raise SystemExit("ubep decode --rejoin-at-step: not supported yet (a masked rank cannot rejoin)")
+    if args.plot:
+        require("ubep decode --plot", "matplotlib", "observe")
+    cfg = elastic_decode.ElasticConfig(
+        hosts=args.hosts or 3,
+        kill_host=args.kill_host,
+        at_step=args.at_step,
+        stop=args.stop,
+        steps=args.steps,
+        runs=args.repeats,
+        batch=args.batch,
+        hidden=args.hidden,
+        experts=args.experts,
+        topk=args.topk,
+        seed=args.seed,
+    )
+    try:
+        cfg.validate()
+    except ValueError as error:
+        raise SystemExit(f"ubep decode: {error}") from None
+    runs, recoveries = elastic_decode.run(cfg)
+    elastic_decode.print_timeline(cfg, runs, recoveries)
+    if args.plot:
+        elastic_decode.plot(args.plot, cfg, runs[-1])
+    return 0
+
+
 def run_decode(args) -> int:
+    if args.kill_host is not None or args.rejoin_at_step is not None:
+        return run_elastic(args)
     names = ("ranks", "batch", "prompt", "steps", "warmup", "repeats", "hidden", "layers", "experts", "topk")
     cfg = DecodeConfig(
         **{n: getattr(args, n) for n in names},

@@ -79,34 +79,50 @@ def _shape_probe(namespace: str) -> tuple[str | None, str]:
 class Link(NamedTuple):
     """The link between two namespace hosts, as the script makes it: `rate` in tc's units (1gbit),
     that rate in bytes per second, the token bucket's burst in bytes (None under netem, which paces
-    each packet), and the delay one way (None: the kernel has no netem, so none is added)."""
+    each packet), and the delay one way (None: the kernel has no netem, so none is added); with
+    racks, each rack's uplink: its rate, in bytes per second, and its token bucket's burst."""
 
     rate: str
     bytes_per_s: int
     burst_bytes: int | None
     delay: str | None
+    racks: int = 1
+    rack_rate: str | None = None
+    rack_bytes_per_s: int | None = None
+    rack_burst_bytes: int | None = None
 
     def note(self, hosts: int) -> str:
         """What the links are, for the notes under the bench's table."""
         if self.delay is not None:
-            return f"links between the {hosts} hosts: {self.rate}, {self.delay} one way (tc netem)"
-        return (
-            f"links between the {hosts} hosts: {self.rate} by a token bucket (tc tbf, burst "
-            f"{self.burst_bytes} bytes); no delay: kernel has no netem"
-        )
+            said = f"links between the {hosts} hosts: {self.rate}, {self.delay} one way (tc netem)"
+        else:
+            said = (
+                f"links between the {hosts} hosts: {self.rate} by a token bucket (tc tbf, burst "
+                f"{self.burst_bytes} bytes); no delay: kernel has no netem"
+            )
+        if self.racks > 1:
+            said += (
+                f"; {self.racks} racks of {hosts // self.racks} hosts, each rack's uplink {self.rack_rate} "
+                f"each way (tc tbf, burst {self.rack_burst_bytes} bytes)"
+            )
+        return said
 
 
-def link_of(rate: str, netem: bool, script: Path = SCRIPT) -> Link:
+def link_of(rate: str, netem: bool, script: Path = SCRIPT, racks: int = 1, rack_rate: str = "") -> Link:
     """The link the script makes at `rate` (its sizing, asked with -s: nothing is made), with
-    LINK_DELAY where the kernel has netem. Raises ValueError with the script's reason for a rate it
-    refuses."""
-    said = subprocess.run(["bash", str(script), "-r", rate, "-s"], capture_output=True, text=True, timeout=30)
+    LINK_DELAY where the kernel has netem, and with `racks` > 1 the racks' uplinks at `rack_rate`.
+    Raises ValueError with the script's reason for a rate it refuses."""
+    uplinks = ["-u", rack_rate] if racks > 1 else []
+    said = subprocess.run(
+        ["bash", str(script), "-r", rate, *uplinks, "-s"], capture_output=True, text=True, timeout=30
+    )
     if said.returncode != 0:
         raise ValueError(_last_line(said.stderr) or f"{script} -s exited {said.returncode}")
     sizing = dict(word.split("=", 1) for word in said.stdout.split())
+    rack = (racks, rack_rate, int(sizing["rack_bytes_per_s"]), int(sizing["rack_burst"])) if racks > 1 else ()
     if netem:
-        return Link(rate, int(sizing["bytes_per_s"]), None, LINK_DELAY)
-    return Link(rate, int(sizing["bytes_per_s"]), int(sizing["burst"]), None)
+        return Link(rate, int(sizing["bytes_per_s"]), None, LINK_DELAY, *rack)
+    return Link(rate, int(sizing["bytes_per_s"]), int(sizing["burst"]), None, *rack)
 
 
 def _last_line(text: str) -> str:
@@ -129,8 +145,9 @@ class HostsFailedError(RuntimeError):
 def hosts_command(cfg: BenchConfig, job: list[str]) -> list[str]:
     """The script, one torchrun agent per host, this module as every rank running `job` (`main`'s
     arguments)."""
+    racks = ["-R", str(cfg.racks), "-u", cfg.rack_link_rate] if cfg.racks > 1 else []
     return [
-        str(SCRIPT), "-n", str(cfg.nodes), "-r", cfg.link_rate, "-d", LINK_DELAY, "--",
+        str(SCRIPT), "-n", str(cfg.nodes), "-r", cfg.link_rate, "-d", LINK_DELAY, *racks, "--",
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(cfg.ranks // cfg.nodes),
         "-m", "ubep.bench.host_rank", *job,
     ]  # fmt: skip

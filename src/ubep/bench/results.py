@@ -15,7 +15,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, fields
 from pathlib import Path
 
-from ubep.bench.workload import ACROSS_SYSTEMS, ROWS, SYSTEMS, UBEP_ROW, BenchConfig
+from ubep.bench.workload import ACROSS_SYSTEMS, RACK_SYSTEMS, ROWS, SYSTEMS, UBEP_ROW, BenchConfig
 from ubep.schedule import policy_name
 
 # The flags `command` writes, in the order `ubep bench --help` lists them, for fields set alike
@@ -77,7 +77,9 @@ def command(cfg: BenchConfig) -> str:
         said += ["--hosts" if cfg.namespaces else "--nodes", str(cfg.nodes)]
     if cfg.namespaces and cfg.link_rate != default.link_rate:
         said += ["--link-rate", cfg.link_rate]
-    if cfg.systems != (ACROSS_SYSTEMS if cfg.nodes > 1 else SYSTEMS):
+    if cfg.racks > 1:
+        said += ["--racks", str(cfg.racks), "--rack-link-rate", cfg.rack_link_rate]
+    if cfg.systems != (RACK_SYSTEMS if cfg.racks > 1 else ACROSS_SYSTEMS if cfg.nodes > 1 else SYSTEMS):
         said += ["--systems", _text(cfg.systems)]
     if cfg.placements:
         said += ["--placement", _text(cfg.placements)]

@@ -19,6 +19,7 @@ from contextlib import ExitStack
 from dataclasses import replace
 from typing import Protocol
 
+import numpy as np
 from rich.console import Console
 from rich.progress import Progress as RichProgress
 
@@ -33,11 +34,13 @@ from ubep.errors import SharedMemorySizeError
 from ubep.extras import install_hint
 from ubep.factory import ready_engine
 from ubep.launcher import LocalLaunch
-from ubep.layout import ExpertPlacement
+from ubep.layout import ExpertPlacement, token_in_rank
+from ubep.registry import TIERS
+from ubep.sim.tiers import Stack, tier_bytes
 from ubep.transport.segments import KNOBS
 
 SINGLE_HOST = ("bsp-shm", "mpi", LL_ROW)  # no row across emulated nodes
-ACROSS_ONLY = ("hier-bsp", "ubep-gloo", "ubep-nixl")  # rows of the exchange between nodes
+ACROSS_ONLY = ("hier-bsp", "ubep-gloo", "ubep-nixl", "ubep-tiers", "ubep-dist")  # rows between nodes
 NORMAL_ONLY = ("bsp-shm", "mpi")  # no low-latency mode
 STOP_S = 30.0  # how long a stopped group gets to wind down
 
@@ -55,9 +58,15 @@ def boundary_per_rank(cfg: BenchConfig, tokens: int) -> dict[str, float]:
         return (sum(got[f"dispatch_bytes_{kind}"]) + sum(got[f"combine_bytes_{kind}"])) / cfg.ranks
 
     dedup = mean("dedup")  # the hierarchical rows: a token crosses once per remote node
-    return {row: dedup for row in (UBEP_ROW, "ubep-gloo", "ubep-nixl", "hier-bsp")} | {
-        "bsp-gloo": mean("flat")
-    }
+    crossing = {row: dedup for row in (UBEP_ROW, "ubep-gloo", "ubep-nixl", "hier-bsp")}
+    crossing |= {row: mean("flat") for row in ("bsp-gloo", "ubep-dist")}  # the same rows on the wire
+    if cfg.racks > 1:  # once per rack, then per host: what crosses hosts on either tier
+        stack = Stack(racks=cfg.racks, hosts_per_rack=cfg.nodes // cfg.racks,
+                      ranks_per_host=cfg.ranks // cfg.nodes, link_gbps=1.0, rack_gbps=1.0)  # fmt: skip
+        hit_RNR = np.stack([token_in_rank(i, placement).numpy() for i in work.topk_idx])
+        tiers = tier_bytes(TIERS.name, stack, hit_RNR, cfg.hidden, work.xs[0].element_size(), cfg.topk)
+        crossing["ubep-tiers"] = (tiers["slow"] + tiers["fast"]) / cfg.ranks
+    return crossing
 
 
 def select_systems(cfg: BenchConfig, mpi: tuple[bool, str]) -> tuple[tuple[str, ...], list[str]]:
@@ -83,6 +92,12 @@ def select_systems(cfg: BenchConfig, mpi: tuple[bool, str]) -> tuple[tuple[str, 
             "ubep-gloo and ubep-nixl the same over gloo and nixl, hier-bsp "
             "the same transport's rail all-to-alls, bsp-gloo the flat all-to-all"
             + (f"; no {', '.join(single_host)} row (one host only)" if single_host else "")
+        )
+    if cfg.racks > 1:
+        notes.append(
+            f"{cfg.racks} racks of {cfg.nodes // cfg.racks} hosts: ubep-tiers runs transport tiers (a token "
+            "crosses between racks once per rack, then between hosts once per host), ubep-dist every peer "
+            "directly over the default fabric"
         )
     if cfg.mode == "ll":
         unsupported = [s for s in systems if s in NORMAL_ONLY]

@@ -35,7 +35,7 @@ from ubep.bench.workload import (
     build,
     expected_combine,
 )
-from ubep.registry import BSP, DIST, GLOO, HIER, NIXL, SHM, UBEP
+from ubep.registry import BSP, DIST, GLOO, HIER, NIXL, SHM, TIERS, UBEP
 
 
 class BufferSystem(NamedTuple):
@@ -53,6 +53,8 @@ BUFFER_SYSTEMS = {
     "ubep-gloo": BufferSystem(UBEP.name, HIER.name, HIER.name, GLOO.name),
     "ubep-nixl": BufferSystem(UBEP.name, HIER.name, HIER.name, NIXL.name),
     "hier-bsp": BufferSystem(BSP.name, HIER.name, HIER.name),  # rail all-to-alls: the collective path
+    "ubep-tiers": BufferSystem(UBEP.name, TIERS.name, TIERS.name),  # once per rack, then per host
+    "ubep-dist": BufferSystem(UBEP.name, DIST.name, DIST.name),  # every peer directly, over the fabric
     "bsp-shm": BufferSystem(BSP.name, SHM.name, SHM.name),
     "bsp-gloo": BufferSystem(BSP.name, DIST.name, DIST.name),  # the flat gloo all-to-all
 }
@@ -122,6 +124,7 @@ def open_buffer(
             stats=name == STATS_SYSTEM,
             fabric=system.fabric,
             low_latency=False,  # normal-mode rows: no low-latency slots (2.2 GiB a rank at 8 x 128 tokens)
+            racks=cfg.racks,
             **scheduling,
         )
     )

@@ -22,7 +22,10 @@ ACROSS_SYSTEMS = (UBEP_ROW, "ubep-gloo", "ubep-nixl", "hier-bsp", "bsp-gloo")
 # Low-latency mode beside normal mode, in the same rounds of a normal-mode run: its "x ubep" is the
 # ratio of the two modes on the same workload and host state (one host; --mode ll times it as "ubep").
 LL_ROW = "ubep-ll"
-ALL_SYSTEMS = (*SYSTEMS, *ACROSS_SYSTEMS[1:4], LL_ROW)
+# Rows across racks of hosts (--racks): the three-tier schedule, the two-tier one (the ubep row: per
+# host only), flat (every peer directly, over the fabric) and hier-bsp.
+RACK_SYSTEMS = ("ubep-tiers", UBEP_ROW, "ubep-dist", "hier-bsp")
+ALL_SYSTEMS = (*SYSTEMS, *ACROSS_SYSTEMS[1:4], *RACK_SYSTEMS[::2], LL_ROW)
 PLACED_SYSTEMS = ("ubep+eplb", "ubep+eplb-global", "ubep+placed")  # experts placed: bench.placed
 ROWS = (*ALL_SYSTEMS, "ubep-stats", *PLACED_SYSTEMS)  # every row a run can have ("ubep-stats": --stats)
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -51,6 +54,8 @@ class BenchConfig:
     nodes: int = 1  # emulated nodes: ranks are split evenly; traffic between them uses torch.distributed
     namespaces: bool = False  # the nodes are network namespace hosts (bench.hosts), not emulated
     link_rate: str = "25gbit"  # links between namespace hosts (tc's units): a 25 GbE NIC, common
+    racks: int = 1  # the hosts stand in this many racks (consecutive hosts), joined by slower uplinks
+    rack_link_rate: str = ""  # each rack's uplink (tc's units), with racks > 1
     stats_path: str = ""  # set: add the row "ubep-stats" (ubep recording stats), its merged snapshot here
     slow_rank: int = -1  # >= 0: this rank sleeps delay_us before each call of every Buffer row
     delay_us: float = 0.0

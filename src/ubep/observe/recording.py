@@ -200,6 +200,18 @@ class RecordedExchange(Exchange):
     def agree_to_mask(self, error: Exception, seq: int) -> Agreement | None:
         return self._inner.agree_to_mask(error, seq)
 
+    def agree(self, value: int, phase: str) -> dict[int, int]:
+        return self._inner.agree(value, phase)
+
+    def admissions(self, seq: int, boundary: bool) -> frozenset[int]:
+        return self._inner.admissions(seq, boundary)
+
+    def admit(self, ranks: Collection[int], seq: int) -> frozenset[int]:
+        return self._inner.admit(ranks, seq)
+
+    def join(self, deadline_s: float) -> Agreement:
+        return self._inner.join(deadline_s)
+
 
 class RecordedLowLatency(LowLatencyExchange):
     """A low-latency exchange that records each call once its receive half has run."""

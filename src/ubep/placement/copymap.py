@@ -50,15 +50,29 @@ class CopyMap:
     kernel: object = field(default=None, repr=False)  # the compiled pass, or None: torch ops
 
     @classmethod
-    def nearest(cls, placement: Placement, rank: int, distances: Distances, compiled: bool = True) -> CopyMap:
-        """Copies at the smallest distance class from `rank`, per logical expert."""
+    def nearest(
+        cls,
+        placement: Placement,
+        rank: int,
+        distances: Distances,
+        compiled: bool = True,
+        masked: frozenset[int] = frozenset(),
+    ) -> CopyMap:
+        """Copies at the smallest distance class from `rank`, per logical expert, among the copies on
+        ranks not `masked` (an expert with none of those keeps its copies: the masked rank's entries
+        are then dropped, `ubep.membership.Membership.drop`)."""
         if distances.num_ranks != placement.num_ranks:
             raise ValueError(
                 f"distances cover {distances.num_ranks} ranks, the placement {placement.num_ranks}"
             )
         phys_EJ = placement.physical_of_logical_EJ()
-        valid_EJ = phys_EJ >= 0
         rank_EJ = placement.rank_of_physical_U[phys_EJ.clamp(min=0)]
+        valid_EJ = phys_EJ >= 0
+        if masked:
+            masked_R = torch.zeros(placement.num_ranks, dtype=torch.bool, device="cpu")
+            masked_R[sorted(masked)] = True
+            live_EJ = valid_EJ & ~masked_R[rank_EJ]
+            valid_EJ = torch.where(live_EJ.any(dim=1, keepdim=True), live_EJ, valid_EJ)
         class_EJ = torch.from_numpy(distances.class_RR[rank])[rank_EJ].masked_fill(~valid_EJ, 1 << 30)
         near_EJ = class_EJ == class_EJ.min(dim=1, keepdim=True).values
         return cls._packed(phys_EJ, near_EJ, rank, compiled)

@@ -158,6 +158,27 @@ class Exchange(ABC):
         cannot leave a rank out inside a call (the caller raises `error`)."""
         return None
 
+    def agree(self, value: int, phase: str) -> dict[int, int]:
+        """Collective among the staying ranks, between calls: every staying rank's `value` (an int64),
+        within the deadline (`Transport.agree`). Only exchanges that can mask override this."""
+        raise NotImplementedError(f"{phase}: this Buffer's {self.name} exchange cannot leave a rank out")
+
+    def admissions(self, seq: int, boundary: bool) -> frozenset[int]:
+        """Before call `seq`, ranks being masked: where `boundary` (a call that takes no handle), the
+        masked ranks whose restarted processes every staying rank takes back in before it
+        (`Transport.admissions`); none where no rank can rejoin."""
+        return frozenset()
+
+    def admit(self, ranks: Collection[int], seq: int) -> frozenset[int]:
+        """Take the restarted `ranks` back in before call `seq`, with every staying rank; returns those
+        taken in (none where a joiner died meanwhile: they stay masked)."""
+        raise NotImplementedError(f"this Buffer's {self.name} exchange cannot take a rank back in")
+
+    def join(self, deadline_s: float) -> Agreement:
+        """This process restarts a masked rank: join the staying ranks at a call they agree on;
+        returns the ranks still masked and the seq of the call all resume after."""
+        raise NotImplementedError(f"this Buffer's {self.name} exchange cannot take a rank back in")
+
 
 class LowLatencyExchange(ABC):
     """Low-latency mode bound to its memory or fabric: each `*_send` sends now and returns the

@@ -216,6 +216,24 @@ class Transport(Protocol):
         ranks agree on the union of the ranks each of them found dead, stopped or silent past the
         deadline, and leave them out of every later wait and barrier."""
 
+    def agree(self, value: int, phase: str) -> dict[int, int]:
+        """Collective among the staying ranks, between calls (`set_placement` after a mask): every
+        staying rank's `value`, by rank, within the deadline; the masked ranks take no part."""
+
+    def admissions(self, seq: int, boundary: bool) -> frozenset[int]:
+        """Before call `seq`, ranks being masked: where `boundary` (a call that takes no handle), the
+        masked ranks whose restarted processes asked to come back and that every staying rank takes
+        in before this call (the leader announced it)."""
+
+    def admit(self, ranks: Collection[int], seq: int) -> frozenset[int]:
+        """Collective among the staying ranks and the joiners `ranks`, before call `seq`: take them
+        back in; all resume after seq - 1. Returns those taken in (none: a joiner died meanwhile)."""
+
+    def join(self, deadline_s: float) -> Agreement:
+        """Run by a process restarted in a masked rank's place: ask to come back, agree with the
+        staying ranks at the call they choose; returns the ranks still masked and the seq all resume
+        after."""
+
     def check_member(self, phase: str, peers: Iterable[int] | None = None) -> None:
         """Raise MaskedOutError if a peer (default: every live one) masked this rank: it stalled and
         the others went on without it. Called before writing into peers' memory (they reuse it for

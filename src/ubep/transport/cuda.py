@@ -158,6 +158,9 @@ class CudaHeap:
     def agree_to_mask(self, error: Exception, seq: int) -> Agreement | None:
         return self._host.agree_to_mask(error, seq)
 
+    def agree(self, value: int, phase: str) -> dict[int, int]:
+        return self._host.agree(value, phase)
+
     def check_member(self, phase: str, peers: Iterable[int] | None = None) -> None:
         self._host.check_member(phase, peers)
 

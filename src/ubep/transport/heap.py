@@ -16,7 +16,8 @@ both are behind `Memory`. Everything a protocol relies on is here, once:
   goes on finds at once a peer whose call of the same seq is another one;
 - membership: `mask` drops dead ranks from every later wait and barrier, after
   the survivors agree (in the `members` block) on whom and on the call to
-  resume from.
+  resume from; `join` / `admissions` / `admit` take a process restarted in a
+  masked rank's place back in, at a call all agree on (the `joins` block).
 
 Legend: see `ubep.layout`.
 """
@@ -24,6 +25,7 @@ Legend: see `ubep.layout`.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -32,7 +34,7 @@ import numpy as np
 import torch
 
 from ubep.calls import KINDS, METHODS, CallId
-from ubep.errors import CommTimeoutError, MaskedOutError, PeerDataError, UbepError
+from ubep.errors import CommTimeoutError, MaskedOutError, PeerDataError, RejoinError, UbepError
 from ubep.timers import BlockTimes
 from ubep.transport.base import Agreement, Field, Header, Record, Region
 from ubep.waiting import YIELD_POLLS, AbortNotice, PeerAbortedError, ProcessId, Waiter
@@ -40,10 +42,18 @@ from ubep.waiting import YIELD_POLLS, AbortNotice, PeerAbortedError, ProcessId, 
 ALIGN = 64  # bytes; every block starts on a cache line
 # Control block words: the barrier word, the word a compiled half raises while it sleeps on its
 # doorbell (publishers ring only such ranks), (from the next cache line) a ring of abort notices,
-# then a ring of the calls begun.
+# then a ring of the calls begun, then who the rank's process is (pid, PID namespace, start time:
+# peers learn a rejoined rank's here) and the job's doorbell secret (what a rejoining process reads).
 CTL_BARRIER, CTL_ASLEEP, CTL_ABORTS, ABORT_RING = 0, 1, 8, 16
 CTL_CALLS, CALL_RING = CTL_ABORTS + ABORT_RING, 16
-CTL_WORDS = CTL_CALLS + CALL_RING
+CTL_ID, ID_WORDS = CTL_CALLS + CALL_RING, 3
+CTL_KEY, KEY_WORDS = CTL_ID + ID_WORDS, 4
+CTL_WORDS = CTL_KEY + KEY_WORDS
+# The `joins` block's rows: in every staying rank's memory, a process restarting as rank r writes its
+# pid at ASKED[r]; the leader (the lowest live rank) writes at ANNOUNCED[r] the call before which
+# every staying rank takes it in. Two calls ahead: a rank learns the leader's choice from its data,
+# which every call waits for, so every rank has read it before it begins that call.
+ASKED, ANNOUNCED, ADMIT_AHEAD = 0, 1, 2
 # Why a rank aborted a call; a notice packs (seq, cause, culprit + 1) into one word.
 CAUSE_OWN, CAUSE_DEAD, CAUSE_SILENT, CAUSE_BAD_DATA, CAUSE_ABORTED, CAUSE_OUT_OF_STEP = 0, 1, 2, 3, 4, 5
 BLAME = {
@@ -83,6 +93,7 @@ class Layout:
         self._place("ctl", 0, (CTL_WORDS,), torch.int64)
         # Two generations of a rank's membership record: [generation, call seq, masked flag per rank].
         self._place("members", 0, (2, 2 + num_ranks), torch.int64)
+        self._place("joins", 0, (2, num_ranks), torch.int64)  # [ASKED, ANNOUNCED] per rank
         for block in blocks:
             shape, dtype = _shape_of(block, num_ranks)
             if any(name == block.name for name, _ in self.offsets):
@@ -133,6 +144,7 @@ class Heap:
         self._bounds: dict[Header, _Bounds] = {}
         self._ctl = [self._words_at("ctl", 0, r) for r in range(num_ranks)]
         self._members = [self._words_at("members", 0, r) for r in range(num_ranks)]
+        self._joins = [self._words_at("joins", 0, r) for r in range(num_ranks)]
         self._ctl_at = np.array([words.ctypes.data for words in self._ctl], dtype=np.int64)
         self.live: tuple[int, ...] = tuple(range(num_ranks))  # the ranks still taking part
         self.live_R = np.arange(num_ranks, dtype=np.int64)  # the same, for compiled halves
@@ -141,6 +153,7 @@ class Heap:
         self._current_seq = 0
         self._current: tuple[CallId, str] | None = None  # the call and phase of the latest wait
         self._resumed_after = -1  # the seq the ranks resumed after at the latest mask (`mask`)
+        self._handled: dict[int, int] = {}  # per rank, the leader's announcement this rank acted on
         self._barrier_seq = self._barrier_step = 0
 
     # -- memory -----------------------------------------------------------------------------------
@@ -500,6 +513,146 @@ class Heap:
         self._resumed_after = max(int(self._members[r][half][1]) for r in stay)
         return self._resumed_after
 
+    # -- rejoining ---------------------------------------------------------------------------------
+
+    def introduce(self, process: ProcessId, secret: np.ndarray) -> None:
+        """Write who this rank's process is, and the job's doorbell secret (int64 [KEY_WORDS]), into
+        its control block: where peers learn a rejoined rank's process, and a rejoining one the secret."""
+        ctl = self._ctl[self.rank]
+        ctl[CTL_KEY : CTL_KEY + KEY_WORDS] = secret
+        ctl[CTL_ID : CTL_ID + ID_WORDS] = (process.pid, process.pid_ns, process.start)
+
+    def identity(self, rank: int) -> ProcessId | None:
+        """Rank `rank`'s process as its control block says (None: never written)."""
+        pid, pid_ns, start = (int(w) for w in self._ctl[rank][CTL_ID : CTL_ID + ID_WORDS])
+        return ProcessId(pid, pid_ns, start) if pid > 0 else None
+
+    def admissions(self, seq: int, boundary: bool) -> frozenset[int]:
+        """Before this rank begins call `seq`, ranks being masked: where `boundary` (a call that takes
+        no handle: a dispatch routed anew, a low-latency dispatch), the masked ranks every staying rank
+        takes back in before it (`admit`): those the leader announced for a call up to `seq`. The
+        leader (the lowest live rank) first turns each live joiner's request into an announcement
+        for call seq + ADMIT_AHEAD (see `ADMIT_AHEAD`), at any call."""
+        leader = self.live[0]
+        if self.rank == leader:
+            asked = self._joins[self.rank][ASKED]
+            for r in np.flatnonzero(asked).tolist():
+                if r in self.live:
+                    continue  # the old process is not masked yet: the next failed call masks it
+                pid, process = int(asked[r]), self.identity(r)
+                asked[r] = 0  # read once: a joiner that dies is not announced again
+                if process is not None and process.pid == pid and not process.is_gone():
+                    self._joins[self.rank][ANNOUNCED][r] = seq + ADMIT_AHEAD
+        if not boundary:
+            return frozenset()
+        told = self._joins[leader][ANNOUNCED].copy()  # read once
+        due = [r for r in np.flatnonzero((told > 0) & (told <= seq)).tolist() if r not in self.live]
+        joiners = frozenset(r for r in due if self._handled.get(r) != int(told[r]))
+        self._handled.update((r, int(told[r])) for r in joiners)  # each announcement is acted on once
+        return joiners
+
+    def admit(self, ranks: Collection[int], seq: int) -> frozenset[int]:
+        """Collective among the staying ranks and the joiners `ranks`, before call `seq`: take them
+        back into every later call; all resume after call seq - 1. Returns the ranks taken in: none
+        where a joiner died before it agreed (then every staying rank masks the joiners again)."""
+        joiners = frozenset(ranks)
+        peers = list(self._peers)
+        for r in joiners:
+            peers[r] = self.identity(r)
+        self._peers = tuple(peers)
+        gone = set(range(self.num_ranks)) - set(self.live) - joiners
+        if self._agree(gone, seq - 1, f"taking rank(s) {sorted(joiners)} back in", joiners):
+            return joiners
+        self.mask(gone | joiners, seq - 1)  # every staying rank saw the same joiner die: it decides alike
+        return frozenset()
+
+    def join(self, deadline_s: float) -> Agreement:
+        """This process restarts a masked rank: ask every live rank to take it in, wait (up to
+        `deadline_s` seconds) for the leader's announcement and the staying ranks' agreement, and
+        agree. Returns the ranks still masked and the seq of the call all resume after."""
+        others = [r for r in range(self.num_ranks) if r != self.rank]
+        alive = [r for r in others if (p := self.identity(r)) is not None and not p.is_gone()]
+        if not alive:
+            raise RejoinError(f"rank {self.rank} rejoining: no other rank of the group is alive")
+        before = {r: int(self._joins[r][ANNOUNCED][self.rank]) for r in alive}
+        self._peers = tuple(self.identity(r) for r in range(self.num_ranks))
+        for r in alive:
+            self._joins[r][ASKED][self.rank] = os.getpid()
+            self.ring(r)
+        waiter = Waiter(
+            f"rank {self.rank} rejoining (waiting for the staying ranks' next call)",
+            deadline_s,
+            lambda peer: False,  # a dead rank is the others' to mask; the leader's next call announces
+            lambda peer: None,
+            self._memory.sleep,
+        )
+        while True:
+            told = [r for r in alive if int(self._joins[r][ANNOUNCED][self.rank]) != before[r]]
+            if told:
+                break
+            waiter.pause(alive)
+        leader = told[0]
+        after = int(self._joins[leader][ANNOUNCED][self.rank])
+        record = None
+        while record is None:  # the leader's record that takes this rank in: its generation and set
+            records = self._members[leader]
+            latest = (records[0] if records[0, 0] > records[1, 0] else records[1]).copy()
+            if latest[0] > 0 and not latest[2 + self.rank] and int(latest[1]) >= after - 1:
+                record = latest
+            else:
+                waiter.pause([leader])
+        self.generation = int(record[0]) - 1
+        gone = {p for p in range(self.num_ranks) if record[2 + p]}
+        told = self._joins[leader][ANNOUNCED]
+        joiners = frozenset(
+            r for r in range(self.num_ranks) if r not in gone and 0 < told[r] <= record[1] + 1
+        )
+        self._handled.update((r, int(told[r])) for r in joiners)
+        self._peers = tuple(self.identity(r) for r in range(self.num_ranks))  # joining with it: new ones
+        if not self._agree(gone, int(record[1]), f"rank {self.rank} rejoining", joiners - {self.rank}):
+            raise MaskedOutError(
+                f"rank {self.rank} rejoining: a rank joining with it died, so the staying ranks masked "
+                "both again; restart this process to rejoin"
+            )
+        return Agreement(frozenset(gone), self._resumed_after, True)
+
+    def _agree(self, gone: set[int], seq: int, phase: str, joiners: Collection[int]) -> bool:
+        """`mask`'s agreement on `gone` after call `seq` (every rank outside it publishes the same
+        record of the next generation, and waits for every other one's); False where one of
+        `joiners` died before publishing (re-read once it is seen dead: a record published before
+        the death is seen by every rank, so all of them decide alike)."""
+        stay = [r for r in range(self.num_ranks) if r not in gone]
+        self.generation += 1
+        g, half = self.generation, self.generation % 2
+        record = self._members[self.rank][half]
+        record[1] = seq
+        record[2:] = [r in gone for r in range(self.num_ranks)]
+        record[0] = g  # last: the record is complete once a peer sees the generation
+        for r in stay:
+            self.ring(r)
+        waiter = Waiter(phase, self.timeout_s, self._peer_gone, lambda peer: None, self._memory.sleep)
+        pending = [r for r in stay if r != self.rank]
+        while pending := [r for r in pending if self._members[r][half][0] != g]:
+            try:
+                waiter.pause(pending)
+            except CommTimeoutError as late:
+                dead = set(late.dead_peers)
+                if not dead or not dead <= set(joiners):
+                    raise
+                if any(self._members[r][half][0] != g for r in dead):
+                    return False
+                waiter = Waiter(phase, self.timeout_s, self._peer_gone, lambda peer: None, self._memory.sleep)
+        for r in stay:
+            theirs = {p for p in range(self.num_ranks) if self._members[r][half][2 + p]}
+            if theirs != gone:
+                raise PeerDataError(
+                    f"{phase}: rank {r} leaves out rank(s) {sorted(theirs)}, this rank {sorted(gone)}"
+                )
+        self.live = tuple(stay)
+        self.live_R = np.array(stay, dtype=np.int64)
+        self._resumed_after = max(int(self._members[r][half][1]) for r in stay)
+        return True
+
     def agree_to_mask(self, error: Exception, seq: int) -> Agreement | None:
         """Inside call `seq`, failed with `error`: the staying ranks agree on whom to leave out.
 
@@ -557,6 +710,30 @@ class Heap:
         self.live, self.live_R = tuple(stay), np.array(stay, dtype=np.int64)
         self._resumed_after = max(seqs)
         return Agreement(frozenset(gone), max(seqs), seqs == {seq})
+
+    def agree(self, value: int, phase: str) -> dict[int, int]:
+        """Every staying rank's `value`: each publishes it in its next membership record (the masked
+        flags unchanged, so a writer's membership check reads the same), then reads the others'."""
+        gone = set(range(self.num_ranks)) - set(self.live)
+        self.generation += 1
+        g, half = self.generation, self.generation % 2
+        record = self._members[self.rank][half]
+        record[1] = value
+        record[2:] = [r in gone for r in range(self.num_ranks)]
+        record[0] = g  # last: the record is complete once a peer sees the generation
+        for r in self.live:
+            self.ring(r)
+        waiter = Waiter(
+            f"{phase} (the staying ranks agree)",
+            self.timeout_s,
+            self._peer_gone,
+            lambda peer: None,  # aborted calls from before are over
+            self._memory.sleep,
+        )
+        pending = [r for r in self.live if r != self.rank]
+        while pending := [r for r in pending if self._members[r][half][0] != g]:
+            waiter.pause(pending)
+        return {r: int(self._members[r][half][1]) for r in self.live}
 
     def _disagreeing(self, g: int, gone: set[int]) -> list[int]:
         """The staying peers whose record of generation `g` does not hold `gone` yet; adds to `gone`

@@ -18,7 +18,9 @@ a rank killed in between is named by the Buffer's construction deadline
 (`ubep.deadlines`), which knows every rank's process from joining the group. Whatever
 fails, every rank that learned the names unlinks all of them, so a killed
 rank's name does not outlive the survivors. Once built, the memory lives exactly
-as long as some rank maps it. `sweep_stale_segments` (run by every construction)
+as long as some rank maps it. Every rank keeps each segment's file open: a process restarted
+in a dead rank's place maps them through a live rank's `/proc/PID/fd` (`attach_from`), since
+the names are gone. `sweep_stale_segments` (run by every construction)
 removes what a whole job killed mid-construction left behind: only segments whose
 creator it can prove dead (same PID namespace, pid gone or reused).
 
@@ -279,26 +281,51 @@ def _mib(nbytes: int) -> str:
 # -- creating and mapping ----------------------------------------------------------------------------
 
 
-def _create(name: str, nbytes: int) -> mmap.mmap:
+@dataclass(frozen=True, slots=True)
+class Mapped:
+    """One segment mapped here, and its file kept open: after every name is unlinked, the open file is
+    how a process that restarts in a dead rank's place reaches the segments (`attach_from`)."""
+
+    map: mmap.mmap
+    fd: int
+
+    def close(self) -> None:
+        try:
+            self.map.close()
+        except BufferError:
+            pass  # a tensor view still exists; the mapping goes when it does
+        try:
+            os.close(self.fd)
+        except OSError:
+            pass
+
+
+def _create(name: str, nbytes: int) -> Mapped:
     fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     try:
         os.ftruncate(fd, max(nbytes, 1))
-        return mmap.mmap(fd, max(nbytes, 1), mmap.MAP_SHARED)
-    finally:
+        return Mapped(mmap.mmap(fd, max(nbytes, 1), mmap.MAP_SHARED), fd)
+    except BaseException:
         os.close(fd)
+        raise
 
 
-def _attach(name: str, nbytes: int) -> mmap.mmap:
-    fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR | os.O_NOFOLLOW)
+def _attach(name: str, nbytes: int) -> Mapped:
+    return _map_checked(os.open(os.path.join(SHM_DIR, name), os.O_RDWR | os.O_NOFOLLOW), name, nbytes)
+
+
+def _map_checked(fd: int, name: str, nbytes: int) -> Mapped:
+    """Map the open segment file `fd` (ours, mode 0600, at least `nbytes`); keeps `fd` open."""
     try:
         info = os.fstat(fd)
         if info.st_uid != os.getuid() or stat.S_IMODE(info.st_mode) & 0o077:
             raise PermissionError(f"shared segment {name} has an unexpected owner or mode")
         if info.st_size < nbytes:
             raise ValueError(f"shared segment {name} is {info.st_size} bytes, expected {nbytes}")
-        return mmap.mmap(fd, max(nbytes, 1), mmap.MAP_SHARED)
-    finally:
+        return Mapped(mmap.mmap(fd, max(nbytes, 1), mmap.MAP_SHARED), fd)
+    except BaseException:
         os.close(fd)
+        raise
 
 
 def _unlink(name: str) -> None:
@@ -357,7 +384,7 @@ class SymmetricHeap:
         self.layout = layout
         self.rank = rank
         self.world_size = world_size
-        self._maps: list[mmap.mmap] = []
+        self._maps: list[Mapped] = []
         sweep_stale_segments()
         everyone: list[Introduction] = _gather(group, world_size, Introduction.here())
         check_room(layout.nbytes, everyone, touchable)
@@ -372,12 +399,46 @@ class SymmetricHeap:
             for name in self.names:  # the job's names, a killed rank's among them
                 _unlink(name)
             raise  # a peer's death is named by the Buffer's construction deadline (`ubep.deadlines`)
-        self._words = [np.frombuffer(m, dtype=np.int64) for m in self._maps]
-        self._bytes = [torch.frombuffer(m, dtype=torch.uint8) for m in self._maps]
+        self._views_of_maps()
+
+    @classmethod
+    def attach_from(
+        cls, layout: SegmentLayout, rank: int, names: list[str], holder: Creator, fds: list[int]
+    ) -> SymmetricHeap:
+        """Map every rank's segment through the files a live rank (`holder`, with segment `fds[r]` of
+        rank r open) keeps open, for a process restarting as `rank` in a running job: it takes rank
+        `rank`'s segment over, emptied (its pages punched out: everyone reads zeros, nothing the dead
+        process left). Needs the holder in this PID namespace under this user (`/proc/PID/fd`)."""
+        heap = cls.__new__(cls)
+        heap.layout, heap.rank, heap.world_size, heap._maps = layout, rank, len(names), []
+        heap.names, heap.creators, heap.doorbell_key = list(names), [], b""  # the key: from the heap
+        if holder.pid_ns != pid_namespace() or holder.is_gone():
+            raise PermissionError(
+                f"rank holding the segments (pid {holder.pid}) is gone or in another PID namespace"
+            )
+        try:
+            for name, fd in zip(names, fds, strict=True):
+                opened = os.open(f"/proc/{holder.pid}/fd/{fd}", os.O_RDWR)
+                heap._maps.append(_map_checked(opened, name, layout.nbytes))
+        except BaseException:
+            heap.close()
+            raise
+        heap._maps[rank].map.madvise(mmap.MADV_REMOVE)  # the dead process's bytes: zeros for everyone
+        heap._views_of_maps()
+        return heap
+
+    @property
+    def fds(self) -> list[int]:
+        """The open file of every rank's segment here, rank-indexed (`attach_from`)."""
+        return [m.fd for m in self._maps]
+
+    def _views_of_maps(self) -> None:
+        self._words = [np.frombuffer(m.map, dtype=np.int64) for m in self._maps]
+        self._bytes = [torch.frombuffer(m.map, dtype=torch.uint8) for m in self._maps]
         self._views: dict[tuple[int, str], torch.Tensor] = {}
         self._word_views: dict[tuple[int, str], np.ndarray] = {}
 
-    def _build(self, group: dist.ProcessGroup) -> list[mmap.mmap]:
+    def _build(self, group: dist.ProcessGroup) -> list[Mapped]:
         """Create this rank's segment, map everyone's, unlink every name; each step's failure
         anywhere raises everywhere."""
         nbytes = self.layout.nbytes
@@ -395,7 +456,7 @@ class SymmetricHeap:
         if error is not None:
             raise error
         _raise_failures("Buffer construction (creating segments)", failures, self.rank)
-        maps: list[mmap.mmap] = [own] * self.world_size
+        maps: list[Mapped] = [own] * self.world_size
         for r, name in enumerate(self.names):
             if r != self.rank and error is None:
                 maps[r], error = _try(lambda name=name: _attach(name, nbytes))
@@ -441,10 +502,7 @@ class SymmetricHeap:
         self._word_views = {}
         maps, self._maps = self._maps, []
         for m in maps:
-            try:
-                m.close()
-            except BufferError:
-                pass  # a tensor view still exists; the mapping goes when it does
+            m.close()
 
 
 def _token(key: bytes, purpose: str) -> str:

@@ -49,6 +49,10 @@ class VirtualWorld:
         self._at_barrier: set[int] = set()  # ranks inside `barrier` now
         self._silent: list[int] | None = None  # who was missing when the barrier first broke
         self._failure: tuple[int, BaseException] | None = None  # the first rank whose function raised
+        self._posts = threading.Condition()  # guards the two dicts below (`all_gather_among`)
+        self._rounds: dict[tuple[tuple[int, ...], int], int] = {}  # (ranks, rank): its gathers among them
+        self._boards: dict[tuple[tuple[int, ...], int], dict[int, Any]] = {}  # (ranks, round): the posts
+        self._readers: dict[tuple[tuple[int, ...], int], int] = {}  # (ranks, round): ranks that read it
 
     def all_gather(self, rank: int, obj: Any) -> list[Any]:
         """Every rank's `obj`, in rank order (collective over the world's threads)."""
@@ -57,6 +61,31 @@ class VirtualWorld:
         everyone = list(self._slots)
         self.barrier(rank)  # nobody overwrites a slot before all have read
         return everyone
+
+    def all_gather_among(self, rank: int, ranks: tuple[int, ...], obj: Any, phase: str) -> dict[int, Any]:
+        """Each of `ranks`' `obj` by rank: a collective among them alone (the world's other ranks
+        need not come), as the staying ranks of a Buffer that masked some gather. Every one of
+        `ranks` passes the same tuple; their n-th gathers among it pair up. A rank missing at the
+        world's timeout is named (CommTimeoutError, in `phase`)."""
+        deadline = time.monotonic() + self.timeout_s
+        with self._posts:
+            n = self._rounds.get((ranks, rank), 0)
+            self._rounds[ranks, rank] = n + 1
+            board = self._boards.setdefault((ranks, n), {})
+            board[rank] = obj
+            self._posts.notify_all()
+            while len(board) < len(ranks):
+                self._raise_if_failed(phase)
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    missing = [r for r in ranks if r not in board]
+                    raise CommTimeoutError(phase, missing, self.timeout_s, [])
+                self._posts.wait(left)
+            got = dict(board)
+            self._readers[ranks, n] = self._readers.get((ranks, n), 0) + 1
+            if self._readers[ranks, n] == len(ranks):  # every one read it
+                del self._boards[ranks, n], self._readers[ranks, n]
+        return got
 
     def barrier(self, rank: int) -> None:
         """Wait for every rank; raise naming the failed rank, or the ranks that never came."""
@@ -96,6 +125,8 @@ class VirtualWorld:
             if self._failure is None:
                 self._failure = (rank, error)
         self._barrier.abort()
+        with self._posts:
+            self._posts.notify_all()
         for event in self._wakeups:
             event.set()
 

@@ -36,6 +36,7 @@ import torch
 
 from ubep.calls import KINDS, METHODS, CallId
 from ubep.errors import CommTimeoutError, MaskedOutError, PeerDataError
+from ubep.faults import NO_FAULTS
 from ubep.transport.base import Agreement
 from ubep.waiting import AbortNotice, PeerAbortedError, Waiter
 
@@ -97,6 +98,7 @@ class Fabric(ABC):
         self._notices: dict[tuple[int, int, bool], AbortNotice] = {}  # `notice_key` -> its notice
         self._abandoned: set[int] = set()  # calls this rank gave up on (their messages are dropped)
         self._bad: dict[int, str] = {}  # peer -> what it sent outside a message that this rank cannot read
+        self.faults = NO_FAULTS  # tests: a "cut" plan's peers, which nothing this rank sends reaches
 
     # -- the interface ----------------------------------------------------------------------------
 
@@ -189,6 +191,12 @@ class Fabric(ABC):
         gone = frozenset(suspects) | frozenset(range(self.num_ranks)).difference(self.live)
         self.live, latest, in_step, self._generation = agree_on_union(self, gone, seq, self._generation)
         return Agreement(frozenset(range(self.num_ranks)).difference(self.live), latest, in_step)
+
+    def agree(self, value: int, phase: str) -> dict[int, int]:
+        """Every staying rank's `value`, in one mask round over the fabric (`agree_on_values`), the
+        masked ranks unchanged (`ubep.transport.base.Transport.agree`)."""
+        self._generation += 1
+        return agree_on_values(self, value, self._generation, phase)
 
     @abstractmethod
     def close(self) -> None:
@@ -357,6 +365,32 @@ def agree_on_mask(
         latest = max(latest, int(theirs[0]))
         fabric.release(MASK_LANE, msg.peer, call)
     return stay, latest
+
+
+def agree_on_values(fabric: Fabric, value: int, generation: int, phase: str) -> dict[int, int]:
+    """One mask round (`Fabric.agree`) in which every staying rank sends `value` and the ranks it
+    leaves out to every other staying rank: returns each staying rank's value; a rank that leaves
+    out other ranks is named."""
+    stay = tuple(fabric.live)
+    call = CallId(generation, generation, MASK_LANE)
+    flags = [int(r not in stay) for r in range(fabric.num_ranks)]
+    mine = torch.tensor([value, *flags], dtype=torch.int64, device="cpu")
+    for p in stay:
+        if p != fabric.rank:
+            out = fabric.outbox(MASK_LANE, p, call, mine.numel(), 0)
+            out.header.copy_(mine)
+            fabric.send(out)
+    values = {fabric.rank: value}
+    for msg in fabric.arrivals(MASK_LANE, call, stay, phase):
+        said = _mask_message(fabric, msg, mine.numel())
+        if said != {r for r in range(fabric.num_ranks) if flags[r]}:
+            raise PeerDataError(
+                f"{phase}: rank {msg.peer} masks rank(s) {sorted(said)}, this rank "
+                f"{sorted(r for r in range(fabric.num_ranks) if flags[r])}"
+            )
+        values[msg.peer] = int(msg.header[0])
+        fabric.release(MASK_LANE, msg.peer, call)
+    return values
 
 
 def failed_peers(error: Exception) -> frozenset[int]:

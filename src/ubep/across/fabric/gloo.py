@@ -335,7 +335,29 @@ class GlooFabric(Fabric):
                 self._notices_sent[p] += 1
 
     def close(self) -> None:
+        """Wait for the sends still in flight (`_flush`), then shut the group down; idempotent."""
         if self._closed:
             return
         self._closed = True
+        self._flush(time.monotonic() + self.timeout_s)
         self.group.shutdown()
+
+    def _flush(self, deadline: float) -> None:
+        """Wait, until `deadline` (monotonic seconds), for this rank's sends still in flight to the
+        staying peers. A send leaves only once its receiver has posted the inbox again (it freed the
+        message before it there), so this rank's last messages may still wait for their turn: a
+        shutdown before they leave would lose them, and the peer would name this rank as lost. A
+        peer lost, dead or masked is not waited on; a send still waiting at the deadline is given up
+        with the connection (its peer names this rank at its own deadline)."""
+        gone = self._pids.dead()
+        for peer, sends in self._in_flight.items():
+            if peer in self._lost or peer in gone or peer not in self.live:
+                continue
+            for sent in sends:
+                left_s = deadline - time.monotonic()
+                if left_s < 0.001:  # (a wait of 0 ms would mean gloo's default timeout)
+                    break
+                wait = timedelta(seconds=left_s)
+                if self._guarded(peer, lambda sent=sent, wait=wait: sent.work.wait(wait)) is None:
+                    break  # the connection failed, or the deadline passed: nothing more to wait on
+        self._in_flight = {p: [] for p in self.peers}

@@ -277,7 +277,7 @@ class ZmqFabric(Fabric):
 
     def _put(self, peer: int, message: object) -> None:
         """One message to `peer`; a peer ZeroMQ cannot take it for is lost (a wait names it)."""
-        if peer in self._lost:
+        if peer in self._lost or peer in self.faults.cut:  # cut: a link down (tests, `ubep.faults`)
             return
         try:
             self._dealers[peer].send(message, zmq.NOBLOCK, copy=False)

@@ -27,9 +27,12 @@ What this layer adds over ubep.Buffer, all expressed through its public calls:
 GPU tuning knobs (SM counts, QPs, NVLink/fabric switches, chunk sizes in Config)
 are accepted and change nothing here.
 The shrink-mode mask buffer (`enable_shrink=True`) masks a rank in every ubep
-Buffer built so far (`ubep.Buffer.mask_ranks`): a collective among the ranks
-that stay, where DeepEP's is a local flag; a call that meets a dead rank still
-raises (naming it), and the next calls run without the masked ranks.
+Buffer built so far (`members.Members`): a collective among the ranks that stay,
+where DeepEP's is a local flag, allowed between any two calls; the next calls, in
+both modes, run without the masked ranks (the call header and the notify step
+gather among the staying ranks). A call that meets a dead rank raises naming it,
+or, with UBEP_ON_PEER_FAILURE=mask, masks it and finishes without it (what
+`low_latency_query_mask_buffer` then reports, as DeepEP's kernels' masks).
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ from ubep.buffer import Buffer as UbepBuffer
 from ubep.compat.deep_ep import scales
 from ubep.compat.deep_ep.handles import LowLatencyView, NormalHandle, normal_handle
 from ubep.compat.deep_ep.header_gather import CallHeaders, opens
+from ubep.compat.deep_ep.members import NO_REJOIN, Members
 from ubep.compat.deep_ep.utils.event import EventHandle, EventOverlap, pending_event, wait_previous
 from ubep.deadlines import construction_s
 from ubep.errors import SharedMemorySizeError
@@ -180,11 +184,14 @@ class Buffer:
         self.enable_shrink = bool(enable_shrink)
         self._buffers: dict[tuple, UbepBuffer] = {}  # lives as long as this Buffer, keyed by shape
         self._normal_tokens: dict[int, int] = {}  # by hidden: the tokens per rank the bytes hold
-        self._masked: set[int] = set()  # ranks masked in every buffer above (enable_shrink)
         self._combine_inputs: dict[tuple, torch.Tensor] = {}  # zero-copy combine buffers, by shape
         self._raw: dict[bool, torch.Tensor] = {}  # get_local_buffer_tensor's bytes, by use_rdma_buffer
         chosen = settings.resolve({})  # as the ubep Buffers built here take them
-        self._headers = CallHeaders(self._info, chosen["timeout_s"].value, "deep_ep.Buffer")  # every call
+        # the ranks masked in every buffer above (enable_shrink), and the collectives among the rest
+        self._members = Members(
+            self._info, chosen["timeout_s"].value, self._buffers, chosen["on_peer_failure"].value
+        )
+        self._headers = CallHeaders(self._members, "deep_ep.Buffer")  # every call opens with one
         self._ready_halves(chosen)
 
     def _ready_halves(self, chosen: dict[str, settings.Setting]) -> None:
@@ -387,7 +394,7 @@ class Buffer:
         """(num_tokens_per_rank, num_tokens_per_rdma_rank, num_tokens_per_expert, is_token_in_rank, event)."""
         wait_previous(previous_event)
         placement = ep_layout.ExpertPlacement.contiguous(num_experts, self.group_size)
-        idx = _validated_topk(topk_idx, num_experts, self.group_size)
+        idx = self._without_masked(_validated_topk(topk_idx, num_experts, self.group_size), num_experts)
         got = ep_layout.dispatch_layout(idx, placement)
         return (
             got.num_tokens_per_rank_R,
@@ -434,7 +441,14 @@ class Buffer:
         idx, weights, sent_NR = self._routing(x, hidden, E, is_token_in_rank, topk_idx, topk_weights)
         self._headers.agree(hidden=hidden, num_experts=E, num_worst_tokens=num_worst_tokens)
         inner = self._normal(hidden, E)
-        counts_RX = self._gather_counts(sent_NR, num_tokens_per_expert)
+        while True:  # again where the gather masked a rank it found dead (UBEP_ON_PEER_FAILURE=mask)
+            masked = self._members.masked
+            if masked:  # no row goes to a masked rank: the layout the caller passed may count some
+                idx, sent_NR = self._around_masked(idx, sent_NR, E, topk_idx is None)
+                num_tokens_per_rank = None
+            counts_RX = self._gather_counts(sent_NR, num_tokens_per_expert)
+            if self._members.masked == masked:
+                break
         received = int(counts_RX[:, self.rank].sum())
         worst_R = counts_RX[:, :R].sum(dim=0)
         if num_worst_tokens and int(worst_R.max()) > num_worst_tokens:
@@ -452,11 +466,13 @@ class Buffer:
                 expert_alignment=expert_alignment,
             )
         except ValueError as error:
+            self._members.follow()
             if sent_NR.shape[0] > inner.sizing.capacity:  # in DeepEP's terms: bytes, not a token count
                 raise _too_many(
                     sent_NR.shape[0], inner.sizing.capacity, self.num_nvl_bytes, hidden
                 ) from error
             raise
+        self._members.follow()
         rows = num_worst_tokens or received
         channels = (config.num_sms if config is not None else Buffer.num_sms) // 2
         view = normal_handle(got.handle, counts_RX, channels, E, rows)
@@ -492,11 +508,29 @@ class Buffer:
         idx = torch.where(sent_NR, first_expert_R, -1)
         return idx, torch.zeros(idx.shape, dtype=torch.float32, device=idx.device), sent_NR
 
-    def _gather_counts(self, sent_NR: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
-        """int64 [R, R + E + 1]: every rank's (tokens per destination, tokens per expert, token count).
+    def _without_masked(self, idx_NK: torch.Tensor, num_experts: int) -> torch.Tensor:
+        """topk_idx with -1 where it selects a masked rank's expert (itself where none is masked)."""
+        if not self._members.masked:
+            return idx_NK
+        owner_NK = idx_NK.clamp_min(0) // (num_experts // self.group_size)
+        return idx_NK.masked_fill((idx_NK >= 0) & self._members.masked_R(idx_NK.device)[owner_NK], -1)
 
-        DeepEP's notify step: one small all-gather, so every rank can fill the handle's
-        prefix matrices and check num_worst_tokens before any token moves."""
+    def _around_masked(self, idx_NK, sent_NR, num_experts: int, synthesized: bool):
+        """(topk_idx, is_token_in_rank) without the masked ranks: what the inner dispatch sends."""
+        if synthesized:
+            sent_NR = sent_NR & ~self._members.masked_R(sent_NR.device)
+            first_expert_R = torch.arange(self.group_size, dtype=torch.int64, device=sent_NR.device)
+            return torch.where(sent_NR, first_expert_R * (num_experts // self.group_size), -1), sent_NR
+        idx_NK = self._without_masked(idx_NK, num_experts)
+        placement = ep_layout.ExpertPlacement.contiguous(num_experts, self.group_size)
+        return idx_NK, ep_layout.token_in_rank(idx_NK, placement)
+
+    def _gather_counts(self, sent_NR: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        """int64 [R, R + E + 1]: every rank's (tokens per destination, tokens per expert, token count);
+        a masked rank's row is zeros, and so is every rank's count for it (nothing is sent there).
+
+        DeepEP's notify step: one small all-gather among the staying ranks, so every rank can fill
+        the handle's prefix matrices and check num_worst_tokens before any token moves."""
         mine = torch.cat(
             [
                 sent_NR.sum(dim=0),
@@ -506,9 +540,7 @@ class Buffer:
         )
         if self.group_size == 1:
             return mine.unsqueeze(0)
-        everyone = [torch.empty_like(mine) for _ in range(self.group_size)]
-        dist.all_gather(everyone, mine, group=self.group)
-        return torch.stack(everyone)
+        return self._members.gather(mine, "deep_ep.Buffer.dispatch (notify step)")
 
     def _expert_counts_from(self, counts_RX: torch.Tensor, num_experts: int, alignment: int) -> list[int]:
         """Tokens each local expert receives, from the senders' num_tokens_per_expert, aligned."""
@@ -526,7 +558,10 @@ class Buffer:
         self._headers.agree(
             "cached_dispatch", hidden=hidden, num_experts=view.num_experts, handle=view.inner.seq
         )
-        got = self._normal(hidden, view.num_experts).dispatch(x, view.inner)
+        try:
+            got = self._normal(hidden, view.num_experts).dispatch(x, view.inner)
+        finally:
+            self._members.follow()
         recv_x = _pad_payload(got.recv_x, view.num_rows)
         return recv_x, None, None, None, None, pending_event(Pending(), async_finish)
 
@@ -554,10 +589,11 @@ class Buffer:
         self._check_normal(x.shape[1], view.num_experts)
         self._headers.agree(hidden=x.shape[1], num_experts=view.num_experts, handle=view.inner.seq)
         inner = self._normal(x.shape[1], view.num_experts)
-        if not biases:
-            combined, weights, _ = inner.combine(x, view.inner, topk_weights)
-        else:
-            combined, weights, _ = inner.combine(x.float(), view.inner, topk_weights)
+        try:
+            combined, weights, _ = inner.combine(x if not biases else x.float(), view.inner, topk_weights)
+        finally:
+            self._members.follow()
+        if biases:
             combined = sum((b.float() for b in biases), combined).to(x.dtype)
         return combined, weights, pending_event(Pending(), async_finish, (combined,))
 
@@ -598,23 +634,29 @@ class Buffer:
         self._headers.agree(hidden=x.shape[1], num_experts=num_experts, num_max_dispatch_tokens_per_rank=T)
         inner = self._low_latency(x.shape[1], num_experts, num_max_dispatch_tokens_per_rank)
         pow2 = use_fp8 and round_scale  # quantized on arrival: ubep's wire FP8 uses amax / 448 scales
-        got = inner.low_latency_dispatch(
-            x,
-            topk_idx,
-            num_max_dispatch_tokens_per_rank,
-            num_experts,
-            use_fp8 and not pow2,
-            async_finish,
-            return_recv_hook,
-        )
+        try:
+            got = inner.low_latency_dispatch(
+                x,
+                topk_idx,
+                num_max_dispatch_tokens_per_rank,
+                num_experts,
+                use_fp8 and not pow2,
+                async_finish,
+                return_recv_hook,
+            )
+        finally:
+            self._members.follow()
         recv_x, steps = _ll_outputs(got.recv_x, use_fp8, pow2, use_ue8m0)
         stats = cumulative_local_expert_recv_stats
         if stats is not None:
             steps.append(lambda: stats.add_(got.recv_count.to(stats.dtype)))
 
         def receive() -> None:
-            got.hook()
-            got.event.wait()
+            try:
+                got.hook()
+                got.event.wait()
+            finally:
+                self._members.follow()
             for step in steps:
                 step()
 
@@ -657,9 +699,12 @@ class Buffer:
         inner = self._ll_for(inner_handle)
         if zero_copy:
             x = self._combine_input(inner_handle)
-        got = inner.low_latency_combine(
-            x, topk_idx, topk_weights, inner_handle, async_finish, return_recv_hook, out
-        )
+        try:
+            got = inner.low_latency_combine(
+                x, topk_idx, topk_weights, inner_handle, async_finish, return_recv_hook, out
+            )
+        finally:
+            self._members.follow()
         keep = (x, topk_idx, topk_weights, got.combined_x)
         event = EventOverlap(EventHandle(got.event), keep) if async_finish else EventOverlap()
         return got.combined_x, event, got.hook
@@ -686,21 +731,20 @@ class Buffer:
     def low_latency_update_mask_buffer(self, rank_to_mask: int, mask: bool = False) -> None:
         """Mask `rank_to_mask` (mask=True): later calls neither send to it nor wait for it.
 
-        Collective among the ranks that stay (every one of them calls it with the same rank);
-        the masked rank itself, if alive, leaves. Unmasking is refused: a masked rank cannot
-        rejoin these buffers (build a new Buffer with every rank).
+        Collective among the ranks that stay (every one of them calls it with the same rank), in
+        both modes and at any point between calls; the masked rank itself, if alive, leaves.
+        Masking a rank masked already does nothing. Unmasking is refused: ubep.Buffer has no rejoin
+        yet (NotImplementedError).
         """
         self._check_shrink()
         if not 0 <= rank_to_mask < self.group_size:
             raise ValueError(f"rank_to_mask must lie in [0, {self.group_size}), got {rank_to_mask}")
         if not mask:
-            if rank_to_mask in self._masked:
-                raise ValueError(_NO_UNMASK)
+            if rank_to_mask in self._members.masked:
+                raise NotImplementedError(NO_REJOIN)
             return
-        for inner in self._buffers.values():
-            inner.mask_ranks([rank_to_mask])
-        self._masked.add(rank_to_mask)
-        self._headers.leave_out()  # its collective would include the masked rank
+        if rank_to_mask not in self._members.masked:
+            self._members.mask([rank_to_mask])
 
     def low_latency_query_mask_buffer(self, mask_status: torch.Tensor) -> None:
         """Fill `mask_status` ([num_ranks] ints) with 1 for masked ranks, 0 for the others."""
@@ -708,14 +752,14 @@ class Buffer:
         if mask_status.dim() != 1 or mask_status.numel() != self.group_size:
             shape = tuple(mask_status.shape)
             raise ValueError(f"mask_status must be a [{self.group_size}] tensor, got {shape}")
-        masked_R = [int(r in self._masked) for r in range(self.group_size)]
-        mask_status.copy_(torch.tensor(masked_R, dtype=mask_status.dtype, device=mask_status.device))
+        mask_status.copy_(self._members.masked_R(mask_status.device))
 
     def low_latency_clean_mask_buffer(self) -> None:
-        """Unmask every rank: possible only while none is masked (a masked rank cannot rejoin)."""
+        """Unmask every rank: possible only while none is masked (NotImplementedError otherwise: no rejoin
+        yet)."""
         self._check_shrink()
-        if self._masked:
-            raise ValueError(_NO_UNMASK)
+        if self._members.masked:
+            raise NotImplementedError(NO_REJOIN)
 
     def _check_shrink(self) -> None:
         if not self.enable_shrink:
@@ -723,29 +767,28 @@ class Buffer:
 
     def _check_unmasked(self, key: tuple) -> None:
         """A buffer for a new shape is built by every rank: impossible once a rank is masked."""
-        if self._masked:
+        if self._members.masked:
             raise RuntimeError(
-                f"rank(s) {sorted(self._masked)} are masked, so no buffer for a new shape {key} can be "
-                "built (that takes every rank); use the shapes met before the mask"
+                f"rank(s) {sorted(self._members.masked)} are masked, so no buffer for a new shape {key} can "
+                "be built (that takes every rank); use the shapes met before the mask"
             )
 
     # -- lifetime ---------------------------------------------------------------------------------
 
     def destroy(self) -> None:
         """Release every shared resource (DeepEP's explicit destruction)."""
-        buffers, self._buffers = self._buffers, {}
+        buffers = list(self._buffers.values())
+        self._buffers.clear()  # the dict `_members` masks in
         self._combine_inputs, self._raw = {}, {}
-        for inner in buffers.values():
+        for inner in buffers:
             inner.close()
+        self._members.close()
 
     def __enter__(self) -> Buffer:
         return self
 
     def __exit__(self, *exc) -> None:
         self.destroy()
-
-
-_NO_UNMASK = "a masked rank cannot rejoin this Buffer's exchanges: build a new Buffer with every rank"
 
 
 def _too_many(num_tokens: int, capacity: int, num_nvl_bytes: int, hidden: int) -> ValueError:

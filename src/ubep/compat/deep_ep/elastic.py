@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 import weakref
+from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
@@ -40,9 +41,12 @@ from ubep.compat.deep_ep.elastic_handle import (
     stream_counts,
 )
 from ubep.compat.deep_ep.header_gather import CallHeaders, opens
+from ubep.compat.deep_ep.members import NO_REJOIN, Members
 from ubep.compat.deep_ep.utils.envs import domain_of
 from ubep.compat.deep_ep.utils.event import EventHandle, EventOverlap
-from ubep.group import all_gather_object, join_group
+from ubep.group import join_group
+from ubep.membership import ON_PEER_FAILURE, RAISE
+from ubep.transport.virtual import VirtualRank
 
 MAX_TOPK = 32  # DeepEP V2's kernels take at most 32 lanes; it sizes num_topk=0 for 32
 BUFFER_ALIGNMENT = 2 << 20  # DeepEP's 2 MB buffer granularity
@@ -73,6 +77,8 @@ class ElasticBuffer:
         num_cpu_timeout_secs: int = 300,
         num_gpu_timeout_secs: int = 100,
         explicitly_destroy: bool = False,
+        *,
+        on_peer_failure: str = RAISE,
     ):
         for name, value in (("num_max_tokens_per_rank", num_max_tokens_per_rank), ("hidden", hidden)):
             validate.positive(name, value, minimum=0)
@@ -80,9 +86,14 @@ class ElasticBuffer:
         if num_bytes is not None:
             validate.positive("num_bytes", num_bytes, minimum=0)
         validate.seconds("num_cpu_timeout_secs", num_cpu_timeout_secs)
+        if on_peer_failure not in ON_PEER_FAILURE:
+            raise ValueError(f"on_peer_failure must be one of {ON_PEER_FAILURE}, got {on_peer_failure!r}")
+        self.on_peer_failure = on_peer_failure
         self._info = join_group(group)  # collective: every rank constructs the buffer
-        # every call opens with a header under num_cpu_timeout_secs (`call_header`)
-        self._headers = CallHeaders(self._info, float(num_cpu_timeout_secs), "ElasticBuffer")
+        self._buffers: dict[tuple, UbepBuffer] = {}
+        # who takes part (`mask_ranks`), and the collectives among them, under num_cpu_timeout_secs
+        self._members = Members(self._info, float(num_cpu_timeout_secs), self._buffers, on_peer_failure)
+        self._headers = CallHeaders(self._members, "ElasticBuffer")  # every call opens with one
         self.group = group if group is not None else self._info.group
         self.rank_idx, self.num_ranks = self._info.rank, self._info.world_size
         self.allow_hybrid_mode = bool(allow_hybrid_mode)
@@ -109,10 +120,9 @@ class ElasticBuffer:
         self.num_scaleout_ranks, self.num_scaleup_ranks = self.get_logical_domain_size()
         self.scaleout_rank_idx = self.rank_idx // self.num_scaleup_ranks
         self.scaleup_rank_idx = self.rank_idx % self.num_scaleup_ranks
-        self._buffers: dict[tuple, UbepBuffer] = {}
         self._alive = True
         if not self.explicitly_destroy:  # DeepEP: the destructor releases the resources
-            weakref.finalize(self, _close_all, self._buffers)
+            weakref.finalize(self, _close_all, self._buffers, self._members)
 
     # -- domains, sizing, lifetime ----------------------------------------------------------------
 
@@ -224,11 +234,44 @@ class ElasticBuffer:
         if not self.explicitly_destroy:
             raise RuntimeError("destroy() needs a buffer built with explicitly_destroy=True (as in DeepEP)")
         self._alive = False
-        _close_all(self._buffers)
+        _close_all(self._buffers, self._members)
 
     def _live(self) -> None:
         if not self._alive:
             raise RuntimeError("this ElasticBuffer was destroyed; build a new one")
+        if self._members.retired:
+            raise RuntimeError(
+                f"rank {self.rank_idx} masked itself out of its group: it takes part in no call"
+            )
+
+    # -- membership (ubep's addition: DeepEP V2 has no mask) --------------------------------------
+
+    def mask_ranks(self, ranks: Iterable[int]) -> None:
+        """Leave `ranks` out of every later call, as `ubep.Buffer.mask_ranks`: collective among the
+        ranks that stay (each passes the same ranks), at any point between calls. Later dispatches
+        drop the top-k entries of the masked ranks' experts (the handle's topk_idx holds -1 there)
+        and combine sums the rest; handles from before the mask are refused; a buffer for a shape
+        first met after it cannot be built (that takes every rank). A rank in `ranks` leaves."""
+        self._live()
+        self._members.mask(ranks)
+
+    def unmask_ranks(self, ranks: Iterable[int]) -> None:
+        """Let masked ranks rejoin: not yet (NotImplementedError), ubep.Buffer has no rejoin."""
+        raise NotImplementedError(NO_REJOIN)
+
+    @property
+    def masked_ranks(self) -> tuple[int, ...]:
+        """The ranks left out of every call, ascending: masked by `mask_ranks`, or by a call that met
+        them dead under on_peer_failure="mask"."""
+        return tuple(sorted(self._members.masked))
+
+    def query_mask_buffer(self, mask_status: torch.Tensor) -> None:
+        """Fill `mask_status` ([num_ranks] ints) with 1 for masked ranks, 0 for the others (the form of
+        DeepEP V1's `low_latency_query_mask_buffer`)."""
+        if mask_status.dim() != 1 or mask_status.numel() != self.num_ranks:
+            shape = tuple(mask_status.shape)
+            raise ValueError(f"mask_status must be a [{self.num_ranks}] tensor, got {shape}")
+        mask_status.copy_(self._members.masked_R(mask_status.device))
 
     def _check_room(self, key: tuple) -> None:
         """The check building the ubep.Buffer for `key` makes, before the call header (a rank must not
@@ -250,6 +293,11 @@ class ElasticBuffer:
         self._live()
         if key not in self._buffers:
             self._check_room(key)
+            if self._members.masked:  # every staying rank refuses alike
+                raise RuntimeError(
+                    f"rank(s) {self.masked_ranks} are masked, so no buffer for a new shape {key} can be "
+                    "built (that takes every rank); use the shapes met before the mask"
+                )
             _, hidden, tokens, _ = key[:4]
             self._buffers[key] = UbepBuffer(
                 self.group,
@@ -259,6 +307,7 @@ class ElasticBuffer:
                 max_topk=max_topk,
                 timeout_s=float(self.num_cpu_timeout_secs),
                 low_latency=False,
+                on_peer_failure=self.on_peer_failure,
             )
         return self._buffers[key]
 
@@ -324,13 +373,17 @@ class ElasticBuffer:
         idx_NK = validate.topk_idx(topk_idx, N, E, MAX_TOPK)
         K, L = idx_NK.shape[1], E // R
         w_NK = None if topk_weights is None else validate.topk_weights(topk_weights, (N, K))
-        lanes_NR = lanes_per_rank(idx_NK, E, R)
-        mine_RJ = stream_counts(lanes_NR, min(K, L))
         self._check_room(("dispatch", H, T, K, E))
         self._headers.agree(hidden=H, num_experts=E, num_max_tokens_per_rank=T, num_topk=K)
-        sent_SRJ = torch.stack(all_gather_object(self._info, mine_RJ))  # DeepEP's notify step
         inner = self._ubep(("dispatch", H, T, K, E), E, K)
-        got = inner.dispatch(payload, topk_idx=idx_NK, topk_weights=_or_zeros(w_NK, idx_NK))
+        masked = self._members.masked
+        idx_NK, lanes_NR, sent_SRJ = self._notify(idx_NK, E, min(K, L))  # (it may mask: see below)
+        try:
+            got = inner.dispatch(payload, topk_idx=idx_NK, topk_weights=_or_zeros(w_NK, idx_NK))
+        finally:
+            self._members.follow()
+        if self._members.masked != masked:  # masked inside the call: the counts without them
+            idx_NK, lanes_NR, sent_SRJ = self._notify(idx_NK, E, min(K, L))
         slot_MK, counts_L, starts_L = expanded_slots(got.recv_topk_idx, L, alignment)
         aligned_L = (counts_L + alignment - 1) // alignment * alignment
         route = ElasticRoute(got.handle, sent_SRJ, got.recv_topk_idx, slot_MK, int(aligned_L.sum()))
@@ -345,7 +398,7 @@ class ElasticBuffer:
             expert_alignment=alignment,
             num_max_tokens_per_rank=T,
             num_sms=num_sms,
-            topk_idx=idx_NK.clone() if do_handle_copy else topk_idx,
+            topk_idx=idx_NK.clone() if do_handle_copy else idx_NK,  # idx_NK: topk_idx, less masked ranks
             num_recv_tokens=rows,
             num_expanded_tokens=expanded,
             num_recv_tokens_per_expert_list=aligned_L.tolist() if sync else [],
@@ -361,6 +414,19 @@ class ElasticBuffer:
             use_tma_aligned_col_major_sf,
         )  # fmt: skip
         return (*recv, handle, _event(async_with_compute_stream))
+
+    def _notify(self, idx_NK: torch.Tensor, num_experts: int, lanes: int):
+        """(topk_idx without the masked ranks' experts, lanes per rank [N, R], sent_SRJ [R, R, J]):
+        DeepEP's notify step, every live rank's per-rank lane counts (masked ranks' rows zeros)."""
+        R = self.num_ranks
+        if self._members.masked:
+            owner_NK = idx_NK.clamp_min(0) // (num_experts // R)
+            masked_NK = (idx_NK >= 0) & self._members.masked_R(idx_NK.device)[owner_NK]
+            idx_NK = idx_NK.masked_fill(masked_NK, -1)
+        lanes_NR = lanes_per_rank(idx_NK, num_experts, R)
+        mine_RJ = stream_counts(lanes_NR, lanes)
+        sent_SRJ = self._members.gather(mine_RJ, "ElasticBuffer.dispatch (notify step)")
+        return idx_NK, lanes_NR, sent_SRJ
 
     def _cached_dispatch(
         self, x, handle, topk_idx, topk_weights, stats, num_experts, tokens, alignment, do_cpu_sync,
@@ -391,12 +457,15 @@ class ElasticBuffer:
         self._check_room(("dispatch", H, T, K, E))
         self._headers.agree("cached_dispatch", hidden=H, handle=route.inner.seq, weights=w_NK is not None)
         inner = self._ubep(("dispatch", H, T, K, E), E, K)
-        if w_NK is None:
-            got = inner.dispatch(payload, handle=route.inner)
-            recv_w = None
-        else:
-            got = inner.dispatch(payload, topk_idx=idx_NK, topk_weights=w_NK)
-            recv_w = got.recv_topk_weights
+        try:
+            if w_NK is None:
+                got = inner.dispatch(payload, handle=route.inner)
+                recv_w = None
+            else:
+                got = inner.dispatch(payload, topk_idx=idx_NK, topk_weights=w_NK)
+                recv_w = got.recv_topk_weights
+        finally:
+            self._members.follow()
         _count(stats, handle.num_unaligned_recv_tokens_per_expert.long(), E // self.num_ranks)
         recv = _outputs(handle, got.recv_x, sf_kind, recv_w, col_major_sf)
         return (*recv, handle, _event(async_with_compute_stream))
@@ -470,11 +539,14 @@ class ElasticBuffer:
         self._headers.agree(hidden=H, handle=route.inner.seq, num_topk=K, streams=len(streams))
         home = self._ubep(home_key, self.num_ranks * K, K)
         arrived = []
-        for j, stream in enumerate(streams):
-            per_rank_R = route.sent_SRJ[:, :, j].sum(dim=0)
-            chunks = -(-int(per_rank_R.max()) // handle.num_max_tokens_per_rank)
-            table_RP = route.positions(self.rank_idx, idx_NK, handle.num_experts, j)
-            arrived.append(trip.send_home(home, stream, table_RP, handle.num_max_tokens_per_rank, chunks))
+        try:
+            for j, stream in enumerate(streams):
+                per_rank_R = route.sent_SRJ[:, :, j].sum(dim=0)
+                chunks = -(-int(per_rank_R.max()) // handle.num_max_tokens_per_rank)
+                table_RP = route.positions(self.rank_idx, idx_NK, handle.num_experts, j)
+                arrived.append(trip.send_home(home, stream, table_RP, handle.num_max_tokens_per_rank, chunks))
+        finally:
+            self._members.follow()
         y_NKH, w_NK = trip.place(arrived, N, K, x)
         hybrid = multiple and self.num_scaleout_ranks > 1
         domain = handle.num_experts // self.num_scaleout_ranks if hybrid else None
@@ -527,14 +599,17 @@ def _topk(num_topk: int) -> None:
         raise ValueError(f"num_topk must be <= {MAX_TOPK} (DeepEP V2's limit), got {num_topk}")
 
 
-def _close_all(buffers: dict) -> None:
+def _close_all(buffers: dict, members: Members) -> None:
     closing = list(buffers.values())
     buffers.clear()
     for b in closing:
         b.close()
+    members.close()
 
 
 def _group_size(group) -> int:
+    if isinstance(group, VirtualRank):
+        return group.world_size
     if group is None:
         return dist.get_world_size() if dist.is_initialized() else 1
     return group.size() if hasattr(group, "size") else dist.get_world_size(group)

@@ -24,8 +24,7 @@ the collectives:
         self._headers.agree(hidden=H, num_experts=E)
         counts = all_gather(...)                        # sizes agreed on every rank
 
-The exchange needs the whole group: once the V1 layer's mask buffer masked a rank, calls open
-without it (`leave_out`), as before the header existed.
+Once ranks are masked (`members.Members`), the exchange runs among the staying ranks alone.
 """
 
 from __future__ import annotations
@@ -36,12 +35,9 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import torch
-import torch.distributed as dist
 
-from ubep.deadlines import collective_deadline
+from ubep.compat.deep_ep.members import Members
 from ubep.errors import ConfigMismatchError, PeerDataError
-from ubep.group import GroupInfo, torch_group
-from ubep.transport.virtual import VirtualRank
 from ubep.waiting import AbortNotice, PeerAbortedError
 
 OK, REJECTED = 0, 1
@@ -67,16 +63,10 @@ class CallHeaders:
     Between `begin` and the end of the call it remembers that call's kind and number and
     whether this rank has agreed yet, so a rejection joins the exchange once."""
 
-    def __init__(self, info: GroupInfo, timeout_s: float, owner: str):
-        self._info, self._timeout_s, self._owner = info, timeout_s, owner
-        self._whole = info.world_size > 1  # a group of one agrees with itself
+    def __init__(self, members: Members, owner: str):
+        self._members, self._owner = members, owner
         self._seq = 0
         self._kind, self._agreed = "", True
-
-    def leave_out(self) -> None:
-        """Open calls without a header from now on: a rank is masked, and the group's collective
-        would wait for it."""
-        self._whole = False
 
     def begin(self, kind: str) -> None:
         self._seq += 1
@@ -90,13 +80,13 @@ class CallHeaders:
         if len(words) > WORDS:
             raise ValueError(f"a call header holds at most {FIELDS} fields, got {list(fields)}")
         self._agreed = True  # from here on this rank has taken part, whatever the exchange says
-        if self._whole:
+        if len(self._members.live()) > 1:  # a rank alone agrees with itself
             phase = self._phase(kind)
             self._check(self._all_gather(words, phase), phase, list(fields))
 
     def reject(self) -> None:
         """This rank gave up on the call before agreeing: join the exchange as REJECTED."""
-        if self._agreed or not self._whole:
+        if self._agreed or len(self._members.live()) == 1:
             return
         self._agreed = True
         try:
@@ -112,33 +102,31 @@ class CallHeaders:
         return f"{self._owner}.{KINDS[kind][1]} (call header)"
 
     def _all_gather(self, words: list[int], phase: str) -> torch.Tensor:
-        """int64 [R, WORDS]: every rank's header, under the layer's deadline (a lost peer named)."""
+        """int64 [R, WORDS]: every live rank's header (masked ranks' rows zeros), under the layer's
+        deadline (a lost peer named)."""
         mine_W = torch.tensor(words + [UNUSED] * (WORDS - len(words)), dtype=torch.int64, device="cpu")
-        info = self._info
-        if isinstance(info.group, VirtualRank):
-            return torch.stack(info.group.world.all_gather(info.rank, mine_W))
-        everyone = [torch.empty_like(mine_W) for _ in range(info.world_size)]
-        with collective_deadline(torch_group(info.group), self._timeout_s, phase, info.peers):
-            dist.all_gather(everyone, mine_W, group=info.group)
-        return torch.stack(everyone)
+        return self._members.gather(mine_W, phase)
 
     def _check(self, headers_RW: torch.Tensor, phase: str, names: list[str]) -> None:
-        """Raise alike on every rank: a rejection first, then calls that differ, then fields."""
-        rejected = torch.nonzero(headers_RW[:, 0] != OK).flatten().tolist()
+        """Raise alike on every rank: a rejection first, then calls that differ, then fields (the live
+        ranks' headers only)."""
+        live = list(self._members.live())
+        rejected = [r for r in live if int(headers_RW[r, 0]) != OK]
         if rejected:
             code, seq = headers_RW[rejected[0], 1:3].tolist()
             reason = f"it rejected its input for {NAMES.get(code, code)} (call #{seq}); see its error"
             if len(rejected) > 1:
                 reason += f"; so did rank(s) {_ranks(rejected[1:])}"
             raise PeerAbortedError(phase, rejected[0], AbortNotice(reason))
-        calls = [f"{NAMES.get(code, code)} #{seq}" for code, seq in headers_RW[:, 1:3].tolist()]
+        headers_LW = headers_RW[live]
+        calls = [f"{NAMES.get(code, code)} #{seq}" for code, seq in headers_LW[:, 1:3].tolist()]
         if len(set(calls)) > 1:
-            raise PeerDataError(f"{phase}: the ranks' calls differ: {_sides(calls, ' called ')}")
-        differ = [i for i, name in enumerate(names) if (headers_RW[:, 3 + i] != headers_RW[0, 3 + i]).any()]
+            raise PeerDataError(f"{phase}: the ranks' calls differ: {_sides(live, calls, ' called ')}")
+        differ = [i for i, name in enumerate(names) if (headers_LW[:, 3 + i] != headers_LW[0, 3 + i]).any()]
         if differ:
-            said = [f"{names[i]} ({_sides(headers_RW[:, 3 + i].tolist(), ': ')})" for i in differ]
+            said = [f"{names[i]} ({_sides(live, headers_LW[:, 3 + i].tolist(), ': ')})" for i in differ]
             raise ConfigMismatchError(
-                f"{phase} on rank {self._info.rank}: ranks disagree on " + ", and on ".join(said)
+                f"{phase} on rank {self._members.rank}: ranks disagree on " + ", and on ".join(said)
             )
 
 
@@ -165,10 +153,11 @@ def opens(kind: str) -> Callable[[Method], Method]:
     return decorate
 
 
-def _sides(values: list, joint: str) -> str:
-    """'rank(s) 0, 2: 8; rank(s) 1: 4': which ranks hold each distinct value, in order of appearance."""
+def _sides(ranks: list[int], values: list, joint: str) -> str:
+    """'rank(s) 0, 2: 8; rank(s) 1: 4': which of `ranks` hold each distinct value of `values` (one
+    per rank), in order of appearance."""
     by_value: dict = {}
-    for rank, value in enumerate(values):
+    for rank, value in zip(ranks, values, strict=True):
         by_value.setdefault(value, []).append(rank)
     return "; ".join(f"rank(s) {_ranks(ranks)}{joint}{value}" for value, ranks in by_value.items())
 

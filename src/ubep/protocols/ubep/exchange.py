@@ -301,6 +301,18 @@ class UbepExchange(halves.OnHalves):
     def agree_to_mask(self, error: Exception, seq: int) -> Agreement | None:
         return self.t.agree_to_mask(error, seq)
 
+    def agree(self, value: int, phase: str) -> dict[int, int]:
+        return self.t.agree(value, phase)
+
+    def admissions(self, seq: int, boundary: bool) -> frozenset[int]:
+        return self.t.admissions(seq, boundary)
+
+    def admit(self, ranks: Collection[int], seq: int) -> frozenset[int]:
+        return self.t.admit(ranks, seq)
+
+    def join(self, deadline_s: float) -> Agreement:
+        return self.t.join(deadline_s)
+
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown()
