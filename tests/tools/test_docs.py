@@ -119,8 +119,8 @@ def test_the_readme_states_buffers_signature_as_the_code_has_it():
 
 # --- every path and module the docs name is there ----------------------------------------------------
 
-# Files of other projects that docs/frameworks.md cites (DeepEP's, vLLM's): not ours to find.
-FOREIGN = ("deep_ep/", "vllm/", "tests/elastic/")
+# Files of other projects that docs/frameworks.md cites (DeepEP's, vLLM's, SGLang's): not ours to find.
+FOREIGN = ("deep_ep/", "vllm/", "sglang/", "tests/elastic/")
 # Where a path in backticks may start: the repository, src/, or the package (the code map in
 # docs/design.md says `protocols/ubep/exchange.py`).
 BASES = ("", "src", os.path.join("src", "ubep"))

@@ -3,15 +3,18 @@
 `install_as_deep_ep()` lets unchanged framework code (`import deep_ep`,
 `from deep_ep.utils import EventOverlap`) run on ubep. It is an explicit opt-in
 and never shadows a real DeepEP silently: if one is importable it refuses unless
-told `replace_real=True`. `explain_deep_ep()` says which `deep_ep` is active.
+told `replace_real=True`. `serve_deep_ep_if_missing()` is the lazy form frameworks' plugins use:
+`import deep_ep` gets ubep's layer only where no real DeepEP is found (ubep's vLLM plugin, for
+vLLM's DeepEP all2all backends). `explain_deep_ep()` says which `deep_ep` is active.
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.abc
 import pkgutil
 import sys
-from importlib.machinery import PathFinder
+from importlib.machinery import ModuleSpec, PathFinder
 from types import ModuleType
 
 COMPAT_NAME = "ubep.compat.deep_ep"
@@ -52,6 +55,37 @@ def deep_ep_modules() -> dict[str, ModuleType]:
     for info in pkgutil.walk_packages(package.__path__, prefix=COMPAT_NAME + "."):
         found["deep_ep" + info.name.removeprefix(COMPAT_NAME)] = importlib.import_module(info.name)
     return found
+
+
+class _DeepEPFallback(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """The last finder on `sys.meta_path`: reached for `deep_ep...` only when every finder before
+    it (a real DeepEP on sys.path among them) found nothing; then serves ubep's layer."""
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname != "deep_ep" and not fullname.startswith("deep_ep."):
+            return None
+        modules = deep_ep_modules()
+        if fullname not in modules:
+            return None
+        # the others now; this one through the import system, which stamps a spec of its own on it
+        sys.modules.update({name: m for name, m in modules.items() if name != fullname})
+        spec = ModuleSpec(fullname, self, is_package=hasattr(modules[fullname], "__path__"))
+        spec.loader_state = modules[fullname], modules[fullname].__spec__
+        return spec
+
+    def create_module(self, spec):
+        return spec.loader_state[0]
+
+    def exec_module(self, module):
+        module.__spec__ = module.__spec__.loader_state[1]  # its own spec back (it is already executed)
+
+
+def serve_deep_ep_if_missing() -> None:
+    """Make a later `import deep_ep` give ubep's DeepEP layer if, and only if, no real DeepEP is
+    found then (the finder goes last on `sys.meta_path`); idempotent. Unlike
+    `install_as_deep_ep()` it imports nothing now and never shadows a real DeepEP."""
+    if not any(isinstance(finder, _DeepEPFallback) for finder in sys.meta_path):
+        sys.meta_path.append(_DeepEPFallback())
 
 
 def explain_deep_ep() -> str:

