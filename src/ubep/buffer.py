@@ -534,7 +534,8 @@ class Buffer:
         then known without a host read. A cached dispatch pads as its handle's did.
         """
         exchange, faults = self._live(), self._faults
-        self._admit(exchange, self._ll, boundary=handle is None)
+        if self._membership.masked:  # restarted ranks come back only while ranks are masked
+            self._admit(exchange, self._ll, boundary=handle is None)
         call = self._calls.next("dispatch")
         times = call.timers
         try:
@@ -587,7 +588,8 @@ class Buffer:
     ) -> CombineResult:
         """Send expert outputs home; each token gets the plain float32 sum of its rows."""
         exchange, faults = self._live(), self._faults
-        self._admit(exchange, self._ll, boundary=False)
+        if self._membership.masked:  # restarted ranks come back only while ranks are masked
+            self._admit(exchange, self._ll, boundary=False)
         call = self._calls.next("combine")
         times = call.timers
         try:
@@ -632,7 +634,8 @@ class Buffer:
         anything is sent.
         """
         ll = self._live_ll()
-        self._admit(self._live(), ll, boundary=True)
+        if self._membership.masked:  # restarted ranks come back only while ranks are masked
+            self._admit(self._live(), ll, boundary=True)
         call = self._calls.next("ll_dispatch")
         times = call.timers
         try:
@@ -672,7 +675,8 @@ class Buffer:
         result has x's dtype; `out` [N, H] receives it in place when given.
         """
         ll = self._live_ll()
-        self._admit(self._live(), ll, boundary=False)
+        if self._membership.masked:  # restarted ranks come back only while ranks are masked
+            self._admit(self._live(), ll, boundary=False)
         call = self._calls.next("ll_combine")
         times = call.timers
         try:

@@ -465,8 +465,16 @@ def test_hosts_say_what_the_links_are_under_the_table(netem, said, tmp_path, mon
     assert main([*argv, "--json", str(tmp_path / "run.json")]) == 0
     assert said in " ".join(capsys.readouterr().out.split())
     link = json.loads((tmp_path / "run.json").read_text())["meta"]["link"]
-    assert link == {"rate": "1gbit", "bytes_per_s": 125_000_000, "burst_bytes": None if netem else 250_000,
-                    "delay": "15us" if netem else None}  # fmt: skip
+    assert link == {
+        "rate": "1gbit",
+        "bytes_per_s": 125_000_000,
+        "burst_bytes": None if netem else 250_000,
+        "delay": "15us" if netem else None,
+        "racks": 1,
+        "rack_rate": None,
+        "rack_bytes_per_s": None,
+        "rack_burst_bytes": None,
+    }  # one rack: no uplink
     told = hosts.hosts_command(BenchConfig(nodes=2, link_rate="1gbit"), ["measure"])
     assert told[told.index("-r") + 1] == "1gbit" and "-b" not in told  # the script sizes the burst itself
 
