@@ -87,8 +87,9 @@ class Members:
             live = self.live()
             try:
                 among = self._group_among(live) if len(live) < self._info.world_size else None
-                watch = self.on_peer_failure == MASK  # every survivor sees a death at once
-                return all_gather_among(self._info, live, among, mine, self._timeout_s, phase, watch)
+                # watch the peers' processes: every survivor sees a death at once, not one at gloo's
+                # deadline while the others already agree on masking it (and give up on it)
+                return all_gather_among(self._info, live, among, mine, self._timeout_s, phase, True)
             except CommTimeoutError as error:
                 dead = set(error.dead_peers or ()) - self.masked
                 if self.on_peer_failure != MASK or not dead or not self._buffers:
