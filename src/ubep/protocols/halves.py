@@ -11,14 +11,14 @@ wait does; the half then resumes from its own state.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import TypeVar
 
 import numpy as np
 
 from ubep.calls import CallId
 from ubep.engine.base import Engine
-from ubep.protocols.base import Exchange
+from ubep.protocols.base import Agreement, Exchange
 from ubep.registry import ENGINES
 from ubep.transport.heap import Heap
 from ubep.waiting import YIELD_POLLS
@@ -102,6 +102,26 @@ class OnHalves(Exchange):
         """Capturable halves: raise the first error their status words recorded since the last check."""
         if self._compiled is not None:
             self._compiled.check()
+
+    # -- membership: the heap's (a rank masked, its rows left out, a restarted rank taken back in) --
+
+    def mask(self, ranks: Collection[int], seq: int) -> int:
+        return self.t.mask(ranks, seq)
+
+    def agree_to_mask(self, error: Exception, seq: int) -> Agreement | None:
+        return self.t.agree_to_mask(error, seq)
+
+    def agree(self, value: int, phase: str) -> dict[int, int]:
+        return self.t.agree(value, phase)
+
+    def admissions(self, seq: int, boundary: bool) -> frozenset[int]:
+        return self.t.admissions(seq, boundary)
+
+    def admit(self, ranks: Collection[int], seq: int) -> frozenset[int]:
+        return self.t.admit(ranks, seq)
+
+    def join(self, deadline_s: float) -> Agreement:
+        return self.t.join(deadline_s)
 
 
 def run(heap: Heap, call: CallId, phase: str, half, *args, block: str = "receive") -> int:

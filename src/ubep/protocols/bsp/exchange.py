@@ -18,8 +18,6 @@ Legend: see `ubep.layout`.
 
 from __future__ import annotations
 
-from collections.abc import Collection
-
 import torch
 
 from ubep.calls import CallId
@@ -33,7 +31,7 @@ from ubep.protocols.bsp.blocks import BspBlocks
 from ubep.protocols.combine.torch_halves import publish_back, reduce_home
 from ubep.registry import BSP
 from ubep.results import DispatchHandle, RecvRoute
-from ubep.transport.base import Agreement, Transport
+from ubep.transport.base import Transport
 
 
 class BspExchange(halves.OnHalves):
@@ -194,24 +192,6 @@ class BspExchange(halves.OnHalves):
 
     def abort(self, call: CallId) -> None:
         self.t.abort(call)
-
-    def mask(self, ranks: Collection[int], seq: int) -> int:
-        return self.t.mask(ranks, seq)
-
-    def agree_to_mask(self, error: Exception, seq: int) -> Agreement | None:
-        return self.t.agree_to_mask(error, seq)
-
-    def agree(self, value: int, phase: str) -> dict[int, int]:
-        return self.t.agree(value, phase)
-
-    def admissions(self, seq: int, boundary: bool) -> frozenset[int]:
-        return self.t.admissions(seq, boundary)
-
-    def admit(self, ranks: Collection[int], seq: int) -> frozenset[int]:
-        return self.t.admit(ranks, seq)
-
-    def join(self, deadline_s: float) -> Agreement:
-        return self.t.join(deadline_s)
 
     def close(self) -> None:
         self.t.close()

@@ -25,7 +25,6 @@ Legend: see `ubep.layout`.
 
 from __future__ import annotations
 
-from collections.abc import Collection
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -44,7 +43,7 @@ from ubep.protocols.combine.torch_halves import publish_back, reduce_home
 from ubep.protocols.ubep.blocks import UbepBlocks
 from ubep.registry import UBEP
 from ubep.results import DispatchHandle, RecvRoute
-from ubep.transport.base import Agreement, Transport
+from ubep.transport.base import Transport
 
 
 class UbepExchange(halves.OnHalves):
@@ -294,24 +293,6 @@ class UbepExchange(halves.OnHalves):
 
     def abort(self, call: CallId) -> None:
         self.t.abort(call)
-
-    def mask(self, ranks: Collection[int], seq: int) -> int:
-        return self.t.mask(ranks, seq)
-
-    def agree_to_mask(self, error: Exception, seq: int) -> Agreement | None:
-        return self.t.agree_to_mask(error, seq)
-
-    def agree(self, value: int, phase: str) -> dict[int, int]:
-        return self.t.agree(value, phase)
-
-    def admissions(self, seq: int, boundary: bool) -> frozenset[int]:
-        return self.t.admissions(seq, boundary)
-
-    def admit(self, ranks: Collection[int], seq: int) -> frozenset[int]:
-        return self.t.admit(ranks, seq)
-
-    def join(self, deadline_s: float) -> Agreement:
-        return self.t.join(deadline_s)
 
     def close(self) -> None:
         if self._pool is not None:
