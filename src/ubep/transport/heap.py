@@ -485,14 +485,7 @@ class Heap:
         """
         gone = set(ranks)
         stay = [r for r in range(self.num_ranks) if r not in gone]
-        self.generation += 1
-        g, half = self.generation, self.generation % 2
-        record = self._members[self.rank][half]
-        record[1] = seq
-        record[2:] = [r in gone for r in range(self.num_ranks)]
-        record[0] = g  # last: the record is complete once a peer sees the generation
-        for r in stay:
-            self.ring(r)
+        g, half = self._publish(seq, gone)
         waiter = Waiter(
             f"masking rank(s) {sorted(gone)} (the staying ranks agree)",
             self.timeout_s,
@@ -616,20 +609,27 @@ class Heap:
             )
         return Agreement(frozenset(gone), self._resumed_after, True)
 
+    def _publish(self, word: int, gone: Collection[int]) -> tuple[int, int]:
+        """Write this rank's next membership record (`word`: a seq or an agreed value, and the `gone`
+        flags) and ring every rank outside `gone`; returns the record's generation and half."""
+        self.generation += 1
+        g, half = self.generation, self.generation % 2
+        record = self._members[self.rank][half]
+        record[1] = word
+        record[2:] = [r in gone for r in range(self.num_ranks)]
+        record[0] = g  # last: the record is complete once a peer sees the generation
+        for r in range(self.num_ranks):
+            if r not in gone:
+                self.ring(r)
+        return g, half
+
     def _agree(self, gone: set[int], seq: int, phase: str, joiners: Collection[int]) -> bool:
         """`mask`'s agreement on `gone` after call `seq` (every rank outside it publishes the same
         record of the next generation, and waits for every other one's); False where one of
         `joiners` died before publishing (re-read once it is seen dead: a record published before
         the death is seen by every rank, so all of them decide alike)."""
         stay = [r for r in range(self.num_ranks) if r not in gone]
-        self.generation += 1
-        g, half = self.generation, self.generation % 2
-        record = self._members[self.rank][half]
-        record[1] = seq
-        record[2:] = [r in gone for r in range(self.num_ranks)]
-        record[0] = g  # last: the record is complete once a peer sees the generation
-        for r in stay:
-            self.ring(r)
+        g, half = self._publish(seq, gone)
         waiter = Waiter(phase, self.timeout_s, self._peer_gone, lambda peer: None, self._memory.sleep)
         pending = [r for r in stay if r != self.rank]
         while pending := [r for r in pending if self._members[r][half][0] != g]:
@@ -717,14 +717,7 @@ class Heap:
         """Every staying rank's `value`: each publishes it in its next membership record (the masked
         flags unchanged, so a writer's membership check reads the same), then reads the others'."""
         gone = set(range(self.num_ranks)) - set(self.live)
-        self.generation += 1
-        g, half = self.generation, self.generation % 2
-        record = self._members[self.rank][half]
-        record[1] = value
-        record[2:] = [r in gone for r in range(self.num_ranks)]
-        record[0] = g  # last: the record is complete once a peer sees the generation
-        for r in self.live:
-            self.ring(r)
+        g, half = self._publish(value, gone)
         waiter = Waiter(
             f"{phase} (the staying ranks agree)",
             self.timeout_s,
