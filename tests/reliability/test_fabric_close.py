@@ -64,3 +64,30 @@ def test_a_rank_that_closes_right_after_its_last_send_still_delivers_it(fabric):
     for o in outcomes:
         assert o.ok, f"rank {o.rank}: {o.error}"
     assert outcomes[0].result == [100 + seq for seq in SEQS]
+
+
+def closed_while_a_peer_still_connects() -> bool:
+    """Rank 1 opens a zmq fabric and closes it at once; rank 0 is slow to connect its own DEALERs
+    (it sleeps right after the address exchange). Returns whether rank 0's construction ended."""
+    me = dist.get_rank()
+    if me == 0:
+        gather = dist.all_gather_object
+
+        def slow_gather(*args, **kwargs):
+            gather(*args, **kwargs)
+            time.sleep(1.0)  # rank 1's own connections come up meanwhile
+
+        dist.all_gather_object = slow_gather
+    fabric, _ = open_fabric("zmq", None, me, 2, [Lane("rows", 1, 8)], TIMEOUT_S)
+    fabric.close()
+    return True
+
+
+@NO_ZMQ
+@pytest.mark.timeout(120)
+def test_a_rank_cannot_leave_zmq_construction_before_a_slower_peer_is_connected():
+    """Before READY, rank 1 left construction once its own connection was up, closed and exited;
+    rank 0 then raised "rank 1 died" in its own construction (seen in CI under load)."""
+    outcomes = ubep.LocalLaunch(world_size=2, timeout_s=100).outcomes(closed_while_a_peer_still_connects)
+    for o in outcomes:
+        assert o.ok, f"rank {o.rank}: {o.error}"

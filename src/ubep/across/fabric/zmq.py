@@ -5,7 +5,9 @@
 Sockets. Each rank binds one ROUTER (every peer's messages land there) and
 connects one DEALER to each peer's ROUTER, named by its rank. The addresses
 travel once, at construction, over the Buffer's group (within construction's deadline);
-construction ends once every DEALER's connection is up (or its peer named).
+construction ends once every DEALER's connection is up and every peer said so
+(READY): a rank whose own connections came up first cannot close and exit
+while a slower peer still waits for its connection to that rank (or its peer named).
 ZeroMQ's I/O thread moves the bytes: a send queues its message and returns (no
 high-water mark: never dropped, never blocking), and a receive finds a message
 whole or not at all.
@@ -59,6 +61,7 @@ from ubep.waiting import AbortNotice, Waiter
 FRAME = struct.Struct("<qqqqq")
 ABORT = -1  # the frame's lane of an abort notice
 BYE = -2  # the frame's lane of the last message of a peer that closes its Buffer
+READY = -3  # the frame's lane of a peer's first message: all of its connections are up
 LOST_GRACE_S = 0.2  # a dropped connection without a BYE: how long its peer's last messages may take
 CLOSE_LINGER_S = 2.0  # how long close() lets queued messages reach their peers
 UP_EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED  # a DEALER's connection is up (ZMTP handshake done)
@@ -119,6 +122,7 @@ class ZmqFabric(Fabric):
         self._landed: dict[Slot, deque[_Landed]] = {}  # slots holding messages, oldest first
         self._lost: set[int] = set()  # peers that closed (their BYE came), or a send to them failed
         self._up: set[int] = set()  # peers whose connection came up
+        self._ready: set[int] = set()  # peers whose connections all came up (their READY came)
         self._down: dict[int, float] = {}  # peers whose connection dropped without a BYE: since when
         self._closed = False
         self._context = zmq.Context()
@@ -158,6 +162,12 @@ class ZmqFabric(Fabric):
         waiter = Waiter(phase, deadline_s, self._gone, lambda p: None, block=self._block, yields=0)
         while pending := [p for p in self.peers if p not in self._up]:
             self._pause(waiter, pending)
+        for p in self.peers:
+            self._put(p, FRAME.pack(READY, 0, 0, 0, 0))
+        self._progress()
+        while pending := [p for p in self.peers if p not in self._ready]:
+            self._pause(waiter, pending)
+            self._progress()
 
     # -- waiting ----------------------------------------------------------------------------------
 
@@ -217,6 +227,8 @@ class ZmqFabric(Fabric):
             self._take_abort(peer, words, kind, seq)
         elif lane == BYE:
             self._lost.add(peer)
+        elif lane == READY:
+            self._ready.add(peer)
         elif (slot := (lane, peer, seq % 2)) in self._slots:
             self._landed.setdefault(slot, deque()).append(_Landed((seq, kind, words, nbytes), data, body))
         else:
