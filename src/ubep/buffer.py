@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import logging
 import os
 import threading
@@ -38,7 +39,7 @@ from ubep.group import (
     torch_group,
 )
 from ubep.layout import ExpertPlacement, dispatch_layout, tokens_per_node
-from ubep.membership import MASK, ON_PEER_FAILURE, Membership
+from ubep.membership import AGAIN, FINISH, MASK, ON_PEER_FAILURE, Membership
 from ubep.observe.recording import RecordedExchange, RecordedLowLatency, Recorder
 from ubep.overlap import EventOverlap, receive_later
 from ubep.placement import Placement
@@ -88,21 +89,28 @@ def _one_at_a_time(method):
 def _finished_by_the_rest(method):
     """With on_peer_failure="mask", a call that a peer's death or silence failed is finished by the
     staying ranks: they agree inside it on whom to leave out (`Membership.mask_failed`), then each
-    runs it again without them. Each round masks at least one more rank, so it ends."""
+    runs it again without them, or finishes a low-latency combine in place where some of them
+    completed it (`_unfinished`). Each round masks at least one more rank, so it ends."""
+    takes = inspect.signature(method)
 
     @functools.wraps(method)
     def call(self, *args, **kwargs):
         while True:
+            self._unfinished = None
             try:
                 return method(self, *args, **kwargs)
             except UbepError as error:
                 if self.on_peer_failure != MASK:
                     raise
-                masked_now = self._membership.mask_failed(
-                    error, self._exchange, self._ll, self._calls, self._calls.seq
+                fresh = takes.bind(self, *args, **kwargs).arguments.get("handle") is None
+                m, unfinished = self._membership, self._unfinished is not None
+                step = m.mask_failed(
+                    error, self._exchange, self._ll, self._calls, self._calls.seq, fresh, unfinished
                 )
                 self._follow_membership()  # the run again (or the next call): live copies
-                if not masked_now:
+                if step == FINISH:
+                    return self._unfinished()
+                if step != AGAIN:
                     raise
 
     return call
@@ -298,6 +306,7 @@ class Buffer:
         self._calls = CallCounter(timers=self._timers)
         self._pid = os.getpid()  # the process that built it: a forked child must not call it
         self._one_call = threading.Lock()  # held by the thread inside a call (`_one_at_a_time`)
+        self._unfinished = None  # the low-latency combine whose receive half is under way (`_finish_combine`)
         self._done = EventOverlap()  # the event of every call that completed before returning
         self._membership = Membership(self.rank, placement, self.device)  # ranks left out (`mask_ranks`)
         # logical experts on the slots (`set_placement`), each mapped to its nearest live copy
@@ -692,6 +701,10 @@ class Buffer:
             )
         else:
             receive = ll.combine_send(call, got.plan, got.out_NH)
+        if not (async_finish or return_recv_hook):  # a peer's failure in it: finished in place, maybe
+            self._unfinished = functools.partial(
+                self._finish_combine, call, x, topk_idx, topk_weights, handle, out
+            )
         event, hook = receive_later(
             self._later(call, receive, async_finish or return_recv_hook), async_finish, return_recv_hook
         )
@@ -699,6 +712,20 @@ class Buffer:
         if times is not None:
             times.end()
         return result
+
+    def _finish_combine(
+        self, call: CallId, x, topk_idx, topk_weights, handle, out
+    ) -> LowLatencyCombineResult:
+        """Low-latency combine `call`, whose receive half failed on a peer that the staying ranks have
+        masked since, while some of them completed the call (`Membership.mask_failed`'s FINISH): its
+        receive half again, over the rows every staying rank put, the masked ranks' entries left
+        out as `left_out` says (its inputs taken again, as a call after the mask takes them)."""
+        got = self._plans.ll_combine(x, topk_idx, topk_weights, handle, out, self._ll_routed)
+        try:
+            event, hook = receive_later(lambda: self._ll.finish_combine(call, got), False, False)
+        finally:
+            self._ll.resume(self._membership.after)  # the half it released serves the calls after the mask
+        return LowLatencyCombineResult(got.out_NH, event, hook)
 
     def check(self) -> None:
         """Raise the first error the device recorded in calls since the last check, normal mode's first

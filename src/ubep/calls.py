@@ -51,9 +51,12 @@ class CallCounter:
     epochs: dict[str, int] = field(default_factory=dict)
     base: int = 0  # every kind's epoch before its first call (from `resume`)
     timers: CallTimers | None = None  # the Buffer's call timers, when on: each call starts its kind's
+    kind: str = ""  # the kind of the latest call numbered
+    kind_before: str = ""  # and of the one numbered before it (`Membership.mask_failed` asks)
 
     def next(self, kind: str) -> CallId:
         self.seq += 1
+        self.kind_before, self.kind = self.kind, kind
         self.epochs[kind] = self.epochs.get(kind, self.base) + 1
         times = None if self.timers is None else self.timers.begin(kind)
         return CallId(self.seq, self.epochs[kind], kind, times)

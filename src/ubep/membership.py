@@ -32,6 +32,9 @@ from ubep.results import DispatchHandle
 # (the caller masks and calls again), or mask it with the other staying ranks and finish the call.
 RAISE, MASK = "raise", "mask"
 ON_PEER_FAILURE = (RAISE, MASK)
+# What a call that failed on a peer does once the staying ranks masked it (`Membership.mask_failed`):
+# run again without the masked ranks, finish in place from what the staying ranks sent, or raise.
+AGAIN, FINISH, GIVE_UP = "again", "finish", "give up"
 
 
 def quorum(before: Iterable[int], stay: Iterable[int]) -> bool:
@@ -84,22 +87,47 @@ class Membership:
         low_latency: LowLatencyExchange | None,
         calls: CallCounter,
         seq: int,
-    ) -> frozenset[int]:
+        fresh: bool = False,
+        unfinished: bool = False,
+    ) -> str:
         """After call `seq` failed with `error` (on_peer_failure="mask"): agree with the staying ranks,
-        inside the call, on whom to leave out, and leave them out. Returns the ranks masked now; empty
-        where `error` is no peer's failure or the exchange cannot mask, so the caller raises it.
+        inside the call, on whom to leave out, and leave them out. Returns what the call does next:
+        AGAIN, FINISH, or GIVE_UP (raise `error`; also where it is no peer's failure, or the
+        exchange cannot mask). `fresh`: the call takes no handle (a dispatch routed anew);
+        `unfinished`: it is a low-latency combine whose receive half failed, its rows sent.
 
         Every staying rank failed the same call (the usual case: a peer's data is one flag that all
-        see alike), so each finishes it again without them, and the handles before it stay good.
-        Where some completed it, the call raises, the ranks masked all the same (as `mask_ranks`).
+        see alike), so each runs it again without them (AGAIN), and the handles before it stay good.
+        Some may have completed a low-latency combine that the others failed (the peer put rows
+        into some homes only), and failed the next call, on the others' aborts: where that call is
+        fresh, the ranks behind finish the combine in place from the rows the staying ranks put
+        (FINISH, `LowLatencyExchange.finish_combine`) and the ranks ahead run theirs again (AGAIN),
+        so every rank's calls return alike and stay in step. Otherwise, where some completed the
+        call, it raises, the ranks masked all the same (as `mask_ranks`).
         """
         agreed = exchange.agree_to_mask(error, seq)
         if agreed is None:
-            return frozenset()
+            return GIVE_UP
         self._check_quorum(agreed.gone, getattr(error, "phase", "call"))
         new = agreed.gone - self.masked
-        self._resume(agreed.gone, agreed.seq, low_latency, calls, stale=not agreed.in_step)
-        return new if agreed.in_step else frozenset()
+        combine_behind = (
+            low_latency is not None
+            and low_latency.finishes_combine
+            and agreed.seqs == {agreed.seq - 1, agreed.seq}
+        )
+        if not new:
+            step = GIVE_UP  # nothing masked now: the call would fail again alike
+        elif agreed.in_step:
+            step = AGAIN
+        elif combine_behind and seq == agreed.seq - 1 and unfinished:
+            step = FINISH
+        elif combine_behind and seq == agreed.seq and fresh and calls.kind_before == "ll_combine":
+            step = AGAIN
+        else:
+            step = GIVE_UP
+        stale = step == GIVE_UP and not agreed.in_step  # a handle may come from a call only some completed
+        self._resume(agreed.gone, agreed.seq, low_latency, calls, stale=stale)
+        return step
 
     def _check_quorum(self, gone: frozenset[int], phase: str) -> None:
         """PartitionError (and this rank retires) where the ranks that stay, `gone` left out, hold no

@@ -219,7 +219,7 @@ class RecordedLowLatency(LowLatencyExchange):
     def __init__(self, inner: LowLatencyExchange, recorder: Recorder):
         self._inner, self._rec = inner, recorder
         self.name, self.halves, self.on_device = inner.name, inner.halves, inner.on_device
-        self.routes_in_halves = inner.routes_in_halves
+        self.routes_in_halves, self.finishes_combine = inner.routes_in_halves, inner.finishes_combine
 
     def dispatch_send(self, call: CallId, plan: LLDispatchPlan, out: LLDispatchOut):
         ready = time.time_ns()
@@ -259,3 +259,6 @@ class RecordedLowLatency(LowLatencyExchange):
 
     def resume(self, seq: int) -> None:
         self._inner.resume(seq)
+
+    def finish_combine(self, call: CallId, got) -> None:
+        self._inner.finish_combine(call, got)

@@ -194,6 +194,8 @@ class LowLatencyExchange(ABC):
     # `dispatch_send`, the combine through `combine_rows`).
     routes_in_halves: bool = False
     on_device: bool = False  # the halves are Triton kernels (device epochs, `check`)
+    # `finish_combine` can finish a combine's receive half from the rows the staying ranks put
+    finishes_combine: bool = False
 
     @abstractmethod
     def dispatch_send(self, call: CallId, plan, out) -> Callable[[], None]:
@@ -220,6 +222,12 @@ class LowLatencyExchange(ABC):
     def resume(self, seq: int) -> None:
         """After a mask: the calls up to `seq` are over, so halves they hold are free again."""
         return None  # nothing deferred, nothing held: the default of most exchanges
+
+    def finish_combine(self, call: CallId, got) -> None:
+        """`finishes_combine` only: the receive half of combine `call`, which failed on a peer masked
+        since, entered again with `got` (`ubep.plans.LLCombineInputs` taken after the mask: the
+        masked ranks' entries dropped), over the rows the staying ranks put in that call."""
+        raise NotImplementedError(f"{self.name}: a combine cannot be finished in place here")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -123,11 +123,14 @@ class Agreement(NamedTuple):
     seq:     the largest call any staying rank failed in; they all continue after it.
     in_step: every staying rank failed that same call, so each can finish it again without the
              ranks in `gone` (False: some completed it, so it cannot be finished in step).
+    seqs:    the call each staying rank failed (`Membership.mask_failed` tells from them whether
+             the ranks behind can finish their call in place and the ranks ahead run theirs again).
     """
 
     gone: frozenset[int]
     seq: int
     in_step: bool
+    seqs: frozenset[int] = frozenset()
 
 
 class Transport(Protocol):

@@ -711,7 +711,7 @@ class Heap:
         self.generation = g
         self.live, self.live_R = tuple(stay), np.array(stay, dtype=np.int64)
         self._resumed_after = max(seqs)
-        return Agreement(frozenset(gone), max(seqs), seqs == {seq})
+        return Agreement(frozenset(gone), max(seqs), seqs == {seq}, frozenset(seqs))
 
     def agree(self, value: int, phase: str) -> dict[int, int]:
         """Every staying rank's `value`: each publishes it in its next membership record (the masked

@@ -189,8 +189,9 @@ class Fabric(ABC):
         if not suspects:
             return None
         gone = frozenset(suspects) | frozenset(range(self.num_ranks)).difference(self.live)
-        self.live, latest, in_step, self._generation = agree_on_union(self, gone, seq, self._generation)
-        return Agreement(frozenset(range(self.num_ranks)).difference(self.live), latest, in_step)
+        self.live, seqs, self._generation = agree_on_union(self, gone, seq, self._generation)
+        gone = frozenset(range(self.num_ranks)).difference(self.live)
+        return Agreement(gone, max(seqs), seqs == {seq}, seqs)
 
     def agree(self, value: int, phase: str) -> dict[int, int]:
         """Every staying rank's `value`, in one mask round over the fabric (`agree_on_values`), the
@@ -408,12 +409,12 @@ def failed_peers(error: Exception) -> frozenset[int]:
 
 def agree_on_union(
     fabric: Fabric, gone: frozenset[int], seq: int, generation: int
-) -> tuple[tuple[int, ...], int, bool, int]:
+) -> tuple[tuple[int, ...], frozenset[int], int]:
     """Mask rounds until every staying rank leaves out the same ranks: in each, every rank sends the
     ranks it leaves out and the call it failed to every rank it keeps, and takes in what they send.
     A round in which all it heard equals its own set is the last, for every rank alike (each sends
-    one set a round to all it keeps). Returns (the staying ranks, the largest call any failed,
-    whether all failed that same call, the generation of the last round)."""
+    one set a round to all it keeps). Returns (the staying ranks, the call each of them failed, the
+    generation of the last round)."""
     while True:
         generation += 1
         stay = tuple(p for p in range(fabric.num_ranks) if p not in gone)
@@ -438,7 +439,7 @@ def agree_on_union(
                 raise
             union, same = union | died, False
         if same:
-            return stay, max(seqs), seqs == {seq}, generation
+            return stay, frozenset(seqs), generation
         gone = frozenset(union)
 
 

@@ -119,6 +119,7 @@ class LLExchange(LowLatencyExchange):
         # check this rank's inputs themselves
         self._compiled = halves.compiled_form(engine, on_numba, on_triton) if on_heap else None
         self.routes_in_halves = self._compiled is not None
+        self.finishes_combine = not self.on_device  # the Triton halves keep their state on the device
 
     @property
     def halves(self) -> str:
@@ -345,6 +346,12 @@ class LLExchange(LowLatencyExchange):
         """Capturable device halves: raise the first error the device recorded since the last check."""
         if self.on_device:
             self._compiled.check()
+
+    def finish_combine(self, call: CallId, got) -> None:
+        if self._compiled is not None:
+            self._compiled.finish_combine(call, got.x, got.handle, got.topk_weights_NK, got.out_NH)
+        else:
+            self._reduce(call, got.plan, got.out_NH)
 
     def _put_rows(self, call: CallId, plan: LLCombinePlan, home: int) -> None:
         b, rows, B = self.blocks, plan.to(home), plan.x_LMB.shape[2]

@@ -204,6 +204,13 @@ class LLNumba(halves.HeapHalves):
         self._sent(call, phase, code_now, status, code, dispatched)
         return lambda: self._reduce(call, dispatched, weights_NK, out_NH, code)
 
+    def finish_combine(
+        self, call: CallId, x_LMH: torch.Tensor, handle: LowLatencyHandle, weights_NK: torch.Tensor, out_NH
+    ) -> None:
+        """The receive half of combine `call` again, from `handle` as it is after a mask (its masked
+        ranks' entries dropped), over the rows the staying ranks put (`LowLatencyExchange.finish_combine`)."""
+        self._reduce(call, handle.topk_idx_NK.numpy(), weights_NK, out_NH, DTYPE_CODES[x_LMH.dtype])
+
     def _sent(self, call: CallId, phase: str, code: int, status: np.ndarray, mine: int, topk_NK) -> None:
         """After a send half: ring the peers it marked; raise its error, or MaskedOutError if the
         peers masked this rank."""
