@@ -708,6 +708,7 @@ class Buffer:
         event, hook = receive_later(
             self._later(call, receive, async_finish or return_recv_hook), async_finish, return_recv_hook
         )
+        self._unfinished = None  # received: nothing of its inputs is held longer
         result = LowLatencyCombineResult(got.out_NH, event, hook)
         if times is not None:
             times.end()
