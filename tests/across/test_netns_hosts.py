@@ -216,11 +216,12 @@ def test_torchrun_across_hosts_says_no_c10d_hostname_warning(tmp_path):
 
 def test_the_profile_runs_on_namespace_hosts(capsys):
     """`ubep bench --profile --hosts 2` profiles ranks on two namespace hosts (torchrun on each), as
-    it says, not emulated nodes over loopback (issue 44), and its call timers fill hier's blocks."""
+    it says, not emulated nodes over loopback (issue 44), and its call timers fill hier's blocks (2 ranks
+    a host: with one, the ubep row runs dist, as `auto` does, which has no forward block)."""
     pytest.importorskip("rich")
     from ubep.cli import main
 
-    shape = ["--ranks", "2", "--experts", "4", "--topk", "2", "--hidden", "64", "--tokens", "4"]
+    shape = ["--ranks", "4", "--experts", "8", "--topk", "2", "--hidden", "64", "--tokens", "4"]
     assert main(["bench", "--profile", "--hosts", "2", *shape, "--iters", "1", "--warmup", "0"]) == 0
     out = " ".join(capsys.readouterr().out.split())
     assert "ubep bench --hosts 2: namespace hosts" in out and "(2 namespace hosts, 4 tokens/rank" in out, out

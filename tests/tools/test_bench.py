@@ -143,6 +143,20 @@ def test_bench_emulated_nodes_report_bytes_across(tmp_path):
     assert rows["ubep"]["vs_hier_bsp"] is not None and rows["hier-bsp"]["vs_hier_bsp"] == 1.0
 
 
+def test_bench_one_rank_per_node_runs_what_auto_picks(tmp_path, capsys):
+    """One rank per node: the ubep row runs transport dist, as a Buffer's "auto" does there, not hier,
+    whose crossing saves nothing then and sends float32 partials back: fewer bytes than hier-bsp's."""
+    out = tmp_path / "one_each.json"
+    shape = ["--tokens", "8", "--hidden", "256", "--experts", "8", "--topk", "4", "--iters", "2"]
+    argv = ["bench", "--ranks", "2", "--nodes", "2", "--systems", "ubep,hier-bsp", *shape, "--warmup", "1"]
+    assert main([*argv, "--json", str(out)]) == 0
+    assert "ubep runs the transport auto picks, dist" in " ".join(capsys.readouterr().out.split())
+    rows = {r["system"]: r for r in json.loads(out.read_text())["results"]}
+    # 2 ranks, 4 of 8 experts each: a token crosses at most once either way; hier's partials are
+    # float32 where dist returns bf16 rows, so its combine sends twice the bytes of x back.
+    assert 0 < rows["ubep"]["boundary_bytes"] < rows["hier-bsp"]["boundary_bytes"]
+
+
 def test_bench_profile_of_low_latency_mode(capsys):
     """--profile --mode ll: the call timers and the CPU categories of low-latency calls (not of
     normal-mode ones, which the profile timed alone before)."""

@@ -74,7 +74,7 @@ def _buffer(cfg: BenchConfig, tokens: int, name: str, call_timers: bool) -> ubep
         max_tokens_per_rank=tokens,
         max_topk=cfg.topk,
         protocol=system.protocol,
-        transport=system.across if cfg.nodes > 1 else system.transport,
+        transport=system.transport_for(cfg),
         fabric=system.fabric,
         low_latency=cfg.mode == "ll",  # slots only for that mode (128 tokens, 8 ranks: GBs)
         call_timers=call_timers,

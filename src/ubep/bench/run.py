@@ -27,7 +27,7 @@ from ubep.across.collectives.bsp_hier import boundary_bytes
 from ubep.bench import mpi_system, placed, report
 from ubep.bench.hosts import HostsGroup
 from ubep.bench.timing import latencies_us
-from ubep.bench.torch_systems import measure_rank
+from ubep.bench.torch_systems import BUFFER_SYSTEMS, measure_rank
 from ubep.bench.turns import Conductor, Samples, round_order
 from ubep.bench.workload import LL_ROW, UBEP_ROW, BenchConfig, build
 from ubep.errors import SharedMemorySizeError
@@ -35,7 +35,7 @@ from ubep.extras import install_hint
 from ubep.factory import ready_engine
 from ubep.launcher import LocalLaunch
 from ubep.layout import ExpertPlacement, token_in_rank
-from ubep.registry import TIERS
+from ubep.registry import DIST, HIER, TIERS
 from ubep.sim.tiers import Stack, tier_bytes
 from ubep.transport.segments import KNOBS
 
@@ -57,9 +57,14 @@ def boundary_per_rank(cfg: BenchConfig, tokens: int) -> dict[str, float]:
     def mean(kind: str) -> float:
         return (sum(got[f"dispatch_bytes_{kind}"]) + sum(got[f"combine_bytes_{kind}"])) / cfg.ranks
 
-    dedup = mean("dedup")  # the hierarchical rows: a token crosses once per remote node
-    crossing = {row: dedup for row in (UBEP_ROW, "ubep-gloo", "ubep-nixl", "hier-bsp")}
+    # hier: a token crosses once per remote node (float32 partials back); dist: once per remote rank
+    per_transport = {HIER.name: mean("dedup"), DIST.name: mean("flat")}
+    crossing = {"hier-bsp": per_transport[HIER.name]}
     crossing |= {row: mean("flat") for row in ("bsp-gloo", "ubep-dist")}  # the same rows on the wire
+    crossing |= {
+        row: per_transport[BUFFER_SYSTEMS[row].transport_for(cfg)]
+        for row in (UBEP_ROW, "ubep-gloo", "ubep-nixl")
+    }
     if cfg.racks > 1:  # once per rack, then per host: what crosses hosts on either tier
         stack = Stack(racks=cfg.racks, hosts_per_rack=cfg.nodes // cfg.racks,
                       ranks_per_host=cfg.ranks // cfg.nodes, link_gbps=1.0, rack_gbps=1.0)  # fmt: skip
@@ -87,10 +92,16 @@ def select_systems(cfg: BenchConfig, mpi: tuple[bool, str]) -> tuple[tuple[str, 
         systems = [s for s in systems if s not in single_host]
         notes.append(
             f"{cfg.nodes} {'namespace hosts' if cfg.namespaces else 'emulated nodes'} of "
-            f"{cfg.ranks // cfg.nodes} ranks: ubep runs the hierarchical transport (one crossing per "
-            "token and node) with rails over the default fabric (zmq where pyzmq is installed), "
+            f"{cfg.ranks // cfg.nodes} ranks: ubep runs the transport auto picks, "
+            + (
+                "the hierarchical one (one crossing per token and node) with rails"
+                if BUFFER_SYSTEMS[UBEP_ROW].transport_for(cfg) == HIER.name
+                else "dist (one rank per host: every peer directly, bf16 rows back where hier sends "
+                "float32 partials)"
+            )
+            + " over the default fabric (zmq where pyzmq is installed), "
             "ubep-gloo and ubep-nixl the same over gloo and nixl, hier-bsp "
-            "the same transport's rail all-to-alls, bsp-gloo the flat all-to-all"
+            "the hierarchical transport's rail all-to-alls, bsp-gloo the flat all-to-all"
             + (f"; no {', '.join(single_host)} row (one host only)" if single_host else "")
         )
     if cfg.racks > 1:

@@ -35,7 +35,8 @@ from ubep.bench.workload import (
     build,
     expected_combine,
 )
-from ubep.registry import BSP, DIST, GLOO, HIER, NIXL, SHM, TIERS, UBEP
+from ubep.group import GroupInfo, choose_transport
+from ubep.registry import AUTO, BSP, DIST, GLOO, HIER, NIXL, SHM, TIERS, UBEP
 
 
 class BufferSystem(NamedTuple):
@@ -43,15 +44,26 @@ class BufferSystem(NamedTuple):
 
     protocol: str
     transport: str
-    across: str  # the transport across nodes
+    across: str  # the transport across nodes; AUTO: the one a Buffer picks for the bench's layout
     fabric: str | None = None  # None: the Buffer's default ("auto": zmq where pyzmq is installed)
+
+    def transport_for(self, cfg: BenchConfig) -> str:
+        """The transport this row runs in `cfg`: across nodes, AUTO resolved as `choose_transport` does
+        (dist with one rank per host, where hier would cross with the same rows and float32
+        partials back; hier with several)."""
+        if cfg.nodes == 1:
+            return self.transport
+        if self.across != AUTO:
+            return self.across
+        node_of_rank = tuple(r // (cfg.ranks // cfg.nodes) for r in range(cfg.ranks))
+        return choose_transport(AUTO, GroupInfo(None, 0, cfg.ranks, node_of_rank))[0]
 
 
 BUFFER_SYSTEMS = {
-    UBEP_ROW: BufferSystem(UBEP.name, SHM.name, HIER.name),  # across nodes: rails over the fabric
-    "ubep-stats": BufferSystem(UBEP.name, SHM.name, HIER.name),
-    "ubep-gloo": BufferSystem(UBEP.name, HIER.name, HIER.name, GLOO.name),
-    "ubep-nixl": BufferSystem(UBEP.name, HIER.name, HIER.name, NIXL.name),
+    UBEP_ROW: BufferSystem(UBEP.name, SHM.name, AUTO),  # across nodes: over the fabric, as auto picks
+    "ubep-stats": BufferSystem(UBEP.name, SHM.name, AUTO),
+    "ubep-gloo": BufferSystem(UBEP.name, HIER.name, AUTO, GLOO.name),
+    "ubep-nixl": BufferSystem(UBEP.name, HIER.name, AUTO, NIXL.name),
     "hier-bsp": BufferSystem(BSP.name, HIER.name, HIER.name),  # rail all-to-alls: the collective path
     "ubep-tiers": BufferSystem(UBEP.name, TIERS.name, TIERS.name),  # once per rack, then per host
     "ubep-dist": BufferSystem(UBEP.name, DIST.name, DIST.name),  # every peer directly, over the fabric
@@ -105,7 +117,7 @@ def open_buffer(
         return placed.open_placed(name, cfg, work, tokens, stack)
     me = dist.get_rank()
     system = BUFFER_SYSTEMS[name]
-    transport = system.across if cfg.nodes > 1 else system.transport
+    transport = system.transport_for(cfg)
     scheduling = (
         {"workers": cfg.workers, "schedule": cfg.schedule}
         if transport == SHM.name and system.protocol == UBEP.name

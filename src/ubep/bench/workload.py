@@ -15,7 +15,7 @@ from ubep import reference, routing
 from ubep.registry import UBEP
 from ubep.schedule import DISTANCE
 
-UBEP_ROW = UBEP.name  # the ubep protocol's row: shared memory (across nodes, the hierarchical transport)
+UBEP_ROW = UBEP.name  # the ubep protocol's row: shared memory (across nodes, the transport auto picks)
 SYSTEMS = (UBEP_ROW, "bsp-shm", "bsp-gloo", "mpi", "memcpy-floor")  # the default on one host
 # Rows across nodes (the default there): ubep on the default fabric, ubep-gloo and ubep-nixl on those engines.
 ACROSS_SYSTEMS = (UBEP_ROW, "ubep-gloo", "ubep-nixl", "hier-bsp", "bsp-gloo")
