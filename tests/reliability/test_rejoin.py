@@ -46,6 +46,21 @@ OPTIONS = dict(
 SCENARIO_S = 240.0  # each restart's deadline, survivors and restarted process alike
 DIE_AFTER_PAIRS = 5  # a restarted process told to die again does so after this many pairs
 RESTARTED = str(Path(__file__).with_name("restarted_rank.py"))  # what a restarted process runs
+STAGES = [  # of its start, in order: `restarted_rank`'s, `Rejoining.stages`, then its first call pair's
+    "interpreter",
+    "import torch",
+    "import ubep",
+    "test helpers",
+    "store",
+    "kernels",
+    "options",
+    "holdings",
+    "segments",
+    "exchange",
+    "survivors' dispatch",
+    "agreed",
+    "first exact pair",
+]
 
 
 def pair(buf: ubep.Buffer) -> set[int]:
@@ -179,6 +194,9 @@ def test_a_killed_rank_restarted_rejoins_and_every_rank_runs_50_exact_calls():
     results = run([""])
     assert all(len(r["pauses"]) == 1 for r in results), results  # taken in at one dispatch, by all
     assert len(results[0]["joiners"]) == 1, results[0]
+    stages = results[0]["joiners"][0]["stages_s"]  # where its start went (scripts/rejoin_times.py)
+    assert list(stages) == STAGES, stages
+    assert 0 <= stages["interpreter"] and list(stages.values()) == sorted(stages.values()), stages
 
 
 @pytest.mark.timeout(600)
