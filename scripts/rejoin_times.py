@@ -11,7 +11,8 @@ the rejoins, the median and worst of
   pair with every rank in;
 - where the start went, stage by stage, as the restarted process noted it (`restarted_rank`, then
   `Rejoining.stages`): each stage's time since the one before, from the start of the interpreter to
-  the first exact call pair; and whether its numba kernels came from the cache;
+  the first exact call pair, and the CPU seconds the process spent in it (what a shared machine does
+  not stretch); and whether its numba kernels came from the cache;
 - the floor: `import torch` alone in a fresh interpreter, timed just before and after, and the load
   average (the machine may be shared).
 
@@ -69,8 +70,11 @@ def main() -> None:
     print("the start, stage by stage (each stage's time since the one before, in the restarted process):")
     stages = list(joiners[0]["stages_s"])
     for before, stage in zip(["start", *stages], stages, strict=False):
-        spans = [j["stages_s"][stage] - j["stages_s"].get(before, 0.0) for j in joiners]
-        print(f"  {before} -> {stage}: {summary(spans)}")
+        begun = [j["stages_s"].get(before, [0.0, 0.0]) for j in joiners]  # "start": the launcher's
+        ended = [j["stages_s"][stage] for j in joiners]
+        spans = [end[0] - begin[0] for begin, end in zip(begun, ended, strict=True)]
+        cpu = statistics.median(end[1] - begin[1] for begin, end in zip(begun, ended, strict=True))
+        print(f"  {before} -> {stage}: {summary(spans)}; CPU {cpu:.3f} s (median)")
     print(f"numba kernels: {sorted({str(j['kernels']) for j in joiners})}")
     print(f"floor, 'import torch' in a fresh interpreter: {floors[0]:.3f} s before, {floors[1]:.3f} s after")
     print(f"load average (1 min): {loads[0]:.1f} at the start, {loads[1]:.1f} at the end")

@@ -34,7 +34,8 @@ class Rejoining:
     host (`Buffer.rejoin`): it cannot enter the survivors' process group, so it finds them through the
     job's rendezvous `store` (torchrun's agent store, or the launcher's: MASTER_ADDR/MASTER_PORT).
 
-    `stages`: when each stage of the rejoin ended (`time.time()`, comparable with a launcher's clock),
+    `stages`: when each stage of the rejoin ended, as (`time.time()`, comparable with a launcher's
+    clock; `time.process_time()`, this process's CPU seconds, which a shared host does not stretch),
     in order: "store" (connected), "kernels" (loaded or compiled), "options" (checked against the
     store's), "holdings" (the live ranks' read from the store), "segments" (mapped), "exchange"
     (built), "survivors' dispatch" (the one that takes it in began) and "agreed".
@@ -43,11 +44,11 @@ class Rejoining:
     rank: int
     world_size: int
     store: dist.Store
-    stages: dict[str, float] = field(default_factory=dict, compare=False)
+    stages: dict[str, tuple[float, float]] = field(default_factory=dict, compare=False)
 
     def stamp(self, stage: str) -> None:
         """`stage` of the rejoin ended now."""
-        self.stages[stage] = time.time()
+        self.stages[stage] = (time.time(), time.process_time())
 
     @classmethod
     def of(cls, rank: int, world_size: int, store: dist.Store | None) -> Rejoining:
