@@ -562,7 +562,8 @@ class Heap:
     def join(self, deadline_s: float, stamp: Callable[[str], None]) -> Agreement:
         """This process restarts a masked rank: ask every live rank to take it in, wait (up to
         `deadline_s` seconds) for the leader's announcement and the staying ranks' agreement, and
-        agree. Returns the ranks still masked and the seq of the call all resume after."""
+        agree; `stamp(stage)` as each of the two ends. Returns the ranks still masked and the seq of
+        the call all resume after."""
         others = [r for r in range(self.num_ranks) if r != self.rank]
         alive = [r for r in others if (p := self.identity(r)) is not None and not p.is_gone()]
         if not alive:
