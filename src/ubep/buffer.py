@@ -259,6 +259,9 @@ class Buffer:
         # process's compile counts against construction's deadline while that compile shows no progress.
         warm_ups = needed(protocol, bool(low_latency), workers)
         self.engine, self._engine_reason = ready_engine(engine, warm_ups, time.monotonic() + construct_s)
+        joining = group if isinstance(group, Rejoining) else None  # `Buffer.rejoin`: its stages noted
+        if joining is not None:
+            joining.stamp("kernels")
         with collective_deadline(torch_group(group), construct_s, "Buffer construction (joining the group)"):
             self._info: GroupInfo = join_group(group)
         self._faults = FaultPoints(faults, self._info.rank)
@@ -279,6 +282,8 @@ class Buffer:
         ep_group, peers = torch_group(self._info.group), self._info.peers
         with collective_deadline(ep_group, construct_s, "Buffer construction", peers, watch=True):
             self._handshake(transport)
+            if joining is not None:
+                joining.stamp("options")
             options = Options(
                 transport=self.transport,
                 protocol=self.protocol,
@@ -294,6 +299,8 @@ class Buffer:
             exchanges = build(self._info, self.sizing, options, self.engine, self._faults)
             self._exchange: Exchange | None = exchanges[0]
             self._ll: LowLatencyExchange | None = exchanges[1]
+            if joining is not None:
+                joining.stamp("exchange")
         self._recorder: Recorder | None = None
         if stats or log.isEnabledFor(logging.DEBUG):  # the debug line per call comes from the recorder
             self._record(StatsOptions() if isinstance(stats, bool) else stats, log)
@@ -321,9 +328,9 @@ class Buffer:
             membership=self._membership,
             slots=self._slots,
         )
-        if isinstance(self._info.group, Rejoining):  # taken in at the staying ranks' next dispatch
+        if joining is not None:  # taken in at the staying ranks' next dispatch
             try:
-                self._membership.join(self._exchange, self._ll, self._calls, construct_s)
+                self._membership.join(self._exchange, self._ll, self._calls, construct_s, joining.stamp)
                 self._follow_membership()
             except BaseException:
                 self.close()

@@ -18,7 +18,7 @@ Legend: see `ubep.layout`.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -171,10 +171,11 @@ class Membership:
         low_latency: LowLatencyExchange | None,
         calls: CallCounter,
         deadline_s: float,
+        stamp: Callable[[str], None],
     ) -> None:
         """This process restarts a masked rank (`Buffer.rejoin`): join the staying ranks at the call
-        they agree on, and take over their membership and call numbers."""
-        agreed = exchange.join(deadline_s)
+        they agree on, and take over their membership and call numbers; `stamp` notes its stages."""
+        agreed = exchange.join(deadline_s, stamp)
         self._resume(agreed.gone, agreed.seq, low_latency, calls)
 
     def _resume(

@@ -20,6 +20,7 @@ import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -44,6 +45,22 @@ OPTIONS = dict(
 )
 SCENARIO_S = 240.0  # each restart's deadline, survivors and restarted process alike
 DIE_AFTER_PAIRS = 5  # a restarted process told to die again does so after this many pairs
+RESTARTED = str(Path(__file__).with_name("restarted_rank.py"))  # what a restarted process runs
+STAGES = [  # of its start, in order: `restarted_rank`'s, `Rejoining.stages`, then its first call pair's
+    "interpreter",
+    "import torch",
+    "import ubep",
+    "test helpers",
+    "store",
+    "kernels",
+    "options",
+    "holdings",
+    "segments",
+    "exchange",
+    "survivors' dispatch",
+    "agreed",
+    "first exact pair",
+]
 
 
 def pair(buf: ubep.Buffer) -> set[int]:
@@ -63,11 +80,12 @@ def stale_handle_refused(buf: ubep.Buffer) -> None:
         buf.combine(got.recv_x, stale)
 
 
-def restarted(die: str, started_at: float) -> None:
-    """The process started in rank DEAD's place: rejoin, then checked pairs; prints its times (JSON)
-    after the first. `die`: "" (PAIRS_AFTER pairs, the stale handle, one more pair), "after" (SIGKILL
-    itself after DIE_AFTER_PAIRS pairs) or "joining" (die inside the agreement, after the staying
-    ranks began taking it in)."""
+def restarted(die: str, started_at: float, stages: dict[str, tuple[float, float]]) -> None:
+    """The process started in rank DEAD's place (`restarted_rank`, which noted the `stages` of its
+    start): rejoin, then checked pairs; prints its times (JSON: seconds since `started_at`, and each
+    stage's end as [those, its CPU seconds]) after the first. `die`: "" (PAIRS_AFTER pairs, the stale
+    handle, one more pair), "after" (SIGKILL itself after DIE_AFTER_PAIRS pairs) or "joining" (die
+    inside the agreement, after the staying ranks began taking it in)."""
     torch.set_num_threads(1)  # as the launcher sets its ranks: one core each on a shared machine
     if die == "joining":
         from ubep.transport.heap import Heap
@@ -77,10 +95,14 @@ def restarted(die: str, started_at: float) -> None:
         joined = time.time()
         assert pair(buf) == set()
         first_exact = time.time()
-        print(
-            json.dumps({"joined_s": joined - started_at, "first_exact_s": first_exact - started_at}),
-            flush=True,
-        )
+        stages = {**stages, **buf._info.group.stages, "first exact pair": (first_exact, time.process_time())}
+        times = {
+            "joined_s": joined - started_at,
+            "first_exact_s": first_exact - started_at,
+            "stages_s": {stage: [at - started_at, cpu] for stage, (at, cpu) in stages.items()},  # in order
+            "kernels": buf.engine.kernels_origin(),
+        }
+        print(json.dumps(times), flush=True)
         for _ in range((DIE_AFTER_PAIRS if die else PAIRS_AFTER) - 1):
             assert pair(buf) == set()
         if die == "after":
@@ -104,7 +126,7 @@ class Restarts:
         assert time.monotonic() < self._deadline, "the scenario ran past its deadline"
         if (not self._procs or self._procs[-1].poll() is not None) and self._plan:
             self._deadline = time.monotonic() + SCENARIO_S  # each restarted process has its own
-            command = [sys.executable, __file__, self._plan.pop(0), repr(time.time())]
+            command = [sys.executable, RESTARTED, self._plan.pop(0), repr(time.time())]
             self._procs.append(subprocess.Popen(command, env=self._env, stdout=subprocess.PIPE, text=True))
 
     def finish(self) -> list[dict]:
@@ -172,6 +194,10 @@ def test_a_killed_rank_restarted_rejoins_and_every_rank_runs_50_exact_calls():
     results = run([""])
     assert all(len(r["pauses"]) == 1 for r in results), results  # taken in at one dispatch, by all
     assert len(results[0]["joiners"]) == 1, results[0]
+    stages = results[0]["joiners"][0]["stages_s"]  # where its start went (scripts/rejoin_times.py)
+    assert list(stages) == STAGES, stages
+    walls, cpus = zip(*stages.values(), strict=True)
+    assert 0 <= walls[0] and list(walls) == sorted(walls) and list(cpus) == sorted(cpus), stages
 
 
 @pytest.mark.timeout(600)
@@ -184,7 +210,3 @@ def test_a_rank_rejoins_twice():
 def test_a_restarted_rank_that_dies_while_joining_does_not_hang_the_survivors():
     results = run(["joining", ""])
     assert all(len(r["pauses"]) == 1 for r in results), results  # only the second one taken in
-
-
-if __name__ == "__main__":  # a restarted process (`Restarts`)
-    restarted(sys.argv[1], float(sys.argv[2]))

@@ -8,7 +8,9 @@ the portable torch engine.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import gc
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 
 from ubep.engine.base import Engine
 from ubep.engine.torch_engine import TorchEngine
@@ -49,6 +51,22 @@ NUMBA_PRELOAD = (
 )
 
 
+@contextmanager
+def collections_paused() -> Iterator[None]:
+    """No garbage-collection pass inside (where the collector is on): importing numba and loading its
+    target and the cached kernels make many objects, and each pass in a process that imported torch
+    walks torch's too: a third of the CPU time of loading the kernels (docs/reliability.md, "A
+    restarted rank rejoins"). The cycles made meanwhile go at the first pass after."""
+    if not gc.isenabled():
+        yield
+        return
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
 def choose_engine(
     requested: str = AUTO,
     deadline: float | None = None,
@@ -74,7 +92,8 @@ def choose_engine(
     if requested == TORCH.name:
         return TorchEngine(), "requested"
     try:
-        from ubep.engine.numba_engine import NumbaEngine
+        with collections_paused():
+            from ubep.engine.numba_engine import NumbaEngine
     except ImportError as e:
         if requested == NUMBA.name:
             raise ImportError(
@@ -93,4 +112,4 @@ def choose_engine(
     return engine, f"{'requested' if requested == NUMBA.name else 'compiled kernels'} ({cached})"
 
 
-__all__ = ["NUMBA_MODULES", "NUMBA_PRELOAD", "Engine", "TorchEngine", "choose_engine"]
+__all__ = ["NUMBA_MODULES", "NUMBA_PRELOAD", "Engine", "TorchEngine", "choose_engine", "collections_paused"]

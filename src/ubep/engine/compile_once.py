@@ -57,7 +57,7 @@ import numba
 from numba.core import caching, config, event
 from numba.core.dispatcher import Dispatcher
 
-from ubep.engine import NUMBA_MODULES, numba_kernels
+from ubep.engine import NUMBA_MODULES, collections_paused, numba_kernels
 from ubep.errors import CompileWaitTimeoutError, CorruptCacheError
 
 log = logging.getLogger("ubep")  # `ubep.settings.LOGGER`, which imports the engines
@@ -130,16 +130,17 @@ def once_per_host(
                         with open(marker[name], "w"):
                             pass
             _write_listing(checked)
-    for name, warm in warm_ups.items():  # loads, side by side
-        if name in todo:
-            continue
-        try:
-            warm()
-        except Exception as error:
-            if damaged_file(error) is None:
-                raise
-            with _host_lock(where, deadline):  # one process repairs; the others find it repaired
-                _repaired(warm)
+    with collections_paused():  # loads, side by side (not the compiles above: they run long)
+        for name, warm in warm_ups.items():
+            if name in todo:
+                continue
+            try:
+                warm()
+            except Exception as error:
+                if damaged_file(error) is None:
+                    raise
+                with _host_lock(where, deadline):  # one process repairs; the others find it repaired
+                    _repaired(warm)
 
 
 def _cache_files() -> dict[str, list[int]]:

@@ -209,8 +209,8 @@ class RecordedExchange(Exchange):
     def admit(self, ranks: Collection[int], seq: int) -> frozenset[int]:
         return self._inner.admit(ranks, seq)
 
-    def join(self, deadline_s: float) -> Agreement:
-        return self._inner.join(deadline_s)
+    def join(self, deadline_s: float, stamp: Callable[[str], None]) -> Agreement:
+        return self._inner.join(deadline_s, stamp)
 
 
 class RecordedLowLatency(LowLatencyExchange):

@@ -174,9 +174,10 @@ class Exchange(ABC):
         taken in (none where a joiner died meanwhile: they stay masked)."""
         raise NotImplementedError(f"this Buffer's {self.name} exchange cannot take a rank back in")
 
-    def join(self, deadline_s: float) -> Agreement:
+    def join(self, deadline_s: float, stamp: Callable[[str], None]) -> Agreement:
         """This process restarts a masked rank: join the staying ranks at a call they agree on;
-        returns the ranks still masked and the seq of the call all resume after."""
+        returns the ranks still masked and the seq of the call all resume after. `stamp(stage)` as
+        the transport's `join`."""
         raise NotImplementedError(f"this Buffer's {self.name} exchange cannot take a rank back in")
 
 

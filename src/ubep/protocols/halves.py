@@ -120,8 +120,8 @@ class OnHalves(Exchange):
     def admit(self, ranks: Collection[int], seq: int) -> frozenset[int]:
         return self.t.admit(ranks, seq)
 
-    def join(self, deadline_s: float) -> Agreement:
-        return self.t.join(deadline_s)
+    def join(self, deadline_s: float, stamp: Callable[[str], None]) -> Agreement:
+        return self.t.join(deadline_s, stamp)
 
 
 def run(heap: Heap, call: CallId, phase: str, half, *args, block: str = "receive") -> int:

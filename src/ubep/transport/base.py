@@ -232,10 +232,10 @@ class Transport(Protocol):
         """Collective among the staying ranks and the joiners `ranks`, before call `seq`: take them
         back in; all resume after seq - 1. Returns those taken in (none: a joiner died meanwhile)."""
 
-    def join(self, deadline_s: float) -> Agreement:
+    def join(self, deadline_s: float, stamp: Callable[[str], None]) -> Agreement:
         """Run by a process restarted in a masked rank's place: ask to come back, agree with the
         staying ranks at the call they choose; returns the ranks still masked and the seq all resume
-        after."""
+        after. `stamp(stage)` notes when each of its waits ended (`Rejoining.stamp`)."""
 
     def check_member(self, phase: str, peers: Iterable[int] | None = None) -> None:
         """Raise MaskedOutError if a peer (default: every live one) masked this rank: it stalled and

@@ -559,10 +559,11 @@ class Heap:
         self.mask(gone | joiners, seq - 1)  # every staying rank saw the same joiner die: it decides alike
         return frozenset()
 
-    def join(self, deadline_s: float) -> Agreement:
+    def join(self, deadline_s: float, stamp: Callable[[str], None]) -> Agreement:
         """This process restarts a masked rank: ask every live rank to take it in, wait (up to
         `deadline_s` seconds) for the leader's announcement and the staying ranks' agreement, and
-        agree. Returns the ranks still masked and the seq of the call all resume after."""
+        agree; `stamp(stage)` as each of the two ends. Returns the ranks still masked and the seq of
+        the call all resume after."""
         others = [r for r in range(self.num_ranks) if r != self.rank]
         alive = [r for r in others if (p := self.identity(r)) is not None and not p.is_gone()]
         if not alive:
@@ -594,6 +595,7 @@ class Heap:
                 record = latest
             else:
                 waiter.pause([leader])
+        stamp("survivors' dispatch")  # the leader announced it, and its record takes this rank in
         self.generation = int(record[0]) - 1
         gone = {p for p in range(self.num_ranks) if record[2 + p]}
         told = self._joins[leader][ANNOUNCED]
@@ -607,6 +609,7 @@ class Heap:
                 f"rank {self.rank} rejoining: a rank joining with it died, so the staying ranks masked "
                 "both again; restart this process to rejoin"
             )
+        stamp("agreed")
         return Agreement(frozenset(gone), self._resumed_after, True)
 
     def _publish(self, word: int, gone: Collection[int]) -> tuple[int, int]:

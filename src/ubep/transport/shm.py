@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 import numpy as np
@@ -31,11 +32,23 @@ STORE_CONNECT_S = 60  # how long a rejoining process tries to reach the job's st
 class Rejoining:
     """The "group" of a process restarting as `rank` of a running job of `world_size` ranks on this
     host (`Buffer.rejoin`): it cannot enter the survivors' process group, so it finds them through the
-    job's rendezvous `store` (torchrun's agent store, or the launcher's: MASTER_ADDR/MASTER_PORT)."""
+    job's rendezvous `store` (torchrun's agent store, or the launcher's: MASTER_ADDR/MASTER_PORT).
+
+    `stages`: when each stage of the rejoin ended, as (`time.time()`, comparable with a launcher's
+    clock; `time.process_time()`, this process's CPU seconds, which a shared host does not stretch),
+    in order: "store" (connected), "kernels" (loaded or compiled), "options" (checked against the
+    store's), "holdings" (the live ranks' read from the store), "segments" (mapped), "exchange"
+    (built), "survivors' dispatch" (the one that takes it in began) and "agreed".
+    """
 
     rank: int
     world_size: int
     store: dist.Store
+    stages: dict[str, tuple[float, float]] = field(default_factory=dict, compare=False)
+
+    def stamp(self, stage: str) -> None:
+        """`stage` of the rejoin ended now."""
+        self.stages[stage] = (time.time(), time.process_time())
 
     @classmethod
     def of(cls, rank: int, world_size: int, store: dist.Store | None) -> Rejoining:
@@ -49,7 +62,9 @@ class Rejoining:
                     "job's rendezvous store (a torch.distributed TCPStore client)"
                 )
             store = dist.TCPStore(host, int(port), None, False, timedelta(seconds=STORE_CONNECT_S))
-        return cls(rank, world_size, store)
+        joining = cls(rank, world_size, store)
+        joining.stamp("store")
+        return joining
 
 
 def holding_key(world_size: int, rank: int) -> str:
@@ -184,6 +199,7 @@ def rejoined_heap(blocks: Iterable[Region | Header], group: Rejoining, timeout_s
         )
     holdings = [_holding(group.store, world_size, r) for r in range(world_size) if r != rank]
     live = [h for h in holdings if h is not None and not h.process.is_gone()]
+    group.stamp("holdings")
     if not live:
         raise RejoinError(
             f"rank {rank} rejoining: no live rank of a {world_size}-rank job on this host left a record "
@@ -194,6 +210,7 @@ def rejoined_heap(blocks: Iterable[Region | Header], group: Rejoining, timeout_s
     heap.introduce(Creator.this_process(), segments.secret)
     heap.learn_peers([heap.identity(r) for r in range(world_size)])
     group.store.set(holding_key(world_size, rank), segments.holding().dumps())
+    group.stamp("segments")
     return heap
 
 
