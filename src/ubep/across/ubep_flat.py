@@ -91,7 +91,7 @@ class UbepFabric(Exchange):
                 self._send_rows(call, "dispatch", peer, mine, x_NX, tokens, meta_RX, plan.x_NH.shape[0])
             lap(call.timers, "send")
             received = self._receive_rows(call, plan, handle, mine, x_NX, tokens, meta_RX, K)
-            self.fabric.sent(call)
+            self.fabric.sent()
             return received
         except UbepError as error:
             self._give_up(call, error)
@@ -238,7 +238,7 @@ class UbepFabric(Exchange):
                 self._send_back(call, peer, mine, x_MH, topk_weights_MK, handle)
             lap(call.timers, "send")
             reduced = self._reduce(call, mine, x_MH, topk_weights_MK, handle)
-            self.fabric.sent(call)
+            self.fabric.sent()
             return reduced
         except UbepError as error:
             self._give_up(call, error)

@@ -298,14 +298,16 @@ class ZmqFabric(Fabric):
         if tracker is not None:
             self._unsent.append((send.peer, tracker))
 
-    def sent(self, call: CallId) -> None:
+    def sent(self) -> None:
         """Wait until ZeroMQ's I/O thread has taken every message this rank queued (into the socket:
-        it then reaches its peer if this process dies), but not for a peer gone, nor past the deadline
-        (a stopped peer's socket may not drain: the peers name it). ZeroMQ moves them while this rank
-        waits for its peers' messages, so after a call this usually waits for nothing."""
+        it then reaches its peer if this process dies), but not for a peer gone or masked, nor past
+        the deadline (a stopped peer's socket may not drain: the peers name it). ZeroMQ moves them
+        while this rank waits for its peers' messages, so after a call this usually waits for nothing."""
         deadline = time.monotonic() + self.timeout_s
         for peer, tracker in self._unsent:
-            while not tracker.done and not self._gone(peer) and (left_s := deadline - time.monotonic()) > 0:
+            while not tracker.done and peer in self.live and not self._gone(peer):
+                if (left_s := deadline - time.monotonic()) <= 0:
+                    break
                 try:
                     tracker.wait(min(left_s, SENT_POLL_S))
                 except zmq.NotDone:
