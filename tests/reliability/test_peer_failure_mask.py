@@ -12,6 +12,7 @@ import signal
 import threading
 import time
 
+import numpy
 import pytest
 import torch
 import torch.distributed as dist
@@ -311,6 +312,63 @@ def test_two_ranks_killed_at_once_are_both_masked_inside_the_call(transport, fab
     for o in outcomes[:2]:
         assert o.ok, (o.rank, o.cause, o.error)
         assert o.result["ranks"] == [2, 3], (o.rank, o.result)
+
+
+class StarvedDealer:
+    """A rank's ZeroMQ DEALER to one peer whose messages of call `seq` its I/O thread has not taken
+    yet (starved, as on a loaded host): each leaves only once this rank waits for it (its tracker's
+    `wait`, as `ZmqFabric.sent` does); the other messages go as usual."""
+
+    def __init__(self, dealer, seq: int):
+        self._dealer, self._seq = dealer, seq
+
+    def send(self, message, flags=0, copy=True, track=False):
+        if int(message[8:16].view(numpy.int64)[0]) != self._seq:  # the frame's seq (after its lane)
+            return self._dealer.send(message, flags, copy=copy, track=track)
+        return HeldMessage(self._dealer, message, flags)
+
+    def __getattr__(self, name: str):
+        return getattr(self._dealer, name)
+
+
+class HeldMessage:
+    """A held message's tracker: the first wait sends it, and waits for it to leave."""
+
+    def __init__(self, dealer, message, flags: int):
+        self._send = lambda: dealer.send(message, flags, copy=False, track=True)
+        self._tracker = None
+
+    @property
+    def done(self) -> bool:
+        return self._tracker is not None and self._tracker.done
+
+    def wait(self, timeout: float = -1) -> None:
+        if self._tracker is None:
+            self._tracker = self._send()
+        self._tracker.wait(timeout)
+
+
+def last_messages_still_queued() -> dict:
+    """Rank DEAD finishes the 3rd pair's combine (call 6) with its rows for rank 2 still in its ZeroMQ
+    queue, then dies as the 4th pair's dispatch starts (call 7). Every survivor must meet the death
+    in that dispatch, mask it there and go on: not rank 2 in the combine it never got those rows
+    for, while rank 0 meets it in the dispatch (they would agree on different calls, and raise)."""
+    plan = FaultPlan(rank=DEAD, point="dispatch.start", action="kill", call=7)
+    on = {"on_peer_failure": "mask", "transport": "dist", "fabric": "zmq", "faults": plan}
+    with buffer(None, "ubep", timeout_s=3.0, low_latency=False, **on) as buf:
+        if buf.rank == DEAD:
+            fabric = buf._exchange.fabric
+            fabric._dealers[2] = StarvedDealer(fabric._dealers[2], seq=6)
+        masked = [sorted(checked_pair(buf, seed)) for seed in range(8)]
+        return {"ranks": list(buf.masked_ranks), "by_pair": masked}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(not HAS_ZMQ, reason="pyzmq is not installed")
+def test_a_rank_dying_after_a_call_with_its_last_messages_queued_is_masked_in_the_next_call():
+    outcomes = ubep.LocalLaunch(world_size=WORLD, timeout_s=100).outcomes(last_messages_still_queued)
+    for result in check_survivors(outcomes, "died"):
+        assert result["by_pair"] == [[]] * 3 + [[DEAD]] * 5, result
 
 
 def killed_between_two_puts(engine: str) -> dict:

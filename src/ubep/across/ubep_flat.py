@@ -90,7 +90,9 @@ class UbepFabric(Exchange):
             for peer in self._peers():
                 self._send_rows(call, "dispatch", peer, mine, x_NX, tokens, meta_RX, plan.x_NH.shape[0])
             lap(call.timers, "send")
-            return self._receive_rows(call, plan, handle, mine, x_NX, tokens, meta_RX, K)
+            received = self._receive_rows(call, plan, handle, mine, x_NX, tokens, meta_RX, K)
+            self.fabric.sent()
+            return received
         except UbepError as error:
             self._give_up(call, error)
             raise
@@ -235,7 +237,9 @@ class UbepFabric(Exchange):
             for peer in self._peers():
                 self._send_back(call, peer, mine, x_MH, topk_weights_MK, handle)
             lap(call.timers, "send")
-            return self._reduce(call, mine, x_MH, topk_weights_MK, handle)
+            reduced = self._reduce(call, mine, x_MH, topk_weights_MK, handle)
+            self.fabric.sent()
+            return reduced
         except UbepError as error:
             self._give_up(call, error)
             raise

@@ -165,6 +165,13 @@ class Fabric(ABC):
             if frame is not None and frame[0] in self._abandoned:
                 self._drop(slot)
 
+    def sent(self) -> None:
+        """Before a call returns: its messages have left this process (engines that queue them for a
+        thread of their own), so a rank that dies after completing a call took none of them with it.
+        Else a peer waiting for one fails that call while the others fail the next one, and the
+        staying ranks, agreeing on different calls, all raise instead of masking the dead rank."""
+        return None
+
     def abort(self, call: CallId, culprit: int | None = None, rejected: bool = False) -> None:
         """Tell every peer that this rank gives up on `call`, blaming `culprit` (None: itself;
         `rejected`: it rejected its own input for the call, before sending anything). Once a call."""

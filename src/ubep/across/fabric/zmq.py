@@ -22,8 +22,12 @@ words, payload bytes), the header words, the payload bytes. A message is taken
 off the socket copy-free (ZeroMQ's buffer becomes the inbox) and its frame read
 once, through a view made there; the base then checks it against its lane. A
 message whose slot (lane, peer, seq parity) still holds an earlier one waits
-behind it. Large sends are copy-free as well: pyzmq holds each outbox until
-ZeroMQ has sent it, and an outbox is never reused.
+behind it. Sends are copy-free as well: pyzmq holds each outbox until
+ZeroMQ has sent it, and an outbox is never reused. A call returns only once
+its messages have left for their sockets (`sent`): ZeroMQ's I/O thread sends
+them, and a process killed before that thread ran (a starved one, under load)
+would take them with it, failing a call it had completed on the peers that
+waited for them.
 
 Failures. A peer that closes its Buffer says so last (BYE, behind all of its
 messages on the same connection): it is lost once its BYE is taken. A peer
@@ -63,6 +67,7 @@ ABORT = -1  # the frame's lane of an abort notice
 BYE = -2  # the frame's lane of the last message of a peer that closes its Buffer
 READY = -3  # the frame's lane of a peer's first message: all of its connections are up
 LOST_GRACE_S = 0.2  # a dropped connection without a BYE: how long its peer's last messages may take
+SENT_POLL_S = 0.05  # how often `sent` looks whether a peer it waits to send to is gone
 CLOSE_LINGER_S = 2.0  # how long close() lets queued messages reach their peers
 UP_EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED  # a DEALER's connection is up (ZMTP handshake done)
 DOWN_EVENTS = zmq.EVENT_DISCONNECTED  # and dropped: its peer's ROUTER closed (it exited or closed)
@@ -124,6 +129,7 @@ class ZmqFabric(Fabric):
         self._up: set[int] = set()  # peers whose connection came up
         self._ready: set[int] = set()  # peers whose connections all came up (their READY came)
         self._down: dict[int, float] = {}  # peers whose connection dropped without a BYE: since when
+        self._unsent: list[tuple[int, zmq.MessageTracker]] = []  # (peer, tracker) of messages queued
         self._closed = False
         self._context = zmq.Context()
         try:
@@ -154,6 +160,7 @@ class ZmqFabric(Fabric):
             dealer.setsockopt(zmq.ROUTING_ID, _identity(self.rank))
             dealer.setsockopt(zmq.SNDHWM, 0)  # no limit: a send never blocks, nor drops
             dealer.setsockopt(zmq.LINGER, int(1000 * min(CLOSE_LINGER_S, timeout_s)))
+            dealer.copy_threshold = 0  # every send copy-free, so its tracker says when it left (`sent`)
             monitor = dealer.get_monitor_socket(UP_EVENTS | DOWN_EVENTS)
             dealer.connect(endpoints[p])
             self._dealers[p], self._monitors[monitor] = dealer, p
@@ -283,18 +290,40 @@ class ZmqFabric(Fabric):
         return Outgoing(buffer[FRAME.size : at].view(torch.int64), buffer[at:], send)
 
     def send(self, out: Outgoing) -> None:
-        """Queue a filled message for ZeroMQ to send (copy-free where large); returns at once."""
+        """Queue a filled message for ZeroMQ to send (copy-free); returns at once (`sent` waits for it
+        to leave before the call returns)."""
         send: _Send = out.key
-        self._put(send.peer, send.buffer.numpy())
+        tracker = self._put(send.peer, send.buffer.numpy())
+        self._unsent = [(p, t) for p, t in self._unsent if not t.done]  # (calls that never wait: ll)
+        if tracker is not None:
+            self._unsent.append((send.peer, tracker))
 
-    def _put(self, peer: int, message: object) -> None:
-        """One message to `peer`; a peer ZeroMQ cannot take it for is lost (a wait names it)."""
+    def sent(self) -> None:
+        """Wait until ZeroMQ's I/O thread has taken every message this rank queued (into the socket:
+        it then reaches its peer if this process dies), but not for a peer gone or masked, nor past
+        the deadline (a stopped peer's socket may not drain: the peers name it). ZeroMQ moves them
+        while this rank waits for its peers' messages, so after a call this usually waits for nothing."""
+        deadline = time.monotonic() + self.timeout_s
+        for peer, tracker in self._unsent:
+            while not tracker.done and peer in self.live and not self._gone(peer):
+                if (left_s := deadline - time.monotonic()) <= 0:
+                    break
+                try:
+                    tracker.wait(min(left_s, SENT_POLL_S))
+                except zmq.NotDone:
+                    pass
+        self._unsent = []
+
+    def _put(self, peer: int, message: object) -> zmq.MessageTracker | None:
+        """One message to `peer` (its tracker); a peer ZeroMQ cannot take it for is lost (a wait names
+        it), and a cut one gets nothing (None either way)."""
         if peer in self._lost or peer in self.faults.cut:  # cut: a link down (tests, `ubep.faults`)
-            return
+            return None
         try:
-            self._dealers[peer].send(message, zmq.NOBLOCK, copy=False)
+            return self._dealers[peer].send(message, zmq.NOBLOCK, copy=False, track=True)
         except zmq.ZMQError:
             self._lost.add(peer)
+            return None
 
     def _tell_abort(self, culprit: int, how: int, seq: int) -> None:
         notice = FRAME.pack(ABORT, seq, how, culprit, 0)
