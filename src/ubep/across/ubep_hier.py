@@ -286,54 +286,48 @@ class HierFabric(HierExchange):
                 a, z = int(relay_at[g]), int(relay_at[g + 1])
                 self._send_rows(call, "hier_combine", peer, mine, None, partial_FY, partials[a:z])
             lap(call.timers, "send")
-            out_NY = self._sum_partials(call, mine, partial_FY, route, handle.num_tokens)
+            return self._sum_partials(call, mine, partial_FY, route, handle.num_tokens, x_MH.dtype, K)
         except UbepError as error:
             self._give_up(call, error)
             raise
-        H = x_MH.shape[1]
-        return out_NY[:, :H].to(x_MH.dtype), (out_NY[:, H:].contiguous() if K else None)
 
-    def _sum_partials(self, call, mine, partial_FY, route: HierRoute, N: int) -> torch.Tensor:
-        """Every node's partials of this rank's tokens, added in rail order as they land (this node's,
-        the own forward set's tail, at this rank's slot)."""
+    def _sum_partials(self, call, mine, partial_FY, route: HierRoute, N: int, dtype, K: int):
+        """(x [N, H] in `dtype`, weights float32 [N, K] or None): every node's partials of this rank's
+        tokens, once all have landed, summed in rail order (this node's, the own forward set's tail,
+        at this rank's slot) in float32 and rounded once (`Engine.reduce_blocks`): each partial is
+        read once, with no float32 [N, H + K] sum to fill, add into and cast."""
         G, Y = len(self.rail), partial_FY.shape[1]
         S = int(route.relay_counts_G.sum())
         send_at = prefix_offsets(route.send_counts_G).tolist()
-        out_NY = torch.zeros(N, Y, dtype=torch.float32, device="cpu")
         # A masked node returns nothing: the rows a dispatch before the mask sent there are left out.
-        landed: dict[int, torch.Tensor | None] = dict.fromkeys(self._masked_slots())
-        landed[self.slot] = partial_FY[S:]
-        turn = 0
-        lap(call.timers, "between")
-
-        def add_ready() -> None:
-            nonlocal turn
-            while turn < G and turn in landed:
-                tokens = (
-                    route.own_token_O
-                    if turn == self.slot
-                    else route.send_token_S[send_at[turn] : send_at[turn + 1]]
-                )
-                if (part := landed.pop(turn)) is not None:
-                    out_NY.index_add_(0, tokens, part)
-                if turn != self.slot and part is not None:
-                    self.fabric.release("hier_combine", self.rail[turn], call)
-                turn += 1
-
-        add_ready()
-        lap(call.timers, "receive")  # the own node's partials
+        landed: dict[int, torch.Tensor] = {self.slot: partial_FY[S:]}
         for msg in self._landed("hier_combine", call, mine):
             slot = self.rail.index(msg.peer)
-            want = int(route.send_counts_G[slot])
+            want = send_at[slot + 1] - send_at[slot]
             n = self._count(call, msg, self.most_rows, 4 * Y)
             if n != want:
                 raise self._bad(
                     call, msg.peer, f"combine: rank {msg.peer} returned {n} partials, expected {want}"
                 )
             landed[slot] = msg.payload.view(torch.float32).view(n, Y)
-            add_ready()
             lap(call.timers, "receive")
-        return out_NY
+        order = [g for g in range(G) if g in landed]
+        tokens = [
+            route.own_token_O if g == self.slot else route.send_token_S[send_at[g] : send_at[g + 1]]
+            for g in order
+        ]
+        H = Y - K
+        out_NH = torch.empty(N, H, dtype=dtype, device="cpu")
+        self.engine.reduce_blocks([landed[g][:, :H] for g in order], tokens, out_NH)
+        out_NK = None
+        if K:
+            out_NK = torch.empty(N, K, dtype=torch.float32, device="cpu")
+            self.engine.reduce_blocks([landed[g][:, H:] for g in order], tokens, out_NK)
+        for g in order:
+            if g != self.slot:
+                self.fabric.release("hier_combine", self.rail[g], call)
+        lap(call.timers, "receive")
+        return out_NH, out_NK
 
     # -- failures ---------------------------------------------------------------------------------
 
