@@ -278,29 +278,55 @@ class HierFabric(HierExchange):
             self.fabric.begin(call)
             lap(call.timers, "between")
             self._put_to_forwarders(call, x_MH, topk_weights_MK, route)
-            partial_FY = self._reduce_in_node(call, x_MH.dtype, x_MH.shape[1], K, route)
-            relay_at = prefix_offsets(route.relay_counts_G)
-            partials = torch.arange(int(route.relay_counts_G.sum()), dtype=torch.int64, device="cpu")
-            lap(call.timers, "between")
-            for g, peer in self._rail_peers():
-                a, z = int(relay_at[g]), int(relay_at[g + 1])
-                self._send_rows(call, "hier_combine", peer, mine, None, partial_FY, partials[a:z])
-            lap(call.timers, "send")
-            return self._sum_partials(call, mine, partial_FY, route, handle.num_tokens, x_MH.dtype, K)
+            own_OY = self._reduce_to_rail(call, mine, x_MH.dtype, x_MH.shape[1], K, route)
+            return self._sum_partials(call, mine, own_OY, route, handle.num_tokens, x_MH.dtype, K)
         except UbepError as error:
             self._give_up(call, error)
             raise
 
-    def _sum_partials(self, call, mine, partial_FY, route: HierRoute, N: int, dtype, K: int):
+    def _reduce_to_rail(self, call, mine, dtype, H: int, K: int, route: HierRoute) -> torch.Tensor:
+        """The in-node reduction (`_reduce_in_node`'s sums, in its order), each rail peer's block summed
+        straight into its message, which is sent at once: no float32 partial of the crossing rows to
+        fill and copy again. Returns the own tokens' partials (float32 [O, H + K])."""
+        back_QH, back_QK, v_Q, row_Q = self._rows_back(call, dtype, H, K, route)
+        F, Y = route.fwd_in_node_FV.shape[0], H + K
+        relay_at = prefix_offsets(route.relay_counts_G).tolist()
+        # The rows back are node-rank-major, ascending in each: a block of the forward set is one
+        # run of them per node rank, found by searching (node rank, row) keys.
+        key_Q = v_Q * F + row_Q
+        start_V1 = F * torch.arange(self.P, dtype=torch.int64, device="cpu")[:, None]
+
+        def reduce_into(out_nY: torch.Tensor, a: int, z: int) -> None:
+            ends = torch.searchsorted(key_Q, start_V1 + torch.tensor([a, z])).tolist()
+            out_nY.zero_()
+            for lo, hi in ends:
+                self.engine.accumulate_rows(out_nY[:, :H], back_QH[lo:hi], row_Q[lo:hi] - a)
+                if K:
+                    self.engine.accumulate_rows(out_nY[:, H:], back_QK[lo:hi], row_Q[lo:hi] - a)
+
+        lap(call.timers, "forward")
+        for g, peer in self._rail_peers():
+            a, z = relay_at[g], relay_at[g + 1]
+            out = self.fabric.outbox("hier_combine", peer, call, WORDS + 1, (z - a) * 4 * Y)
+            out.header[:WORDS], out.header[COUNT] = mine, z - a
+            reduce_into(out.payload.view(torch.float32).view(z - a, Y), a, z)
+            lap(call.timers, "forward")
+            self.fabric.send(out)
+            lap(call.timers, "send")
+        own_OY = torch.empty(F - relay_at[-1], Y, dtype=torch.float32, device="cpu")
+        reduce_into(own_OY, relay_at[-1], F)
+        lap(call.timers, "forward")
+        return own_OY
+
+    def _sum_partials(self, call, mine, own_OY, route: HierRoute, N: int, dtype, K: int):
         """(x [N, H] in `dtype`, weights float32 [N, K] or None): every node's partials of this rank's
         tokens, once all have landed, summed in rail order (this node's, the own forward set's tail,
         at this rank's slot) in float32 and rounded once (`Engine.reduce_blocks`): each partial is
         read once, with no float32 [N, H + K] sum to fill, add into and cast."""
-        G, Y = len(self.rail), partial_FY.shape[1]
-        S = int(route.relay_counts_G.sum())
+        G, Y = len(self.rail), own_OY.shape[1]
         send_at = prefix_offsets(route.send_counts_G).tolist()
         # A masked node returns nothing: the rows a dispatch before the mask sent there are left out.
-        landed: dict[int, torch.Tensor] = {self.slot: partial_FY[S:]}
+        landed: dict[int, torch.Tensor] = {self.slot: own_OY}
         for msg in self._landed("hier_combine", call, mine):
             slot = self.rail.index(msg.peer)
             want = send_at[slot + 1] - send_at[slot]
