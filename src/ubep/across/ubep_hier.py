@@ -279,7 +279,11 @@ class HierFabric(HierExchange):
             lap(call.timers, "between")
             self._put_to_forwarders(call, x_MH, topk_weights_MK, route)
             own_OY = self._reduce_to_rail(call, mine, x_MH.dtype, x_MH.shape[1], K, route)
-            return self._sum_partials(call, mine, own_OY, route, handle.num_tokens, x_MH.dtype, K)
+            H, N = x_MH.shape[1], handle.num_tokens
+            out_NH = torch.empty(N, H, dtype=x_MH.dtype, device="cpu")
+            out_NK = torch.empty(N, K, dtype=torch.float32, device="cpu") if K else None
+            self._sum_partials(call, mine, own_OY, route, [(out_NH, 0)] + ([(out_NK, H)] if K else []))
+            return out_NH, out_NK
         except UbepError as error:
             self._give_up(call, error)
             raise
@@ -318,11 +322,11 @@ class HierFabric(HierExchange):
         lap(call.timers, "forward")
         return own_OY
 
-    def _sum_partials(self, call, mine, own_OY, route: HierRoute, N: int, dtype, K: int):
-        """(x [N, H] in `dtype`, weights float32 [N, K] or None): every node's partials of this rank's
-        tokens, once all have landed, summed in rail order (this node's, the own forward set's tail,
-        at this rank's slot) in float32 and rounded once (`Engine.reduce_blocks`): each partial is
-        read once, with no float32 [N, H + K] sum to fill, add into and cast."""
+    def _sum_partials(self, call, mine, own_OY, route: HierRoute, outs: list[tuple[torch.Tensor, int]]):
+        """Every node's partials of this rank's tokens, once all have landed, summed in rail order (this
+        node's, `own_OY`, at this rank's slot) in float32 and rounded once into each out [N, n] of
+        `outs` from its first column on (`Engine.reduce_blocks`): each partial is read once, with no
+        float32 [N, Y] sum to zero, add into and cast."""
         G, Y = len(self.rail), own_OY.shape[1]
         send_at = prefix_offsets(route.send_counts_G).tolist()
         # A masked node returns nothing: the rows a dispatch before the mask sent there are left out.
@@ -342,18 +346,13 @@ class HierFabric(HierExchange):
             route.own_token_O if g == self.slot else route.send_token_S[send_at[g] : send_at[g + 1]]
             for g in order
         ]
-        H = Y - K
-        out_NH = torch.empty(N, H, dtype=dtype, device="cpu")
-        self.engine.reduce_blocks([landed[g][:, :H] for g in order], tokens, out_NH)
-        out_NK = None
-        if K:
-            out_NK = torch.empty(N, K, dtype=torch.float32, device="cpu")
-            self.engine.reduce_blocks([landed[g][:, H:] for g in order], tokens, out_NK)
+        for out, first in outs:
+            blocks = [landed[g][:, first : first + out.shape[1]] for g in order]
+            self.engine.reduce_blocks(blocks, tokens, out)
         for g in order:
             if g != self.slot:
                 self.fabric.release("hier_combine", self.rail[g], call)
         lap(call.timers, "receive")
-        return out_NH, out_NK
 
     # -- failures ---------------------------------------------------------------------------------
 
