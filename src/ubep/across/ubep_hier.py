@@ -278,62 +278,81 @@ class HierFabric(HierExchange):
             self.fabric.begin(call)
             lap(call.timers, "between")
             self._put_to_forwarders(call, x_MH, topk_weights_MK, route)
-            partial_FY = self._reduce_in_node(call, x_MH.dtype, x_MH.shape[1], K, route)
-            relay_at = prefix_offsets(route.relay_counts_G)
-            partials = torch.arange(int(route.relay_counts_G.sum()), dtype=torch.int64, device="cpu")
-            lap(call.timers, "between")
-            for g, peer in self._rail_peers():
-                a, z = int(relay_at[g]), int(relay_at[g + 1])
-                self._send_rows(call, "hier_combine", peer, mine, None, partial_FY, partials[a:z])
-            lap(call.timers, "send")
-            out_NY = self._sum_partials(call, mine, partial_FY, route, handle.num_tokens)
+            own_OY = self._reduce_to_rail(call, mine, x_MH.dtype, x_MH.shape[1], K, route)
+            H, N = x_MH.shape[1], handle.num_tokens
+            out_NH = torch.empty(N, H, dtype=x_MH.dtype, device="cpu")
+            out_NK = torch.empty(N, K, dtype=torch.float32, device="cpu") if K else None
+            self._sum_partials(call, mine, own_OY, route, [(out_NH, 0)] + ([(out_NK, H)] if K else []))
+            return out_NH, out_NK
         except UbepError as error:
             self._give_up(call, error)
             raise
-        H = x_MH.shape[1]
-        return out_NY[:, :H].to(x_MH.dtype), (out_NY[:, H:].contiguous() if K else None)
 
-    def _sum_partials(self, call, mine, partial_FY, route: HierRoute, N: int) -> torch.Tensor:
-        """Every node's partials of this rank's tokens, added in rail order as they land (this node's,
-        the own forward set's tail, at this rank's slot)."""
-        G, Y = len(self.rail), partial_FY.shape[1]
-        S = int(route.relay_counts_G.sum())
+    def _reduce_to_rail(self, call, mine, dtype, H: int, K: int, route: HierRoute) -> torch.Tensor:
+        """The in-node reduction (`_reduce_in_node`'s sums, in its order), each rail peer's block summed
+        straight into its message, which is sent at once: no float32 partial of the crossing rows to
+        fill and copy again. Returns the own tokens' partials (float32 [O, H + K])."""
+        back_QH, back_QK, v_Q, row_Q = self._rows_back(call, dtype, H, K, route)
+        F, Y = route.fwd_in_node_FV.shape[0], H + K
+        relay_at = prefix_offsets(route.relay_counts_G).tolist()
+        # The rows back are node-rank-major, ascending in each: a block of the forward set is one
+        # run of them per node rank, found by searching (node rank, row) keys.
+        key_Q = v_Q * F + row_Q
+        start_V1 = F * torch.arange(self.P, dtype=torch.int64, device="cpu")[:, None]
+
+        def reduce_into(out_nY: torch.Tensor, a: int, z: int) -> None:
+            ends = torch.searchsorted(key_Q, start_V1 + torch.tensor([a, z])).tolist()
+            out_nY.zero_()
+            for lo, hi in ends:
+                self.engine.accumulate_rows(out_nY[:, :H], back_QH[lo:hi], row_Q[lo:hi] - a)
+                if K:
+                    self.engine.accumulate_rows(out_nY[:, H:], back_QK[lo:hi], row_Q[lo:hi] - a)
+
+        lap(call.timers, "forward")
+        for g, peer in self._rail_peers():
+            a, z = relay_at[g], relay_at[g + 1]
+            out = self.fabric.outbox("hier_combine", peer, call, WORDS + 1, (z - a) * 4 * Y)
+            out.header[:WORDS], out.header[COUNT] = mine, z - a
+            reduce_into(out.payload.view(torch.float32).view(z - a, Y), a, z)
+            lap(call.timers, "forward")
+            self.fabric.send(out)
+            lap(call.timers, "send")
+        own_OY = torch.empty(F - relay_at[-1], Y, dtype=torch.float32, device="cpu")
+        reduce_into(own_OY, relay_at[-1], F)
+        lap(call.timers, "forward")
+        return own_OY
+
+    def _sum_partials(self, call, mine, own_OY, route: HierRoute, outs: list[tuple[torch.Tensor, int]]):
+        """Every node's partials of this rank's tokens, once all have landed, summed in rail order (this
+        node's, `own_OY`, at this rank's slot) in float32 and rounded once into each out [N, n] of
+        `outs` from its first column on (`Engine.reduce_blocks`): each partial is read once, with no
+        float32 [N, Y] sum to zero, add into and cast."""
+        G, Y = len(self.rail), own_OY.shape[1]
         send_at = prefix_offsets(route.send_counts_G).tolist()
-        out_NY = torch.zeros(N, Y, dtype=torch.float32, device="cpu")
         # A masked node returns nothing: the rows a dispatch before the mask sent there are left out.
-        landed: dict[int, torch.Tensor | None] = dict.fromkeys(self._masked_slots())
-        landed[self.slot] = partial_FY[S:]
-        turn = 0
-        lap(call.timers, "between")
-
-        def add_ready() -> None:
-            nonlocal turn
-            while turn < G and turn in landed:
-                tokens = (
-                    route.own_token_O
-                    if turn == self.slot
-                    else route.send_token_S[send_at[turn] : send_at[turn + 1]]
-                )
-                if (part := landed.pop(turn)) is not None:
-                    out_NY.index_add_(0, tokens, part)
-                if turn != self.slot and part is not None:
-                    self.fabric.release("hier_combine", self.rail[turn], call)
-                turn += 1
-
-        add_ready()
-        lap(call.timers, "receive")  # the own node's partials
+        landed: dict[int, torch.Tensor] = {self.slot: own_OY}
         for msg in self._landed("hier_combine", call, mine):
             slot = self.rail.index(msg.peer)
-            want = int(route.send_counts_G[slot])
+            want = send_at[slot + 1] - send_at[slot]
             n = self._count(call, msg, self.most_rows, 4 * Y)
             if n != want:
                 raise self._bad(
                     call, msg.peer, f"combine: rank {msg.peer} returned {n} partials, expected {want}"
                 )
             landed[slot] = msg.payload.view(torch.float32).view(n, Y)
-            add_ready()
             lap(call.timers, "receive")
-        return out_NY
+        order = [g for g in range(G) if g in landed]
+        tokens = [
+            route.own_token_O if g == self.slot else route.send_token_S[send_at[g] : send_at[g + 1]]
+            for g in order
+        ]
+        for out, first in outs:
+            blocks = [landed[g][:, first : first + out.shape[1]] for g in order]
+            self.engine.reduce_blocks(blocks, tokens, out)
+        for g in order:
+            if g != self.slot:
+                self.fabric.release("hier_combine", self.rail[g], call)
+        lap(call.timers, "receive")
 
     # -- failures ---------------------------------------------------------------------------------
 

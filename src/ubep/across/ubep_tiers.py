@@ -308,15 +308,9 @@ class TierFabric(HierFabric):
             self.fabric.begin(call)
             lap(call.timers, "between")
             self._put_to_forwarders(call, x_MH, topk_weights_MK, r.host)
-            partial_FY = self._reduce_in_node(call, x_MH.dtype, x_MH.shape[1], K, r.host)
-            relay_at = prefix_offsets(r.host.relay_counts_G)
-            partials = torch.arange(int(r.host.relay_counts_G.sum()), dtype=torch.int64, device="cpu")
-            lap(call.timers, "between")
-            for g, peer in self._rail_peers():
-                a, z = int(relay_at[g]), int(relay_at[g + 1])
-                self._send_rows(call, "hier_combine", peer, mine, None, partial_FY, partials[a:z])
-            lap(call.timers, "send")
-            held_DY = self._sum_partials(call, mine, partial_FY, r.host, int(r.held_Q.sum()))
+            own_OY = self._reduce_to_rail(call, mine, x_MH.dtype, x_MH.shape[1], K, r.host)
+            held_DY = torch.empty(int(r.held_Q.sum()), own_OY.shape[1], dtype=torch.float32, device="cpu")
+            self._sum_partials(call, mine, own_OY, r.host, [(held_DY, 0)])
             out_NY = self._sum_racks(call, mine, held_DY, r, handle.num_tokens)
         except UbepError as error:
             self._give_up(call, error)

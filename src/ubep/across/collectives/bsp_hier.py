@@ -551,6 +551,18 @@ class HierExchange(Exchange):
 
     def _reduce_in_node(self, call: CallId, dtype, H: int, K: int, route: HierRoute) -> torch.Tensor:
         """float32 [F, H + K]: each forwarded row summed over the node ranks it went to."""
+        back_QH, back_QK, _, row_Q = self._rows_back(call, dtype, H, K, route)
+        partial_FY = torch.zeros(route.fwd_in_node_FV.shape[0], H + K, dtype=torch.float32, device="cpu")
+        self.engine.accumulate_rows(partial_FY[:, :H], back_QH, row_Q)
+        if K:
+            self.engine.accumulate_rows(partial_FY[:, H:], back_QK, row_Q)
+        lap(call.timers, "forward")
+        return partial_FY
+
+    def _rows_back(self, call: CallId, dtype, H: int, K: int, route: HierRoute):
+        """(rows [Q, H], weights [Q, K] or None, node rank [Q] and forwarded row [Q] of each): what the
+        node ranks put into this rank's combine buffer, node-rank-major and ascending in each, once all
+        landed and checked."""
         b, t = self.blocks, self.t
         t.wait_landed(b.slot, call, range(self.P), self._phase("combine (in node)"))
         lap(call.timers, "wait")
@@ -564,16 +576,10 @@ class HierExchange(Exchange):
                     f"combine: rank {self.node_ranks[d]} returned {got['count']} rows of "
                     f"{CODE_DTYPES.get(got['dtype'])}, expected {expected_V[d]} of {dtype}",
                 )
-        _, row_Q = destination_major(route.fwd_in_node_FV)
-        F, Q = route.fwd_in_node_FV.shape[0], row_Q.numel()
-        partial_FH = torch.zeros(F, H, dtype=torch.float32, device="cpu")
-        self.engine.accumulate_rows(partial_FH, rows(t.view(b.back_x, self.local, call), Q, dtype, H), row_Q)
-        if K:
-            partial_FK = torch.zeros(F, K, dtype=torch.float32, device="cpu")
-            self.engine.accumulate_rows(partial_FK, t.view(b.back_w, self.local, call)[:Q, :K], row_Q)
-            partial_FH = torch.cat([partial_FH, partial_FK], dim=1)
-        lap(call.timers, "forward")
-        return partial_FH
+        v_Q, row_Q = destination_major(route.fwd_in_node_FV)
+        Q = row_Q.numel()
+        back_QK = t.view(b.back_w, self.local, call)[:Q, :K] if K else None
+        return rows(t.view(b.back_x, self.local, call), Q, dtype, H), back_QK, v_Q, row_Q
 
     def abort(self, call: CallId) -> None:
         """Node peers learn at once; rail peers too, from the call header, unless this rank
