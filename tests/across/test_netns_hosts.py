@@ -110,7 +110,7 @@ elif me in (1, 2):
 
 def test_racks_put_a_slower_uplink_between_racks_and_say_both_links():
     """4 hosts in 2 racks, 1gbit links, 100mbit uplinks (burst 25000 bytes: 2 ms at the rate): 2 MB
-    from the other rack take at least their time at the uplink's rate past two bursts (158 ms), and
+    from the other rack take at least their time at the uplink's rate past two bursts (156 ms), and
     the script says both links; -s says both sizings; nothing is left behind."""
     sizing = subprocess.run(["bash", str(SCRIPT), "-r", "1gbit", "-u", "100mbit", "-s"], capture_output=True,
                             text=True, timeout=30)  # fmt: skip
@@ -129,7 +129,9 @@ def test_racks_put_a_slower_uplink_between_racks_and_say_both_links():
     assert proc.returncode == 0, err
     took = dict(re.findall(r"host 0 got 2000000 bytes from host (\d) in ([0-9.]+) ms", out))
     assert sorted(took) == ["1", "2"], out
-    assert float(took["2"]) >= (2_000_000 - 2 * 25_000) / 12_500_000 * 1e3, out  # 156 ms
+    # 156 ms at the uplink's rate past two bursts, less 10 %: the clock starts when host 0's thread
+    # sees the first byte, which on a loaded host can be later than it came (155.3 ms seen once)
+    assert float(took["2"]) >= 0.9 * (2_000_000 - 2 * 25_000) / 12_500_000 * 1e3, out
     said = [line for line in err.splitlines() if line.startswith("netns_hosts: rack uplinks ")]
     assert said == [
         "netns_hosts: rack uplinks rate 100mbit, burst 25000 bytes (tc tbf, each way), 2 racks of 2 hosts"
@@ -140,7 +142,9 @@ def test_racks_put_a_slower_uplink_between_racks_and_say_both_links():
 
 
 def test_ctrl_c_and_a_failing_host_leave_nothing_behind():
-    proc = subprocess.Popen(["bash", str(SCRIPT), "-n", "2", "--", "sleep", "60"], stderr=subprocess.PIPE)
+    # the hosts' commands outlast any wait here: a slow set-up on a loaded host must not let them
+    # end (and the script exit 0) before the Ctrl-C comes
+    proc = subprocess.Popen(["bash", str(SCRIPT), "-n", "2", "--", "sleep", "600"], stderr=subprocess.PIPE)
     deadline = time.monotonic() + 60
     while len(leftovers(proc.pid)) < 3 and time.monotonic() < deadline:  # 2 namespaces and the bridge
         time.sleep(0.1)

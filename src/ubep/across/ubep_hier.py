@@ -301,7 +301,8 @@ class HierFabric(HierExchange):
         start_V1 = F * torch.arange(self.P, dtype=torch.int64, device="cpu")[:, None]
 
         def reduce_into(out_nY: torch.Tensor, a: int, z: int) -> None:
-            ends = torch.searchsorted(key_Q, start_V1 + torch.tensor([a, z])).tolist()
+            bounds_V2 = start_V1 + torch.tensor([a, z], dtype=torch.int64, device="cpu")
+            ends = torch.searchsorted(key_Q, bounds_V2).tolist()
             out_nY.zero_()
             for lo, hi in ends:
                 self.engine.accumulate_rows(out_nY[:, :H], back_QH[lo:hi], row_Q[lo:hi] - a)
