@@ -142,9 +142,13 @@ def test_racks_put_a_slower_uplink_between_racks_and_say_both_links():
 
 
 def test_ctrl_c_and_a_failing_host_leave_nothing_behind():
-    # the hosts' commands outlast any wait here: a slow set-up on a loaded host must not let them
-    # end (and the script exit 0) before the Ctrl-C comes
-    proc = subprocess.Popen(["bash", str(SCRIPT), "-n", "2", "--", "sleep", "600"], stderr=subprocess.PIPE)
+    # as from a terminal: SIGINT at its default (a shell started in the background ignores it, and a
+    # signal ignored when bash starts cannot be trapped: the script would never see the Ctrl-C)
+    proc = subprocess.Popen(
+        ["bash", str(SCRIPT), "-n", "2", "--", "sleep", "60"],
+        stderr=subprocess.PIPE,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     deadline = time.monotonic() + 60
     while len(leftovers(proc.pid)) < 3 and time.monotonic() < deadline:  # 2 namespaces and the bridge
         time.sleep(0.1)
