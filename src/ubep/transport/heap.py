@@ -616,15 +616,19 @@ class Heap:
         """Write this rank's next membership record (`word`: a seq or an agreed value, and the `gone`
         flags) and ring every rank outside `gone`; returns the record's generation and half."""
         self.generation += 1
-        g, half = self.generation, self.generation % 2
-        record = self._members[self.rank][half]
+        self._write_record(self.generation, word, gone)
+        return self.generation, self.generation % 2
+
+    def _write_record(self, g: int, word: int, gone: Collection[int]) -> None:
+        """Write this rank's membership record of generation `g` (in half g % 2) and ring every rank
+        outside `gone`; written again with the same `g` where `gone` grows inside one agreement."""
+        record = self._members[self.rank][g % 2]
         record[1] = word
         record[2:] = [r in gone for r in range(self.num_ranks)]
         record[0] = g  # last: the record is complete once a peer sees the generation
         for r in range(self.num_ranks):
             if r not in gone:
                 self.ring(r)
-        return g, half
 
     def _agree(self, gone: set[int], seq: int, phase: str, joiners: Collection[int]) -> bool:
         """`mask`'s agreement on `gone` after call `seq` (every rank outside it publishes the same
@@ -669,17 +673,7 @@ class Heap:
             return None
         gone = set(suspects) | (set(range(self.num_ranks)) - set(self.live))
         g = self.generation + 1
-        record = self._members[self.rank][g % 2]
-
-        def publish() -> None:
-            record[1] = seq
-            record[2:] = [r in gone for r in range(self.num_ranks)]
-            record[0] = g  # last: the record is complete once a peer sees the generation
-            for r in range(self.num_ranks):
-                if r not in gone:
-                    self.ring(r)
-
-        publish()
+        self._write_record(g, seq, gone)
         waiter: Waiter | None = None  # one deadline while the union does not grow
         while True:
             known = len(gone)
@@ -690,7 +684,7 @@ class Heap:
                     "the group (they saw it die or go silent); it takes part in no further call"
                 )
             if len(gone) > known:
-                publish()
+                self._write_record(g, seq, gone)
                 waiter = None
                 continue
             if not pending:
@@ -707,7 +701,7 @@ class Heap:
                 waiter.pause(pending)
             except CommTimeoutError as late:  # died, or fell silent, while the others agreed
                 gone |= set(late.dead_peers or late.peers)
-                publish()  # the union grew here: the others wait for a record that holds it
+                self._write_record(g, seq, gone)  # the union grew: the others wait for a record holding it
                 waiter = None
         stay = [r for r in range(self.num_ranks) if r not in gone]
         seqs = {int(self._members[r][g % 2][1]) for r in stay}
